@@ -1,0 +1,18 @@
+"""fxrec: plain PyTorch recommendation models in, fbgemm table-batched embeddings out.
+
+    fast = fxrec.transform(model, example_inputs)
+    print(fast.report)
+"""
+
+from .api import transform, write_back
+from .capture import CaptureError
+from .pass_infra import PassError
+from .report import Report
+from .verify import VerificationError, compare_models
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "transform", "write_back", "Report", "CaptureError", "PassError",
+    "VerificationError", "compare_models", "__version__",
+]

@@ -1,0 +1,125 @@
+"""fxrec.transform: capture, run the pass pipeline, attach the report."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Dict, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from .capture import capture
+from .pass_infra import Config, PassContext, PassManager
+from .pipeline import default_pipeline
+from .report import LookupEntry, Report
+from . import meta
+from .verify import compare_models
+
+BACKENDS = ("auto", "fbgemm", "loop")
+
+
+def write_back(transformed: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Copy the (trained) weights of a transformed model into the original ``model``.
+
+    The transformed model's ``state_dict()`` has the original model's keys, so this is a strict
+    ``load_state_dict``; it raises naming the keys when the two models do not match.
+    """
+    missing, unexpected = model.load_state_dict(transformed.state_dict(), strict=False)
+    if missing or unexpected:
+        raise KeyError(
+            f"fxrec.write_back: state_dict keys differ: {missing} are missing from the transformed "
+            f"model, {unexpected} are not in the target model"
+        )
+
+
+def _as_args(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def transform(
+    model: torch.nn.Module,
+    example_inputs: Union[tuple, list, torch.Tensor],
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    backend: str = "auto",
+    verify: bool = False,
+    rtol: float = 1.3e-6,
+    atol: float = 1e-5,
+    check_passes: bool = False,
+    timing_rounds: int = 5,
+    logger: Optional[logging.Logger] = None,
+) -> fx.GraphModule:
+    """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
+
+    Args:
+      model: any ``nn.Module`` using ``nn.Embedding`` / ``nn.EmbeddingBag`` / ``F.embedding`` /
+        ``F.embedding_bag`` on its parameters. It is not modified: fxrec works on a copy.
+      example_inputs: the positional inputs of one call (a tuple; a single tensor is taken as
+        the only input). Lists and dicts of tensors are fine. Use a representative batch:
+        ``backend="auto"`` times both implementations on it.
+      example_kwargs: keyword inputs of that call, if any.
+      backend: ``"auto"`` (per group, the faster of fbgemm's TBE and the plain lookups, measured
+        on the example inputs), ``"fbgemm"`` (always the TBE where it applies) or ``"loop"``.
+      verify: run the example inputs through both models and raise
+        :class:`fxrec.VerificationError` naming the tables whose outputs or gradients differ.
+      check_passes: after every pass, compare the graph against the original model (slow;
+        meant for tests and for bisecting a wrong answer to one pass).
+
+    Returns:
+      a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
+      its ``state_dict()`` has the original keys (see :func:`write_back`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
+    args = _as_args(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    reference_model = copy.deepcopy(model)
+    gm = capture(copy.deepcopy(model), args, kwargs)
+
+    report = Report()
+    ctx = PassContext(
+        config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds),
+        report=report, example_args=args, example_kwargs=kwargs,
+        logger=logger or logging.getLogger("fxrec"),
+    )
+    if check_passes:
+        ctx.reference = lambda g: compare_models(reference_model, g, args, kwargs, rtol=rtol, atol=atol)
+    passes = default_pipeline(ctx.config)
+    # Records are read before lowering erases the nodes that carry them.
+    records = []
+
+    def snapshot(g, c):
+        records.extend(n.meta[meta.LOOKUP] for n in g.graph.nodes if meta.LOOKUP in n.meta)
+
+    gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot})
+    group_of = {id(r.node): g.name for g in ctx.groups for r in g.lookups}
+    for r in records:
+        report.lookups.append(
+            LookupEntry(
+                table=r.table, feature=r.feature, form=r.form, pooling=r.pooling, rows=r.num_rows,
+                dim=r.dim, source=r.source, group=group_of.get(id(r.node)), reason=r.reason,
+            )
+        )
+    _note_modes(model, report)
+    # GraphModule keeps these attributes through deepcopy.
+    gm.meta.setdefault("_user_preserved_attributes", {})["report"] = report
+    gm.report = report
+    if verify:
+        compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)
+    return gm
+
+
+def _note_modes(model: torch.nn.Module, report: Report) -> None:
+    kinds = {type(m).__name__ for m in model.modules()
+             if isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm))}
+    if kinds:
+        mode = "training" if model.training else "eval"
+        report.notes.append(
+            f"captured in {mode} mode: {', '.join(sorted(kinds))} behave as in {mode} mode in the "
+            "transformed model; transform an .eval() copy for inference"
+        )

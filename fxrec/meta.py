@@ -1,0 +1,82 @@
+"""Every ``node.meta`` key fxrec writes, with the record stored under it.
+
+Analyses write these records; rewrites read them. A record is the single description of a
+lookup or group that the passes, the report and the tests share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch.fx as fx
+
+#: On an embedding lookup node: a :class:`LookupRecord` (written by ``annotate_lookups``).
+LOOKUP = "fxrec_lookup"
+#: On an embedding lookup node: the name of its group (written by ``group_lookups``).
+GROUP = "fxrec_group"
+#: On a node that fxrec emitted: the names of the original nodes it replaces.
+ORIGIN = "fxrec_origin"
+
+
+@dataclass(frozen=True)
+class LookupRecord:
+    """One embedding lookup as the user wrote it, in canonical form.
+
+    ``output`` is the node whose value the lookup produces for its users: the ``getitem 0`` of an
+    ``embedding_bag``, the ``sum``/``mean`` after an ``embedding`` that pools by hand, or the
+    ``embedding`` itself. ``nodes`` are all the original nodes the lookup is made of.
+    ``reason`` is empty when the lookup can be lowered, else why it is left as it was.
+    """
+
+    node: fx.Node
+    table: str  # the weight's name in the model, without ".weight"
+    param: str  # the weight's full name in state_dict()
+    feature: str  # a readable name of the ids input
+    form: str  # bag | pooled_seq | single | seq  (see fxrec.runtime.tbe.FeatureSpec)
+    pooling: str  # sum | mean | none | max
+    num_rows: int
+    dim: int
+    dtype: str
+    device: str
+    weight: fx.Node
+    ids: fx.Node
+    offsets: Optional[fx.Node]
+    per_sample_weights: Optional[fx.Node]
+    output: fx.Node
+    nodes: Tuple[fx.Node, ...]
+    padding_idx: Optional[int] = None
+    include_last_offset: bool = False
+    sparse: bool = False
+    source: str = ""
+    reason: str = ""
+
+    @property
+    def lowerable(self) -> bool:
+        return not self.reason
+
+    @property
+    def weighted(self) -> bool:
+        return self.per_sample_weights is not None
+
+
+@dataclass
+class GroupRecord:
+    """A set of lookups that run as one runtime group module (one fbgemm TBE)."""
+
+    name: str
+    key: tuple
+    lookups: list = field(default_factory=list)  # LookupRecord, in output-column order
+    module: str = ""  # attribute name of the runtime module in the GraphModule, once lowered
+
+    @property
+    def pooling(self) -> str:
+        return self.key[0]
+
+    @property
+    def tables(self) -> list:
+        seen: list = []
+        for r in self.lookups:
+            if r.param not in seen:
+                seen.append(r.param)
+        return seen

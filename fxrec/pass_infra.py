@@ -1,0 +1,109 @@
+"""How passes are written and run: PassContext, PassResult, the @compiler_pass decorator and
+the PassManager that runs one ordered list (see fxrec/pipeline.py for the list itself)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch.fx as fx
+
+from .report import Report
+
+
+@dataclass
+class Config:
+    """Everything a pass may read about how the user asked for the transform."""
+
+    backend: str = "auto"  # auto | fbgemm | loop
+    timing_rounds: int = 5
+    # In tests: after every pass that changed the graph, compare it against the original model.
+    check_numerics: bool = False
+
+
+@dataclass
+class PassContext:
+    config: Config
+    report: Report
+    example_args: Tuple[Any, ...] = ()
+    example_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # Reference outputs of the original model on the example inputs (for check_numerics).
+    reference: Optional[Callable[[fx.GraphModule], None]] = None
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("fxrec"))
+    groups: list = field(default_factory=list)  # GroupRecord, filled by group_lookups
+
+
+@dataclass
+class PassResult:
+    gm: fx.GraphModule
+    modified: bool
+    stats: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompilerPass:
+    name: str
+    fn: Callable[[fx.GraphModule, PassContext], PassResult]
+    needs: Tuple[str, ...] = ()  # facts (meta keys or ctx fields) that must exist before
+    provides: Tuple[str, ...] = ()
+    doc: str = ""
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        return self.fn(gm, ctx)
+
+
+def compiler_pass(needs: Sequence[str] = (), provides: Sequence[str] = ()):
+    """Mark a function ``(gm, ctx) -> PassResult`` as a pass, named after the function."""
+
+    def wrap(fn):
+        return CompilerPass(fn.__name__, fn, tuple(needs), tuple(provides), (fn.__doc__ or "").strip())
+
+    return wrap
+
+
+class PassError(RuntimeError):
+    pass
+
+
+class PassManager:
+    def __init__(self, passes: Sequence[CompilerPass]):
+        self.passes = list(passes)
+        self._check_order()
+
+    def _check_order(self) -> None:
+        have: set = set()
+        for p in self.passes:
+            missing = [n for n in p.needs if n not in have]
+            if missing:
+                raise PassError(f"pass '{p.name}' needs {missing}, which no earlier pass provides")
+            have.update(p.provides)
+
+    def run(
+        self, gm: fx.GraphModule, ctx: PassContext,
+        after: Optional[Dict[str, Callable[[fx.GraphModule, PassContext], None]]] = None,
+    ) -> fx.GraphModule:
+        """Run every pass in order; ``after[name]`` is called once that pass has run."""
+        done: List[str] = []
+        for p in self.passes:
+            try:
+                res = p(gm, ctx)
+                gm = res.gm
+                if res.modified:
+                    gm.graph.lint()
+                    gm.recompile()
+                    if ctx.config.check_numerics and ctx.reference is not None:
+                        ctx.reference(gm)
+            except Exception as e:
+                before = ", ".join(done) or "none"
+                raise PassError(
+                    f"fxrec pass '{p.name}' failed (passes run before it: {before}): "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            stats = ", ".join(f"{k}={v}" for k, v in res.stats.items())
+            ctx.logger.info("%s: %s", p.name, stats or "no change")
+            ctx.report.passes.append(f"{p.name} ({stats})" if stats else p.name)
+            done.append(p.name)
+            if after and p.name in after:
+                after[p.name](gm, ctx)
+        return gm

@@ -1,0 +1,232 @@
+"""annotate_lookups: find every embedding lookup and describe it in a LookupRecord.
+
+Capture (torch.export) turns every way of writing a lookup into one of three ATen ops on a
+weight parameter, so this pass looks only at those::
+
+    nn.EmbeddingBag / F.embedding_bag      aten.embedding_bag.padding_idx (or .default, _embedding_bag)
+        (2-D ids arrive as reshape(ids, [-1]) with arange offsets)
+    nn.Embedding / F.embedding              aten.embedding.default
+    nn.Embedding then .sum(1) / .mean(1)    aten.embedding + aten.sum.dim_IntList / aten.mean.dim
+
+Before (gm.code)::
+
+    embedding_bag = torch.ops.aten.embedding_bag.padding_idx(bags_0_weight, ids, offs, False, 0, ...)
+    getitem = embedding_bag[0]
+
+After: the graph is unchanged; ``embedding_bag.meta["fxrec_lookup"]`` holds a LookupRecord with
+table "bags.0", form "bag", pooling "sum", and ``reason == ""`` (lowerable).
+
+Not handled (recorded with the reason, and left exactly as it was): ``mode="max"``,
+``max_norm`` (the table is renormalised in place), ``scale_grad_by_freq``, weights that are not
+parameters (buffers, or computed in forward), dtypes other than fp32, dims that fbgemm's
+training TBE does not take (not a multiple of 4), a negative ``padding_idx`` on a bag.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, Optional
+
+import torch
+import torch.fx as fx
+
+from .. import meta
+from ..pass_infra import PassContext, PassResult, compiler_pass
+from ..runtime._fbgemm import TBE_DIM_ALIGNMENT
+
+aten = torch.ops.aten
+
+_BAG_OPS = {
+    aten.embedding_bag.padding_idx,
+    aten.embedding_bag.default,
+    aten._embedding_bag.default,
+}
+_EMB_OPS = {aten.embedding.default}
+_POOL_OPS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean"}
+_MODE_NAMES = {0: "sum", 1: "mean", 2: "max"}
+# Ops that only re-view or re-type the ids; followed back to name a feature after its input.
+_PASS_THROUGH = {
+    aten.to.dtype, aten._to_copy.default, aten.reshape.default, aten.view.default,
+    aten.flatten.using_ints, aten.contiguous.default, aten.clone.default, aten.squeeze.dim,
+    aten.unsqueeze.default, aten.alias.default, aten.to.dtype_layout,
+}
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXREC_DIR = os.path.dirname(os.path.dirname(__file__))
+
+
+def user_source(node: fx.Node) -> str:
+    """'file.py:LINE' of the innermost frame of the user's code that made ``node``."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(frames):
+        if not path.startswith(_TORCH_DIR) and not path.startswith(_FXREC_DIR):
+            return f"{os.path.basename(path)}:{line}"
+    if frames:
+        return f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}"
+    return ""
+
+
+def describe_ids(node: fx.Node, depth: int = 0) -> str:
+    """A readable name for an ids input: ``ids_list_0``, ``feats[:, 3]``, ``x[:, 0:3]``."""
+    if depth > 12 or not isinstance(node, fx.Node):
+        return str(node)
+    if node.op == "placeholder":
+        return node.name
+    if node.op == "call_function":
+        if node.target in _PASS_THROUGH:
+            return describe_ids(node.args[0], depth + 1)
+        if node.target == aten.select.int:
+            _, dim, idx = node.args[:3]
+            return f"{describe_ids(node.args[0], depth + 1)}[{':, ' * dim}{idx}]"
+        if node.target == aten.slice.Tensor:
+            args = list(node.args) + [0, None, None][len(node.args) - 1 :]
+            src, dim, start, end = args[:4]
+            if (start in (0, None)) and (end is None or (isinstance(end, int) and end >= 2**62)):
+                return describe_ids(src, depth + 1)
+            s = "" if start in (0, None) else start
+            e = "" if end is None or (isinstance(end, int) and end >= 2**62) else end
+            return f"{describe_ids(src, depth + 1)}[{':, ' * dim}{s}:{e}]"
+    return node.name
+
+
+def _param_fqn(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
+    if node.op != "get_attr":
+        return None
+    try:
+        p = gm.get_parameter(node.target)
+    except AttributeError:
+        return None
+    return node.target if isinstance(p, torch.nn.Parameter) else None
+
+
+def _mutated_in_graph(weight: fx.Node) -> Optional[str]:
+    for u in weight.users:
+        if u.op == "call_function":
+            name = getattr(u.target, "__name__", str(u.target))
+            if "embedding_renorm" in name:
+                return "max_norm renormalises the table in place during forward"
+            schema = getattr(u.target, "_schema", None)
+            if schema is not None and schema.arguments and schema.arguments[0].alias_info is not None:
+                if schema.arguments[0].alias_info.is_write and u.args and u.args[0] is weight:
+                    return f"the table is modified in place by {name} in forward"
+    return None
+
+
+def _arg(node: fx.Node, i: int, name: str, default):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+@compiler_pass(provides=(meta.LOOKUP,))
+def annotate_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    found = 0
+    left = 0
+    names: Dict[str, int] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _BAG_OPS | _EMB_OPS:
+            continue
+        rec = _record(gm, node)
+        if rec is None:
+            continue
+        base = rec.feature
+        names[base] = names.get(base, 0) + 1
+        if names[base] > 1:
+            rec = _replace(rec, feature=f"{base}#{names[base]}")
+        node.meta[meta.LOOKUP] = rec
+        found += 1
+        if not rec.lowerable:
+            left += 1
+            ctx.logger.debug("%s (%s) not lowered: %s", rec.table, rec.feature, rec.reason)
+    return PassResult(gm, False, {"lookups": found, "not_lowerable": left})
+
+
+def _replace(rec: meta.LookupRecord, **kw) -> meta.LookupRecord:
+    import dataclasses
+
+    return dataclasses.replace(rec, **kw)
+
+
+def _record(gm: fx.GraphModule, node: fx.Node) -> Optional[meta.LookupRecord]:
+    weight = node.args[0]
+    ids = node.args[1]
+    if not isinstance(weight, fx.Node) or not isinstance(ids, fx.Node):
+        return None
+    wval = weight.meta.get("val")
+    if wval is None or wval.dim() != 2:
+        return None
+    fqn = _param_fqn(gm, weight)
+    param = fqn if fqn is not None else weight.name
+    table = param[: -len(".weight")] if param.endswith(".weight") else param
+    num_rows, dim = int(wval.shape[0]), int(wval.shape[1])
+    reasons = []
+    if fqn is None:
+        reasons.append("the weight is not a parameter of the model (a buffer, or computed in forward)")
+    if wval.dtype != torch.float32:
+        reasons.append(f"dtype {wval.dtype}: fxrec lowers fp32 tables for training")
+    if dim % TBE_DIM_ALIGNMENT:
+        reasons.append(f"dim {dim} is not a multiple of {TBE_DIM_ALIGNMENT} (fbgemm TBE requirement)")
+    mutated = _mutated_in_graph(weight)
+    if mutated:
+        reasons.append(mutated)
+
+    common = dict(
+        table=table, param=param, feature=describe_ids(ids), num_rows=num_rows, dim=dim,
+        dtype=str(wval.dtype).replace("torch.", ""), device=str(wval.device), weight=weight,
+        ids=ids, source=user_source(node),
+    )
+    if node.target in _BAG_OPS:
+        offsets = _arg(node, 2, "offsets", None)
+        sgf = _arg(node, 3, "scale_grad_by_freq", False)
+        mode = _arg(node, 4, "mode", 0)
+        sparse = _arg(node, 5, "sparse", False)
+        psw = _arg(node, 6, "per_sample_weights", None)
+        ilo = _arg(node, 7, "include_last_offset", False)
+        pad = _arg(node, 8, "padding_idx", None)
+        pooling = _MODE_NAMES.get(mode, str(mode))
+        if pooling == "max":
+            reasons.append("mode='max' (fbgemm TBE pools by sum or mean)")
+        if sgf:
+            reasons.append("scale_grad_by_freq=True")
+        if pad is not None and pad < 0:
+            reasons.append(f"negative padding_idx {pad}")
+        getitems = {u.args[1]: u for u in node.users if u.op == "call_function" and u.target.__name__ == "getitem"}
+        if any(len(u.users) for i, u in getitems.items() if i != 0) or len(getitems) != len(node.users):
+            reasons.append("uses embedding_bag's offset2bag/bag_size/max_indices outputs")
+        output = getitems.get(0)
+        if output is None:
+            return None
+        if ids.meta.get("val") is not None and ids.meta["val"].dim() != 1:
+            reasons.append("ids are not 1-D")
+        return meta.LookupRecord(
+            node=node, form="bag", pooling=pooling, offsets=offsets, per_sample_weights=psw,
+            output=output, nodes=tuple(getitems.values()) + (node,), padding_idx=pad,
+            include_last_offset=bool(ilo), sparse=bool(sparse), reason="; ".join(reasons), **common,
+        )
+
+    # aten.embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False)
+    pad = _arg(node, 2, "padding_idx", -1)
+    sgf = _arg(node, 3, "scale_grad_by_freq", False)
+    sparse = _arg(node, 4, "sparse", False)
+    if sgf:
+        reasons.append("scale_grad_by_freq=True")
+    pad = None if pad is None or pad < 0 else int(pad)
+    ival = ids.meta.get("val")
+    ndim = ival.dim() if ival is not None else -1
+    form, pooling, output, nodes = "seq", "none", node, (node,)
+    if ndim == 1:
+        form, pooling = "single", "sum"
+    elif ndim == 2 and len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.op == "call_function" and user.target in _POOL_OPS:
+            dims = _arg(user, 1, "dim", None)
+            keepdim = _arg(user, 2, "keepdim", False)
+            dtype = user.kwargs.get("dtype")
+            if dims is not None and list(dims) in ([1], [-2]) and not keepdim and dtype is None:
+                form, pooling, output, nodes = "pooled_seq", _POOL_OPS[user.target], user, (user, node)
+    return meta.LookupRecord(
+        node=node, form=form, pooling=pooling, offsets=None, per_sample_weights=None, output=output,
+        nodes=nodes, padding_idx=pad, sparse=bool(sparse), reason="; ".join(reasons), **common,
+    )

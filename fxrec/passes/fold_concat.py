@@ -1,0 +1,104 @@
+"""fold_concat: give a concatenation the group's output directly instead of its slices.
+
+Before (gm.code)::
+
+    slice_1 = torch.ops.aten.slice.Tensor(fxrec_group_0, 1, 0, 8)
+    slice_2 = torch.ops.aten.slice.Tensor(fxrec_group_0, 1, 8, 16)
+    cat = torch.ops.aten.cat.default([dense, slice_1, slice_2], 1)
+
+After::
+
+    cat = torch.ops.aten.cat.default([dense, fxrec_group_0], 1)
+
+A run of consecutive arguments that are adjacent column slices of one group output becomes
+that output when the run covers all its columns (a cat of nothing else disappears entirely),
+or one wider slice when it covers part of them. Slices left without users are removed.
+
+Not handled: concatenations along another dim, slices out of column order.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..pass_infra import PassContext, PassResult, compiler_pass
+
+aten = torch.ops.aten
+
+
+def _group_slice(n) -> Optional[Tuple[fx.Node, int, int]]:
+    if (
+        isinstance(n, fx.Node)
+        and n.op == "call_function"
+        and n.target is aten.slice.Tensor
+        and len(n.args) == 4
+        and n.args[1] == 1
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "call_module"
+        and str(n.args[0].target).startswith("fxrec_group_")
+    ):
+        return n.args[0], int(n.args[2]), int(n.args[3])
+    return None
+
+
+def _width(gm: fx.GraphModule, group: fx.Node) -> int:
+    return sum(gm.get_submodule(group.target).dims)
+
+
+@compiler_pass(needs=("fxrec_origin",))
+def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    graph = gm.graph
+    folded = 0
+    for cat in list(graph.nodes):
+        if cat.op != "call_function" or cat.target is not aten.cat.default:
+            continue
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        val = cat.meta.get("val")
+        ndim = val.dim() if val is not None else 2
+        if dim not in (1, 1 - ndim) or ndim != 2:
+            continue
+        tensors = list(cat.args[0])
+        out: List = []
+        i = 0
+        changed = False
+        while i < len(tensors):
+            s = _group_slice(tensors[i])
+            if s is None:
+                out.append(tensors[i])
+                i += 1
+                continue
+            group, start, end = s
+            j = i + 1
+            while j < len(tensors):
+                t = _group_slice(tensors[j])
+                if t is None or t[0] is not group or t[1] != end:
+                    break
+                end = t[2]
+                j += 1
+            if j - i == 1 and not (start == 0 and end == _width(gm, group)):
+                out.append(tensors[i])
+            elif start == 0 and end == _width(gm, group):
+                out.append(group)
+                changed = True
+            else:
+                with graph.inserting_before(cat):
+                    out.append(graph.call_function(aten.slice.Tensor, (group, 1, start, end)))
+                changed = True
+            i = j
+        if not changed:
+            continue
+        folded += 1
+        if len(out) == 1:
+            cat.replace_all_uses_with(out[0])
+            graph.erase_node(cat)
+        else:
+            cat.args = (out,) + tuple(cat.args[1:])
+    removed = 0
+    for n in reversed(list(graph.nodes)):
+        if _group_slice(n) is not None and not n.users:
+            graph.erase_node(n)
+            removed += 1
+    return PassResult(gm, folded > 0 or removed > 0, {"cats_folded": folded, "slices_removed": removed})

@@ -1,0 +1,106 @@
+"""lower_groups: replace each group of lookups by one call of a runtime group module.
+
+Before (gm.code)::
+
+    embedding_bag = torch.ops.aten.embedding_bag.padding_idx(bags_0_weight, ids_0, offs_0, ...)
+    getitem = embedding_bag[0]
+    embedding_bag_1 = torch.ops.aten.embedding_bag.padding_idx(bags_1_weight, ids_1, offs_1, ...)
+    getitem_4 = embedding_bag_1[0]
+    cat = torch.ops.aten.cat.default([getitem, getitem_4, linear], 1)
+
+After::
+
+    fxrec_group_0 = self.fxrec_group_0([ids_0, ids_1], [offs_0, offs_1], [None, None],
+                                       [bags_0_weight, bags_1_weight])
+    slice_1 = torch.ops.aten.slice.Tensor(fxrec_group_0, 1, 0, 8)
+    slice_2 = torch.ops.aten.slice.Tensor(fxrec_group_0, 1, 8, 16)
+    cat = torch.ops.aten.cat.default([slice_1, slice_2, linear], 1)
+
+(fold_concat then turns the two slices in the cat back into ``fxrec_group_0``.) The weights
+stay the user's parameters, passed in from their original ``get_attr`` nodes, so
+``state_dict()`` keeps its keys and gradients land on the original parameters. Sequence groups
+return one tensor per feature, taken with ``getitem``.
+
+The group node is placed right before the first user of any member's output; group_lookups
+guaranteed every input is defined before that point.
+
+Not handled: lookups without a group (left as they were).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import List
+
+import torch
+import torch.fx as fx
+
+from .. import meta
+from ..pass_infra import PassContext, PassResult, compiler_pass
+from ..runtime.tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
+
+aten = torch.ops.aten
+
+
+def build_group_module(gr: meta.GroupRecord):
+    tables: List[TableSpec] = []
+    index = {}
+    features: List[FeatureSpec] = []
+    for rec in gr.lookups:
+        if rec.param not in index:
+            index[rec.param] = len(tables)
+            tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse))
+        features.append(
+            FeatureSpec(
+                name=rec.feature, table=index[rec.param], form=rec.form, padding_idx=rec.padding_idx,
+                include_last_offset=rec.include_last_offset, weighted=rec.weighted,
+            )
+        )
+    cls = SequenceEmbeddingGroup if gr.pooling == "none" else PooledEmbeddingGroup
+    return cls(tables, features, gr.pooling), index
+
+
+@compiler_pass(needs=("groups",), provides=(meta.ORIGIN,))
+def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    graph = gm.graph
+    lowered = 0
+    for gr in ctx.groups:
+        module, index = build_group_module(gr)
+        name = f"fxrec_{gr.name}"
+        gm.add_submodule(name, module)
+        gr.module = name
+        weight_nodes: List[fx.Node] = [None] * len(index)  # type: ignore[list-item]
+        for rec in gr.lookups:
+            weight_nodes[index[rec.param]] = rec.weight
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+        users = [u for rec in gr.lookups for u in rec.output.users]
+        anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
+        with graph.inserting_before(anchor):
+            call = graph.call_module(
+                name,
+                (
+                    [rec.ids for rec in gr.lookups],
+                    [rec.offsets for rec in gr.lookups],
+                    [rec.per_sample_weights for rec in gr.lookups],
+                    weight_nodes,
+                ),
+            )
+            call.meta[meta.ORIGIN] = [rec.node.name for rec in gr.lookups]
+            if "stack_trace" in gr.lookups[0].node.meta:
+                call.meta["stack_trace"] = gr.lookups[0].node.meta["stack_trace"]
+            col = 0
+            for i, rec in enumerate(gr.lookups):
+                if gr.pooling == "none":
+                    out = graph.call_function(operator.getitem, (call, i))
+                else:
+                    out = graph.call_function(aten.slice.Tensor, (call, 1, col, col + rec.dim))
+                    col += rec.dim
+                out.meta[meta.ORIGIN] = [rec.output.name]
+                if "val" in rec.output.meta:
+                    out.meta["val"] = rec.output.meta["val"]
+                rec.output.replace_all_uses_with(out)
+        for rec in gr.lookups:
+            for n in rec.nodes:  # users first: getitems / sum before the lookup itself
+                graph.erase_node(n)
+            lowered += 1
+    return PassResult(gm, lowered > 0, {"groups": len(ctx.groups), "lookups_lowered": lowered})

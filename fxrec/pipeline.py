@@ -1,0 +1,24 @@
+"""The pass order, decided here and only here.
+
+1. annotate_lookups  — find every lookup first: every later pass reads its LookupRecords.
+2. group_lookups     — needs all records at once (keys, shared tables, data dependences).
+3. lower_groups      — rewrites only what was grouped; after it the lookups are gone.
+4. fold_concat       — needs the group's slice nodes that lower_groups emitted.
+5. choose_kernels    — runs the model, so it comes last, on the final graph: what it times is
+                       exactly what the user will run.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from .pass_infra import CompilerPass, Config
+from .passes.annotate_lookups import annotate_lookups
+from .passes.choose_kernels import choose_kernels
+from .passes.fold_concat import fold_concat
+from .passes.group_lookups import group_lookups
+from .passes.lower_groups import lower_groups
+
+
+def default_pipeline(config: Config) -> List[CompilerPass]:
+    return [annotate_lookups, group_lookups, lower_groups, fold_concat, choose_kernels]

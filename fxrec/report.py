@@ -1,0 +1,99 @@
+"""The transform report: what was found, grouped, lowered, left alone, and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class LookupEntry:
+    table: str
+    feature: str
+    form: str
+    pooling: str
+    rows: int
+    dim: int
+    source: str
+    group: Optional[str] = None
+    reason: str = ""
+
+
+@dataclass
+class GroupEntry:
+    name: str
+    pooling: str
+    tables: List[str]
+    features: List[str]
+    path_train: str = ""
+    path_eval: str = ""
+    why: str = ""
+    timings_ms: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """Attached to every transformed model as ``fast.report``; ``print`` it to read it."""
+
+    lookups: List[LookupEntry] = field(default_factory=list)
+    groups: List[GroupEntry] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    passes: List[str] = field(default_factory=list)
+
+    @property
+    def lowered(self) -> List[LookupEntry]:
+        return [e for e in self.lookups if e.group is not None]
+
+    @property
+    def left_alone(self) -> List[LookupEntry]:
+        return [e for e in self.lookups if e.group is None]
+
+    def group(self, name: str) -> GroupEntry:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def __str__(self) -> str:
+        lines = [
+            f"fxrec report: {len(self.lookups)} embedding lookups found, "
+            f"{len(self.lowered)} lowered into {len(self.groups)} group(s), "
+            f"{len(self.left_alone)} left as they were"
+        ]
+        if self.lookups:
+            rows = [("table", "feature", "form", "pooling", "rows x dim", "status", "where")]
+            for e in self.lookups:
+                status = e.group if e.group is not None else f"left alone: {e.reason}"
+                rows.append((e.table, e.feature, e.form, e.pooling, f"{e.rows} x {e.dim}", status, e.source))
+            lines.append("")
+            lines.append("Lookups")
+            lines.extend(_table(rows))
+        if self.groups:
+            rows = [("group", "pooling", "tables", "features", "train path", "inference path", "why")]
+            for g in self.groups:
+                rows.append(
+                    (g.name, g.pooling, str(len(g.tables)), str(len(g.features)), g.path_train, g.path_eval, g.why)
+                )
+            lines.append("")
+            lines.append("Groups (one fbgemm TBE each)")
+            lines.extend(_table(rows))
+            for g in self.groups:
+                lines.append(f"  {g.name}: {', '.join(g.tables)}")
+        if self.notes:
+            lines.append("")
+            lines.append("Notes")
+            lines.extend(f"  - {n}" for n in self.notes)
+        if self.passes:
+            lines.append("")
+            lines.append("Passes: " + "; ".join(self.passes))
+        return "\n".join(lines)
+
+
+def _table(rows) -> List[str]:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        if k == 0:
+            out.append("  " + "  ".join("-" * w for w in widths))
+    return out

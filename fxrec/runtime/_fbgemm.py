@@ -1,0 +1,90 @@
+"""The one place that imports fbgemm_gpu.
+
+Everything else in fxrec asks this module for fbgemm's table-batched embedding (TBE) and
+its enums, so that a missing or mismatched install fails once, with a message that says
+what to install, instead of somewhere deep inside a pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+_IMPORT_ERROR: Optional[BaseException] = None
+
+try:  # fbgemm prints version-table warnings at import on some torch releases; they are harmless
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+except Exception as e:  # pragma: no cover - exercised only on broken installs
+    _IMPORT_ERROR = e
+
+
+def require_fbgemm() -> None:
+    """Raise a clear error when fbgemm_gpu cannot be used with the installed torch."""
+    if _IMPORT_ERROR is not None:
+        raise ImportError(
+            "fxrec needs fbgemm_gpu built for the installed torch "
+            f"(torch {torch.__version__}): install 'fbgemm-gpu-cpu==1.8.0' for torch 2.13 "
+            "on CPU-only machines, 'fbgemm-gpu==1.6.0' for torch 2.11 with CUDA. "
+            f"Import failed with: {_IMPORT_ERROR!r}"
+        ) from _IMPORT_ERROR
+
+
+def fbgemm_available() -> bool:
+    return _IMPORT_ERROR is None
+
+
+# fbgemm's training TBE rejects embedding dims that are not a multiple of this.
+TBE_DIM_ALIGNMENT = 4
+
+POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
+
+
+def make_training_tbe(
+    rows_dims: Sequence[Tuple[int, int]],
+    feature_table_map: List[int],
+    pooling: str,
+    device: torch.device,
+) -> "SplitTableBatchedEmbeddingBagsCodegen":
+    """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device`.
+
+    The module is used for its forward kernel only: fxrec computes PyTorch's gradients
+    itself, so the optimizer given to fbgemm (exact SGD) never runs, and the learning rate is
+    zero so that even an accidental backward through it would change nothing.
+    """
+    require_fbgemm()
+    on_cpu = device.type == "cpu"
+    location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
+    compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
+    mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(int(r), int(d), location, compute) for r, d in rows_dims],
+            feature_table_map=list(feature_table_map),
+            optimizer=EmbOptimType.EXACT_SGD,
+            learning_rate=0.0,
+            pooling_mode=mode,
+            device=device if not on_cpu else None,
+            # fxrec validates ids itself, with messages that name the table and feature.
+            bounds_check_mode=BoundsCheckMode.NONE,
+        )
+    return tbe
+
+
+def tbe_flat_weights(tbe: "SplitTableBatchedEmbeddingBagsCodegen") -> torch.Tensor:
+    """The single flat fp32 storage that holds every table of `tbe`."""
+    return tbe.weights_host if tbe.weights_host.numel() > 0 else tbe.weights_dev

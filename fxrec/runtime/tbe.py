@@ -1,0 +1,461 @@
+"""Runtime modules that the rewritten graph calls for a group of embedding lookups.
+
+A group module takes the lookups' own inputs (one id tensor per feature, with its offsets and
+per-sample weights where it had them) and the group's weight parameters, and returns what the
+original lookups returned: for pooled groups one ``[B, sum of dims]`` tensor whose columns are
+the features side by side, for sequence groups one tensor per feature.
+
+Two implementations sit behind one module, chosen per group (and separately for training and
+for inference) by the ``choose_kernels`` pass:
+
+* ``"fbgemm"``: all features go through one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen``
+  forward. The user's weight parameters are views into the TBE's single flat weight buffer, so
+  the kernel reads exactly the user's weights, and an optimizer step or ``load_state_dict`` on
+  them is what the kernel sees next. Gradients are PyTorch's (dense, or sparse where the
+  original lookup asked for ``sparse=True``), computed by :class:`_TBELookupFunction`; fbgemm's
+  own backward, which would apply an SGD update to the weights, never runs.
+* ``"loop"``: the original ATen lookups one after the other, bit for bit what the user's model
+  computed.
+
+These modules know nothing of graphs or passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _fbgemm
+
+PATHS = ("fbgemm", "loop")
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One lookup of a group, as the runtime needs it.
+
+    form:
+      ``bag``        1-D ids with offsets (``nn.EmbeddingBag`` / ``F.embedding_bag``)
+      ``pooled_seq`` 2-D ``[B, L]`` ids pooled over L (``nn.Embedding`` then sum/mean over dim 1)
+      ``single``     1-D ``[B]`` ids, one row each (``nn.Embedding`` on a column)
+      ``seq``        ids of any shape, no pooling (``nn.Embedding`` sequence lookup)
+    padding_idx: the table's padding row, or None. For ``bag`` it is excluded from the bag (as
+      ``nn.EmbeddingBag`` does); for the other forms it is looked up but gets no gradient (as
+      ``nn.Embedding`` does).
+    """
+
+    name: str
+    table: int
+    form: str
+    padding_idx: Optional[int] = None
+    include_last_offset: bool = False
+    weighted: bool = False
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    num_rows: int
+    dim: int
+    sparse: bool = False
+
+
+class _Bound:
+    """fbgemm TBE whose flat weight buffer the group's parameters are views of."""
+
+    def __init__(self, tbe: nn.Module, ptrs: List[int]):
+        self.tbe = tbe
+        self.ptrs = ptrs
+
+
+class EmbeddingGroup(nn.Module):
+    """Base of the group modules: specs, input checks, and the binding to fbgemm's TBE."""
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        features: Sequence[FeatureSpec],
+        pooling: str,
+        path_train: str = "fbgemm",
+        path_eval: str = "fbgemm",
+    ):
+        super().__init__()
+        if pooling not in ("sum", "mean", "none"):
+            raise ValueError(f"pooling must be 'sum', 'mean' or 'none', got {pooling!r}")
+        self.tables = list(tables)
+        self.features = list(features)
+        self.pooling = pooling
+        self.set_paths(path_train, path_eval)
+        self.dims = [self.tables[f.table].dim for f in self.features]
+        self.uniform_dim = len(set(t.dim for t in self.tables)) == 1
+        self._bound: Optional[_Bound] = None
+
+    def set_paths(self, path_train: str, path_eval: str) -> None:
+        for p in (path_train, path_eval):
+            if p not in PATHS:
+                raise ValueError(f"path must be one of {PATHS}, got {p!r}")
+        self.path_train = path_train
+        self.path_eval = path_eval
+
+    def extra_repr(self) -> str:
+        names = ", ".join(t.name for t in self.tables)
+        return (
+            f"pooling={self.pooling}, tables=[{names}], features={len(self.features)}, "
+            f"path_train={self.path_train}, path_eval={self.path_eval}"
+        )
+
+    # deepcopy/pickle must not carry the TBE: the copy's parameters are new tensors, and the
+    # copy binds its own TBE to them on first use.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_bound"] = None
+        return state
+
+    # ---------------------------------------------------------------- input checks
+    def _check_ids(self, f: FeatureSpec, ids: torch.Tensor) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got ids of "
+                f"dtype {ids.dtype}; embedding ids must be int64 or int32 "
+                "(cast them with .long() in the model)"
+            )
+        if ids.numel() == 0:
+            return
+        lo, hi = torch.aminmax(ids)
+        lo_i, hi_i = int(lo), int(hi)
+        rows = self.tables[f.table].num_rows
+        if lo_i < 0 or hi_i >= rows:
+            bad = lo_i if lo_i < 0 else hi_i
+            raise IndexError(
+                f"fxrec: feature '{f.name}' looks up id {bad} in table "
+                f"'{self.tables[f.table].name}', which has {rows} rows (valid ids: 0..{rows - 1})"
+            )
+
+    def _check_offsets(self, f: FeatureSpec, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        if offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"fxrec: feature '{f.name}' needs 1-D integer offsets, got shape "
+                f"{tuple(offsets.shape)} and dtype {offsets.dtype}"
+            )
+        if offsets.numel() == 0:
+            return
+        n = ids.numel()
+        first = int(offsets[0])
+        bad_order = bool((offsets[1:] < offsets[:-1]).any()) if offsets.numel() > 1 else False
+        last = int(offsets[-1])
+        if first != 0 or bad_order or last > n:
+            raise ValueError(
+                f"fxrec: offsets of feature '{f.name}' (table '{self.tables[f.table].name}') do "
+                f"not match its {n} ids: offsets must start at 0, never decrease and end at most "
+                f"at {n}; got first={first}, last={last}, decreasing={bad_order}"
+            )
+
+    # ---------------------------------------------------------------- binding to fbgemm
+    def _fbgemm_usable(self, params: Sequence[torch.Tensor]) -> bool:
+        if not _fbgemm.fbgemm_available():
+            return False
+        dev = params[0].device
+        return all(
+            p.dtype == torch.float32 and p.device == dev and p.dim() == 2 for p in params
+        )
+
+    def _ensure_bound(self, params: Sequence[torch.Tensor]) -> nn.Module:
+        b = self._bound
+        if b is None or b.ptrs != [p.data_ptr() for p in params]:
+            b = self._bind(params)
+        return b.tbe
+
+    def _bind(self, params: Sequence[torch.Tensor]) -> _Bound:
+        """Move the group's weights into one fbgemm TBE and make the parameters views of it.
+
+        Called on first use and again whenever a parameter no longer aliases the TBE (after
+        ``.to(device)``, ``deepcopy``, or a ``param.data = ...`` by the user), so the kernel can
+        never read stale weights.
+        """
+        for t, p in zip(self.tables, params):
+            if tuple(p.shape) != (t.num_rows, t.dim):
+                raise ValueError(
+                    f"fxrec: weight of table '{t.name}' has shape {tuple(p.shape)}, expected "
+                    f"({t.num_rows}, {t.dim}) as when the model was transformed"
+                )
+        ftm = [f.table for f in self.features]
+        tbe = _fbgemm.make_training_tbe(
+            [(t.num_rows, t.dim) for t in self.tables], ftm, self.pooling, params[0].device
+        )
+        views = tbe.split_embedding_weights()
+        with torch.no_grad():
+            for p, v in zip(params, views):
+                v.copy_(p.detach())
+                p.data = v
+        self._bound = _Bound(tbe, [p.data_ptr() for p in params])
+        return self._bound
+
+    def _path(self, params: Sequence[torch.Tensor], psw_list) -> str:
+        grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in params)
+            or any(w is not None and w.requires_grad for w in psw_list)
+        )
+        return self.path_train if grad else self.path_eval
+
+
+class PooledEmbeddingGroup(EmbeddingGroup):
+    """Pooled lookups (sum or mean) of one group; returns ``[B, sum of dims]``."""
+
+    def forward(
+        self,
+        ids_list: List[torch.Tensor],
+        offsets_list: List[Optional[torch.Tensor]],
+        psw_list: List[Optional[torch.Tensor]],
+        params: List[torch.Tensor],
+    ) -> torch.Tensor:
+        self._check_inputs(ids_list, offsets_list)
+        if self._path(params, psw_list) == "fbgemm" and self._fbgemm_usable(params):
+            packed = self._pack(ids_list, offsets_list, psw_list)
+            if packed is not None:
+                indices, offsets, psw, batch = packed
+                tbe = self._ensure_bound(params)
+                return _TBELookupFunction.apply(self, tbe, batch, indices, offsets, psw, *params)
+        return self.loop(ids_list, offsets_list, psw_list, params)
+
+    def _check_inputs(self, ids_list, offsets_list) -> None:
+        if len(ids_list) != len(self.features):
+            raise ValueError(
+                f"fxrec: group of tables {[t.name for t in self.tables]} expects "
+                f"{len(self.features)} id tensors, got {len(ids_list)}"
+            )
+        for f, ids, off in zip(self.features, ids_list, offsets_list):
+            self._check_ids(f, ids)
+            if f.form == "bag":
+                if off is None:
+                    raise ValueError(f"fxrec: feature '{f.name}' needs offsets")
+                self._check_offsets(f, ids, off)
+            elif f.form == "pooled_seq" and ids.dim() != 2:
+                raise ValueError(
+                    f"fxrec: feature '{f.name}' expects 2-D [batch, length] ids, got shape "
+                    f"{tuple(ids.shape)}"
+                )
+            elif f.form == "single" and ids.dim() != 1:
+                raise ValueError(
+                    f"fxrec: feature '{f.name}' expects 1-D ids, got shape {tuple(ids.shape)}"
+                )
+
+    def loop(self, ids_list, offsets_list, psw_list, params) -> torch.Tensor:
+        """The original lookups, one after the other (PyTorch's own kernels)."""
+        outs = []
+        for f, ids, off, psw in zip(self.features, ids_list, offsets_list, psw_list):
+            w = params[f.table]
+            sparse = self.tables[f.table].sparse
+            if f.form == "bag":
+                outs.append(
+                    F.embedding_bag(
+                        ids, w, off, mode=self.pooling, sparse=sparse, per_sample_weights=psw,
+                        include_last_offset=f.include_last_offset, padding_idx=f.padding_idx,
+                    )
+                )
+            else:
+                e = F.embedding(ids, w, padding_idx=f.padding_idx, sparse=sparse)
+                if f.form == "pooled_seq":
+                    e = e.sum(1) if self.pooling == "sum" else e.mean(1)
+                outs.append(e)
+        return torch.cat(outs, 1)
+
+    def _pack(self, ids_list, offsets_list, psw_list):
+        """One indices/offsets/weights input for the TBE, or None when only the loop fits.
+
+        Features are packed feature-major: bags ``f*B .. (f+1)*B`` belong to feature f.
+        """
+        lengths: List[torch.Tensor] = []
+        flat_ids: List[torch.Tensor] = []
+        weights: List[torch.Tensor] = []
+        batch = -1
+        any_weighted = any(f.weighted for f in self.features)
+        for f, ids, off, psw in zip(self.features, ids_list, offsets_list, psw_list):
+            if f.form == "bag":
+                flat = ids.reshape(-1).long()
+                off = off.long()
+                if not f.include_last_offset:
+                    off = torch.cat([off, off.new_full((1,), flat.numel())])
+                else:
+                    flat = flat[: int(off[-1])] if off.numel() else flat[:0]
+                if f.padding_idx is not None:
+                    keep = flat != f.padding_idx
+                    kept_before = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.long().cumsum(0)])
+                    off = kept_before[off]
+                    flat = flat[keep]
+                    if psw is not None:
+                        psw = psw.reshape(-1)[: keep.numel()][keep]
+                b = off.numel() - 1
+                ln = off.diff()
+            elif f.form == "pooled_seq":
+                b, length = ids.shape
+                flat = ids.reshape(-1).long()
+                ln = torch.full((b,), length, dtype=torch.long, device=ids.device)
+            else:  # single
+                b = ids.shape[0]
+                flat = ids.long()
+                ln = torch.ones(b, dtype=torch.long, device=ids.device)
+            if batch < 0:
+                batch = b
+            elif b != batch:
+                return None  # features with different batch sizes: TBE needs one B
+            flat_ids.append(flat)
+            lengths.append(ln)
+            if any_weighted:
+                if psw is None:
+                    psw = torch.ones(flat.numel(), dtype=torch.float32, device=flat.device)
+                weights.append(psw.reshape(-1)[: flat.numel()].float())
+        if batch <= 0:
+            return None  # empty batch: PyTorch's own kernels give the exact empty result
+        indices = torch.cat(flat_ids)
+        all_len = torch.cat(lengths)
+        offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=indices.device)
+        torch.cumsum(all_len, 0, out=offsets[1:])
+        psw = torch.cat(weights) if any_weighted else None
+        return indices, offsets, psw, batch
+
+
+class SequenceEmbeddingGroup(EmbeddingGroup):
+    """Unpooled lookups of one group (all tables share one dim); returns one tensor per feature."""
+
+    def forward(
+        self,
+        ids_list: List[torch.Tensor],
+        offsets_list: List[Optional[torch.Tensor]],
+        psw_list: List[Optional[torch.Tensor]],
+        params: List[torch.Tensor],
+    ) -> List[torch.Tensor]:
+        if len(ids_list) != len(self.features):
+            raise ValueError(
+                f"fxrec: group of tables {[t.name for t in self.tables]} expects "
+                f"{len(self.features)} id tensors, got {len(ids_list)}"
+            )
+        for f, ids in zip(self.features, ids_list):
+            self._check_ids(f, ids)
+        counts = [ids.numel() for ids in ids_list]
+        if (
+            self._path(params, psw_list) == "fbgemm"
+            and self._fbgemm_usable(params)
+            and max(counts) > 0
+        ):
+            tbe = self._ensure_bound(params)
+            # nobag TBE: feature f gets max(counts) bags, the first counts[f] of length one.
+            bmax = max(counts)
+            dev = ids_list[0].device
+            lengths = []
+            for n in counts:
+                ln = torch.zeros(bmax, dtype=torch.long, device=dev)
+                ln[:n] = 1
+                lengths.append(ln)
+            indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
+            all_len = torch.cat(lengths)
+            offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=dev)
+            torch.cumsum(all_len, 0, out=offsets[1:])
+            out = _TBELookupFunction.apply(self, tbe, bmax, indices, offsets, None, *params)
+            d = self.tables[0].dim
+            return [
+                part.reshape(tuple(ids.shape) + (d,))
+                for part, ids in zip(torch.split(out, counts, 0), ids_list)
+            ]
+        return self.loop(ids_list, offsets_list, psw_list, params)
+
+    def loop(self, ids_list, offsets_list, psw_list, params) -> List[torch.Tensor]:
+        return [
+            F.embedding(ids, params[f.table], padding_idx=f.padding_idx, sparse=self.tables[f.table].sparse)
+            for f, ids in zip(self.features, ids_list)
+        ]
+
+
+class _TBELookupFunction(torch.autograd.Function):
+    """fbgemm TBE forward with PyTorch's gradients.
+
+    Forward runs the TBE kernel without autograd (so fbgemm's fused-update backward is never
+    built). Backward returns, for each table parameter, the gradient ``nn.EmbeddingBag`` /
+    ``nn.Embedding`` would give it: dense ``[rows, dim]`` or a sparse COO tensor of the looked-up
+    rows for tables created with ``sparse=True``; and the gradient of the per-sample weights.
+    """
+
+    @staticmethod
+    def forward(ctx, group, tbe, batch, indices, offsets, psw, *params):
+        with torch.no_grad():
+            out = tbe(indices, offsets, per_sample_weights=psw)
+        ctx.group = group
+        ctx.batch = batch
+        ctx.save_for_backward(indices, offsets, psw, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        group: EmbeddingGroup = ctx.group
+        indices, offsets, psw, *params = ctx.saved_tensors
+        batch = ctx.batch
+        nfeat = len(group.features)
+        n = indices.numel()
+        dev = indices.device
+        lengths = offsets.diff()
+        # Features are packed feature-major, so feature i owns indices bounds[i]:bounds[i+1].
+        bounds = offsets[torch.arange(0, nfeat + 1, device=dev) * batch].tolist()
+
+        # Per-index scale: the sample weight, 1/len for mean pooling, 0 for a padding row.
+        scale: Optional[torch.Tensor] = psw
+        if group.pooling == "mean":
+            bag = torch.repeat_interleave(
+                torch.arange(lengths.numel(), device=dev), lengths, output_size=n
+            )
+            inv = (1.0 / lengths.clamp(min=1).to(grad_out.dtype))[bag]
+            scale = inv if scale is None else scale * inv
+        for i, f in enumerate(group.features):
+            if f.padding_idx is not None and f.form != "bag":
+                if scale is None:
+                    scale = torch.ones(n, dtype=grad_out.dtype, device=dev)
+                s, e = bounds[i], bounds[i + 1]
+                scale = scale.clone() if scale is psw else scale
+                scale[s:e] = scale[s:e] * (indices[s:e] != f.padding_idx)
+
+        # Gradient row for every looked-up index: the grad of its bag, in its feature's columns.
+        if group.pooling == "none":
+            pieces = [grad_out[bounds[i] : bounds[i + 1]] for i in range(nfeat)]
+        else:
+            bag_row = torch.repeat_interleave(
+                torch.arange(lengths.numel(), device=dev) % batch, lengths, output_size=n
+            )
+            pieces = []
+            col = 0
+            for i, d in enumerate(group.dims):
+                s, e = bounds[i], bounds[i + 1]
+                pieces.append(grad_out[:, col : col + d].index_select(0, bag_row[s:e]))
+                col += d
+
+        def rows_of(i: int) -> torch.Tensor:
+            if scale is None:
+                return pieces[i]
+            return pieces[i] * scale[bounds[i] : bounds[i + 1]].unsqueeze(1)
+
+        grads: List[Optional[torch.Tensor]] = [None] * len(params)
+        need = ctx.needs_input_grad[6:]
+        for t, (spec, p) in enumerate(zip(group.tables, params)):
+            if not need[t]:
+                continue
+            mine = [i for i, f in enumerate(group.features) if f.table == t]
+            ids_t = torch.cat([indices[bounds[i] : bounds[i + 1]] for i in mine])
+            rows_t = torch.cat([rows_of(i) for i in mine])
+            if spec.sparse:
+                grads[t] = torch.sparse_coo_tensor(
+                    ids_t.unsqueeze(0), rows_t, (spec.num_rows, spec.dim), device=p.device
+                )
+            else:
+                grads[t] = torch.zeros(
+                    spec.num_rows, spec.dim, dtype=p.dtype, device=p.device
+                ).index_add_(0, ids_t, rows_t)
+
+        grad_psw = None
+        if psw is not None and ctx.needs_input_grad[5]:
+            parts = []
+            for i, f in enumerate(group.features):
+                s, e = bounds[i], bounds[i + 1]
+                parts.append((params[f.table].detach()[indices[s:e]] * pieces[i]).sum(1))
+            grad_psw = torch.cat(parts)
+        return (None, None, None, None, None, grad_psw, *grads)

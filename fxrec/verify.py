@@ -1,0 +1,73 @@
+"""Compare a transformed model against the original: outputs, and gradients of every parameter."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class VerificationError(AssertionError):
+    """The transformed model disagrees with the original; the message names what and by how much."""
+
+
+def _float_leaves(out) -> List[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def _run(model, args, kwargs, seed: int):
+    for p in model.parameters():
+        p.grad = None
+    out = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    leaves = _float_leaves(out)
+    g = torch.Generator().manual_seed(seed)
+    loss = None
+    for x in leaves:
+        if x.requires_grad:
+            cot = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
+            term = (x * cot).sum()
+            loss = term if loss is None else loss + term
+    if loss is not None:
+        loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+        p.grad = None
+    return [x.detach() for x in leaves], grads
+
+
+def compare_models(
+    reference: torch.nn.Module, transformed: torch.nn.Module, args: Tuple[Any, ...],
+    kwargs: Dict[str, Any], rtol: float = 1.3e-6, atol: float = 1e-5, seed: int = 0,
+) -> Dict[str, float]:
+    """Raise VerificationError unless outputs and parameter gradients agree; return the max diffs."""
+    ref_out, ref_grads = _run(reference, args, kwargs, seed)
+    new_out, new_grads = _run(transformed, args, kwargs, seed)
+    problems: List[str] = []
+    diffs: Dict[str, float] = {}
+    if len(ref_out) != len(new_out):
+        raise VerificationError(f"fxrec verify: the original returns {len(ref_out)} float tensors, the transformed model {len(new_out)}")
+    for i, (a, b) in enumerate(zip(ref_out, new_out)):
+        if a.shape != b.shape:
+            problems.append(f"output {i}: shape {tuple(b.shape)} != {tuple(a.shape)}")
+            continue
+        d = (a - b).abs().max().item() if a.numel() else 0.0
+        diffs[f"output {i}"] = d
+        if not torch.allclose(a, b, rtol=rtol, atol=atol):
+            problems.append(f"output {i}: largest difference {d:.3g}")
+    for name in sorted(set(ref_grads) | set(new_grads)):
+        if name not in new_grads or name not in ref_grads:
+            side = "transformed model" if name not in new_grads else "original model"
+            problems.append(f"table/parameter '{name}': no gradient in the {side}")
+            continue
+        a, b = ref_grads[name], new_grads[name]
+        d = (a - b).abs().max().item() if a.numel() else 0.0
+        diffs[name] = d
+        if not torch.allclose(a, b, rtol=rtol, atol=atol * 10):
+            problems.append(f"gradient of '{name}': largest difference {d:.3g}")
+    if problems:
+        raise VerificationError("fxrec verify failed:\n  " + "\n  ".join(problems))
+    return diffs
