@@ -101,15 +101,33 @@ def _param_fqn(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
     return node.target if isinstance(p, torch.nn.Parameter) else None
 
 
+_ALIAS_OPS = {
+    aten.detach.default, aten.alias.default, aten.view.default, aten.slice.Tensor, aten.select.int,
+    aten.t.default, aten.transpose.int, aten.reshape.default, aten.narrow.default,
+}
+
+
 def _mutated_in_graph(weight: fx.Node) -> Optional[str]:
-    for u in weight.users:
-        if u.op == "call_function":
+    """Why the table is written in forward (following views of it), or None."""
+    seen = {weight}
+    todo = [weight]
+    while todo:
+        cur = todo.pop()
+        for u in cur.users:
+            if u.op != "call_function":
+                continue
             name = getattr(u.target, "__name__", str(u.target))
+            if u.target in _ALIAS_OPS and u not in seen:
+                seen.add(u)
+                todo.append(u)
+                continue
             if "embedding_renorm" in name:
                 return "max_norm renormalises the table in place during forward"
             schema = getattr(u.target, "_schema", None)
-            if schema is not None and schema.arguments and schema.arguments[0].alias_info is not None:
-                if schema.arguments[0].alias_info.is_write and u.args and u.args[0] is weight:
+            if schema is None:
+                continue
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write and i < len(u.args) and u.args[i] is cur:
                     return f"the table is modified in place by {name} in forward"
     return None
 

@@ -1,0 +1,201 @@
+"""End to end: model styles as people write them, transformed and compared with the plain model."""
+
+import copy
+
+import pytest
+import torch
+
+import fxrec
+from fxrec.testing import assert_matches, embedding_ops, group_calls
+from tests import models as M
+
+BACKENDS = ["fbgemm", "loop", "auto"]
+
+CASES = {
+    "bag_list": (M.BagList, lambda s: M.bag_inputs(seed=s)),
+    "bag_list_mean": (lambda: M.BagList(mode="mean"), lambda s: M.bag_inputs(seed=s)),
+    "field_dict": (M.FieldDict, lambda s: M.field_inputs(seed=s)),
+    "offset_fm": (M.OffsetFM, lambda s: M.fm_inputs(seed=s)),
+    "shared_tables": (M.SharedTables, lambda s: M.shared_inputs(seed=s)),
+    "sequence_mean": (M.SequenceMean, lambda s: M.seq_inputs(seed=s)),
+    "weighted_bags": (M.WeightedBags, lambda s: M.weighted_inputs(seed=s)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_model_styles_match_plain_model(case, backend):
+    make_model, make_inputs = CASES[case]
+    model = make_model()
+    fast = fxrec.transform(model, make_inputs(0), backend=backend, verify=True, timing_rounds=1)
+    assert not embedding_ops(fast), f"{case}: a lookup was left in the graph\n{fast.code}"
+    assert group_calls(fast), f"{case}: no group module in the graph"
+    assert not fast.report.left_alone
+    # other inputs than the example ones: other batch sizes and numbers of ids
+    assert_matches(model, fast, make_inputs(1), make_inputs(2))
+
+
+def test_weighted_bags_give_per_sample_weight_gradients():
+    model = M.WeightedBags()
+    inputs = M.weighted_inputs()
+    fast = fxrec.transform(model, inputs, backend="fbgemm")
+    a = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    b = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    g = torch.randn(4, 24)
+    (model(*a) * g).sum().backward()
+    (fast(*b) * g).sum().backward()
+    for x, y in zip(a, b):
+        if x.is_floating_point():
+            torch.testing.assert_close(y.grad, x.grad)
+
+
+def test_demo_dlrm_lowers_all_26_tables_into_one_tbe():
+    from examples.dlrm import DLRM, make_batch
+
+    rows = [r // 100 + 4 for r in DLRM.__init__.__defaults__[0] or []] if False else [min(r, 2000) for r in __import__("examples.dlrm", fromlist=["x"]).CRITEO_ROWS]
+    model = DLRM(rows, dim=16)
+    batch = make_batch(rows, batch=32, ids_per_bag=2)
+    fast = fxrec.transform(model, batch, backend="fbgemm", verify=True)
+    assert len(group_calls(fast)) == 1
+    assert len(fast.report.lowered) == 26
+    assert_matches(model, fast, make_batch(rows, batch=17, ids_per_bag=3, seed=3))
+
+
+def test_not_lowerable_lookups_are_left_alone_with_reasons():
+    model = M.NotLowerable()
+    inputs = M.not_lowerable_inputs()
+    fast = fxrec.transform(model, inputs, backend="fbgemm")
+    reasons = {e.table: e.reason for e in fast.report.left_alone}
+    assert set(reasons) == {"maxbag", "renorm", "freq", "odd"}
+    assert "max" in reasons["maxbag"]
+    assert "max_norm" in reasons["renorm"]
+    assert "scale_grad_by_freq" in reasons["freq"]
+    assert "multiple of 4" in reasons["odd"]
+    assert [e.table for e in fast.report.lowered] == ["ok"]
+    ref = copy.deepcopy(model)  # max_norm renormalises weights in forward: compare fresh copies
+    assert_matches(ref, fast, inputs)
+    for name in reasons:
+        assert name in str(fast.report)
+
+
+def test_original_model_is_untouched_and_two_transforms_are_independent():
+    model = M.BagList()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = M.bag_inputs()
+    a = fxrec.transform(model, inputs, backend="fbgemm")
+    b = fxrec.transform(model, inputs, backend="fbgemm")
+    a(*inputs).sum().backward()
+    with torch.no_grad():
+        for p in a.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not torch.equal(a.state_dict()["bags.0.weight"], before["bags.0.weight"])
+
+
+def test_state_dict_keys_checkpoint_round_trip_and_write_back():
+    model = M.BagList()
+    inputs = M.bag_inputs()
+    fast = fxrec.transform(model, inputs, backend="fbgemm")
+    assert list(fast.state_dict()) == list(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(fast.state_dict()[k], v)
+    # a checkpoint of another plain model loads into the transformed one, and is used by the TBE
+    other = M.BagList()
+    fast.load_state_dict(other.state_dict())
+    torch.testing.assert_close(fast(*inputs), other(*inputs))
+    # train the transformed model a step, then write the weights back into a plain model
+    opt = torch.optim.SGD(fast.parameters(), lr=0.1)
+    fast(*inputs).pow(2).sum().backward()
+    opt.step()
+    fxrec.write_back(fast, other)
+    torch.testing.assert_close(other(*inputs), fast(*inputs))
+
+
+def test_training_with_torch_optim_matches_plain_model_over_steps():
+    model = M.BagList(rows=(40, 30, 20))
+    fast = fxrec.transform(model, M.bag_inputs(rows=(40, 30, 20)), backend="fbgemm")
+    ref = copy.deepcopy(model)
+    opt_a = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    opt_b = torch.optim.Adagrad(fast.parameters(), lr=0.1)
+    for step in range(10):
+        inputs = M.bag_inputs(rows=(40, 30, 20), seed=step)
+        for m, o in ((ref, opt_a), (fast, opt_b)):
+            o.zero_grad()
+            m(*inputs).sin().sum().backward()
+            o.step()
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_backward_alone_changes_no_weight():
+    """fbgemm's training TBE would apply SGD in backward; fxrec must not."""
+    model = M.BagList()
+    inputs = M.bag_inputs()
+    fast = fxrec.transform(model, inputs, backend="fbgemm")
+    before = {k: v.clone() for k, v in fast.state_dict().items()}
+    for _ in range(3):
+        fast(*inputs).sum().backward()
+    for k, v in fast.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+class SparseBags(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(30, 8, mode="sum", sparse=True)
+        self.b = torch.nn.Embedding(20, 8, sparse=True)
+
+    def forward(self, ids, offsets, col):
+        return torch.cat([self.a(ids, offsets), self.b(col)], 1)
+
+
+def test_sparse_tables_get_sparse_gradients():
+    model = SparseBags()
+    inputs = (torch.tensor([1, 2, 2, 5, 7]), torch.tensor([0, 2, 2]), torch.tensor([3, 3, 9]))
+    fast = fxrec.transform(model, inputs, backend="fbgemm", verify=True)
+    fast(*inputs).sum().backward()
+    assert fast.get_parameter("a.weight").grad.is_sparse
+    assert fast.get_parameter("b.weight").grad.is_sparse
+    model(*inputs).sum().backward()
+    torch.testing.assert_close(fast.get_parameter("a.weight").grad.to_dense(), model.a.weight.grad.to_dense())
+    opt = torch.optim.SparseAdam(list(fast.parameters()), lr=0.01)
+    opt.step()  # the sparse gradient is usable by torch's sparse optimizers
+
+
+def test_deepcopy_and_param_data_replacement_rebind_the_tbe():
+    model = M.BagList()
+    inputs = M.bag_inputs()
+    fast = fxrec.transform(model, inputs, backend="fbgemm")
+    twin = copy.deepcopy(fast)
+    with torch.no_grad():
+        twin.get_parameter("bags.1.weight").mul_(2)
+    assert not torch.allclose(twin(*inputs), fast(*inputs))
+    torch.testing.assert_close(fast(*inputs), model(*inputs))
+    # replacing a parameter's data (as .to() does) must not leave the TBE reading stale weights
+    new = torch.randn(80, 8)
+    fast.get_parameter("bags.1.weight").data = new.clone()
+    model.bags[1].weight.data = new.clone()
+    torch.testing.assert_close(fast(*inputs), model(*inputs))
+
+
+def test_report_names_groups_paths_and_sources():
+    fast = fxrec.transform(M.BagList(), M.bag_inputs(), timing_rounds=1)
+    text = str(fast.report)
+    assert "3 embedding lookups found, 3 lowered into 1 group(s)" in text
+    g = fast.report.groups[0]
+    assert g.path_eval in ("fbgemm", "loop") and g.path_train in ("fbgemm", "loop")
+    assert set(g.timings_ms) == {"fwd_fbgemm", "fwd_loop", "train_fbgemm", "train_loop"}
+    assert all(e.source.startswith("models.py:") for e in fast.report.lookups)
+    assert fast.report.lookups[0].feature == "ids_0"
+
+
+def test_eval_mode_and_no_grad_use_inference_path():
+    model = M.BagList().eval()
+    inputs = M.bag_inputs()
+    fast = fxrec.transform(model, inputs, backend="fbgemm")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*inputs), model(*inputs))
