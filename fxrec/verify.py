@@ -69,5 +69,40 @@ def compare_models(
         if not torch.allclose(a, b, rtol=rtol, atol=atol * 10):
             problems.append(f"gradient of '{name}': largest difference {d:.3g}")
     if problems:
+        problems += _diagnose_groups(transformed, args, kwargs, rtol, atol)
         raise VerificationError("fxrec verify failed:\n  " + "\n  ".join(problems))
     return diffs
+
+
+def _diagnose_groups(gm: torch.nn.Module, args, kwargs, rtol: float, atol: float) -> List[str]:
+    """Name the tables whose lowered lookup disagrees with the plain lookup on these inputs."""
+    groups = {n: m for n, m in gm.named_modules() if n.startswith("fxrec_group_")}
+    if not groups:
+        return []
+    seen: Dict[str, tuple] = {}
+    handles = [m.register_forward_pre_hook(lambda mod, a, n=n: seen.setdefault(n, a)) for n, m in groups.items()]
+    try:
+        with torch.no_grad():
+            gm(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+    found: List[str] = []
+    for name, a in seen.items():
+        mod = groups[name]
+        with torch.no_grad():
+            got = mod(*a)
+            want = mod.loop(*a)
+        if isinstance(got, torch.Tensor):
+            got = list(torch.split(got, mod.dims, 1))
+            want = list(torch.split(want, mod.dims, 1))
+        for f, x, y in zip(mod.features, got, want):
+            if not torch.allclose(x, y, rtol=rtol, atol=atol):
+                d = (x - y).abs().max().item()
+                found.append(
+                    f"table '{mod.tables[f.table].name}' (feature '{f.name}', {name}): the "
+                    f"{mod.path_eval} lookup differs from the plain lookup by {d:.3g}"
+                )
+    if not found:
+        found.append("every lowered lookup matches the plain lookup on these inputs: the difference comes from elsewhere in the model")
+    return found

@@ -1,0 +1,85 @@
+import torch
+
+from fxrec import meta
+from fxrec.passes.annotate_lookups import annotate_lookups
+from fxrec.testing import captured, run_passes
+from tests import models as M
+
+
+def records(model, inputs):
+    gm, _ = run_passes(captured(model, inputs), [annotate_lookups], inputs)
+    return [n.meta[meta.LOOKUP] for n in gm.graph.nodes if meta.LOOKUP in n.meta], gm
+
+
+def test_finds_bags_with_their_offsets():
+    recs, gm = records(M.BagList(), M.bag_inputs())
+    assert [(r.table, r.form, r.pooling, r.feature) for r in recs] == [
+        ("bags.0", "bag", "sum", "ids_0"), ("bags.1", "bag", "sum", "ids_1"), ("bags.2", "bag", "sum", "ids_2")]
+    assert [r.offsets.name for r in recs] == ["offsets_0", "offsets_1", "offsets_2"]
+    assert all(r.lowerable and r.num_rows == n and r.dim == 8 for r, n in zip(recs, (50, 80, 30)))
+
+
+def test_annotating_does_not_change_the_graph():
+    gm0 = captured(M.BagList(), M.bag_inputs())
+    before = gm0.code
+    gm, _ = run_passes(gm0, [annotate_lookups], M.bag_inputs())
+    assert gm.code == before
+
+
+def test_field_columns_become_single_id_lookups_named_after_the_column():
+    recs, _ = records(M.FieldDict(), M.field_inputs())
+    assert [(r.table, r.form, r.feature) for r in recs] == [
+        ("emb.user", "single", "x[:, 2:][:, 0]"), ("emb.item", "single", "x[:, 2:][:, 1]"),
+        ("emb.city", "single", "x[:, 2:][:, 2]")]
+
+
+def test_embedding_then_sum_or_mean_is_a_pooled_lookup_and_plain_sequence_stays_unpooled():
+    recs, _ = records(M.SequenceMean(), M.seq_inputs())
+    by = {r.table: r for r in recs}
+    assert (by["hist"].form, by["hist"].pooling, by["hist"].padding_idx) == ("pooled_seq", "mean", 0)
+    assert by["hist"].output.target is torch.ops.aten.mean.dim
+    assert (by["query"].form, by["query"].pooling) == ("pooled_seq", "sum")
+    assert (by["attn"].form, by["attn"].pooling) == ("seq", "none")
+
+
+def test_does_not_pool_an_embedding_whose_output_has_other_users():
+    recs, _ = records(M.OffsetFM(), M.fm_inputs())
+    by = {r.table: r for r in recs}
+    # e is used by sum(1) and by e * e: the [B, F, D] tensor is needed, so it stays a sequence lookup
+    assert by["embedding"].form == "seq"
+    assert by["linear"].form == "pooled_seq"
+
+
+def test_weighted_include_last_offset_and_2d_bags():
+    recs, _ = records(M.WeightedBags(), M.weighted_inputs())
+    by = {r.table: r for r in recs}
+    assert by["w1"].weighted and not by["w1"].include_last_offset
+    assert by["w2"].weighted and by["w2"].include_last_offset
+    assert by["b2d"].form == "bag" and by["b2d"].pooling == "mean" and by["b2d"].padding_idx == 3
+
+
+def test_records_why_lookups_cannot_be_lowered():
+    recs, _ = records(M.NotLowerable(), M.not_lowerable_inputs())
+    reasons = {r.table: r.reason for r in recs}
+    assert "mode='max'" in reasons["maxbag"]
+    assert "max_norm" in reasons["renorm"]
+    assert "scale_grad_by_freq" in reasons["freq"]
+    assert "dim 6" in reasons["odd"]
+    assert reasons["ok"] == ""
+
+
+class BufferTable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("frozen", torch.randn(10, 4))
+        self.h16 = torch.nn.Embedding(10, 4).half()
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.frozen) + self.h16(ids).float()
+
+
+def test_buffers_and_fp16_tables_are_not_lowered():
+    recs, _ = records(BufferTable(), (torch.tensor([1, 2]),))
+    reasons = {r.table: r.reason for r in recs}
+    assert "not a parameter" in reasons["frozen"]
+    assert "float16" in reasons["h16"]

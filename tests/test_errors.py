@@ -1,0 +1,105 @@
+"""Bad input gets an error that names the table/feature and says what was wrong."""
+
+import pytest
+import torch
+
+import fxrec
+from tests import models as M
+
+
+@pytest.fixture(params=["fbgemm", "loop"])
+def fast(request):
+    return fxrec.transform(M.BagList(), M.bag_inputs(), backend=request.param)
+
+
+def test_id_out_of_range_names_table_and_feature(fast):
+    dense, ids, offs = M.bag_inputs()
+    ids[1] = ids[1].clone()
+    ids[1][0] = 80  # table bags.1 has 80 rows
+    with pytest.raises(IndexError, match=r"feature 'ids_1'.*id 80.*table 'bags.1'.*80 rows"):
+        fast(dense, ids, offs)
+
+
+def test_negative_id_names_table(fast):
+    dense, ids, offs = M.bag_inputs()
+    ids[2] = ids[2].clone()
+    ids[2][-1] = -3
+    with pytest.raises(IndexError, match=r"id -3 in table 'bags.2'"):
+        fast(dense, ids, offs)
+
+
+def test_float_ids_are_rejected(fast):
+    dense, ids, offs = M.bag_inputs()
+    ids[0] = ids[0].float()
+    with pytest.raises((TypeError, RuntimeError), match=r"ids_0|Long|int"):
+        fast(dense, ids, offs)
+
+
+def test_offsets_that_do_not_match_ids(fast):
+    dense, ids, offs = M.bag_inputs(empty_bags=False)
+    offs[0] = offs[0].clone()
+    offs[0][-1] = ids[0].numel() + 5
+    with pytest.raises(ValueError, match=r"offsets of feature 'ids_0'.*table 'bags.0'"):
+        fast(dense, ids, offs)
+    offs = M.bag_inputs(empty_bags=False)[2]
+    offs[1] = offs[1].flip(0)
+    with pytest.raises(ValueError, match=r"offsets of feature 'ids_1'"):
+        fast(dense, ids, offs)
+
+
+def test_wrong_number_of_inputs(fast):
+    dense, ids, offs = M.bag_inputs()
+    with pytest.raises(Exception, match=r"(?i)argument|input|expected"):
+        fast(dense, ids)
+    with pytest.raises(Exception):
+        fast(dense, ids[:2], offs[:2])
+
+
+def test_empty_bags_and_empty_batch_behave_as_pytorch(fast):
+    model = M.BagList()
+    fast.load_state_dict(model.state_dict())
+    dense, ids, offs = M.bag_inputs()
+    offs = [torch.zeros(6, dtype=torch.long) for _ in ids]  # every bag empty but the last
+    torch.testing.assert_close(fast(dense, ids, offs), model(dense, ids, offs))
+    empty = (torch.rand(0, 4), [torch.zeros(0, dtype=torch.long)] * 3, [torch.zeros(0, dtype=torch.long)] * 3)
+    out = fast(*empty)
+    torch.testing.assert_close(out, model(*empty))
+    assert out.shape == (0, 32)
+
+
+def test_capture_error_names_user_file_and_line():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(10, 4)
+
+        def forward(self, ids):
+            if ids.sum().item() > 3:  # data-dependent control flow
+                return self.e(ids)
+            return self.e(ids) * 2
+
+    with pytest.raises(fxrec.CaptureError, match=r"(?s)test_errors\.py:\d+.*item.*What to do"):
+        fxrec.transform(Bad(), (torch.tensor([1, 2]),))
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="backend"):
+        fxrec.transform(M.BagList(), M.bag_inputs(), backend="gpu")
+
+
+def test_verify_reports_the_table_and_difference():
+    model = M.BagList()
+    inputs = M.bag_inputs()
+    fast = fxrec.transform(model, inputs, backend="fbgemm")
+    other = M.BagList()  # other weights: outputs differ, and no lowered lookup is to blame
+    with pytest.raises(fxrec.VerificationError, match=r"(?s)largest difference.*comes from elsewhere"):
+        fxrec.compare_models(other, fast, inputs, {})
+    # Fault injection: give the TBE its own stale copy of the weights, then change one row of it.
+    group = fast.get_submodule("fxrec_group_0")
+    tbe = group._bound.tbe
+    tbe.weights_host.data = tbe.weights_host.data.clone()
+    with torch.no_grad():
+        start = 50 * 8 + 80 * 8  # bags.2 is the third table in the flat buffer
+        tbe.weights_host.data[start : start + 30 * 8] += 1.0
+    with pytest.raises(fxrec.VerificationError, match=r"table 'bags.2' \(feature 'ids_2'"):
+        fxrec.compare_models(model, fast, inputs, {})
