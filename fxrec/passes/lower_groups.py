@@ -43,6 +43,14 @@ aten = torch.ops.aten
 
 
 def build_group_module(gr: meta.GroupRecord):
+    if gr.pooling == "none":
+        # fbgemm's CPU sequence (nobag) kernel reads wrong rows when a table's features are not
+        # adjacent (feature_table_map [0, 1, 0]); a sequence group's outputs are taken one by one,
+        # so its features can be ordered by table.
+        first = {}
+        for rec in gr.lookups:
+            first.setdefault(rec.param, len(first))
+        gr.lookups.sort(key=lambda r: first[r.param])
     tables: List[TableSpec] = []
     index = {}
     features: List[FeatureSpec] = []

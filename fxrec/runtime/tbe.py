@@ -319,7 +319,19 @@ class PooledEmbeddingGroup(EmbeddingGroup):
 
 
 class SequenceEmbeddingGroup(EmbeddingGroup):
-    """Unpooled lookups of one group (all tables share one dim); returns one tensor per feature."""
+    """Unpooled lookups of one group (all tables share one dim); returns one tensor per feature.
+
+    Features must be ordered by table (feature_table_map non-decreasing): fbgemm's CPU nobag
+    kernel reads wrong rows otherwise.
+    """
+
+    def __init__(self, tables, features, pooling="none", path_train="fbgemm", path_eval="fbgemm"):
+        super().__init__(tables, features, pooling, path_train, path_eval)
+        ftm = [f.table for f in self.features]
+        if ftm != sorted(ftm):
+            raise ValueError(f"fxrec: sequence group features must be ordered by table, got table order {ftm}")
+        if len(set(t.dim for t in self.tables)) != 1:
+            raise ValueError("fxrec: the tables of a sequence group must share one dim")
 
     def forward(
         self,

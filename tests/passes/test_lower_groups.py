@@ -1,0 +1,69 @@
+import torch
+
+from fxrec import meta
+from fxrec.passes.annotate_lookups import annotate_lookups
+from fxrec.passes.group_lookups import group_lookups
+from fxrec.passes.lower_groups import lower_groups
+from fxrec.runtime.tbe import PooledEmbeddingGroup, SequenceEmbeddingGroup
+from fxrec.testing import assert_matches, calls, captured, embedding_ops, group_calls, run_passes
+from tests import models as M
+
+aten = torch.ops.aten
+PIPE = [annotate_lookups, group_lookups, lower_groups]
+
+
+def lowered(model, inputs):
+    gm, ctx = run_passes(captured(model, inputs), PIPE, inputs)
+    return gm, ctx
+
+
+def test_replaces_lookups_by_one_group_call_and_column_slices():
+    model, inputs = M.BagList(), M.bag_inputs()
+    gm, _ = lowered(model, inputs)
+    assert not embedding_ops(gm)
+    (call,) = group_calls(gm)
+    assert isinstance(gm.get_submodule(call.target), PooledEmbeddingGroup)
+    slices = [n for n in call.users if n.target is aten.slice.Tensor]
+    assert sorted(tuple(n.args[1:]) for n in slices) == [(1, 0, 8), (1, 8, 16), (1, 16, 24)]
+    assert call.meta[meta.ORIGIN] == ["embedding_bag", "embedding_bag_1", "embedding_bag_2"]
+    assert_matches(model, gm, inputs, M.bag_inputs(seed=5, batch=3))
+
+
+def test_weights_stay_the_models_parameters_and_state_dict_keys_do_not_change():
+    model, inputs = M.SharedTables(), M.shared_inputs()
+    gm, _ = lowered(model, inputs)
+    (call,) = group_calls(gm)
+    weights = call.args[3]
+    assert [w.op for w in weights] == ["get_attr", "get_attr"]
+    assert [w.target for w in weights] == ["item.weight", "cat.weight"]
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert_matches(model, gm, inputs)
+
+
+def test_sequence_groups_hand_each_user_its_own_tensor():
+    model, inputs = M.SequenceMean(), M.seq_inputs()
+    gm, _ = lowered(model, inputs)
+    seq_calls = [c for c in group_calls(gm) if isinstance(gm.get_submodule(c.target), SequenceEmbeddingGroup)]
+    assert len(seq_calls) == 1
+    assert all(u.target.__name__ == "getitem" for u in seq_calls[0].users)
+    assert not calls(gm, [aten.mean.dim])  # the hand-written mean pooling is gone
+    assert_matches(model, gm, inputs, M.seq_inputs(batch=2, seed=4))
+
+
+def test_group_node_is_placed_before_the_first_user_of_any_member():
+    model = M.BagList()
+    inputs = M.bag_inputs()
+    gm, _ = lowered(model, inputs)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    (call,) = group_calls(gm)
+    for arg in call.all_input_nodes:
+        assert order[arg] < order[call]
+    first_user = min(order[u] for s in call.users for u in s.users)
+    assert order[call] < first_user
+
+
+def test_leaves_ungrouped_lookups_untouched():
+    model, inputs = M.NotLowerable(), M.not_lowerable_inputs()
+    gm, _ = lowered(model, inputs)
+    assert len(embedding_ops(gm)) == 4  # max bag, max_norm, scale_grad_by_freq, dim 6
+    assert len(group_calls(gm)) == 1
