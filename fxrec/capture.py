@@ -11,6 +11,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
@@ -50,14 +51,27 @@ def _dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
+@contextlib.contextmanager
+def _sizes_0_and_1_stay_dynamic():
+    """Without this, an example batch of 1 (or a feature with one id) fixes that size forever."""
+    from torch.fx.experimental import _config as fx_config
+
+    if hasattr(fx_config, "backed_size_oblivious"):
+        with fx_config.patch(backed_size_oblivious=True):
+            yield
+    else:  # pragma: no cover - older torch
+        yield
+
+
 def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> fx.GraphModule:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxrec.transform needs an nn.Module, got {type(model).__name__}")
     try:
-        ep = torch.export.export(
-            model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
-            dynamic_shapes=_dynamic_shapes(model, args, kwargs),
-        )
+        with _sizes_0_and_1_stay_dynamic():
+            ep = torch.export.export(
+                model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
+                dynamic_shapes=_dynamic_shapes(model, args, kwargs),
+            )
     except Exception as e:
         frame = _user_frame(e)
         where = f"{frame.filename}:{frame.lineno} ({frame.line})" if frame else "inside torch.export"

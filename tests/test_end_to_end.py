@@ -199,3 +199,10 @@ def test_eval_mode_and_no_grad_use_inference_path():
     fast = fxrec.transform(model, inputs, backend="fbgemm")
     with torch.no_grad():
         torch.testing.assert_close(fast(*inputs), model(*inputs))
+
+
+def test_example_batch_of_one_does_not_fix_the_batch_size():
+    model = M.FieldDict()
+    fast = fxrec.transform(model, M.field_inputs(batch=1), backend="fbgemm")
+    assert_matches(model, fast, M.field_inputs(batch=3, seed=1), M.field_inputs(batch=1, seed=2))
+    assert fast(*M.field_inputs(batch=0)).shape == (0, 1)
