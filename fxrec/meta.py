@@ -68,6 +68,12 @@ class GroupRecord:
     key: tuple
     lookups: list = field(default_factory=list)  # LookupRecord, in output-column order
     module: str = ""  # attribute name of the runtime module in the GraphModule, once lowered
+    # Set by choose_kernels: which implementation runs for training and for inference, and why.
+    path_train: str = "fbgemm"
+    path_eval: str = "fbgemm"
+    lower: bool = True  # False: the plain lookups stay in the graph as they were
+    why: str = ""
+    timings_ms: dict = field(default_factory=dict)
 
     @property
     def pooling(self) -> str:

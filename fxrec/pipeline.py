@@ -2,10 +2,11 @@
 
 1. annotate_lookups  — find every lookup first: every later pass reads its LookupRecords.
 2. group_lookups     — needs all records at once (keys, shared tables, data dependences).
-3. lower_groups      — rewrites only what was grouped; after it the lookups are gone.
-4. fold_concat       — needs the group's slice nodes that lower_groups emitted.
-5. choose_kernels    — runs the model, so it comes last, on the final graph: what it times is
-                       exactly what the user will run.
+3. choose_kernels    — times fbgemm against the plain lookups per group on the example inputs,
+                       before lowering, so that a group where plain wins both ways is never
+                       lowered (it costs nothing) and lower_groups knows each group's paths.
+4. lower_groups      — rewrites only what was grouped and chosen; after it those lookups are gone.
+5. fold_concat       — needs the group's slice nodes that lower_groups emitted.
 """
 
 from __future__ import annotations
@@ -21,4 +22,4 @@ from .passes.lower_groups import lower_groups
 
 
 def default_pipeline(config: Config) -> List[CompilerPass]:
-    return [annotate_lookups, group_lookups, lower_groups, fold_concat, choose_kernels]
+    return [annotate_lookups, group_lookups, choose_kernels, lower_groups, fold_concat]

@@ -25,6 +25,7 @@ class GroupEntry:
     pooling: str
     tables: List[str]
     features: List[str]
+    lowered: bool = True
     path_train: str = ""
     path_eval: str = ""
     why: str = ""
@@ -42,11 +43,13 @@ class Report:
 
     @property
     def lowered(self) -> List[LookupEntry]:
-        return [e for e in self.lookups if e.group is not None]
+        """Lookups that now run through a group module."""
+        return [e for e in self.lookups if e.group is not None and self.group(e.group).lowered]
 
     @property
     def left_alone(self) -> List[LookupEntry]:
-        return [e for e in self.lookups if e.group is None]
+        """Lookups that stay in the graph as the user wrote them (see ``reason``)."""
+        return [e for e in self.lookups if e.group is None or not self.group(e.group).lowered]
 
     def group(self, name: str) -> GroupEntry:
         for g in self.groups:
@@ -57,13 +60,18 @@ class Report:
     def __str__(self) -> str:
         lines = [
             f"fxrec report: {len(self.lookups)} embedding lookups found, "
-            f"{len(self.lowered)} lowered into {len(self.groups)} group(s), "
+            f"{len(self.lowered)} lowered into {sum(g.lowered for g in self.groups)} group(s), "
             f"{len(self.left_alone)} left as they were"
         ]
         if self.lookups:
             rows = [("table", "feature", "form", "pooling", "rows x dim", "status", "where")]
             for e in self.lookups:
-                status = e.group if e.group is not None else f"left alone: {e.reason}"
+                if e.group is None:
+                    status = f"left alone: {e.reason}"
+                elif not self.group(e.group).lowered:
+                    status = f"{e.group}, kept plain (faster)"
+                else:
+                    status = e.group
                 rows.append((e.table, e.feature, e.form, e.pooling, f"{e.rows} x {e.dim}", status, e.source))
             lines.append("")
             lines.append("Lookups")
@@ -75,7 +83,7 @@ class Report:
                     (g.name, g.pooling, str(len(g.tables)), str(len(g.features)), g.path_train, g.path_eval, g.why)
                 )
             lines.append("")
-            lines.append("Groups (one fbgemm TBE each)")
+            lines.append("Groups (one fbgemm TBE each where lowered; 'plain' = the original lookups, kept because they were faster)")
             lines.extend(_table(rows))
             for g in self.groups:
                 lines.append(f"  {g.name}: {', '.join(g.tables)}")

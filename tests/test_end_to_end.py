@@ -28,9 +28,11 @@ def test_model_styles_match_plain_model(case, backend):
     make_model, make_inputs = CASES[case]
     model = make_model()
     fast = fxrec.transform(model, make_inputs(0), backend=backend, verify=True, timing_rounds=1)
-    assert not embedding_ops(fast), f"{case}: a lookup was left in the graph\n{fast.code}"
-    assert group_calls(fast), f"{case}: no group module in the graph"
-    assert not fast.report.left_alone
+    if backend != "auto":  # auto may keep plain lookups where they measured faster
+        assert not embedding_ops(fast), f"{case}: a lookup was left in the graph\n{fast.code}"
+        assert group_calls(fast), f"{case}: no group module in the graph"
+        assert not fast.report.left_alone
+    assert all(e.group is not None for e in fast.report.lookups)
     # other inputs than the example ones: other batch sizes and numbers of ids
     assert_matches(model, fast, make_inputs(1), make_inputs(2))
 
@@ -185,10 +187,11 @@ def test_deepcopy_and_param_data_replacement_rebind_the_tbe():
 def test_report_names_groups_paths_and_sources():
     fast = fxrec.transform(M.BagList(), M.bag_inputs(), timing_rounds=1)
     text = str(fast.report)
-    assert "3 embedding lookups found, 3 lowered into 1 group(s)" in text
+    assert "3 embedding lookups found" in text
     g = fast.report.groups[0]
-    assert g.path_eval in ("fbgemm", "loop") and g.path_train in ("fbgemm", "loop")
-    assert set(g.timings_ms) == {"fwd_fbgemm", "fwd_loop", "train_fbgemm", "train_loop"}
+    assert g.path_eval in ("fbgemm", "loop", "plain") and g.path_train in ("fbgemm", "loop", "plain")
+    assert set(g.timings_ms) == {"fwd_fbgemm", "fwd_plain", "train_fbgemm", "train_plain"}
+    assert g.why.startswith("measured on the example inputs")
     assert all(e.source.startswith("models.py:") for e in fast.report.lookups)
     assert fast.report.lookups[0].feature == "ids_0"
 

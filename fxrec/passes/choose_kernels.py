@@ -2,13 +2,17 @@
 
 fbgemm's CPU TBE is not always faster than PyTorch's own per-table kernels (its CPU forward is
 single-threaded, while ``embedding_bag`` uses every core), so fxrec must not assume it. With
-``backend="auto"`` this pass runs the example inputs through the transformed model once to
-capture each group's real inputs, then times both implementations of every group on them,
-alternating (``rounds`` runs each, median), separately for inference (forward under no_grad)
-and for training (forward and backward), and keeps the faster one. The timings and the choice
-go into the report. ``backend="fbgemm"`` or ``"loop"`` forces one implementation everywhere.
+``backend="auto"`` this pass runs the example inputs through the captured graph once (an FX
+Interpreter that keeps each group's inputs), then times both implementations of every group on
+them, alternating (``rounds`` runs each, median), separately for inference (forward under
+no_grad) and for training (forward and backward), and keeps the faster one for each.
 
-Before/After: the graph is unchanged; each group module's ``path_train`` / ``path_eval`` are set.
+A group whose plain lookups win both ways is not lowered at all: its lookups stay in the graph
+exactly as the user wrote them, so choosing "plain" costs nothing. ``backend="fbgemm"`` or
+``"loop"`` forces one implementation everywhere (``"loop"`` still lowers, which is what tests
+of the lowering want). Timings and choices go into the report.
+
+Before/After: the graph is unchanged; each GroupRecord gets path_train, path_eval, lower, why.
 
 Not handled: inputs whose sizes differ a lot from the example inputs (the choice is made on
 these; pass a representative batch).
@@ -19,42 +23,49 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Set
 
 import torch
 import torch.fx as fx
 
+from .. import meta
+from ..group_module import build_group_module, group_inputs
 from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..report import GroupEntry
 from ..runtime import _fbgemm
 from ..runtime.tbe import EmbeddingGroup
 
 
-def _capture_inputs(gm: fx.GraphModule, ctx: PassContext, names: List[str]) -> Dict[str, tuple]:
-    seen: Dict[str, tuple] = {}
-    handles = []
-    for name in names:
-        mod = gm.get_submodule(name)
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, wanted: Set[fx.Node]):
+        super().__init__(gm)
+        self.wanted = wanted
+        self.values: Dict[fx.Node, object] = {}
 
-        def hook(m, args, name=name):
-            seen.setdefault(name, args)
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if n in self.wanted:
+            self.values[n] = out
+        return out
 
-        handles.append(mod.register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            gm(*copy.deepcopy(ctx.example_args), **copy.deepcopy(ctx.example_kwargs))
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+
+def _record_inputs(gm: fx.GraphModule, ctx: PassContext, groups: List[meta.GroupRecord]) -> Dict[fx.Node, object]:
+    wanted = {
+        x for g in groups for r in g.lookups
+        for x in (r.weight, r.ids, r.offsets, r.per_sample_weights) if isinstance(x, fx.Node)
+    }
+    rec = _Recorder(gm, wanted)
+    with torch.no_grad():
+        rec.run(*copy.deepcopy(ctx.example_args), **copy.deepcopy(ctx.example_kwargs))
+    return rec.values
 
 
 def _time_once(mod: EmbeddingGroup, args: tuple, path: str, train: bool) -> float:
     ids, offs, psw, params = args
     mod.set_paths(path, path)
     if train:
+        # Same storage as the real parameters, so timing leaves no .grad on them.
         leaves = [p.detach().requires_grad_() for p in params]
-        # Same storage as the real parameters: the fbgemm binding stays valid.
         start = time.perf_counter()
         out = mod(ids, offs, psw, leaves)
         outs = out if isinstance(out, list) else [out]
@@ -76,45 +87,51 @@ def _measure(mod: EmbeddingGroup, args: tuple, train: bool, rounds: int) -> Dict
     return {p: statistics.median(v) * 1e3 for p, v in times.items()}
 
 
-@compiler_pass(needs=("fxrec_origin",))
+@compiler_pass(needs=("groups",), provides=("paths",))
 def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    names = [n.target for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("fxrec_group_")]
     backend = ctx.config.backend
     if not _fbgemm.fbgemm_available():
         backend = "loop"
         ctx.report.notes.append("fbgemm_gpu is not importable: every group runs the plain lookups")
-    inputs = _capture_inputs(gm, ctx, names) if backend == "auto" and names else {}
-    stats = {"fbgemm": 0, "loop": 0}
-    for name in names:
-        mod: EmbeddingGroup = gm.get_submodule(name)
-        entry = GroupEntry(
-            name=name[len("fxrec_"):], pooling=mod.pooling, tables=[t.name for t in mod.tables],
-            features=[f.name for f in mod.features],
-        )
+    values = _record_inputs(gm, ctx, ctx.groups) if backend == "auto" and ctx.groups else {}
+    stats = {"fbgemm_fwd": 0, "fbgemm_train": 0, "kept_plain": 0}
+    for gr in ctx.groups:
         if backend in ("fbgemm", "loop"):
-            mod.set_paths(backend, backend)
-            entry.why = f"backend={backend!r} was asked for"
-        elif name not in inputs:
-            mod.set_paths("loop", "loop")
-            entry.why = "not reached by the example inputs, so not measured: plain lookups"
+            gr.path_train = gr.path_eval = backend
+            gr.why = f"backend={backend!r} was asked for"
+        elif not all(r.ids in values for r in gr.lookups):
+            gr.path_train = gr.path_eval = "loop"
+            gr.lower = False
+            gr.why = "not reached by the example inputs, so not measured: kept as plain lookups"
         else:
-            args = inputs[name]
+            mod, index = build_group_module(gr)
+            args = group_inputs(gr, index, lambda n: values.get(n) if isinstance(n, fx.Node) else n)
             t_eval = _measure(mod, args, False, ctx.config.timing_rounds)
-            train_needed = any(p.requires_grad for p in args[3])
-            t_train = _measure(mod, args, True, ctx.config.timing_rounds) if train_needed else t_eval
-            path_eval = min(t_eval, key=t_eval.get)
-            path_train = min(t_train, key=t_train.get)
-            mod.set_paths(path_train, path_eval)
-            entry.timings_ms = {
-                "fwd_fbgemm": t_eval["fbgemm"], "fwd_loop": t_eval["loop"],
-                "train_fbgemm": t_train["fbgemm"], "train_loop": t_train["loop"],
+            trains = any(p.requires_grad for p in args[3])
+            t_train = _measure(mod, args, True, ctx.config.timing_rounds) if trains else t_eval
+            gr.path_eval = min(t_eval, key=t_eval.get)
+            gr.path_train = min(t_train, key=t_train.get)
+            gr.lower = "fbgemm" in (gr.path_eval, gr.path_train)
+            gr.timings_ms = {
+                "fwd_fbgemm": t_eval["fbgemm"], "fwd_plain": t_eval["loop"],
+                "train_fbgemm": t_train["fbgemm"], "train_plain": t_train["loop"],
             }
-            entry.why = (
+            gr.why = (
                 f"measured on the example inputs: forward fbgemm {t_eval['fbgemm']:.3g} ms vs plain "
                 f"{t_eval['loop']:.3g} ms; forward+backward fbgemm {t_train['fbgemm']:.3g} ms vs plain "
                 f"{t_train['loop']:.3g} ms"
             )
-        entry.path_train, entry.path_eval = mod.path_train, mod.path_eval
-        stats[mod.path_eval] += 1
-        ctx.report.groups.append(entry)
-    return PassResult(gm, False, {"groups_fbgemm_fwd": stats["fbgemm"], "groups_loop_fwd": stats["loop"]})
+            if not gr.lower:
+                gr.why += ": plain lookups are faster both ways, kept as they were"
+        stats["fbgemm_fwd"] += gr.path_eval == "fbgemm"
+        stats["fbgemm_train"] += gr.path_train == "fbgemm"
+        stats["kept_plain"] += not gr.lower
+        ctx.report.groups.append(
+            GroupEntry(
+                name=gr.name, pooling=gr.pooling, tables=[r.table for r in gr.lookups if r.table],
+                features=[r.feature for r in gr.lookups], lowered=gr.lower,
+                path_train=gr.path_train if gr.lower else "plain", path_eval=gr.path_eval if gr.lower else "plain",
+                why=gr.why, timings_ms=dict(gr.timings_ms),
+            )
+        )
+    return PassResult(gm, False, {"groups": len(ctx.groups), **stats})

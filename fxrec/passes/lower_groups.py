@@ -24,75 +24,40 @@ return one tensor per feature, taken with ``getitem``.
 The group node is placed right before the first user of any member's output; group_lookups
 guaranteed every input is defined before that point.
 
-Not handled: lookups without a group (left as they were).
+Not handled: lookups without a group, and groups that choose_kernels kept as plain lookups
+(both left as they were).
 """
 
 from __future__ import annotations
 
 import operator
-from typing import List
 
 import torch
 import torch.fx as fx
 
 from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
-from ..runtime.tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
+from ..group_module import build_group_module, group_inputs
 
 aten = torch.ops.aten
 
 
-def build_group_module(gr: meta.GroupRecord):
-    if gr.pooling == "none":
-        # fbgemm's CPU sequence (nobag) kernel reads wrong rows when a table's features are not
-        # adjacent (feature_table_map [0, 1, 0]); a sequence group's outputs are taken one by one,
-        # so its features can be ordered by table.
-        first = {}
-        for rec in gr.lookups:
-            first.setdefault(rec.param, len(first))
-        gr.lookups.sort(key=lambda r: first[r.param])
-    tables: List[TableSpec] = []
-    index = {}
-    features: List[FeatureSpec] = []
-    for rec in gr.lookups:
-        if rec.param not in index:
-            index[rec.param] = len(tables)
-            tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse))
-        features.append(
-            FeatureSpec(
-                name=rec.feature, table=index[rec.param], form=rec.form, padding_idx=rec.padding_idx,
-                include_last_offset=rec.include_last_offset, weighted=rec.weighted,
-            )
-        )
-    cls = SequenceEmbeddingGroup if gr.pooling == "none" else PooledEmbeddingGroup
-    return cls(tables, features, gr.pooling), index
-
-
-@compiler_pass(needs=("groups",), provides=(meta.ORIGIN,))
+@compiler_pass(needs=("groups", "paths"), provides=(meta.ORIGIN,))
 def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     lowered = 0
     for gr in ctx.groups:
+        if not gr.lower:
+            continue
         module, index = build_group_module(gr)
         name = f"fxrec_{gr.name}"
         gm.add_submodule(name, module)
         gr.module = name
-        weight_nodes: List[fx.Node] = [None] * len(index)  # type: ignore[list-item]
-        for rec in gr.lookups:
-            weight_nodes[index[rec.param]] = rec.weight
         pos = {n: i for i, n in enumerate(graph.nodes)}
         users = [u for rec in gr.lookups for u in rec.output.users]
         anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
         with graph.inserting_before(anchor):
-            call = graph.call_module(
-                name,
-                (
-                    [rec.ids for rec in gr.lookups],
-                    [rec.offsets for rec in gr.lookups],
-                    [rec.per_sample_weights for rec in gr.lookups],
-                    weight_nodes,
-                ),
-            )
+            call = graph.call_module(name, group_inputs(gr, index, lambda n: n))
             call.meta[meta.ORIGIN] = [rec.node.name for rec in gr.lookups]
             if "stack_trace" in gr.lookups[0].node.meta:
                 call.meta["stack_trace"] = gr.lookups[0].node.meta["stack_trace"]
@@ -111,4 +76,5 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             for n in rec.nodes:  # users first: getitems / sum before the lookup itself
                 graph.erase_node(n)
             lowered += 1
-    return PassResult(gm, lowered > 0, {"groups": len(ctx.groups), "lookups_lowered": lowered})
+    n_groups = sum(1 for g in ctx.groups if g.lower)
+    return PassResult(gm, lowered > 0, {"groups": n_groups, "lookups_lowered": lowered})

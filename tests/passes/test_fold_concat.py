@@ -2,13 +2,14 @@ import torch
 
 from fxrec.passes.annotate_lookups import annotate_lookups
 from fxrec.passes.fold_concat import fold_concat
+from fxrec.passes.choose_kernels import choose_kernels
 from fxrec.passes.group_lookups import group_lookups
 from fxrec.passes.lower_groups import lower_groups
 from fxrec.testing import assert_matches, calls, captured, group_calls, run_passes
 from tests import models as M
 
 aten = torch.ops.aten
-PIPE = [annotate_lookups, group_lookups, lower_groups, fold_concat]
+PIPE = [annotate_lookups, group_lookups, choose_kernels, lower_groups, fold_concat]
 
 
 def test_cat_of_all_group_columns_takes_the_group_output():

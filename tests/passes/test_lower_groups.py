@@ -2,6 +2,7 @@ import torch
 
 from fxrec import meta
 from fxrec.passes.annotate_lookups import annotate_lookups
+from fxrec.passes.choose_kernels import choose_kernels
 from fxrec.passes.group_lookups import group_lookups
 from fxrec.passes.lower_groups import lower_groups
 from fxrec.runtime.tbe import PooledEmbeddingGroup, SequenceEmbeddingGroup
@@ -9,7 +10,7 @@ from fxrec.testing import assert_matches, calls, captured, embedding_ops, group_
 from tests import models as M
 
 aten = torch.ops.aten
-PIPE = [annotate_lookups, group_lookups, lower_groups]
+PIPE = [annotate_lookups, group_lookups, choose_kernels, lower_groups]
 
 
 def lowered(model, inputs):

@@ -1,0 +1,55 @@
+"""Build the runtime module that runs one GroupRecord (shared by choose_kernels and lower_groups)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from . import meta
+from .runtime.tbe import EmbeddingGroup, FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
+
+
+def order_for_kernel(gr: meta.GroupRecord) -> None:
+    """Sequence groups: features ordered by table.
+
+    fbgemm's CPU sequence (nobag) kernel reads wrong rows when a table's features are not
+    adjacent (feature_table_map [0, 1, 0]); a sequence group's outputs are taken one by one, so
+    its features can be reordered freely. Pooled groups keep their column order.
+    """
+    if gr.pooling == "none":
+        first: Dict[str, int] = {}
+        for rec in gr.lookups:
+            first.setdefault(rec.param, len(first))
+        gr.lookups.sort(key=lambda r: first[r.param])
+
+
+def build_group_module(gr: meta.GroupRecord) -> Tuple[EmbeddingGroup, Dict[str, int]]:
+    """The runtime module for ``gr`` and the index of each table param in its weight list."""
+    order_for_kernel(gr)
+    tables: List[TableSpec] = []
+    index: Dict[str, int] = {}
+    features: List[FeatureSpec] = []
+    for rec in gr.lookups:
+        if rec.param not in index:
+            index[rec.param] = len(tables)
+            tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse))
+        features.append(
+            FeatureSpec(
+                name=rec.feature, table=index[rec.param], form=rec.form, padding_idx=rec.padding_idx,
+                include_last_offset=rec.include_last_offset, weighted=rec.weighted,
+            )
+        )
+    cls = SequenceEmbeddingGroup if gr.pooling == "none" else PooledEmbeddingGroup
+    return cls(tables, features, gr.pooling, gr.path_train, gr.path_eval), index
+
+
+def group_inputs(gr: meta.GroupRecord, index: Dict[str, int], value) -> tuple:
+    """The group module's call arguments, with ``value(node)`` giving each input."""
+    weights = [None] * len(index)
+    for rec in gr.lookups:
+        weights[index[rec.param]] = value(rec.weight)
+    return (
+        [value(r.ids) for r in gr.lookups],
+        [value(r.offsets) for r in gr.lookups],
+        [value(r.per_sample_weights) for r in gr.lookups],
+        weights,
+    )
