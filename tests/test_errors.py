@@ -103,3 +103,15 @@ def test_verify_reports_the_table_and_difference():
         tbe.weights_host.data[start : start + 30 * 8] += 1.0
     with pytest.raises(fxrec.VerificationError, match=r"table 'bags.2' \(feature 'ids_2'"):
         fxrec.compare_models(model, fast, inputs, {})
+
+
+def test_sequence_lookup_out_of_range_names_table():
+    model = M.SequenceMean()
+    inputs = M.seq_inputs()
+    for backend in ("fbgemm", "loop"):
+        fast = fxrec.transform(model, inputs, backend=backend)
+        bad = list(inputs)
+        bad[2] = bad[2].clone()
+        bad[2][0, 0] = 40  # table attn has 40 rows
+        with pytest.raises(IndexError, match=r"id 40 in table 'attn'"):
+            fast(*bad)

@@ -92,6 +92,7 @@ class EmbeddingGroup(nn.Module):
         self.set_paths(path_train, path_eval)
         self.dims = [self.tables[f.table].dim for f in self.features]
         self.uniform_dim = len(set(t.dim for t in self.tables)) == 1
+        self._min_rows = min(t.num_rows for t in self.tables)
         self._bound: Optional[_Bound] = None
 
     def set_paths(self, path_train: str, path_eval: str) -> None:
@@ -212,14 +213,42 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         psw_list: List[Optional[torch.Tensor]],
         params: List[torch.Tensor],
     ) -> torch.Tensor:
-        self._check_inputs(ids_list, offsets_list)
+        if len(ids_list) != len(self.features):
+            raise ValueError(
+                f"fxrec: group of tables {[t.name for t in self.tables]} expects "
+                f"{len(self.features)} id tensors, got {len(ids_list)}"
+            )
         if self._path(params, psw_list) == "fbgemm" and self._fbgemm_usable(params):
             packed = self._pack(ids_list, offsets_list, psw_list)
             if packed is not None:
                 indices, offsets, psw, batch = packed
+                self._validate_packed(indices, offsets, batch, ids_list, offsets_list)
                 tbe = self._ensure_bound(params)
                 return _TBELookupFunction.apply(self, tbe, batch, indices, offsets, psw, *params)
-        return self.loop(ids_list, offsets_list, psw_list, params)
+        try:
+            return self.loop(ids_list, offsets_list, psw_list, params)
+        except (IndexError, RuntimeError, TypeError, ValueError):
+            # PyTorch's own kernels checked the inputs; say which feature and table was wrong.
+            self._check_inputs(ids_list, offsets_list)
+            raise
+
+    def _validate_packed(self, indices, offsets, batch, ids_list, offsets_list) -> None:
+        """Cheap checks on the packed input (a few ops for the whole group); on failure, the
+        per-feature checks find the feature and raise a message that names it."""
+        ok = True
+        if indices.numel():
+            lo, hi = torch.aminmax(indices)
+            ok = int(lo) >= 0 and int(hi) < self._min_rows
+            if ok is False and int(lo) >= 0:  # tables of different sizes: check each feature
+                ok = all(
+                    ids.numel() == 0 or int(ids.max()) < self.tables[f.table].num_rows
+                    for f, ids in zip(self.features, ids_list)
+                )
+        if ok and offsets.numel() > 1:
+            ok = bool((offsets[1:] >= offsets[:-1]).all())
+        if not ok:
+            self._check_inputs(ids_list, offsets_list)
+            raise ValueError(f"fxrec: invalid ids or offsets for tables {[t.name for t in self.tables]}")
 
     def _check_inputs(self, ids_list, offsets_list) -> None:
         if len(ids_list) != len(self.features):
@@ -266,44 +295,52 @@ class PooledEmbeddingGroup(EmbeddingGroup):
     def _pack(self, ids_list, offsets_list, psw_list):
         """One indices/offsets/weights input for the TBE, or None when only the loop fits.
 
-        Features are packed feature-major: bags ``f*B .. (f+1)*B`` belong to feature f.
+        Features are packed feature-major: bags ``f*B .. (f+1)*B`` belong to feature f. The
+        common cases (plain bags, single ids, [B, L] ids) cost a constant number of tensor ops
+        for the whole group, not a few per feature.
         """
-        lengths: List[torch.Tensor] = []
+        starts: List[torch.Tensor] = []  # per feature: where each of its B bags starts
         flat_ids: List[torch.Tensor] = []
         weights: List[torch.Tensor] = []
         batch = -1
         any_weighted = any(f.weighted for f in self.features)
         for f, ids, off, psw in zip(self.features, ids_list, offsets_list, psw_list):
+            if ids.dtype not in (torch.int64, torch.int32):
+                self._check_ids(f, ids)  # raises, naming the feature
+            dev = ids.device
             if f.form == "bag":
-                flat = ids.reshape(-1).long()
-                off = off.long()
-                if not f.include_last_offset:
-                    off = torch.cat([off, off.new_full((1,), flat.numel())])
-                else:
-                    flat = flat[: int(off[-1])] if off.numel() else flat[:0]
-                if f.padding_idx is not None:
-                    keep = flat != f.padding_idx
-                    kept_before = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.long().cumsum(0)])
-                    off = kept_before[off]
-                    flat = flat[keep]
-                    if psw is not None:
-                        psw = psw.reshape(-1)[: keep.numel()][keep]
-                b = off.numel() - 1
-                ln = off.diff()
+                flat = ids.reshape(-1)
+                if off.dtype != torch.int64:
+                    off = off.long()
+                if f.include_last_offset or f.padding_idx is not None:
+                    if not f.include_last_offset:
+                        off = torch.cat([off, off.new_full((1,), flat.numel())])
+                    else:
+                        flat = flat[: int(off[-1])] if off.numel() else flat[:0]
+                    if f.padding_idx is not None:
+                        keep = flat != f.padding_idx
+                        kept_before = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.long().cumsum(0)])
+                        off = kept_before[off]
+                        flat = flat[keep]
+                        if psw is not None:
+                            psw = psw.reshape(-1)[: keep.numel()][keep]
+                    off = off[:-1]
+                b = off.numel()
+                start = off
             elif f.form == "pooled_seq":
                 b, length = ids.shape
-                flat = ids.reshape(-1).long()
-                ln = torch.full((b,), length, dtype=torch.long, device=ids.device)
+                flat = ids.reshape(-1)
+                start = torch.arange(0, b * length, length, device=dev) if b else flat.new_zeros(0)
             else:  # single
                 b = ids.shape[0]
-                flat = ids.long()
-                ln = torch.ones(b, dtype=torch.long, device=ids.device)
+                flat = ids
+                start = torch.arange(b, device=dev)
             if batch < 0:
                 batch = b
             elif b != batch:
                 return None  # features with different batch sizes: TBE needs one B
-            flat_ids.append(flat)
-            lengths.append(ln)
+            flat_ids.append(flat if flat.dtype == torch.int64 else flat.long())
+            starts.append(start)
             if any_weighted:
                 if psw is None:
                     psw = torch.ones(flat.numel(), dtype=torch.float32, device=flat.device)
@@ -311,9 +348,23 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         if batch <= 0:
             return None  # empty batch: PyTorch's own kernels give the exact empty result
         indices = torch.cat(flat_ids)
-        all_len = torch.cat(lengths)
-        offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=indices.device)
-        torch.cumsum(all_len, 0, out=offsets[1:])
+        bases = [0]
+        for x in flat_ids[:-1]:
+            bases.append(bases[-1] + x.numel())
+        all_starts = torch.cat(starts)
+        nfeat = len(flat_ids)
+        firsts = all_starts.view(nfeat, batch)[:, 0]
+        if bool((firsts != 0).any()):
+            bad = int(torch.nonzero(firsts)[0, 0])
+            f = self.features[bad]
+            raise ValueError(
+                f"fxrec: offsets of feature '{f.name}' (table '{self.tables[f.table].name}') must "
+                f"start at 0, got {int(firsts[bad])}"
+            )
+        offsets = torch.empty(nfeat * batch + 1, dtype=torch.long, device=indices.device)
+        base = torch.tensor(bases, dtype=torch.long, device=indices.device)
+        torch.add(all_starts.view(nfeat, batch), base.unsqueeze(1), out=offsets[:-1].view(nfeat, batch))
+        offsets[-1] = indices.numel()
         psw = torch.cat(weights) if any_weighted else None
         return indices, offsets, psw, batch
 
@@ -346,7 +397,8 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
                 f"{len(self.features)} id tensors, got {len(ids_list)}"
             )
         for f, ids in zip(self.features, ids_list):
-            self._check_ids(f, ids)
+            if ids.dtype not in (torch.int64, torch.int32):
+                self._check_ids(f, ids)  # raises, naming the feature
         counts = [ids.numel() for ids in ids_list]
         if (
             self._path(params, psw_list) == "fbgemm"
@@ -363,6 +415,10 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
                 ln[:n] = 1
                 lengths.append(ln)
             indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
+            lo, hi = torch.aminmax(indices)
+            if int(lo) < 0 or int(hi) >= self._min_rows:
+                for f, ids in zip(self.features, ids_list):
+                    self._check_ids(f, ids)
             all_len = torch.cat(lengths)
             offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=dev)
             torch.cumsum(all_len, 0, out=offsets[1:])
@@ -372,7 +428,12 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
                 part.reshape(tuple(ids.shape) + (d,))
                 for part, ids in zip(torch.split(out, counts, 0), ids_list)
             ]
-        return self.loop(ids_list, offsets_list, psw_list, params)
+        try:
+            return self.loop(ids_list, offsets_list, psw_list, params)
+        except (IndexError, RuntimeError):
+            for f, ids in zip(self.features, ids_list):
+                self._check_ids(f, ids)  # name the feature and table PyTorch complained about
+            raise
 
     def loop(self, ids_list, offsets_list, psw_list, params) -> List[torch.Tensor]:
         return [
