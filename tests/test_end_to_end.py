@@ -52,9 +52,9 @@ def test_weighted_bags_give_per_sample_weight_gradients():
 
 
 def test_demo_dlrm_lowers_all_26_tables_into_one_tbe():
-    from examples.dlrm import DLRM, make_batch
+    from examples.dlrm import DLRM, make_batch, table_rows
 
-    rows = [r // 100 + 4 for r in DLRM.__init__.__defaults__[0] or []] if False else [min(r, 2000) for r in __import__("examples.dlrm", fromlist=["x"]).CRITEO_ROWS]
+    rows = table_rows(cap=2000)
     model = DLRM(rows, dim=16)
     batch = make_batch(rows, batch=32, ids_per_bag=2)
     fast = fxrec.transform(model, batch, backend="fbgemm", verify=True)
