@@ -209,3 +209,21 @@ def test_example_batch_of_one_does_not_fix_the_batch_size():
     fast = fxrec.transform(model, M.field_inputs(batch=1), backend="fbgemm")
     assert_matches(model, fast, M.field_inputs(batch=3, seed=1), M.field_inputs(batch=1, seed=2))
     assert fast(*M.field_inputs(batch=0)).shape == (0, 1)
+
+
+def test_symbolic_traced_graph_module_with_call_module_lookups():
+    """A model the user already traced with torch.fx (lookups as call_module nodes) is lowered too."""
+
+    class Small(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.EmbeddingBag(10, 4), torch.nn.Embedding(10, 4)
+
+        def forward(self, i, o, c):
+            return torch.cat([self.a(i, o), self.b(c)], 1)
+
+    traced = torch.fx.symbolic_trace(Small())
+    assert sum(n.op == "call_module" for n in traced.graph.nodes) == 2
+    inputs = (torch.tensor([1, 2, 3]), torch.tensor([0, 2]), torch.tensor([4, 5]))
+    fast = fxrec.transform(traced, inputs, backend="fbgemm", verify=True)
+    assert len(fast.report.lowered) == 2 and not embedding_ops(fast)
