@@ -1,9 +1,8 @@
 """Model styles as people really write them (used by the end-to-end and pass tests)."""
 
-from typing import Dict, List
+from typing import List
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 

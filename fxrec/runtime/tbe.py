@@ -23,7 +23,7 @@ These modules know nothing of graphs or passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,6 @@ class EmbeddingGroup(nn.Module):
         self.pooling = pooling
         self.set_paths(path_train, path_eval)
         self.dims = [self.tables[f.table].dim for f in self.features]
-        self.uniform_dim = len(set(t.dim for t in self.tables)) == 1
         self._min_rows = min(t.num_rows for t in self.tables)
         self._bound: Optional[_Bound] = None
 

@@ -1,6 +1,4 @@
-import dataclasses
 
-import pytest
 import torch
 from hypothesis import given, strategies as st
 
