@@ -78,7 +78,8 @@ def transform(
         raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
-    reference_model = copy.deepcopy(model)
+    # A reference copy only when something will compare against it (tables can be large).
+    reference_model = copy.deepcopy(model) if (verify or check_passes) else None
     gm = capture(copy.deepcopy(model), args, kwargs)
 
     report = Report()

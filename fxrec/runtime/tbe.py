@@ -92,6 +92,9 @@ class EmbeddingGroup(nn.Module):
         self.set_paths(path_train, path_eval)
         self.dims = [self.tables[f.table].dim for f in self.features]
         self._min_rows = min(t.num_rows for t in self.tables)
+        self._features_of_table = [
+            [i for i, f in enumerate(self.features) if f.table == t] for t in range(len(self.tables))
+        ]
         self._bound: Optional[_Bound] = None
 
     def set_paths(self, path_train: str, path_eval: str) -> None:
@@ -116,6 +119,13 @@ class EmbeddingGroup(nn.Module):
         return state
 
     # ---------------------------------------------------------------- input checks
+    def _check_count(self, ids_list) -> None:
+        if len(ids_list) != len(self.features):
+            raise ValueError(
+                f"fxrec: group of tables {[t.name for t in self.tables]} expects "
+                f"{len(self.features)} id tensors, got {len(ids_list)}"
+            )
+
     def _check_ids(self, f: FeatureSpec, ids: torch.Tensor) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(
@@ -212,16 +222,12 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         psw_list: List[Optional[torch.Tensor]],
         params: List[torch.Tensor],
     ) -> torch.Tensor:
-        if len(ids_list) != len(self.features):
-            raise ValueError(
-                f"fxrec: group of tables {[t.name for t in self.tables]} expects "
-                f"{len(self.features)} id tensors, got {len(ids_list)}"
-            )
+        self._check_count(ids_list)
         if self._path(params, psw_list) == "fbgemm" and self._fbgemm_usable(params):
             packed = self._pack(ids_list, offsets_list, psw_list)
             if packed is not None:
                 indices, offsets, psw, batch = packed
-                self._validate_packed(indices, offsets, batch, ids_list, offsets_list)
+                self._validate_packed(indices, offsets, ids_list, offsets_list)
                 tbe = self._ensure_bound(params)
                 return _TBELookupFunction.apply(self, tbe, batch, indices, offsets, psw, *params)
         try:
@@ -231,14 +237,14 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             self._check_inputs(ids_list, offsets_list)
             raise
 
-    def _validate_packed(self, indices, offsets, batch, ids_list, offsets_list) -> None:
+    def _validate_packed(self, indices, offsets, ids_list, offsets_list) -> None:
         """Cheap checks on the packed input (a few ops for the whole group); on failure, the
         per-feature checks find the feature and raise a message that names it."""
         ok = True
         if indices.numel():
-            lo, hi = torch.aminmax(indices)
-            ok = int(lo) >= 0 and int(hi) < self._min_rows
-            if ok is False and int(lo) >= 0:  # tables of different sizes: check each feature
+            lo, hi = (int(x) for x in torch.aminmax(indices))
+            ok = lo >= 0 and hi < self._min_rows
+            if not ok and lo >= 0:  # tables of different sizes: check each feature
                 ok = all(
                     ids.numel() == 0 or int(ids.max()) < self.tables[f.table].num_rows
                     for f, ids in zip(self.features, ids_list)
@@ -250,11 +256,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             raise ValueError(f"fxrec: invalid ids or offsets for tables {[t.name for t in self.tables]}")
 
     def _check_inputs(self, ids_list, offsets_list) -> None:
-        if len(ids_list) != len(self.features):
-            raise ValueError(
-                f"fxrec: group of tables {[t.name for t in self.tables]} expects "
-                f"{len(self.features)} id tensors, got {len(ids_list)}"
-            )
+        self._check_count(ids_list)
         for f, ids, off in zip(self.features, ids_list, offsets_list):
             self._check_ids(f, ids)
             if f.form == "bag":
@@ -390,11 +392,7 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
         psw_list: List[Optional[torch.Tensor]],
         params: List[torch.Tensor],
     ) -> List[torch.Tensor]:
-        if len(ids_list) != len(self.features):
-            raise ValueError(
-                f"fxrec: group of tables {[t.name for t in self.tables]} expects "
-                f"{len(self.features)} id tensors, got {len(ids_list)}"
-            )
+        self._check_count(ids_list)
         for f, ids in zip(self.features, ids_list):
             if ids.dtype not in (torch.int64, torch.int32):
                 self._check_ids(f, ids)  # raises, naming the feature
@@ -408,17 +406,13 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
             # nobag TBE: feature f gets max(counts) bags, the first counts[f] of length one.
             bmax = max(counts)
             dev = ids_list[0].device
-            lengths = []
-            for n in counts:
-                ln = torch.zeros(bmax, dtype=torch.long, device=dev)
-                ln[:n] = 1
-                lengths.append(ln)
+            counts_t = torch.tensor(counts, device=dev)
+            all_len = (torch.arange(bmax, device=dev) < counts_t.unsqueeze(1)).long().reshape(-1)
             indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
             lo, hi = torch.aminmax(indices)
             if int(lo) < 0 or int(hi) >= self._min_rows:
                 for f, ids in zip(self.features, ids_list):
                     self._check_ids(f, ids)
-            all_len = torch.cat(lengths)
             offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=dev)
             torch.cumsum(all_len, 0, out=offsets[1:])
             out = _TBELookupFunction.apply(self, tbe, bmax, indices, offsets, None, *params)
@@ -511,7 +505,7 @@ class _TBELookupFunction(torch.autograd.Function):
         for t, (spec, p) in enumerate(zip(group.tables, params)):
             if not need[t]:
                 continue
-            mine = [i for i, f in enumerate(group.features) if f.table == t]
+            mine = group._features_of_table[t]
             ids_t = torch.cat([indices[bounds[i] : bounds[i + 1]] for i in mine])
             rows_t = torch.cat([rows_of(i) for i in mine])
             if spec.sparse:
