@@ -83,4 +83,29 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
             ".item(), .tolist()) out of forward or move it to the data loader; pass every tensor "
             "the model reads as an input rather than a global."
         ) from e
-    return ep.module()
+    gm = ep.module()
+    _cheaper_input_check(gm)
+    return gm
+
+
+def _cheaper_input_check(gm: fx.GraphModule) -> None:
+    """Keep export's check that calls match the captured input structure, minus its cost.
+
+    The unlifted module checks every call with pytree.tree_flatten_with_path, which builds a key
+    path per input tensor (about 0.2 ms for 53 tensors: 8 % of a 26-table forward). A plain
+    tree_structure comparison decides the common case; on a mismatch torch's own check runs and
+    raises its detailed message.
+    """
+    try:
+        from torch.export._unlift import _check_inputs_match
+    except ImportError:  # pragma: no cover - other torch releases keep their own check
+        return
+    if not getattr(gm, "validate_inputs", False) or not hasattr(gm, "_in_spec"):
+        return
+
+    def check(mod, args, kwargs):
+        if pytree.tree_structure((args, kwargs)) != mod._in_spec:
+            _check_inputs_match(args, kwargs, mod._in_spec)
+
+    gm.validate_inputs = False
+    gm.register_forward_pre_hook(check, with_kwargs=True)
