@@ -14,7 +14,12 @@ A run of consecutive arguments that are adjacent column slices of one group outp
 that output when the run covers all its columns (a cat of nothing else disappears entirely),
 or one wider slice when it covers part of them. Slices left without users are removed.
 
-Not handled: concatenations along another dim, slices out of column order.
+``torch.stack(..., dim=1)`` of [B, D] tensors (DLRM's interaction input) is folded the same way
+when a run covers a whole group whose tables all have dim D: the group output is reshaped to
+[B, k, D] and concatenated with the other tensors unsqueezed.
+
+Not handled: concatenations along another dim, slices out of column order, partial runs in a
+stack.
 """
 
 from __future__ import annotations
@@ -96,9 +101,61 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             graph.erase_node(cat)
         else:
             cat.args = (out,) + tuple(cat.args[1:])
+    for stack in list(graph.nodes):
+        if stack.op == "call_function" and stack.target is aten.stack.default:
+            folded += _fold_stack(gm, stack)
     removed = 0
     for n in reversed(list(graph.nodes)):
         if _group_slice(n) is not None and not n.users:
             graph.erase_node(n)
             removed += 1
     return PassResult(gm, folded > 0 or removed > 0, {"cats_folded": folded, "slices_removed": removed})
+
+
+def _fold_stack(gm: fx.GraphModule, stack: fx.Node) -> int:
+    """``stack([x, s_0 .. s_k], 1)`` of [B, D] tensors, where s_0..s_k are all columns of one
+    group whose tables all have dim D, becomes ``cat([x.unsqueeze(1), g.reshape(-1, k+1, D)], 1)``:
+    the group output is reshaped in place instead of being sliced and copied column by column."""
+    graph = gm.graph
+    dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+    if dim not in (1, -2):
+        return 0
+    tensors = list(stack.args[0])
+    parts: List = []
+    i = 0
+    changed = False
+    while i < len(tensors):
+        s = _group_slice(tensors[i])
+        if s is None:
+            parts.append(("one", tensors[i]))
+            i += 1
+            continue
+        group, start, end = s
+        dims = gm.get_submodule(group.target).dims
+        j = i + 1
+        while j < len(tensors):
+            t = _group_slice(tensors[j])
+            if t is None or t[0] is not group or t[1] != end:
+                break
+            end = t[2]
+            j += 1
+        if start == 0 and end == sum(dims) and len(set(dims)) == 1 and j - i == len(dims):
+            parts.append(("group", group, len(dims), dims[0]))
+            changed = True
+        else:
+            parts.extend(("one", t) for t in tensors[i:j])
+        i = j
+    if not changed:
+        return 0
+    with graph.inserting_before(stack):
+        pieces = []
+        for p in parts:
+            if p[0] == "one":
+                pieces.append(graph.call_function(aten.unsqueeze.default, (p[1], 1)))
+            else:
+                pieces.append(graph.call_function(aten.reshape.default, (p[1], [-1, p[2], p[3]])))
+        new = pieces[0] if len(pieces) == 1 else graph.call_function(aten.cat.default, (pieces, 1))
+    new.meta.update({k: v for k, v in stack.meta.items() if k in ("val", "stack_trace")})
+    stack.replace_all_uses_with(new)
+    graph.erase_node(stack)
+    return 1
