@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import logging
 from typing import Any, Dict, Optional, Union
 
@@ -10,6 +12,8 @@ import torch
 import torch.fx as fx
 
 from .capture import capture
+from .runtime.optimizer import CombinedOptimizer
+from .runtime.tbe import EmbeddingGroup
 from .pass_infra import Config, PassContext, PassManager
 from .pipeline import default_pipeline
 from .report import LookupEntry, Report
@@ -51,6 +55,7 @@ def transform(
     rtol: float = 1.3e-6,
     atol: float = 1e-5,
     check_passes: bool = False,
+    optimizer=None,
     timing_rounds: int = 5,
     logger: Optional[logging.Logger] = None,
 ) -> fx.GraphModule:
@@ -69,6 +74,10 @@ def transform(
         :class:`fxrec.VerificationError` naming the tables whose outputs or gradients differ.
       check_passes: after every pass, compare the graph against the original model (slow;
         meant for tests and for bisecting a wrong answer to one pass).
+      optimizer: an :mod:`fxrec.optim` optimizer for every embedding table, or a dict from table
+        name / parameter name / glob pattern to one. Where fbgemm implements it exactly, the
+        update runs inside backward; then build the training optimizer with
+        ``fast.make_optimizer(torch.optim.Adam, lr=...)`` (see :func:`make_optimizer`).
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -84,7 +93,7 @@ def transform(
 
     report = Report()
     ctx = PassContext(
-        config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds),
+        config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds, optimizer=optimizer),
         report=report, example_args=args, example_kwargs=kwargs,
         logger=logger or logging.getLogger("fxrec"),
     )
@@ -107,12 +116,63 @@ def transform(
             )
         )
     _note_modes(model, report)
-    # GraphModule keeps these attributes through deepcopy.
-    gm.meta.setdefault("_user_preserved_attributes", {})["report"] = report
-    gm.report = report
+    gm.meta["fxrec_table_optimizers"] = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
+    gm.meta["fxrec_fused_groups"] = [
+        (n.target, [w.target for w in n.args[3]])
+        for n in gm.graph.nodes
+        if n.op == "call_module" and str(n.target).startswith("fxrec_group_")
+        and gm.get_submodule(n.target).fused is not None
+    ]
+    # GraphModule keeps these attributes through deepcopy (the partial is re-pointed at the copy).
+    preserved = gm.meta.setdefault("_user_preserved_attributes", {})
+    preserved["report"] = report
+    preserved["make_optimizer"] = functools.partial(make_optimizer, gm)
+    for k, v in preserved.items():
+        setattr(gm, k, v)
     if verify:
-        compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)
+        with fused_updates_off(gm):  # verify compares gradients; it must not train the model
+            compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)
     return gm
+
+
+@contextlib.contextmanager
+def fused_updates_off(gm: torch.nn.Module):
+    """Inside: fused groups give gradients instead of updating their tables in backward."""
+    mods = [m for m in gm.modules() if isinstance(m, EmbeddingGroup)]
+    before = [m.fused_enabled for m in mods]
+    for m in mods:
+        m.fused_enabled = False
+    try:
+        yield
+    finally:
+        for m, b in zip(mods, before):
+            m.fused_enabled = b
+
+
+def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD, **kwargs) -> CombinedOptimizer:
+    """One optimizer for a transformed model, usable with torch.optim.lr_scheduler.
+
+    Parameters that are not embedding tables with an :mod:`fxrec.optim` optimizer get
+    ``dense_optimizer(params, **kwargs)``. Tables whose optimizer is fused are updated inside
+    backward (their learning rate is the fused group's ``"lr"`` in ``param_groups``); tables
+    whose optimizer is not fused get the torch.optim namesake, stepped in ``step()``.
+    """
+    table_opts = transformed.meta.get("fxrec_table_optimizers", {})
+    fused = []
+    fused_names = set()
+    for name, fqns in transformed.meta.get("fxrec_fused_groups", []):
+        mod = transformed.get_submodule(name)
+        if mod.fused_active:
+            fused.append((name, mod, [transformed.get_parameter(f) for f in fqns], list(fqns)))
+            fused_names.update(fqns)
+    by_config: Dict = {}
+    for fqn, (opt, sparse) in table_opts.items():
+        if fqn not in fused_names:
+            by_config.setdefault((opt, sparse), []).append(transformed.get_parameter(fqn))
+    fallbacks = [opt.torch_optimizer(params, sparse=sparse) for (opt, sparse), params in by_config.items()]
+    dense_params = [p for n, p in transformed.named_parameters() if p.requires_grad and n not in table_opts]
+    dense = dense_optimizer(dense_params, **kwargs) if dense_params else None
+    return CombinedOptimizer(dense, fallbacks, fused)
 
 
 def _note_modes(model: torch.nn.Module, report: Report) -> None:

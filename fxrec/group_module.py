@@ -22,8 +22,11 @@ def order_for_kernel(gr: meta.GroupRecord) -> None:
         gr.lookups.sort(key=lambda r: first[r.param])
 
 
-def build_group_module(gr: meta.GroupRecord) -> Tuple[EmbeddingGroup, Dict[str, int]]:
-    """The runtime module for ``gr`` and the index of each table param in its weight list."""
+def build_group_module(gr: meta.GroupRecord, with_optimizer: bool = True) -> Tuple[EmbeddingGroup, Dict[str, int]]:
+    """The runtime module for ``gr`` and the index of each table param in its weight list.
+
+    ``with_optimizer=False`` builds it without the fused optimizer (for timing and checks that
+    must not update the weights)."""
     order_for_kernel(gr)
     tables: List[TableSpec] = []
     index: Dict[str, int] = {}
@@ -39,7 +42,8 @@ def build_group_module(gr: meta.GroupRecord) -> Tuple[EmbeddingGroup, Dict[str, 
             )
         )
     cls = SequenceEmbeddingGroup if gr.pooling == "none" else PooledEmbeddingGroup
-    return cls(tables, features, gr.pooling, gr.path_train, gr.path_eval), index
+    fused = gr.fused if with_optimizer else None
+    return cls(tables, features, gr.pooling, gr.path_train, gr.path_eval, fused), index
 
 
 def group_inputs(gr: meta.GroupRecord, index: Dict[str, int], value) -> tuple:

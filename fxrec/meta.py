@@ -50,6 +50,8 @@ class LookupRecord:
     sparse: bool = False
     source: str = ""
     reason: str = ""
+    optimizer: object = None  # the table's fxrec.optim optimizer, if the user gave one
+
 
     @property
     def lowerable(self) -> bool:
@@ -74,10 +76,16 @@ class GroupRecord:
     lower: bool = True  # False: the plain lookups stay in the graph as they were
     why: str = ""
     timings_ms: dict = field(default_factory=dict)
+    fused: object = None  # runtime.tbe.FusedSpec when the optimizer runs inside backward
 
     @property
     def pooling(self) -> str:
         return self.key[0]
+
+    @property
+    def optimizer(self):
+        """The group's fxrec.optim optimizer (one per group: it is part of the group key)."""
+        return self.lookups[0].optimizer if self.lookups else None
 
     @property
     def tables(self) -> list:

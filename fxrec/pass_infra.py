@@ -20,6 +20,8 @@ class Config:
     timing_rounds: int = 5
     # In tests: after every pass that changed the graph, compare it against the original model.
     check_numerics: bool = False
+    # fxrec.optim optimizer, or dict from table name/pattern to one (None: plain gradients).
+    optimizer: Any = None
 
 
 @dataclass

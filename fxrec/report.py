@@ -30,6 +30,7 @@ class GroupEntry:
     path_eval: str = ""
     why: str = ""
     timings_ms: Dict[str, float] = field(default_factory=dict)
+    optimizer: str = ""  # the embedding optimizer and where it runs, if one was given
 
 
 @dataclass
@@ -87,6 +88,8 @@ class Report:
             lines.extend(_table(rows))
             for g in self.groups:
                 lines.append(f"  {g.name}: {', '.join(g.tables)}")
+                if g.optimizer:
+                    lines.append(f"    optimizer {g.optimizer}")
         if self.notes:
             lines.append("")
             lines.append("Notes")

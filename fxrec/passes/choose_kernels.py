@@ -104,7 +104,7 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             gr.lower = False
             gr.why = "not reached by the example inputs, so not measured: kept as plain lookups"
         else:
-            mod, index = build_group_module(gr)
+            mod, index = build_group_module(gr, with_optimizer=False)
             args = group_inputs(gr, index, lambda n: values.get(n) if isinstance(n, fx.Node) else n)
             t_eval = _measure(mod, args, False, ctx.config.timing_rounds)
             trains = any(p.requires_grad for p in args[3])
@@ -121,8 +121,9 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 f"{t_eval['loop']:.3g} ms; forward+backward fbgemm {t_train['fbgemm']:.3g} ms vs plain "
                 f"{t_train['loop']:.3g} ms"
             )
-            if not gr.lower:
-                gr.why += ": plain lookups are faster both ways, kept as they were"
+        _choose_optimizer_path(gr, backend)
+        if not gr.lower and gr.timings_ms:
+            gr.why += ": plain lookups are faster both ways, kept as they were"
         stats["fbgemm_fwd"] += gr.path_eval == "fbgemm"
         stats["fbgemm_train"] += gr.path_train == "fbgemm"
         stats["kept_plain"] += not gr.lower
@@ -131,7 +132,35 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 name=gr.name, pooling=gr.pooling, tables=[r.table for r in gr.lookups if r.table],
                 features=[r.feature for r in gr.lookups], lowered=gr.lower,
                 path_train=gr.path_train if gr.lower else "plain", path_eval=gr.path_eval if gr.lower else "plain",
-                why=gr.why, timings_ms=dict(gr.timings_ms),
+                why=gr.why, timings_ms=dict(gr.timings_ms), optimizer=_optimizer_text(gr),
             )
         )
     return PassResult(gm, False, {"groups": len(ctx.groups), **stats})
+
+
+def _choose_optimizer_path(gr: meta.GroupRecord, backend: str) -> None:
+    """Where the group's optimizer runs: fused into fbgemm's backward, or torch.optim in step()."""
+    opt = gr.optimizer
+    gr.fused = None
+    if opt is None:
+        return
+    spec = opt.fused_spec()
+    if spec is None:
+        gr.why += f"; optimizer: {opt.fused_unsupported_reason()}, so torch.optim in opt.step()"
+        return
+    if backend == "loop":
+        gr.why += "; optimizer: backend='loop', so torch.optim in opt.step()"
+        return
+    # The fused update needs fbgemm's backward: training takes the TBE path.
+    # (Not timed against the fallback yet: the fused path is taken whenever it exists.)
+    gr.fused = spec
+    gr.path_train = "fbgemm"
+    gr.lower = True
+    gr.why += f"; optimizer: fused {spec.kind} inside backward (not timed against the torch.optim fallback)"
+
+
+def _optimizer_text(gr: meta.GroupRecord) -> str:
+    if gr.optimizer is None:
+        return ""
+    where = "fused into backward" if gr.fused is not None else "torch.optim in opt.step()"
+    return f"{gr.optimizer.describe()}: {where}"

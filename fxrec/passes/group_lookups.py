@@ -37,8 +37,8 @@ def group_key(rec: meta.LookupRecord) -> tuple:
     """What must be equal for two lookups to share one TBE.
 
     pooling (one TBE pools one way), weighted or not, dtype and device (one weight buffer),
-    sparse gradient or not (one gradient layout), and for unpooled lookups the dim (fbgemm's
-    sequence TBE has one dim for all its tables).
+    sparse gradient or not (one gradient layout), for unpooled lookups the dim (fbgemm's
+    sequence TBE has one dim for all its tables), and the optimizer (one TBE runs one).
     """
     return (
         rec.pooling,
@@ -47,6 +47,7 @@ def group_key(rec: meta.LookupRecord) -> tuple:
         rec.device,
         rec.sparse,
         rec.dim if rec.pooling == "none" else None,
+        rec.optimizer,
     )
 
 

@@ -58,25 +58,36 @@ def make_training_tbe(
     feature_table_map: List[int],
     pooling: str,
     device: torch.device,
+    optimizer: str = "none",
+    learning_rate: float = 0.0,
+    eps: float = 1e-8,
 ) -> "SplitTableBatchedEmbeddingBagsCodegen":
     """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device`.
 
-    The module is used for its forward kernel only: fxrec computes PyTorch's gradients
-    itself, so the optimizer given to fbgemm (exact SGD) never runs, and the learning rate is
-    zero so that even an accidental backward through it would change nothing.
+    ``optimizer="none"``: the module is used for its forward kernel only (fxrec computes
+    PyTorch's gradients itself), so fbgemm gets exact SGD with learning rate zero, which never
+    runs. Otherwise ``"sgd"``, ``"adagrad"`` or ``"rowwise_adagrad"``: the update fbgemm fuses
+    into its backward, with ``learning_rate`` and ``eps``.
     """
     require_fbgemm()
     on_cpu = device.type == "cpu"
     location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
     compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
     mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
+    kinds = {
+        "none": EmbOptimType.EXACT_SGD,
+        "sgd": EmbOptimType.EXACT_SGD,
+        "adagrad": EmbOptimType.EXACT_ADAGRAD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(int(r), int(d), location, compute) for r, d in rows_dims],
             feature_table_map=list(feature_table_map),
-            optimizer=EmbOptimType.EXACT_SGD,
-            learning_rate=0.0,
+            optimizer=kinds[optimizer],
+            learning_rate=0.0 if optimizer == "none" else float(learning_rate),
+            eps=float(eps),
             pooling_mode=mode,
             device=device if not on_cpu else None,
             # fxrec validates ids itself, with messages that name the table and feature.

@@ -64,6 +64,20 @@ class TableSpec:
     sparse: bool = False
 
 
+@dataclass(frozen=True)
+class FusedSpec:
+    """An optimizer fbgemm applies inside the TBE backward: ``sgd``, ``adagrad`` or
+    ``rowwise_adagrad``, with its learning rate and eps."""
+
+    kind: str
+    lr: float
+    eps: float = 1e-8
+
+
+# Names of the optimizer states fbgemm keeps per table, in split_optimizer_states() order.
+FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",)}
+
+
 class _Bound:
     """fbgemm TBE whose flat weight buffer the group's parameters are views of."""
 
@@ -82,6 +96,7 @@ class EmbeddingGroup(nn.Module):
         pooling: str,
         path_train: str = "fbgemm",
         path_eval: str = "fbgemm",
+        fused: Optional[FusedSpec] = None,
     ):
         super().__init__()
         if pooling not in ("sum", "mean", "none"):
@@ -96,6 +111,32 @@ class EmbeddingGroup(nn.Module):
             [i for i, f in enumerate(self.features) if f.table == t] for t in range(len(self.tables))
         ]
         self._bound: Optional[_Bound] = None
+        self.fused = fused
+        # Off while fxrec verifies or times the group: gradients instead of updates.
+        self.fused_enabled = True
+        self._carry_states: Optional[List[List[torch.Tensor]]] = None
+
+    @property
+    def fused_active(self) -> bool:
+        """Training updates the tables inside backward (no gradients reach the parameters)."""
+        return self.fused is not None and self.fused_enabled and self.path_train == "fbgemm"
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Learning rate of the fused optimizer (from the next backward on)."""
+        if self.fused is None:
+            raise RuntimeError(f"fxrec: tables {[t.name for t in self.tables]} have no fused optimizer")
+        if lr != self.fused.lr:
+            self.fused = FusedSpec(self.fused.kind, float(lr), self.fused.eps)
+            if self._bound is not None:
+                self._bound.tbe.set_learning_rate(float(lr))
+
+    def optimizer_states(self, params: Sequence[torch.Tensor]) -> List[dict]:
+        """Per table, the fused optimizer's state tensors by name (views: writes go to the kernel)."""
+        if self.fused is None:
+            return [{} for _ in self.tables]
+        states = self._ensure_bound(params).split_optimizer_states()
+        names = FUSED_STATE_NAMES[self.fused.kind]
+        return [dict(zip(names, per_table)) for per_table in states]
 
     def set_paths(self, path_train: str, path_eval: str) -> None:
         for p in (path_train, path_eval):
@@ -116,6 +157,9 @@ class EmbeddingGroup(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_bound"] = None
+        if self._bound is not None and self.fused is not None:
+            # the fused optimizer's states travel with the copy (its TBE is rebuilt)
+            state["_carry_states"] = [[x.detach().clone() for x in t] for t in self._bound.tbe.split_optimizer_states()]
         return state
 
     # ---------------------------------------------------------------- input checks
@@ -193,23 +237,46 @@ class EmbeddingGroup(nn.Module):
                     f"({t.num_rows}, {t.dim}) as when the model was transformed"
                 )
         ftm = [f.table for f in self.features]
+        fused = self.fused
         tbe = _fbgemm.make_training_tbe(
-            [(t.num_rows, t.dim) for t in self.tables], ftm, self.pooling, params[0].device
+            [(t.num_rows, t.dim) for t in self.tables], ftm, self.pooling, params[0].device,
+            optimizer=fused.kind if fused else "none", learning_rate=fused.lr if fused else 0.0,
+            eps=fused.eps if fused else 1e-8,
         )
         views = tbe.split_embedding_weights()
+        old_states = (
+            self._bound.tbe.split_optimizer_states() if self._bound is not None and fused else self._carry_states
+        )
         with torch.no_grad():
             for p, v in zip(params, views):
                 v.copy_(p.detach())
                 p.data = v
+            if fused and old_states:
+                for new_t, old_t in zip(tbe.split_optimizer_states(), old_states):
+                    for n, o in zip(new_t, old_t):
+                        n.copy_(o)
+        self._carry_states = None
         self._bound = _Bound(tbe, [p.data_ptr() for p in params])
         return self._bound
 
-    def _path(self, params: Sequence[torch.Tensor], psw_list) -> str:
-        grad = torch.is_grad_enabled() and (
+    def _run_tbe(self, tbe, batch, indices, offsets, psw, params, training: bool):
+        """fbgemm forward: with the fused optimizer in training (fbgemm's backward updates the
+        tables), else with PyTorch's gradients."""
+        if training and self.fused_active:
+            return tbe(indices, offsets, per_sample_weights=psw)
+        return _TBELookupFunction.apply(self, tbe, batch, indices, offsets, psw, *params)
+
+    def _fused_unusable(self, params, why: str):
+        raise RuntimeError(
+            f"fxrec: tables {[t.name for t in self.tables]} train with a fused optimizer, but {why}; "
+            "transform without optimizer= (or with backend='loop') to use torch.optim instead"
+        )
+
+    def _training(self, params: Sequence[torch.Tensor], psw_list) -> bool:
+        return torch.is_grad_enabled() and (
             any(p.requires_grad for p in params)
             or any(w is not None and w.requires_grad for w in psw_list)
         )
-        return self.path_train if grad else self.path_eval
 
 
 class PooledEmbeddingGroup(EmbeddingGroup):
@@ -223,13 +290,22 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         params: List[torch.Tensor],
     ) -> torch.Tensor:
         self._check_count(ids_list)
-        if self._path(params, psw_list) == "fbgemm" and self._fbgemm_usable(params):
+        training = self._training(params, psw_list)
+        fused = training and self.fused_active
+        if fused and not self._fbgemm_usable(params):
+            self._fused_unusable(params, "fbgemm cannot run them (fbgemm missing, or not fp32 on one device)")
+        if (self.path_train if training else self.path_eval) == "fbgemm" and self._fbgemm_usable(params):
             packed = self._pack(ids_list, offsets_list, psw_list)
             if packed is not None:
                 indices, offsets, psw, batch = packed
                 self._validate_packed(indices, offsets, ids_list, offsets_list)
                 tbe = self._ensure_bound(params)
-                return _TBELookupFunction.apply(self, tbe, batch, indices, offsets, psw, *params)
+                return self._run_tbe(tbe, batch, indices, offsets, psw, params, training)
+            if fused and any(ids.numel() for ids in ids_list):
+                self._fused_unusable(params, "its features have different batch sizes")
+            if fused:  # empty batch: nothing to update
+                with torch.no_grad():
+                    return self.loop(ids_list, offsets_list, psw_list, params)
         try:
             return self.loop(ids_list, offsets_list, psw_list, params)
         except (IndexError, RuntimeError, TypeError, ValueError):
@@ -377,8 +453,8 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
     kernel reads wrong rows otherwise.
     """
 
-    def __init__(self, tables, features, pooling="none", path_train="fbgemm", path_eval="fbgemm"):
-        super().__init__(tables, features, pooling, path_train, path_eval)
+    def __init__(self, tables, features, pooling="none", path_train="fbgemm", path_eval="fbgemm", fused=None):
+        super().__init__(tables, features, pooling, path_train, path_eval, fused)
         ftm = [f.table for f in self.features]
         if ftm != sorted(ftm):
             raise ValueError(f"fxrec: sequence group features must be ordered by table, got table order {ftm}")
@@ -397,8 +473,14 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
             if ids.dtype not in (torch.int64, torch.int32):
                 self._check_ids(f, ids)  # raises, naming the feature
         counts = [ids.numel() for ids in ids_list]
+        training = self._training(params, psw_list)
+        if training and self.fused_active and not self._fbgemm_usable(params):
+            self._fused_unusable(params, "fbgemm cannot run them (fbgemm missing, or not fp32 on one device)")
+        if max(counts) == 0 and training and self.fused_active:
+            with torch.no_grad():
+                return self.loop(ids_list, offsets_list, psw_list, params)
         if (
-            self._path(params, psw_list) == "fbgemm"
+            (self.path_train if training else self.path_eval) == "fbgemm"
             and self._fbgemm_usable(params)
             and max(counts) > 0
         ):
@@ -415,7 +497,7 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
                     self._check_ids(f, ids)
             offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=dev)
             torch.cumsum(all_len, 0, out=offsets[1:])
-            out = _TBELookupFunction.apply(self, tbe, bmax, indices, offsets, None, *params)
+            out = self._run_tbe(tbe, bmax, indices, offsets, None, params, training)
             d = self.tables[0].dim
             return [
                 part.reshape(tuple(ids.shape) + (d,))

@@ -1,0 +1,176 @@
+"""Embedding optimizers that fxrec can fuse into the backward of a table-batched embedding.
+
+Pass one to ``fxrec.transform(model, inputs, optimizer=...)`` (or a dict from table name or
+glob pattern to optimizer, for a per-table choice). Each takes the keyword arguments of its
+``torch.optim`` namesake, with the same meaning and defaults; ``RowWiseAdagrad`` is fbgemm's
+row-wise Adagrad (one accumulator per row: ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``).
+
+Where fbgemm's kernel implements the optimizer exactly, the update runs inside ``backward``
+("fused": no gradient is made). Otherwise the table gets PyTorch's gradient and the torch.optim
+namesake (or :class:`RowWiseAdagradTorch`) updates it in ``opt.step()`` ("fallback"); the
+report says which path every table takes. The CPU build of fbgemm fuses SGD, Adagrad and
+row-wise Adagrad only; Adam always takes the fallback (fbgemm's Adam updates only the rows in
+the batch, which is not torch.optim.Adam's arithmetic).
+
+Then ``fast.make_optimizer(torch.optim.Adam, lr=1e-3)`` gives one optimizer for the model:
+dense parameters with the given class, embedding tables with theirs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from .runtime.tbe import FusedSpec
+
+
+class EmbeddingOptimizer:
+    """Base of the optimizer configurations."""
+
+    torch_name = ""
+
+    def fused_spec(self) -> Optional[FusedSpec]:
+        """The fbgemm kernel configuration when fbgemm computes exactly this update, else None."""
+        return None
+
+    def fused_unsupported_reason(self) -> str:
+        return ""
+
+    def torch_optimizer(self, params, sparse: bool = False) -> torch.optim.Optimizer:
+        """The fallback: the same update done by a torch optimizer on PyTorch's gradients
+        (``sparse``: the tables were created with sparse=True)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in asdict(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+@dataclass(frozen=True)
+class SGD(EmbeddingOptimizer):
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def fused_spec(self):
+        return None if self.fused_unsupported_reason() else FusedSpec("sgd", self.lr)
+
+    def fused_unsupported_reason(self) -> str:
+        if self.momentum or self.weight_decay or self.nesterov:
+            return "fbgemm's exact SGD has no momentum or weight decay"
+        return ""
+
+    def torch_optimizer(self, params, sparse=False):
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
+                               weight_decay=self.weight_decay, nesterov=self.nesterov)
+
+
+@dataclass(frozen=True)
+class Adagrad(EmbeddingOptimizer):
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+
+    def fused_spec(self):
+        return None if self.fused_unsupported_reason() else FusedSpec("adagrad", self.lr, self.eps)
+
+    def fused_unsupported_reason(self) -> str:
+        if self.lr_decay or self.weight_decay or self.initial_accumulator_value:
+            return "fbgemm's exact Adagrad has no lr_decay, weight_decay or initial_accumulator_value"
+        return ""
+
+    def torch_optimizer(self, params, sparse=False):
+        return torch.optim.Adagrad(params, lr=self.lr, lr_decay=self.lr_decay, weight_decay=self.weight_decay,
+                                   initial_accumulator_value=self.initial_accumulator_value, eps=self.eps)
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad(EmbeddingOptimizer):
+    lr: float = 1e-2
+    eps: float = 1e-8
+
+    def fused_spec(self):
+        return FusedSpec("rowwise_adagrad", self.lr, self.eps)
+
+    def torch_optimizer(self, params, sparse=False):
+        return RowWiseAdagradTorch(params, lr=self.lr, eps=self.eps)
+
+
+@dataclass(frozen=True)
+class Adam(EmbeddingOptimizer):
+    lr: float = 1e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+
+    def fused_unsupported_reason(self) -> str:
+        return "fxrec does not fuse Adam: fbgemm's Adam (CUDA only) updates only the rows in the batch"
+
+    def torch_optimizer(self, params, sparse=False):
+        if sparse:
+            return torch.optim.SparseAdam(params, lr=self.lr, betas=self.betas, eps=self.eps)
+        return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                                weight_decay=self.weight_decay, amsgrad=self.amsgrad)
+
+
+class RowWiseAdagradTorch(torch.optim.Optimizer):
+    """fbgemm's row-wise Adagrad as a torch optimizer (dense or sparse gradients)."""
+
+    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8):
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "sum" not in state:
+                    state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
+                g = p.grad
+                if g.is_sparse:
+                    g = g.coalesce()
+                    rows, vals = g.indices()[0], g.values()
+                else:
+                    rows = torch.nonzero(g.abs().sum(1)).squeeze(1)
+                    vals = g[rows]
+                s = state["sum"]
+                s.index_add_(0, rows, vals.pow(2).mean(1))
+                p.index_add_(0, rows, -group["lr"] * vals / (s[rows].sqrt() + group["eps"]).unsqueeze(1))
+        return loss
+
+
+OptimizerSpec = Union[EmbeddingOptimizer, Dict[str, EmbeddingOptimizer], None]
+
+
+def resolve(spec: OptimizerSpec, table: str, param: str) -> Optional[EmbeddingOptimizer]:
+    """The optimizer for one table: a single optimizer applies to all tables; in a dict, the
+    first key that equals or glob-matches the table name (or its parameter name) wins."""
+    if spec is None or isinstance(spec, EmbeddingOptimizer):
+        return spec
+    for pattern, opt in spec.items():
+        if pattern in (table, param) or fnmatch.fnmatchcase(table, pattern) or fnmatch.fnmatchcase(param, pattern):
+            return opt
+    return None
+
+
+def check_spec(spec: OptimizerSpec) -> None:
+    if spec is None or isinstance(spec, EmbeddingOptimizer):
+        return
+    if not isinstance(spec, dict):
+        raise TypeError(
+            f"fxrec: optimizer must be an fxrec.optim optimizer or a dict of them, got {type(spec).__name__}"
+        )
+    for k, v in spec.items():
+        if not isinstance(v, EmbeddingOptimizer):
+            raise TypeError(f"fxrec: optimizer for '{k}' must be an fxrec.optim optimizer, got {type(v).__name__}")

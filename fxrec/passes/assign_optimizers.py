@@ -1,0 +1,48 @@
+"""assign_optimizers: give every lookup the embedding optimizer the user chose for its table.
+
+``transform(..., optimizer=fxrec.optim.RowWiseAdagrad(lr=0.05))`` applies to every table;
+a dict maps table names (``"bags.0"``), parameter names (``"bags.0.weight"``) or glob patterns
+(``"bags.*"``) to optimizers, the first matching key winning. The optimizer becomes part of the
+group key, so groups split where tables want different optimizers.
+
+Before/After: the graph is unchanged; ``LookupRecord.optimizer`` is set.
+
+Not handled: a dict key that matches no table is an error that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from .. import meta
+from ..optim import check_spec, resolve
+from ..pass_infra import PassContext, PassResult, compiler_pass
+
+
+@compiler_pass(needs=(meta.LOOKUP,), provides=("optimizers",))
+def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    spec = ctx.config.optimizer
+    check_spec(spec)
+    if spec is None:
+        return PassResult(gm, False, {})
+    used = set()
+    assigned = 0
+    for node in gm.graph.nodes:
+        rec = node.meta.get(meta.LOOKUP)
+        if rec is None:
+            continue
+        opt = resolve(spec, rec.table, rec.param)
+        if opt is None:
+            continue
+        if isinstance(spec, dict):
+            used.update(k for k, v in spec.items() if v is opt)
+        node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=opt)
+        assigned += 1
+    if isinstance(spec, dict):
+        unused = [k for k in spec if k not in used]
+        if unused:
+            tables = sorted({n.meta[meta.LOOKUP].table for n in gm.graph.nodes if meta.LOOKUP in n.meta})
+            raise ValueError(f"fxrec: optimizer keys {unused} match no embedding table; the tables are {tables}")
+    return PassResult(gm, False, {"lookups_with_optimizer": assigned})

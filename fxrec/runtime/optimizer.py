@@ -1,0 +1,108 @@
+"""One optimizer for a transformed model: dense parameters, fallback tables, fused tables.
+
+``CombinedOptimizer`` is a ``torch.optim.Optimizer`` so that ``torch.optim.lr_scheduler`` works
+on it. Its ``param_groups`` are, in order, the dense optimizer's groups, the fallback
+optimizers' groups (tables whose optimizer runs in ``step()``), and one group per fused TBE
+(tables updated inside backward; their ``params`` are listed for reference and never get
+gradients). Changing a fused group's ``"lr"`` (by hand or by a scheduler) reaches the kernel at
+the next forward.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .tbe import EmbeddingGroup
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    def __init__(
+        self,
+        dense: Optional[torch.optim.Optimizer],
+        fallbacks: Sequence[torch.optim.Optimizer],
+        fused: Sequence[Tuple[str, EmbeddingGroup, List[torch.nn.Parameter], List[str]]],
+    ):
+        # torch.optim.Optimizer.__init__ sets up the hook tables that step() wrappers and
+        # schedulers use; the real groups are the sub-optimizers' own dicts, shared below.
+        super().__init__([torch.zeros(0, requires_grad=True)], {})
+        self.dense = dense
+        self.fallbacks = list(fallbacks)
+        self.fused = list(fused)
+        self.fused_groups: List[dict] = []
+        for name, mod, params, names in self.fused:
+            group = {"params": list(params), "lr": mod.fused.lr, "fxrec_fused": name, "tables": list(names)}
+            self.fused_groups.append(group)
+            old = getattr(mod, "_fxrec_lr_hook", None)
+            if old is not None:
+                old.remove()
+            mod._fxrec_lr_hook = mod.register_forward_pre_hook(lambda m, a, g=group: m.set_learning_rate(g["lr"]))
+        self.param_groups = (
+            (list(dense.param_groups) if dense is not None else [])
+            + [g for o in self.fallbacks for g in o.param_groups]
+            + self.fused_groups
+        )
+        self.state = {}
+
+    def _sync_fused_lr(self) -> None:
+        for (_, mod, _, _), group in zip(self.fused, self.fused_groups):
+            mod.set_learning_rate(group["lr"])
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.dense is not None:
+            self.dense.step()
+        for o in self.fallbacks:
+            o.step()
+        self._sync_fused_lr()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.dense is not None:
+            self.dense.zero_grad(set_to_none=set_to_none)
+        for o in self.fallbacks:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict:
+        fused_state = {}
+        for name, mod, params, names in self.fused:
+            for fqn, states in zip(names, mod.optimizer_states(params)):
+                for k, v in states.items():
+                    fused_state[f"{fqn}.{k}"] = v.detach().clone()
+        return {
+            "dense": self.dense.state_dict() if self.dense is not None else None,
+            "fallback": [o.state_dict() for o in self.fallbacks],
+            "fused": fused_state,
+            "fused_lr": {g["fxrec_fused"]: g["lr"] for g in self.fused_groups},
+        }
+
+    def load_state_dict(self, state_dict: Dict) -> None:
+        if (state_dict.get("dense") is None) != (self.dense is None) or len(state_dict["fallback"]) != len(self.fallbacks):
+            raise ValueError("fxrec: this optimizer state was saved from an optimizer of another shape")
+        if self.dense is not None:
+            self.dense.load_state_dict(state_dict["dense"])
+        for o, sd in zip(self.fallbacks, state_dict["fallback"]):
+            o.load_state_dict(sd)
+        saved = state_dict["fused"]
+        with torch.no_grad():
+            for name, mod, params, names in self.fused:
+                for fqn, states in zip(names, mod.optimizer_states(params)):
+                    for k, v in states.items():
+                        key = f"{fqn}.{k}"
+                        if key not in saved:
+                            raise KeyError(f"fxrec: optimizer state '{key}' is missing from the checkpoint")
+                        v.copy_(saved[key])
+        for g in self.fused_groups:
+            if g["fxrec_fused"] in state_dict.get("fused_lr", {}):
+                g["lr"] = state_dict["fused_lr"][g["fxrec_fused"]]
+        self._sync_fused_lr()
+
+    def __repr__(self) -> str:
+        parts = [f"dense: {type(self.dense).__name__ if self.dense is not None else None}"]
+        parts += [f"fallback: {type(o).__name__} ({sum(len(g['params']) for g in o.param_groups)} tables)" for o in self.fallbacks]
+        parts += [f"fused {m.fused.kind} in {n}: {len(p)} tables" for n, m, p, _ in self.fused]
+        return "CombinedOptimizer(" + "; ".join(parts) + ")"
