@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from .capture import capture
+from .optim import check_spec as check_optimizer_spec
 from .runtime.optimizer import CombinedOptimizer
 from .runtime.tbe import EmbeddingGroup
 from .pass_infra import Config, PassContext, PassManager
@@ -85,6 +86,7 @@ def transform(
     """
     if backend not in BACKENDS:
         raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
+    check_optimizer_spec(optimizer)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     # A reference copy only when something will compare against it (tables can be large).

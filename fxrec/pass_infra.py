@@ -65,7 +65,11 @@ def compiler_pass(needs: Sequence[str] = (), provides: Sequence[str] = ()):
 
 
 class PassError(RuntimeError):
-    pass
+    """A pass failed: a bug in fxrec or a model it does not handle; names the pass."""
+
+
+class InputError(ValueError):
+    """What the user asked for is wrong; raised by a pass and passed to the user as it is."""
 
 
 class PassManager:
@@ -96,6 +100,8 @@ class PassManager:
                     gm.recompile()
                     if ctx.config.check_numerics and ctx.reference is not None:
                         ctx.reference(gm)
+            except InputError:
+                raise
             except Exception as e:
                 before = ", ".join(done) or "none"
                 raise PassError(

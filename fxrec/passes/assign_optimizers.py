@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..optim import check_spec, resolve
-from ..pass_infra import PassContext, PassResult, compiler_pass
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 
 
 @compiler_pass(needs=(meta.LOOKUP,), provides=("optimizers",))
@@ -44,5 +44,5 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         unused = [k for k in spec if k not in used]
         if unused:
             tables = sorted({n.meta[meta.LOOKUP].table for n in gm.graph.nodes if meta.LOOKUP in n.meta})
-            raise ValueError(f"fxrec: optimizer keys {unused} match no embedding table; the tables are {tables}")
+            raise InputError(f"fxrec: optimizer keys {unused} match no embedding table; the tables are {tables}")
     return PassResult(gm, False, {"lookups_with_optimizer": assigned})

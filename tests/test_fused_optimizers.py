@@ -1,0 +1,217 @@
+"""Fused embedding optimizers: 20 training steps against torch.optim on the plain model."""
+
+import copy
+
+import pytest
+import torch
+
+import fxrec
+from fxrec.optim import RowWiseAdagradTorch
+from fxrec.testing import group_calls
+from tests import models as M
+
+ROWS = (40, 30, 20)
+
+
+class RowWiseAdagradReference(torch.optim.Optimizer):
+    """fbgemm's row-wise Adagrad written out on dense gradients, independently of fxrec:
+    per row r: sum[r] += mean(g[r]**2);  w[r] -= lr * g[r] / (sqrt(sum[r]) + eps), rows with g == 0 untouched."""
+
+    def __init__(self, params, lr, eps=1e-8):
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                s = self.state[p].setdefault("sum", torch.zeros(p.shape[0]))
+                g = p.grad.to_dense()
+                touched = g.abs().sum(1) > 0
+                s[touched] += (g[touched] ** 2).mean(1)
+                p[touched] -= group["lr"] * g[touched] / (s[touched].sqrt() + group["eps"]).unsqueeze(1)
+
+
+def duplicate_heavy_inputs(seed, batch=6):
+    """Bag inputs with empty bags and ids repeated within bags and across the batch."""
+    dense, ids, offs = M.bag_inputs(rows=ROWS, batch=batch, seed=seed)
+    ids = [torch.where(torch.rand(i.shape, generator=torch.Generator().manual_seed(seed)) < 0.5, i % 3, i) for i in ids]
+    return dense, ids, offs
+
+
+CASES = {
+    "sgd": (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1), "fused"),
+    "adagrad": (fxrec.optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1), "fused"),
+    "adagrad_eps": (fxrec.optim.Adagrad(lr=0.1, eps=1e-3), lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-3), "fused"),
+    "rowwise_adagrad": (fxrec.optim.RowWiseAdagrad(lr=0.1), lambda p: RowWiseAdagradReference(p, lr=0.1), "fused"),
+    "adam_fallback": (fxrec.optim.Adam(lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01), "fallback"),
+    "sgd_momentum_fallback": (fxrec.optim.SGD(lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "fallback"),
+}
+
+
+def train_both(model_fn, inputs_fn, opt_cfg, torch_opt, steps=20, backend="fbgemm", **transform_kw):
+    model = model_fn()
+    fast = fxrec.transform(model, inputs_fn(0), optimizer=opt_cfg, backend=backend, **transform_kw)
+    ref = copy.deepcopy(model)
+    tables = {n for n, _ in ref.named_parameters() if n in fast.meta["fxrec_table_optimizers"]}
+    ref_opts = [torch_opt([p for n, p in ref.named_parameters() if n in tables])]
+    dense = [p for n, p in ref.named_parameters() if n not in tables]
+    if dense:
+        ref_opts.append(torch.optim.Adam(dense, lr=1e-3))
+    opt = fast.make_optimizer(torch.optim.Adam, lr=1e-3)
+    for step in range(steps):
+        x = inputs_fn(step + 1)
+        for o in ref_opts:
+            o.zero_grad()
+        ref(*x).sin().sum().backward()
+        for o in ref_opts:
+            o.step()
+        opt.zero_grad()
+        fast(*x).sin().sum().backward()
+        opt.step()
+    return ref, fast, opt
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_twenty_steps_match_torch_optim(case):
+    opt_cfg, torch_opt, where = CASES[case]
+    ref, fast, opt = train_both(lambda: M.BagList(rows=ROWS), duplicate_heavy_inputs, opt_cfg, torch_opt)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+    assert where in ("fused" if "fused" in fast.report.groups[0].optimizer else "fallback")
+    if where == "fused":
+        assert all(fast.get_parameter(f"bags.{i}.weight").grad is None for i in range(3))
+
+
+def test_shared_table_repeated_across_features_fused_rowwise():
+    ref, fast, _ = train_both(
+        M.SharedTables, lambda s: M.shared_inputs(seed=s), fxrec.optim.RowWiseAdagrad(lr=0.2),
+        lambda p: RowWiseAdagradReference(p, lr=0.2),
+    )
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_torch_rowwise_fallback_matches_the_reference():
+    ref, fast, _ = train_both(
+        lambda: M.BagList(rows=ROWS), duplicate_heavy_inputs, fxrec.optim.RowWiseAdagrad(lr=0.1),
+        lambda p: RowWiseAdagradReference(p, lr=0.1), backend="loop",
+    )
+    assert isinstance(fast.make_optimizer().fallbacks[0], RowWiseAdagradTorch)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_lr_scheduler_changes_the_fused_learning_rate():
+    model = M.BagList(rows=ROWS)
+    fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ref_opt, opt)]
+    for step in range(8):
+        x = M.bag_inputs(rows=ROWS, seed=step)
+        for m, o, s in ((ref, ref_opt, scheds[0]), (fast, opt, scheds[1])):
+            o.zero_grad()
+            m(*x).sin().sum().backward()
+            o.step()
+            s.step()
+    assert opt.fused_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("opt_cfg", [fxrec.optim.Adagrad(lr=0.1), fxrec.optim.RowWiseAdagrad(lr=0.1), fxrec.optim.Adam(lr=0.01)],
+                         ids=["adagrad", "rowwise", "adam_fallback"])
+def test_checkpoint_round_trip_mid_training_gives_the_same_trajectory(opt_cfg, tmp_path):
+    model = M.BagList(rows=ROWS)
+    example = M.bag_inputs(rows=ROWS)
+
+    def run(m, o, steps):
+        for s in steps:
+            o.zero_grad()
+            m(*duplicate_heavy_inputs(s)).sin().sum().backward()
+            o.step()
+
+    a = fxrec.transform(model, example, optimizer=opt_cfg, backend="fbgemm")
+    opt_a = a.make_optimizer(torch.optim.Adam, lr=1e-3)
+    run(a, opt_a, range(5))
+    torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, tmp_path / "ckpt.pt")
+    run(a, opt_a, range(5, 10))
+
+    b = fxrec.transform(M.BagList(rows=ROWS), example, optimizer=opt_cfg, backend="fbgemm")
+    opt_b = b.make_optimizer(torch.optim.Adam, lr=1e-3)
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    b.load_state_dict(ckpt["model"])
+    opt_b.load_state_dict(ckpt["opt"])
+    run(b, opt_b, range(5, 10))
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k
+    if "fused" in a.report.groups[0].optimizer:
+        assert any(k.endswith(".sum") for k in ckpt["opt"]["fused"])
+
+
+def test_per_table_optimizers_split_groups_and_bad_keys_are_named():
+    model = M.BagList(rows=ROWS)
+    inputs = M.bag_inputs(rows=ROWS)
+    spec = {"bags.0": fxrec.optim.SGD(lr=0.1), "bags.[12]": fxrec.optim.RowWiseAdagrad(lr=0.1)}
+    fast = fxrec.transform(model, inputs, optimizer=spec, backend="fbgemm")
+    assert sorted(tuple(g.tables) for g in fast.report.groups) == [("bags.0",), ("bags.1", "bags.2")]
+    assert len(group_calls(fast)) == 2
+    with pytest.raises(ValueError, match=r"\['emb\.\*'\] match no embedding table"):
+        fxrec.transform(model, inputs, optimizer={"emb.*": fxrec.optim.SGD()})
+    with pytest.raises(TypeError, match="fxrec.optim"):
+        fxrec.transform(model, inputs, optimizer=torch.optim.SGD)
+
+
+def test_fused_training_leaves_the_original_model_and_other_transforms_alone():
+    model = M.BagList(rows=ROWS)
+    before = copy.deepcopy(model.state_dict())
+    inputs = M.bag_inputs(rows=ROWS)
+    a = fxrec.transform(model, inputs, optimizer=fxrec.optim.Adagrad(lr=0.5), backend="fbgemm", verify=True)
+    b = fxrec.transform(model, inputs, optimizer=fxrec.optim.Adagrad(lr=0.5), backend="fbgemm")
+    a(*inputs).sum().backward()  # the update happens here
+    assert not torch.equal(a.state_dict()["bags.0.weight"], before["bags.0.weight"])
+    for k, v in before.items():
+        assert torch.equal(model.state_dict()[k], v), k
+        assert torch.equal(b.state_dict()[k], v), k
+
+
+def test_deepcopy_keeps_the_fused_optimizer_state():
+    model = M.BagList(rows=ROWS)
+    fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.Adagrad(lr=0.5), backend="fbgemm")
+    opt = fast.make_optimizer()
+    for s in range(3):
+        opt.zero_grad()
+        fast(*M.bag_inputs(rows=ROWS, seed=s)).sum().backward()
+        opt.step()
+    twin = copy.deepcopy(fast)
+    twin_opt = twin.make_optimizer()
+    for m, o in ((fast, opt), (twin, twin_opt)):
+        o.zero_grad()
+        m(*M.bag_inputs(rows=ROWS, seed=9)).sum().backward()
+        o.step()
+    for (k, x), (_, y) in zip(fast.state_dict().items(), twin.state_dict().items()):
+        assert torch.equal(x, y), k
+    assert torch.equal(opt.state_dict()["fused"]["bags.0.weight.sum"], twin_opt.state_dict()["fused"]["bags.0.weight.sum"])
+
+
+def test_report_says_where_each_optimizer_runs():
+    fast = fxrec.transform(M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS),
+                           optimizer={"bags.0": fxrec.optim.SGD(lr=0.1, weight_decay=0.01), "bags.*": fxrec.optim.SGD(lr=0.1)},
+                           backend="fbgemm")
+    text = str(fast.report)
+    assert "weight_decay=0.01, nesterov=False): torch.optim in opt.step()" in text
+    assert "SGD(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False): fused into backward" in text
+
+
+def test_table_left_as_it_was_still_gets_its_optimizer_from_make_optimizer():
+    """dim 6 is not lowered; its optimizer runs as torch.optim.Adagrad in step()."""
+    model = M.BagList(rows=ROWS, dim=6)
+    ref, fast, opt = train_both(lambda: model, lambda s: M.bag_inputs(rows=ROWS, seed=s),
+                                fxrec.optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1), steps=5)
+    assert len(fast.report.left_alone) == 3
+    assert [type(o).__name__ for o in opt.fallbacks] == ["Adagrad"]
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
