@@ -118,7 +118,13 @@ def transform(
             )
         )
     _note_modes(model, report)
-    gm.meta["fxrec_table_optimizers"] = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
+    table_opts = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
+    for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
+        if n.op == "call_module" and str(n.target).startswith("fxrec_group_"):
+            for w, spec in zip(n.args[3], gm.get_submodule(n.target).tables):
+                if w.target in table_opts:
+                    table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
+    gm.meta["fxrec_table_optimizers"] = table_opts
     gm.meta["fxrec_fused_groups"] = [
         (n.target, [w.target for w in n.args[3]])
         for n in gm.graph.nodes

@@ -28,13 +28,17 @@ def build_group_module(gr: meta.GroupRecord, with_optimizer: bool = True) -> Tup
     ``with_optimizer=False`` builds it without the fused optimizer (for timing and checks that
     must not update the weights)."""
     order_for_kernel(gr)
+    # A table whose optimizer fbgemm could fuse gets sparse gradients when it is not fused: the
+    # torch.optim update on them is the same arithmetic (rows without ids are left alone either
+    # way) without a table-sized gradient.
+    sparse_grads = gr.optimizer is not None and gr.optimizer.fused_spec() is not None
     tables: List[TableSpec] = []
     index: Dict[str, int] = {}
     features: List[FeatureSpec] = []
     for rec in gr.lookups:
         if rec.param not in index:
             index[rec.param] = len(tables)
-            tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse))
+            tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse or sparse_grads))
         features.append(
             FeatureSpec(
                 name=rec.feature, table=index[rec.param], form=rec.form, padding_idx=rec.padding_idx,

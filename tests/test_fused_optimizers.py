@@ -215,3 +215,19 @@ def test_table_left_as_it_was_still_gets_its_optimizer_from_make_optimizer():
     assert [type(o).__name__ for o in opt.fallbacks] == ["Adagrad"]
     for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("opt_cfg,torch_opt", [
+    (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    (fxrec.optim.RowWiseAdagrad(lr=0.1), lambda p: RowWiseAdagradReference(p, lr=0.1)),
+], ids=["sgd", "rowwise"])
+def test_auto_times_fused_against_fallback_and_either_matches_torch(opt_cfg, torch_opt):
+    ref, fast, opt = train_both(lambda: M.BagList(rows=ROWS), duplicate_heavy_inputs, opt_cfg, torch_opt,
+                                steps=10, backend="auto", timing_rounds=3)
+    g = fast.report.groups[0]
+    t = g.timings_ms
+    fused = "fused into backward" in g.optimizer
+    assert fused == (t["step_fused"] <= t["step_fallback"])
+    assert bool(opt.fused) == fused and bool(opt.fallbacks) == (not fused)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)

@@ -60,6 +60,16 @@ def _record_inputs(gm: fx.GraphModule, ctx: PassContext, groups: List[meta.Group
     return rec.values
 
 
+def _backward_ones(out, inputs=None) -> None:
+    """Backward of a group's output with a cotangent of ones (into ``inputs`` only, if given)."""
+    outs = out if isinstance(out, list) else [out]
+    ones = [torch.ones_like(o) for o in outs]
+    if inputs is None:
+        torch.autograd.backward(outs, ones)
+    else:
+        torch.autograd.grad(outs, inputs, ones, allow_unused=True)
+
+
 def _time_once(mod: EmbeddingGroup, args: tuple, path: str, train: bool) -> float:
     ids, offs, psw, params = args
     mod.set_paths(path, path)
@@ -67,9 +77,7 @@ def _time_once(mod: EmbeddingGroup, args: tuple, path: str, train: bool) -> floa
         # Same storage as the real parameters, so timing leaves no .grad on them.
         leaves = [p.detach().requires_grad_() for p in params]
         start = time.perf_counter()
-        out = mod(ids, offs, psw, leaves)
-        outs = out if isinstance(out, list) else [out]
-        torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
+        _backward_ones(mod(ids, offs, psw, leaves), leaves)
     else:
         start = time.perf_counter()
         with torch.no_grad():
@@ -121,7 +129,7 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 f"{t_eval['loop']:.3g} ms; forward+backward fbgemm {t_train['fbgemm']:.3g} ms vs plain "
                 f"{t_train['loop']:.3g} ms"
             )
-        _choose_optimizer_path(gr, backend)
+        _choose_optimizer_path(gr, backend, values, ctx.config.timing_rounds)
         if not gr.lower and gr.timings_ms:
             gr.why += ": plain lookups are faster both ways, kept as they were"
         stats["fbgemm_fwd"] += gr.path_eval == "fbgemm"
@@ -138,8 +146,13 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, False, {"groups": len(ctx.groups), **stats})
 
 
-def _choose_optimizer_path(gr: meta.GroupRecord, backend: str) -> None:
-    """Where the group's optimizer runs: fused into fbgemm's backward, or torch.optim in step()."""
+def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rounds: int) -> None:
+    """Where the group's optimizer runs: fused into fbgemm's backward, or torch.optim in step().
+
+    With backend="auto" and an optimizer fbgemm can fuse, one training step of the group is timed
+    both ways on copies of its tables (fused: forward + backward with the update; fallback:
+    forward + backward with sparse gradients + the torch.optim step) and the faster is kept.
+    """
     opt = gr.optimizer
     gr.fused = None
     if opt is None:
@@ -148,15 +161,57 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str) -> None:
     if spec is None:
         gr.why += f"; optimizer: {opt.fused_unsupported_reason()}, so torch.optim in opt.step()"
         return
+    gr.lower = True  # keeps the module's sparse gradients for the fallback
     if backend == "loop":
         gr.why += "; optimizer: backend='loop', so torch.optim in opt.step()"
         return
-    # The fused update needs fbgemm's backward: training takes the TBE path.
-    # (Not timed against the fallback yet: the fused path is taken whenever it exists.)
+    if backend == "auto" and all(r.ids in values for r in gr.lookups):
+        t = _time_optimizer_paths(gr, spec, values, rounds)
+        gr.timings_ms.update({"step_fused": t["fused"], "step_fallback": t["fallback"]})
+        if t["fallback"] < t["fused"]:
+            gr.why += (f"; optimizer: torch.optim in opt.step() on sparse gradients, measured faster than fused "
+                       f"{spec.kind} ({t['fallback']:.3g} ms vs {t['fused']:.3g} ms a step)")
+            return
+        gr.why += f"; optimizer: fused {spec.kind} inside backward ({t['fused']:.3g} ms vs {t['fallback']:.3g} ms a step)"
+    else:
+        gr.why += f"; optimizer: fused {spec.kind} inside backward"
     gr.fused = spec
     gr.path_train = "fbgemm"
-    gr.lower = True
-    gr.why += f"; optimizer: fused {spec.kind} inside backward (not timed against the torch.optim fallback)"
+
+
+def _time_optimizer_paths(gr: meta.GroupRecord, spec, values: Dict, rounds: int) -> Dict[str, float]:
+    def scratch():
+        _, index = build_group_module(gr, with_optimizer=False)
+        args = group_inputs(gr, index, lambda n: values.get(n) if isinstance(n, fx.Node) else n)
+        params = [torch.nn.Parameter(p.detach().clone()) for p in args[3]]
+        return args[:3] + (params,)
+
+    saved = (gr.fused, gr.path_train)
+    gr.fused, gr.path_train = spec, "fbgemm"
+    fused_mod, _ = build_group_module(gr)
+    gr.fused, gr.path_train = saved
+    fallback_mod, _ = build_group_module(gr, with_optimizer=False)
+    fused_args, fallback_args = scratch(), scratch()
+    fallback_opt = gr.optimizer.torch_optimizer(fallback_args[3], sparse=True)
+
+    def fused_step():
+        _backward_ones(fused_mod(*fused_args))
+
+    def fallback_step():
+        fallback_opt.zero_grad(set_to_none=True)
+        _backward_ones(fallback_mod(*fallback_args))
+        fallback_opt.step()
+
+    times: Dict[str, List[float]] = {"fused": [], "fallback": []}
+    fns = {"fused": fused_step, "fallback": fallback_step}
+    for f in fns.values():
+        f()
+    for _ in range(rounds):
+        for k, f in fns.items():
+            start = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def _optimizer_text(gr: meta.GroupRecord) -> str:
