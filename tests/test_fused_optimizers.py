@@ -227,7 +227,57 @@ def test_auto_times_fused_against_fallback_and_either_matches_torch(opt_cfg, tor
     g = fast.report.groups[0]
     t = g.timings_ms
     fused = "fused into backward" in g.optimizer
-    assert fused == (t["step_fused"] <= t["step_fallback"])
+    fastest_fused = min(v for k, v in t.items() if k.startswith("step_fused"))
+    assert fused == (fastest_fused <= t["step_fallback"])
     assert bool(opt.fused) == fused and bool(opt.fallbacks) == (not fused)
     for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def with_torch_sgd(fast):
+    """Switch every fused SGD group to fxrec's own fused update (what auto picks when faster)."""
+    import dataclasses
+
+    for m in fast.modules():
+        if getattr(m, "fused", None) is not None:
+            m.fused = dataclasses.replace(m.fused, impl="torch")
+    return fast
+
+
+@pytest.mark.parametrize("path_eval", ["fbgemm", "loop"])
+@pytest.mark.parametrize("case", ["bag_list", "bag_list_mean", "shared", "weighted", "sequence"])
+def test_fxrec_fused_sgd_matches_torch_sgd(case, path_eval):
+    makers = {
+        "bag_list": (lambda: M.BagList(rows=ROWS), duplicate_heavy_inputs),
+        "bag_list_mean": (lambda: M.BagList(rows=ROWS, mode="mean"), duplicate_heavy_inputs),
+        "shared": (M.SharedTables, lambda s: M.shared_inputs(seed=s)),
+        "weighted": (M.WeightedBags, lambda s: M.weighted_inputs(seed=s)),
+        "sequence": (M.SequenceMean, lambda s: M.seq_inputs(seed=s)),
+    }
+    model_fn, inputs_fn = makers[case]
+    model = model_fn()
+    fast = with_torch_sgd(fxrec.transform(model, inputs_fn(0), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm"))
+    for m in fast.modules():
+        if getattr(m, "fused", None) is not None:
+            m.set_paths("fbgemm", path_eval)
+    ref = copy.deepcopy(model)
+    tables = set(fast.meta["fxrec_table_optimizers"])
+    ref_opt = torch.optim.SGD([p for n, p in ref.named_parameters() if n in tables], lr=0.1)
+    ref_dense = [p for n, p in ref.named_parameters() if n not in tables]
+    ref_dense_opt = torch.optim.SGD(ref_dense, lr=0.1) if ref_dense else None
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    for step in range(20):
+        x = inputs_fn(step + 1)
+        ref_opt.zero_grad()
+        if ref_dense_opt:
+            ref_dense_opt.zero_grad()
+        ref(*x).sin().sum().backward()
+        ref_opt.step()
+        if ref_dense_opt:
+            ref_dense_opt.step()
+        opt.zero_grad()
+        fast(*x).sin().sum().backward()
+        opt.step()
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+    assert all(fast.get_parameter(n).grad is None for n in tables)

@@ -22,6 +22,7 @@ These modules know nothing of graphs or passes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -72,6 +73,10 @@ class FusedSpec:
     kind: str
     lr: float
     eps: float = 1e-8
+    # "fbgemm": fbgemm's backward kernel applies the update. "torch" (SGD only): fxrec's backward
+    # adds -lr * gradient rows into the looked-up rows with index_add_ (PyTorch's multi-threaded
+    # kernels), after whichever forward is faster.
+    impl: str = "fbgemm"
 
 
 # Names of the optimizer states fbgemm keeps per table, in split_optimizer_states() order.
@@ -126,8 +131,8 @@ class EmbeddingGroup(nn.Module):
         if self.fused is None:
             raise RuntimeError(f"fxrec: tables {[t.name for t in self.tables]} have no fused optimizer")
         if lr != self.fused.lr:
-            self.fused = FusedSpec(self.fused.kind, float(lr), self.fused.eps)
-            if self._bound is not None:
+            self.fused = dataclasses.replace(self.fused, lr=float(lr))
+            if self._bound is not None and self.fused.impl == "fbgemm":
                 self._bound.tbe.set_learning_rate(float(lr))
 
     def optimizer_states(self, params: Sequence[torch.Tensor]) -> List[dict]:
@@ -237,7 +242,7 @@ class EmbeddingGroup(nn.Module):
                     f"({t.num_rows}, {t.dim}) as when the model was transformed"
                 )
         ftm = [f.table for f in self.features]
-        fused = self.fused
+        fused = self.fused if self.fused is not None and self.fused.impl == "fbgemm" else None
         tbe = _fbgemm.make_training_tbe(
             [(t.num_rows, t.dim) for t in self.tables], ftm, self.pooling, params[0].device,
             optimizer=fused.kind if fused else "none", learning_rate=fused.lr if fused else 0.0,
@@ -259,12 +264,17 @@ class EmbeddingGroup(nn.Module):
         self._bound = _Bound(tbe, [p.data_ptr() for p in params])
         return self._bound
 
-    def _run_tbe(self, tbe, batch, indices, offsets, psw, params, training: bool):
-        """fbgemm forward: with the fused optimizer in training (fbgemm's backward updates the
-        tables), else with PyTorch's gradients."""
-        if training and self.fused_active:
+    def _run_tbe(self, tbe, batch, indices, offsets, psw, params, training: bool, forward=None):
+        """Run the group on its packed input: with fbgemm's fused optimizer in training (fbgemm's
+        backward updates the tables), else through _TBELookupFunction (PyTorch's gradients, or
+        fxrec's own fused update). ``forward`` computes the output without autograd; by
+        default fbgemm's TBE forward."""
+        if training and self.fused_active and self.fused.impl == "fbgemm":
             return tbe(indices, offsets, per_sample_weights=psw)
-        return _TBELookupFunction.apply(self, tbe, batch, indices, offsets, psw, *params)
+        if forward is None:
+            def forward():
+                return tbe(indices, offsets, per_sample_weights=psw)
+        return _TBELookupFunction.apply(self, forward, batch, indices, offsets, psw, *params)
 
     def _fused_unusable(self, params, why: str):
         raise RuntimeError(
@@ -300,7 +310,11 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                 indices, offsets, psw, batch = packed
                 self._validate_packed(indices, offsets, ids_list, offsets_list)
                 tbe = self._ensure_bound(params)
-                return self._run_tbe(tbe, batch, indices, offsets, psw, params, training)
+                forward = None
+                if fused and self.fused.impl == "torch" and self.path_eval == "loop":
+                    def forward():  # the faster forward; fxrec's backward does the update
+                        return self.loop(ids_list, offsets_list, psw_list, params)
+                return self._run_tbe(tbe, batch, indices, offsets, psw, params, training, forward)
             if fused and any(ids.numel() for ids in ids_list):
                 self._fused_unusable(params, "its features have different batch sizes")
             if fused:  # empty batch: nothing to update
@@ -527,9 +541,9 @@ class _TBELookupFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, group, tbe, batch, indices, offsets, psw, *params):
+    def forward(ctx, group, forward, batch, indices, offsets, psw, *params):
         with torch.no_grad():
-            out = tbe(indices, offsets, per_sample_weights=psw)
+            out = forward()
         ctx.group = group
         ctx.batch = batch
         ctx.save_for_backward(indices, offsets, psw, *params)
@@ -582,6 +596,17 @@ class _TBELookupFunction(torch.autograd.Function):
                 return pieces[i]
             return pieces[i] * scale[bounds[i] : bounds[i + 1]].unsqueeze(1)
 
+        grad_psw = None
+        if psw is not None and ctx.needs_input_grad[5]:
+            parts = []
+            for i, f in enumerate(group.features):
+                s, e = bounds[i], bounds[i + 1]
+                parts.append((params[f.table].detach()[indices[s:e]] * pieces[i]).sum(1))
+            grad_psw = torch.cat(parts)
+
+        # fxrec's own fused SGD: no gradient is made, the rows are updated here (after the
+        # per-sample-weight gradient, which reads the weights before the update).
+        sgd_lr = group.fused.lr if group.fused_active and group.fused.impl == "torch" else None
         grads: List[Optional[torch.Tensor]] = [None] * len(params)
         need = ctx.needs_input_grad[6:]
         for t, (spec, p) in enumerate(zip(group.tables, params)):
@@ -590,7 +615,10 @@ class _TBELookupFunction(torch.autograd.Function):
             mine = group._features_of_table[t]
             ids_t = torch.cat([indices[bounds[i] : bounds[i + 1]] for i in mine])
             rows_t = torch.cat([rows_of(i) for i in mine])
-            if spec.sparse:
+            if sgd_lr is not None:
+                with torch.no_grad():
+                    p.index_add_(0, ids_t, rows_t, alpha=-sgd_lr)
+            elif spec.sparse:
                 grads[t] = torch.sparse_coo_tensor(
                     ids_t.unsqueeze(0), rows_t, (spec.num_rows, spec.dim), device=p.device,
                     check_invariants=False,
@@ -599,12 +627,4 @@ class _TBELookupFunction(torch.autograd.Function):
                 grads[t] = torch.zeros(
                     spec.num_rows, spec.dim, dtype=p.dtype, device=p.device
                 ).index_add_(0, ids_t, rows_t)
-
-        grad_psw = None
-        if psw is not None and ctx.needs_input_grad[5]:
-            parts = []
-            for i, f in enumerate(group.features):
-                s, e = bounds[i], bounds[i + 1]
-                parts.append((params[f.table].detach()[indices[s:e]] * pieces[i]).sum(1))
-            grad_psw = torch.cat(parts)
         return (None, None, None, None, None, grad_psw, *grads)
