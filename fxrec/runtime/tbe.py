@@ -617,7 +617,8 @@ class _TBELookupFunction(torch.autograd.Function):
             rows_t = torch.cat([rows_of(i) for i in mine])
             if sgd_lr is not None:
                 with torch.no_grad():
-                    p.index_add_(0, ids_t, rows_t, alpha=-sgd_lr)
+                    # rows_t is a fresh tensor (cat); index_add_ with alpha= is several times slower
+                    p.index_add_(0, ids_t, rows_t.mul_(-sgd_lr))
             elif spec.sparse:
                 grads[t] = torch.sparse_coo_tensor(
                     ids_t.unsqueeze(0), rows_t, (spec.num_rows, spec.dim), device=p.device,
