@@ -38,12 +38,17 @@ class CombinedOptimizer(torch.optim.Optimizer):
             if old is not None:
                 old.remove()
             mod._fxrec_lr_hook = mod.register_forward_pre_hook(lambda m, a, g=group: m.set_learning_rate(g["lr"]))
+        self._collect_groups()
+        self.state = {}
+
+    def _collect_groups(self) -> None:
+        # The sub-optimizers' own dicts, so a scheduler's change of "lr" is what they use.
+        # (torch.optim.Optimizer.load_state_dict replaces those dicts: collected again there.)
         self.param_groups = (
-            (list(dense.param_groups) if dense is not None else [])
+            (list(self.dense.param_groups) if self.dense is not None else [])
             + [g for o in self.fallbacks for g in o.param_groups]
             + self.fused_groups
         )
-        self.state = {}
 
     def _sync_fused_lr(self) -> None:
         for (_, mod, _, _), group in zip(self.fused, self.fused_groups):
@@ -87,6 +92,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
             self.dense.load_state_dict(state_dict["dense"])
         for o, sd in zip(self.fallbacks, state_dict["fallback"]):
             o.load_state_dict(sd)
+        self._collect_groups()
         saved = state_dict["fused"]
         with torch.no_grad():
             for name, mod, params, names in self.fused:
