@@ -22,6 +22,16 @@ def order_for_kernel(gr: meta.GroupRecord) -> None:
         gr.lookups.sort(key=lambda r: first[r.param])
 
 
+def uses_outside_group(gr: meta.GroupRecord) -> str:
+    """The first table of the group whose weight feeds anything but the group's lookups
+    (a tied output projection, a lookup left as it was), or ""."""
+    mine = {r.node for r in gr.lookups}
+    for r in gr.lookups:
+        if any(u not in mine for u in r.weight.users):
+            return r.table
+    return ""
+
+
 def build_group_module(gr: meta.GroupRecord, with_optimizer: bool = True) -> Tuple[EmbeddingGroup, Dict[str, int]]:
     """The runtime module for ``gr`` and the index of each table param in its weight list.
 
@@ -31,7 +41,7 @@ def build_group_module(gr: meta.GroupRecord, with_optimizer: bool = True) -> Tup
     # A table whose optimizer fbgemm could fuse gets sparse gradients when it is not fused: the
     # torch.optim update on them is the same arithmetic (rows without ids are left alone either
     # way) without a table-sized gradient.
-    sparse_grads = gr.optimizer is not None and gr.optimizer.fused_spec() is not None
+    sparse_grads = gr.optimizer is not None and gr.optimizer.fused_spec() is not None and not uses_outside_group(gr)
     tables: List[TableSpec] = []
     index: Dict[str, int] = {}
     features: List[FeatureSpec] = []

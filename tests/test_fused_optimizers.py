@@ -291,3 +291,26 @@ def test_issue_training_loop_with_scheduler_resumes_exactly(name):
 
     same, loss, resumed_loss = run(name, OPTIMIZERS[name], cap=300, steps=6, batch=32, verbose=False)
     assert same and loss == resumed_loss
+
+
+class TiedOutput(torch.nn.Module):
+    """The item table is also the output projection: its gradient has two sources."""
+
+    def __init__(self):
+        super().__init__()
+        self.item = torch.nn.EmbeddingBag(30, 8, mode="sum")
+        self.other = torch.nn.EmbeddingBag(20, 8, mode="sum")
+
+    def forward(self, ids, offsets):
+        h = self.item(ids, offsets) + self.other(ids % 20, offsets)
+        return h @ self.item.weight.t()
+
+
+def test_table_also_used_outside_its_lookups_is_not_fused():
+    inputs_fn = lambda s: (torch.randint(0, 30, (9,), generator=torch.Generator().manual_seed(s)), torch.tensor([0, 2, 5]))  # noqa: E731
+    ref, fast, opt = train_both(TiedOutput, inputs_fn, fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1), steps=10)
+    g = fast.report.groups[0]
+    assert "table 'item' is also used outside its lookups" in g.why
+    assert not opt.fused and opt.fallbacks
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
-from ..group_module import build_group_module, group_inputs
+from ..group_module import build_group_module, group_inputs, uses_outside_group
 from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..report import GroupEntry
 from ..runtime import _fbgemm
@@ -161,6 +161,11 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
     spec = opt.fused_spec()
     if spec is None:
         gr.why += f"; optimizer: {opt.fused_unsupported_reason()}, so torch.optim in opt.step()"
+        return
+    outside = uses_outside_group(gr)
+    if outside:
+        gr.why += (f"; optimizer: table '{outside}' is also used outside its lookups, and a fused update "
+                   "would miss that gradient, so torch.optim in opt.step()")
         return
     gr.lower = True  # keeps the module's sparse gradients for the fallback
     if backend == "loop":
