@@ -499,30 +499,38 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
             and max(counts) > 0
         ):
             tbe = self._ensure_bound(params)
-            # nobag TBE: feature f gets max(counts) bags, the first counts[f] of length one.
-            bmax = max(counts)
-            dev = ids_list[0].device
-            counts_t = torch.tensor(counts, device=dev)
-            all_len = (torch.arange(bmax, device=dev) < counts_t.unsqueeze(1)).long().reshape(-1)
-            indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
-            lo, hi = torch.aminmax(indices)
-            if int(lo) < 0 or int(hi) >= self._min_rows:
-                for f, ids in zip(self.features, ids_list):
-                    self._check_ids(f, ids)
-            offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=dev)
-            torch.cumsum(all_len, 0, out=offsets[1:])
+            indices, offsets, bmax = self._pack_sequence(ids_list)
             out = self._run_tbe(tbe, bmax, indices, offsets, None, params, training)
-            d = self.tables[0].dim
-            return [
-                part.reshape(tuple(ids.shape) + (d,))
-                for part, ids in zip(torch.split(out, counts, 0), ids_list)
-            ]
+            return self._unpack_sequence(out, ids_list)
         try:
             return self.loop(ids_list, offsets_list, psw_list, params)
         except (IndexError, RuntimeError):
             for f, ids in zip(self.features, ids_list):
                 self._check_ids(f, ids)  # name the feature and table PyTorch complained about
             raise
+
+    def _pack_sequence(self, ids_list):
+        """Packed nobag input: feature f gets max(counts) bags, the first counts[f] of length one."""
+        counts = [ids.numel() for ids in ids_list]
+        bmax = max(counts)
+        dev = ids_list[0].device
+        counts_t = torch.tensor(counts, device=dev)
+        all_len = (torch.arange(bmax, device=dev) < counts_t.unsqueeze(1)).long().reshape(-1)
+        indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
+        lo, hi = torch.aminmax(indices)
+        if int(lo) < 0 or int(hi) >= self._min_rows:
+            for f, ids in zip(self.features, ids_list):
+                self._check_ids(f, ids)
+        offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=dev)
+        torch.cumsum(all_len, 0, out=offsets[1:])
+        return indices, offsets, bmax
+
+    def _unpack_sequence(self, out, ids_list) -> List[torch.Tensor]:
+        d = self.tables[0].dim
+        return [
+            part.reshape(tuple(ids.shape) + (d,))
+            for part, ids in zip(torch.split(out, [ids.numel() for ids in ids_list], 0), ids_list)
+        ]
 
     def loop(self, ids_list, offsets_list, psw_list, params) -> List[torch.Tensor]:
         return [
