@@ -57,6 +57,9 @@ def transform(
     atol: float = 1e-5,
     check_passes: bool = False,
     optimizer=None,
+    mode: str = "training",
+    quantize=None,
+    output_dtype: str = "fp32",
     timing_rounds: int = 5,
     logger: Optional[logging.Logger] = None,
 ) -> fx.GraphModule:
@@ -75,6 +78,12 @@ def transform(
         :class:`fxrec.VerificationError` naming the tables whose outputs or gradients differ.
       check_passes: after every pass, compare the graph against the original model (slow;
         meant for tests and for bisecting a wrong answer to one pass).
+      mode: ``"training"`` (default) or ``"inference"``.
+      quantize: inference only: ``"int8"``, ``"int4"``, ``"int2"``, ``"fp16"`` or ``"fp32"`` for
+        every lowered table, ``"auto"`` (int8 for tables of 64 KiB or more, fp32 below), or a dict
+        from table name / glob pattern to one of these. The report gives bytes and the error
+        against the fp32 lookups on the example inputs per table.
+      output_dtype: inference with quantize: dtype of the pooled outputs, ``"fp32"`` or ``"fp16"``.
       optimizer: an :mod:`fxrec.optim` optimizer for every embedding table, or a dict from table
         name / parameter name / glob pattern to one. Where fbgemm implements it exactly, the
         update runs inside backward; then build the training optimizer with
@@ -87,6 +96,12 @@ def transform(
     if backend not in BACKENDS:
         raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
     check_optimizer_spec(optimizer)
+    if mode not in ("training", "inference"):
+        raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
+    if output_dtype not in ("fp32", "fp16"):
+        raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
+    if mode == "inference" and optimizer is not None:
+        raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     # A reference copy only when something will compare against it (tables can be large).
@@ -95,7 +110,8 @@ def transform(
 
     report = Report()
     ctx = PassContext(
-        config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds, optimizer=optimizer),
+        config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds, optimizer=optimizer,
+                      mode=mode, quantize=quantize, output_dtype=output_dtype),
         report=report, example_args=args, example_kwargs=kwargs,
         logger=logger or logging.getLogger("fxrec"),
     )
@@ -120,7 +136,7 @@ def transform(
     _note_modes(model, report)
     table_opts = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
-        if n.op == "call_module" and str(n.target).startswith("fxrec_group_"):
+        if n.op == "call_module" and str(n.target).startswith("fxrec_group_") and len(n.args) > 3:
             for w, spec in zip(n.args[3], gm.get_submodule(n.target).tables):
                 if w.target in table_opts:
                     table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
@@ -128,7 +144,7 @@ def transform(
     gm.meta["fxrec_fused_groups"] = [
         (n.target, [w.target for w in n.args[3]])
         for n in gm.graph.nodes
-        if n.op == "call_module" and str(n.target).startswith("fxrec_group_")
+        if n.op == "call_module" and str(n.target).startswith("fxrec_group_") and len(n.args) > 3
         and gm.get_submodule(n.target).fused is not None
     ]
     # GraphModule keeps these attributes through deepcopy (the partial is re-pointed at the copy).

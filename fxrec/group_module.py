@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
+
+import torch
 
 from . import meta
+from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from .runtime.tbe import EmbeddingGroup, FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
 
 
@@ -32,11 +35,15 @@ def uses_outside_group(gr: meta.GroupRecord) -> str:
     return ""
 
 
-def build_group_module(gr: meta.GroupRecord, with_optimizer: bool = True) -> Tuple[EmbeddingGroup, Dict[str, int]]:
+def build_group_module(
+    gr: meta.GroupRecord, with_optimizer: bool = True, weights: Optional[Dict[str, torch.Tensor]] = None,
+    output_dtype: str = "fp32",
+) -> Tuple[EmbeddingGroup, Dict[str, int]]:
     """The runtime module for ``gr`` and the index of each table param in its weight list.
 
     ``with_optimizer=False`` builds it without the fused optimizer (for timing and checks that
-    must not update the weights)."""
+    must not update the weights). A group with ``quant`` dtypes, given the fp32 ``weights`` by
+    parameter name, becomes a quantized inference group (called without weights)."""
     order_for_kernel(gr)
     # A table whose optimizer fbgemm could fuse gets sparse gradients when it is not fused: the
     # torch.optim update on them is the same arithmetic (rows without ids are left alone either
@@ -55,19 +62,25 @@ def build_group_module(gr: meta.GroupRecord, with_optimizer: bool = True) -> Tup
                 include_last_offset=rec.include_last_offset, weighted=rec.weighted,
             )
         )
+    if gr.quant and weights is not None:
+        qcls = QuantizedSequenceGroup if gr.pooling == "none" else QuantizedPooledGroup
+        order = sorted(index, key=index.get)
+        return qcls(tables, features, gr.pooling, [gr.quant[p] for p in order], [weights[p] for p in order],
+                    output_dtype), index
     cls = SequenceEmbeddingGroup if gr.pooling == "none" else PooledEmbeddingGroup
     fused = gr.fused if with_optimizer else None
     return cls(tables, features, gr.pooling, gr.path_train, gr.path_eval, fused), index
 
 
 def group_inputs(gr: meta.GroupRecord, index: Dict[str, int], value) -> tuple:
-    """The group module's call arguments, with ``value(node)`` giving each input."""
+    """The group module's call arguments, with ``value(node)`` giving each input (quantized
+    groups take no weights)."""
     weights = [None] * len(index)
     for rec in gr.lookups:
         weights[index[rec.param]] = value(rec.weight)
-    return (
+    inputs = (
         [value(r.ids) for r in gr.lookups],
         [value(r.offsets) for r in gr.lookups],
         [value(r.per_sample_weights) for r in gr.lookups],
-        weights,
     )
+    return inputs if gr.quant else inputs + (weights,)

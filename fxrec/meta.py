@@ -77,6 +77,7 @@ class GroupRecord:
     why: str = ""
     timings_ms: dict = field(default_factory=dict)
     fused: object = None  # runtime.tbe.FusedSpec when the optimizer runs inside backward
+    quant: dict = field(default_factory=dict)  # param -> dtype, for inference on quantized tables
 
     @property
     def pooling(self) -> str:

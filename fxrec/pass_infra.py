@@ -22,6 +22,10 @@ class Config:
     check_numerics: bool = False
     # fxrec.optim optimizer, or dict from table name/pattern to one (None: plain gradients).
     optimizer: Any = None
+    mode: str = "training"  # training | inference
+    # inference: None, a dtype for every table ("int8", ...), "auto", or dict pattern -> dtype
+    quantize: Any = None
+    output_dtype: str = "fp32"  # of quantized lookups: fp32 | fp16
 
 
 @dataclass
@@ -34,6 +38,8 @@ class PassContext:
     reference: Optional[Callable[[fx.GraphModule], None]] = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("fxrec"))
     groups: list = field(default_factory=list)  # GroupRecord, filled by group_lookups
+    # fp32 weights of tables that lower_groups quantized (read by measure_quantization, then dropped)
+    fp32_weights: dict = field(default_factory=dict)
 
 
 @dataclass

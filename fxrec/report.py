@@ -34,6 +34,18 @@ class GroupEntry:
 
 
 @dataclass
+class QuantEntry:
+    table: str
+    dtype: str
+    rows: int
+    dim: int
+    bytes_fp32: int
+    bytes_stored: int
+    max_abs_error: Optional[float] = None
+    mean_abs_error: Optional[float] = None
+
+
+@dataclass
 class Report:
     """Attached to every transformed model as ``fast.report``; ``print`` it to read it."""
 
@@ -41,6 +53,7 @@ class Report:
     groups: List[GroupEntry] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     passes: List[str] = field(default_factory=list)
+    quantization: List[QuantEntry] = field(default_factory=list)
 
     @property
     def lowered(self) -> List[LookupEntry]:
@@ -90,6 +103,15 @@ class Report:
                 lines.append(f"  {g.name}: {', '.join(g.tables)}")
                 if g.optimizer:
                     lines.append(f"    optimizer {g.optimizer}")
+        if self.quantization:
+            rows = [("table", "dtype", "rows x dim", "bytes fp32", "bytes stored", "of fp32", "max abs err", "mean abs err")]
+            for q in self.quantization:
+                err = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
+                rows.append((q.table, q.dtype, f"{q.rows} x {q.dim}", str(q.bytes_fp32), str(q.bytes_stored),
+                             f"{q.bytes_stored / q.bytes_fp32:.0%}", err(q.max_abs_error), err(q.mean_abs_error)))
+            lines.append("")
+            lines.append("Quantization (errors: quantized vs fp32 lookups on the example inputs)")
+            lines.extend(_table(rows))
         if self.notes:
             lines.append("")
             lines.append("Notes")

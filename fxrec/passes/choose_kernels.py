@@ -102,10 +102,14 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not _fbgemm.fbgemm_available():
         backend = "loop"
         ctx.report.notes.append("fbgemm_gpu is not importable: every group runs the plain lookups")
-    values = _record_inputs(gm, ctx, ctx.groups) if backend == "auto" and ctx.groups else {}
+    timed = [g for g in ctx.groups if not g.quant]
+    values = _record_inputs(gm, ctx, timed) if backend == "auto" and timed else {}
     stats = {"fbgemm_fwd": 0, "fbgemm_train": 0, "kept_plain": 0}
     for gr in ctx.groups:
-        if backend in ("fbgemm", "loop"):
+        if gr.quant:
+            gr.path_train = gr.path_eval = "fbgemm"
+            gr.why = "quantized for inference: fbgemm's IntNBit TBE"
+        elif backend in ("fbgemm", "loop"):
             gr.path_train = gr.path_eval = backend
             gr.why = f"backend={backend!r} was asked for"
         elif not all(r.ids in values for r in gr.lookups):

@@ -24,6 +24,9 @@ return one tensor per feature, taken with ``getitem``.
 The group node is placed right before the first user of any member's output; group_lookups
 guaranteed every input is defined before that point.
 
+Groups that quantize_tables gave dtypes become quantized inference groups (called without
+weights); the fp32 parameters they replace are removed from the model when nothing else reads them.
+
 Not handled: lookups without a group, and groups that choose_kernels kept as plain lookups
 (both left as they were).
 """
@@ -49,7 +52,11 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for gr in ctx.groups:
         if not gr.lower:
             continue
-        module, index = build_group_module(gr)
+        weights = None
+        if gr.quant:
+            weights = {p: gm.get_parameter(p).detach() for p in gr.quant}
+            ctx.fp32_weights.update(weights)
+        module, index = build_group_module(gr, weights=weights, output_dtype=ctx.config.output_dtype)
         name = f"fxrec_{gr.name}"
         gm.add_submodule(name, module)
         gr.module = name
@@ -76,5 +83,22 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             for n in rec.nodes:  # users first: getitems / sum before the lookup itself
                 graph.erase_node(n)
             lowered += 1
+    removed = _drop_quantized_weights(gm, ctx)
     n_groups = sum(1 for g in ctx.groups if g.lower)
-    return PassResult(gm, lowered > 0, {"groups": n_groups, "lookups_lowered": lowered})
+    stats = {"groups": n_groups, "lookups_lowered": lowered}
+    if removed:
+        stats["fp32_tables_removed"] = removed
+    return PassResult(gm, lowered > 0, stats)
+
+
+def _drop_quantized_weights(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Quantized tables live in their group's TBE: remove the fp32 parameters nothing reads now."""
+    removed = 0
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and n.target in ctx.fp32_weights and not n.users:
+            gm.graph.erase_node(n)
+            if not any(m.op == "get_attr" and m.target == n.target for m in gm.graph.nodes):
+                owner, _, attr = n.target.rpartition(".")
+                delattr(gm.get_submodule(owner) if owner else gm, attr)
+                removed += 1
+    return removed

@@ -96,6 +96,57 @@ def make_training_tbe(
     return tbe
 
 
+QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
+
+
+def make_inference_tbe(
+    rows_dims_dtypes: Sequence[Tuple[int, int, str]],
+    feature_table_map: List[int],
+    pooling: str,
+    device: torch.device,
+    weights: Sequence[torch.Tensor],
+    output_dtype: str = "fp32",
+) -> "torch.nn.Module":
+    """fbgemm's IntNBitTableBatchedEmbeddingBagsCodegen holding ``weights`` quantized row-wise
+    to each table's dtype (fp32, fp16, int8, int4, int2; integer types get an fp16 scale and
+    bias per row, as fbgemm's quantize_embs lays them out)."""
+    require_fbgemm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+            IntNBitTableBatchedEmbeddingBagsCodegen,
+        )
+        from fbgemm_gpu.tbe.utils.quantize import quantize_embs
+
+        types = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8,
+                 "int4": SparseType.INT4, "int2": SparseType.INT2}
+        location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
+        mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
+        tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+            [("", int(r), int(d), types[t], location) for r, d, t in rows_dims_dtypes],
+            feature_table_map=list(feature_table_map),
+            pooling_mode=mode,
+            device=device,
+            output_dtype=types[output_dtype],
+            bounds_check_mode=BoundsCheckMode.NONE,
+        )
+        tbe.initialize_weights()
+        tbe.assign_embedding_weights(
+            [quantize_embs(w.detach().float().to(device), types[t]) for w, (_, _, t) in zip(weights, rows_dims_dtypes)]
+        )
+    return tbe
+
+
+def quant_align(dtype: str) -> int:
+    """The dim a table must be a multiple of to be stored in ``dtype``."""
+    require_fbgemm()
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    return {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8,
+            "int4": SparseType.INT4, "int2": SparseType.INT2}[dtype].align_size()
+
+
 def tbe_flat_weights(tbe: "SplitTableBatchedEmbeddingBagsCodegen") -> torch.Tensor:
     """The single flat fp32 storage that holds every table of `tbe`."""
     return tbe.weights_host if tbe.weights_host.numel() > 0 else tbe.weights_dev

@@ -1,0 +1,65 @@
+"""quantize_tables: choose the storage dtype of every grouped table for inference.
+
+``transform(model, inputs, mode="inference", quantize=...)`` with ``quantize`` one of:
+``"int8"`` / ``"int4"`` / ``"int2"`` / ``"fp16"`` / ``"fp32"`` for every table, a dict from
+table name or glob pattern to a dtype (first match wins; ``"*"`` for the rest), or ``"auto"``:
+int8 (D + 4 bytes a row: the row's int8 values and an fp16 scale and bias) for tables of at
+least ``AUTO_MIN_BYTES`` of fp32 weights, fp32 for smaller ones, which have nothing worth
+saving. Integer dtypes are quantized row-wise (each row its own scale and bias, computed from
+the trained weights by fbgemm's quantize_embs), so they lose precision: the report gives the
+error measured on the example inputs (measure_quantization).
+
+Before/After: the graph is unchanged; ``GroupRecord.quant`` maps each table to its dtype.
+
+Not handled: dims that the dtype cannot store (int4 needs a multiple of 8, int2 of 16): an
+error that names the table; quantizing for training (mode must be "inference").
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch.fx as fx
+
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..runtime._fbgemm import QUANT_DTYPES, quant_align
+
+AUTO_MIN_BYTES = 64 * 1024
+
+
+def dtype_for(spec, table: str, param: str, rows: int, dim: int):
+    if isinstance(spec, str):
+        if spec == "auto":
+            return "int8" if rows * dim * 4 >= AUTO_MIN_BYTES else "fp32"
+        return spec
+    for pattern, dt in spec.items():
+        if pattern in (table, param) or fnmatch.fnmatchcase(table, pattern) or fnmatch.fnmatchcase(param, pattern):
+            return dtype_for(dt, table, param, rows, dim)
+    return "fp32"
+
+
+@compiler_pass(needs=("groups",), provides=("quant",))
+def quantize_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    spec = ctx.config.quantize
+    if spec is None:
+        return PassResult(gm, False, {})
+    if ctx.config.mode != "inference":
+        raise InputError("fxrec: quantize= needs mode='inference' (quantized tables cannot be trained)")
+    values = [spec] if isinstance(spec, str) else list(spec.values()) if isinstance(spec, dict) else None
+    if values is None or any(v not in QUANT_DTYPES + ("auto",) for v in values):
+        raise InputError(f"fxrec: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, got {spec!r}")
+    counts = {}
+    for gr in ctx.groups:
+        for rec in gr.lookups:
+            dt = dtype_for(spec, rec.table, rec.param, rec.num_rows, rec.dim)
+            align = quant_align(dt)
+            if rec.dim % align:
+                raise InputError(
+                    f"fxrec: table '{rec.table}' (dim {rec.dim}) cannot be stored as {dt}: fbgemm needs "
+                    f"a dim that is a multiple of {align}; give it another dtype in quantize="
+                )
+            gr.quant[rec.param] = dt
+        gr.lower = True
+        for dt in gr.quant.values():
+            counts[dt] = counts.get(dt, 0) + 1
+    return PassResult(gm, False, {f"tables_{k}": v for k, v in sorted(counts.items())})

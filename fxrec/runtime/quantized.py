@@ -1,0 +1,89 @@
+"""Runtime modules for inference: a group of lookups on row-wise quantized tables.
+
+The tables live, quantized, in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen`` (a child
+module, so its buffers are this module's state); the fp32 weights are gone from the model.
+The call is the training group's call without the weights:
+``group(ids_list, offsets_list, psw_list)``. Inputs are packed and checked exactly as for the
+training groups, so padding, per-sample weights, 2-D ids and include_last_offset keep their
+PyTorch meaning.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import _fbgemm
+from .tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
+
+
+def _quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str):
+    for t, dt in zip(group.tables, dtypes):
+        if dt not in _fbgemm.QUANT_DTYPES:
+            raise ValueError(f"fxrec: table '{t.name}': dtype must be one of {_fbgemm.QUANT_DTYPES}, got {dt!r}")
+    return _fbgemm.make_inference_tbe(
+        [(t.num_rows, t.dim, dt) for t, dt in zip(group.tables, dtypes)],
+        [f.table for f in group.features], group.pooling, weights[0].device, weights, output_dtype,
+    )
+
+
+def table_bytes(tbe: torch.nn.Module) -> List[int]:
+    """Bytes each table takes in the quantized TBE (rows x stored row width, scale/bias included)."""
+    out = []
+    for w, sb in tbe.split_embedding_weights(split_scale_shifts=False):
+        out.append(int(w.shape[0]) * int(w.stride(0)) * w.element_size() if w.numel() else 0)
+    return out
+
+
+class QuantizedPooledGroup(PooledEmbeddingGroup):
+    """Pooled lookups (sum or mean) on quantized tables; returns ``[B, sum of dims]``."""
+
+    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], pooling: str,
+                 dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32"):
+        super().__init__(tables, features, pooling)
+        self.dtypes = list(dtypes)
+        self.output_dtype = output_dtype
+        self.tbe = _quantized_tbe(self, dtypes, weights, output_dtype)
+
+    def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
+                psw_list: List[Optional[torch.Tensor]]) -> torch.Tensor:
+        self._check_count(ids_list)
+        packed = self._pack(ids_list, offsets_list, psw_list)
+        if packed is None:
+            if all(ids.numel() == 0 for ids in ids_list):
+                batch = 0 if not ids_list else (ids_list[0].shape[0] if ids_list[0].dim() else 0)
+                return torch.zeros(batch, sum(self.dims), device=ids_list[0].device, dtype=self._out_dtype())
+            raise ValueError(
+                f"fxrec: the features of the quantized group of tables {[t.name for t in self.tables]} "
+                "have different batch sizes; one TBE needs one"
+            )
+        indices, offsets, psw, _ = packed
+        self._validate_packed(indices, offsets, ids_list, offsets_list)
+        return self.tbe(indices.int(), offsets.int(), psw)
+
+    def _out_dtype(self) -> torch.dtype:
+        return torch.float16 if self.output_dtype == "fp16" else torch.float32
+
+
+class QuantizedSequenceGroup(SequenceEmbeddingGroup):
+    """Unpooled lookups on quantized tables; returns one tensor per feature."""
+
+    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], pooling: str,
+                 dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32"):
+        super().__init__(tables, features, pooling)
+        self.dtypes = list(dtypes)
+        self.output_dtype = output_dtype
+        self.tbe = _quantized_tbe(self, dtypes, weights, output_dtype)
+
+    def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
+                psw_list: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+        self._check_count(ids_list)
+        for f, ids in zip(self.features, ids_list):
+            if ids.dtype not in (torch.int64, torch.int32):
+                self._check_ids(f, ids)
+        if max(ids.numel() for ids in ids_list) == 0:
+            dt = torch.float16 if self.output_dtype == "fp16" else torch.float32
+            return [torch.zeros(tuple(ids.shape) + (self.tables[0].dim,), dtype=dt, device=ids.device) for ids in ids_list]
+        indices, offsets, _ = self._pack_sequence(ids_list)
+        return self._unpack_sequence(self.tbe(indices.int(), offsets.int()), ids_list)
