@@ -5,8 +5,9 @@ glob pattern to optimizer, for a per-table choice). Each takes the keyword argum
 ``torch.optim`` namesake, with the same meaning and defaults; ``RowWiseAdagrad`` is fbgemm's
 row-wise Adagrad (one accumulator per row: ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``).
 
-Where fbgemm's kernel implements the optimizer exactly, the update runs inside ``backward``
-("fused": no gradient is made). Otherwise the table gets PyTorch's gradient and the torch.optim
+Where fbgemm's kernel implements the optimizer's arithmetic, the update runs inside
+``backward`` ("fused": no gradient is made), once per backward call (two backward calls per
+step, or gradient accumulation, differ from torch.optim for the stateful optimizers). Otherwise the table gets PyTorch's gradient and the torch.optim
 namesake (or :class:`RowWiseAdagradTorch`) updates it in ``opt.step()`` ("fallback"); the
 report says which path every table takes. The CPU build of fbgemm fuses SGD, Adagrad and
 row-wise Adagrad only; Adam always takes the fallback (fbgemm's Adam updates only the rows in

@@ -115,3 +115,42 @@ def test_sequence_lookup_out_of_range_names_table():
         bad[2][0, 0] = 40  # table attn has 40 rows
         with pytest.raises(IndexError, match=r"id 40 in table 'attn'"):
             fast(*bad)
+
+
+class TwoPooled(torch.nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.e, self.f = torch.nn.Embedding(20, 8), torch.nn.Embedding(20, 8)
+
+    def forward(self, a, b):
+        pool = (lambda t: t.sum(1)) if self.mode == "sum" else (lambda t: t.mean(1))
+        return torch.cat([pool(self.e(a)), pool(self.f(b))], 1)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_rows_with_no_ids_pool_as_pytorch_does(mode):
+    model = TwoPooled(mode)
+    fast = fxrec.transform(model, (torch.randint(0, 20, (4, 3)), torch.randint(0, 20, (4, 2))), backend="fbgemm")
+    x = (torch.randint(0, 20, (4, 3)), torch.zeros(4, 0, dtype=torch.long))
+    torch.testing.assert_close(fast(*x), model(*x), equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "loop"])
+def test_include_last_offset_with_padding_and_bad_offsets(backend):
+    class Bag(torch.nn.Module):
+        def __init__(self, pad):
+            super().__init__()
+            self.b = torch.nn.EmbeddingBag(10, 8, mode="sum", include_last_offset=True, padding_idx=pad)
+
+        def forward(self, ids, offsets):
+            return self.b(ids, offsets)
+
+    ids = torch.tensor([1, 2, 3, 3, 0, 5, 3, 7])
+    for pad in (3, None):
+        model = Bag(pad)
+        fast = fxrec.transform(model, (ids, torch.tensor([0, 2, 2, 5, 8])), backend=backend)
+        # trailing ids after offsets[-1]: PyTorch counts them in the last bag with a padding_idx, not without
+        torch.testing.assert_close(fast(ids, torch.tensor([0, 2, 2, 5, 6])), model(ids, torch.tensor([0, 2, 2, 5, 6])))
+        with pytest.raises((ValueError, RuntimeError), match=r"offsets of feature 'ids' \(table 'b'\)|offsets\[-1\] can not be greater"):
+            fast(ids, torch.tensor([0, 2, 2, 5, 9]))

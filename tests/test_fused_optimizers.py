@@ -314,3 +314,49 @@ def test_table_also_used_outside_its_lookups_is_not_fused():
     assert not opt.fused and opt.fallbacks
     for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+class PaddedSequence(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hist = torch.nn.Embedding(50, 8, padding_idx=0)
+        self.item = torch.nn.Embedding(30, 8)
+
+    def forward(self, hist, item):
+        return torch.cat([self.hist(hist).sum(1), self.item(item)], 1)
+
+
+def padded_inputs(s):
+    g = torch.Generator().manual_seed(s)
+    hist = torch.randint(0, 50, (6, 4), generator=g)
+    hist[:, :2] = 0  # plenty of padding
+    return hist, torch.randint(0, 30, (6,), generator=g)
+
+
+@pytest.mark.parametrize("opt_cfg,torch_opt", [
+    (fxrec.optim.SGD(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5)),
+    (fxrec.optim.Adagrad(lr=0.5), lambda p: torch.optim.Adagrad(p, lr=0.5)),
+], ids=["sgd", "adagrad"])
+@pytest.mark.parametrize("backend", ["fbgemm", "auto"])
+def test_padding_row_is_never_trained(opt_cfg, torch_opt, backend):
+    """fbgemm's fused kernels know no padding row: fxrec must not let them update it."""
+    ref, fast, _ = train_both(PaddedSequence, padded_inputs, opt_cfg, torch_opt, steps=5, backend=backend,
+                              timing_rounds=2)
+    assert torch.equal(fast.state_dict()["hist.weight"][0], ref.hist.weight.detach()[0])
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_fxrec_fused_sgd_survives_two_forwards_before_backward():
+    model = M.BagList(rows=ROWS)
+    fast = with_torch_sgd(fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm"))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    a, b = M.bag_inputs(rows=ROWS, seed=1), M.bag_inputs(rows=ROWS, seed=2)
+    (ref(*a).sum() + ref(*b).pow(2).sum()).backward()
+    ref_opt.step()
+    (fast(*a).sum() + fast(*b).pow(2).sum()).backward()  # pairwise loss: two forwards, one backward
+    opt.step()
+    for (k, x), (_, y) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=k)

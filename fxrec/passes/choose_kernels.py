@@ -172,6 +172,13 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
                    "would miss that gradient, so torch.optim in opt.step()")
         return
     gr.lower = True  # keeps the module's sparse gradients for the fallback
+    padded = next((r.table for r in gr.lookups if r.padding_idx is not None and r.form != "bag"), "")
+    if padded and spec.kind != "sgd":
+        gr.why += (f"; optimizer: nn.Embedding '{padded}' has a padding row, which fbgemm's fused "
+                   f"{spec.kind} would update, so torch.optim in opt.step()")
+        return
+    if padded:  # fxrec's own fused SGD leaves the padding row alone; fbgemm's would not
+        spec = dataclasses.replace(spec, impl="torch")
     if backend == "loop":
         gr.why += "; optimizer: backend='loop', so torch.optim in opt.step()"
         return
@@ -185,6 +192,8 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
             return
         if best == "fused_torch":
             spec = dataclasses.replace(spec, impl="torch")
+        elif best == "fused":
+            spec = dataclasses.replace(spec, impl="fbgemm")
         gr.why += f"; optimizer: fused {spec.kind} inside backward by {spec.impl}, measured fastest a step ({measured})"
     else:
         gr.why += f"; optimizer: fused {spec.kind} inside backward"
@@ -200,7 +209,7 @@ def _time_optimizer_paths(gr: meta.GroupRecord, spec, values: Dict, rounds: int)
         return args[:3] + (params,)
 
     saved = (gr.fused, gr.path_train)
-    impls = {"fused": spec}
+    impls = {} if spec.impl == "torch" else {"fused": spec}
     if spec.kind == "sgd":
         impls["fused_torch"] = dataclasses.replace(spec, impl="torch")
     fns = {}

@@ -404,11 +404,21 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                 if off.dtype != torch.int64:
                     off = off.long()
                 if f.include_last_offset or f.padding_idx is not None:
+                    if f.include_last_offset and off.numel() and int(off[-1]) > flat.numel():
+                        raise ValueError(
+                            f"fxrec: offsets of feature '{f.name}' (table '{self.tables[f.table].name}') end "
+                            f"at {int(off[-1])}, past its {flat.numel()} ids"
+                        )
                     if not f.include_last_offset:
                         off = torch.cat([off, off.new_full((1,), flat.numel())])
+                    elif f.padding_idx is not None and off.numel():
+                        # as PyTorch does: with a padding_idx the last bag runs to the end of the ids
+                        off = torch.cat([off[:-1], off.new_full((1,), flat.numel())])
                     else:
                         flat = flat[: int(off[-1])] if off.numel() else flat[:0]
                     if f.padding_idx is not None:
+                        if bool((off > flat.numel()).any()):
+                            self._check_offsets(f, flat, off)  # raises, naming the feature
                         keep = flat != f.padding_idx
                         kept_before = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.long().cumsum(0)])
                         off = kept_before[off]
@@ -421,7 +431,10 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             elif f.form == "pooled_seq":
                 b, length = ids.shape
                 flat = ids.reshape(-1)
-                start = torch.arange(0, b * length, length, device=dev) if b else flat.new_zeros(0)
+                if length == 0 and self.pooling == "mean":
+                    return None  # PyTorch's mean of no rows is NaN; only its own kernels give that
+                start = (torch.arange(0, b * length, length, device=dev) if length
+                         else torch.zeros(b, dtype=torch.long, device=dev))
             else:  # single
                 b = ids.shape[0]
                 flat = ids
@@ -554,13 +567,22 @@ class _TBELookupFunction(torch.autograd.Function):
             out = forward()
         ctx.group = group
         ctx.batch = batch
-        ctx.save_for_backward(indices, offsets, psw, *params)
+        if group.fused_active and group.fused.impl == "torch":
+            # backward updates these in place, so they are not saved (a second forward before
+            # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
+            ctx.save_for_backward(indices, offsets, psw)
+            ctx.params = params
+        else:
+            ctx.save_for_backward(indices, offsets, psw, *params)
+            ctx.params = None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         group: EmbeddingGroup = ctx.group
         indices, offsets, psw, *params = ctx.saved_tensors
+        if ctx.params is not None:
+            params = list(ctx.params)
         batch = ctx.batch
         nfeat = len(group.features)
         n = indices.numel()
