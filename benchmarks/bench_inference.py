@@ -1,0 +1,93 @@
+"""Inference latency and model bytes: plain fp32 model vs fxrec fp32 / fp16 / int8 / int4. JSON.
+
+    .venv/bin/python benchmarks/bench_inference.py [--out FILE] [--rounds N]
+
+Same shapes and plain model as bench_lookups.py, in eval mode under no_grad. "fxrec_auto" is
+transform(mode="inference") without quantization (kernel chosen by measurement); the others
+are transform(mode="inference", quantize=dtype) on fbgemm's IntNBit TBE. Bytes are the
+embedding storage (fp32 tables for plain, stored quantized bytes from the report otherwise).
+Alternating runs in one process, medians; speed-up = plain / variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fxrec  # noqa: E402
+from benchmarks.bench_lookups import SHAPES, PlainBags, inputs  # noqa: E402
+
+
+def bench(shape, rounds):
+    cfg = SHAPES[shape]
+    torch.manual_seed(0)
+    plain = PlainBags(cfg["tables"], cfg["rows"], cfg["dim"]).eval()
+    example = inputs(cfg["tables"], cfg["rows"], cfg["batch"], cfg["ids_per_bag"], seed=0)
+    models = {"plain": plain, "fxrec_auto": fxrec.transform(plain, example, mode="inference")}
+    for dt in ("fp32", "fp16", "int8", "int4"):
+        models[f"fxrec_{dt}"] = fxrec.transform(plain, example, mode="inference", quantize=dt)
+    batch = inputs(cfg["tables"], cfg["rows"], cfg["batch"], cfg["ids_per_bag"], seed=1)
+    times = {k: [] for k in models}
+    with torch.no_grad():
+        ref = plain(*batch)
+        err = {k: float((m(*batch) - ref).abs().max()) for k, m in models.items()}
+        for m in models.values():
+            m(*batch)
+        for _ in range(rounds):
+            for k, m in models.items():
+                t = time.perf_counter()
+                m(*batch)
+                times[k].append(time.perf_counter() - t)
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    fp32_bytes = cfg["tables"] * cfg["rows"] * cfg["dim"] * 4
+    nbytes = {"plain": fp32_bytes, "fxrec_auto": fp32_bytes}
+    for k, m in models.items():
+        if m is not plain and m.report.quantization:
+            nbytes[k] = sum(q.bytes_stored for q in m.report.quantization)
+    return {
+        "config": cfg,
+        "forward_ms": ms,
+        "speedup_vs_plain": {k: ms["plain"] / v for k, v in ms.items() if k != "plain"},
+        "embedding_bytes": nbytes,
+        "bytes_vs_fp32": {k: v / fp32_bytes for k, v in nbytes.items()},
+        "max_abs_diff_vs_plain": err,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_inference.json"))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    a = ap.parse_args()
+    import fbgemm_gpu
+
+    result = {
+        "what": "eval forward under no_grad: plain fp32 model vs fxrec inference (fp32 auto, quantized fp32/fp16/int8/int4)",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "versions": {"torch": torch.__version__, "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"), "fxrec": fxrec.__version__},
+        "rounds": a.rounds,
+        "shapes": {},
+    }
+    for shape in a.shapes.split(","):
+        r = bench(shape, a.rounds)
+        result["shapes"][shape] = r
+        print(f"{shape:11s} ms: " + ", ".join(f"{k} {v:.2f}" for k, v in r["forward_ms"].items()), flush=True)
+        print(f"{'':11s} speed-up: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["speedup_vs_plain"].items())
+              + " | bytes: " + ", ".join(f"{k} {v:.0%}" for k, v in r["bytes_vs_fp32"].items()), flush=True)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(result, fh, indent=2)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
