@@ -65,34 +65,18 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ndim = val.dim() if val is not None else 2
         if dim not in (1, 1 - ndim) or ndim != 2:
             continue
-        tensors = list(cat.args[0])
         out: List = []
-        i = 0
         changed = False
-        while i < len(tensors):
-            s = _group_slice(tensors[i])
-            if s is None:
-                out.append(tensors[i])
-                i += 1
-                continue
-            group, start, end = s
-            j = i + 1
-            while j < len(tensors):
-                t = _group_slice(tensors[j])
-                if t is None or t[0] is not group or t[1] != end:
-                    break
-                end = t[2]
-                j += 1
-            if j - i == 1 and not (start == 0 and end == _width(gm, group)):
-                out.append(tensors[i])
-            elif start == 0 and end == _width(gm, group):
+        for group, start, end, nodes in _runs(gm, list(cat.args[0])):
+            if group is None or (len(nodes) == 1 and end - start < _width(gm, group)):
+                out.extend(nodes)
+            elif end - start == _width(gm, group):  # all of the group's columns: its output
                 out.append(group)
                 changed = True
-            else:
+            else:  # several adjacent slices of the group: one wider slice
                 with graph.inserting_before(cat):
                     out.append(graph.call_function(aten.slice.Tensor, (group, 1, start, end)))
                 changed = True
-            i = j
         if not changed:
             continue
         folded += 1
@@ -120,31 +104,15 @@ def _fold_stack(gm: fx.GraphModule, stack: fx.Node) -> int:
     dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
     if dim not in (1, -2):
         return 0
-    tensors = list(stack.args[0])
     parts: List = []
-    i = 0
     changed = False
-    while i < len(tensors):
-        s = _group_slice(tensors[i])
-        if s is None:
-            parts.append(("one", tensors[i]))
-            i += 1
-            continue
-        group, start, end = s
-        dims = gm.get_submodule(group.target).dims
-        j = i + 1
-        while j < len(tensors):
-            t = _group_slice(tensors[j])
-            if t is None or t[0] is not group or t[1] != end:
-                break
-            end = t[2]
-            j += 1
-        if start == 0 and end == sum(dims) and len(set(dims)) == 1 and j - i == len(dims):
+    for group, start, end, nodes in _runs(gm, list(stack.args[0])):
+        dims = gm.get_submodule(group.target).dims if group is not None else []
+        if group is not None and end - start == sum(dims) and len(set(dims)) == 1:
             parts.append(("group", group, len(dims), dims[0]))
             changed = True
         else:
-            parts.extend(("one", t) for t in tensors[i:j])
-        i = j
+            parts.extend(("one", t) for t in nodes)
     if not changed:
         return 0
     with graph.inserting_before(stack):
@@ -159,3 +127,25 @@ def _fold_stack(gm: fx.GraphModule, stack: fx.Node) -> int:
     stack.replace_all_uses_with(new)
     graph.erase_node(stack)
     return 1
+
+
+def _runs(gm: fx.GraphModule, tensors: List):
+    """Split a cat/stack argument list into runs: (group, start, end, nodes) for consecutive
+    adjacent column slices of one group output, (None, 0, 0, [node]) for anything else."""
+    i = 0
+    while i < len(tensors):
+        s = _group_slice(tensors[i])
+        if s is None:
+            yield None, 0, 0, [tensors[i]]
+            i += 1
+            continue
+        group, start, end = s
+        j = i + 1
+        while j < len(tensors):
+            t = _group_slice(tensors[j])
+            if t is None or t[0] is not group or t[1] != end:
+                break
+            end = t[2]
+            j += 1
+        yield group, start, end, tensors[i:j]
+        i = j

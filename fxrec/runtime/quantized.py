@@ -18,11 +18,13 @@ from . import _fbgemm
 from .tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
 
 
-def _quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str):
+def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str) -> None:
     for t, dt in zip(group.tables, dtypes):
         if dt not in _fbgemm.QUANT_DTYPES:
             raise ValueError(f"fxrec: table '{t.name}': dtype must be one of {_fbgemm.QUANT_DTYPES}, got {dt!r}")
-    return _fbgemm.make_inference_tbe(
+    group.dtypes = list(dtypes)
+    group.output_dtype = output_dtype
+    group.tbe = _fbgemm.make_inference_tbe(
         [(t.num_rows, t.dim, dt) for t, dt in zip(group.tables, dtypes)],
         [f.table for f in group.features], group.pooling, weights[0].device, weights, output_dtype,
     )
@@ -42,9 +44,7 @@ class QuantizedPooledGroup(PooledEmbeddingGroup):
     def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], pooling: str,
                  dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32"):
         super().__init__(tables, features, pooling)
-        self.dtypes = list(dtypes)
-        self.output_dtype = output_dtype
-        self.tbe = _quantized_tbe(self, dtypes, weights, output_dtype)
+        _attach_quantized_tbe(self, dtypes, weights, output_dtype)
 
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> torch.Tensor:
@@ -72,9 +72,7 @@ class QuantizedSequenceGroup(SequenceEmbeddingGroup):
     def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], pooling: str,
                  dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32"):
         super().__init__(tables, features, pooling)
-        self.dtypes = list(dtypes)
-        self.output_dtype = output_dtype
-        self.tbe = _quantized_tbe(self, dtypes, weights, output_dtype)
+        _attach_quantized_tbe(self, dtypes, weights, output_dtype)
 
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:

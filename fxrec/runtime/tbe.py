@@ -276,6 +276,13 @@ class EmbeddingGroup(nn.Module):
                 return tbe(indices, offsets, per_sample_weights=psw)
         return _TBELookupFunction.apply(self, forward, batch, indices, offsets, psw, *params)
 
+    def _check_fused_usable(self, params, training: bool) -> bool:
+        """Whether this call trains with the fused optimizer; raises when it should but cannot."""
+        fused = training and self.fused_active
+        if fused and not self._fbgemm_usable(params):
+            self._fused_unusable(params, "fbgemm cannot run them (fbgemm missing, or not fp32 on one device)")
+        return fused
+
     def _fused_unusable(self, params, why: str):
         raise RuntimeError(
             f"fxrec: tables {[t.name for t in self.tables]} train with a fused optimizer, but {why}; "
@@ -301,9 +308,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
     ) -> torch.Tensor:
         self._check_count(ids_list)
         training = self._training(params, psw_list)
-        fused = training and self.fused_active
-        if fused and not self._fbgemm_usable(params):
-            self._fused_unusable(params, "fbgemm cannot run them (fbgemm missing, or not fp32 on one device)")
+        fused = self._check_fused_usable(params, training)
         if (self.path_train if training else self.path_eval) == "fbgemm" and self._fbgemm_usable(params):
             packed = self._pack(ids_list, offsets_list, psw_list)
             if packed is not None:
@@ -501,9 +506,7 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
                 self._check_ids(f, ids)  # raises, naming the feature
         counts = [ids.numel() for ids in ids_list]
         training = self._training(params, psw_list)
-        if training and self.fused_active and not self._fbgemm_usable(params):
-            self._fused_unusable(params, "fbgemm cannot run them (fbgemm missing, or not fp32 on one device)")
-        if max(counts) == 0 and training and self.fused_active:
+        if max(counts) == 0 and self._check_fused_usable(params, training):
             with torch.no_grad():
                 return self.loop(ids_list, offsets_list, psw_list, params)
         if (
