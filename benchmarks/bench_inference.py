@@ -15,15 +15,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fxrec  # noqa: E402
-from benchmarks.bench_lookups import SHAPES, PlainBags, inputs  # noqa: E402
+from benchmarks.bench_lookups import SHAPES, PlainBags, inputs, median_ms  # noqa: E402
 
 
 def bench(shape, rounds):
@@ -35,18 +33,10 @@ def bench(shape, rounds):
     for dt in ("fp32", "fp16", "int8", "int4"):
         models[f"fxrec_{dt}"] = fxrec.transform(plain, example, mode="inference", quantize=dt)
     batch = inputs(cfg["tables"], cfg["rows"], cfg["batch"], cfg["ids_per_bag"], seed=1)
-    times = {k: [] for k in models}
     with torch.no_grad():
         ref = plain(*batch)
         err = {k: float((m(*batch) - ref).abs().max()) for k, m in models.items()}
-        for m in models.values():
-            m(*batch)
-        for _ in range(rounds):
-            for k, m in models.items():
-                t = time.perf_counter()
-                m(*batch)
-                times[k].append(time.perf_counter() - t)
-    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        ms = median_ms({k: (lambda m=m: m(*batch)) for k, m in models.items()}, rounds)
     fp32_bytes = cfg["tables"] * cfg["rows"] * cfg["dim"] * 4
     nbytes = {"plain": fp32_bytes, "fxrec_auto": fp32_bytes}
     for k, m in models.items():

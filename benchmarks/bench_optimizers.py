@@ -17,16 +17,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fxrec  # noqa: E402
-from benchmarks.bench_lookups import SHAPES, inputs  # noqa: E402
+from benchmarks.bench_lookups import SHAPES, inputs, median_ms  # noqa: E402
 from fxrec.optim import RowWiseAdagradTorch  # noqa: E402
 
 OPTIMIZERS = {
@@ -67,16 +65,7 @@ def bench(shape, opt_name, rounds):
             opts[k].step()
         return run
 
-    fns = {k: step(k) for k in models}
-    times = {k: [] for k in fns}
-    for f in fns.values():
-        f()
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
-    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    ms = median_ms({k: step(k) for k in models}, rounds)
     g = auto.report.groups[0]
     return {
         "step_ms": ms,
