@@ -155,8 +155,12 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
     """Where the group's optimizer runs: fused into fbgemm's backward, or torch.optim in step().
 
     With backend="auto" and an optimizer fbgemm can fuse, one training step of the group is timed
-    both ways on copies of its tables (fused: forward + backward with the update; fallback:
-    forward + backward with sparse gradients + the torch.optim step) and the faster is kept.
+    on copies of its tables: fused by fbgemm (forward + backward with the update), fused by fxrec
+    (SGD only: the faster forward, and index_add_ of the gradient rows in backward), and the
+    fallback (forward + backward with sparse gradients + the torch.optim step); the fastest is
+    kept. Groups that fbgemm's fused kernels would get wrong are not given to them: a table
+    also used outside its lookups (its other gradient would be lost) and an nn.Embedding
+    padding row (fbgemm would update it).
     """
     opt = gr.optimizer
     gr.fused = None
@@ -192,8 +196,6 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
             return
         if best == "fused_torch":
             spec = dataclasses.replace(spec, impl="torch")
-        elif best == "fused":
-            spec = dataclasses.replace(spec, impl="fbgemm")
         gr.why += f"; optimizer: fused {spec.kind} inside backward by {spec.impl}, measured fastest a step ({measured})"
     else:
         gr.why += f"; optimizer: fused {spec.kind} inside backward"

@@ -321,7 +321,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                         return self.loop(ids_list, offsets_list, psw_list, params)
                 return self._run_tbe(tbe, batch, indices, offsets, psw, params, training, forward)
             if fused and any(ids.numel() for ids in ids_list):
-                self._fused_unusable(params, "its features have different batch sizes")
+                self._fused_unusable(params, "its features have different batch sizes (or a [B, 0] id tensor is mean-pooled)")
             if fused:  # empty batch: nothing to update
                 with torch.no_grad():
                     return self.loop(ids_list, offsets_list, psw_list, params)
