@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..report import QuantEntry
-from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup, table_bytes
+from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 
 
 @compiler_pass(needs=("quant",))
@@ -42,7 +42,7 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for name, mod in groups.items():
         # the fp32 weights in the module's table order (the table names map back to parameters)
         fp32 = [ctx.fp32_weights[_param_of(t.name, params[name])] for t in mod.tables]
-        sizes = table_bytes(mod.tbe)
+        sizes = mod.table_nbytes
         errs: Dict[int, list] = {}
         if name in seen:
             ids, offs, psw = seen[name]

@@ -1,7 +1,8 @@
 """Runtime modules for inference: a group of lookups on row-wise quantized tables.
 
-The tables live, quantized, in one fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen`` (a child
-module, so its buffers are this module's state); the fp32 weights are gone from the model.
+The tables are quantized by fbgemm's ``IntNBitTableBatchedEmbeddingBagsCodegen`` and looked up
+with its operator on buffers this module keeps (so they are its state); the fp32 weights are gone
+from the model.
 The call is the training group's call without the weights:
 ``group(ids_list, offsets_list, psw_list)``. Inputs are packed and checked exactly as for the
 training groups, so padding, per-sample weights, 2-D ids and include_last_offset keep their
@@ -19,21 +20,55 @@ from .tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, Tabl
 
 
 def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str) -> None:
+    """Quantize ``weights`` into an fbgemm IntNBit TBE and keep only what its lookup operator
+    reads: the quantized rows and the table layout as buffers of ``group``, the dims as ints.
+
+    The fbgemm module itself is not kept: it holds an ``AtomicCounter`` script object that
+    torch.export cannot trace, and its Python forward adds nothing when fxrec checks the ids.
+    """
     for t, dt in zip(group.tables, dtypes):
         if dt not in _fbgemm.QUANT_DTYPES:
             raise ValueError(f"fxrec: table '{t.name}': dtype must be one of {_fbgemm.QUANT_DTYPES}, got {dt!r}")
     group.dtypes = list(dtypes)
     group.output_dtype = output_dtype
-    group.tbe = _fbgemm.make_inference_tbe(
+    tbe = _fbgemm.make_inference_tbe(
         [(t.num_rows, t.dim, dt) for t, dt in zip(group.tables, dtypes)],
         [f.table for f in group.features], group.pooling, weights[0].device, weights, output_dtype,
+    )
+    group.table_nbytes = table_bytes(tbe)
+    group.register_buffer("q_weights", tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev)
+    for name in ("weights_uvm", "weights_placements", "weights_offsets", "weights_tys", "D_offsets",
+                 "lxu_cache_weights"):
+        group.register_buffer(f"q_{name}", getattr(tbe, name))
+    group.register_buffer("q_lxu_cache_locations", torch.empty(0, dtype=torch.int32, device=weights[0].device),
+                          persistent=False)
+    group.q_ints = {name: int(getattr(tbe, name)) for name in (
+        "total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
+        "output_dtype", "row_alignment", "max_float8_D", "fp8_exponent_bits", "fp8_exponent_bias",
+        "pooling_mode")}
+
+
+def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
+    """fbgemm's quantized TBE lookup operator on the group's buffers."""
+    q = group.q_ints
+    return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+        dev_weights=group.q_weights, uvm_weights=group.q_weights_uvm,
+        weights_placements=group.q_weights_placements, weights_offsets=group.q_weights_offsets,
+        weights_tys=group.q_weights_tys, D_offsets=group.q_D_offsets, total_D=q["total_D"],
+        max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
+        max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
+        indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
+        output_dtype=q["output_dtype"], lxu_cache_weights=group.q_lxu_cache_weights,
+        lxu_cache_locations=group.q_lxu_cache_locations, row_alignment=q["row_alignment"],
+        max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
+        fp8_exponent_bias=q["fp8_exponent_bias"],
     )
 
 
 def table_bytes(tbe: torch.nn.Module) -> List[int]:
     """Bytes each table takes in the quantized TBE (rows x stored row width, scale/bias included)."""
     out = []
-    for w, sb in tbe.split_embedding_weights(split_scale_shifts=False):
+    for w, _ in tbe.split_embedding_weights(split_scale_shifts=False):
         out.append(int(w.shape[0]) * int(w.stride(0)) * w.element_size() if w.numel() else 0)
     return out
 
@@ -60,7 +95,7 @@ class QuantizedPooledGroup(PooledEmbeddingGroup):
             )
         indices, offsets, psw, _ = packed
         self._validate_packed(indices, offsets, ids_list, offsets_list)
-        return self.tbe(indices.int(), offsets.int(), psw)
+        return _lookup(self, indices, offsets, psw)
 
     def _out_dtype(self) -> torch.dtype:
         return torch.float16 if self.output_dtype == "fp16" else torch.float32
@@ -84,4 +119,4 @@ class QuantizedSequenceGroup(SequenceEmbeddingGroup):
             dt = torch.float16 if self.output_dtype == "fp16" else torch.float32
             return [torch.zeros(tuple(ids.shape) + (self.tables[0].dim,), dtype=dt, device=ids.device) for ids in ids_list]
         indices, offsets, _ = self._pack_sequence(ids_list)
-        return self._unpack_sequence(self.tbe(indices.int(), offsets.int()), ids_list)
+        return self._unpack_sequence(_lookup(self, indices, offsets, None), ids_list)

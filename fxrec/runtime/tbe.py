@@ -35,6 +35,13 @@ from . import _fbgemm
 PATHS = ("fbgemm", "loop")
 
 
+def exporting() -> bool:
+    """Inside torch.export tracing: checks that read tensor values (data-dependent) are skipped,
+    and fp32 groups run their plain lookups, which export as ATen ops."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting and is_exporting())
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     """One lookup of a group, as the runtime needs it.
@@ -307,6 +314,8 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         params: List[torch.Tensor],
     ) -> torch.Tensor:
         self._check_count(ids_list)
+        if exporting():
+            return self.loop(ids_list, offsets_list, psw_list, params)
         training = self._training(params, psw_list)
         fused = self._check_fused_usable(params, training)
         if (self.path_train if training else self.path_eval) == "fbgemm" and self._fbgemm_usable(params):
@@ -335,6 +344,8 @@ class PooledEmbeddingGroup(EmbeddingGroup):
     def _validate_packed(self, indices, offsets, ids_list, offsets_list) -> None:
         """Cheap checks on the packed input (a few ops for the whole group); on failure, the
         per-feature checks find the feature and raise a message that names it."""
+        if exporting():
+            return
         ok = True
         if indices.numel():
             lo, hi = (int(x) for x in torch.aminmax(indices))
@@ -408,21 +419,27 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                 flat = ids.reshape(-1)
                 if off.dtype != torch.int64:
                     off = off.long()
+                if f.include_last_offset and exporting():
+                    # an exported program cannot drop a data-dependent number of trailing ids:
+                    # it asserts there are none (offsets[-1] == number of ids)
+                    torch._assert_async(off[-1] == flat.numel(),
+                                        f"fxrec: offsets[-1] of feature '{f.name}' must equal its number of ids")
+                    off = torch.cat([off[:-1], off.new_full((1,), flat.numel())])
                 if f.include_last_offset or f.padding_idx is not None:
-                    if f.include_last_offset and off.numel() and int(off[-1]) > flat.numel():
+                    if f.include_last_offset and not exporting() and off.numel() and int(off[-1]) > flat.numel():
                         raise ValueError(
                             f"fxrec: offsets of feature '{f.name}' (table '{self.tables[f.table].name}') end "
                             f"at {int(off[-1])}, past its {flat.numel()} ids"
                         )
                     if not f.include_last_offset:
                         off = torch.cat([off, off.new_full((1,), flat.numel())])
-                    elif f.padding_idx is not None and off.numel():
+                    elif (f.padding_idx is not None or exporting()) and off.numel():
                         # as PyTorch does: with a padding_idx the last bag runs to the end of the ids
                         off = torch.cat([off[:-1], off.new_full((1,), flat.numel())])
                     else:
                         flat = flat[: int(off[-1])] if off.numel() else flat[:0]
                     if f.padding_idx is not None:
-                        if bool((off > flat.numel()).any()):
+                        if not exporting() and bool((off > flat.numel()).any()):
                             self._check_offsets(f, flat, off)  # raises, naming the feature
                         keep = flat != f.padding_idx
                         kept_before = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.long().cumsum(0)])
@@ -463,7 +480,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         all_starts = torch.cat(starts)
         nfeat = len(flat_ids)
         firsts = all_starts.view(nfeat, batch)[:, 0]
-        if bool((firsts != 0).any()):
+        if not exporting() and bool((firsts != 0).any()):
             bad = int(torch.nonzero(firsts)[0, 0])
             f = self.features[bad]
             raise ValueError(
@@ -504,6 +521,8 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
         for f, ids in zip(self.features, ids_list):
             if ids.dtype not in (torch.int64, torch.int32):
                 self._check_ids(f, ids)  # raises, naming the feature
+        if exporting():
+            return self.loop(ids_list, offsets_list, psw_list, params)
         counts = [ids.numel() for ids in ids_list]
         training = self._training(params, psw_list)
         if max(counts) == 0 and self._check_fused_usable(params, training):
@@ -533,10 +552,11 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
         counts_t = torch.tensor(counts, device=dev)
         all_len = (torch.arange(bmax, device=dev) < counts_t.unsqueeze(1)).long().reshape(-1)
         indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
-        lo, hi = torch.aminmax(indices)
-        if int(lo) < 0 or int(hi) >= self._min_rows:
-            for f, ids in zip(self.features, ids_list):
-                self._check_ids(f, ids)
+        if not exporting():
+            lo, hi = torch.aminmax(indices)
+            if int(lo) < 0 or int(hi) >= self._min_rows:
+                for f, ids in zip(self.features, ids_list):
+                    self._check_ids(f, ids)
         offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=dev)
         torch.cumsum(all_len, 0, out=offsets[1:])
         return indices, offsets, bmax
