@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 import torch.fx as fx
 
-from .capture import capture
+from .capture import capture, fixed_size_notes
 from .optim import check_spec as check_optimizer_spec
 from .runtime.optimizer import CombinedOptimizer
 from .runtime.tbe import EmbeddingGroup
@@ -134,6 +134,7 @@ def transform(
             )
         )
     _note_modes(model, report)
+    report.notes.extend(fixed_size_notes(args, kwargs))
     table_opts = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
         if n.op == "call_module" and str(n.target).startswith("fxrec_group_") and len(n.args) > 3:

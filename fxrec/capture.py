@@ -4,14 +4,14 @@ Non-strict export runs the model's Python as Python, so list and dict inputs, lo
 tables, modules built inside ``forward``, ids carried as floats and cast with ``.long()``, and
 in-place writes to inputs all work (``torch.fx.symbolic_trace`` fails on most real CTR models).
 Every tensor dimension is captured as dynamic where the model allows it (``Dim.AUTO``), so the
-result takes other batch sizes and other numbers of ids. The returned module is called exactly
+result takes other batch sizes and other numbers of ids; dims of size 0 or 1 in the example
+inputs are fixed by torch.export (the report names them). The returned module is called exactly
 like the original: same positional and keyword structure, inputs mutated as the model mutates
 them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import os
@@ -51,27 +51,31 @@ def _dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
-@contextlib.contextmanager
-def _sizes_0_and_1_stay_dynamic():
-    """Without this, an example batch of 1 (or a feature with one id) fixes that size forever."""
-    from torch.fx.experimental import _config as fx_config
-
-    if hasattr(fx_config, "backed_size_oblivious"):
-        with fx_config.patch(backed_size_oblivious=True):
-            yield
-    else:  # pragma: no cover - older torch
-        yield
+def fixed_size_notes(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> list:
+    """torch.export fixes every input dim whose example size is 0 or 1 (treating it as dynamic
+    would change what squeeze, broadcasting and the like do): name each such dim."""
+    notes = []
+    flat, _ = pytree.tree_flatten_with_path((args, kwargs))
+    for path, x in flat:
+        if isinstance(x, torch.Tensor):
+            for d, n in enumerate(x.shape):
+                if n in (0, 1):
+                    where = pytree.keystr(path)
+                    notes.append(
+                        f"input {where} has size {n} in dim {d} in the example inputs: the transformed model "
+                        f"accepts only size {n} there (pass an example batch of 2 or more for a dynamic batch)"
+                    )
+    return notes
 
 
 def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> fx.GraphModule:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxrec.transform needs an nn.Module, got {type(model).__name__}")
     try:
-        with _sizes_0_and_1_stay_dynamic():
-            ep = torch.export.export(
-                model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
-                dynamic_shapes=_dynamic_shapes(model, args, kwargs),
-            )
+        ep = torch.export.export(
+            model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
+            dynamic_shapes=_dynamic_shapes(model, args, kwargs),
+        )
     except Exception as e:
         frame = _user_frame(e)
         where = f"{frame.filename}:{frame.lineno} ({frame.line})" if frame else "inside torch.export"

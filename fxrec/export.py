@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .capture import _dynamic_shapes, _sizes_0_and_1_stay_dynamic
+from .capture import _dynamic_shapes
 
 
 def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
@@ -26,7 +26,7 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
     args = example_inputs if isinstance(example_inputs, tuple) else tuple(example_inputs) \
         if isinstance(example_inputs, list) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
-    with torch.no_grad(), _sizes_0_and_1_stay_dynamic():
+    with torch.no_grad():
         ep = torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
                                  dynamic_shapes=_dynamic_shapes(model, args, kwargs))
     if path is not None:

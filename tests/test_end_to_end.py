@@ -204,11 +204,17 @@ def test_eval_mode_and_no_grad_use_inference_path():
         torch.testing.assert_close(fast(*inputs), model(*inputs))
 
 
-def test_example_batch_of_one_does_not_fix_the_batch_size():
+def test_example_batch_of_one_is_named_in_the_report_and_fixed():
+    """torch.export fixes dims of size 1 (a dynamic one would change squeeze and broadcasting)."""
     model = M.FieldDict()
     fast = fxrec.transform(model, M.field_inputs(batch=1), backend="fbgemm")
-    assert_matches(model, fast, M.field_inputs(batch=3, seed=1), M.field_inputs(batch=1, seed=2))
-    assert fast(*M.field_inputs(batch=0)).shape == (0, 1)
+    assert any("size 1 in dim 0" in n for n in fast.report.notes), fast.report.notes
+    assert_matches(model, fast, M.field_inputs(batch=1, seed=2))
+    with pytest.raises(Exception, match="size"):
+        fast(*M.field_inputs(batch=3, seed=1))
+    wide = fxrec.transform(model, M.field_inputs(batch=4), backend="fbgemm")
+    assert not any("size" in n for n in wide.report.notes)
+    assert_matches(model, wide, M.field_inputs(batch=1, seed=2), M.field_inputs(batch=3, seed=1))
 
 
 def test_symbolic_traced_graph_module_with_call_module_lookups():

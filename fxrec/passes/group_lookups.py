@@ -10,7 +10,8 @@ order then adds each lookup to the first open group of its key that it can join:
 
 Each table (weight parameter) belongs to one group only, because its storage becomes part of
 that group's TBE; a lookup of a table already owned by a group of another key is left as it
-was, with the reason.
+was, with the reason. (One-id lookups of a table that is also looked up unpooled are made
+unpooled first, so the usual history + candidate sharing stays in one group.)
 
 Before: lookups annotated by annotate_lookups. After: the graph is unchanged;
 ``ctx.groups`` holds GroupRecords and each member node carries ``meta["fxrec_group"]``. Members
@@ -76,6 +77,7 @@ class _Open:
 def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     flow = build_dataflow(gm)
+    _single_ids_join_sequences(gm)
     open_groups: Dict[tuple, List[_Open]] = {}
     owner: Dict[str, tuple] = {}  # table param -> key of the group that owns it
     n_split = 0
@@ -150,6 +152,17 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(
         gm, False, {"groups": len(groups), "grouped": sum(len(g.lookups) for g in groups), "split_by_deps": n_split}
     )
+
+
+def _single_ids_join_sequences(gm: fx.GraphModule) -> None:
+    """A table looked up unpooled (a behaviour sequence) and with one id per row (the candidate,
+    as DIN does) can sit in one TBE only if both lookups are unpooled: a one-id lookup of
+    such a table becomes a sequence lookup of [B] ids (same numbers, [B, D] out)."""
+    records = [n.meta[meta.LOOKUP] for n in gm.graph.nodes if meta.LOOKUP in n.meta]
+    seq_tables = {r.param for r in records if r.lowerable and r.form == "seq"}
+    for r in records:
+        if r.lowerable and r.form == "single" and r.param in seq_tables:
+            r.node.meta[meta.LOOKUP] = dataclasses.replace(r, form="seq", pooling="none")
 
 
 def _column_order(members: List[meta.LookupRecord], pos: Dict[fx.Node, int]) -> List[meta.LookupRecord]:

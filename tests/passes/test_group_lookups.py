@@ -120,3 +120,12 @@ def test_pooled_lookups_of_any_dims_share_a_key(d1, d2, pooling):
 def test_sequence_lookups_share_a_key_only_with_equal_dims(d1, d2):
     same = group_key(fake_record(dim=d1, pooling="none")) == group_key(fake_record(dim=d2, pooling="none"))
     assert same == (d1 == d2)
+
+
+def test_candidate_lookup_joins_the_history_sequence_of_its_table():
+    from tests.test_ctr_models import DIN, din_inputs
+
+    groups, ctx, gm = groups_of(DIN(), din_inputs(0))
+    assert groups == [["item", "cat", "item", "cat"]]  # one sequence TBE: histories and candidates
+    forms = {(r.table, r.form) for n in gm.graph.nodes if meta.LOOKUP in n.meta for r in [n.meta[meta.LOOKUP]]}
+    assert forms == {("item", "seq"), ("cat", "seq")}
