@@ -3,7 +3,8 @@
     make bench                      # or: .venv/bin/python benchmarks/bench_lookups.py --out FILE
 
 Each shape: the plain model (a ModuleList of nn.EmbeddingBag(mode="sum") looked up in a loop,
-then torch.cat), fxrec.transform of it with backend="auto" (what users get), and with
+then torch.cat), fxrec.transform of it with backend="auto" (what users get), the same with
+reuse_outputs=False (every call allocates its output, as the plain model does), and with
 backend="fbgemm" (fbgemm's TBE forced, for reference). All three run in one process, in turn,
 ``--rounds`` times; the medians are reported, with speed-up = plain / variant.
 A training step is forward, backward (dense gradients, as the plain model has) and
@@ -69,7 +70,8 @@ def bench_shape(name, cfg, rounds):
     auto = fxrec.transform(plain, example, backend="auto")
     transform_s = time.perf_counter() - t
     forced = fxrec.transform(plain, example, backend="fbgemm")
-    models = {"plain": plain, "fxrec_auto": auto, "fxrec_fbgemm": forced}
+    no_reuse = fxrec.transform(plain, example, backend="auto", reuse_outputs=False)
+    models = {"plain": plain, "fxrec_auto": auto, "fxrec_auto_no_reuse": no_reuse, "fxrec_fbgemm": forced}
     batch = inputs(cfg["tables"], cfg["rows"], cfg["batch"], cfg["ids_per_bag"], seed=1)
     ref = plain(*batch)
     for k, m in models.items():
@@ -116,7 +118,7 @@ def main():
     import fbgemm_gpu  # noqa: F401
 
     result = {
-        "what": "plain nn.EmbeddingBag loop + cat vs fxrec.transform (auto and fbgemm forced); medians of alternating runs in one process",
+        "what": "plain nn.EmbeddingBag loop + cat vs fxrec.transform (auto, auto without output reuse, fbgemm forced); medians of alternating runs in one process",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "device": "cpu"},
         "versions": {"torch": torch.__version__, "fbgemm_gpu": getattr(sys.modules["fbgemm_gpu"], "__version__", "?"),

@@ -21,7 +21,7 @@ from .report import LookupEntry, Report
 from . import meta
 from .verify import compare_models
 
-BACKENDS = ("auto", "fbgemm", "loop")
+BACKENDS = ("auto", "fbgemm", "direct", "loop")
 
 
 def write_back(transformed: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -61,6 +61,7 @@ def transform(
     quantize=None,
     output_dtype: str = "fp32",
     timing_rounds: int = 5,
+    reuse_outputs: bool = True,
     logger: Optional[logging.Logger] = None,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
@@ -72,8 +73,11 @@ def transform(
         the only input). Lists and dicts of tensors are fine. Use a representative batch:
         ``backend="auto"`` times both implementations on it.
       example_kwargs: keyword inputs of that call, if any.
-      backend: ``"auto"`` (per group, the faster of fbgemm's TBE and the plain lookups, measured
-        on the example inputs), ``"fbgemm"`` (always the TBE where it applies) or ``"loop"``.
+      backend: ``"auto"`` (per group, the fastest of fbgemm's TBE, PyTorch's per-table kernels
+        writing into one output (``"direct"``) and the plain lookups, measured on the example
+        inputs, separately for training and inference), or one of ``"fbgemm"``, ``"direct"``,
+        ``"loop"`` forced everywhere it applies (``"direct"`` is for pooled groups; sequence
+        groups use fbgemm under it).
       verify: run the example inputs through both models and raise
         :class:`fxrec.VerificationError` naming the tables whose outputs or gradients differ.
       check_passes: after every pass, compare the graph against the original model (slow;
@@ -84,6 +88,10 @@ def transform(
         from table name / glob pattern to one of these. The report gives bytes and the error
         against the fp32 lookups on the example inputs per table.
       output_dtype: inference with quantize: dtype of the pooled outputs, ``"fp32"`` or ``"fp16"``.
+      reuse_outputs: on CPU, in inference, a pooled group on the ``"direct"`` path writes into one
+        output buffer that it keeps between calls and reuses whenever nothing references the
+        previous result (a fresh tensor of tens of MB costs a page fault per 4 KiB every call).
+        Costs one output's memory per group between calls; ``False`` allocates every call.
       optimizer: an :mod:`fxrec.optim` optimizer for every embedding table, or a dict from table
         name / parameter name / glob pattern to one. Where fbgemm implements it exactly, the
         update runs inside backward; then build the training optimizer with
@@ -111,7 +119,8 @@ def transform(
     report = Report()
     ctx = PassContext(
         config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds, optimizer=optimizer,
-                      mode=mode, quantize=quantize, output_dtype=output_dtype),
+                      mode=mode, quantize=quantize, output_dtype=output_dtype,
+                      reuse_outputs=reuse_outputs),
         report=report, example_args=args, example_kwargs=kwargs,
         logger=logger or logging.getLogger("fxrec"),
     )

@@ -37,7 +37,7 @@ def uses_outside_group(gr: meta.GroupRecord) -> str:
 
 def build_group_module(
     gr: meta.GroupRecord, with_optimizer: bool = True, weights: Optional[Dict[str, torch.Tensor]] = None,
-    output_dtype: str = "fp32",
+    output_dtype: str = "fp32", reuse_output: bool = True,
 ) -> Tuple[EmbeddingGroup, Dict[str, int]]:
     """The runtime module for ``gr`` and the index of each table param in its weight list.
 
@@ -69,7 +69,9 @@ def build_group_module(
                     output_dtype), index
     cls = SequenceEmbeddingGroup if gr.pooling == "none" else PooledEmbeddingGroup
     fused = gr.fused if with_optimizer else None
-    return cls(tables, features, gr.pooling, gr.path_train, gr.path_eval, fused), index
+    mod = cls(tables, features, gr.pooling, gr.path_train, gr.path_eval, fused)
+    mod.reuse_output = reuse_output
+    return mod, index
 
 
 def group_inputs(gr: meta.GroupRecord, index: Dict[str, int], value) -> tuple:

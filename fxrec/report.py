@@ -97,7 +97,8 @@ class Report:
                     (g.name, g.pooling, str(len(g.tables)), str(len(g.features)), g.path_train, g.path_eval, g.why)
                 )
             lines.append("")
-            lines.append("Groups (one fbgemm TBE each where lowered; 'plain' = the original lookups, kept because they were faster)")
+            lines.append("Groups (paths: 'fbgemm' = one fbgemm TBE; 'direct' = PyTorch's per-table kernels writing into "
+                         "one output; 'plain' = the original lookups, kept because they were faster)")
             lines.extend(_table(rows))
             for g in self.groups:
                 lines.append(f"  {g.name}: {', '.join(g.tables)}")

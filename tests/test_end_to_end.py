@@ -9,7 +9,7 @@ import fxrec
 from fxrec.testing import assert_matches, embedding_ops, group_calls
 from tests import models as M
 
-BACKENDS = ["fbgemm", "loop", "auto"]
+BACKENDS = ["fbgemm", "direct", "loop", "auto"]
 
 CASES = {
     "bag_list": (M.BagList, lambda s: M.bag_inputs(seed=s)),
@@ -35,6 +35,11 @@ def test_model_styles_match_plain_model(case, backend):
     assert all(e.group is not None for e in fast.report.lookups)
     # other inputs than the example ones: other batch sizes and numbers of ids
     assert_matches(model, fast, make_inputs(1), make_inputs(2))
+    # inference (no autograd: the eval path, which may reuse its output buffer between calls)
+    with torch.no_grad():
+        for seed in (1, 2, 1):
+            outs = [fast(*make_inputs(seed)), fast(*make_inputs(seed + 10))]
+            torch.testing.assert_close(outs, [model(*make_inputs(seed)), model(*make_inputs(seed + 10))])
 
 
 def test_weighted_bags_give_per_sample_weight_gradients():
@@ -189,8 +194,8 @@ def test_report_names_groups_paths_and_sources():
     text = str(fast.report)
     assert "3 embedding lookups found" in text
     g = fast.report.groups[0]
-    assert g.path_eval in ("fbgemm", "loop", "plain") and g.path_train in ("fbgemm", "loop", "plain")
-    assert set(g.timings_ms) == {"fwd_fbgemm", "fwd_plain", "train_fbgemm", "train_plain"}
+    assert g.path_eval in ("fbgemm", "direct", "loop", "plain") and g.path_train in ("fbgemm", "direct", "loop", "plain")
+    assert set(g.timings_ms) == {f"{m}_{p}" for m in ("fwd", "train") for p in ("fbgemm", "direct", "plain")}
     assert g.why.startswith("measured on the example inputs")
     assert all(e.source.startswith("models.py:") for e in fast.report.lookups)
     assert fast.report.lookups[0].feature == "ids_0"

@@ -7,9 +7,25 @@ import fxrec
 from tests import models as M
 
 
-@pytest.fixture(params=["fbgemm", "loop"])
+class _Calls:
+    """A transformed model called with autograd on (the training path) or off (the inference path)."""
+
+    def __init__(self, mod, grad):
+        self.mod, self.grad = mod, grad
+
+    def __call__(self, *args):
+        with torch.set_grad_enabled(self.grad):
+            return self.mod(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.mod, name)
+
+
+@pytest.fixture(params=[("fbgemm", True), ("fbgemm", False), ("direct", True), ("direct", False), ("loop", True)],
+                ids=lambda p: f"{p[0]}-{'train' if p[1] else 'eval'}")
 def fast(request):
-    return fxrec.transform(M.BagList(), M.bag_inputs(), backend=request.param)
+    backend, grad = request.param
+    return _Calls(fxrec.transform(M.BagList(), M.bag_inputs(), backend=backend), grad)
 
 
 def test_id_out_of_range_names_table_and_feature(fast):
@@ -32,6 +48,13 @@ def test_float_ids_are_rejected(fast):
     dense, ids, offs = M.bag_inputs()
     ids[0] = ids[0].float()
     with pytest.raises(TypeError, match=r"feature 'ids_0' \(table 'bags.0'\) got ids of dtype torch.float32"):
+        fast(dense, ids, offs)
+
+
+def test_float_offsets_are_rejected(fast):
+    dense, ids, offs = M.bag_inputs()
+    offs[2] = offs[2].float()
+    with pytest.raises((TypeError, RuntimeError), match=r"feature 'ids_2' needs 1-D integer offsets|offsets"):
         fast(dense, ids, offs)
 
 
@@ -136,7 +159,7 @@ def test_rows_with_no_ids_pool_as_pytorch_does(mode):
     torch.testing.assert_close(fast(*x), model(*x), equal_nan=True)
 
 
-@pytest.mark.parametrize("backend", ["fbgemm", "loop"])
+@pytest.mark.parametrize("backend", ["fbgemm", "direct", "loop"])
 def test_include_last_offset_with_padding_and_bad_offsets(backend):
     class Bag(torch.nn.Module):
         def __init__(self, pad):

@@ -19,17 +19,31 @@ def run(group_cls, tables, feats, pooling, ids, offs, psw, path, seed=1):
     return outs, grads, [None if w is None else w.grad for w in psw], params
 
 
+def eval_out(group_cls, tables, feats, pooling, ids, offs, psw, path):
+    g = group_cls(tables, feats, pooling, path, path)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(t.num_rows, t.dim, generator=gen) for t in tables]
+    with torch.no_grad():
+        return g(ids, offs, psw, params)
+
+
 def assert_paths_agree(*args):
+    """Every path gives the plain lookups' outputs and gradients (with autograd) and outputs
+    (without); returns the fbgemm path's run."""
     a = run(*args, path="loop")
-    b = run(*args, path="fbgemm")
-    for x, y in zip(a[0], b[0]):
-        torch.testing.assert_close(y, x)
-    for x, y in zip(a[1], b[1]):
-        torch.testing.assert_close(y, x)
-    for x, y in zip(a[2], b[2]):
-        if x is not None:
-            torch.testing.assert_close(y, x)
-    return b
+    want_eval = eval_out(*args, path="loop")
+    paths = ["fbgemm"] + (["direct"] if args[0] is PooledEmbeddingGroup else [])
+    for path in paths:
+        b = run(*args, path=path)
+        for x, y in zip(a[0], b[0]):
+            torch.testing.assert_close(y, x, msg=lambda m: f"{path} output: {m}")
+        for x, y in zip(a[1], b[1]):
+            torch.testing.assert_close(y, x, msg=lambda m: f"{path} gradient: {m}")
+        for x, y in zip(a[2], b[2]):
+            if x is not None:
+                torch.testing.assert_close(y, x, msg=lambda m: f"{path} sample-weight gradient: {m}")
+        torch.testing.assert_close(eval_out(*args, path=path), want_eval, msg=lambda m: f"{path} inference: {m}")
+    return run(*args, path="fbgemm")
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
@@ -94,3 +108,131 @@ def test_sequence_group_refuses_features_not_ordered_by_table():
     feats = [FeatureSpec("fa", 0, "seq"), FeatureSpec("fb", 1, "seq"), FeatureSpec("fa2", 0, "seq")]
     with pytest.raises(ValueError, match="ordered by table"):
         SequenceEmbeddingGroup(tables, feats)
+
+
+def test_direct_path_is_bit_exact_for_bags_and_single_ids():
+    """The direct path runs PyTorch's own kernels (embedding_bag, index_select) into one output."""
+    tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 4)]
+    feats = [FeatureSpec("fa", 0, "bag", padding_idx=3, weighted=True), FeatureSpec("fb", 1, "bag", include_last_offset=True),
+             FeatureSpec("fa2", 0, "single")]
+    ids = [torch.tensor([3, 1, 3, 7, 7, 2]), torch.randint(0, 30, (9,), dtype=torch.int32), torch.tensor([7, 0, 49])]
+    offs = [torch.tensor([0, 2, 2]), torch.tensor([0, 1, 4, 9], dtype=torch.int32), None]
+    psw = [torch.rand(6), None, None]
+    for pooling in ("sum", "mean"):
+        if pooling == "mean":  # per-sample weights are for sum pooling only
+            feats[0] = FeatureSpec("fa", 0, "bag", padding_idx=3)
+            psw = [None] * 3
+        want = eval_out(PooledEmbeddingGroup, tables, feats, pooling, ids, offs, psw, "loop")
+        got = eval_out(PooledEmbeddingGroup, tables, feats, pooling, ids, offs, psw, "direct")
+        assert torch.equal(got, want), pooling
+
+
+def _direct_group():
+    tables = [TableSpec("a", 100, 8), TableSpec("b", 60, 4)]
+    feats = [FeatureSpec("fa", 0, "bag"), FeatureSpec("fb", 1, "single")]
+    g = PooledEmbeddingGroup(tables, feats, "sum", "direct", "direct")
+    params = [torch.randn(100, 8), torch.randn(60, 4)]
+    return g, params
+
+
+def _direct_inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 100, (12,), generator=gen), torch.randint(0, 60, (4,), generator=gen)], \
+        [torch.tensor([0, 3, 3, 7]), None], [None, None]
+
+
+def _plain(g, params, ids, offs, psw):
+    with torch.no_grad():
+        return g.loop(ids, offs, psw, params)
+
+
+def test_output_buffer_is_reused_only_when_nothing_refers_to_it():
+    g, params = _direct_group()
+    with torch.no_grad():
+        first = g(*_direct_inputs(1), params)
+        kept = first.clone()
+        second = g(*_direct_inputs(2), params)  # `first` is alive: a new buffer
+        assert second.data_ptr() != first.data_ptr()
+        assert torch.equal(first, kept)
+        view = second[:, :8]  # a view keeps the buffer too
+        second_ptr = second.data_ptr()
+        del second
+        third = g(*_direct_inputs(3), params)
+        assert third.data_ptr() != second_ptr
+        assert torch.equal(view, _plain(g, params, *_direct_inputs(2))[:, :8])
+        del view, third
+        fourth = g(*_direct_inputs(4), params)  # nothing refers to the kept buffer: reused
+        ptr = fourth.data_ptr()
+        torch.testing.assert_close(fourth, _plain(g, params, *_direct_inputs(4)), rtol=0, atol=0)
+        del fourth
+        fifth = g(*_direct_inputs(5), params)
+        assert fifth.data_ptr() == ptr
+        torch.testing.assert_close(fifth, _plain(g, params, *_direct_inputs(5)), rtol=0, atol=0)
+
+
+def test_output_buffer_not_reused_when_turned_off_or_saved_by_autograd():
+    g, params = _direct_group()
+    g.reuse_output = False
+    with torch.no_grad():
+        ptr = g(*_direct_inputs(1), params).data_ptr()
+        out = g(*_direct_inputs(2), params)
+    torch.testing.assert_close(out, _plain(g, params, *_direct_inputs(2)))
+    g.reuse_output = True
+    # frozen tables, trained dense layer: the dense op saves the group's output for backward
+    lin = torch.nn.Linear(12, 1)
+    with torch.no_grad():
+        g(*_direct_inputs(1), params)  # makes the buffer
+    loss1 = lin(g(*_direct_inputs(1), params)).sum()
+    loss2 = lin(g(*_direct_inputs(2), params)).sum()  # must not overwrite what loss1's graph saved
+    loss1.backward()
+    want = _plain(g, params, *_direct_inputs(1)).sum(0)
+    torch.testing.assert_close(lin.weight.grad[0], want)
+    del ptr, loss2
+
+
+def test_output_buffer_across_inference_mode():
+    g, params = _direct_group()
+    with torch.inference_mode():
+        a = g(*_direct_inputs(1), params)
+        assert a.is_inference()
+        del a
+    lin = torch.nn.Linear(12, 1)
+    out = g(*_direct_inputs(2), params)  # outside inference mode: not an inference tensor
+    assert not out.is_inference()
+    lin(out).sum().backward()  # usable by autograd
+    with torch.inference_mode():
+        torch.testing.assert_close(g(*_direct_inputs(3), params), _plain(g, params, *_direct_inputs(3)))
+
+
+def test_output_buffer_under_threads():
+    import threading
+    g, params = _direct_group()
+    wants = {s: _plain(g, params, *_direct_inputs(s)) for s in range(8)}
+    errors = []
+
+    def work(seed):
+        try:
+            for _ in range(200):
+                with torch.no_grad():
+                    out = g(*_direct_inputs(seed), params)
+                    if not torch.equal(out, wants[seed]):
+                        errors.append(seed)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_group_with_output_buffer_deepcopies():
+    import copy
+    g, params = _direct_group()
+    with torch.no_grad():
+        g(*_direct_inputs(1), params)
+    h = copy.deepcopy(g)
+    with torch.no_grad():
+        torch.testing.assert_close(h(*_direct_inputs(2), params), _plain(g, params, *_direct_inputs(2)))

@@ -86,14 +86,17 @@ def _time_once(mod: EmbeddingGroup, args: tuple, path: str, train: bool) -> floa
     return time.perf_counter() - start
 
 
-def _measure(mod: EmbeddingGroup, args: tuple, train: bool, rounds: int) -> Dict[str, float]:
-    times: Dict[str, List[float]] = {"fbgemm": [], "loop": []}
+def _measure(mod: EmbeddingGroup, args: tuple, train: bool, rounds: int, paths) -> Dict[str, float]:
+    times: Dict[str, List[float]] = {p: [] for p in paths}
     for p in times:  # warm-up; binds the TBE
         _time_once(mod, args, p, train)
     for _ in range(rounds):
         for p in times:
             times[p].append(_time_once(mod, args, p, train))
     return {p: statistics.median(v) * 1e3 for p, v in times.items()}
+
+
+_NAMES = {"fbgemm": "fbgemm", "direct": "direct", "loop": "plain"}
 
 
 @compiler_pass(needs=("groups",), provides=("paths",))
@@ -104,41 +107,42 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.report.notes.append("fbgemm_gpu is not importable: every group runs the plain lookups")
     timed = [g for g in ctx.groups if not g.quant]
     values = _record_inputs(gm, ctx, timed) if backend == "auto" and timed else {}
-    stats = {"fbgemm_fwd": 0, "fbgemm_train": 0, "kept_plain": 0}
+    stats = {"fbgemm_fwd": 0, "direct_fwd": 0, "fbgemm_train": 0, "direct_train": 0, "kept_plain": 0}
     for gr in ctx.groups:
         if gr.quant:
             gr.path_train = gr.path_eval = "fbgemm"
             gr.why = "quantized for inference: fbgemm's IntNBit TBE"
-        elif backend in ("fbgemm", "loop"):
-            gr.path_train = gr.path_eval = backend
+        elif backend in ("fbgemm", "direct", "loop"):
+            gr.path_train = gr.path_eval = backend if (backend != "direct" or gr.pooling != "none") else "fbgemm"
             gr.why = f"backend={backend!r} was asked for"
         elif not all(r.ids in values for r in gr.lookups):
             gr.path_train = gr.path_eval = "loop"
             gr.lower = False
             gr.why = "not reached by the example inputs, so not measured: kept as plain lookups"
         else:
-            mod, index = build_group_module(gr, with_optimizer=False)
+            mod, index = build_group_module(gr, with_optimizer=False, reuse_output=ctx.config.reuse_outputs)
             args = group_inputs(gr, index, lambda n: values.get(n) if isinstance(n, fx.Node) else n)
-            t_eval = _measure(mod, args, False, ctx.config.timing_rounds)
+            paths = ("fbgemm", "direct", "loop") if gr.pooling != "none" else ("fbgemm", "loop")
+            t_eval = _measure(mod, args, False, ctx.config.timing_rounds, paths)
             trains = any(p.requires_grad for p in args[3])
-            t_train = _measure(mod, args, True, ctx.config.timing_rounds) if trains else t_eval
+            t_train = _measure(mod, args, True, ctx.config.timing_rounds, paths) if trains else t_eval
             gr.path_eval = min(t_eval, key=t_eval.get)
             gr.path_train = min(t_train, key=t_train.get)
-            gr.lower = "fbgemm" in (gr.path_eval, gr.path_train)
-            gr.timings_ms = {
-                "fwd_fbgemm": t_eval["fbgemm"], "fwd_plain": t_eval["loop"],
-                "train_fbgemm": t_train["fbgemm"], "train_plain": t_train["loop"],
-            }
+            gr.lower = (gr.path_eval, gr.path_train) != ("loop", "loop")
+            gr.timings_ms = {f"fwd_{_NAMES[p]}": t for p, t in t_eval.items()}
+            gr.timings_ms.update({f"train_{_NAMES[p]}": t for p, t in t_train.items()})
             gr.why = (
-                f"measured on the example inputs: forward fbgemm {t_eval['fbgemm']:.3g} ms vs plain "
-                f"{t_eval['loop']:.3g} ms; forward+backward fbgemm {t_train['fbgemm']:.3g} ms vs plain "
-                f"{t_train['loop']:.3g} ms"
+                "measured on the example inputs: forward "
+                + " vs ".join(f"{_NAMES[p]} {t:.3g} ms" for p, t in t_eval.items())
+                + "; forward+backward "
+                + " vs ".join(f"{_NAMES[p]} {t:.3g} ms" for p, t in t_train.items())
             )
         _choose_optimizer_path(gr, backend, values, ctx.config.timing_rounds)
         if not gr.lower and gr.timings_ms:
-            gr.why += ": plain lookups are faster both ways, kept as they were"
-        stats["fbgemm_fwd"] += gr.path_eval == "fbgemm"
-        stats["fbgemm_train"] += gr.path_train == "fbgemm"
+            gr.why += ": plain lookups are fastest both ways, kept as they were"
+        for p in ("fbgemm", "direct"):
+            stats[f"{p}_fwd"] += gr.lower and gr.path_eval == p
+            stats[f"{p}_train"] += gr.lower and gr.path_train == p
         stats["kept_plain"] += not gr.lower
         ctx.report.groups.append(
             GroupEntry(
@@ -183,11 +187,21 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
         return
     if padded:  # fxrec's own fused SGD leaves the padding row alone; fbgemm's would not
         spec = dataclasses.replace(spec, impl="torch")
-    if backend == "loop":
-        gr.why += "; optimizer: backend='loop', so torch.optim in opt.step()"
+    # fxrec's fused SGD runs after the faster of the forwards that feed fxrec's backward.
+    if gr.pooling == "none" or backend == "fbgemm":
+        torch_fwd = "fbgemm"
+    elif backend == "direct":
+        torch_fwd = "direct"
+    else:
+        t = gr.timings_ms
+        torch_fwd = "fbgemm" if t.get("fwd_fbgemm", 1.0) < t.get("fwd_direct", 0.0) else "direct"
+    if backend == "loop" or (backend == "direct" and spec.kind != "sgd" and gr.pooling != "none"):
+        gr.why += f"; optimizer: backend={backend!r}, so torch.optim in opt.step()"
         return
+    if backend == "direct":
+        spec = dataclasses.replace(spec, impl="torch")
     if backend == "auto" and all(r.ids in values for r in gr.lookups):
-        t = _time_optimizer_paths(gr, spec, values, rounds)
+        t = _time_optimizer_paths(gr, spec, values, rounds, torch_fwd)
         gr.timings_ms.update({f"step_{k}": v for k, v in t.items()})
         best = min(t, key=t.get)
         measured = ", ".join(f"{k} {v:.3g} ms" for k, v in t.items())
@@ -196,14 +210,14 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
             return
         if best == "fused_torch":
             spec = dataclasses.replace(spec, impl="torch")
+        gr.fused, gr.path_train = spec, (torch_fwd if spec.impl == "torch" else "fbgemm")
         gr.why += f"; optimizer: fused {spec.kind} inside backward by {spec.impl}, measured fastest a step ({measured})"
-    else:
-        gr.why += f"; optimizer: fused {spec.kind} inside backward"
-    gr.fused = spec
-    gr.path_train = "fbgemm"
+        return
+    gr.why += f"; optimizer: fused {spec.kind} inside backward"
+    gr.fused, gr.path_train = spec, (torch_fwd if spec.impl == "torch" else "fbgemm")
 
 
-def _time_optimizer_paths(gr: meta.GroupRecord, spec, values: Dict, rounds: int) -> Dict[str, float]:
+def _time_optimizer_paths(gr: meta.GroupRecord, spec, values: Dict, rounds: int, torch_fwd: str) -> Dict[str, float]:
     def scratch():
         _, index = build_group_module(gr, with_optimizer=False)
         args = group_inputs(gr, index, lambda n: values.get(n) if isinstance(n, fx.Node) else n)
@@ -216,7 +230,7 @@ def _time_optimizer_paths(gr: meta.GroupRecord, spec, values: Dict, rounds: int)
         impls["fused_torch"] = dataclasses.replace(spec, impl="torch")
     fns = {}
     for name, variant in impls.items():
-        gr.fused, gr.path_train = variant, "fbgemm"
+        gr.fused, gr.path_train = variant, (torch_fwd if variant.impl == "torch" else "fbgemm")
         mod, _ = build_group_module(gr)
         fns[name] = (lambda m, a: lambda: _backward_ones(m(*a)))(mod, scratch())
     gr.fused, gr.path_train = saved

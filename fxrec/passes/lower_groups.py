@@ -56,7 +56,8 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if gr.quant:
             weights = {p: gm.get_parameter(p).detach() for p in gr.quant}
             ctx.fp32_weights.update(weights)
-        module, index = build_group_module(gr, weights=weights, output_dtype=ctx.config.output_dtype)
+        module, index = build_group_module(gr, weights=weights, output_dtype=ctx.config.output_dtype,
+                                           reuse_output=ctx.config.reuse_outputs)
         name = f"fxrec_{gr.name}"
         gm.add_submodule(name, module)
         gr.module = name

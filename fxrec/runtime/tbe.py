@@ -5,7 +5,7 @@ per-sample weights where it had them) and the group's weight parameters, and ret
 original lookups returned: for pooled groups one ``[B, sum of dims]`` tensor whose columns are
 the features side by side, for sequence groups one tensor per feature.
 
-Two implementations sit behind one module, chosen per group (and separately for training and
+Three implementations sit behind one module, chosen per group (and separately for training and
 for inference) by the ``choose_kernels`` pass:
 
 * ``"fbgemm"``: all features go through one fbgemm ``SplitTableBatchedEmbeddingBagsCodegen``
@@ -14,6 +14,11 @@ for inference) by the ``choose_kernels`` pass:
   them is what the kernel sees next. Gradients are PyTorch's (dense, or sparse where the
   original lookup asked for ``sparse=True``), computed by :class:`_TBELookupFunction`; fbgemm's
   own backward, which would apply an SGD update to the weights, never runs.
+* ``"direct"`` (pooled groups): PyTorch's own per-table kernels (``embedding_bag``,
+  ``index_select``), each writing its result straight into its columns of the group's one
+  output, so there is no ``torch.cat`` and no per-table output. In training its gradients are
+  fxrec's, as for ``"fbgemm"``. On CPU, in inference, the output buffer is kept between calls
+  and reused when nothing references the previous result any more (see :class:`ReusedOutput`).
 * ``"loop"``: the original ATen lookups one after the other, bit for bit what the user's model
   computed.
 
@@ -23,6 +28,7 @@ These modules know nothing of graphs or passes.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -32,7 +38,10 @@ from torch import nn
 
 from . import _fbgemm
 
-PATHS = ("fbgemm", "loop")
+PATHS = ("fbgemm", "direct", "loop")
+
+aten = torch.ops.aten
+_POOL_MODES = {"sum": 0, "mean": 1}
 
 
 def exporting() -> bool:
@@ -90,6 +99,54 @@ class FusedSpec:
 FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",)}
 
 
+def _storage_use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class ReusedOutput:
+    """An output buffer kept between calls and handed out again once nothing refers to it.
+
+    A fresh ``[B, sum of dims]`` tensor of tens of MB costs a page fault per 4 KiB page on
+    every call (measured on the 256-table benchmark shape on CPU: about half of the plain
+    model's forward time). The buffer is reused only when the previous result is gone: every
+    tensor that can see the buffer (the result, views of it, autograd's saved copies) holds a
+    reference to its storage, so the storage's use count tells whether anything still does.
+    Otherwise a new buffer is made (and kept). The buffer is never handed out on other devices
+    (CUDA's caching allocator already reuses memory, in stream order), across an inference-mode
+    boundary, or when this torch has no storage use count. Safe under threads: the check and
+    the hand-out happen under one lock. Costs one output's memory between calls.
+    """
+
+    _available = hasattr(torch._C, "_storage_Use_Count")
+
+    def __init__(self) -> None:
+        self._buf: Optional[torch.Tensor] = None
+        self._free_count = 0
+        self._lock = threading.Lock()
+
+    def take(self, shape: List[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu" or not self._available:
+            return torch.empty(shape, dtype=dtype, device=device)
+        with self._lock:
+            b = self._buf
+            if not (
+                b is not None and list(b.shape) == list(shape) and b.dtype == dtype
+                and b.is_inference() == torch.is_inference_mode_enabled()
+                and _storage_use_count(b) == self._free_count
+            ):
+                b = torch.empty(shape, dtype=dtype, device=device)
+                self._buf = b
+                self._free_count = _storage_use_count(b)
+            return b.view(shape)  # a new tensor object: while it lives, the count is above free
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buf = None
+
+    def __reduce__(self):  # deepcopy / pickle: a new, empty buffer
+        return (ReusedOutput, ())
+
+
 class _Bound:
     """fbgemm TBE whose flat weight buffer the group's parameters are views of."""
 
@@ -123,6 +180,9 @@ class EmbeddingGroup(nn.Module):
             [i for i, f in enumerate(self.features) if f.table == t] for t in range(len(self.tables))
         ]
         self._bound: Optional[_Bound] = None
+        # Inference on the "direct" path: reuse the output buffer between calls (CPU only).
+        self.reuse_output = True
+        self._out = ReusedOutput()
         self.fused = fused
         # Off while fxrec verifies or times the group: gradients instead of updates.
         self.fused_enabled = True
@@ -131,7 +191,7 @@ class EmbeddingGroup(nn.Module):
     @property
     def fused_active(self) -> bool:
         """Training updates the tables inside backward (no gradients reach the parameters)."""
-        return self.fused is not None and self.fused_enabled and self.path_train == "fbgemm"
+        return self.fused is not None and self.fused_enabled and self.path_train != "loop"
 
     def set_learning_rate(self, lr: float) -> None:
         """Learning rate of the fused optimizer (from the next backward on)."""
@@ -318,16 +378,21 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             return self.loop(ids_list, offsets_list, psw_list, params)
         training = self._training(params, psw_list)
         fused = self._check_fused_usable(params, training)
-        if (self.path_train if training else self.path_eval) == "fbgemm" and self._fbgemm_usable(params):
+        path = self.path_train if training else self.path_eval
+        if path == "direct" and not training:
+            out = self._direct(ids_list, offsets_list, psw_list, params, reuse=self.reuse_output)
+            if out is not None:
+                return out
+        elif path == "direct" or (path == "fbgemm" and self._fbgemm_usable(params)):
             packed = self._pack(ids_list, offsets_list, psw_list)
             if packed is not None:
                 indices, offsets, psw, batch = packed
                 self._validate_packed(indices, offsets, ids_list, offsets_list)
-                tbe = self._ensure_bound(params)
                 forward = None
-                if fused and self.fused.impl == "torch" and self.path_eval == "loop":
-                    def forward():  # the faster forward; fxrec's backward does the update
-                        return self.loop(ids_list, offsets_list, psw_list, params)
+                if path == "direct":
+                    def forward():  # the per-table kernels; fxrec's backward gives the gradients
+                        return self._direct(ids_list, offsets_list, psw_list, params, reuse=False)
+                tbe = self._ensure_bound(params) if forward is None or (fused and self.fused.impl == "fbgemm") else None
                 return self._run_tbe(tbe, batch, indices, offsets, psw, params, training, forward)
             if fused and any(ids.numel() for ids in ids_list):
                 self._fused_unusable(params, "its features have different batch sizes (or a [B, 0] id tensor is mean-pooled)")
@@ -340,6 +405,60 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             # PyTorch's own kernels checked the inputs; say which feature and table was wrong.
             self._check_inputs(ids_list, offsets_list)
             raise
+
+    def _direct(self, ids_list, offsets_list, psw_list, params, reuse: bool) -> Optional[torch.Tensor]:
+        """The group's output from PyTorch's per-table kernels, each writing into its own columns
+        of one ``[B, sum of dims]`` tensor; None where only the loop gives PyTorch's exact answer
+        (an empty batch, batch sizes that differ, a mean over ``[B, 0]`` ids, odd shapes)."""
+        batch = -1
+        for f, ids, off in zip(self.features, ids_list, offsets_list):
+            if f.form == "bag":
+                if off is None or off.dim() != 1 or ids.dim() != 1:
+                    return None
+                b = off.numel() - 1 if f.include_last_offset else off.numel()
+            elif ids.dim() != (1 if f.form == "single" else 2) or (
+                f.form == "pooled_seq" and ids.shape[1] == 0 and self.pooling == "mean"
+            ):
+                return None
+            else:
+                b = ids.shape[0]
+            if batch < 0:
+                batch = b
+            elif b != batch:
+                return None
+        if batch <= 0:
+            return None
+        w0 = params[0]
+        shape = [batch, sum(self.dims)]
+        out = self._out.take(shape, w0.dtype, w0.device) if reuse else torch.empty(shape, dtype=w0.dtype, device=w0.device)
+        mode = _POOL_MODES[self.pooling]
+        forward_only = aten._embedding_bag_forward_only.out
+        try:
+            for f, ids, off, psw, dst in zip(self.features, ids_list, offsets_list, psw_list, out.split(self.dims, 1)):
+                w = params[f.table]
+                if ids.dtype not in (torch.int64, torch.int32):
+                    self._check_ids(f, ids)  # raises, naming the feature
+                if f.form == "single":
+                    torch.index_select(w, 0, ids, out=dst)
+                    continue
+                pad = -1
+                if f.form == "pooled_seq":  # nn.Embedding looks the padding row up; only its gradient is 0
+                    length = ids.shape[1]
+                    off = torch.arange(0, batch * length, length, dtype=ids.dtype, device=ids.device) if length else ids.new_zeros(batch)
+                    ids = ids.reshape(-1)
+                elif f.padding_idx is not None:
+                    pad = f.padding_idx
+                if off.dtype not in (torch.int64, torch.int32):
+                    self._check_offsets(f, ids, off)  # raises, naming the feature
+                if off.dtype != ids.dtype:  # as F.embedding_bag: both int64
+                    ids, off = ids.long(), off.long()
+                scratch = ids.new_empty(0)  # offset2bag, bag_size, max_indices: not needed here
+                forward_only(w, ids, off, False, mode, False, psw, f.include_last_offset, pad,
+                             out0=dst, out1=scratch, out2=ids.new_empty(0), out3=ids.new_empty(0))
+        except (IndexError, RuntimeError, TypeError, ValueError):
+            self._check_inputs(ids_list, offsets_list)  # names the feature and table
+            raise
+        return out
 
     def _validate_packed(self, indices, offsets, ids_list, offsets_list) -> None:
         """Cheap checks on the packed input (a few ops for the whole group); on failure, the
@@ -417,6 +536,8 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             dev = ids.device
             if f.form == "bag":
                 flat = ids.reshape(-1)
+                if off is None or off.dtype not in (torch.int64, torch.int32):
+                    self._check_inputs(ids_list, offsets_list)  # raises, naming the feature
                 if off.dtype != torch.int64:
                     off = off.long()
                 if f.include_last_offset and exporting():
