@@ -7,18 +7,30 @@ export as their plain ATen lookups (``aten.embedding_bag``). Input checks that r
 values are left out of the exported program (export cannot trace them). Load with
 ``torch.export.load(path)`` after ``import fbgemm_gpu`` (which registers fbgemm's operators).
 
-Not yet: ``torch.jit.script`` (fails on the exported module: "Expected a single top-level
-function", torch/export/_unlift.py) and the C++ loaders.
+``fxrec.export.aoti(fast, example_inputs, "model.pt2")``: that program compiled by AOTInductor into
+a package that C++ loads with libtorch's ``AOTIModelPackageLoader`` (``examples/inference_cpp``).
+
+``fxrec.export.torchscript(fast, "model.pt")``: ``torch.jit.script`` of the model after the
+``emit_scriptable`` pass (typed ``forward`` with the model's own arguments, ATen calls by overload
+packet, group modules swapped for their TorchScript twins in ``fxrec/runtime/serving.py``), saved
+when a path is given. Load it in Python with ``torch.jit.load`` after ``import fbgemm_gpu``, or in
+C++ with ``torch::jit::load`` after loading fbgemm_gpu's operator libraries
+(``examples/inference_cpp``). It serves inference: the scripted model has no fused optimizers and
+no kernel choice (fp32 groups run PyTorch's lookups, quantized groups fbgemm's operator).
+torch 2.13 warns that ``torch.jit.script`` is deprecated; :func:`program` is the other way out.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
 
 from .capture import _dynamic_shapes
+from .pass_infra import Config, PassContext, PassManager
+from .report import Report
 
 
 def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
@@ -32,3 +44,45 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
     if path is not None:
         torch.export.save(ep, path)
     return ep
+
+
+def scriptable(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a transformed model that ``torch.jit.script`` compiles (see the module doc)."""
+    from .passes.emit_scriptable import emit_scriptable
+
+    ctx = PassContext(config=Config(), report=Report())
+    return PassManager([emit_scriptable]).run(model, ctx)
+
+
+def torchscript(model: torch.fx.GraphModule, path: Optional[str] = None) -> torch.jit.ScriptModule:
+    """``torch.jit.script`` of a transformed model (inference), saved to ``path`` when given.
+
+    The scripted module is called like the original model (same positional and keyword
+    arguments, lists and str-keyed dicts of tensors included) and returns what it returns.
+    """
+    gm = scriptable(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated.*")
+        sm = torch.jit.script(gm)
+    if path is not None:
+        torch.jit.save(sm, str(path))
+    return sm
+
+
+def fbgemm_libraries() -> list:
+    """Paths of fbgemm_gpu's operator libraries, in load order: what a C++ program loads before
+    ``torch::jit::load`` of a model that calls fbgemm's operators (``examples/inference_cpp``)."""
+    from .runtime import _fbgemm
+
+    return _fbgemm.operator_libraries()
+
+
+def aoti(model: torch.nn.Module, example_inputs, path: str, example_kwargs: Optional[Dict[str, Any]] = None) -> str:
+    """AOTInductor: :func:`program` compiled by ``torch._inductor.aoti_compile_and_package`` into a
+    ``.pt2`` package at ``path`` (dynamic batch). Python loads it with
+    ``torch._inductor.aoti_load_package``; C++ with ``torch::inductor::AOTIModelPackageLoader``
+    after loading fbgemm's operator libraries (:func:`fbgemm_libraries`), whose operators run as
+    custom-op fallbacks. The package takes the input tensors flattened in pytree order and
+    returns a flat list of output tensors. Compiling takes about a minute on a 2-core CPU."""
+    ep = program(model, example_inputs, example_kwargs=example_kwargs)
+    return torch._inductor.aoti_compile_and_package(ep, package_path=str(path))

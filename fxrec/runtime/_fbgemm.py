@@ -150,3 +150,14 @@ def quant_align(dtype: str) -> int:
 def tbe_flat_weights(tbe: "SplitTableBatchedEmbeddingBagsCodegen") -> torch.Tensor:
     """The single flat fp32 storage that holds every table of `tbe`."""
     return tbe.weights_host if tbe.weights_host.numel() > 0 else tbe.weights_dev
+
+
+def operator_libraries() -> List[str]:
+    """Paths of fbgemm_gpu's operator libraries, in the order fbgemm_gpu loads them (for a C++
+    program that must load them before a model that calls fbgemm's operators)."""
+    require_fbgemm()
+    import os
+
+    here = os.path.dirname(fbgemm_gpu.__file__)
+    names = getattr(fbgemm_gpu, "fbgemm_gpu_libraries", None) or []
+    return [p for p in (os.path.join(here, f"{n}.so") for n in names) if os.path.exists(p)]

@@ -1,0 +1,128 @@
+// Serve a model transformed by fxrec from C++ (libtorch), both ways C++ servers load PyTorch models:
+//
+//   fxrec_infer MODEL.pt  INPUTS.pt OUTPUTS.pt [LIB.so ...]   TorchScript (fxrec.export.torchscript)
+//   fxrec_infer MODEL.pt2 INPUTS.pt OUTPUTS.pt [LIB.so ...]   AOTInductor package (fxrec.export.aoti)
+//
+// LIB.so: fbgemm_gpu's operator libraries, loaded first (in the order given) so that the
+// model's fbgemm operators resolve; fxrec.export.fbgemm_libraries() lists them.
+// INPUTS.pt: the model's positional arguments as one tuple, written by Python's torch.save
+// (tensors, lists of tensors, str-keyed dicts of tensors). OUTPUTS.pt: what forward returned,
+// written with torch::pickle_save, which Python's torch.load reads. An AOTInductor package takes
+// the input tensors flattened in pytree order (lists in order, dicts in key order) and returns
+// its output tensors as a flat tuple.
+#include <dlfcn.h>
+
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/script.h>
+#include <torch/serialize.h>
+
+static std::vector<char> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Unpickled containers are generic (List[Any], Dict[Any, Any]); TorchScript's forward wants
+// them typed (List[Tensor], Dict[str, Tensor], nested lists of those).
+static c10::IValue typed(const c10::IValue& v) {
+  if (v.isList()) {
+    auto items = v.toList();
+    bool all_tensors = true;
+    for (const c10::IValue& x : items) all_tensors = all_tensors && x.isTensor();
+    if (all_tensors) {
+      c10::List<at::Tensor> out;
+      for (const c10::IValue& x : items) out.push_back(x.toTensor());
+      return out;
+    }
+    c10::impl::GenericList out(c10::AnyType::get());
+    std::vector<c10::IValue> elems;
+    for (const c10::IValue& x : items) elems.push_back(typed(x));
+    if (!elems.empty()) {
+      out = c10::impl::GenericList(elems[0].type());
+      for (auto& e : elems) out.push_back(e);
+    }
+    return out;
+  }
+  if (v.isGenericDict()) {
+    c10::Dict<std::string, at::Tensor> out;
+    for (const auto& kv : v.toGenericDict()) out.insert(kv.key().toStringRef(), kv.value().toTensor());
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elems;
+    for (const c10::IValue& x : v.toTupleRef().elements()) elems.push_back(typed(x));
+    return c10::ivalue::Tuple::create(std::move(elems));
+  }
+  return v;
+}
+
+// The tensors of an input, in pytree order.
+static void flatten(const c10::IValue& v, std::vector<at::Tensor>& out) {
+  if (v.isTensor()) {
+    out.push_back(v.toTensor());
+  } else if (v.isList()) {
+    for (const c10::IValue& x : v.toList()) flatten(x, out);
+  } else if (v.isTuple()) {
+    for (const c10::IValue& x : v.toTupleRef().elements()) flatten(x, out);
+  } else if (v.isGenericDict()) {
+    for (const auto& kv : v.toGenericDict()) flatten(kv.value(), out);
+  } else if (!v.isNone()) {
+    throw std::runtime_error("inputs may hold only tensors, lists, tuples and dicts of them");
+  }
+}
+
+static bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::cerr << "usage: " << argv[0] << " MODEL.pt INPUTS.pt OUTPUTS.pt [LIB.so ...]\n";
+    return 2;
+  }
+  for (int i = 4; i < argc; ++i) {
+    if (!dlopen(argv[i], RTLD_NOW | RTLD_GLOBAL)) {
+      std::cerr << "cannot load " << argv[i] << ": " << dlerror() << "\n";
+      return 1;
+    }
+  }
+  try {
+    c10::IValue inputs = torch::pickle_load(read_file(argv[2]));
+    if (!inputs.isTuple()) throw std::runtime_error("INPUTS.pt must hold a tuple of the model's arguments");
+    if (ends_with(argv[1], ".pt2")) {
+      torch::inductor::AOTIModelPackageLoader loader(argv[1]);
+      std::vector<at::Tensor> flat;
+      flatten(inputs, flat);
+      std::vector<at::Tensor> outs;
+      {
+        c10::InferenceMode guard;
+        outs = loader.run(flat);
+      }
+      std::vector<c10::IValue> elems(outs.begin(), outs.end());
+      std::vector<char> bytes = torch::pickle_save(c10::ivalue::Tuple::create(std::move(elems)));
+      std::ofstream(argv[3], std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+      return 0;
+    }
+    torch::jit::script::Module model = torch::jit::load(argv[1]);
+    model.eval();
+    std::vector<c10::IValue> args;
+    for (const c10::IValue& x : inputs.toTupleRef().elements()) args.push_back(typed(x));
+    c10::IValue out;
+    {
+      c10::InferenceMode guard;
+      out = model.forward(args);
+    }
+    std::vector<char> bytes = torch::pickle_save(out);
+    std::ofstream(argv[3], std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  } catch (const std::exception& e) {
+    std::cerr << "fxrec_infer: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

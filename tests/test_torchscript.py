@@ -1,0 +1,79 @@
+"""fxrec.export.torchscript: the transformed model scripts, saves, loads, and gives its outputs."""
+
+import pytest
+import torch
+
+import fxrec
+from tests import models as M
+
+ROWS = (500, 800, 300)
+
+CASES = {
+    "bags_fp32_fbgemm": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s), dict(backend="fbgemm")),
+    "bags_fp32_direct": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s), dict(backend="direct")),
+    "bags_int8": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s),
+                  dict(mode="inference", quantize="int8")),
+    "bags_mixed_fp16_out": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s),
+                            dict(mode="inference", quantize={"bags.0": "int4", "*": "fp16"}, output_dtype="fp16")),
+    "sequence_fp16": (M.SequenceMean, lambda s, b=5: M.seq_inputs(batch=b, seed=s), dict(mode="inference", quantize="fp16")),
+    "sequence_fp32": (M.SequenceMean, lambda s, b=5: M.seq_inputs(batch=b, seed=s), dict(backend="fbgemm")),
+    "weighted_int8": (M.WeightedBags, lambda s, b=4: M.weighted_inputs(batch=b, seed=s), dict(mode="inference", quantize="int8")),
+    "weighted_fp32": (M.WeightedBags, lambda s, b=4: M.weighted_inputs(batch=b, seed=s), dict(backend="fbgemm")),
+    "field_dict": (M.FieldDict, lambda s, b=7: M.field_inputs(batch=b, seed=s), dict(mode="inference", quantize="int8")),
+    "shared_tables": (M.SharedTables, lambda s, b=4: M.shared_inputs(batch=b, seed=s), dict(mode="inference", quantize="int4")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_scripted_model_saves_loads_and_matches(case, tmp_path):
+    make_model, make_inputs, kw = CASES[case]
+    model = make_model().eval()
+    fast = fxrec.transform(model, make_inputs(0), timing_rounds=1, **kw)
+    fxrec.export.torchscript(fast, tmp_path / "model.pt")
+    loaded = torch.jit.load(str(tmp_path / "model.pt"))
+    for seed in (1, 2):
+        x = make_inputs(seed)
+        with torch.no_grad():
+            want = fast(*x)
+            got = loaded(*x)
+        if "quantize" in kw:  # fbgemm's quantized operator on the same packed input: the same numbers
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:  # PyTorch's lookups in the script; the eager model may have run fbgemm's kernel
+            torch.testing.assert_close(got, want)
+    if "quantize" not in kw:
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(*make_inputs(3)), model(*make_inputs(3)))
+
+
+def test_scripted_graph_is_readable_and_keeps_the_call_signature():
+    model = M.BagList(rows=ROWS, dim=16).eval()
+    fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), mode="inference", quantize="int8")
+    gm = fxrec.export.scriptable(fast)
+    assert "def forward(self, dense: torch.Tensor, ids: List[torch.Tensor], offsets: List[torch.Tensor])" in gm.code
+    assert ".default(" not in gm.code and "tree_flatten_spec" not in gm.code
+    sm = fxrec.export.torchscript(fast)
+    x = M.bag_inputs(rows=ROWS, batch=3, seed=5)
+    with pytest.raises(Exception, match="input ids must have 3 elements"):
+        sm(x[0], x[1][:2], x[2])
+
+
+def test_scripted_model_names_the_feature_of_a_bad_id():
+    model = M.BagList(rows=ROWS, dim=16).eval()
+    for kw in (dict(backend="fbgemm"), dict(mode="inference", quantize="int8")):
+        sm = fxrec.export.torchscript(fxrec.transform(model, M.bag_inputs(rows=ROWS), **kw))
+        dense, ids, offs = M.bag_inputs(rows=ROWS, seed=2)
+        ids[1] = ids[1].clone()
+        ids[1][0] = 800  # table bags.1 has 800 rows
+        with pytest.raises(Exception, match=r"feature 'ids_1' \(table 'bags.1'\) looks up id 800"):
+            sm(dense, ids, offs)
+
+
+def test_original_and_transformed_models_are_untouched_by_scripting():
+    model = M.BagList(rows=ROWS, dim=16).eval()
+    fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), backend="fbgemm")
+    before = fast.code
+    fxrec.export.torchscript(fast)
+    assert fast.code == before
+    x = M.bag_inputs(rows=ROWS, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), model(*x))
