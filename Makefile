@@ -8,7 +8,18 @@ STAMP   := $(VENV)/.fxrec-installed
 
 .PHONY: demo test bench clean
 
+# Graphviz's `dot` (fxrec.viz, `fxrec draw`, transform(dump_dir=...)) is a system package: installed
+# here when missing if we are root with apt-get (CI: a fresh Debian machine), else we say how.
 $(STAMP): pyproject.toml Makefile
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Graphviz (Debian package graphviz) for fxrec.viz"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q graphviz >/dev/null || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q graphviz >/dev/null; } || \
+	    echo "WARNING: apt-get install graphviz failed; the picture tests will be skipped"; \
+	  else \
+	    echo "NOTE: Graphviz's 'dot' is missing: install it with 'sudo apt-get install graphviz' (Debian/Ubuntu) or 'brew install graphviz' (macOS); until then fxrec cannot render pictures and their tests are skipped"; \
+	  fi; }
 	test -x $(PYBIN) || $(PY) -m venv $(VENV)
 	$(PYBIN) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PYBIN) -m pip install -q --disable-pip-version-check -e '.[cpu,test]'

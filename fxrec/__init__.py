@@ -4,7 +4,7 @@
     print(fast.report)
 """
 
-from . import export, optim
+from . import export, optim, viz
 from .api import make_optimizer, transform, write_back
 from .capture import CaptureError
 from .pass_infra import PassError
@@ -14,6 +14,6 @@ from .verify import VerificationError, compare_models
 __version__ = "0.1.0"
 
 __all__ = [
-    "transform", "write_back", "make_optimizer", "optim", "export", "Report", "CaptureError", "PassError",
+    "transform", "write_back", "make_optimizer", "optim", "export", "viz", "Report", "CaptureError", "PassError",
     "VerificationError", "compare_models", "__version__",
 ]

@@ -63,6 +63,7 @@ def transform(
     timing_rounds: int = 5,
     reuse_outputs: bool = True,
     logger: Optional[logging.Logger] = None,
+    dump_dir: Optional[str] = None,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -96,6 +97,11 @@ def transform(
         name / parameter name / glob pattern to one. Where fbgemm implements it exactly, the
         update runs inside backward; then build the training optimizer with
         ``fast.make_optimizer(torch.optim.Adam, lr=...)`` (see :func:`make_optimizer`).
+      dump_dir: a directory to write the graph into before the first pass (``00_captured.txt``
+        with ``gm.code``, ``00_captured.svg`` its picture, ``00_captured.dot`` the picture's
+        source) and after every pass (``01_annotate_lookups.*``, ...). Needs Graphviz (see
+        :mod:`fxrec.viz`); without it this raises :class:`fxrec.viz.GraphvizMissing` before any
+        work is done.
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -114,6 +120,11 @@ def transform(
     kwargs = dict(example_kwargs or {})
     # A reference copy only when something will compare against it (tables can be large).
     reference_model = copy.deepcopy(model) if (verify or check_passes) else None
+    dump = None
+    if dump_dir is not None:
+        from .viz import pass_dumper  # checks that Graphviz is installed
+
+        dump = pass_dumper(dump_dir)
     gm = capture(copy.deepcopy(model), args, kwargs)
 
     report = Report()
@@ -133,13 +144,13 @@ def transform(
     def snapshot(g, c):
         records.extend(n.meta[meta.LOOKUP] for n in g.graph.nodes if meta.LOOKUP in n.meta)
 
-    gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot})
+    gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot}, dump=dump)
     group_of = {id(r.node): g.name for g in ctx.groups for r in g.lookups}
     for r in records:
         report.lookups.append(
             LookupEntry(
                 table=r.table, feature=r.feature, form=r.form, pooling=r.pooling, rows=r.num_rows,
-                dim=r.dim, source=r.source, group=group_of.get(id(r.node)), reason=r.reason,
+                dim=r.dim, source=r.source, group=group_of.get(id(r.node)), reason=r.reason, dtype=r.dtype,
             )
         )
     _note_modes(model, report)

@@ -4,12 +4,13 @@ the PassManager that runs one ordered list (see fxrec/pipeline.py for the list i
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
-from .report import Report
+from .report import PassRun, Report
 
 
 @dataclass
@@ -95,10 +96,21 @@ class PassManager:
     def run(
         self, gm: fx.GraphModule, ctx: PassContext,
         after: Optional[Dict[str, Callable[[fx.GraphModule, PassContext], None]]] = None,
+        dump: Optional[Callable[[int, str, fx.GraphModule], None]] = None,
     ) -> fx.GraphModule:
-        """Run every pass in order; ``after[name]`` is called once that pass has run."""
+        """Run every pass in order; ``after[name]`` is called once that pass has run.
+
+        Each pass's wall time (the pass, lint and recompile, and the numerics check when asked
+        for) goes into ``ctx.report.pass_runs``. ``dump(index, name, gm)``, if given, is called
+        with ``(0, "captured", gm)`` before the first pass and ``(i, pass name, gm)`` after the
+        i-th (``fxrec.transform(dump_dir=...)`` writes the code and a picture there); its own
+        time is not counted.
+        """
         done: List[str] = []
-        for p in self.passes:
+        if dump is not None:
+            dump(0, "captured", gm)
+        for index, p in enumerate(self.passes, 1):
+            start = time.perf_counter()
             try:
                 res = p(gm, ctx)
                 gm = res.gm
@@ -115,10 +127,14 @@ class PassManager:
                     f"fxrec pass '{p.name}' failed (passes run before it: {before}): "
                     f"{type(e).__name__}: {e}"
                 ) from e
+            seconds = time.perf_counter() - start
             stats = ", ".join(f"{k}={v}" for k, v in res.stats.items())
-            ctx.logger.info("%s: %s", p.name, stats or "no change")
+            ctx.logger.info("%s: %s (%.3f s)", p.name, stats or "no change", seconds)
             ctx.report.passes.append(f"{p.name} ({stats})" if stats else p.name)
+            ctx.report.pass_runs.append(PassRun(p.name, seconds, bool(res.modified), dict(res.stats)))
             done.append(p.name)
+            if dump is not None:
+                dump(index, p.name, gm)
             if after and p.name in after:
                 after[p.name](gm, ctx)
         return gm

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -17,6 +18,18 @@ class LookupEntry:
     source: str
     group: Optional[str] = None
     reason: str = ""
+    dtype: str = ""  # of the table's weight as written ("float32")
+
+
+@dataclass
+class PassRun:
+    """One pass as the PassManager ran it: wall time in seconds, whether it changed the graph,
+    and the stats it returned."""
+
+    name: str
+    seconds: float
+    modified: bool = False
+    stats: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -54,6 +67,9 @@ class Report:
     notes: List[str] = field(default_factory=list)
     passes: List[str] = field(default_factory=list)
     quantization: List[QuantEntry] = field(default_factory=list)
+    pass_runs: List[PassRun] = field(default_factory=list)  # per pass: wall time and stats
+    # When sharded: one entry per rank (its tables and memory); empty until fxrec shards.
+    plan_per_rank: List[Dict[str, Any]] = field(default_factory=list)
 
     @property
     def lowered(self) -> List[LookupEntry]:
@@ -70,6 +86,70 @@ class Report:
             if g.name == name:
                 return g
         raise KeyError(name)
+
+    @property
+    def tables(self) -> List[Dict[str, Any]]:
+        """One dict per embedding table, in the order first looked up: ``name``, ``rows``,
+        ``dim``, ``pooling`` (of its lookups; comma-separated when they differ), ``dtype`` and
+        ``bytes`` as stored in the transformed model (the quantized dtype and size when
+        quantized), ``lookups`` (how many), ``features``, ``groups``."""
+        quant = {q.table: q for q in self.quantization}
+        out: Dict[str, Dict[str, Any]] = {}
+        for e in self.lookups:
+            t = out.setdefault(e.table, {
+                "name": e.table, "rows": e.rows, "dim": e.dim, "pooling": [], "dtype": e.dtype or "float32",
+                "bytes": e.rows * e.dim * _ITEMSIZE.get(e.dtype or "float32", 4), "lookups": 0,
+                "features": [], "groups": [],
+            })
+            t["lookups"] += 1
+            t["features"].append(e.feature)
+            if e.pooling not in t["pooling"]:
+                t["pooling"].append(e.pooling)
+            if e.group is not None and e.group not in t["groups"]:
+                t["groups"].append(e.group)
+        for name, t in out.items():
+            t["pooling"] = ",".join(t["pooling"])
+            if name in quant:
+                t["dtype"], t["bytes"] = quant[name].dtype, quant[name].bytes_stored
+        return list(out.values())
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The report as plain data (what :meth:`to_json` writes); see :meth:`to_json`."""
+        not_lowered = [
+            {"table": e.table, "feature": e.feature, "source": e.source,
+             "reason": e.reason if e.group is None else f"{e.group} kept plain: {self.group(e.group).why}"}
+            for e in self.left_alone
+        ]
+        return {
+            "summary": {
+                "lookups": len(self.lookups), "lowered": len(self.lowered), "left_alone": len(self.left_alone),
+                "groups_lowered": sum(g.lowered for g in self.groups),
+            },
+            "tables": self.tables,
+            "lookups": [asdict(e) for e in self.lookups],
+            "groups": [
+                {**asdict(g), "became": _became(g, self.quantization)} for g in self.groups
+            ],
+            "not_lowered": not_lowered,
+            "plan_per_rank": list(self.plan_per_rank),
+            "quantization": [asdict(q) for q in self.quantization],
+            "passes": [asdict(p) for p in self.pass_runs],
+            "total_pass_seconds": sum(p.seconds for p in self.pass_runs),
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        """The report as JSON text.
+
+        Keys: ``summary`` (counts), ``tables`` (see :attr:`tables`), ``lookups`` (one per lookup:
+        table, feature, form, pooling, rows, dim, dtype, source line, group or null, reason),
+        ``groups`` (tables, features, train/inference paths, why, timings, optimizer, and
+        ``became``: what the group is in the transformed model), ``not_lowered`` (table, feature
+        and why, for every lookup left as written), ``plan_per_rank`` (empty unless sharded),
+        ``quantization`` (per table: dtype, bytes, max/mean abs error), ``passes`` (name, wall
+        seconds, modified, stats, in run order), ``total_pass_seconds``, ``notes``.
+        """
+        return json.dumps(self.to_dict(), indent=indent, default=str)
 
     def __str__(self) -> str:
         lines = [
@@ -120,7 +200,31 @@ class Report:
         if self.passes:
             lines.append("")
             lines.append("Passes: " + "; ".join(self.passes))
+        if self.pass_runs:
+            total = sum(p.seconds for p in self.pass_runs)
+            lines.append(f"Pass wall time ({_seconds(total)} in all): "
+                         + ", ".join(f"{p.name} {_seconds(p.seconds)}" for p in self.pass_runs))
         return "\n".join(lines)
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
+
+
+def _became(g: GroupEntry, quantization: List[QuantEntry]) -> str:
+    if not g.lowered:
+        return "plain lookups (left as written)"
+    dtypes = sorted({q.dtype for q in quantization if q.table in g.tables})
+    if dtypes:
+        return f"one quantized group module ({', '.join(dtypes)} tables)"
+    if g.path_train == g.path_eval:
+        return f"one group module, path {g.path_train}"
+    return f"one group module, path {g.path_train} in training, {g.path_eval} in inference"
+
+
+def _seconds(s: float) -> str:
+    if s < 0.01:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def _table(rows) -> List[str]:

@@ -1,0 +1,286 @@
+"""The `fxrec` command line: the console script in a subprocess on the example model and on
+broken model files; argument handling and the plan wiring in-process (fast)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fxrec
+from fxrec import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = "examples/dlrm_factory.py:small"
+FAST = ["--backend", "fbgemm", "--timing-rounds", "1"]  # no kernel timing: quick and deterministic
+HAVE_DOT = shutil.which("dot") is not None
+
+TINY = '''
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(40, 8) for _ in range(3)])
+        self.top = nn.Linear(24, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)], 1))
+
+
+def small():
+    torch.manual_seed(0)
+    ids = [torch.randint(0, 40, (8,)) for _ in range(3)]
+    offsets = [torch.arange(0, 8, 2) for _ in range(3)]
+    return Tiny(), (ids, offsets)
+
+
+def wrong():
+    return Tiny()
+
+
+def fails():
+    raise RuntimeError("the data is not there")
+'''
+
+BROKEN_IMPORT = '''
+import torch
+
+WIDTH = undefined_name * 2
+
+
+def small():
+    return torch.nn.Linear(2, 2), (torch.rand(3, 2),)
+'''
+
+BROKEN_TRACE = '''
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4)
+
+    def forward(self, ids, offsets):
+        out = self.emb(ids, offsets)
+        if out.sum() > 0:
+            return out * 2
+        return out
+
+
+def small():
+    return Branchy(), (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, text in (("tiny_model", TINY), ("broken_import", BROKEN_IMPORT), ("broken_trace", BROKEN_TRACE)):
+        path = d / f"{name}.py"
+        path.write_text(textwrap.dedent(text))
+        out[name] = str(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def script():
+    path = os.path.join(os.path.dirname(sys.executable), "fxrec")
+    if not os.path.exists(path):
+        pytest.fail(f"the console script {path} is missing: reinstall fxrec (pip install -e .) so that "
+                    "pyproject.toml's [project.scripts] is installed")
+    return path
+
+
+def run(script, *args, timeout=240):
+    return subprocess.run([script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def one_paragraph(stderr: str) -> str:
+    text = stderr.strip()
+    assert "Traceback" not in text
+    assert len(text.splitlines()) == 1, text
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# The console script, in a subprocess
+# --------------------------------------------------------------------------------------------
+
+
+def test_help_version_and_python_m(script):
+    r = run(script, "--help")
+    assert r.returncode == 0
+    for command in ("inspect", "draw", "plan", "bench"):
+        assert command in r.stdout
+    r = subprocess.run([sys.executable, "-m", "fxrec", "draw", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "--before PASS" in r.stdout and "--after PASS" in r.stdout
+    r = run(script)  # no command: a usage error
+    assert r.returncode == 2 and "usage: fxrec" in r.stderr and r.stdout == ""
+
+
+def test_inspect_prints_the_report_of_the_example_model(script):
+    r = run(script, "inspect", EXAMPLE, *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "26 embedding lookups found, 26 lowered into 1 group(s), 0 left as they were" in r.stdout
+    assert "Pass wall time" in r.stdout
+
+
+@pytest.mark.skipif(not HAVE_DOT, reason="Graphviz's 'dot' is not installed (apt-get install graphviz)")
+def test_draw_the_example_model_before_the_first_pass(script, tmp_path):
+    out = tmp_path / "before.svg"
+    r = run(script, "draw", EXAMPLE, "--before", "annotate_lookups", "-o", str(out), *FAST)
+    assert r.returncode == 0, r.stderr
+    svg = out.read_text()
+    assert "<svg" in svg and "captured graph" in svg and "emb.25" in svg
+    assert 'fill="#f9cb9c"' in svg  # lookups
+    assert 'fill="#93c47d"' not in svg  # no group yet
+
+
+def test_bench_the_example_model(script):
+    r = run(script, "bench", EXAMPLE, "--rounds", "3", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "median of 3 alternating runs" in r.stdout
+    assert float(r.stdout.split("speed-up (plain / fxrec):")[1].strip().rstrip("x")) > 0
+
+
+def test_model_file_that_does_not_import(script, files):
+    r = run(script, "inspect", files["broken_import"] + ":small")
+    assert r.returncode == 1 and r.stdout == ""
+    text = one_paragraph(r.stderr)
+    assert text.startswith("fxrec inspect: error: could not import")
+    assert "NameError: name 'undefined_name' is not defined" in text
+    assert "broken_import.py, line 4" in text and "--debug" in text
+    r = run(script, "inspect", files["broken_import"] + ":small", "--debug")
+    assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr
+
+
+def test_model_that_cannot_be_captured(script, files):
+    r = run(script, "inspect", files["broken_trace"] + ":small")
+    assert r.returncode == 1
+    text = one_paragraph(r.stderr)  # torch.export's partial graph print is held back
+    assert "could not transform Branchy" in text and "broken_trace.py:13" in text and "What to do" in text
+
+
+# --------------------------------------------------------------------------------------------
+# In-process: argument handling, factories, plan wiring, JSON
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "nocolon"], "name the factory as FILE.py:FACTORY"),
+    (["plan", "m.py:f", "--world-size", "0", "--memory-per-rank", "1GB"], "must be 1 or more"),
+    (["plan", "m.py:f", "--world-size", "8", "--memory-per-rank", "16XB"], "'16XB' is not a memory size"),
+    (["plan", "m.py:f", "--world-size", "8"], "--memory-per-rank"),
+    (["draw", "m.py:f"], "-o/--output"),
+    (["draw", "m.py:f", "-o", "g.svg", "--before", "a", "--after", "b"], "not allowed with"),
+    (["bench", "m.py:f", "--backend", "fast"], "invalid choice"),
+])
+def test_command_line_mistakes_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_draw_checks_its_arguments_before_loading_the_model(files, capsys):
+    assert cli.main(["draw", files["tiny_model"] + ":small", "-o", "graph.jpg"]) == 2
+    assert "must end in .svg, .png, .pdf or .dot" in capsys.readouterr().err
+    assert cli.main(["draw", files["tiny_model"] + ":small", "-o", "g.svg", "--after", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: fxrec draw" in err
+    assert "no such pass" in err and "annotate_lookups, assign_optimizers, group_lookups" in err
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("nosuch", "has no 'nosuch'; the factory must be a function there that returns (model, example_inputs) "
+               "(functions defined there: Tiny, fails, small, wrong)"),
+    ("wrong", "must return (model, example_inputs), got a Tiny"),
+    ("fails", "failed: RuntimeError: the data is not there (" ),
+])
+def test_factory_mistakes_exit_1(files, factory, message, capsys):
+    assert cli.main(["inspect", f"{files['tiny_model']}:{factory}"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_model_file_exits_1(capsys):
+    assert cli.main(["inspect", "no/such/model.py:small"]) == 1
+    assert "model file 'no/such/model.py' does not exist" in capsys.readouterr().err
+
+
+def test_inspect_json(files, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert cli.main(["inspect", files["tiny_model"] + ":small", *FAST, "--json", "-o", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    assert [t["name"] for t in printed["tables"]] == ["bags.0", "bags.1", "bags.2"]
+    assert printed["summary"]["lowered"] == 3 and printed["plan_per_rank"] == []
+
+
+def test_draw_final_graph_as_dot_needs_no_graphviz_program(files, tmp_path, monkeypatch, capsys):
+    from fxrec import viz
+
+    monkeypatch.setattr(viz.shutil, "which", lambda name: None)
+    out = tmp_path / "graph.dot"
+    assert cli.main(["draw", files["tiny_model"] + ":small", "-o", str(out), *FAST]) == 0
+    dot = out.read_text()
+    assert "Tiny after fxrec.transform" in dot and 'class="fxrec-group"' in dot
+    # a picture, or a graph between passes (rendered while transforming), needs it: exit 1, saying so
+    assert cli.main(["draw", files["tiny_model"] + ":small", "-o", str(tmp_path / "g.svg"), *FAST]) == 1
+    assert "apt-get install graphviz" in capsys.readouterr().err
+
+
+class FakePlan:
+    def __init__(self):
+        self.saved = None
+
+    def __str__(self):
+        return "FAKE PLAN: 3 tables on 8 ranks"
+
+    def save(self, path):
+        self.saved = path
+        with open(path, "w") as f:
+            f.write("{}")
+
+
+def test_plan_calls_fxrec_plan_exactly(files, tmp_path, monkeypatch, capsys):
+    calls = []
+    result = FakePlan()
+
+    def fake_plan(model, example_inputs, **kwargs):
+        calls.append((type(model).__name__, example_inputs, kwargs))
+        return result
+
+    monkeypatch.setattr(fxrec, "plan", fake_plan, raising=False)
+    out = str(tmp_path / "plan.json")
+    argv = ["plan", files["tiny_model"] + ":small", "--world-size", "8", "--memory-per-rank", "16GB", "-o", out]
+    assert cli.main(argv) == 0
+    (name, inputs, kwargs), = calls
+    assert name == "Tiny" and len(inputs) == 2
+    assert kwargs == {"world_size": 8, "memory_per_rank": 16 * 10**9}
+    assert "FAKE PLAN: 3 tables on 8 ranks" in capsys.readouterr().out
+    assert result.saved == out and os.path.exists(out)
+
+
+def test_plan_without_a_planner_exits_1(files, monkeypatch, capsys):
+    monkeypatch.delattr(fxrec, "plan", raising=False)
+    argv = ["plan", files["tiny_model"] + ":small", "--world-size", "8", "--memory-per-rank", "16GB"]
+    assert cli.main(argv) == 1
+    assert "the planner is not available in this version" in capsys.readouterr().err
+
+
+def test_memory_sizes():
+    assert cli.parse_size("16GB") == 16 * 10**9
+    assert cli.parse_size("16GiB") == 16 * 2**30
+    assert cli.parse_size("512 mib") == 512 * 2**20
+    assert cli.parse_size("1.5GB") == 1_500_000_000
+    assert cli.parse_size("4096") == 4096
