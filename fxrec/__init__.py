@@ -8,6 +8,7 @@ from . import export, optim, viz
 from .api import make_optimizer, transform, write_back
 from .capture import CaptureError
 from .pass_infra import PassError
+from .planner import PlanError, ShardingPlan, TableSpec, Topology, plan
 from .report import Report
 from .verify import VerificationError, compare_models
 
@@ -15,5 +16,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "transform", "write_back", "make_optimizer", "optim", "export", "viz", "Report", "CaptureError", "PassError",
-    "VerificationError", "compare_models", "__version__",
+    "VerificationError", "compare_models", "plan", "ShardingPlan", "TableSpec", "Topology", "PlanError",
+    "__version__",
 ]

@@ -1,0 +1,174 @@
+"""Memory and cost model of one shard: bytes it takes on its rank, milliseconds it adds to its
+rank's training step. Deliberately simple: a rough, documented estimate to balance ranks with,
+not a simulator.
+
+Notation: W ranks, P ranks per host, B samples per rank per step (``batch_size``), G = B * W
+samples per step in all; a table has R rows, D columns, e bytes per element (4 for fp32), L ids
+per sample (``pooling_factor``, all its features together), F features; its output rows per
+sample are O = F (pooled) or O = L (sequence lookups). Optimizer state per row is
+``s(c) = a + b * c`` bytes for a shard of c columns (:data:`OPTIMIZER_STATE`, fp32 state).
+Bandwidths are the topology's: ``mem`` (row reads on one rank), ``intra`` (to the other ranks of
+the host), ``inter`` (to other hosts), all GB/s.
+
+Memory (bytes) of a shard of r rows and c columns::
+
+    r * c * e  +  r * s(c)                 (+ R * D * e for data-parallel: its dense gradient)
+
+Cost (ms per step) = lookup + communication + a fixed overhead, charged to the rank that holds
+the shard::
+
+    lookup(n ids, c cols) = n * (3 * c * e + 2 * s(c)) / mem
+        forward reads each row once; backward reads and writes it and its optimizer state.
+    spread(x bytes)       = x / W * ((P - 1) / intra + (W - P) / inter)
+        x exchanged evenly with all W ranks (the 1/W kept by the rank itself is free).
+
+    table_wise, a column_wise shard of c columns (all G * L ids come to this rank):
+        lookup(G*L, c) + spread(8*G*L  +  2 * G*O*c*e)
+        int64 ids in (all-to-all), outputs out and their gradients back (all-to-all).
+    row_wise shard of r rows (ids assumed uniform over rows: it gets n = G*L*r/R of them):
+        lookup(n, D) + spread(8*n + 2*G*F*D*e)                     pooled: partial sums for all G
+                                                                    samples, reduce-scatter forward,
+                                                                    all-gather of gradients backward
+        lookup(n, D) + spread(8*n + 2*n*D*e)                        sequence: one row per id
+    table_row_wise shard of r rows on a host of P ranks:
+        lookup(n, D) + spread(8*n + 2*G*F*D*e/P) + 2*G*F*D*e*(P-1)/P/intra
+        partial sums reduce-scattered inside the host, then sent on as one slice per rank.
+    data_parallel (every rank):
+        2*B*L*D*e/mem  +  R * (3*D*e + 2*s(D)) / mem  +  2*(W-1)/W * R*D*e / ring
+        local lookups and their dense gradient, a dense optimizer step over every row, and a
+        ring all-reduce of the full gradient (ring = inter when there are several hosts, else intra).
+
+Every shard that holds rows also costs a fixed :data:`SHARD_OVERHEAD_MS` (its share of kernel
+launches, id bucketing and output slicing): it keeps tiny tables whole, and is negligible next to
+the lookups of a real table.
+
+Left out: latency of collectives, caches (hot rows, UVM), skew in the id
+distribution, input/output buffers' memory. A shard with no rows costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from .specs import (
+    COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, TableSpec, Topology,
+)
+
+#: Optimizer state as (bytes per row, bytes per row and column), fp32: SGD has none, SGD with
+#: momentum a buffer like the weights, Adagrad a sum per element, row-wise Adagrad one float per
+#: row, Adam two moments per element.
+OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
+    "none": (0, 0),
+    "sgd": (0, 0),
+    "sgd_momentum": (0, 4),
+    "adagrad": (0, 4),
+    "rowwise_adagrad": (4, 0),
+    "adam": (0, 8),
+}
+_OPTIMIZER_ALIASES = {"row_wise_adagrad": "rowwise_adagrad", "rowwiseadagrad": "rowwise_adagrad", "": "none"}
+
+ID_BYTES = 8  # int64 ids
+#: Fixed cost of every non-empty shard, ms per step (a rough figure: a few microseconds).
+SHARD_OVERHEAD_MS = 0.002
+
+
+def optimizer_kind(optimizer) -> str:
+    """The state kind of an optimizer: None, one of :data:`OPTIMIZER_STATE`'s names, or an
+    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam)."""
+    if optimizer is None:
+        return "none"
+    if isinstance(optimizer, str):
+        kind = optimizer.strip().lower()
+        kind = _OPTIMIZER_ALIASES.get(kind, kind)
+        if kind not in OPTIMIZER_STATE:
+            raise ValueError(f"fxrec.plan: unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE)}")
+        return kind
+    from .. import optim
+
+    if isinstance(optimizer, optim.SGD):
+        return "sgd_momentum" if optimizer.momentum else "sgd"
+    if isinstance(optimizer, optim.RowWiseAdagrad):
+        return "rowwise_adagrad"
+    if isinstance(optimizer, optim.Adagrad):
+        return "adagrad"
+    if isinstance(optimizer, optim.Adam):
+        return "adam"
+    raise ValueError(
+        f"fxrec.plan: cannot size the state of optimizer {optimizer!r}; pass one of {sorted(OPTIMIZER_STATE)} "
+        "or an fxrec.optim optimizer"
+    )
+
+
+def optimizer_state_bytes(kind: str, rows: int, cols: int) -> int:
+    """Bytes of optimizer state for ``rows`` x ``cols`` weights."""
+    a, b = OPTIMIZER_STATE[kind]
+    return rows * (a + b * cols)
+
+
+class CostModel:
+    """Bytes and estimated ms per step of shards, for one topology and batch size (see the
+    module docstring for the formulas)."""
+
+    def __init__(self, topology: Topology, batch_size: int):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"fxrec.plan: batch_size must be an int >= 1, got {batch_size!r}")
+        self.topology = topology
+        W = self.world_size = topology.world_size
+        P = self.ranks_per_host = topology.ranks_per_host
+        self.batch_size = batch_size
+        self.global_batch = batch_size * W
+        to_bytes_per_ms = 1e9 / 1e3
+        self.mem_bw = topology.memory_bandwidth * to_bytes_per_ms
+        self.intra_bw = topology.intra_host_bandwidth * to_bytes_per_ms
+        self.inter_bw = topology.inter_host_bandwidth * to_bytes_per_ms
+        # ms per byte exchanged evenly with every rank / with the ranks of one's host
+        self.spread = ((P - 1) / self.intra_bw + (W - P) / self.inter_bw) / W
+        self.host_spread = (P - 1) / P / self.intra_bw
+        ring_bw = self.inter_bw if topology.hosts > 1 else self.intra_bw
+        self.allreduce = 2 * (W - 1) / W / ring_bw
+
+    # ---------------------------------------------------------------- memory
+    def shard_bytes(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> int:
+        """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
+        a, b = OPTIMIZER_STATE[opt]
+        n = rows * cols * spec.element_bytes + rows * (a + b * cols)
+        if sharding == DATA_PARALLEL:
+            n += spec.num_rows * spec.dim * spec.element_bytes  # the dense gradient
+        return n
+
+    # ------------------------------------------------------------------ cost
+    def lookup_ms(self, spec: TableSpec, opt: str, ids: float, cols: int) -> float:
+        a, b = OPTIMIZER_STATE[opt]
+        return ids * (3 * cols * spec.element_bytes + 2 * (a + b * cols)) / self.mem_bw
+
+    def shard_cost(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> float:
+        """Estimated ms per step that a shard of ``rows`` x ``cols`` adds to its rank."""
+        if rows == 0 or cols == 0:
+            return 0.0
+        return SHARD_OVERHEAD_MS + self._variable_cost(spec, opt, sharding, rows, cols)
+
+    def _variable_cost(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> float:
+        G, L, e, D = self.global_batch, spec.pooling_factor, spec.element_bytes, spec.dim
+        out_rows = spec.num_features if spec.pooled else L
+        if sharding in (TABLE_WISE, COLUMN_WISE):
+            ids = G * L
+            return self.lookup_ms(spec, opt, ids, cols) + self.spread * (ID_BYTES * ids + 2 * G * out_rows * cols * e)
+        if sharding == ROW_WISE:
+            ids = G * L * rows / spec.num_rows
+            out = 2 * G * spec.num_features * D * e if spec.pooled else 2 * ids * D * e
+            return self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + out)
+        if sharding == TABLE_ROW_WISE:
+            ids = G * L * rows / spec.num_rows
+            if not spec.pooled:
+                return self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + 2 * ids * D * e)
+            partial = 2 * G * spec.num_features * D * e
+            P = self.ranks_per_host
+            return (self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + partial / P)
+                    + self.host_spread * partial)
+        if sharding == DATA_PARALLEL:
+            a, b = OPTIMIZER_STATE[opt]
+            R = spec.num_rows
+            local = 2 * self.batch_size * L * D * e / self.mem_bw
+            update = R * (3 * D * e + 2 * (a + b * D)) / self.mem_bw
+            return local + update + self.allreduce * R * D * e
+        raise ValueError(f"fxrec.plan: unknown sharding type {sharding!r}")

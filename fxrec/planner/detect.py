@@ -1,0 +1,129 @@
+"""Tables of a model, as the planner needs them, found by fxrec's own detection.
+
+The model is captured (on a copy) exactly as :func:`fxrec.transform` captures it and only the
+``annotate_lookups`` pass runs; its :class:`fxrec.meta.LookupRecord` per lookup gives the table,
+rows, dim, dtype, feature and form. A table looked up by several features appears once, with
+one entry per feature. The ids per sample of each feature are read from the sizes the example
+inputs had (torch.export keeps them as the hints of the symbolic sizes):
+
+    bag (ids + offsets)     len(ids) / number of bags (len(offsets), minus 1 with include_last_offset)
+    single ([B] ids)        1
+    pooled_seq ([B, L])     L
+    seq ([B, L, ...])       ids / B, and the table's lookups return one row per id (not pooled)
+
+Lookups that fxrec would leave as they are (see ``LookupRecord.reason``) are not planned: their
+tables stay ordinary parameters; the plan's notes name them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+
+@dataclass
+class FoundTable:
+    """A table found in the model: one ``(feature, ids per sample or None, pooled)`` per lookup."""
+
+    name: str
+    param: str
+    num_rows: int
+    dim: int
+    dtype: str
+    lookups: List[Tuple[str, Optional[float], bool]] = field(default_factory=list)
+
+
+def _hint(size) -> Optional[int]:
+    """The example value of a (symbolic) size, or None when it is not known."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        hint = getattr(size.node, "hint", None)
+        return int(hint) if isinstance(hint, int) else None
+    return None
+
+
+def _shape(node) -> Optional[List[Optional[int]]]:
+    val = node.meta.get("val") if node is not None and hasattr(node, "meta") else None
+    if val is None or not hasattr(val, "shape"):
+        return None
+    return [_hint(s) for s in val.shape]
+
+
+def _numel(shape) -> Optional[int]:
+    if shape is None or any(s is None for s in shape):
+        return None
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _ids_per_sample(rec) -> Tuple[Optional[float], Optional[int]]:
+    """(ids per sample, samples) of one lookup on the example inputs (None where unknown)."""
+    ids = _shape(rec.ids)
+    if rec.form == "bag":
+        n = _numel(ids)
+        offs = _shape(rec.offsets) if rec.offsets is not None else None
+        if offs is None or n is None or len(offs) != 1 or offs[0] is None:
+            return None, None
+        bags = offs[0] - (1 if rec.include_last_offset else 0)
+        return (n / bags if bags > 0 else None), (bags if bags > 0 else None)
+    if ids is None or not ids or ids[0] is None:
+        return (1.0 if rec.form == "single" else None), None
+    batch = ids[0]
+    if rec.form == "single":
+        return 1.0, batch
+    n = _numel(ids)
+    if n is None or batch == 0:
+        return None, batch or None
+    return n / batch, batch
+
+
+def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
+                logger: Optional[logging.Logger] = None) -> Tuple[List[FoundTable], List[str], Optional[int]]:
+    """Capture ``model`` on its example inputs and return (tables, notes, batch size of the
+    examples or None). The model is not modified."""
+    from .. import meta
+    from ..capture import capture
+    from ..pass_infra import Config, PassContext, PassManager
+    from ..passes.annotate_lookups import annotate_lookups
+    from ..report import Report
+
+    if isinstance(example_inputs, tuple):
+        args = example_inputs
+    elif isinstance(example_inputs, list):
+        args = tuple(example_inputs)
+    else:
+        args = (example_inputs,)
+    kwargs: Dict[str, Any] = dict(example_kwargs or {})
+    gm = capture(copy.deepcopy(model), args, kwargs)
+    ctx = PassContext(config=Config(), report=Report(), example_args=args, example_kwargs=kwargs,
+                      logger=logger or logging.getLogger("fxrec"))
+    gm = PassManager([annotate_lookups]).run(gm, ctx)
+    tables: Dict[str, FoundTable] = {}
+    skipped: Dict[str, str] = {}
+    batch: Optional[int] = None
+    for node in gm.graph.nodes:
+        rec = node.meta.get(meta.LOOKUP)
+        if rec is None:
+            continue
+        if not rec.lowerable:
+            skipped.setdefault(rec.table, rec.reason)
+            continue
+        per_sample, samples = _ids_per_sample(rec)
+        if batch is None and samples:
+            batch = samples
+        t = tables.get(rec.table)
+        if t is None:
+            t = tables[rec.table] = FoundTable(rec.table, rec.param, rec.num_rows, rec.dim, rec.dtype)
+        t.lookups.append((rec.feature, per_sample, rec.pooling != "none"))
+    notes = [f"table {name!r} is not planned (fxrec leaves it as it is: {why})"
+             for name, why in skipped.items()]
+    for name in skipped:  # a table with any lookup fxrec leaves alone stays a plain parameter
+        tables.pop(name, None)
+    return list(tables.values()), notes, batch

@@ -1,0 +1,520 @@
+"""The planner's data: what goes in (TableSpec, Topology) and what comes out (ShardingPlan).
+
+Everything here is plain, frozen data that round-trips exactly through JSON, so a plan can be
+made on one machine, saved, read by a person, and loaded by the shard pass on every rank::
+
+    TableSpec   one embedding table: rows, dim, dtype, ids per sample, features, optimizer
+    Topology    world size, ranks per host, memory per rank, bandwidths (and which were assumed)
+    Shard       one piece of one table on one rank: rows [row_offset, +num_rows) x
+                columns [col_offset, +num_cols), its bytes and its estimated cost
+    TablePlan   a table, its sharding type and its shards
+    ShardingPlan  all tables' plans + topology + batch size + notes; to_json/from_json,
+                save/load, shards_on(rank), print() as a table
+
+Units, used the same way everywhere in the planner: sizes are bytes; "GB", "MB", "KB", "TB" are
+decimal (10**9, 10**6, 10**3, 10**12 bytes) and "GiB", "MiB", "KiB", "TiB" binary (2**30, ...);
+bandwidths are GB/s = 10**9 bytes per second; estimated costs are milliseconds per training step.
+
+Ranks are grouped into hosts in contiguous blocks: rank r is on host ``r // ranks_per_host``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
+
+#: The sharding types, as spelled in pins, in plans and in JSON.
+TABLE_WISE = "table_wise"
+ROW_WISE = "row_wise"
+COLUMN_WISE = "column_wise"
+TABLE_ROW_WISE = "table_row_wise"
+DATA_PARALLEL = "data_parallel"
+SHARDING_TYPES = (TABLE_WISE, ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE, DATA_PARALLEL)
+
+#: Bytes per weight element of the table dtypes the planner knows.
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+
+#: fbgemm's training TBE needs dims that are a multiple of 4: column-wise shard widths are too.
+COLUMN_ALIGNMENT = 4
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([A-Za-z]*)\s*$")
+
+PLAN_FORMAT = "fxrec.sharding_plan"
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """No plan satisfies the constraints. ``table`` is the table that does not fit,
+    ``needed_bytes`` what its shard needs on one rank, ``free_bytes`` the most free memory it
+    could get, ``missing_bytes`` the difference (all None when the error is not about memory)."""
+
+    def __init__(self, message: str, table: Optional[str] = None, needed_bytes: Optional[int] = None,
+                 free_bytes: Optional[int] = None):
+        super().__init__(message)
+        self.table = table
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+        self.missing_bytes = None if needed_bytes is None or free_bytes is None else needed_bytes - free_bytes
+
+
+def parse_bytes(value, what: str = "memory_per_rank") -> int:
+    """A byte count from an int (bytes) or a string such as ``"16GB"``, ``"512 MiB"``, ``"1.5e9"``.
+
+    GB/MB/KB/TB are powers of ten, GiB/MiB/KiB/TiB powers of two (case does not matter).
+    Raises ValueError for anything else (negative, zero, unknown unit, ``"16G"``, a bool).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"fxrec.plan: {what} must be a number of bytes or a string like '16GB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"fxrec.plan: {what} must be finite, got {value!r}")
+        n = int(round(value))
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(3).lower() if m else None
+        if m is None or (unit and unit not in _UNITS):
+            raise ValueError(
+                f"fxrec.plan: cannot read {what}={value!r}: write a number of bytes or a number with one of the "
+                f"units B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '16GB' or '512MiB'"
+            )
+        number = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else ""))
+        n = int(round(number * _UNITS[unit or "b"]))
+    else:
+        raise ValueError(f"fxrec.plan: {what} must be an int (bytes) or a string like '16GB', got {type(value).__name__}")
+    if n <= 0:
+        raise ValueError(f"fxrec.plan: {what} must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    """``1234567890`` -> ``'1.23 GB'`` (decimal units, as :func:`parse_bytes` reads them)."""
+    n = float(n)
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}" if n / size < 100 else f"{n / size:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table as the planner sees it.
+
+    ``pooling_factor``: average number of ids looked up in this table per sample, all its
+    features together (a table read by two features of 3 and 1 ids per bag has 4.0).
+    ``num_features``: how many features look it up; each gives one pooled row per sample.
+    ``pooled``: False when the lookups return one row per id (sequence features).
+    ``optimizer``: the table's optimizer kind when it differs from the plan's (see
+    :data:`fxrec.planner.cost.OPTIMIZER_STATE`), else None.
+    ``param``: the weight's name in the model's ``state_dict()`` when the table was found in a
+    model (``"bags.0.weight"`` for table ``"bags.0"``), else None.
+    """
+
+    name: str
+    num_rows: int
+    dim: int
+    pooling_factor: float = 1.0
+    num_features: int = 1
+    pooled: bool = True
+    dtype: str = "fp32"
+    optimizer: Optional[str] = None
+    param: Optional[str] = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"fxrec.plan: a table needs a non-empty name, got {self.name!r}")
+        for f in ("num_rows", "dim", "num_features"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"fxrec.plan: table {self.name!r}: {f} must be an int >= 1, got {v!r}")
+        pf = self.pooling_factor
+        if isinstance(pf, bool) or not isinstance(pf, (int, float)) or not math.isfinite(pf) or pf < 0:
+            raise ValueError(f"fxrec.plan: table {self.name!r}: pooling_factor must be a number >= 0, got {pf!r}")
+        object.__setattr__(self, "pooling_factor", float(pf))
+        dtype = _DTYPE_ALIASES.get(str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"fxrec.plan: table {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "pooled", bool(self.pooled))
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_rows * self.dim * self.element_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TableSpec":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"fxrec.plan: unknown TableSpec fields {sorted(unknown)} in {d!r}")
+        return cls(**d)
+
+
+#: Bandwidths (GB/s) used when the topology does not give them, per device kind:
+#: memory = effective bandwidth of embedding row reads on one rank; intra_host = what one rank
+#: moves to the other ranks of its host; inter_host = what one rank moves to other hosts.
+#: cpu: random row gathers reach about 20 GB/s on a server socket (well under its stream
+#: bandwidth), shared-memory/loopback collectives about 10 GB/s, 100 Gbit/s Ethernet 12.5 GB/s.
+#: cuda: a conservative HBM figure (1 TB/s, when the device cannot be asked), NVLink-class 100 GB/s
+#: per rank within a host, 200 Gbit/s InfiniBand (25 GB/s) per rank between hosts.
+DEFAULT_BANDWIDTHS = {
+    "cpu": {"memory_bandwidth": 20.0, "intra_host_bandwidth": 10.0, "inter_host_bandwidth": 12.5},
+    "cuda": {"memory_bandwidth": 1000.0, "intra_host_bandwidth": 100.0, "inter_host_bandwidth": 25.0},
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The machines a plan is for.
+
+    ``memory_per_rank`` (bytes, or a string as :func:`parse_bytes` reads it) is the budget for
+    embedding weights and their optimizer state on each rank: leave room for activations and
+    dense parameters by giving less than the device has. Bandwidths are GB/s (10**9 bytes/s);
+    those left as None are taken from :data:`DEFAULT_BANDWIDTHS` for ``device`` and named in
+    ``assumed``, which the printed plan shows.
+    """
+
+    world_size: int
+    memory_per_rank: int
+    ranks_per_host: Optional[int] = None  # None: all ranks on one host
+    device: str = "cpu"
+    memory_bandwidth: Optional[float] = None
+    intra_host_bandwidth: Optional[float] = None
+    inter_host_bandwidth: Optional[float] = None
+    assumed: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        ws = self.world_size
+        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+            raise ValueError(f"fxrec.plan: world_size must be an int >= 1, got {ws!r}")
+        if self.device not in DEFAULT_BANDWIDTHS:
+            raise ValueError(f"fxrec.plan: device must be one of {sorted(DEFAULT_BANDWIDTHS)}, got {self.device!r}")
+        if self.memory_per_rank is None:
+            raise ValueError(
+                "fxrec.plan: memory_per_rank is required (e.g. memory_per_rank='16GB'); it is read from the device "
+                "only by fxrec.plan(device='cuda') on a machine with CUDA"
+            )
+        object.__setattr__(self, "memory_per_rank", parse_bytes(self.memory_per_rank))
+        rph = ws if self.ranks_per_host is None else self.ranks_per_host
+        if isinstance(rph, bool) or not isinstance(rph, int) or rph < 1 or ws % rph:
+            raise ValueError(
+                f"fxrec.plan: ranks_per_host must divide world_size {ws} (hosts of equal size), got {self.ranks_per_host!r}"
+            )
+        object.__setattr__(self, "ranks_per_host", rph)
+        assumed = list(self.assumed)
+        for name, default in DEFAULT_BANDWIDTHS[self.device].items():
+            v = getattr(self, name)
+            if v is None:
+                object.__setattr__(self, name, float(default))
+                assumed.append(f"{name} {default:g} GB/s ({self.device} default)")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"fxrec.plan: {name} must be a positive number of GB/s, got {v!r}")
+            else:
+                object.__setattr__(self, name, float(v))
+        object.__setattr__(self, "assumed", tuple(assumed))
+
+    @property
+    def hosts(self) -> int:
+        return self.world_size // self.ranks_per_host
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+    def host_ranks(self, host: int) -> Tuple[int, ...]:
+        p = self.ranks_per_host
+        return tuple(range(host * p, (host + 1) * p))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["assumed"] = list(self.assumed)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Topology":
+        d = dict(d)
+        d["assumed"] = tuple(d.get("assumed", ()))
+        return cls(**d)
+
+
+class Shard(NamedTuple):
+    """One piece of a table on one rank: rows ``[row_offset, row_offset + num_rows)`` and columns
+    ``[col_offset, col_offset + num_cols)`` of the table ``table``. ``bytes`` is the memory it
+    takes there (weights + optimizer state, + the dense gradient for data-parallel), ``cost_ms``
+    its estimated share of that rank's step time. A row-wise shard may have ``num_rows == 0``
+    (more ranks than row blocks); it is listed so that every rank of the table is named.
+    (A NamedTuple: plans of thousands of tables hold hundreds of thousands of shards.)"""
+
+    table: str
+    rank: int
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+    bytes: int
+    cost_ms: float
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank, "row_offset": self.row_offset, "num_rows": self.num_rows,
+            "col_offset": self.col_offset, "num_cols": self.num_cols, "bytes": self.bytes, "cost_ms": self.cost_ms,
+        }
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """A table, how it is sharded, and its shards (in rank order for row-wise types, in column
+    order for column-wise)."""
+
+    spec: TableSpec
+    sharding: str
+    shards: Tuple[Shard, ...]
+    optimizer: str = "none"
+    pinned: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def ranks(self) -> Tuple[int, ...]:
+        return tuple(s.rank for s in self.shards)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    @property
+    def cost_ms(self) -> float:
+        return sum(s.cost_ms for s in self.shards)
+
+    def to_dict(self) -> dict:
+        d = self.spec.to_dict()
+        d.update(sharding=self.sharding, optimizer=self.optimizer, pinned=self.pinned,
+                 shards=[s.to_dict() for s in self.shards])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TablePlan":
+        d = dict(d)
+        sharding = d.pop("sharding")
+        if sharding not in SHARDING_TYPES:
+            raise ValueError(f"fxrec.plan: unknown sharding type {sharding!r} in a saved plan")
+        optimizer = d.pop("optimizer")
+        pinned = d.pop("pinned")
+        shards = d.pop("shards")
+        spec = TableSpec.from_dict(d)
+        return cls(spec, sharding, tuple(Shard(table=spec.name, **s) for s in shards), optimizer, pinned)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Where every embedding table goes: ``plan.tables[name]`` is a :class:`TablePlan`.
+
+    ``print(plan)`` shows one line per table (table | sharding | ranks | shard sizes | bytes per
+    rank | est. cost), then memory and estimated cost per rank, the balance (max / mean rank
+    cost) and every figure that was assumed rather than given. ``plan.shards_on(rank)`` lists
+    what one rank holds. ``save``/``load``/``to_json``/``from_json`` round-trip exactly.
+    """
+
+    topology: Topology
+    tables: Dict[str, TablePlan]
+    batch_size: int
+    optimizer: str = "none"
+    notes: Tuple[str, ...] = ()
+
+    # ----------------------------------------------------------------- queries
+    def __getitem__(self, table: str) -> TablePlan:
+        return self.tables[table]
+
+    def __contains__(self, table: str) -> bool:
+        return table in self.tables
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def shards_on(self, rank: int) -> List[Shard]:
+        """The shards rank ``rank`` holds, in table order (the sharding type of each is
+        ``plan[shard.table].sharding``)."""
+        if not 0 <= rank < self.topology.world_size:
+            raise ValueError(f"fxrec.plan: rank {rank} is outside world_size {self.topology.world_size}")
+        return [s for tp in self.tables.values() for s in tp.shards if s.rank == rank]
+
+    def rank_bytes(self) -> List[int]:
+        """Memory used on each rank (bytes), summed over the shards."""
+        out = [0] * self.topology.world_size
+        for tp in self.tables.values():
+            for s in tp.shards:
+                out[s.rank] += s.bytes
+        return out
+
+    def rank_cost_ms(self) -> List[float]:
+        """Estimated cost of each rank (ms per step), summed over the shards."""
+        out = [0.0] * self.topology.world_size
+        for tp in self.tables.values():
+            for s in tp.shards:
+                out[s.rank] += s.cost_ms
+        return out
+
+    @property
+    def max_cost_ms(self) -> float:
+        """The estimated step time of the embeddings: the busiest rank's cost."""
+        return max(self.rank_cost_ms())
+
+    @property
+    def balance(self) -> float:
+        """max / mean of the per-rank estimated costs (1.0 is perfect; 1.0 when there is no cost)."""
+        costs = self.rank_cost_ms()
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean > 0 else 1.0
+
+    # ------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        costs = self.rank_cost_ms()
+        return {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION,
+            "topology": self.topology.to_dict(), "batch_size": self.batch_size, "optimizer": self.optimizer,
+            "notes": list(self.notes),
+            "tables": [tp.to_dict() for tp in self.tables.values()],
+            # Informative only (recomputed from the shards on load):
+            "summary": {"rank_bytes": self.rank_bytes(), "rank_cost_ms": costs, "balance": self.balance},
+        }
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardingPlan":
+        if d.get("format") != PLAN_FORMAT:
+            raise ValueError(f"fxrec.plan: not a saved sharding plan (format {d.get('format')!r})")
+        if d.get("version") != PLAN_VERSION:
+            raise ValueError(f"fxrec.plan: sharding plan version {d.get('version')!r}, this fxrec reads {PLAN_VERSION}")
+        tables = [TablePlan.from_dict(t) for t in d["tables"]]
+        return cls(
+            topology=Topology.from_dict(d["topology"]), tables={t.name: t for t in tables},
+            batch_size=d["batch_size"], optimizer=d["optimizer"], notes=tuple(d["notes"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path) -> "ShardingPlan":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    # ------------------------------------------------------------------ print
+    def __str__(self) -> str:
+        return self.format()
+
+    def format(self, max_tables: Optional[int] = None) -> str:
+        """The printed plan; ``max_tables`` limits the table lines (the costliest are kept)."""
+        topo = self.topology
+        rows = []
+        items = list(self.tables.values())
+        if max_tables is not None and len(items) > max_tables:
+            keep = {id(t) for t in sorted(items, key=lambda t: -t.cost_ms)[:max_tables]}
+            items = [t for t in items if id(t) in keep]
+        for tp in items:
+            per_rank: Dict[int, int] = {}
+            for s in tp.shards:
+                per_rank[s.rank] = per_rank.get(s.rank, 0) + s.bytes
+            rows.append((
+                tp.name + (" (pinned)" if tp.pinned else ""), tp.sharding, _ranks_text(tp.ranks),
+                _shapes_text(tp.shards), format_bytes(max(per_rank.values())) if per_rank else "0 B",
+                f"{tp.cost_ms:.4g} ms",
+            ))
+        header = ("table", "sharding", "ranks", "shard sizes (rows x cols)", "bytes per rank (max)", "est. cost")
+        out = [
+            f"ShardingPlan: {_n(len(self.tables), 'table')} on {_n(topo.world_size, topo.device + ' rank')} "
+            f"({topo.hosts} host{'s' if topo.hosts > 1 else ''} of {topo.ranks_per_host}), "
+            f"{format_bytes(topo.memory_per_rank)} per rank, batch {self.batch_size} per rank, "
+            f"optimizer {self.optimizer}",
+        ]
+        out += _table(header, rows)
+        out.append("(est. cost: ms per step, summed over the table's shards; bytes per rank: the most it puts on one rank)")
+        if max_tables is not None and len(self.tables) > len(items):
+            out.append(f"... {len(self.tables) - len(items)} cheaper tables not shown")
+        mem = self.rank_bytes()
+        cost = self.rank_cost_ms()
+        nshards = [0] * topo.world_size
+        for tp in self.tables.values():
+            for s in tp.shards:
+                nshards[s.rank] += 1
+        out.append("")
+        rank_rows = [
+            (str(r), str(topo.host_of(r)),
+             f"{format_bytes(mem[r])} / {format_bytes(topo.memory_per_rank)} ({100 * mem[r] / topo.memory_per_rank:.1f}%)",
+             f"{cost[r]:.4g} ms", str(nshards[r]))
+            for r in range(topo.world_size)
+        ]
+        out += _table(("rank", "host", "memory used / limit", "est. cost", "shards"), rank_rows)
+        mean = sum(cost) / len(cost)
+        out.append(
+            f"balance (max / mean est. cost): {self.balance:.3f}  (max {max(cost):.4g} ms on rank "
+            f"{cost.index(max(cost))}, mean {mean:.4g} ms); memory: max {100 * max(mem) / topo.memory_per_rank:.1f}% "
+            f"of the limit"
+        )
+        out.append(
+            f"bandwidths (GB/s): memory {topo.memory_bandwidth:g}, within a host {topo.intra_host_bandwidth:g}, "
+            f"between hosts {topo.inter_host_bandwidth:g}"
+        )
+        assumed = list(topo.assumed) + list(self.notes)
+        if assumed:
+            out.append("assumed / notes:")
+            out += [f"  - {a}" for a in assumed]
+        return "\n".join(out)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    """[0, 1, 2, 3, 7] -> '0-3,7'."""
+    rs = sorted(set(ranks))
+    parts = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _shapes_text(shards: Iterable[Shard]) -> str:
+    """Distinct shard shapes in order, with a count when repeated: '1563x64 (63), 1500x64'."""
+    counts: Dict[Tuple[int, int], int] = {}
+    for s in shards:
+        counts[(s.num_rows, s.num_cols)] = counts.get((s.num_rows, s.num_cols), 0) + 1
+    return ", ".join(f"{r}x{c}" + (f" ({n})" if n > 1 else "") for (r, c), n in counts.items())
+
+
+def _table(header, rows) -> List[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [line(header), "-+-".join("-" * w for w in widths)] + [line(r) for r in rows]
+
