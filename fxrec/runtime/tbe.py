@@ -107,8 +107,8 @@ class ReusedOutput:
     """An output buffer kept between calls and handed out again once nothing refers to it.
 
     A fresh ``[B, sum of dims]`` tensor of tens of MB costs a page fault per 4 KiB page on
-    every call (measured on the 256-table benchmark shape on CPU: about half of the plain
-    model's forward time). The buffer is reused only when the previous result is gone: every
+    every call (on the 256-table benchmark shape here, 64 MB: from nothing to half of the plain
+    model's forward time, depending on the machine's state). The buffer is reused only when the previous result is gone: every
     tensor that can see the buffer (the result, views of it, autograd's saved copies) holds a
     reference to its storage, so the storage's use count tells whether anything still does.
     Otherwise a new buffer is made (and kept). The buffer is never handed out on other devices
@@ -138,10 +138,6 @@ class ReusedOutput:
                 self._buf = b
                 self._free_count = _storage_use_count(b)
             return b.view(shape)  # a new tensor object: while it lives, the count is above free
-
-    def clear(self) -> None:
-        with self._lock:
-            self._buf = None
 
     def __reduce__(self):  # deepcopy / pickle: a new, empty buffer
         return (ReusedOutput, ())
@@ -392,7 +388,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                 if path == "direct":
                     def forward():  # the per-table kernels; fxrec's backward gives the gradients
                         return self._direct(ids_list, offsets_list, psw_list, params, reuse=False)
-                tbe = self._ensure_bound(params) if forward is None or (fused and self.fused.impl == "fbgemm") else None
+                tbe = self._ensure_bound(params) if forward is None else None
                 return self._run_tbe(tbe, batch, indices, offsets, psw, params, training, forward)
             if fused and any(ids.numel() for ids in ids_list):
                 self._fused_unusable(params, "its features have different batch sizes (or a [B, 0] id tensor is mean-pooled)")
