@@ -49,6 +49,8 @@ def bench(shape, rounds):
         "embedding_bytes": nbytes,
         "bytes_vs_fp32": {k: v / fp32_bytes for k, v in nbytes.items()},
         "max_abs_diff_vs_plain": err,
+        "auto_choice": [{"group": g.name, "inference": g.path_eval, "lowered": g.lowered, "why": g.why}
+                        for g in models["fxrec_auto"].report.groups],
     }
 
 
