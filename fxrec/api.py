@@ -74,8 +74,8 @@ def transform(
         the only input). Lists and dicts of tensors are fine. Use a representative batch:
         ``backend="auto"`` times both implementations on it.
       example_kwargs: keyword inputs of that call, if any.
-      backend: ``"auto"`` (per group, the fastest of fbgemm's TBE, PyTorch's per-table kernels
-        writing into one output (``"direct"``) and the plain lookups, measured on the example
+      backend: ``"auto"`` (per group, the fastest of fbgemm's TBE, ``"direct"`` (the plain lookups
+        into a reused output buffer, with fxrec's gradients) and the plain lookups, measured on the example
         inputs, separately for training and inference), or one of ``"fbgemm"``, ``"direct"``,
         ``"loop"`` forced everywhere it applies (``"direct"`` is for pooled groups; sequence
         groups use fbgemm under it).

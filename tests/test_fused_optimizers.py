@@ -360,3 +360,33 @@ def test_fxrec_fused_sgd_survives_two_forwards_before_backward():
     opt.step()
     for (k, x), (_, y) in zip(ref.state_dict().items(), fast.state_dict().items()):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=k)
+
+
+class _SeqAndPooled(torch.nn.Module):
+    """An unpooled sequence lookup (a sequence group) beside pooled ones, no padding rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = torch.nn.Embedding(40, 8)
+        self.bag = torch.nn.Embedding(30, 8)
+
+    def forward(self, s, b):
+        return torch.cat([self.seq(s).sum(1) * 0.5 + self.seq(s)[:, 0], self.bag(b).sum(1)], 1)
+
+
+def _seq_pooled_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 40, (5, 3), generator=g), torch.randint(0, 30, (5, 2), generator=g)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_backend_direct_keeps_the_optimizer_exact(opt):
+    """backend='direct' has no fbgemm kernels for pooled groups: SGD is fxrec's fused update,
+    Adagrad the torch.optim fallback there; sequence groups keep fbgemm's fused kernels."""
+    cfg, ref_opt = {
+        "sgd": (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+        "adagrad": (fxrec.optim.Adagrad(lr=0.1, eps=1e-8), lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-8)),
+    }[opt]
+    ref, fast, _ = train_both(_SeqAndPooled, _seq_pooled_inputs, cfg, ref_opt, steps=10, backend="direct")
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)

@@ -236,3 +236,20 @@ def test_group_with_output_buffer_deepcopies():
     h = copy.deepcopy(g)
     with torch.no_grad():
         torch.testing.assert_close(h(*_direct_inputs(2), params), _plain(g, params, *_direct_inputs(2)))
+
+
+def test_output_buffer_survives_in_place_autograd_and_is_not_reused_once_shared():
+    g, params = _direct_group()
+    gate = torch.ones(12, requires_grad=True)
+    with torch.no_grad():
+        g(*_direct_inputs(1), params)
+    y = g(*_direct_inputs(1), params)  # frozen tables: the inference path, with grad mode on
+    y.mul_(gate)  # autograd records an in-place op on the result
+    del y
+    torch.testing.assert_close(g(*_direct_inputs(2), params).detach(), _plain(g, params, *_direct_inputs(2)))
+    with torch.no_grad():
+        shared = g(*_direct_inputs(3), params)
+        shared.share_memory_()  # e.g. put on a torch.multiprocessing queue
+        ptr = shared.data_ptr()
+        del shared
+        assert g(*_direct_inputs(4), params).data_ptr() != ptr

@@ -3,8 +3,8 @@
 fbgemm's CPU TBE is not always faster than PyTorch's own per-table kernels (its CPU forward is
 single-threaded, while ``embedding_bag`` uses every core), so fxrec must not assume it. With
 ``backend="auto"`` this pass runs the example inputs through the captured graph once (an FX
-Interpreter that keeps each group's inputs), then times both implementations of every group on
-them, alternating (``rounds`` runs each, median), separately for inference (forward under
+Interpreter that keeps each group's inputs), then times the implementations of every group on
+them (fbgemm, direct and plain for pooled groups; fbgemm and plain for sequence groups), alternating (``rounds`` runs each, median), separately for inference (forward under
 no_grad) and for training (forward and backward), and keeps the faster one for each.
 
 A group whose plain lookups win both ways is not lowered at all: its lookups stay in the graph
@@ -195,10 +195,11 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
     else:
         t = gr.timings_ms
         torch_fwd = "fbgemm" if t.get("fwd_fbgemm", 1.0) < t.get("fwd_direct", 0.0) else "direct"
-    if backend == "loop" or (backend == "direct" and spec.kind != "sgd" and gr.pooling != "none"):
+    direct = backend == "direct" and gr.pooling != "none"  # no fbgemm kernels for this group
+    if backend == "loop" or (direct and spec.kind != "sgd"):
         gr.why += f"; optimizer: backend={backend!r}, so torch.optim in opt.step()"
         return
-    if backend == "direct":
+    if direct:  # SGD only (above): fxrec's own fused update
         spec = dataclasses.replace(spec, impl="torch")
     if backend == "auto" and all(r.ids in values for r in gr.lookups):
         t = _time_optimizer_paths(gr, spec, values, rounds, torch_fwd)

@@ -177,6 +177,10 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     info = getattr(gm.graph._codegen, "pytree_info", None)
     if info is None or info.in_spec is None:
         raise InputError("fxrec.export.torchscript needs a model made by fxrec.transform")
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and not isinstance(n.meta.get("val"), torch.Tensor):
+            raise InputError(f"fxrec.export.torchscript: input '{n.name}' is not a tensor "
+                             f"({type(n.meta.get('val')).__name__}); only tensor inputs are supported")
     gm = copy.deepcopy(gm)
     graph = gm.graph
     stats = {"groups": 0, "dropped_checks": 0}

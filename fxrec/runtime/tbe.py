@@ -14,11 +14,11 @@ for inference) by the ``choose_kernels`` pass:
   them is what the kernel sees next. Gradients are PyTorch's (dense, or sparse where the
   original lookup asked for ``sparse=True``), computed by :class:`_TBELookupFunction`; fbgemm's
   own backward, which would apply an SGD update to the weights, never runs.
-* ``"direct"`` (pooled groups): PyTorch's own per-table kernels (``embedding_bag``,
-  ``index_select``), each writing its result straight into its columns of the group's one
-  output, so there is no ``torch.cat`` and no per-table output. In training its gradients are
-  fxrec's, as for ``"fbgemm"``. On CPU, in inference, the output buffer is kept between calls
-  and reused when nothing references the previous result any more (see :class:`ReusedOutput`).
+* ``"direct"`` (pooled groups): the plain lookups, concatenated in inference into an output
+  buffer the group keeps between calls and reuses when nothing refers to the previous result
+  any more (CPU; see :class:`ReusedOutput`), which saves page-faulting a fresh output of tens
+  of MB every call. In training: the plain lookups' forward with fxrec's gradients (as for
+  ``"fbgemm"``), which a fused optimizer needs.
 * ``"loop"``: the original ATen lookups one after the other, bit for bit what the user's model
   computed.
 
@@ -40,8 +40,6 @@ from . import _fbgemm
 
 PATHS = ("fbgemm", "direct", "loop")
 
-aten = torch.ops.aten
-_POOL_MODES = {"sum": 0, "mean": 1}
 
 
 def exporting() -> bool:
@@ -99,6 +97,11 @@ class FusedSpec:
 FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",)}
 
 
+def _compiling() -> bool:
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
 def _storage_use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
@@ -125,19 +128,22 @@ class ReusedOutput:
         self._lock = threading.Lock()
 
     def take(self, shape: List[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu" or not self._available:
+        if device.type != "cpu" or not self._available or torch.jit.is_tracing() or _compiling():
             return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:
             b = self._buf
             if not (
                 b is not None and list(b.shape) == list(shape) and b.dtype == dtype
                 and b.is_inference() == torch.is_inference_mode_enabled()
+                and not b.is_shared()  # sent to another process: it may still read it
                 and _storage_use_count(b) == self._free_count
             ):
                 b = torch.empty(shape, dtype=dtype, device=device)
                 self._buf = b
                 self._free_count = _storage_use_count(b)
-            return b.view(shape)  # a new tensor object: while it lives, the count is above free
+            # a new tensor (detached: in-place autograd on it never reaches the kept buffer);
+            # while it or anything made from it lives, the count is above free
+            return b.detach().view(shape)
 
     def __reduce__(self):  # deepcopy / pickle: a new, empty buffer
         return (ReusedOutput, ())
@@ -376,7 +382,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         fused = self._check_fused_usable(params, training)
         path = self.path_train if training else self.path_eval
         if path == "direct" and not training:
-            out = self._direct(ids_list, offsets_list, psw_list, params, reuse=self.reuse_output)
+            out = self._direct(ids_list, offsets_list, psw_list, params) if self.reuse_output else None
             if out is not None:
                 return out
         elif path == "direct" or (path == "fbgemm" and self._fbgemm_usable(params)):
@@ -386,9 +392,9 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                 self._validate_packed(indices, offsets, ids_list, offsets_list)
                 forward = None
                 if path == "direct":
-                    def forward():  # the per-table kernels; fxrec's backward gives the gradients
-                        return self._direct(ids_list, offsets_list, psw_list, params, reuse=False)
-                tbe = self._ensure_bound(params) if forward is None else None
+                    def forward():  # PyTorch's per-table kernels; fxrec's backward gives the gradients
+                        return self.loop(ids_list, offsets_list, psw_list, params)
+                tbe = self._ensure_bound(params) if forward is None or (fused and self.fused.impl == "fbgemm") else None
                 return self._run_tbe(tbe, batch, indices, offsets, psw, params, training, forward)
             if fused and any(ids.numel() for ids in ids_list):
                 self._fused_unusable(params, "its features have different batch sizes (or a [B, 0] id tensor is mean-pooled)")
@@ -402,19 +408,17 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             self._check_inputs(ids_list, offsets_list)
             raise
 
-    def _direct(self, ids_list, offsets_list, psw_list, params, reuse: bool) -> Optional[torch.Tensor]:
-        """The group's output from PyTorch's per-table kernels, each writing into its own columns
-        of one ``[B, sum of dims]`` tensor; None where only the loop gives PyTorch's exact answer
-        (an empty batch, batch sizes that differ, a mean over ``[B, 0]`` ids, odd shapes)."""
+    def _direct(self, ids_list, offsets_list, psw_list, params) -> Optional[torch.Tensor]:
+        """The plain lookups concatenated into the group's reused output buffer (see
+        :class:`ReusedOutput`); None where the loop must give PyTorch's own answer (an empty
+        batch, batch sizes that differ, odd shapes)."""
         batch = -1
         for f, ids, off in zip(self.features, ids_list, offsets_list):
             if f.form == "bag":
                 if off is None or off.dim() != 1 or ids.dim() != 1:
                     return None
                 b = off.numel() - 1 if f.include_last_offset else off.numel()
-            elif ids.dim() != (1 if f.form == "single" else 2) or (
-                f.form == "pooled_seq" and ids.shape[1] == 0 and self.pooling == "mean"
-            ):
+            elif ids.dim() != (1 if f.form == "single" else 2):
                 return None
             else:
                 b = ids.shape[0]
@@ -425,36 +429,12 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         if batch <= 0:
             return None
         w0 = params[0]
-        shape = [batch, sum(self.dims)]
-        out = self._out.take(shape, w0.dtype, w0.device) if reuse else torch.empty(shape, dtype=w0.dtype, device=w0.device)
-        mode = _POOL_MODES[self.pooling]
-        forward_only = aten._embedding_bag_forward_only.out
+        out = self._out.take([batch, sum(self.dims)], w0.dtype, w0.device)
         try:
-            for f, ids, off, psw, dst in zip(self.features, ids_list, offsets_list, psw_list, out.split(self.dims, 1)):
-                w = params[f.table]
-                if ids.dtype not in (torch.int64, torch.int32):
-                    self._check_ids(f, ids)  # raises, naming the feature
-                if f.form == "single":
-                    torch.index_select(w, 0, ids, out=dst)
-                    continue
-                pad = -1
-                if f.form == "pooled_seq":  # nn.Embedding looks the padding row up; only its gradient is 0
-                    length = ids.shape[1]
-                    off = torch.arange(0, batch * length, length, dtype=ids.dtype, device=ids.device) if length else ids.new_zeros(batch)
-                    ids = ids.reshape(-1)
-                elif f.padding_idx is not None:
-                    pad = f.padding_idx
-                if off.dtype not in (torch.int64, torch.int32):
-                    self._check_offsets(f, ids, off)  # raises, naming the feature
-                if off.dtype != ids.dtype:  # as F.embedding_bag: both int64
-                    ids, off = ids.long(), off.long()
-                scratch = ids.new_empty(0)  # offset2bag, bag_size, max_indices: not needed here
-                forward_only(w, ids, off, False, mode, False, psw, f.include_last_offset, pad,
-                             out0=dst, out1=scratch, out2=ids.new_empty(0), out3=ids.new_empty(0))
+            return self.loop(ids_list, offsets_list, psw_list, params, out=out)
         except (IndexError, RuntimeError, TypeError, ValueError):
             self._check_inputs(ids_list, offsets_list)  # names the feature and table
             raise
-        return out
 
     def _validate_packed(self, indices, offsets, ids_list, offsets_list) -> None:
         """Cheap checks on the packed input (a few ops for the whole group); on failure, the
@@ -494,8 +474,9 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                     f"fxrec: feature '{f.name}' expects 1-D ids, got shape {tuple(ids.shape)}"
                 )
 
-    def loop(self, ids_list, offsets_list, psw_list, params) -> torch.Tensor:
-        """The original lookups, one after the other (PyTorch's own kernels)."""
+    def loop(self, ids_list, offsets_list, psw_list, params, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The original lookups, one after the other (PyTorch's own kernels), concatenated
+        (into ``out`` when given)."""
         outs = []
         for f, ids, off, psw in zip(self.features, ids_list, offsets_list, psw_list):
             w = params[f.table]
@@ -512,7 +493,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                 if f.form == "pooled_seq":
                     e = e.sum(1) if self.pooling == "sum" else e.mean(1)
                 outs.append(e)
-        return torch.cat(outs, 1)
+        return torch.cat(outs, 1) if out is None else torch.cat(outs, 1, out=out)
 
     def _pack(self, ids_list, offsets_list, psw_list):
         """One indices/offsets/weights input for the TBE, or None when only the loop fits.
