@@ -185,6 +185,9 @@ class ServingPooledGroup(_ServingGroup):
                 b = ids.shape[0]
                 length = ids.shape[1]
                 flat = ids.reshape(-1).long()
+                if length == 0 and self.mode == 1 and b > 0:  # PyTorch's mean of no rows is NaN
+                    raise ValueError("fxrec: feature '" + self.names[i] + "' is mean-pooled over [B, 0] ids, "
+                                     "which fbgemm's quantized kernel cannot give as PyTorch does (NaN)")
                 if length > 0:
                     start = torch.arange(0, b * length, length, device=dev)
                 else:
