@@ -10,12 +10,13 @@ from .capture import CaptureError
 from .pass_infra import PassError
 from .planner import PlanError, ShardingPlan, TableSpec, Topology, plan
 from .report import Report
+from .runtime.collectives import CollectiveError
 from .verify import VerificationError, compare_models
 
 __version__ = "0.1.0"
 
 __all__ = [
     "transform", "write_back", "make_optimizer", "optim", "export", "viz", "Report", "CaptureError", "PassError",
-    "VerificationError", "compare_models", "plan", "ShardingPlan", "TableSpec", "Topology", "PlanError",
+    "VerificationError", "compare_models", "plan", "ShardingPlan", "TableSpec", "Topology", "PlanError", "CollectiveError",
     "__version__",
 ]

@@ -64,6 +64,7 @@ def transform(
     reuse_outputs: bool = True,
     logger: Optional[logging.Logger] = None,
     dump_dir: Optional[str] = None,
+    plan=None,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -103,6 +104,15 @@ def transform(
         :mod:`fxrec.viz`); without it this raises :class:`fxrec.viz.GraphvizMissing` before any
         work is done.
 
+      plan: a :class:`fxrec.ShardingPlan` (``fxrec.plan(...)``): rewrite the model for this rank of
+        the initialised torch.distributed process group (gloo on CPU): table-wise and row-wise
+        tables get input-dist / lookup / output-dist nodes with their collectives, data-parallel
+        tables and every other parameter stay whole with their gradients summed over ranks.
+        Every rank feeds its own local batch (the same size on every rank) and gets the rows of
+        the single-process model for it; gradients are summed over ranks, so a loss that sums
+        over the global batch (or divides by the global batch size) gives the single-process
+        gradients. Not with ``optimizer=`` or ``mode="inference"`` yet.
+
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
       its ``state_dict()`` has the original keys (see :func:`write_back`).
@@ -116,6 +126,7 @@ def transform(
         raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
+    rank = _check_plan(plan, optimizer, mode, quantize)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     # A reference copy only when something will compare against it (tables can be large).
@@ -131,7 +142,7 @@ def transform(
     ctx = PassContext(
         config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds, optimizer=optimizer,
                       mode=mode, quantize=quantize, output_dtype=output_dtype,
-                      reuse_outputs=reuse_outputs),
+                      reuse_outputs=reuse_outputs, plan=plan, rank=rank),
         report=report, example_args=args, example_kwargs=kwargs,
         logger=logger or logging.getLogger("fxrec"),
     )
@@ -168,6 +179,8 @@ def transform(
         if n.op == "call_module" and str(n.target).startswith("fxrec_group_") and len(n.args) > 3
         and gm.get_submodule(n.target).fused is not None
     ]
+    if plan is not None:
+        _sum_gradients_over_ranks(gm, report, plan, rank)
     # GraphModule keeps these attributes through deepcopy (the partial is re-pointed at the copy).
     preserved = gm.meta.setdefault("_user_preserved_attributes", {})
     preserved["report"] = report
@@ -178,6 +191,44 @@ def transform(
         with fused_updates_off(gm):  # verify compares gradients; it must not train the model
             compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)
     return gm
+
+
+def _check_plan(plan, optimizer, mode: str, quantize) -> int:
+    """This process's rank when ``plan`` is given (0 otherwise); raises on what a plan cannot do."""
+    if plan is None:
+        return 0
+    import torch.distributed as dist
+
+    if not hasattr(plan, "tables") or not hasattr(plan, "topology"):
+        raise TypeError(f"fxrec: plan= needs a fxrec.ShardingPlan, got {type(plan).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fxrec: transform(plan=...) needs torch.distributed initialised "
+                           "(dist.init_process_group('gloo') under torchrun)")
+    if dist.get_world_size() != plan.topology.world_size:
+        raise ValueError(f"fxrec: the plan is for world size {plan.topology.world_size}, the process group "
+                         f"has {dist.get_world_size()} ranks")
+    if optimizer is not None:
+        raise ValueError("fxrec: fused embedding optimizers with a sharding plan are not built yet: transform "
+                         "without optimizer= and train the local shards with a torch.optim optimizer")
+    if mode != "training" or quantize is not None:
+        raise ValueError("fxrec: a sharding plan is for training; inference on sharded tables is not built yet")
+    return dist.get_rank()
+
+
+def _sum_gradients_over_ranks(gm: fx.GraphModule, report: Report, plan, rank: int) -> None:
+    """Every parameter that is not a table shard is whole on every rank: sum its gradient."""
+    from .runtime.collectives import all_reduce_grad
+
+    sharded = gm.meta.get("fxrec_sharded_params", {})
+    for name, p in gm.named_parameters():
+        if p.requires_grad and name not in sharded:
+            p.register_hook(all_reduce_grad(name))
+    report.plan_per_rank = [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
+                            for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
+    mine = [f"{s.table} ({plan.tables[s.table].sharding}, rows {s.row_offset}..{s.row_offset + s.num_rows})"
+            for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
+    report.notes.append(f"rank {rank} of {plan.topology.world_size}: holds {', '.join(mine) or 'no table shards'}; "
+                        "the gradients of every other parameter are summed over ranks in backward")
 
 
 @contextlib.contextmanager

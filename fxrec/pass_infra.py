@@ -28,6 +28,8 @@ class Config:
     quantize: Any = None
     output_dtype: str = "fp32"  # of quantized lookups: fp32 | fp16
     reuse_outputs: bool = True  # CPU inference on the direct path: keep and reuse the output buffer
+    plan: Any = None  # a fxrec.planner.ShardingPlan: shard the groups for this rank
+    rank: int = 0
 
 
 @dataclass

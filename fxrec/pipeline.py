@@ -11,6 +11,10 @@
 6. lower_groups      — rewrites only what was grouped and chosen; after it those lookups are gone.
 7. fold_concat       — needs the group's slice nodes that lower_groups emitted.
 8. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
+
+With a sharding plan: annotate_lookups → assign_optimizers → group_lookups → shard_groups →
+fold_concat. shard_groups takes the place of choose_kernels and lower_groups: every rank must
+run the same graph shape (its collectives pair up across ranks), so nothing is chosen by timing.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ from .passes.group_lookups import group_lookups
 from .passes.lower_groups import lower_groups
 from .passes.measure_quantization import measure_quantization
 from .passes.quantize_tables import quantize_tables
+from .passes.shard_groups import shard_groups
 
 
 def default_pipeline(config: Config) -> List[CompilerPass]:
+    if config.plan is not None:
+        # sharded: every rank runs the same graph shape, so nothing is chosen by timing here;
+        # shard_groups replaces choose_kernels + lower_groups, fold_concat still applies
+        return [annotate_lookups, assign_optimizers, group_lookups, shard_groups, fold_concat]
     passes = [annotate_lookups, assign_optimizers, group_lookups]
     if config.quantize is not None:
         passes.append(quantize_tables)

@@ -43,7 +43,7 @@ def _group_slice(n) -> Optional[Tuple[fx.Node, int, int]]:
         and n.args[1] == 1
         and isinstance(n.args[0], fx.Node)
         and n.args[0].op == "call_module"
-        and str(n.args[0].target).startswith("fxrec_group_")
+        and str(n.args[0].target).startswith(("fxrec_group_", "fxrec_shard_"))
     ):
         return n.args[0], int(n.args[2]), int(n.args[3])
     return None

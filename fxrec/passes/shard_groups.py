@@ -1,0 +1,174 @@
+"""shard_groups: rewrite each group for one rank of a sharding plan, with visible collectives.
+
+Runs instead of choose_kernels / lower_groups when ``transform(..., plan=...)`` is given, inside
+an initialised torch.distributed process group. For rank r, the features of a pooled group are
+split by how the plan shards their tables:
+
+* table-wise: ``input_dist -> lookup -> output_dist`` modules (all-to-all both ways); the lookup
+  reads only the tables rank r owns, and the tables it does not own leave the model;
+* row-wise: ``input_dist -> lookup -> output_dist`` (bucketize + all-to-all, then reduce-scatter);
+  rank r's parameter becomes its block of rows, under the table's own name;
+* data-parallel: the lookups stay as the user wrote them; the table is whole on every rank and
+  its gradient is summed over ranks (as every parameter outside the sharded tables is; see
+  fxrec.api).
+
+Before (gm.code)::
+
+    embedding_bag = torch.ops.aten.embedding_bag.padding_idx(emb_0_weight, ids_0, offsets_0, ...)
+    getitem = embedding_bag[0]
+    embedding_bag_1 = torch.ops.aten.embedding_bag.padding_idx(emb_1_weight, ids_1, offsets_1, ...)
+    getitem_3 = embedding_bag_1[0]
+    cat = torch.ops.aten.cat.default([getitem, getitem_3], 1)
+
+After, on rank 0 of a plan with emb.0 table-wise on rank 1 and emb.1 row-wise::
+
+    fxrec_shard_group_0_tw_input_dist = self.fxrec_shard_group_0_tw_input_dist([ids_0], [offsets_0], [None])
+    fxrec_shard_group_0_tw_lookup = self.fxrec_shard_group_0_tw_lookup(fxrec_shard_group_0_tw_input_dist, [])
+    fxrec_shard_group_0_tw_output_dist = self.fxrec_shard_group_0_tw_output_dist(fxrec_shard_group_0_tw_lookup, ...)
+    fxrec_shard_group_0_rw_input_dist = self.fxrec_shard_group_0_rw_input_dist([ids_1], [offsets_1], [None])
+    fxrec_shard_group_0_rw_lookup = self.fxrec_shard_group_0_rw_lookup(fxrec_shard_group_0_rw_input_dist, [emb_1_weight])
+    fxrec_shard_group_0_rw_output_dist = self.fxrec_shard_group_0_rw_output_dist(fxrec_shard_group_0_rw_lookup, ...)
+    cat = torch.ops.aten.cat.default([fxrec_shard_group_0_tw_output_dist, fxrec_shard_group_0_rw_output_dist], 1)
+
+Not handled (InputError naming the table): column-wise and table-row-wise plans, unpooled
+(sequence) lookups of a planned table, bags with ``padding_idx`` or ``include_last_offset``,
+tables the plan does not name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import meta
+from ..group_module import uses_outside_group
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..runtime.sharded import (
+    RowWiseInputDist, RowWiseLookup, RowWiseOutputDist, TableWiseInputDist, TableWiseLookup, TableWiseOutputDist,
+)
+
+aten = torch.ops.aten
+SUPPORTED = ("table_wise", "row_wise", "data_parallel")
+
+
+def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
+    plan = ctx.config.plan
+    if rec.table not in plan.tables:
+        raise InputError(f"fxrec: the plan does not name table '{rec.table}' (feature '{rec.feature}'); "
+                         "make the plan from this model")
+    tp = plan.tables[rec.table]
+    if tp.sharding not in SUPPORTED:
+        raise InputError(f"fxrec: table '{rec.table}' is planned {tp.sharding}; the shard pass runs "
+                         f"{', '.join(SUPPORTED)} for now (pin another sharding for it)")
+    if (tp.spec.num_rows, tp.spec.dim) != (rec.num_rows, rec.dim):
+        raise InputError(f"fxrec: the plan has table '{rec.table}' as {tp.spec.num_rows} x {tp.spec.dim}, "
+                         f"the model as {rec.num_rows} x {rec.dim}")
+    if tp.sharding != "data_parallel":
+        if rec.pooling == "none":
+            raise InputError(f"fxrec: table '{rec.table}' is looked up unpooled (feature '{rec.feature}'); "
+                             "sharded tables take pooled lookups for now: plan it data_parallel")
+        if rec.padding_idx is not None or rec.include_last_offset:
+            raise InputError(f"fxrec: feature '{rec.feature}' of table '{rec.table}' uses padding_idx or "
+                             "include_last_offset, which sharded lookups do not take yet: plan it data_parallel")
+    return tp.sharding
+
+
+def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
+    owner, _, attr = fqn.rpartition(".")
+    mod = gm.get_submodule(owner) if owner else gm
+    if value is None:
+        delattr(mod, attr)
+    else:
+        setattr(mod, attr, value)
+
+
+@compiler_pass(needs=("groups",), provides=(meta.ORIGIN, "sharded"))
+def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    plan, rank = ctx.config.plan, ctx.config.rank
+    world = plan.topology.world_size
+    graph = gm.graph
+    stats = {"table_wise": 0, "row_wise": 0, "data_parallel": 0}
+    sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
+    for gr in ctx.groups:
+        kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
+        outside = uses_outside_group(gr)
+        if outside and plan.tables[outside].sharding != "data_parallel":
+            raise InputError(f"fxrec: table '{outside}' is also used outside its lookups (tied weights?); "
+                             "a sharded table is only looked up: plan it data_parallel")
+        for r in gr.lookups:
+            stats[kinds[id(r)]] += 1
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+        users = [u for rec in gr.lookups for u in rec.output.users]
+        anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
+        for kind in ("table_wise", "row_wise"):
+            recs = [r for r in gr.lookups if kinds[id(r)] == kind]
+            if not recs:
+                continue
+            short = "tw" if kind == "table_wise" else "rw"
+            name = f"fxrec_shard_{gr.name}_{short}"
+            forms = [r.form for r in recs]
+            weighted = any(r.weighted for r in recs)
+            names, rows = [r.feature for r in recs], [r.num_rows for r in recs]
+            args = ([r.ids for r in recs], [r.offsets for r in recs], [r.per_sample_weights for r in recs])
+            if kind == "table_wise":
+                owners = [plan.tables[r.table].shards[0].rank for r in recs]
+                local = []  # this rank's tables, and each owned feature's index into them
+                table_of = []
+                for r, o in zip(recs, owners):
+                    if o == rank:
+                        if r.weight not in local:
+                            local.append(r.weight)
+                        table_of.append(local.index(r.weight))
+                for r, o in zip(recs, owners):
+                    sharded_params[r.param] = kind
+                mods = (TableWiseInputDist(f"{name}_input_dist", forms, owners, weighted, rank, world, names, rows),
+                        TableWiseLookup(table_of, gr.pooling, world),
+                        TableWiseOutputDist(f"{name}_output_dist", [r.dim for r in recs], owners, rank, world))
+            else:
+                blocks = []
+                local, table_of = [], []
+                for r in recs:
+                    shard = plan.tables[r.table].shards[rank]
+                    blocks.append(max(1, plan.tables[r.table].shards[0].num_rows))
+                    if r.weight not in local:
+                        local.append(r.weight)
+                        if r.param not in sharded_params:
+                            full = gm.get_parameter(r.param)
+                            block = full.detach()[shard.row_offset:shard.row_offset + shard.num_rows].clone()
+                            _set_param(gm, r.param, torch.nn.Parameter(block, requires_grad=full.requires_grad))
+                    table_of.append(local.index(r.weight))
+                    sharded_params[r.param] = kind
+                mods = (RowWiseInputDist(f"{name}_input_dist", forms, blocks, weighted, rank, world, names, rows),
+                        RowWiseLookup(table_of, world),
+                        RowWiseOutputDist(f"{name}_output_dist", [r.dim for r in recs], gr.pooling))
+            for suffix, mod in zip(("input_dist", "lookup", "output_dist"), mods):
+                gm.add_submodule(f"{name}_{suffix}", mod)
+            with graph.inserting_before(anchor):
+                din = graph.call_module(f"{name}_input_dist", args)
+                look = graph.call_module(f"{name}_lookup", (din, local))
+                out = graph.call_module(f"{name}_output_dist", (look, din))
+                for n in (din, look, out):
+                    n.meta[meta.ORIGIN] = [r.node.name for r in recs]
+                col = 0
+                for r in recs:
+                    sl = graph.call_function(aten.slice.Tensor, (out, 1, col, col + r.dim))
+                    col += r.dim
+                    sl.meta[meta.ORIGIN] = [r.output.name]
+                    if "val" in r.output.meta:
+                        sl.meta["val"] = r.output.meta["val"]
+                    r.output.replace_all_uses_with(sl)
+            for r in recs:
+                for n in r.nodes:
+                    graph.erase_node(n)
+    # tables this rank does not hold leave the model
+    removed = 0
+    for n in list(graph.nodes):
+        if n.op == "get_attr" and sharded_params.get(n.target) == "table_wise" and not n.users:
+            graph.erase_node(n)
+            if not any(m.op == "get_attr" and m.target == n.target for m in graph.nodes):
+                _set_param(gm, n.target, None)
+                removed += 1
+    gm.meta["fxrec_sharded_params"] = sharded_params
+    stats["tables_not_on_this_rank"] = removed
+    return PassResult(gm, True, stats)
+

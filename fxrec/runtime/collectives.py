@@ -1,0 +1,113 @@
+"""Collectives on torch.distributed with autograd, as the sharded graph calls them.
+
+Plain functions: ``all_to_all`` (variable splits; its backward is the all-to-all back),
+``reduce_scatter`` (sum, even chunks along dim 0; its backward is an all-gather) and
+``all_reduce_grad`` (a gradient hook that sums a parameter's gradient over ranks). They run on
+whatever process group is initialised (gloo on CPU, NCCL on CUDA). A collective that fails —
+usually because another rank did not arrive within the process group's timeout — raises
+:class:`CollectiveError` naming the collective, the graph step that called it and this rank.
+These functions know nothing of graphs or passes.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank (another rank did not arrive, or the group broke)."""
+
+
+def _fail(what: str, where: str, e: BaseException) -> CollectiveError:
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    return CollectiveError(
+        f"fxrec: {what} in {where} failed on rank {rank}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
+        "Usually another rank did not reach the same step (it failed earlier or is still running) "
+        "within the process group's timeout (init_process_group(timeout=...))."
+    )
+
+
+def _a2a(x: torch.Tensor, out_splits: List[int], in_splits: List[int], where: str) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    try:
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
+    except Exception as e:  # noqa: BLE001 - re-raised with the step named
+        raise _fail("all_to_all", where, e) from e
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, where):
+        ctx.splits = (out_splits, in_splits, where)
+        return _a2a(x, out_splits, in_splits, where)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, where = ctx.splits
+        return _a2a(grad, in_splits, out_splits, where + " (backward)"), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], where: str = "") -> torch.Tensor:
+    """Rows ``in_splits[r]`` of ``x`` go to rank r; returns the rows received (``out_splits[r]``
+    from rank r), in rank order. Differentiable."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _AllToAll.apply(x, list(out_splits), list(in_splits), where)
+    return _a2a(x, list(out_splits), list(in_splits), where)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, where):
+        ctx.where = where
+        world = dist.get_world_size()
+        out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
+        try:
+            dist.reduce_scatter_tensor(out, x.contiguous())
+        except Exception as e:  # noqa: BLE001
+            raise _fail("reduce_scatter", where, e) from e
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size()
+        out = grad.new_empty((grad.shape[0] * world,) + tuple(grad.shape[1:]))
+        try:
+            dist.all_gather_into_tensor(out, grad.contiguous())
+        except Exception as e:  # noqa: BLE001
+            raise _fail("all_gather", ctx.where + " (backward)", e) from e
+        return out, None
+
+
+def reduce_scatter(x: torch.Tensor, where: str = "") -> torch.Tensor:
+    """Sum ``x`` over ranks and give rank r the r-th of ``world_size`` even chunks along dim 0.
+    Differentiable (the backward all-gathers)."""
+    return _ReduceScatter.apply(x, where)
+
+
+def all_gather_ints(values: List[int], where: str = "") -> List[List[int]]:
+    """Every rank's list of ints (same length on every rank)."""
+    t = torch.tensor(values, dtype=torch.long)
+    out = t.new_empty(dist.get_world_size() * len(values))
+    try:
+        dist.all_gather_into_tensor(out, t)
+    except Exception as e:  # noqa: BLE001
+        raise _fail("all_gather", where, e) from e
+    return out.view(dist.get_world_size(), len(values)).tolist()
+
+
+def all_reduce_grad(name: str):
+    """A gradient hook summing the gradient over ranks (data-parallel parameters)."""
+
+    def hook(grad: torch.Tensor) -> Optional[torch.Tensor]:
+        g = grad.to_dense() if grad.is_sparse else grad.clone()
+        try:
+            dist.all_reduce(g)
+        except Exception as e:  # noqa: BLE001
+            raise _fail("all_reduce", f"the gradient of '{name}'", e) from e
+        return g
+
+    return hook

@@ -1,0 +1,265 @@
+"""Runtime modules of a sharded group: input dist, local lookup, output dist (one set per
+sharding type), called by the graph that ``shard_groups`` writes for one rank.
+
+Every rank feeds its own local batch of ``B`` samples. A pooled feature's ids travel as
+``lengths`` (ids per bag) and ``values`` (the ids), with per-sample weights alongside.
+
+Table-wise (a table lives whole on its owner rank):
+  * :class:`TableWiseInputDist` sends each owner the ids of its features for this rank's batch
+    (all-to-all of the counts, then of lengths, values and weights) and orders what arrives as
+    one global batch per owned feature (source rank major): ``W * B`` bags.
+  * :class:`TableWiseLookup` pools them on the owned tables: one ``[W * B, D]`` per feature.
+  * :class:`TableWiseOutputDist` sends every source rank its ``B`` rows back (all-to-all; in
+    backward the gradients go the other way) and lays them out as ``[B, sum of dims]``.
+Row-wise (rows ``[r * block, (r + 1) * block)`` of a table live on rank r):
+  * :class:`RowWiseInputDist` bucketizes every id to the rank holding its row (local row =
+    id - r * block) and sends each rank its ids, bag by bag.
+  * :class:`RowWiseLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``.
+  * :class:`RowWiseOutputDist` adds the partial sums of all ranks and gives each rank its own
+    ``B`` rows (reduce-scatter; all-gather in backward); mean pooling divides by the bag's length.
+All collectives are in :mod:`fxrec.runtime.collectives`. Every rank must call a group's modules
+in the same order with the same batch size. These modules know nothing of graphs or passes.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .collectives import all_gather_ints, all_to_all, reduce_scatter
+
+_MODES = {"sum": 0, "mean": 1}
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    if x.numel() > 1:
+        torch.cumsum(x[:-1], 0, out=out[1:])
+    return out
+
+
+def feature_lengths(form: str, ids: torch.Tensor, offsets: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids per bag ``[B]``, ids ``[n]``) of one pooled feature, both int64."""
+    if form == "bag":
+        off = offsets.long()
+        ends = torch.cat([off[1:], off.new_full((1,), ids.numel())]) if off.numel() else off
+        return ends - off, ids.reshape(-1).long()
+    if form == "pooled_seq":
+        b, length = ids.shape
+        return torch.full((b,), length, dtype=torch.long, device=ids.device), ids.reshape(-1).long()
+    return torch.ones(ids.shape[0], dtype=torch.long, device=ids.device), ids.reshape(-1).long()
+
+
+def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor], world: int, nfeat: int,
+             batch: int):
+    """Bags received as (source rank, feature, sample) -> (feature, source rank, sample)."""
+    if nfeat == 0:
+        return lengths, values, weights
+    lens = lengths.view(world, nfeat, batch)
+    starts = _exclusive_cumsum(lengths).view(world, nfeat, batch)
+    new_lens = lens.permute(1, 0, 2).reshape(-1)
+    new_starts = starts.permute(1, 0, 2).reshape(-1)
+    n = values.numel()
+    idx = torch.repeat_interleave(new_starts - _exclusive_cumsum(new_lens), new_lens, output_size=n) + torch.arange(n)
+    return new_lens, values[idx], (weights[idx] if weights is not None else None)
+
+
+def _check_ids(pairs, names: List[str], rows: List[int], order: List[int]) -> None:
+    """Ids out of range fail here, on the rank that was fed them, naming the feature (on another
+    rank they would fail far from their cause, and this rank would wait for it)."""
+    for i, (_, vals) in zip(order, pairs):
+        if vals.numel():
+            lo, hi = (int(x) for x in torch.aminmax(vals))
+            if lo < 0 or hi >= rows[i]:
+                raise IndexError(f"fxrec: feature '{names[i]}' looks up id {lo if lo < 0 else hi} in a table of "
+                                 f"{rows[i]} rows (valid ids: 0..{rows[i] - 1})")
+
+
+def _check_batch(batches: List[int], where: str) -> int:
+    if len(set(batches)) != 1:
+        raise ValueError(
+            f"fxrec: {where}: the ranks fed local batches of different sizes {batches}; a sharded model "
+            "needs the same batch size on every rank (pad the last batch, or drop it)"
+        )
+    return batches[0]
+
+
+class TableWiseInputDist(nn.Module):
+    """Send each owner rank the ids of its features (see the module doc)."""
+
+    _fxrec_collective = True
+
+    def __init__(self, name: str, forms: List[str], owners: List[int], weighted: bool, rank: int, world: int,
+                 names: List[str], rows: List[int]):
+        super().__init__()
+        self.name, self.forms, self.owners, self.weighted = name, list(forms), list(owners), weighted
+        self.names, self.rows = list(names), list(rows)
+        self.rank, self.world = rank, world
+        # features in the order they are sent: by owner rank, then group order
+        self.send_order = sorted(range(len(forms)), key=lambda i: (owners[i], i))
+        self.per_rank = [sum(1 for o in owners if o == r) for r in range(world)]
+
+    def forward(self, ids_list, offsets_list, psw_list):
+        pairs = [feature_lengths(self.forms[i], ids_list[i], offsets_list[i]) for i in self.send_order]
+        _check_ids(pairs, self.names, self.rows, self.send_order)
+        batch = int(pairs[0][0].numel()) if pairs else 0
+        lengths = torch.cat([p[0] for p in pairs])
+        values = torch.cat([p[1] for p in pairs])
+        weights = None
+        if self.weighted:
+            weights = torch.cat([
+                (psw_list[i].reshape(-1).float() if psw_list[i] is not None else torch.ones(p[1].numel()))
+                for i, p in zip(self.send_order, pairs)
+            ])
+        # values per destination rank
+        per_feature = torch.stack([p[0].sum() for p in pairs]) if pairs else torch.zeros(0, dtype=torch.long)
+        owner_of = torch.tensor([self.owners[i] for i in self.send_order], dtype=torch.long)
+        send_values = torch.zeros(self.world, dtype=torch.long).index_add_(0, owner_of, per_feature).tolist()
+        info = all_gather_ints([batch] + send_values, f"{self.name} (counts)")
+        batch = _check_batch([row[0] for row in info], self.name)
+        recv_values = [row[1 + self.rank] for row in info]
+        mine = self.per_rank[self.rank]
+        lengths = all_to_all(lengths, [mine * batch] * self.world, [n * batch for n in self.per_rank],
+                             f"{self.name} (lengths)")
+        values = all_to_all(values, recv_values, send_values, f"{self.name} (ids)")
+        if weights is not None:
+            weights = all_to_all(weights, recv_values, send_values, f"{self.name} (weights)")
+        lengths, values, weights = _regroup(lengths, values, weights, self.world, mine, batch)
+        return lengths, values, weights, batch
+
+
+class TableWiseLookup(nn.Module):
+    """Pool the received bags on this rank's tables: one ``[W * B, dim]`` per owned feature."""
+
+    def __init__(self, table_of: List[int], pooling: str, world: int):
+        super().__init__()
+        self.table_of, self.mode, self.world = list(table_of), pooling, world
+
+    def forward(self, dist_out, weights: List[torch.Tensor]) -> List[torch.Tensor]:
+        lengths, values, psw, batch = dist_out
+        nfeat = len(self.table_of)
+        if nfeat == 0:
+            return []
+        lens = lengths.view(nfeat, self.world * batch)
+        counts = lens.sum(1).tolist()
+        outs = []
+        for f, (vals, ln) in enumerate(zip(torch.split(values, counts), lens)):
+            w_f = torch.split(psw, counts)[f] if psw is not None else None
+            outs.append(F.embedding_bag(vals, weights[self.table_of[f]], _exclusive_cumsum(ln), mode=self.mode,
+                                        per_sample_weights=w_f))
+        return outs
+
+
+class TableWiseOutputDist(nn.Module):
+    """Give every rank its rows of the pooled features back: ``[B, sum of dims]``."""
+
+    _fxrec_collective = True
+
+    def __init__(self, name: str, dims: List[int], owners: List[int], rank: int, world: int):
+        super().__init__()
+        self.name, self.dims, self.owners, self.rank, self.world = name, list(dims), list(owners), rank, world
+        order = sorted(range(len(dims)), key=lambda i: (owners[i], i))
+        self.recv_order = order  # group feature index of each received block, in arrival order
+        self.width_of = [sum(dims[i] for i in range(len(dims)) if owners[i] == r) for r in range(world)]
+
+    def forward(self, looked: List[torch.Tensor], dist_out) -> torch.Tensor:
+        batch = dist_out[3]
+        parts = []
+        for s in range(self.world):
+            for out in looked:
+                parts.append(out[s * batch:(s + 1) * batch].reshape(-1))
+        send = torch.cat(parts) if parts else torch.zeros(0)
+        if torch.is_grad_enabled() and not send.requires_grad:
+            send = send.detach().requires_grad_()  # every rank joins the backward all-to-all
+        mine = self.width_of[self.rank] * batch
+        recv = all_to_all(send, [w * batch for w in self.width_of], [mine] * self.world, self.name)
+        blocks = list(torch.split(recv, [self.dims[i] * batch for i in self.recv_order]))
+        cols = [None] * len(self.dims)
+        for i, blk in zip(self.recv_order, blocks):
+            cols[i] = blk.view(batch, self.dims[i])
+        return torch.cat(cols, 1)
+
+
+class RowWiseInputDist(nn.Module):
+    """Send every id to the rank holding its row, bag by bag (see the module doc)."""
+
+    _fxrec_collective = True
+
+    def __init__(self, name: str, forms: List[str], blocks: List[int], weighted: bool, rank: int, world: int,
+                 names: List[str], rows: List[int]):
+        super().__init__()
+        self.name, self.forms, self.blocks, self.weighted = name, list(forms), list(blocks), weighted
+        self.names, self.rows = list(names), list(rows)
+        self.rank, self.world = rank, world
+
+    def forward(self, ids_list, offsets_list, psw_list):
+        nfeat = len(self.forms)
+        pairs = [feature_lengths(self.forms[i], ids_list[i], offsets_list[i]) for i in range(nfeat)]
+        _check_ids(pairs, self.names, self.rows, list(range(nfeat)))
+        batch = int(pairs[0][0].numel())
+        keys, values, weights = [], [], []
+        for f, (ln, vals) in enumerate(pairs):
+            dest = torch.div(vals, self.blocks[f], rounding_mode="floor")
+            bag = torch.repeat_interleave(torch.arange(batch), ln, output_size=vals.numel())
+            keys.append(dest * (nfeat * batch) + f * batch + bag)
+            values.append(vals - dest * self.blocks[f])
+            if self.weighted:
+                w = psw_list[f]
+                weights.append(w.reshape(-1).float() if w is not None else torch.ones(vals.numel()))
+        key = torch.cat(keys)
+        order = torch.argsort(key, stable=True)
+        send_lengths = torch.bincount(key, minlength=self.world * nfeat * batch)
+        send_values = torch.cat(values)[order]
+        send_weights = torch.cat(weights)[order] if self.weighted else None
+        per_dest = send_lengths.view(self.world, -1).sum(1).tolist()
+        info = all_gather_ints([batch] + per_dest, f"{self.name} (counts)")
+        batch = _check_batch([row[0] for row in info], self.name)
+        recv = [row[1 + self.rank] for row in info]
+        lengths = all_to_all(send_lengths, [nfeat * batch] * self.world, [nfeat * batch] * self.world,
+                             f"{self.name} (lengths)")
+        vals = all_to_all(send_values, recv, per_dest, f"{self.name} (ids)")
+        w = all_to_all(send_weights, recv, per_dest, f"{self.name} (weights)") if self.weighted else None
+        lengths, vals, w = _regroup(lengths, vals, w, self.world, nfeat, batch)
+        return lengths, vals, w, batch, torch.stack([p[0] for p in pairs])
+
+
+class RowWiseLookup(nn.Module):
+    """Partial sums of the rows this rank holds: ``[W * B, sum of dims]`` (bags source-major)."""
+
+    def __init__(self, table_of: List[int], world: int):
+        super().__init__()
+        self.table_of, self.world = list(table_of), world
+
+    def forward(self, dist_out, weights: List[torch.Tensor]) -> torch.Tensor:
+        lengths, values, psw, batch, _ = dist_out
+        nfeat = len(self.table_of)
+        lens = lengths.view(nfeat, self.world * batch)
+        counts = lens.sum(1).tolist()
+        vals = torch.split(values, counts)
+        ws = torch.split(psw, counts) if psw is not None else [None] * nfeat
+        outs = [F.embedding_bag(v, weights[self.table_of[f]], _exclusive_cumsum(ln), mode="sum", per_sample_weights=w)
+                for f, (v, ln, w) in enumerate(zip(vals, lens, ws))]
+        return torch.cat(outs, 1)
+
+
+class RowWiseOutputDist(nn.Module):
+    """Sum the partial sums over ranks and keep this rank's ``B`` rows (reduce-scatter)."""
+
+    _fxrec_collective = True
+
+    def __init__(self, name: str, dims: List[int], pooling: str):
+        super().__init__()
+        self.name, self.dims, self.pooling = name, list(dims), pooling
+
+    def forward(self, partial: torch.Tensor, dist_out) -> torch.Tensor:
+        if torch.is_grad_enabled() and not partial.requires_grad:
+            partial = partial.detach().requires_grad_()  # every rank joins the backward all-gather
+        out = reduce_scatter(partial, self.name)
+        if self.pooling == "mean":
+            local_lengths = dist_out[4]  # [features, B]: this rank's bag lengths before bucketizing
+            scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), torch.tensor(self.dims), dim=0)
+            out = out * scale.t()
+        return out

@@ -1,0 +1,161 @@
+"""Sharded models on torch.distributed (gloo, CPU), several processes: each rank feeds its own
+local batch and must get the single-process model's rows of the global batch, forward and after
+ten SGD steps (tables gathered back and compared)."""
+
+import os
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fxrec
+
+ROWS = (40, 64, 30, 50)
+DIM = 8
+LOCAL_B = 4
+
+
+class Model(nn.Module):
+    def __init__(self, mode="sum"):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(r, DIM, mode=mode) for r in ROWS[:3]])
+        self.single = nn.Embedding(ROWS[3], DIM)
+        self.top = nn.Linear(4 * DIM + 3, 1)
+
+    def forward(self, dense, ids, offsets, single_ids):
+        parts = [b(i, o) for b, i, o in zip(self.bags, ids, offsets)] + [self.single(single_ids), dense]
+        return self.top(torch.cat(parts, 1)).squeeze(1)
+
+
+def global_batch(batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [torch.randint(0, 4, (batch,), generator=g) for _ in ROWS[:3]]
+    ids = [torch.randint(0, r, (int(ln.sum()),), generator=g) for r, ln in zip(ROWS[:3], lengths)]
+    offsets = [torch.cat([torch.zeros(1, dtype=torch.long), ln.cumsum(0)[:-1]]) for ln in lengths]
+    return torch.rand(batch, 3, generator=g), ids, offsets, torch.randint(0, ROWS[3], (batch,), generator=g)
+
+
+def local_batch(x, rank, batch):
+    dense, ids, offsets, single = x
+    lo, hi = rank * batch, (rank + 1) * batch
+    l_ids, l_offs = [], []
+    for i, o in zip(ids, offsets):
+        ends = torch.cat([o[1:], torch.tensor([i.numel()])])
+        l_ids.append(i[o[lo]:ends[hi - 1]] if hi > lo else i[:0])
+        l_offs.append(o[lo:hi] - o[lo])
+    return dense[lo:hi], l_ids, l_offs, single[lo:hi]
+
+
+def _worker(rank, world, init_file, pins, mode, steps):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = Model(mode)
+        ref = Model(mode)
+        ref.load_state_dict(model.state_dict())
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        fast = fxrec.transform(model, example, plan=plan)
+        names = [type(fast.get_submodule(n.target)).__name__ for n in fast.graph.nodes if n.op == "call_module"]
+        for sharding, short in (("table_wise", "TableWise"), ("row_wise", "RowWise")):
+            if any(plan.tables[t].sharding == sharding for t in plan.tables):
+                assert f"{short}InputDist" in names and f"{short}OutputDist" in names, names
+        kinds = {n.target: fxrec.viz.node_kind(fast, n) for n in fast.graph.nodes if n.op == "call_module"}
+        assert all(k == "collective" for t, k in kinds.items() if t.endswith(("input_dist", "output_dist"))), kinds
+        opt = torch.optim.SGD(fast.parameters(), lr=0.05)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        for step in range(steps):
+            x = global_batch(LOCAL_B * world, step + 1)
+            cot = torch.randn(LOCAL_B * world, generator=torch.Generator().manual_seed(100 + step))
+            want = ref(*x)
+            got = fast(*local_batch(x, rank, LOCAL_B))
+            torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step} forward")
+            ref_opt.zero_grad()
+            (want * cot).sum().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            (got * cot[rank * LOCAL_B:(rank + 1) * LOCAL_B]).sum().backward()
+            opt.step()
+        params = dict(fast.named_parameters())
+        for name, want in ref.state_dict().items():
+            table = name.rsplit(".", 1)[0]
+            tp = plan.tables.get(table)
+            if tp is None or tp.sharding == "data_parallel":
+                torch.testing.assert_close(params[name].detach(), want, msg=name)
+            elif tp.sharding == "table_wise":
+                assert (name in params) == (tp.shards[0].rank == rank), f"{name} on rank {rank}"
+                if name in params:
+                    torch.testing.assert_close(params[name].detach(), want, msg=name)
+            else:
+                s = tp.shards[rank]
+                torch.testing.assert_close(params[name].detach(), want[s.row_offset:s.row_offset + s.num_rows], msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world, pins, mode="sum", steps=10):
+    fd, init_file = tempfile.mkstemp(prefix="fxrec_dist_")
+    os.close(fd)
+    os.remove(init_file)
+    mp.spawn(_worker, args=(world, init_file, pins, mode, steps), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "data_parallel"])
+def test_each_sharding_type_matches_single_process_at_world_2(sharding):
+    pins = {f"bags.{i}": (("table_wise", i % 2) if sharding == "table_wise" else sharding) for i in range(3)}
+    pins["single"] = ("table_wise", 1) if sharding == "table_wise" else sharding
+    run_world(2, pins)
+
+
+def test_mixed_plan_with_mean_pooling_at_world_2():
+    run_world(2, {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": "data_parallel",
+                  "single": ("table_wise", 0)}, mode="mean")
+
+
+def test_mixed_plan_at_world_4():
+    run_world(4, {"bags.0": ("table_wise", 3), "bags.1": "row_wise", "bags.2": "data_parallel",
+                  "single": ("table_wise", 1)}, steps=4)
+
+
+def test_plan_needs_an_initialised_process_group():
+    model = Model()
+    example = local_batch(global_batch(8, 0), 0, 8)
+    plan = fxrec.plan(model, example, world_size=2, memory_per_rank="1GB")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fxrec.transform(model, example, plan=plan)
+
+
+def _late_worker(rank, world, init_file, result_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=4))
+    try:
+        torch.manual_seed(0)
+        model = Model()
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"bags.0": "row_wise"})
+        fast = fxrec.transform(model, example, plan=plan)
+        if rank == 1:
+            return  # this rank never reaches the step
+        try:
+            fast(*example)
+        except fxrec.CollectiveError as e:
+            with open(result_file, "w") as fh:
+                fh.write(str(e))
+    finally:
+        if rank == 0:
+            dist.destroy_process_group()
+
+
+def test_a_rank_that_does_not_arrive_fails_the_others_with_a_timeout_error(tmp_path):
+    fd, init_file = tempfile.mkstemp(prefix="fxrec_dist_")
+    os.close(fd)
+    os.remove(init_file)
+    result = tmp_path / "error.txt"
+    mp.spawn(_late_worker, args=(2, init_file, str(result)), nprocs=2, join=True)
+    text = result.read_text()
+    assert "rank 0" in text and "input_dist" in text and "did not reach" in text, text
