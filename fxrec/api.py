@@ -180,6 +180,7 @@ def transform(
         and gm.get_submodule(n.target).fused is not None
     ]
     if plan is not None:
+        gm.meta["fxrec_plan"] = plan
         _sum_gradients_over_ranks(gm, report, plan, rank)
     # GraphModule keeps these attributes through deepcopy (the partial is re-pointed at the copy).
     preserved = gm.meta.setdefault("_user_preserved_attributes", {})

@@ -169,6 +169,20 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 _set_param(gm, n.target, None)
                 removed += 1
     gm.meta["fxrec_sharded_params"] = sharded_params
+    # What each planned table's parameter holds on this rank, for checkpoints: fqn -> (global
+    # shape, [(row_offset, num_rows, col_offset, num_cols, local_col_offset)]); [] = not held here.
+    layout = {}
+    for gr in ctx.groups:
+        for r in gr.lookups:
+            tp = plan.tables[r.table]
+            pieces = [(0, r.num_rows, 0, r.dim, 0)]
+            if tp.sharding == "table_wise":
+                pieces = pieces if tp.shards[0].rank == rank else []
+            elif tp.sharding == "row_wise":
+                sh = tp.shards[rank]
+                pieces = [(sh.row_offset, sh.num_rows, 0, r.dim, 0)]
+            layout[r.param] = ((r.num_rows, r.dim), pieces)
+    gm.meta["fxrec_shard_layout"] = layout
     stats["tables_not_on_this_rank"] = removed
     return PassResult(gm, True, stats)
 
