@@ -91,9 +91,13 @@ def _worker(rank, world, init_file, pins, mode, steps):
                 assert (name in params) == (tp.shards[0].rank == rank), f"{name} on rank {rank}"
                 if name in params:
                     torch.testing.assert_close(params[name].detach(), want, msg=name)
+            elif tp.sharding == "column_wise":
+                (s,) = [sh for sh in tp.shards if sh.rank == rank]
+                torch.testing.assert_close(params[name].detach(), want[:, s.col_offset:s.col_offset + s.num_cols], msg=name)
             else:
                 s = tp.shards[rank]
                 torch.testing.assert_close(params[name].detach(), want[s.row_offset:s.row_offset + s.num_rows], msg=name)
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -105,16 +109,18 @@ def run_world(world, pins, mode="sum", steps=10):
     mp.spawn(_worker, args=(world, init_file, pins, mode, steps), nprocs=world, join=True)
 
 
-@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "data_parallel"])
+@pytest.mark.parametrize("sharding", ["table_wise", "column_wise", "row_wise", "data_parallel"])
 def test_each_sharding_type_matches_single_process_at_world_2(sharding):
-    pins = {f"bags.{i}": (("table_wise", i % 2) if sharding == "table_wise" else sharding) for i in range(3)}
-    pins["single"] = ("table_wise", 1) if sharding == "table_wise" else sharding
+    pin = {"table_wise": lambda i: ("table_wise", i % 2),
+           "column_wise": lambda i: {"sharding": "column_wise", "ranks": [i % 2, 1 - i % 2]}}.get(sharding, lambda i: sharding)
+    pins = {f"bags.{i}": pin(i) for i in range(3)}
+    pins["single"] = pin(1)
     run_world(2, pins)
 
 
 def test_mixed_plan_with_mean_pooling_at_world_2():
-    run_world(2, {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": "data_parallel",
-                  "single": ("table_wise", 0)}, mode="mean")
+    run_world(2, {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": {"sharding": "column_wise", "ranks": [1, 0]},
+                  "single": "data_parallel"}, mode="mean")
 
 
 def test_mixed_plan_at_world_4():

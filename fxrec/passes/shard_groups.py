@@ -30,7 +30,12 @@ After, on rank 0 of a plan with emb.0 table-wise on rank 1 and emb.1 row-wise::
     fxrec_shard_group_0_rw_output_dist = self.fxrec_shard_group_0_rw_output_dist(fxrec_shard_group_0_rw_lookup, ...)
     cat = torch.ops.aten.cat.default([fxrec_shard_group_0_tw_output_dist, fxrec_shard_group_0_rw_output_dist], 1)
 
-Not handled (InputError naming the table): column-wise and table-row-wise plans, unpooled
+Column-wise tables run as table-wise pieces: each column shard is a table on its rank (rank r's
+parameter is its columns, under the table's own name), looked up table-wise, and a lookup's
+pieces come back side by side in column order.
+
+Not handled (InputError naming the table): table-row-wise plans, two column shards of one table
+on one rank, unpooled
 (sequence) lookups of a planned table, bags with ``padding_idx`` or ``include_last_offset``,
 tables the plan does not name.
 """
@@ -48,7 +53,7 @@ from ..runtime.sharded import (
 )
 
 aten = torch.ops.aten
-SUPPORTED = ("table_wise", "row_wise", "data_parallel")
+SUPPORTED = ("table_wise", "column_wise", "row_wise", "data_parallel")
 
 
 def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
@@ -63,6 +68,9 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
     if (tp.spec.num_rows, tp.spec.dim) != (rec.num_rows, rec.dim):
         raise InputError(f"fxrec: the plan has table '{rec.table}' as {tp.spec.num_rows} x {tp.spec.dim}, "
                          f"the model as {rec.num_rows} x {rec.dim}")
+    if tp.sharding == "column_wise" and len({sh.rank for sh in tp.shards}) != len(tp.shards):
+        raise InputError(f"fxrec: table '{rec.table}' is planned column_wise with two shards on one rank; "
+                         "each column shard needs its own rank")
     if tp.sharding != "data_parallel":
         if rec.pooling == "none":
             raise InputError(f"fxrec: table '{rec.table}' is looked up unpooled (feature '{rec.feature}'); "
@@ -87,7 +95,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     plan, rank = ctx.config.plan, ctx.config.rank
     world = plan.topology.world_size
     graph = gm.graph
-    stats = {"table_wise": 0, "row_wise": 0, "data_parallel": 0}
+    stats = {"table_wise": 0, "column_wise": 0, "row_wise": 0, "data_parallel": 0}
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
@@ -96,7 +104,9 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             raise InputError(f"fxrec: table '{outside}' is also used outside its lookups (tied weights?); "
                              "a sharded table is only looked up: plan it data_parallel")
         for r in gr.lookups:
-            stats[kinds[id(r)]] += 1
+            stats[kinds[id(r)]] = stats.get(kinds[id(r)], 0) + 1
+            if kinds[id(r)] == "column_wise":
+                kinds[id(r)] = "table_wise"  # column shards run as table-wise pieces (below)
         pos = {n: i for i, n in enumerate(graph.nodes)}
         users = [u for rec in gr.lookups for u in rec.output.users]
         anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
@@ -111,19 +121,31 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             names, rows = [r.feature for r in recs], [r.num_rows for r in recs]
             args = ([r.ids for r in recs], [r.offsets for r in recs], [r.per_sample_weights for r in recs])
             if kind == "table_wise":
-                owners = [plan.tables[r.table].shards[0].rank for r in recs]
-                local = []  # this rank's tables, and each owned feature's index into them
-                table_of = []
-                for r, o in zip(recs, owners):
+                # one piece per (lookup, shard): a table-wise table has one shard, a column-wise
+                # table one per column range, each on its own rank; a lookup's pieces are
+                # adjacent and in column order, so its output columns are contiguous
+                pieces = [(r, sh) for r in recs for sh in sorted(plan.tables[r.table].shards, key=lambda x: x.col_offset)]
+                owners = [sh.rank for _, sh in pieces]
+                local, table_of = [], []  # this rank's tables, and each owned piece's index into them
+                for (r, sh), o in zip(pieces, owners):
                     if o == rank:
                         if r.weight not in local:
                             local.append(r.weight)
+                            if plan.tables[r.table].sharding == "column_wise" and r.param not in sharded_params:
+                                full = gm.get_parameter(r.param)
+                                cols = full.detach()[:, sh.col_offset:sh.col_offset + sh.num_cols].clone()
+                                _set_param(gm, r.param, torch.nn.Parameter(cols, requires_grad=full.requires_grad))
                         table_of.append(local.index(r.weight))
-                for r, o in zip(recs, owners):
-                    sharded_params[r.param] = kind
-                mods = (TableWiseInputDist(f"{name}_input_dist", forms, owners, weighted, rank, world, names, rows),
+                for r in recs:
+                    sharded_params[r.param] = plan.tables[r.table].sharding
+                args = ([r.ids for r, _ in pieces], [r.offsets for r, _ in pieces],
+                        [r.per_sample_weights for r, _ in pieces])
+                p_names = [r.feature for r, _ in pieces]
+                p_rows = [r.num_rows for r, _ in pieces]
+                mods = (TableWiseInputDist(f"{name}_input_dist", [r.form for r, _ in pieces], owners, weighted, rank,
+                                           world, p_names, p_rows),
                         TableWiseLookup(table_of, gr.pooling, world),
-                        TableWiseOutputDist(f"{name}_output_dist", [r.dim for r in recs], owners, rank, world))
+                        TableWiseOutputDist(f"{name}_output_dist", [sh.num_cols for _, sh in pieces], owners, rank, world))
             else:
                 blocks = []
                 local, table_of = [], []
@@ -163,7 +185,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # tables this rank does not hold leave the model
     removed = 0
     for n in list(graph.nodes):
-        if n.op == "get_attr" and sharded_params.get(n.target) == "table_wise" and not n.users:
+        if n.op == "get_attr" and sharded_params.get(n.target) in ("table_wise", "column_wise") and not n.users:
             graph.erase_node(n)
             if not any(m.op == "get_attr" and m.target == n.target for m in graph.nodes):
                 _set_param(gm, n.target, None)
@@ -178,6 +200,8 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             pieces = [(0, r.num_rows, 0, r.dim, 0)]
             if tp.sharding == "table_wise":
                 pieces = pieces if tp.shards[0].rank == rank else []
+            elif tp.sharding == "column_wise":
+                pieces = [(0, r.num_rows, sh.col_offset, sh.num_cols, 0) for sh in tp.shards if sh.rank == rank]
             elif tp.sharding == "row_wise":
                 sh = tp.shards[rank]
                 pieces = [(sh.row_offset, sh.num_rows, 0, r.dim, 0)]
