@@ -50,7 +50,7 @@ def local_batch(x, rank, batch):
     return dense[lo:hi], l_ids, l_offs, single[lo:hi]
 
 
-def _worker(rank, world, init_file, pins, mode, steps):
+def _worker(rank, world, init_file, pins, mode, steps, hosts=1):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
@@ -59,7 +59,7 @@ def _worker(rank, world, init_file, pins, mode, steps):
         ref = Model(mode)
         ref.load_state_dict(model.state_dict())
         example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, hosts=hosts)
         fast = fxrec.transform(model, example, plan=plan)
         names = [type(fast.get_submodule(n.target)).__name__ for n in fast.graph.nodes if n.op == "call_module"]
         for sharding, short in (("table_wise", "TableWise"), ("row_wise", "RowWise")):
@@ -92,21 +92,24 @@ def _worker(rank, world, init_file, pins, mode, steps):
                 if name in params:
                     torch.testing.assert_close(params[name].detach(), want, msg=name)
             elif tp.sharding == "column_wise":
-                (s,) = [sh for sh in tp.shards if sh.rank == rank]
-                torch.testing.assert_close(params[name].detach(), want[:, s.col_offset:s.col_offset + s.num_cols], msg=name)
-            else:
-                s = tp.shards[rank]
-                torch.testing.assert_close(params[name].detach(), want[s.row_offset:s.row_offset + s.num_rows], msg=name)
+                mine = [sh for sh in tp.shards if sh.rank == rank]
+                assert (name in params) == bool(mine), f"{name} on rank {rank}"
+                for sh in mine:
+                    torch.testing.assert_close(params[name].detach(), want[:, sh.col_offset:sh.col_offset + sh.num_cols], msg=name)
+            else:  # row-wise, table-row-wise: this rank's block of rows (none on another host)
+                mine = [sh for sh in tp.shards if sh.rank == rank]
+                lo, n = (mine[0].row_offset, mine[0].num_rows) if mine else (0, 0)
+                torch.testing.assert_close(params[name].detach(), want[lo:lo + n], msg=name)
         dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 
 
-def run_world(world, pins, mode="sum", steps=10):
+def run_world(world, pins, mode="sum", steps=10, hosts=1):
     fd, init_file = tempfile.mkstemp(prefix="fxrec_dist_")
     os.close(fd)
     os.remove(init_file)
-    mp.spawn(_worker, args=(world, init_file, pins, mode, steps), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, init_file, pins, mode, steps, hosts), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise", "row_wise", "data_parallel"])
@@ -123,9 +126,9 @@ def test_mixed_plan_with_mean_pooling_at_world_2():
                   "single": "data_parallel"}, mode="mean")
 
 
-def test_mixed_plan_at_world_4():
-    run_world(4, {"bags.0": ("table_wise", 3), "bags.1": "row_wise", "bags.2": "data_parallel",
-                  "single": ("table_wise", 1)}, steps=4)
+def test_mixed_plan_on_two_hosts_at_world_4():
+    run_world(4, {"bags.0": ("table_wise", 3), "bags.1": "row_wise", "bags.2": "table_row_wise",
+                  "single": {"sharding": "column_wise", "ranks": [2, 1]}}, steps=4, hosts=2)
 
 
 def test_plan_needs_an_initialised_process_group():

@@ -34,8 +34,11 @@ Column-wise tables run as table-wise pieces: each column shard is a table on its
 parameter is its columns, under the table's own name), looked up table-wise, and a lookup's
 pieces come back side by side in column order.
 
-Not handled (InputError naming the table): table-row-wise plans, two column shards of one table
-on one rank, unpooled
+Table-row-wise tables run on the row-wise path with their row blocks over one host's ranks
+(ranks of other hosts hold none of its rows and add zeros to the reduce-scatter; the
+hierarchical exchange inside a host first is not done).
+
+Not handled (InputError naming the table): two column shards of one table on one rank, unpooled
 (sequence) lookups of a planned table, bags with ``padding_idx`` or ``include_last_offset``,
 tables the plan does not name.
 """
@@ -53,7 +56,7 @@ from ..runtime.sharded import (
 )
 
 aten = torch.ops.aten
-SUPPORTED = ("table_wise", "column_wise", "row_wise", "data_parallel")
+SUPPORTED = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 
 
 def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
@@ -95,7 +98,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     plan, rank = ctx.config.plan, ctx.config.rank
     world = plan.topology.world_size
     graph = gm.graph
-    stats = {"table_wise": 0, "column_wise": 0, "row_wise": 0, "data_parallel": 0}
+    stats = {"table_wise": 0, "column_wise": 0, "row_wise": 0, "table_row_wise": 0, "data_parallel": 0}
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
@@ -107,6 +110,8 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             stats[kinds[id(r)]] = stats.get(kinds[id(r)], 0) + 1
             if kinds[id(r)] == "column_wise":
                 kinds[id(r)] = "table_wise"  # column shards run as table-wise pieces (below)
+            elif kinds[id(r)] == "table_row_wise":
+                kinds[id(r)] = "row_wise"  # row blocks over one host's ranks (below)
         pos = {n: i for i, n in enumerate(graph.nodes)}
         users = [u for rec in gr.lookups for u in rec.output.users]
         anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
@@ -147,20 +152,25 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                         TableWiseLookup(table_of, gr.pooling, world),
                         TableWiseOutputDist(f"{name}_output_dist", [sh.num_cols for _, sh in pieces], owners, rank, world))
             else:
-                blocks = []
+                blocks, bases = [], []
                 local, table_of = [], []
                 for r in recs:
-                    shard = plan.tables[r.table].shards[rank]
-                    blocks.append(max(1, plan.tables[r.table].shards[0].num_rows))
+                    tp = plan.tables[r.table]
+                    by_rank = {sh.rank: sh for sh in tp.shards}
+                    blocks.append(max(1, min(tp.shards, key=lambda x: x.rank).num_rows))
+                    bases.append(min(by_rank))
                     if r.weight not in local:
                         local.append(r.weight)
                         if r.param not in sharded_params:
+                            # this rank's block of rows (none, for a table-row-wise table of another host)
                             full = gm.get_parameter(r.param)
-                            block = full.detach()[shard.row_offset:shard.row_offset + shard.num_rows].clone()
+                            sh = by_rank.get(rank)
+                            lo, n = (sh.row_offset, sh.num_rows) if sh is not None else (0, 0)
+                            block = full.detach()[lo:lo + n].clone()
                             _set_param(gm, r.param, torch.nn.Parameter(block, requires_grad=full.requires_grad))
                     table_of.append(local.index(r.weight))
-                    sharded_params[r.param] = kind
-                mods = (RowWiseInputDist(f"{name}_input_dist", forms, blocks, weighted, rank, world, names, rows),
+                    sharded_params[r.param] = tp.sharding
+                mods = (RowWiseInputDist(f"{name}_input_dist", forms, blocks, weighted, rank, world, names, rows, bases),
                         RowWiseLookup(table_of, world),
                         RowWiseOutputDist(f"{name}_output_dist", [r.dim for r in recs], gr.pooling))
             for suffix, mod in zip(("input_dist", "lookup", "output_dist"), mods):
@@ -202,9 +212,8 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 pieces = pieces if tp.shards[0].rank == rank else []
             elif tp.sharding == "column_wise":
                 pieces = [(0, r.num_rows, sh.col_offset, sh.num_cols, 0) for sh in tp.shards if sh.rank == rank]
-            elif tp.sharding == "row_wise":
-                sh = tp.shards[rank]
-                pieces = [(sh.row_offset, sh.num_rows, 0, r.dim, 0)]
+            elif tp.sharding in ("row_wise", "table_row_wise"):
+                pieces = [(sh.row_offset, sh.num_rows, 0, r.dim, 0) for sh in tp.shards if sh.rank == rank]
             layout[r.param] = ((r.num_rows, r.dim), pieces)
     gm.meta["fxrec_shard_layout"] = layout
     stats["tables_not_on_this_rank"] = removed

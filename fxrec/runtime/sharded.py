@@ -11,7 +11,8 @@ Table-wise (a table lives whole on its owner rank):
   * :class:`TableWiseLookup` pools them on the owned tables: one ``[W * B, D]`` per feature.
   * :class:`TableWiseOutputDist` sends every source rank its ``B`` rows back (all-to-all; in
     backward the gradients go the other way) and lays them out as ``[B, sum of dims]``.
-Row-wise (rows ``[r * block, (r + 1) * block)`` of a table live on rank r):
+Row-wise (rows ``[r * block, (r + 1) * block)`` of a table live on rank r; table-row-wise: the
+same over the ranks of one host, the others holding no rows and adding zeros to the sums):
   * :class:`RowWiseInputDist` bucketizes every id to the rank holding its row (local row =
     id - r * block) and sends each rank its ids, bag by bag.
   * :class:`RowWiseLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``.
@@ -189,10 +190,12 @@ class RowWiseInputDist(nn.Module):
     _fxrec_collective = True
 
     def __init__(self, name: str, forms: List[str], blocks: List[int], weighted: bool, rank: int, world: int,
-                 names: List[str], rows: List[int]):
+                 names: List[str], rows: List[int], bases: Optional[List[int]] = None):
         super().__init__()
         self.name, self.forms, self.blocks, self.weighted = name, list(forms), list(blocks), weighted
         self.names, self.rows = list(names), list(rows)
+        # first rank of each feature's row blocks: 0 for row-wise, the host's first rank for table-row-wise
+        self.bases = list(bases) if bases is not None else [0] * len(forms)
         self.rank, self.world = rank, world
 
     def forward(self, ids_list, offsets_list, psw_list):
@@ -202,10 +205,11 @@ class RowWiseInputDist(nn.Module):
         batch = int(pairs[0][0].numel())
         keys, values, weights = [], [], []
         for f, (ln, vals) in enumerate(pairs):
-            dest = torch.div(vals, self.blocks[f], rounding_mode="floor")
+            block_index = torch.div(vals, self.blocks[f], rounding_mode="floor")
+            dest = block_index + self.bases[f]
             bag = torch.repeat_interleave(torch.arange(batch), ln, output_size=vals.numel())
             keys.append(dest * (nfeat * batch) + f * batch + bag)
-            values.append(vals - dest * self.blocks[f])
+            values.append(vals - block_index * self.blocks[f])
             if self.weighted:
                 w = psw_list[f]
                 weights.append(w.reshape(-1).float() if w is not None else torch.ones(vals.numel()))
