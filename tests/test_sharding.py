@@ -168,3 +168,34 @@ def test_a_rank_that_does_not_arrive_fails_the_others_with_a_timeout_error(tmp_p
     mp.spawn(_late_worker, args=(2, init_file, str(result)), nprocs=2, join=True)
     text = result.read_text()
     assert "rank 0" in text and "input_dist" in text and "did not reach" in text, text
+
+
+def _uneven_worker(rank, world, init_file, result_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = Model()
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"bags.0": ("table_wise", 0)})
+        fast = fxrec.transform(model, example, plan=plan)
+        b = LOCAL_B + rank  # rank 1 feeds one sample more
+        try:
+            fast(*local_batch(global_batch(b * world, 1), rank, b))
+        except ValueError as e:
+            with open(f"{result_file}.{rank}", "w") as fh:
+                fh.write(str(e))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_sizes_that_differ_between_ranks_are_rejected_on_every_rank(tmp_path):
+    fd, init_file = tempfile.mkstemp(prefix="fxrec_dist_")
+    os.close(fd)
+    os.remove(init_file)
+    result = tmp_path / "error"
+    mp.spawn(_uneven_worker, args=(2, init_file, str(result)), nprocs=2, join=True)
+    for rank in (0, 1):
+        text = (tmp_path / f"error.{rank}").read_text()
+        assert "different sizes [4, 5]" in text and "same batch size on every rank" in text, text
