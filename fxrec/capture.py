@@ -23,6 +23,8 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+from .codegen import StructuredCodeGen
+
 
 class CaptureError(RuntimeError):
     """The model could not be captured; the message names the user's file and line."""
@@ -88,28 +90,18 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
             "the model reads as an input rather than a global."
         ) from e
     gm = ep.module()
-    _cheaper_input_check(gm)
+    _structured_forward(gm)
     return gm
 
 
-def _cheaper_input_check(gm: fx.GraphModule) -> None:
-    """Keep export's check that calls match the captured input structure, minus its cost.
-
-    The unlifted module checks every call with pytree.tree_flatten_with_path, which builds a key
-    path per input tensor (about 0.2 ms for 53 tensors: 8 % of a 26-table forward). A plain
-    tree_structure comparison decides the common case; on a mismatch torch's own check runs and
-    raises its detailed message.
-    """
-    try:
-        from torch.export._unlift import _check_inputs_match
-    except ImportError:  # pragma: no cover - other torch releases keep their own check
+def _structured_forward(gm: fx.GraphModule) -> None:
+    """Give ``gm`` a ``forward`` that takes the model's own arguments and reads the tensors out of
+    them by index (see :mod:`fxrec.codegen`), instead of export's per-call pytree flatten and
+    structure check; list lengths are still checked, with a message that names the input."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.in_spec is None:  # pragma: no cover - other torch releases
         return
-    if not getattr(gm, "validate_inputs", False) or not hasattr(gm, "_in_spec"):
-        return
-
-    def check(mod, args, kwargs):
-        if pytree.tree_structure((args, kwargs)) != mod._in_spec:
-            _check_inputs_match(args, kwargs, mod._in_spec)
-
-    gm.validate_inputs = False
-    gm.register_forward_pre_hook(check, with_kwargs=True)
+    gm.graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.orig_args)
+    if hasattr(gm, "validate_inputs"):
+        gm.validate_inputs = False  # the generated forward checks what it reads
+    gm.recompile()

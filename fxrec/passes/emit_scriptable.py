@@ -40,12 +40,11 @@ TorchScript cannot compile (torch.jit.script names them).
 from __future__ import annotations
 
 import copy
-import typing
-from typing import Any, List, Tuple
 
 import torch
 import torch.fx as fx
 
+from ..codegen import StructuredCodeGen
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.serving import ServingPooledGroup, ServingSequenceGroup
 from ..runtime.tbe import EmbeddingGroup, SequenceEmbeddingGroup
@@ -60,103 +59,6 @@ _DROPPED = {"_assert_scalar", "_assert_tensor_metadata", "sym_constrain_range_fo
 # export's symbolic-size ops, and the ones TorchScript knows
 _SYM_TO_INT = {"sym_size": aten.size, "sym_numel": aten.numel, "sym_stride": aten.stride,
                "sym_storage_offset": aten.storage_offset}
-
-
-def _children(spec) -> list:
-    if hasattr(spec, "child"):
-        return [spec.child(i) for i in range(spec.num_children)]
-    return list(spec.children_specs)  # older torch
-
-
-def _type_of(spec, where: str) -> str:
-    if spec.is_leaf():
-        return "torch.Tensor"
-    kids = _children(spec)
-    if spec.type is tuple:
-        return "Tuple[" + ", ".join(_type_of(k, f"{where}[{i}]") for i, k in enumerate(kids)) + "]"
-    if spec.type in (list, dict):
-        types = {_type_of(k, where) for k in kids}
-        if len(types) > 1:
-            raise InputError(f"fxrec.export.torchscript: the elements of input '{where}' have different types {sorted(types)}; TorchScript needs one")
-        inner = types.pop() if types else "torch.Tensor"
-        if spec.type is list:
-            return f"List[{inner}]"
-        if not all(isinstance(k, str) for k in spec.context):
-            raise InputError(f"fxrec.export.torchscript: input '{where}' is a dict with keys that are not strings")
-        return f"Dict[str, {inner}]"
-    raise InputError(f"fxrec.export.torchscript: input '{where}' is a {spec.type.__name__}; TorchScript inputs "
-                     "must be tensors or lists, tuples or str-keyed dicts of them")
-
-
-def _leaf_paths(spec, expr: str, out: List[Tuple[str, Any]]) -> None:
-    """(access expression, spec of the container it checks) for every leaf, in pytree order."""
-    if spec.is_leaf():
-        out.append((expr, None))
-        return
-    for i, kid in enumerate(_children(spec)):
-        key = repr(spec.context[i]) if spec.type is dict else str(i)
-        _leaf_paths(kid, f"{expr}[{key}]", out)
-
-
-class ScriptableCodeGen(fx.graph.CodeGen):
-    """Writes ``forward`` with the model's own typed arguments and output structure."""
-
-    def __init__(self, in_spec, out_spec, arg_names: List[str]):
-        super().__init__()
-        self.in_spec, self.out_spec, self.arg_names = in_spec, out_spec, list(arg_names)
-
-    def _arg_specs(self):
-        spec = self.in_spec
-        if spec.type is tuple and spec.num_children == 2 and _children(spec)[1].type is dict:
-            args_spec, kwargs_spec = _children(spec)
-            names = self.arg_names[: args_spec.num_children] + list(kwargs_spec.context)
-            return list(zip(names, _children(args_spec) + _children(kwargs_spec)))
-        return list(zip(self.arg_names, _children(spec)))
-
-    def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs) -> str:
-        leaves = [v.split(":")[0].split("#")[0].strip() for v in free_vars if v != "self"]
-        params, lines, paths = [], [], []
-        for name, spec in self._arg_specs():
-            params.append(f"{name}: {_type_of(spec, name)}")
-            _leaf_paths(spec, name, paths)
-            self._length_checks(spec, name, lines)
-        if len(paths) != len(leaves):
-            raise InputError(f"fxrec.export.torchscript: {len(paths)} input tensors in the call, {len(leaves)} in the graph")
-        lines += [f"{leaf} = {expr}" for leaf, (expr, _) in zip(leaves, paths)]
-        head = f"def {self._func_name}(self, {', '.join(params)}){maybe_return_annotation}:"
-        return head + "".join(f"\n    {line}" for line in lines)
-
-    def _length_checks(self, spec, expr: str, lines: List[str]) -> None:
-        if spec.is_leaf():
-            return
-        if spec.type is list:
-            n = spec.num_children
-            lines.append(f"if len({expr}) != {n}: raise ValueError('fxrec: input {expr} must have {n} elements')")
-        for i, kid in enumerate(_children(spec)):
-            key = repr(spec.context[i]) if spec.type is dict else str(i)
-            self._length_checks(kid, f"{expr}[{key}]", lines)
-
-    def generate_output(self, output_args, *args, **kwargs) -> str:
-        leaves = list(output_args) if isinstance(output_args, (list, tuple)) else [output_args]
-        it = iter(leaves)
-
-        def build(spec) -> str:
-            if spec.is_leaf():
-                return repr(next(it))
-            parts = [build(k) for k in _children(spec)]
-            if spec.type is tuple:
-                return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
-            if spec.type is list:
-                return "[" + ", ".join(parts) + "]"
-            if spec.type is dict:
-                return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(spec.context, parts)) + "}"
-            raise InputError(f"fxrec.export.torchscript: the model returns a {spec.type.__name__}; TorchScript "
-                             "outputs must be tensors or lists, tuples or str-keyed dicts of them")
-
-        return "return " + build(self.out_spec)
-
-    def additional_globals(self):
-        return [("List", typing.List), ("Dict", typing.Dict), ("Tuple", typing.Tuple), ("Optional", typing.Optional)]
 
 
 def _serving_module(group: EmbeddingGroup, offsets: list, psws: list):
@@ -174,8 +76,8 @@ def _serving_module(group: EmbeddingGroup, offsets: list, psws: list):
 
 @compiler_pass()
 def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    if info is None or info.in_spec is None:
+    info = gm.graph._codegen
+    if not isinstance(info, StructuredCodeGen):
         raise InputError("fxrec.export.torchscript needs a model made by fxrec.transform")
     for n in gm.graph.nodes:
         if n.op == "placeholder" and not isinstance(n.meta.get("val"), torch.Tensor):
@@ -208,5 +110,5 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 stats["groups"] += 1
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
-    graph._codegen = ScriptableCodeGen(info.in_spec, info.out_spec, info.orig_args)
+    graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.arg_names, typed=True)
     return PassResult(fx.GraphModule(gm, graph, class_name="FxrecScriptable"), True, stats)
