@@ -728,6 +728,14 @@ class _TBELookupFunction(torch.autograd.Function):
                 scale = scale.clone() if scale is psw else scale
                 scale[s:e] = scale[s:e] * (indices[s:e] != f.padding_idx)
 
+        # fxrec's own fused SGD: no gradient is made, the rows are updated below. The -lr factor
+        # goes on grad_out ([B, sum of dims]) before the rows are gathered, unless the
+        # per-sample-weight gradient needs the unscaled rows.
+        sgd_lr = group.fused.lr if group.fused_active and group.fused.impl == "torch" else None
+        prescaled = sgd_lr is not None and not (psw is not None and ctx.needs_input_grad[5])
+        if prescaled:
+            grad_out = grad_out * (-sgd_lr)
+
         # Gradient row for every looked-up index: the grad of its bag, in its feature's columns.
         if group.pooling == "none":
             pieces = [grad_out[bounds[i] : bounds[i + 1]] for i in range(nfeat)]
@@ -755,25 +763,28 @@ class _TBELookupFunction(torch.autograd.Function):
                 parts.append((params[f.table].detach()[indices[s:e]] * pieces[i]).sum(1))
             grad_psw = torch.cat(parts)
 
-        # fxrec's own fused SGD: no gradient is made, the rows are updated here (after the
-        # per-sample-weight gradient, which reads the weights before the update).
-        sgd_lr = group.fused.lr if group.fused_active and group.fused.impl == "torch" else None
+        # The fused SGD update comes after the per-sample-weight gradient, which reads the
+        # weights before the update.
         grads: List[Optional[torch.Tensor]] = [None] * len(params)
         need = ctx.needs_input_grad[6:]
         for t, (spec, p) in enumerate(zip(group.tables, params)):
             if not need[t]:
                 continue
             mine = group._features_of_table[t]
-            ids_t = torch.cat([indices[bounds[i] : bounds[i + 1]] for i in mine])
-            rows_t = torch.cat([rows_of(i) for i in mine])
+            if len(mine) == 1:  # one feature: no copy (the rows may be a view of grad_out)
+                ids_t = indices[bounds[mine[0]] : bounds[mine[0] + 1]]
+                rows_t = rows_of(mine[0])
+            else:
+                ids_t = torch.cat([indices[bounds[i] : bounds[i + 1]] for i in mine])
+                rows_t = torch.cat([rows_of(i) for i in mine])
             if sgd_lr is not None:
                 with torch.no_grad():
-                    # rows_t is a fresh tensor (cat); index_add_ with alpha= is several times slower
-                    p.index_add_(0, ids_t, rows_t.mul_(-sgd_lr))
+                    # index_add_ with alpha= is several times slower than scaling first
+                    p.index_add_(0, ids_t, rows_t if prescaled else rows_t * (-sgd_lr))
             elif spec.sparse:
                 grads[t] = torch.sparse_coo_tensor(
-                    ids_t.unsqueeze(0), rows_t, (spec.num_rows, spec.dim), device=p.device,
-                    check_invariants=False,
+                    ids_t.unsqueeze(0), rows_t if len(mine) > 1 or group.pooling != "none" else rows_t.clone(),
+                    (spec.num_rows, spec.dim), device=p.device, check_invariants=False,
                 )
             else:
                 grads[t] = torch.zeros(
