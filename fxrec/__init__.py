@@ -4,7 +4,7 @@
     print(fast.report)
 """
 
-from . import export, optim, viz
+from . import checkpoint, export, optim, viz
 from .api import make_optimizer, transform, write_back
 from .capture import CaptureError
 from .pass_infra import PassError
@@ -18,5 +18,5 @@ __version__ = "0.1.0"
 __all__ = [
     "transform", "write_back", "make_optimizer", "optim", "export", "viz", "Report", "CaptureError", "PassError",
     "VerificationError", "compare_models", "plan", "ShardingPlan", "TableSpec", "Topology", "PlanError", "CollectiveError",
-    "__version__",
+    "checkpoint", "__version__",
 ]

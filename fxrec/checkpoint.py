@@ -1,0 +1,333 @@
+"""Checkpoints of sharded and single-process models with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a DCP directory holding every table as its global (logical) tensor and every
+other parameter and buffer once. It does not remember the plan or the world size that wrote it:
+DCP reads, for each rank, just the rows and columns that rank's pieces need, so a checkpoint
+written under one plan loads under any other plan and world size, and into the plain model.
+
+    fxrec.checkpoint.save(fast, "ckpt/step_100")           # sharded run, every rank (collective)
+
+    fast2 = fxrec.transform(model, example, plan=other_plan)  # another plan / world size, every rank
+    fxrec.checkpoint.load(fast2, "ckpt/step_100")
+
+    fxrec.checkpoint.load_into_model(model, "ckpt/step_100")  # one process, no process group
+    fxrec.checkpoint.save_model(model, "ckpt/init")           # loads into a sharded model with load()
+
+What a rank holds comes from ``fast.meta["fxrec_shard_layout"]`` (written by the shard pass):
+``{param_fqn: ((rows, dim), [(row_offset, num_rows, col_offset, num_cols, local_col_offset), ...])}``;
+piece ``i`` is ``param[:num_rows, local_col_offset:local_col_offset + num_cols]`` of this rank's
+parameter and covers ``[row_offset:row_offset + num_rows, col_offset:col_offset + num_cols]`` of
+the table. The pieces are handed to DCP directly as shard chunks by a small save / load planner
+(``WriteItem`` / ``ReadItem`` over ``ChunkStorageMetadata``): no ShardedTensor (deprecated in
+torch 2.13, one all-gather per table to build) and no DTensor (its ``Shard(0)`` cannot say "this
+table lives on rank 3 only" or place column pieces at arbitrary offsets). Pieces that several
+ranks hold identically (data-parallel tables, dense parameters) are written once (DCP dedups).
+Optimizer state is not part of these checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["save", "load", "save_model", "load_into_model", "CheckpointError"]
+
+LAYOUT_KEY = "fxrec_shard_layout"
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+# fqn -> (global shape, [(chunk offsets, chunk sizes, local view), ...])
+_Pieces = Dict[str, Tuple[torch.Size, List[Tuple[torch.Size, torch.Size, torch.Tensor]]]]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not fit the model: missing entries, other shapes, or unknown entries."""
+
+
+# --------------------------------------------------------------------------- planners
+# torch.distributed.checkpoint is imported on first use (it adds ~0.3 s to ``import fxrec``).
+_PLANNERS = None
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _planners():
+    """(_PieceSavePlanner, _PieceLoadPlanner), defined on first use."""
+    global _PLANNERS
+    if _PLANNERS is not None:
+        return _PLANNERS
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class _PieceSavePlanner(DefaultSavePlanner):
+        """The default planner for the whole tensors in the state dict, plus one shard write item per
+        table piece this rank holds."""
+
+        def __init__(self, pieces: _Pieces):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self._pieces = pieces
+            self._views = {(fqn, tuple(off)): view for fqn, (_, ps) in pieces.items() for off, _, view in ps}
+
+        def create_local_plan(self) -> SavePlan:
+            plan = super().create_local_plan()
+            items = list(plan.items)
+            for fqn, (size, pieces) in self._pieces.items():
+                for offsets, sizes, view in pieces:
+                    items.append(WriteItem(
+                        index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                    properties=TensorProperties.create_from_tensor(view), size=size),
+                    ))
+            self.plan = SavePlan(items, storage_data=plan.storage_data, planner_data=plan.planner_data)
+            return self.plan
+
+        def lookup_object(self, index: MetadataIndex):
+            if index.fqn in self._pieces:
+                return self._views[(index.fqn, tuple(index.offset))]
+            return super().lookup_object(index)
+
+    class _PieceLoadPlanner(DefaultLoadPlanner):
+        """The default planner for the whole tensors in the state dict, plus read items for the table
+        pieces this rank holds (DCP's resharding: every saved chunk that overlaps a piece)."""
+
+        def __init__(self, pieces: _Pieces):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self._pieces = pieces
+            self._views = {(fqn, tuple(off)): view for fqn, (_, ps) in pieces.items() for off, _, view in ps}
+
+        def create_local_plan(self) -> LoadPlan:
+            plan = super().create_local_plan()
+            items = list(plan.items)
+            for fqn, (_, pieces) in self._pieces.items():
+                if not pieces:
+                    continue
+                md = self.metadata.state_dict_metadata[fqn]  # presence and shape were checked before
+                chunks = [ChunkStorageMetadata(offsets=off, sizes=sz) for off, sz, _ in pieces]
+                items.extend(create_read_items_for_chunk_list(fqn, md, chunks))
+            return LoadPlan(items, storage_data=plan.storage_data, planner_data=plan.planner_data)
+
+        def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+            if index.fqn in self._pieces:
+                return self._views[(index.fqn, tuple(index.offset))]
+            return super().lookup_tensor(index)
+
+    _PLANNERS = (_PieceSavePlanner, _PieceLoadPlanner)
+    return _PLANNERS
+
+
+# --------------------------------------------------------------------------- what a model holds
+def _layout(module: torch.nn.Module) -> dict:
+    meta = getattr(module, "meta", None)
+    return dict(meta.get(LAYOUT_KEY, {})) if isinstance(meta, dict) else {}
+
+
+def _pieces_of(module: torch.nn.Module, layout: dict) -> _Pieces:
+    """This rank's table pieces as views of its parameters (see the module doc)."""
+    out: _Pieces = {}
+    for fqn, (shape, pieces) in sorted(layout.items()):
+        size = torch.Size(shape)
+        views = []
+        param = None
+        if pieces:
+            try:
+                param = module.get_parameter(fqn).detach()
+            except AttributeError as e:
+                raise CheckpointError(f"fxrec.checkpoint: the shard layout gives this rank pieces of table '{fqn}', "
+                                      "but the model has no such parameter") from e
+        for row_off, rows, col_off, cols, local_col in pieces:
+            if rows == 0 or cols == 0:
+                continue  # an empty row block (trailing ranks of a row-wise table)
+            if rows > param.shape[0] or local_col + cols > param.shape[1] or \
+                    row_off + rows > size[0] or col_off + cols > size[1]:
+                raise CheckpointError(
+                    f"fxrec.checkpoint: piece rows {row_off}+{rows}, cols {col_off}+{cols} (local col {local_col}) of "
+                    f"table '{fqn}' ({size[0]} x {size[1]}) does not fit this rank's parameter "
+                    f"{tuple(param.shape)}")
+            views.append((torch.Size([row_off, col_off]), torch.Size([rows, cols]),
+                          param[:rows, local_col:local_col + cols]))
+        out[fqn] = (size, views)
+    return out
+
+
+def _whole_state(module: torch.nn.Module, layout: dict) -> Dict[str, torch.Tensor]:
+    """Every state_dict entry that is not a planned table (whole on every rank), sharing storage."""
+    return {k: v for k, v in module.state_dict().items() if k not in layout}
+
+
+def _table_names(module: torch.nn.Module, layout: dict) -> set:
+    names = set(layout)
+    for prefix, m in module.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            names.add(f"{prefix}.weight" if prefix else "weight")
+    return names
+
+
+def _fmt(shape) -> str:
+    return " x ".join(str(int(s)) for s in shape) if len(shape) == 2 else str(tuple(int(s) for s in shape))
+
+
+def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, strict: bool) -> set:
+    """Raise CheckpointError naming every entry the checkpoint has with another shape and (strict)
+    every entry it lacks or has and the model does not; return the checkpoint's keys. Reads only
+    the checkpoint's metadata file, so every rank raises the same error before any collective."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"fxrec.checkpoint: no checkpoint directory at {path!s}")
+    try:
+        md = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"fxrec.checkpoint: {path!s} holds no DCP checkpoint (no .metadata file)") from e
+    problems = []
+    for key, shape in sorted(expected.items()):
+        what = "table" if key in tables else "entry"
+        got = md.get(key)
+        if got is None:
+            if strict:
+                problems.append(f"the checkpoint has no {what} '{key}' (the model's is "
+                                f"{_fmt(shape) if shape is not None else 'not a tensor'})")
+        elif shape is not None:
+            if not isinstance(got, _dcp().TensorStorageMetadata):
+                problems.append(f"{what} '{key}' is not a tensor in the checkpoint; the model's is {_fmt(shape)}")
+            elif tuple(got.size) != tuple(shape):
+                problems.append(f"{what} '{key}' is {_fmt(got.size)} in the checkpoint and {_fmt(shape)} in the model")
+    if strict:
+        extra = sorted(set(md) - set(expected))
+        if extra:
+            problems.append(f"the checkpoint has entries the model does not: {extra} (strict=False ignores them)")
+    if problems:
+        raise CheckpointError(f"fxrec.checkpoint: {path!s} does not fit the model: " + "; ".join(problems))
+    return set(md)
+
+
+def _expected(whole: Dict[str, torch.Tensor], layout: dict) -> Dict[str, Optional[torch.Size]]:
+    out = {k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in whole.items()}
+    out.update({fqn: torch.Size(shape) for fqn, (shape, _) in layout.items()})
+    return out
+
+
+def _check_collective(fn_name: str, layout: dict) -> None:
+    if layout and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"fxrec.checkpoint.{fn_name}: the model is sharded (transformed with plan=): call it on "
+                           "every rank of the initialised process group; for a single-process model use "
+                           f"{'save_model' if fn_name == 'save' else 'load_into_model'}")
+
+
+# --------------------------------------------------------------------------- API
+def save(fast: torch.nn.Module, path, *, process_group=None) -> None:
+    """Write a model sharded with ``fxrec.transform(..., plan=...)`` to the DCP directory ``path``.
+
+    Collective: every rank of the process group calls it, with the same ``path`` (a directory all
+    ranks can write; shared storage across hosts). Each table is stored as its global tensor made
+    of the pieces the ranks hold; every other parameter and buffer (whole on every rank) once.
+    Load it with :func:`load` under any plan and world size, or with :func:`load_into_model`
+    into the single-process model. ::
+
+        fast = fxrec.transform(model, local_example, plan=plan)
+        ...train...
+        fxrec.checkpoint.save(fast, f"ckpt/step_{step}")     # on every rank
+    """
+    layout = _layout(fast)
+    _check_collective("save", layout)
+    if not (dist.is_available() and dist.is_initialized()):
+        return save_model(fast, path)  # an unsharded model in a single process
+    pieces = _pieces_of(fast, layout)
+    _dcp().save(_whole_state(fast, layout), checkpoint_id=path, planner=_planners()[0](pieces),
+                process_group=process_group)
+
+
+def load(fast: torch.nn.Module, path, *, strict: bool = True, process_group=None) -> None:
+    """Fill a sharded model's parameters and buffers in place from the DCP checkpoint at ``path``.
+
+    Collective: every rank calls it. The checkpoint may come from :func:`save` under any plan and
+    world size, or from :func:`save_model` (one process): each rank reads just the rows and
+    columns of its own pieces. Raises :class:`CheckpointError` (on every rank, before any data is
+    read) naming each table or entry the checkpoint has with another shape, both shapes given,
+    and with ``strict=True`` (default) each one it lacks and those the model does not have
+    (``strict=False`` leaves the former as they are and ignores the latter). ::
+
+        fast = fxrec.transform(model, local_example, plan=new_plan)   # another plan / world size
+        fxrec.checkpoint.load(fast, "ckpt/step_100")                 # on every rank
+    """
+    layout = _layout(fast)
+    _check_collective("load", layout)
+    if not (dist.is_available() and dist.is_initialized()):
+        return load_into_model(fast, path, strict=strict)  # an unsharded model in a single process
+    pieces = _pieces_of(fast, layout)
+    whole = _whole_state(fast, layout)
+    keys = _check_fits(path, _expected(whole, layout), _table_names(fast, layout), strict)
+    pieces = {k: v for k, v in pieces.items() if k in keys}  # strict=False: tables it lacks stay as they are
+    _load_whole(whole, keys, path, _planners()[1](pieces), no_dist=False, process_group=process_group)
+    _copy_back(fast, whole)
+
+
+def save_model(model: torch.nn.Module, path) -> None:
+    """Write a single-process model (full tables; a plain model or ``fxrec.transform`` without a
+    plan) to the DCP directory ``path``, in the format :func:`load` reads into a sharded model.
+
+    Needs no process group; when one is initialised, only the calling process writes. ::
+
+        fxrec.checkpoint.save_model(model, "ckpt/init")
+        # later, on every rank of a sharded run:
+        fxrec.checkpoint.load(fxrec.transform(model, local_example, plan=plan), "ckpt/init")
+    """
+    layout = _layout(model)
+    if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
+        raise RuntimeError("fxrec.checkpoint.save_model: the model is sharded (transformed with plan=): "
+                           "use fxrec.checkpoint.save on every rank")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        dcp = _dcp()
+        dcp.save(model.state_dict(), checkpoint_id=path, planner=dcp.DefaultSavePlanner(flatten_state_dict=False),
+                 no_dist=True)
+
+
+def load_into_model(model: torch.nn.Module, path, *, strict: bool = True) -> None:
+    """Load a checkpoint written by :func:`save` (any plan, any world size) or :func:`save_model`
+    into a single-process model with full tables, in place. Needs no process group. ::
+
+        model = MyModel()                                   # e.g. for evaluation
+        fxrec.checkpoint.load_into_model(model, "ckpt/step_100")
+        fast = fxrec.transform(model, example)              # or fxrec.transform(..., mode="inference")
+
+    Raises :class:`CheckpointError` naming each table or entry the checkpoint has with another
+    shape (both shapes given), and with ``strict=True`` (default) each one it lacks and those the
+    model does not have.
+    """
+    layout = _layout(model)
+    if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
+        raise RuntimeError("fxrec.checkpoint.load_into_model: the model is sharded (transformed with plan=): "
+                           "use fxrec.checkpoint.load on every rank")
+    state = model.state_dict()
+    keys = _check_fits(path, _expected(state, {}), _table_names(model, {}), strict)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        planner = _dcp().DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=not strict)
+        _load_whole(state, keys, path, planner, no_dist=True, process_group=None)
+    _copy_back(model, state)
+
+
+# --------------------------------------------------------------------------- helpers
+def _is_partial(shape, pieces) -> bool:
+    return not (len(pieces) == 1 and tuple(pieces[0][:4]) == (0, shape[0], 0, shape[1]))
+
+
+def _load_whole(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no_dist: bool, process_group) -> None:
+    for k in [k for k in state if k not in keys]:  # refused by _check_fits when strict; skipped otherwise
+        del state[k]
+    _dcp().load(state, checkpoint_id=path, planner=planner, no_dist=no_dist, process_group=process_group)
+
+
+def _copy_back(module: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """DCP copies tensors in place into the state dict's tensors, which share storage with the
+    module's; non-tensor entries (``get_extra_state``) come back as new objects: hand them over."""
+    extra = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    if extra:
+        module.load_state_dict(extra, strict=False)
