@@ -17,6 +17,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed these (the old names warn); torch 2.11 has only the old ones
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class CollectiveError(RuntimeError):
     """A collective failed on this rank (another rank did not arrive, or the group broke)."""
 
@@ -66,7 +71,7 @@ class _ReduceScatter(torch.autograd.Function):
         world = dist.get_world_size()
         out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
         try:
-            dist.reduce_scatter_tensor(out, x.contiguous())
+            _reduce_scatter_single(out, x.contiguous())
         except Exception as e:  # noqa: BLE001
             raise _fail("reduce_scatter", where, e) from e
         return out
@@ -76,7 +81,7 @@ class _ReduceScatter(torch.autograd.Function):
         world = dist.get_world_size()
         out = grad.new_empty((grad.shape[0] * world,) + tuple(grad.shape[1:]))
         try:
-            dist.all_gather_into_tensor(out, grad.contiguous())
+            _all_gather_single(out, grad.contiguous())
         except Exception as e:  # noqa: BLE001
             raise _fail("all_gather", ctx.where + " (backward)", e) from e
         return out, None
@@ -93,7 +98,7 @@ def all_gather_ints(values: List[int], where: str = "") -> List[List[int]]:
     t = torch.tensor(values, dtype=torch.long)
     out = t.new_empty(dist.get_world_size() * len(values))
     try:
-        dist.all_gather_into_tensor(out, t)
+        _all_gather_single(out, t)
     except Exception as e:  # noqa: BLE001
         raise _fail("all_gather", where, e) from e
     return out.view(dist.get_world_size(), len(values)).tolist()
