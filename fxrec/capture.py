@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from .codegen import StructuredCodeGen
+from .codegen import StructuredCodeGen, supported
 
 
 class CaptureError(RuntimeError):
@@ -99,9 +99,11 @@ def _structured_forward(gm: fx.GraphModule) -> None:
     them by index (see :mod:`fxrec.codegen`), instead of export's per-call pytree flatten and
     structure check; list lengths are still checked, with a message that names the input."""
     info = getattr(gm.graph._codegen, "pytree_info", None)
-    if info is None or info.in_spec is None:  # pragma: no cover - other torch releases
-        return
-    gm.graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.orig_args)
+    if info is None or info.in_spec is None or not supported(info.in_spec) or not supported(info.out_spec):
+        return  # namedtuples, OrderedDicts, ...: export's own pytree forward stays
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    none_leaves = [k for k, n in enumerate(placeholders) if "val" in n.meta and n.meta["val"] is None]
+    gm.graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.orig_args, none_leaves=none_leaves)
     if hasattr(gm, "validate_inputs"):
         gm.validate_inputs = False  # the generated forward checks what it reads
     gm.recompile()

@@ -53,6 +53,15 @@ def _type_of(spec, where: str) -> str:
                      "must be tensors or lists, tuples or str-keyed dicts of them")
 
 
+_CONTAINERS = (tuple, list, dict, type(None))
+
+
+def supported(spec) -> bool:
+    """Whether :class:`StructuredCodeGen` can write code for this input or output structure:
+    tensors (leaves) in tuples, lists, dicts and Nones (not namedtuples, OrderedDicts, ...)."""
+    return spec.is_leaf() or (spec.type in _CONTAINERS and all(supported(k) for k in _children(spec)))
+
+
 def _leaf_paths(spec, expr: str, out: List[Tuple[str, Any]]) -> None:
     """(access expression, spec of the container it checks) for every leaf, in pytree order."""
     if spec.is_leaf():
@@ -67,9 +76,10 @@ class StructuredCodeGen(fx.graph.CodeGen):
     """Writes ``forward`` with the model's own arguments (typed for TorchScript when ``typed``)
     and returns the model's own output structure."""
 
-    def __init__(self, in_spec, out_spec, arg_names: List[str], typed: bool = False):
+    def __init__(self, in_spec, out_spec, arg_names: List[str], typed: bool = False, none_leaves=()):
         super().__init__()
         self.in_spec, self.out_spec, self.arg_names, self.typed = in_spec, out_spec, list(arg_names), typed
+        self.none_leaves = set(none_leaves)  # input leaves that were None when the model was captured
 
     def _arg_specs(self):
         spec = self.in_spec
@@ -88,16 +98,28 @@ class StructuredCodeGen(fx.graph.CodeGen):
             self._length_checks(spec, name, lines)
         if len(paths) != len(leaves):
             raise InputError(f"fxrec: {len(paths)} input tensors in the call, {len(leaves)} in the graph")
-        lines += [f"{leaf} = {expr}" for leaf, (expr, _) in zip(leaves, paths) if leaf != expr]
+        for k, (expr, _) in enumerate(paths):
+            if k in self.none_leaves:
+                shown = expr.replace("'", "")
+                lines.append(f"if {expr} is not None: raise ValueError('fxrec: input {shown} was None when the "
+                             "model was captured and must stay None')")
+        bind = [(leaf, expr) for leaf, (expr, _) in zip(leaves, paths) if leaf != expr]
+        if bind:  # one assignment: every input is read before any name is rebound
+            lines.append(", ".join(b[0] for b in bind) + ", = " + ", ".join(b[1] for b in bind) + ",")
         head = f"def {self._func_name}(self, {', '.join(params)}){maybe_return_annotation}:"
         return head + "".join(f"\n    {line}" for line in lines)
 
     def _length_checks(self, spec, expr: str, lines: List[str]) -> None:
         if spec.is_leaf():
             return
-        if spec.type is list:
+        shown = expr.replace("'", "")
+        if spec.type is type(None):
+            lines.append(f"if {expr} is not None: raise ValueError('fxrec: input {shown} was None when the model "
+                         "was captured and must stay None')")
+            return
+        if spec.type in (list, tuple, dict):
             n = spec.num_children
-            lines.append(f"if len({expr}) != {n}: raise ValueError('fxrec: input {expr} must have {n} elements')")
+            lines.append(f"if len({expr}) != {n}: raise ValueError('fxrec: input {shown} must have {n} elements')")
         for i, kid in enumerate(_children(spec)):
             key = repr(spec.context[i]) if spec.type is dict else str(i)
             self._length_checks(kid, f"{expr}[{key}]", lines)
@@ -109,6 +131,8 @@ class StructuredCodeGen(fx.graph.CodeGen):
         def build(spec) -> str:
             if spec.is_leaf():
                 return repr(next(it))
+            if spec.type is type(None):
+                return "None"
             parts = [build(k) for k in _children(spec)]
             if spec.type is tuple:
                 return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"

@@ -78,7 +78,8 @@ def _serving_module(group: EmbeddingGroup, offsets: list, psws: list):
 def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     info = gm.graph._codegen
     if not isinstance(info, StructuredCodeGen):
-        raise InputError("fxrec.export.torchscript needs a model made by fxrec.transform")
+        raise InputError("fxrec.export.torchscript needs a model made by fxrec.transform whose inputs and "
+                         "outputs are tensors in tuples, lists and str-keyed dicts")
     for n in gm.graph.nodes:
         if n.op == "placeholder" and not isinstance(n.meta.get("val"), torch.Tensor):
             raise InputError(f"fxrec.export.torchscript: input '{n.name}' is not a tensor "
@@ -110,5 +111,6 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 stats["groups"] += 1
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
-    graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.arg_names, typed=True)
+    graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.arg_names, typed=True,
+                                       none_leaves=info.none_leaves)
     return PassResult(fx.GraphModule(gm, graph, class_name="FxrecScriptable"), True, stats)

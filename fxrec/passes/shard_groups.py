@@ -49,7 +49,6 @@ import torch
 import torch.fx as fx
 
 from .. import meta
-from ..group_module import uses_outside_group
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.sharded import (
     RowWiseInputDist, RowWiseLookup, RowWiseOutputDist, TableWiseInputDist, TableWiseLookup, TableWiseOutputDist,
@@ -102,10 +101,11 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
-        outside = uses_outside_group(gr)
-        if outside and plan.tables[outside].sharding != "data_parallel":
-            raise InputError(f"fxrec: table '{outside}' is also used outside its lookups (tied weights?); "
-                             "a sharded table is only looked up: plan it data_parallel")
+        mine = {r.node for r in gr.lookups}
+        for r in gr.lookups:
+            if kinds[id(r)] != "data_parallel" and any(u not in mine for u in r.weight.users):
+                raise InputError(f"fxrec: table '{r.table}' is also used outside its lookups (tied weights, or a "
+                                 "lookup fxrec leaves alone); a sharded table is only looked up: plan it data_parallel")
         for r in gr.lookups:
             stats[kinds[id(r)]] = stats.get(kinds[id(r)], 0) + 1
             if kinds[id(r)] == "column_wise":

@@ -3,7 +3,7 @@
 Plain functions: ``all_to_all`` (variable splits; its backward is the all-to-all back),
 ``reduce_scatter`` (sum, even chunks along dim 0; its backward is an all-gather) and
 ``all_reduce_grad`` (a gradient hook that sums a parameter's gradient over ranks). They run on
-whatever process group is initialised (gloo on CPU, NCCL on CUDA). A collective that fails —
+whatever process group is initialised (gloo on CPU; written for NCCL on CUDA, not yet run there). A collective that fails —
 usually because another rank did not arrive within the process group's timeout — raises
 :class:`CollectiveError` naming the collective, the graph step that called it and this rank.
 These functions know nothing of graphs or passes.
@@ -95,7 +95,8 @@ def reduce_scatter(x: torch.Tensor, where: str = "") -> torch.Tensor:
 
 def all_gather_ints(values: List[int], where: str = "") -> List[List[int]]:
     """Every rank's list of ints (same length on every rank)."""
-    t = torch.tensor(values, dtype=torch.long)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.long, device=dev)
     out = t.new_empty(dist.get_world_size() * len(values))
     try:
         _all_gather_single(out, t)
@@ -108,7 +109,7 @@ def all_reduce_grad(name: str):
     """A gradient hook summing the gradient over ranks (data-parallel parameters)."""
 
     def hook(grad: torch.Tensor) -> Optional[torch.Tensor]:
-        g = grad.to_dense() if grad.is_sparse else grad.clone()
+        g = grad.coalesce() if grad.is_sparse else grad.clone()  # sparse stays sparse (gloo sums it)
         try:
             dist.all_reduce(g)
         except Exception as e:  # noqa: BLE001

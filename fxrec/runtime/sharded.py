@@ -64,7 +64,7 @@ def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torc
     new_lens = lens.permute(1, 0, 2).reshape(-1)
     new_starts = starts.permute(1, 0, 2).reshape(-1)
     n = values.numel()
-    idx = torch.repeat_interleave(new_starts - _exclusive_cumsum(new_lens), new_lens, output_size=n) + torch.arange(n)
+    idx = torch.repeat_interleave(new_starts - _exclusive_cumsum(new_lens), new_lens, output_size=n) + torch.arange(n, device=values.device)
     return new_lens, values[idx], (weights[idx] if weights is not None else None)
 
 
@@ -77,6 +77,14 @@ def _check_ids(pairs, names: List[str], rows: List[int], order: List[int]) -> No
             if lo < 0 or hi >= rows[i]:
                 raise IndexError(f"fxrec: feature '{names[i]}' looks up id {lo if lo < 0 else hi} in a table of "
                                  f"{rows[i]} rows (valid ids: 0..{rows[i] - 1})")
+
+
+def _check_sample_weights(psw_list, names: List[str], order: List[int]) -> None:
+    if torch.is_grad_enabled():
+        for i in order:
+            if psw_list[i] is not None and psw_list[i].requires_grad:
+                raise ValueError(f"fxrec: feature '{names[i]}' has per-sample weights that need a gradient; "
+                                 "sharded tables take fixed weights only for now (plan the table data_parallel)")
 
 
 def _check_batch(batches: List[int], where: str) -> int:
@@ -106,19 +114,21 @@ class TableWiseInputDist(nn.Module):
     def forward(self, ids_list, offsets_list, psw_list):
         pairs = [feature_lengths(self.forms[i], ids_list[i], offsets_list[i]) for i in self.send_order]
         _check_ids(pairs, self.names, self.rows, self.send_order)
+        _check_sample_weights(psw_list, self.names, self.send_order)
         batch = int(pairs[0][0].numel()) if pairs else 0
         lengths = torch.cat([p[0] for p in pairs])
         values = torch.cat([p[1] for p in pairs])
         weights = None
         if self.weighted:
             weights = torch.cat([
-                (psw_list[i].reshape(-1).float() if psw_list[i] is not None else torch.ones(p[1].numel()))
+                (psw_list[i].reshape(-1).float() if psw_list[i] is not None else torch.ones(p[1].numel(), device=p[1].device))
                 for i, p in zip(self.send_order, pairs)
             ])
         # values per destination rank
-        per_feature = torch.stack([p[0].sum() for p in pairs]) if pairs else torch.zeros(0, dtype=torch.long)
-        owner_of = torch.tensor([self.owners[i] for i in self.send_order], dtype=torch.long)
-        send_values = torch.zeros(self.world, dtype=torch.long).index_add_(0, owner_of, per_feature).tolist()
+        per_feature = torch.stack([p[0].sum() for p in pairs]).tolist() if pairs else []
+        send_values = [0] * self.world
+        for i, n in zip(self.send_order, per_feature):
+            send_values[self.owners[i]] += int(n)
         info = all_gather_ints([batch] + send_values, f"{self.name} (counts)")
         batch = _check_batch([row[0] for row in info], self.name)
         recv_values = [row[1 + self.rank] for row in info]
@@ -172,7 +182,7 @@ class TableWiseOutputDist(nn.Module):
         for s in range(self.world):
             for out in looked:
                 parts.append(out[s * batch:(s + 1) * batch].reshape(-1))
-        send = torch.cat(parts) if parts else torch.zeros(0)
+        send = torch.cat(parts) if parts else torch.zeros(0, device=dist_out[1].device)
         if torch.is_grad_enabled() and not send.requires_grad:
             send = send.detach().requires_grad_()  # every rank joins the backward all-to-all
         mine = self.width_of[self.rank] * batch
@@ -202,23 +212,24 @@ class RowWiseInputDist(nn.Module):
         nfeat = len(self.forms)
         pairs = [feature_lengths(self.forms[i], ids_list[i], offsets_list[i]) for i in range(nfeat)]
         _check_ids(pairs, self.names, self.rows, list(range(nfeat)))
+        _check_sample_weights(psw_list, self.names, list(range(nfeat)))
         batch = int(pairs[0][0].numel())
         keys, values, weights = [], [], []
         for f, (ln, vals) in enumerate(pairs):
             block_index = torch.div(vals, self.blocks[f], rounding_mode="floor")
             dest = block_index + self.bases[f]
-            bag = torch.repeat_interleave(torch.arange(batch), ln, output_size=vals.numel())
+            bag = torch.repeat_interleave(torch.arange(batch, device=vals.device), ln, output_size=vals.numel())
             keys.append(dest * (nfeat * batch) + f * batch + bag)
             values.append(vals - block_index * self.blocks[f])
             if self.weighted:
                 w = psw_list[f]
-                weights.append(w.reshape(-1).float() if w is not None else torch.ones(vals.numel()))
+                weights.append(w.reshape(-1).float() if w is not None else torch.ones(vals.numel(), device=vals.device))
         key = torch.cat(keys)
         order = torch.argsort(key, stable=True)
         send_lengths = torch.bincount(key, minlength=self.world * nfeat * batch)
         send_values = torch.cat(values)[order]
         send_weights = torch.cat(weights)[order] if self.weighted else None
-        per_dest = send_lengths.view(self.world, -1).sum(1).tolist()
+        per_dest = send_lengths.view(self.world, nfeat * batch).sum(1).tolist()
         info = all_gather_ints([batch] + per_dest, f"{self.name} (counts)")
         batch = _check_batch([row[0] for row in info], self.name)
         recv = [row[1 + self.rank] for row in info]
@@ -264,6 +275,6 @@ class RowWiseOutputDist(nn.Module):
         out = reduce_scatter(partial, self.name)
         if self.pooling == "mean":
             local_lengths = dist_out[4]  # [features, B]: this rank's bag lengths before bucketizing
-            scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), torch.tensor(self.dims), dim=0)
+            scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), torch.tensor(self.dims, device=out.device), dim=0)
             out = out * scale.t()
         return out
