@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fxrec
+from tests.test_sharding import local_batch  # one sample slicing for every multi-process test
 from fxrec.checkpoint import CheckpointError
 
 ROWS = (40, 64, 30, 6)  # bags.0, bags.1, bags.2, tiny (6 rows over 4 ranks row-wise: 2, 2, 2, 0)
@@ -54,17 +55,6 @@ def global_batch(batch, seed):
     ids = [torch.randint(0, r, (int(ln.sum()),), generator=g) for r, ln in zip(ROWS, lengths)]
     offsets = [torch.cat([torch.zeros(1, dtype=torch.long), ln.cumsum(0)[:-1]]) for ln in lengths]
     return torch.rand(batch, 3, generator=g), ids, offsets, torch.randint(0, SINGLE_ROWS, (batch,), generator=g)
-
-
-def local_batch(x, rank, batch):
-    dense, ids, offsets, single = x
-    lo, hi = rank * batch, (rank + 1) * batch
-    l_ids, l_offs = [], []
-    for i, o in zip(ids, offsets):
-        ends = torch.cat([o[1:], torch.tensor([i.numel()])])
-        l_ids.append(i[o[lo]:ends[hi - 1]] if hi > lo else i[:0])
-        l_offs.append(o[lo:hi] - o[lo])
-    return dense[lo:hi], l_ids, l_offs, single[lo:hi]
 
 
 def sharded(world, rank, pins, seed):
