@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import operator
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.fx as fx
 
 from . import meta
 from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
@@ -86,3 +88,20 @@ def group_inputs(gr: meta.GroupRecord, index: Dict[str, int], value) -> tuple:
         [value(r.per_sample_weights) for r in gr.lookups],
     )
     return inputs if gr.quant else inputs + (weights,)
+
+
+def hand_outputs(graph: fx.Graph, call: fx.Node, recs: Sequence[meta.LookupRecord], pooled: bool = True) -> None:
+    """Give each lookup's users its part of ``call``'s output (inserted at the graph's current
+    insertion point): a column slice of a pooled ``[B, sum of dims]`` output, else item i of a
+    list; the parts carry the original output's ``val`` and name it as their origin."""
+    col = 0
+    for i, rec in enumerate(recs):
+        if pooled:
+            out = graph.call_function(torch.ops.aten.slice.Tensor, (call, 1, col, col + rec.dim))
+            col += rec.dim
+        else:
+            out = graph.call_function(operator.getitem, (call, i))
+        out.meta[meta.ORIGIN] = [rec.output.name]
+        if "val" in rec.output.meta:
+            out.meta["val"] = rec.output.meta["val"]
+        rec.output.replace_all_uses_with(out)

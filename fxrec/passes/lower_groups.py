@@ -33,16 +33,13 @@ Not handled: lookups without a group, and groups that choose_kernels kept as pla
 
 from __future__ import annotations
 
-import operator
 
-import torch
 import torch.fx as fx
 
 from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
-from ..group_module import build_group_module, group_inputs
+from ..group_module import build_group_module, group_inputs, hand_outputs
 
-aten = torch.ops.aten
 
 
 @compiler_pass(needs=("groups", "paths"), provides=(meta.ORIGIN,))
@@ -69,17 +66,7 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             call.meta[meta.ORIGIN] = [rec.node.name for rec in gr.lookups]
             if "stack_trace" in gr.lookups[0].node.meta:
                 call.meta["stack_trace"] = gr.lookups[0].node.meta["stack_trace"]
-            col = 0
-            for i, rec in enumerate(gr.lookups):
-                if gr.pooling == "none":
-                    out = graph.call_function(operator.getitem, (call, i))
-                else:
-                    out = graph.call_function(aten.slice.Tensor, (call, 1, col, col + rec.dim))
-                    col += rec.dim
-                out.meta[meta.ORIGIN] = [rec.output.name]
-                if "val" in rec.output.meta:
-                    out.meta["val"] = rec.output.meta["val"]
-                rec.output.replace_all_uses_with(out)
+            hand_outputs(graph, call, gr.lookups, pooled=gr.pooling != "none")
         for rec in gr.lookups:
             for n in rec.nodes:  # users first: getitems / sum before the lookup itself
                 graph.erase_node(n)

@@ -49,12 +49,12 @@ import torch
 import torch.fx as fx
 
 from .. import meta
+from ..group_module import hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.sharded import (
     RowWiseInputDist, RowWiseLookup, RowWiseOutputDist, TableWiseInputDist, TableWiseLookup, TableWiseOutputDist,
 )
 
-aten = torch.ops.aten
 SUPPORTED = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 
 
@@ -181,14 +181,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 out = graph.call_module(f"{name}_output_dist", (look, din))
                 for n in (din, look, out):
                     n.meta[meta.ORIGIN] = [r.node.name for r in recs]
-                col = 0
-                for r in recs:
-                    sl = graph.call_function(aten.slice.Tensor, (out, 1, col, col + r.dim))
-                    col += r.dim
-                    sl.meta[meta.ORIGIN] = [r.output.name]
-                    if "val" in r.output.meta:
-                        sl.meta["val"] = r.output.meta["val"]
-                    r.output.replace_all_uses_with(sl)
+                hand_outputs(graph, out, recs)
             for r in recs:
                 for n in r.nodes:
                     graph.erase_node(n)
