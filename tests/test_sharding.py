@@ -113,11 +113,16 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts):
         dist.destroy_process_group()
 
 
-def run_world(world, pins, mode="sum", steps=10, hosts=1):
+def spawn(fn, world, *args):
+    """Run ``fn(rank, world, init_file, *args)`` in ``world`` processes meeting through a fresh file."""
     fd, init_file = tempfile.mkstemp(prefix="fxrec_dist_")
     os.close(fd)
     os.remove(init_file)
-    mp.spawn(_worker, args=(world, init_file, pins, mode, steps, hosts), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, init_file, *args), nprocs=world, join=True)
+
+
+def run_world(world, pins, mode="sum", steps=10, hosts=1):
+    spawn(_worker, world, pins, mode, steps, hosts)
 
 
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise", "row_wise", "data_parallel"])
@@ -169,11 +174,8 @@ def _late_worker(rank, world, init_file, result_file):
 
 
 def test_a_rank_that_does_not_arrive_fails_the_others_with_a_timeout_error(tmp_path):
-    fd, init_file = tempfile.mkstemp(prefix="fxrec_dist_")
-    os.close(fd)
-    os.remove(init_file)
     result = tmp_path / "error.txt"
-    mp.spawn(_late_worker, args=(2, init_file, str(result)), nprocs=2, join=True)
+    spawn(_late_worker, 2, str(result))
     text = result.read_text()
     assert "rank 0" in text and "input_dist" in text and "did not reach" in text, text
 
@@ -199,11 +201,8 @@ def _uneven_worker(rank, world, init_file, result_file):
 
 
 def test_batch_sizes_that_differ_between_ranks_are_rejected_on_every_rank(tmp_path):
-    fd, init_file = tempfile.mkstemp(prefix="fxrec_dist_")
-    os.close(fd)
-    os.remove(init_file)
     result = tmp_path / "error"
-    mp.spawn(_uneven_worker, args=(2, init_file, str(result)), nprocs=2, join=True)
+    spawn(_uneven_worker, 2, str(result))
     for rank in (0, 1):
         text = (tmp_path / f"error.{rank}").read_text()
         assert "different sizes [4, 5]" in text and "same batch size on every rank" in text, text
