@@ -21,7 +21,7 @@ from .report import LookupEntry, Report
 from . import meta
 from .verify import compare_models
 
-BACKENDS = ("auto", "fbgemm", "direct", "loop")
+BACKENDS = ("auto", "fbgemm", "native", "direct", "loop")
 
 
 def write_back(transformed: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -75,11 +75,14 @@ def transform(
         the only input). Lists and dicts of tensors are fine. Use a representative batch:
         ``backend="auto"`` times both implementations on it.
       example_kwargs: keyword inputs of that call, if any.
-      backend: ``"auto"`` (per group, the fastest of fbgemm's TBE, ``"direct"`` (the plain lookups
-        into a reused output buffer, with fxrec's gradients) and the plain lookups, measured on the example
-        inputs, separately for training and inference), or one of ``"fbgemm"``, ``"direct"``,
-        ``"loop"`` forced everywhere it applies (``"direct"`` is for pooled groups; sequence
-        groups use fbgemm under it).
+      backend: ``"auto"`` (per group, the fastest of fbgemm's TBE, ``"native"`` (fxrec's own CPU
+        kernel, which writes every feature straight into the group's output; built with g++ on
+        first use), ``"direct"`` (the plain lookups into a reused output buffer, with fxrec's
+        gradients) and the plain lookups, measured on the example inputs, separately for
+        training and inference), or one of ``"fbgemm"``, ``"native"``, ``"direct"``, ``"loop"``
+        forced everywhere it applies (``"native"`` and ``"direct"`` are for pooled groups;
+        sequence groups use fbgemm under them; where fxrec's kernel is not built or does not
+        apply to an input, ``"native"`` runs the plain lookups and the report says why).
       verify: run the example inputs through both models and raise
         :class:`fxrec.VerificationError` naming the tables whose outputs or gradients differ.
       check_passes: after every pass, compare the graph against the original model (slow;
@@ -90,7 +93,7 @@ def transform(
         from table name / glob pattern to one of these. The report gives bytes and the error
         against the fp32 lookups on the example inputs per table.
       output_dtype: inference with quantize: dtype of the pooled outputs, ``"fp32"`` or ``"fp16"``.
-      reuse_outputs: on CPU, in inference, a pooled group on the ``"direct"`` path writes into one
+      reuse_outputs: on CPU, in inference, a pooled group on the ``"native"`` or ``"direct"`` path writes into one
         output buffer that it keeps between calls and reuses whenever nothing references the
         previous result (a fresh tensor of tens of MB costs a page fault per 4 KiB every call).
         Costs one output's memory per group between calls; ``False`` allocates every call.

@@ -177,8 +177,10 @@ class Report:
                     (g.name, g.pooling, str(len(g.tables)), str(len(g.features)), g.path_train, g.path_eval, g.why)
                 )
             lines.append("")
-            lines.append("Groups (paths: 'fbgemm' = one fbgemm TBE; 'direct' = PyTorch's lookups into a reused output "
-                         "buffer, fxrec's gradients in training; 'loop' = PyTorch's lookups in the group module; "
+            lines.append("Groups (paths: 'fbgemm' = one fbgemm TBE; 'native' = fxrec's CPU kernel, every feature "
+                         "written straight into the group's output (and fused SGD's in-place update); 'direct' = "
+                         "PyTorch's lookups into a reused output buffer, fxrec's gradients in training; 'loop' = "
+                         "PyTorch's lookups in the group module; "
                          "'plain' = the original lookups left in the graph, kept because they were faster)")
             lines.extend(_table(rows))
             for g in self.groups:

@@ -194,8 +194,9 @@ def test_report_names_groups_paths_and_sources():
     text = str(fast.report)
     assert "3 embedding lookups found" in text
     g = fast.report.groups[0]
-    assert g.path_eval in ("fbgemm", "direct", "loop", "plain") and g.path_train in ("fbgemm", "direct", "loop", "plain")
-    assert set(g.timings_ms) == {f"{m}_{p}" for m in ("fwd", "train") for p in ("fbgemm", "direct", "plain")}
+    paths = ("fbgemm", "native", "direct", "loop", "plain")
+    assert g.path_eval in paths and g.path_train in paths
+    assert set(g.timings_ms) == {f"{m}_{p}" for m in ("fwd", "train") for p in ("fbgemm", "native", "direct", "plain")}
     assert g.why.startswith("measured on the example inputs")
     assert all(e.source.startswith("models.py:") for e in fast.report.lookups)
     assert fast.report.lookups[0].feature == "ids_0"

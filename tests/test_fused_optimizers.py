@@ -234,19 +234,37 @@ def test_auto_times_fused_against_fallback_and_either_matches_torch(opt_cfg, tor
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
 
 
-def with_torch_sgd(fast):
-    """Switch every fused SGD group to fxrec's own fused update (what auto picks when faster)."""
+def autograd_node_names(out):
+    seen, todo, names = set(), [out.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def with_torch_sgd(fast, impl="torch"):
+    """Switch every fused SGD group to fxrec's own fused update (what auto picks when faster):
+    ``"torch"`` (index_add_ after fbgemm's forward) or ``"native"`` (fxrec's kernels, pooled
+    groups only; sequence groups keep "torch")."""
     import dataclasses
 
     for m in fast.modules():
         if getattr(m, "fused", None) is not None:
-            m.fused = dataclasses.replace(m.fused, impl="torch")
+            native = impl == "native" and m.pooling != "none"
+            m.fused = dataclasses.replace(m.fused, impl="native" if native else "torch")
+            if native:
+                m.set_paths("native", m.path_eval)
     return fast
 
 
+@pytest.mark.parametrize("impl", ["torch", "native"])
 @pytest.mark.parametrize("path_eval", ["fbgemm", "loop"])
 @pytest.mark.parametrize("case", ["bag_list", "bag_list_mean", "shared", "weighted", "sequence"])
-def test_fxrec_fused_sgd_matches_torch_sgd(case, path_eval):
+def test_fxrec_fused_sgd_matches_torch_sgd(case, path_eval, impl):
     makers = {
         "bag_list": (lambda: M.BagList(rows=ROWS), duplicate_heavy_inputs),
         "bag_list_mean": (lambda: M.BagList(rows=ROWS, mode="mean"), duplicate_heavy_inputs),
@@ -256,16 +274,18 @@ def test_fxrec_fused_sgd_matches_torch_sgd(case, path_eval):
     }
     model_fn, inputs_fn = makers[case]
     model = model_fn()
-    fast = with_torch_sgd(fxrec.transform(model, inputs_fn(0), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm"))
+    fast = with_torch_sgd(fxrec.transform(model, inputs_fn(0), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm"), impl)
     for m in fast.modules():
         if getattr(m, "fused", None) is not None:
-            m.set_paths("fbgemm", path_eval)
+            m.set_paths(m.path_train, path_eval)
     ref = copy.deepcopy(model)
     tables = set(fast.meta["fxrec_table_optimizers"])
     ref_opt = torch.optim.SGD([p for n, p in ref.named_parameters() if n in tables], lr=0.1)
     ref_dense = [p for n, p in ref.named_parameters() if n not in tables]
     ref_dense_opt = torch.optim.SGD(ref_dense, lr=0.1) if ref_dense else None
     opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    expected = {"torch": "_TBELookupFunctionBackward", "native": "_NativeSGDFunctionBackward"}[impl]
+    assert expected in autograd_node_names(fast(*inputs_fn(1)))  # the update under test really runs
     for step in range(20):
         x = inputs_fn(step + 1)
         ref_opt.zero_grad()
@@ -337,7 +357,7 @@ def padded_inputs(s):
     (fxrec.optim.SGD(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5)),
     (fxrec.optim.Adagrad(lr=0.5), lambda p: torch.optim.Adagrad(p, lr=0.5)),
 ], ids=["sgd", "adagrad"])
-@pytest.mark.parametrize("backend", ["fbgemm", "auto"])
+@pytest.mark.parametrize("backend", ["fbgemm", "native", "auto"])
 def test_padding_row_is_never_trained(opt_cfg, torch_opt, backend):
     """fbgemm's fused kernels know no padding row: fxrec must not let them update it."""
     ref, fast, _ = train_both(PaddedSequence, padded_inputs, opt_cfg, torch_opt, steps=5, backend=backend,
@@ -347,9 +367,10 @@ def test_padding_row_is_never_trained(opt_cfg, torch_opt, backend):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
 
 
-def test_fxrec_fused_sgd_survives_two_forwards_before_backward():
+@pytest.mark.parametrize("impl", ["torch", "native"])
+def test_fxrec_fused_sgd_survives_two_forwards_before_backward(impl):
     model = M.BagList(rows=ROWS)
-    fast = with_torch_sgd(fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm"))
+    fast = with_torch_sgd(fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm"), impl)
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
@@ -379,14 +400,15 @@ def _seq_pooled_inputs(seed):
     return torch.randint(0, 40, (5, 3), generator=g), torch.randint(0, 30, (5, 2), generator=g)
 
 
+@pytest.mark.parametrize("backend", ["direct", "native"])
 @pytest.mark.parametrize("opt", ["sgd", "adagrad"])
-def test_backend_direct_keeps_the_optimizer_exact(opt):
+def test_backend_direct_keeps_the_optimizer_exact(opt, backend):
     """backend='direct' has no fbgemm kernels for pooled groups: SGD is fxrec's fused update,
     Adagrad the torch.optim fallback there; sequence groups keep fbgemm's fused kernels."""
     cfg, ref_opt = {
         "sgd": (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
         "adagrad": (fxrec.optim.Adagrad(lr=0.1, eps=1e-8), lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-8)),
     }[opt]
-    ref, fast, _ = train_both(_SeqAndPooled, _seq_pooled_inputs, cfg, ref_opt, steps=10, backend="direct")
+    ref, fast, _ = train_both(_SeqAndPooled, _seq_pooled_inputs, cfg, ref_opt, steps=10, backend=backend)
     for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)

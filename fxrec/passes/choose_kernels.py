@@ -1,14 +1,17 @@
-"""choose_kernels: decide per group whether fbgemm's TBE or the plain lookups run.
+"""choose_kernels: decide per group which implementation runs: fbgemm's TBE, fxrec's own CPU
+kernel, or PyTorch's lookups.
 
 fbgemm's CPU TBE is not always faster than PyTorch's own per-table kernels (its CPU forward is
 single-threaded, while ``embedding_bag`` uses every core), so fxrec must not assume it. With
 ``backend="auto"`` this pass runs the example inputs through the captured graph once (an FX
 Interpreter that keeps each group's inputs), then times the implementations of every group on
-them (fbgemm, direct and plain for pooled groups; fbgemm and plain for sequence groups), alternating (``rounds`` runs each, median), separately for inference (forward under
-no_grad) and for training (forward and backward), and keeps the faster one for each.
+them (fbgemm, native (on CPU, where fxrec's kernel is built), direct and plain for pooled
+groups; fbgemm and plain for sequence groups), alternating (``rounds`` runs each, median),
+separately for inference (forward under no_grad) and for training (forward and backward), and
+keeps the faster one for each.
 
 For inference, ``direct`` (the plain lookups into a reused output buffer: the same kernels,
-fewer page faults) is kept when it measures within 10 % of the fastest. A group whose plain
+fewer page faults) is kept over the plain loop when it measures within 10 % of it. A group whose plain
 lookups win both ways is not lowered at all: its lookups stay in the graph
 exactly as the user wrote them, so choosing "plain" costs nothing. ``backend="fbgemm"`` or
 ``"loop"`` forces one implementation everywhere (``"loop"`` still lowers, which is what tests
@@ -35,7 +38,7 @@ from .. import meta
 from ..group_module import build_group_module, group_inputs, uses_outside_group
 from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..report import GroupEntry
-from ..runtime import _fbgemm
+from ..runtime import _fbgemm, _native
 from ..runtime.tbe import EmbeddingGroup
 
 
@@ -98,15 +101,20 @@ def _measure(mod: EmbeddingGroup, args: tuple, train: bool, rounds: int, paths) 
     return {p: statistics.median(v) * 1e3 for p, v in times.items()}
 
 
-_NAMES = {"fbgemm": "fbgemm", "direct": "direct", "loop": "plain"}
+_NAMES = {"fbgemm": "fbgemm", "native": "native", "direct": "direct", "loop": "plain"}
 TIE = 1.10  # measurements within 10 % of the fastest count as ties on these noisy machines
 
 
 def _fastest(times: Dict[str, float], prefer=None) -> str:
+    """The fastest path; ``prefer`` instead of the plain loop when within the noise of it."""
     best = min(times, key=times.get)
-    if prefer is not None and times[prefer] <= TIE * times[best]:
+    if best == "loop" and prefer is not None and times[prefer] <= TIE * times[best]:
         return prefer
     return best
+
+
+def _native_fits(gr: meta.GroupRecord, params) -> bool:
+    return gr.pooling != "none" and all(p.device.type == "cpu" for p in params) and _native.available()
 
 
 @compiler_pass(needs=("groups",), provides=("paths",))
@@ -117,14 +125,18 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.report.notes.append("fbgemm_gpu is not importable: every group runs the plain lookups")
     timed = [g for g in ctx.groups if not g.quant]
     values = _record_inputs(gm, ctx, timed) if backend == "auto" and timed else {}
-    stats = {"fbgemm_fwd": 0, "direct_fwd": 0, "fbgemm_train": 0, "direct_train": 0, "kept_plain": 0}
+    stats = {"fbgemm_fwd": 0, "native_fwd": 0, "direct_fwd": 0, "fbgemm_train": 0, "native_train": 0,
+             "direct_train": 0, "kept_plain": 0}
     for gr in ctx.groups:
         if gr.quant:
             gr.path_train = gr.path_eval = "fbgemm"
             gr.why = "quantized for inference: fbgemm's IntNBit TBE"
-        elif backend in ("fbgemm", "direct", "loop"):
-            gr.path_train = gr.path_eval = backend if (backend != "direct" or gr.pooling != "none") else "fbgemm"
+        elif backend in ("fbgemm", "native", "direct", "loop"):
+            pooled_only = backend in ("native", "direct") and gr.pooling == "none"
+            gr.path_train = gr.path_eval = "fbgemm" if pooled_only else backend
             gr.why = f"backend={backend!r} was asked for"
+            if backend == "native" and not pooled_only and not _native.available():
+                gr.why += f" but fxrec's kernel is not available ({_native.why_unavailable()}): plain lookups run"
         elif not all(r.ids in values for r in gr.lookups):
             gr.path_train = gr.path_eval = "loop"
             gr.lower = False
@@ -133,11 +145,13 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             mod, index = build_group_module(gr, with_optimizer=False, reuse_output=ctx.config.reuse_outputs)
             args = group_inputs(gr, index, lambda n: values.get(n) if isinstance(n, fx.Node) else n)
             paths = ("fbgemm", "direct", "loop") if gr.pooling != "none" else ("fbgemm", "loop")
+            if _native_fits(gr, args[3]):
+                paths = ("native", *paths)
             t_eval = _measure(mod, args, False, ctx.config.timing_rounds, paths)
             trains = any(p.requires_grad for p in args[3])
             t_train = _measure(mod, args, True, ctx.config.timing_rounds, paths) if trains else t_eval
             # direct runs the plain lookups' kernels into a reused buffer: never more work than the
-            # plain loop, so within the timing noise (10 %) it is preferred for inference
+            # plain loop, so within the timing noise (10 %) of it, it is preferred for inference
             prefer = "direct" if "direct" in t_eval and ctx.config.reuse_outputs else None
             gr.path_eval = _fastest(t_eval, prefer)
             gr.path_train = min(t_train, key=t_train.get)
@@ -153,7 +167,7 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         _choose_optimizer_path(gr, backend, values, ctx.config.timing_rounds)
         if not gr.lower and gr.timings_ms:
             gr.why += ": plain lookups are fastest both ways, kept as they were"
-        for p in ("fbgemm", "direct"):
+        for p in ("fbgemm", "native", "direct"):
             stats[f"{p}_fwd"] += gr.lower and gr.path_eval == p
             stats[f"{p}_train"] += gr.lower and gr.path_train == p
         stats["kept_plain"] += not gr.lower
@@ -173,7 +187,8 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
 
     With backend="auto" and an optimizer fbgemm can fuse, one training step of the group is timed
     on copies of its tables: fused by fbgemm (forward + backward with the update), fused by fxrec
-    (SGD only: the faster forward, and index_add_ of the gradient rows in backward), and the
+    (SGD only: the faster forward, and index_add_ of the gradient rows in backward; and, on CPU
+    where fxrec's kernel is built, its forward and its in-place update kernel), and the
     fallback (forward + backward with sparse gradients + the torch.optim step); the fastest is
     kept. Groups that fbgemm's fused kernels would get wrong are not given to them: a table
     also used outside its lookups (its other gradient would be lost) and an nn.Embedding
@@ -200,38 +215,45 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
         return
     if padded:  # fxrec's own fused SGD leaves the padding row alone; fbgemm's would not
         spec = dataclasses.replace(spec, impl="torch")
-    # fxrec's fused SGD runs after the faster of the forwards that feed fxrec's backward.
+    # fxrec's fused SGD ("torch") runs after the faster of the forwards that feed fxrec's backward.
     if gr.pooling == "none" or backend == "fbgemm":
         torch_fwd = "fbgemm"
-    elif backend == "direct":
+    elif backend in ("direct", "native"):
         torch_fwd = "direct"
     else:
         t = gr.timings_ms
         torch_fwd = "fbgemm" if t.get("fwd_fbgemm", 1.0) < t.get("fwd_direct", 0.0) else "direct"
-    direct = backend == "direct" and gr.pooling != "none"  # no fbgemm kernels for this group
-    if backend == "loop" or (direct and spec.kind != "sgd"):
+    own = backend in ("direct", "native") and gr.pooling != "none"  # no fbgemm kernels for this group
+    if backend == "loop" or (own and spec.kind != "sgd"):
         gr.why += f"; optimizer: backend={backend!r}, so torch.optim in opt.step()"
         return
-    if direct:  # SGD only (above): fxrec's own fused update
-        spec = dataclasses.replace(spec, impl="torch")
+    if own:  # SGD only (above): fxrec's own fused update
+        spec = dataclasses.replace(spec, impl="native" if backend == "native" else "torch")
+
+    def train_path(s) -> str:
+        return {"torch": torch_fwd, "native": "native"}.get(s.impl, "fbgemm")
+
     if backend == "auto" and all(r.ids in values for r in gr.lookups):
-        t = _time_optimizer_paths(gr, spec, values, rounds, torch_fwd)
+        native = spec.kind == "sgd" and _native_fits(gr, [values[r.weight] for r in gr.lookups
+                                                          if isinstance(r.weight, fx.Node) and r.weight in values])
+        t = _time_optimizer_paths(gr, spec, values, rounds, torch_fwd, native)
         gr.timings_ms.update({f"step_{k}": v for k, v in t.items()})
         best = min(t, key=t.get)
         measured = ", ".join(f"{k} {v:.3g} ms" for k, v in t.items())
         if best == "fallback":
             gr.why += f"; optimizer: torch.optim in opt.step() on sparse gradients, measured fastest a step ({measured})"
             return
-        if best == "fused_torch":
-            spec = dataclasses.replace(spec, impl="torch")
-        gr.fused, gr.path_train = spec, (torch_fwd if spec.impl == "torch" else "fbgemm")
+        if best in ("fused_torch", "fused_native"):
+            spec = dataclasses.replace(spec, impl=best[len("fused_"):])
+        gr.fused, gr.path_train = spec, train_path(spec)
         gr.why += f"; optimizer: fused {spec.kind} inside backward by {spec.impl}, measured fastest a step ({measured})"
         return
     gr.why += f"; optimizer: fused {spec.kind} inside backward"
-    gr.fused, gr.path_train = spec, (torch_fwd if spec.impl == "torch" else "fbgemm")
+    gr.fused, gr.path_train = spec, train_path(spec)
 
 
-def _time_optimizer_paths(gr: meta.GroupRecord, spec, values: Dict, rounds: int, torch_fwd: str) -> Dict[str, float]:
+def _time_optimizer_paths(gr: meta.GroupRecord, spec, values: Dict, rounds: int, torch_fwd: str,
+                          native: bool) -> Dict[str, float]:
     def scratch():
         _, index = build_group_module(gr, with_optimizer=False)
         args = group_inputs(gr, index, lambda n: values.get(n) if isinstance(n, fx.Node) else n)
@@ -242,9 +264,11 @@ def _time_optimizer_paths(gr: meta.GroupRecord, spec, values: Dict, rounds: int,
     impls = {} if spec.impl == "torch" else {"fused": spec}
     if spec.kind == "sgd":
         impls["fused_torch"] = dataclasses.replace(spec, impl="torch")
+    if native:
+        impls["fused_native"] = dataclasses.replace(spec, impl="native")
     fns = {}
     for name, variant in impls.items():
-        gr.fused, gr.path_train = variant, (torch_fwd if variant.impl == "torch" else "fbgemm")
+        gr.fused, gr.path_train = variant, {"torch": torch_fwd, "native": "native"}.get(variant.impl, "fbgemm")
         mod, _ = build_group_module(gr)
         fns[name] = (lambda m, a: lambda: _backward_ones(m(*a)))(mod, scratch())
     gr.fused, gr.path_train = saved

@@ -19,6 +19,12 @@ for inference) by the ``choose_kernels`` pass:
   any more (CPU; see :class:`ReusedOutput`), which saves page-faulting a fresh output of tens
   of MB every call. In training: the plain lookups' forward with fxrec's gradients (as for
   ``"fbgemm"``), which a fused optimizer needs.
+* ``"native"`` (pooled groups, CPU): fxrec's own kernel (``fxrec/csrc/pooled.cpp``, built on
+  first use, see :mod:`fxrec.runtime._native`) reads every feature's ids as given and writes
+  the pooled rows straight into their columns of the output: no per-table outputs, no cat,
+  no packing. In inference it writes into the reused buffer; in training its forward feeds
+  fxrec's gradients, and with fused SGD (``FusedSpec.impl == "native"``) its backward kernel
+  adds ``-lr * gradient`` into the looked-up rows, never making a gradient.
 * ``"loop"``: the original ATen lookups one after the other, bit for bit what the user's model
   computed.
 
@@ -28,6 +34,7 @@ These modules know nothing of graphs or passes.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -36,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _fbgemm
+from . import _fbgemm, _native
 
-PATHS = ("fbgemm", "direct", "loop")
+PATHS = ("fbgemm", "native", "direct", "loop")
 
 
 
@@ -89,7 +96,8 @@ class FusedSpec:
     eps: float = 1e-8
     # "fbgemm": fbgemm's backward kernel applies the update. "torch" (SGD only): fxrec's backward
     # adds -lr * gradient rows into the looked-up rows with index_add_ (PyTorch's multi-threaded
-    # kernels), after whichever forward is faster.
+    # kernels), after whichever forward is faster. "native" (SGD only, CPU): fxrec's own kernels,
+    # forward and update (fxrec/csrc/pooled.cpp); where they cannot run, as "torch".
     impl: str = "fbgemm"
 
 
@@ -381,19 +389,29 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         training = self._training(params, psw_list)
         fused = self._check_fused_usable(params, training)
         path = self.path_train if training else self.path_eval
+        native = None
+        if path == "native":
+            native = self._native_args(ids_list, offsets_list, psw_list, params)
+            if native is not None and not training:
+                return self._native_forward(native, ids_list, offsets_list, reuse=self.reuse_output)
+            if native is not None and fused and self.fused.impl == "native" and self._native_sgd_fits(params, psw_list):
+                return _NativeSGDFunction.apply(self, native, ids_list, offsets_list, *params)
         if path == "direct" and not training:
             out = self._direct(ids_list, offsets_list, psw_list, params) if self.reuse_output else None
             if out is not None:
                 return out
-        elif path == "direct" or (path == "fbgemm" and self._fbgemm_usable(params)):
+        elif path in ("direct", "native") or (path == "fbgemm" and self._fbgemm_usable(params)):
             packed = self._pack(ids_list, offsets_list, psw_list)
             if packed is not None:
                 indices, offsets, psw, batch = packed
                 self._validate_packed(indices, offsets, ids_list, offsets_list)
                 forward = None
-                if path == "direct":
+                if path == "direct" or (path == "native" and native is None):
                     def forward():  # PyTorch's per-table kernels; fxrec's backward gives the gradients
                         return self.loop(ids_list, offsets_list, psw_list, params)
+                elif path == "native":
+                    def forward():  # fxrec's kernel; fxrec's backward gives the gradients
+                        return self._native_forward(native, ids_list, offsets_list, reuse=False)
                 tbe = self._ensure_bound(params) if forward is None or (fused and self.fused.impl == "fbgemm") else None
                 return self._run_tbe(tbe, batch, indices, offsets, psw, params, training, forward)
             if fused and any(ids.numel() for ids in ids_list):
@@ -407,6 +425,95 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             # PyTorch's own kernels checked the inputs; say which feature and table was wrong.
             self._check_inputs(ids_list, offsets_list)
             raise
+
+    def _native_args(self, ids_list, offsets_list, psw_list, params) -> Optional[tuple]:
+        """The group's inputs as fxrec's kernel takes them, or None where it does not apply (no
+        kernel built, not CPU float32, tracing, an empty batch, batch sizes that differ, odd
+        shapes, or a PyTorch corner case only its own kernels reproduce); the caller then runs
+        another path."""
+        if exporting() or torch.jit.is_tracing() or _compiling():
+            return None
+        weights = []
+        for p in params:
+            if p.device.type != "cpu" or p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():
+                return None
+            weights.append(p.detach())
+        if not _native.available():
+            return None
+        mean = self.pooling == "mean"
+        ids_n, offs_n, psw_n, last, pad, form = [], [], [], [], [], []
+        batch = -1
+        for f, ids, off, psw in zip(self.features, ids_list, offsets_list, psw_list):
+            if ids.device.type != "cpu" or ids.dtype not in (torch.int64, torch.int32):
+                return None
+            if f.form == "bag":
+                if off is not None:
+                    if (ids.dim() != 1 or off.dim() != 1 or off.device.type != "cpu"
+                            or off.dtype not in (torch.int64, torch.int32)):
+                        return None
+                    if f.include_last_offset and f.padding_idx is not None:
+                        return None  # PyTorch then runs the last bag to the end of the ids
+                    b = off.numel() - 1 if f.include_last_offset else off.numel()
+                    off = off.long().contiguous()
+                elif ids.dim() == 2:
+                    b = ids.shape[0]
+                else:
+                    return None
+                kind = 0
+            elif f.form == "pooled_seq":
+                if ids.dim() != 2 or (mean and ids.shape[1] == 0):
+                    return None  # PyTorch's mean of no rows is NaN
+                b, kind, off = ids.shape[0], 1, None
+            elif f.form == "single":
+                if ids.dim() != 1:
+                    return None
+                b, kind, off = ids.shape[0], 2, None
+            else:
+                return None
+            if psw is not None:
+                if mean or psw.device.type != "cpu" or psw.dtype != torch.float32:
+                    return None
+                psw = psw.detach().reshape(-1).contiguous()
+            if batch >= 0 and b != batch:
+                return None
+            batch = b
+            ids_n.append(ids.long().contiguous())
+            offs_n.append(off)
+            psw_n.append(psw)
+            last.append(int(f.include_last_offset and off is not None))
+            pad.append(-1 if f.padding_idx is None else int(f.padding_idx))
+            form.append(kind)
+        if batch <= 0:
+            return None  # empty batch: PyTorch's own kernels give the exact empty result
+        tof = [f.table for f in self.features]
+        return weights, tof, ids_n, offs_n, psw_n, last, pad, form, int(mean), batch
+
+    def _native_forward(self, native: tuple, ids_list, offsets_list, reuse: bool) -> torch.Tensor:
+        weights, tof, ids, offs, psw, last, pad, form, mean, batch = native
+        shape = [batch, sum(self.dims)]
+        w0 = weights[0]
+        out = self._out.take(shape, w0.dtype, w0.device) if reuse else torch.empty(shape, dtype=w0.dtype)
+        try:
+            _native.ops().pooled_forward(out, weights, tof, ids, offs, psw, last, pad, form, mean)
+        except (IndexError, RuntimeError) as e:
+            self._native_failed(e, ids_list, offsets_list)
+        return out
+
+    def _native_sgd_fits(self, params, psw_list) -> bool:
+        """fxrec's SGD kernel updates every table and gives no per-sample-weight gradient."""
+        return all(p.requires_grad for p in params) and not any(
+            w is not None and w.requires_grad for w in psw_list
+        )
+
+    def _native_failed(self, e: Exception, ids_list, offsets_list):
+        """The kernel refused its input: say which feature and table, as the other paths do."""
+        self._check_inputs(ids_list, offsets_list)  # raises, naming the feature, for the usual faults
+        msg = str(e).split("\n")[0]
+        m = re.search(r"feature (\d+)", msg)
+        if m and int(m.group(1)) < len(self.features):
+            f = self.features[int(m.group(1))]
+            msg = msg.replace(f"feature {m.group(1)}", f"feature '{f.name}' (table '{self.tables[f.table].name}')")
+        raise (IndexError if isinstance(e, IndexError) else ValueError)(msg.replace("fxrec kernel:", "fxrec:")) from e
 
     def _direct(self, ids_list, offsets_list, psw_list, params) -> Optional[torch.Tensor]:
         """The plain lookups concatenated into the group's reused output buffer (see
@@ -673,6 +780,29 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
         ]
 
 
+class _NativeSGDFunction(torch.autograd.Function):
+    """fxrec's kernels with fused SGD: forward pools the rows into a new output; backward adds
+    ``-lr * gradient`` into the looked-up rows of every table (the padding row of
+    ``nn.Embedding`` excepted, as PyTorch gives it no gradient) and returns no gradients.
+    The tables are not saved for backward (it updates them in place, and a second forward
+    before the backward must not trip autograd's version check)."""
+
+    @staticmethod
+    def forward(ctx, group, native, ids_list, offsets_list, *params):
+        ctx.group = group
+        ctx.native = native
+        return group._native_forward(native, ids_list, offsets_list, reuse=False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        group = ctx.group
+        weights, tof, ids, offs, psw, last, pad, form, mean, _ = ctx.native
+        with torch.no_grad():
+            _native.ops().sgd_update(weights, grad_out.contiguous(), float(group.fused.lr), tof, ids, offs, psw,
+                                     last, pad, form, mean)
+        return (None, None, None, None, *([None] * len(weights)))
+
+
 class _TBELookupFunction(torch.autograd.Function):
     """fbgemm TBE forward with PyTorch's gradients.
 
@@ -688,7 +818,7 @@ class _TBELookupFunction(torch.autograd.Function):
             out = forward()
         ctx.group = group
         ctx.batch = batch
-        if group.fused_active and group.fused.impl == "torch":
+        if group.fused_active and group.fused.impl in ("torch", "native"):
             # backward updates these in place, so they are not saved (a second forward before
             # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
             ctx.save_for_backward(indices, offsets, psw)
@@ -731,7 +861,7 @@ class _TBELookupFunction(torch.autograd.Function):
         # fxrec's own fused SGD: no gradient is made, the rows are updated below. The -lr factor
         # goes on grad_out ([B, sum of dims]) before the rows are gathered, unless the
         # per-sample-weight gradient needs the unscaled rows.
-        sgd_lr = group.fused.lr if group.fused_active and group.fused.impl == "torch" else None
+        sgd_lr = group.fused.lr if group.fused_active and group.fused.impl in ("torch", "native") else None
         prescaled = sgd_lr is not None and not (psw is not None and ctx.needs_input_grad[5])
         if prescaled:
             grad_out = grad_out * (-sgd_lr)

@@ -1,0 +1,280 @@
+"""fxrec's own CPU kernels (fxrec/csrc/pooled.cpp) against PyTorch's lookups.
+
+The "native" path must give what the plain model gives (bit for bit for unweighted sums, whose
+rows are added in the same order), name the feature on bad input, and leave the corner cases it
+does not reproduce to the other paths.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxrec
+from fxrec.runtime import _native
+from tests import models as M
+from tests.test_fused_optimizers import autograd_node_names
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+HAVE_CXX = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
+
+
+@pytest.fixture
+def kernel():
+    """The kernels must build wherever a compiler is (a failed build is a bug, not a skip)."""
+    if not HAVE_CXX:
+        pytest.skip("no C++ compiler on this machine: fxrec's kernels cannot be built")
+    assert _native.available(), _native.why_unavailable()
+
+
+needs_kernel = pytest.mark.usefixtures("kernel")
+
+
+def native(model, inputs, **kw):
+    fast = fxrec.transform(model, inputs, backend="native", **kw)
+    assert {g.path_eval for g in fast.report.groups if g.pooling != "none"} == {"native"}, fast.report
+    return fast
+
+
+def group_modules(fast):
+    return [m for m in fast.modules() if hasattr(m, "path_eval") and hasattr(m, "features")]
+
+
+class Bags(nn.Module):
+    """One EmbeddingBag per (dim, mode) in a loop, including dims the kernel has no register
+    path for (12 is not a multiple of 8; 200 is not specialised)."""
+
+    def __init__(self, dims=(16, 32, 64, 128, 12, 200, 3), rows=37, mode="sum", **kw):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(rows, d, mode=mode, **kw) for d in dims])
+
+    def forward(self, ids, offsets):
+        return torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)], 1)
+
+
+def bag_lists(n, rows=37, batch=9, seed=0, max_len=5):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [torch.randint(0, max_len + 1, (batch,), generator=g) for _ in range(n)]  # empty bags too
+    ids = [torch.randint(0, rows, (int(l.sum()),), generator=g) for l in lengths]
+    offs = [torch.cat([torch.zeros(1, dtype=torch.long), l.cumsum(0)[:-1]]) for l in lengths]
+    return ids, offs
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_bags_of_every_dim_match_pytorch_in_inference(mode):
+    model = Bags(mode=mode)
+    fast = native(model, bag_lists(7))
+    for seed in (1, 2):
+        x = bag_lists(7, seed=seed)
+        with torch.no_grad():
+            got, want = fast(*x), model(*x)
+        if mode == "sum":
+            assert torch.equal(got, want)  # same rows added in the same order
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_bags_with_padding_and_mean_leave_the_padding_row_out_of_the_count():
+    model = Bags(dims=(8, 12), mode="mean", padding_idx=2)
+    ids, offs = bag_lists(2, seed=3)
+    ids = [torch.where(i % 3 == 0, torch.full_like(i, 2), i) for i in ids]
+    ids[0][: offs[0][2]] = 2  # whole bags of padding: zeros, as PyTorch gives
+    fast = native(model, (ids, offs))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids, offs), model(ids, offs), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["weighted", "sequence", "fields", "fm", "shared", "bag_list"])
+def test_model_styles_match_in_inference_and_training(case):
+    """Inference on the native kernel; training on its forward with fxrec's gradients."""
+    model, inputs = {
+        "weighted": (M.WeightedBags(), lambda s: M.weighted_inputs(seed=s)),
+        "sequence": (M.SequenceMean(), lambda s: M.seq_inputs(seed=s)),
+        "fields": (M.FieldDict(), lambda s: M.field_inputs(seed=s)),
+        "fm": (M.OffsetFM(), lambda s: M.fm_inputs(seed=s)),
+        "shared": (M.SharedTables(), lambda s: M.shared_inputs(seed=s)),
+        "bag_list": (M.BagList(), lambda s: M.bag_inputs(seed=s)),
+    }[case]
+    fast = native(model, inputs(0))
+    x = inputs(1)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), model(*x), rtol=1e-6, atol=1e-6)
+    ref_out = model(*x)
+    out = fast(*x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    cot = torch.randn_like(out)
+    (out * cot).sum().backward()
+    (ref_out * cot).sum().backward()
+    for (name, p), q in zip(fast.named_parameters(), model.parameters()):
+        a, b = p.grad, q.grad
+        if a is None or b is None:
+            assert a is None and b is None, name
+            continue
+        torch.testing.assert_close(a.to_dense(), b.to_dense(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@needs_kernel
+def test_include_last_offset_ignores_ids_after_the_last_offset():
+    bag = nn.EmbeddingBag(20, 8, mode="sum", include_last_offset=True)
+    model = Bags(dims=(8,))
+    model.bags[0] = bag
+    ids = [torch.tensor([1, 2, 3, 4, 5, 19, 18])]
+    offs = [torch.tensor([0, 2, 2, 5])]  # 3 bags; ids 19, 18 are past the last offset
+    fast = native(model, (ids, offs))
+    with torch.no_grad():
+        assert torch.equal(fast(ids, offs), model(ids, offs))
+
+
+@needs_kernel
+def test_int32_ids_and_offsets_and_one_thread_give_the_same_answer():
+    model = Bags(dims=(16, 12))
+    ids, offs = bag_lists(2, seed=4)
+    fast = native(model, (ids, offs))
+    with torch.no_grad():
+        want = model(ids, offs)
+        assert torch.equal(fast([i.int() for i in ids], [o.int() for o in offs]), want)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(fast(ids, offs), want)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_reused_output_is_not_overwritten_while_the_caller_holds_it():
+    model = Bags(dims=(16, 32))
+    fast = native(model, bag_lists(2))
+    with torch.no_grad():
+        a = fast(*bag_lists(2, seed=1))
+        a_copy = a.clone()
+        b = fast(*bag_lists(2, seed=2))
+        assert a.data_ptr() != b.data_ptr()
+        assert torch.equal(a, a_copy)
+        del a
+        c = fast(*bag_lists(2, seed=3))
+        assert torch.equal(c, model(*bag_lists(2, seed=3)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad,match", [
+    ("big_id", r"feature 'ids_1'.*table 'bags\.1'"),
+    ("negative_id", r"feature 'ids_0'.*table 'bags\.0'"),
+    ("offsets_not_from_zero", r"ids_0|bags\.0"),
+    ("decreasing_offsets", r"ids_1|bags\.1"),
+])
+def test_bad_input_names_the_feature_and_table(bad, match):
+    model = Bags(dims=(16, 32))
+    ids, offs = bag_lists(2, seed=5, max_len=3)
+    fast = native(model, (ids, offs))
+    ids = [i.clone() for i in ids]
+    offs = [o.clone() for o in offs]
+    if bad == "big_id":
+        ids[1][0] = 37
+    elif bad == "negative_id":
+        ids[0][-1] = -1
+    elif bad == "offsets_not_from_zero":
+        offs[0][0] = 1
+    else:
+        ids[1] = torch.arange(10) % 37
+        offs[1] = torch.tensor([0, 5, 2, 6, 7, 8, 8, 9, 9])
+    with torch.no_grad(), pytest.raises((IndexError, ValueError, RuntimeError), match=match):
+        fast(ids, offs)
+    with pytest.raises((IndexError, ValueError, RuntimeError), match=match):
+        fast(ids, offs)
+
+
+@needs_kernel
+def test_corner_cases_it_does_not_reproduce_fall_back_to_pytorch():
+    """An empty batch, features with different batch sizes and a mean over no ids are left to
+    PyTorch's own kernels (exact empty / NaN results)."""
+    model = M.SequenceMean()
+    fast = native(model, M.seq_inputs())
+    hist, query, seq = M.seq_inputs(seed=1)
+    with torch.no_grad():
+        e = [hist[:0], query[:0], seq[:0]]
+        assert fast(*e).shape == model(*e).shape == (0, 24)
+        empty_len = [hist[:, :0], query, seq]
+        torch.testing.assert_close(fast(*empty_len), model(*empty_len), equal_nan=True)
+    bags = Bags(dims=(16, 16))
+    fb = native(bags, bag_lists(2))
+    ids, offs = bag_lists(2, seed=2)
+    ids[1], offs[1] = ids[1][:3], torch.tensor([0, 1, 2])  # 3 bags beside 9
+    with torch.no_grad(), pytest.raises(Exception):
+        bags(ids, offs)
+    with torch.no_grad(), pytest.raises(Exception):
+        fb(ids, offs)
+
+
+@needs_kernel
+def test_auto_times_the_native_kernel_and_says_so():
+    fast = fxrec.transform(Bags(dims=(16, 32)), bag_lists(2), timing_rounds=1)
+    g = fast.report.groups[0]
+    assert "fwd_native" in g.timings_ms and "native" in g.why
+
+
+@needs_kernel
+def test_fused_sgd_on_the_native_kernels_never_makes_a_gradient():
+    model = Bags(dims=(16, 12))
+    fast = fxrec.transform(model, bag_lists(2), backend="native", optimizer=fxrec.optim.SGD(lr=0.5))
+    out = fast(*bag_lists(2, seed=1))
+    assert "_NativeSGDFunctionBackward" in autograd_node_names(out)
+    before = [p.detach().clone() for p in fast.parameters()]
+    out.sum().backward()
+    assert all(p.grad is None for p in fast.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, fast.parameters()))
+
+
+def test_without_the_kernel_backend_native_runs_the_plain_lookups_and_says_why():
+    code = (
+        "import torch, fxrec\n"
+        "from tests.test_native import Bags, bag_lists\n"
+        "from fxrec.runtime import _native\n"
+        "assert not _native.available() and 'FXREC_NATIVE=0' in _native.why_unavailable()\n"
+        "m = Bags(dims=(16, 32))\n"
+        "f = fxrec.transform(m, bag_lists(2), backend='native', optimizer=fxrec.optim.SGD(lr=0.1))\n"
+        "g = f.report.groups[0]\n"
+        "assert 'not available' in g.why, g.why\n"
+        "x = bag_lists(2, seed=1)\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(f(*x), m(*x))\n"
+        "a = fxrec.transform(m, bag_lists(2), timing_rounds=1)\n"
+        "assert 'fwd_native' not in a.report.groups[0].timings_ms\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, FXREC_NATIVE="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_a_failed_build_is_reported_not_raised(tmp_path):
+    """A compiler that fails leaves the kernels unavailable with the compiler's words."""
+    fake = tmp_path / "g++"
+    fake.write_text("#!/bin/sh\necho 'no compiler here' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    code = (
+        "from fxrec.runtime import _native\n"
+        "assert not _native.available()\n"
+        "print(_native.why_unavailable())\n"
+    )
+    env = dict(os.environ, CXX=str(fake), FXREC_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "building fxrec's kernels failed" in r.stdout and "no compiler here" in r.stdout
+
+
+@needs_kernel
+def test_kernel_weights_are_checked():
+    out = torch.empty(2, 4)
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
+        _native.ops().pooled_forward(out, [torch.zeros(5, 4, dtype=torch.float64)], [0], [torch.tensor([0, 1])],
+                                     [torch.tensor([0, 1])], [None], [0], [-1], [0], 0)
