@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     transform = argparse.ArgumentParser(add_help=False)
     g = transform.add_argument_group("transform options (as fxrec.transform)")
-    g.add_argument("--backend", choices=("auto", "fbgemm", "direct", "loop"), default="auto",
+    g.add_argument("--backend", choices=("auto", "fbgemm", "native", "direct", "loop"), default="auto",
                    help="kernels per group (default: auto, timed on the example inputs)")
     g.add_argument("--mode", choices=("training", "inference"), default="training", help="default: training")
     g.add_argument("--quantize", default=None, metavar="DTYPE",

@@ -14,8 +14,8 @@
 //                        the padding row is left out of the bag and of the mean's count.
 //   form 1 "pooled_seq": 2-D [B, L] ids, every id counted (the padding row is looked up).
 //   form 2 "single":     1-D [B] ids, one row per sample.
-// Rows are summed in id order from zero, then a mean multiplies by 1/count (bags) or divides by
-// L (pooled_seq), as PyTorch's kernels do. An empty bag gives zeros. Bad ids or offsets raise
+// Rows are summed in id order from zero, then a mean divides by the bag's count (bags: the ids
+// that are not padding) or by L (pooled_seq), as PyTorch does. An empty bag gives zeros. Bad ids or offsets raise
 // (the Python caller then names the feature); they are never read out of bounds.
 
 #include <ATen/ATen.h>
@@ -168,10 +168,12 @@ void raise_if(const ErrorFlag& err) {
 // order, the rows they name are scattered over the table).
 constexpr int64_t kPrefetch = 16;
 
-__attribute__((always_inline)) inline void prefetch_row(const Feature& f, int64_t j, int64_t D) {
+// (lo, hi): only rows in this block (the update's threads each own a block of rows).
+__attribute__((always_inline)) inline void prefetch_row(const Feature& f, int64_t j, int64_t D, int64_t lo = 0,
+                                                        int64_t hi = -1) {
   if (j < f.n_ids) {
     const int64_t id = f.ids[j];
-    if (id >= 0 && id < f.rows) {
+    if (id >= lo && id < (hi < 0 ? f.rows : hi)) {
       const char* p = reinterpret_cast<const char*>(f.weight + id * D);
       for (int64_t k = 0; k < D * 4; k += 64) __builtin_prefetch(p + k, 0, 3);
     }
@@ -241,16 +243,16 @@ void forward_bags(const Feature& f, int64_t fi, int64_t b0, int64_t b1, float* _
     }
     if constexpr (DC > 0) {
       if (mean && f.form == kBag && count > 0) {
-        const float scale = 1.f / static_cast<float>(count);
-        for (int64_t k = 0; k < V; ++k) vacc[k] *= scale;
+        const float n = static_cast<float>(count);
+        for (int64_t k = 0; k < V; ++k) vacc[k] /= n;
       } else if (mean && f.form == kPooledSeq) {
         const float len = static_cast<float>(e - s);
         for (int64_t k = 0; k < V; ++k) vacc[k] /= len;
       }
       for (int64_t k = 0; k < V; ++k) store8(o + 8 * k, vacc[k]);
     } else if (mean && f.form == kBag && count > 0) {
-      const float scale = 1.f / static_cast<float>(count);
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * scale;
+      const float n = static_cast<float>(count);
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / n;
     } else if (mean && f.form == kPooledSeq) {
       const float len = static_cast<float>(e - s);
       for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / len;
@@ -354,7 +356,7 @@ void sgd_update(
           }
           const float* g = g_ptr + b * g_stride + f.col;
           for (int64_t j = s; j < e; ++j) {
-            prefetch_row(f, j + kPrefetch, D);
+            prefetch_row(f, j + kPrefetch, D, lo, hi);
             const int64_t id = f.ids[j];
             if (f.has_padding && id == f.padding) continue;
             if (id < 0 || id >= f.rows) {

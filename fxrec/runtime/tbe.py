@@ -455,10 +455,10 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                         return None  # PyTorch then runs the last bag to the end of the ids
                     b = off.numel() - 1 if f.include_last_offset else off.numel()
                     off = off.long().contiguous()
-                elif ids.dim() == 2:
+                elif ids.dim() == 2 and ids.shape[1] > 0:
                     b = ids.shape[0]
                 else:
-                    return None
+                    return None  # PyTorch refuses [B, 0] bags; its own kernels say so
                 kind = 0
             elif f.form == "pooled_seq":
                 if ids.dim() != 2 or (mean and ids.shape[1] == 0):
@@ -471,8 +471,8 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             else:
                 return None
             if psw is not None:
-                if mean or psw.device.type != "cpu" or psw.dtype != torch.float32:
-                    return None
+                if mean or psw.device.type != "cpu" or psw.dtype != torch.float32 or psw.shape != ids.shape:
+                    return None  # PyTorch's kernels give the answer or the error
                 psw = psw.detach().reshape(-1).contiguous()
             if batch >= 0 and b != batch:
                 return None
@@ -784,23 +784,41 @@ class _NativeSGDFunction(torch.autograd.Function):
     """fxrec's kernels with fused SGD: forward pools the rows into a new output; backward adds
     ``-lr * gradient`` into the looked-up rows of every table (the padding row of
     ``nn.Embedding`` excepted, as PyTorch gives it no gradient) and returns no gradients.
-    The tables are not saved for backward (it updates them in place, and a second forward
-    before the backward must not trip autograd's version check)."""
+
+    The ids, offsets and per-sample weights are saved for backward, so changing them in place
+    before backward raises autograd's "modified by an inplace operation", as PyTorch's own
+    lookups do. The tables are not saved (backward updates them in place, and a second forward
+    before the backward must not trip the version check): backward reads the parameters'
+    storage as it is then (it may have been rebound to fbgemm's buffer meanwhile), and bumps
+    their version after the update.
+    """
 
     @staticmethod
     def forward(ctx, group, native, ids_list, offsets_list, *params):
+        _, tof, ids, offs, psw, last, pad, form, mean, _ = native
         ctx.group = group
-        ctx.native = native
+        ctx.params = params
+        ctx.layout = (len(ids), tof, last, pad, form, mean, [o is not None for o in offs], [w is not None for w in psw])
+        ctx.save_for_backward(*ids, *[o for o in offs if o is not None], *[w for w in psw if w is not None])
         return group._native_forward(native, ids_list, offsets_list, reuse=False)
 
     @staticmethod
     def backward(ctx, grad_out):
         group = ctx.group
-        weights, tof, ids, offs, psw, last, pad, form, mean, _ = ctx.native
+        n, tof, last, pad, form, mean, has_off, has_psw = ctx.layout
+        saved = list(ctx.saved_tensors)
+        ids, rest = saved[:n], saved[n:]
+        offs = [rest.pop(0) if h else None for h in has_off]
+        psw = [rest.pop(0) if h else None for h in has_psw]
+        weights = [p.detach() for p in ctx.params]
         with torch.no_grad():
             _native.ops().sgd_update(weights, grad_out.contiguous(), float(group.fused.lr), tof, ids, offs, psw,
                                      last, pad, form, mean)
-        return (None, None, None, None, *([None] * len(weights)))
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        if bump is not None:
+            for p in ctx.params:
+                bump(p)
+        return (None, None, None, None, *([None] * len(ctx.params)))
 
 
 class _TBELookupFunction(torch.autograd.Function):
