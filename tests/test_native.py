@@ -332,3 +332,36 @@ def test_per_sample_weights_of_another_shape_are_refused_as_pytorch_does():
             model(*x)
         with pytest.raises(Exception, match="per_sample_weights"):
             fast(*x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["fbgemm", "direct", "native"])
+def test_dense_gradients_come_from_the_kernel_and_match_pytorch(backend):
+    """Without a fused optimizer every path's backward gives dense tables their gradient by
+    fxrec's kernel; a group with a sparse table keeps the gathered rows."""
+    from fxrec.runtime.tbe import _dense_grads_by_kernel
+
+    model = M.SequenceMean()  # padding row in a mean, a sum, and an unpooled sequence group
+    fast = fxrec.transform(model, M.seq_inputs(), backend=backend)
+    pooled = [g for g in group_modules(fast) if g.pooling != "none"]
+    assert pooled and all(_dense_grads_by_kernel(g, torch.zeros(2, sum(g.dims)), [True] * len(g.tables)) for g in pooled)
+    x = M.seq_inputs(seed=3)
+    cot = torch.randn(5, 24)
+    (fast(*x) * cot).sum().backward()
+    (model(*x) * cot).sum().backward()
+    for (name, p), q in zip(fast.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.count_nonzero(fast.get_parameter("hist.weight").grad[0]) == 0  # padding row
+
+    sparse = nn.ModuleDict({"a": nn.EmbeddingBag(20, 8, sparse=True), "b": nn.EmbeddingBag(20, 8)})
+    g = group_modules(fxrec.transform(_TwoBags(sparse), (torch.tensor([1, 2]), torch.tensor([0, 1])), backend="fbgemm"))[0]
+    assert not _dense_grads_by_kernel(g, torch.zeros(2, 16), [True, True])
+
+
+class _TwoBags(nn.Module):
+    def __init__(self, bags):
+        super().__init__()
+        self.bags = bags
+
+    def forward(self, ids, offsets):
+        return torch.cat([self.bags["a"](ids, offsets), self.bags["b"](ids, offsets)], 1)

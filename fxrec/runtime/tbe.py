@@ -780,6 +780,32 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
         ]
 
 
+def _dense_grads_by_kernel(group: "EmbeddingGroup", grad_out: torch.Tensor, need) -> bool:
+    """Dense gradients of a pooled group on CPU, every table wanting one: fxrec's kernel adds
+    the rows straight into them (no gathered copy of the rows, no index_add_)."""
+    return (
+        group.pooling != "none" and grad_out.device.type == "cpu" and grad_out.dtype == torch.float32
+        and all(need[t] and not spec.sparse for t, spec in enumerate(group.tables)) and _native.available()
+    )
+
+
+def _native_dense_grads(group, grad_out, indices, offsets, scale, bounds, batch) -> List[torch.Tensor]:
+    """``zeros + sum of gradient rows`` per table, by fxrec's update kernel with lr = -1 on the
+    packed input: each feature's slice of the ids, its bags, and the per-index scale (sample
+    weight, 1/len for mean). The padding row of ``nn.Embedding`` is skipped (no gradient);
+    bags had theirs removed when packed."""
+    grads = [torch.zeros(t.num_rows, t.dim, dtype=grad_out.dtype) for t in group.tables]
+    nf = len(group.features)
+    ids = [indices[bounds[i] : bounds[i + 1]] for i in range(nf)]
+    offs = [offsets[i * batch : (i + 1) * batch] - bounds[i] for i in range(nf)]
+    psw = [None if scale is None else scale[bounds[i] : bounds[i + 1]] for i in range(nf)]
+    pad = [-1 if f.padding_idx is None or f.form == "bag" else int(f.padding_idx) for f in group.features]
+    zeros = [0] * nf
+    _native.ops().sgd_update(grads, grad_out.contiguous(), -1.0, [f.table for f in group.features], ids, offs, psw,
+                             zeros, pad, zeros, 0)
+    return grads
+
+
 class _NativeSGDFunction(torch.autograd.Function):
     """fxrec's kernels with fused SGD: forward pools the rows into a new output; backward adds
     ``-lr * gradient`` into the looked-up rows of every table (the padding row of
@@ -884,39 +910,48 @@ class _TBELookupFunction(torch.autograd.Function):
         if prescaled:
             grad_out = grad_out * (-sgd_lr)
 
-        # Gradient row for every looked-up index: the grad of its bag, in its feature's columns.
-        if group.pooling == "none":
-            pieces = [grad_out[bounds[i] : bounds[i + 1]] for i in range(nfeat)]
-        else:
-            bag_row = torch.repeat_interleave(
-                torch.arange(lengths.numel(), device=dev) % batch, lengths, output_size=n
-            )
-            pieces = []
-            col = 0
-            for i, d in enumerate(group.dims):
-                s, e = bounds[i], bounds[i + 1]
-                pieces.append(grad_out[:, col : col + d].index_select(0, bag_row[s:e]))
-                col += d
+        # Gradient row for every looked-up index: the grad of its bag, in its feature's columns
+        # (made when first needed).
+        pieces: dict = {}
+        cols = [0]
+        for d in group.dims:
+            cols.append(cols[-1] + d)
+        bag_row: Optional[torch.Tensor] = None
+
+        def piece(i: int) -> torch.Tensor:
+            nonlocal bag_row
+            if i not in pieces:
+                if group.pooling == "none":
+                    pieces[i] = grad_out[bounds[i] : bounds[i + 1]]
+                else:
+                    if bag_row is None:
+                        bag_row = torch.repeat_interleave(
+                            torch.arange(lengths.numel(), device=dev) % batch, lengths, output_size=n
+                        )
+                    pieces[i] = grad_out[:, cols[i] : cols[i + 1]].index_select(0, bag_row[bounds[i] : bounds[i + 1]])
+            return pieces[i]
 
         def rows_of(i: int) -> torch.Tensor:
             if scale is None:
-                return pieces[i]
-            return pieces[i] * scale[bounds[i] : bounds[i + 1]].unsqueeze(1)
+                return piece(i)
+            return piece(i) * scale[bounds[i] : bounds[i + 1]].unsqueeze(1)
 
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[5]:
             parts = []
             for i, f in enumerate(group.features):
                 s, e = bounds[i], bounds[i + 1]
-                parts.append((params[f.table].detach()[indices[s:e]] * pieces[i]).sum(1))
+                parts.append((params[f.table].detach()[indices[s:e]] * piece(i)).sum(1))
             grad_psw = torch.cat(parts)
 
         # The fused SGD update comes after the per-sample-weight gradient, which reads the
         # weights before the update.
         grads: List[Optional[torch.Tensor]] = [None] * len(params)
         need = ctx.needs_input_grad[6:]
+        if sgd_lr is None and _dense_grads_by_kernel(group, grad_out, need):
+            grads = _native_dense_grads(group, grad_out, indices, offsets, scale, bounds, batch)
         for t, (spec, p) in enumerate(zip(group.tables, params)):
-            if not need[t]:
+            if not need[t] or grads[t] is not None:
                 continue
             mine = group._features_of_table[t]
             if len(mine) == 1:  # one feature: no copy (the rows may be a view of grad_out)
