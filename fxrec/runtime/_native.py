@@ -4,7 +4,8 @@ The kernels are plain C++ against the installed torch's headers (no pybind, no P
 one ``g++`` line, the same kind ``examples/inference_cpp/build.sh`` uses, builds a shared library
 that registers ``torch.ops.fxrec.pooled_forward`` and ``torch.ops.fxrec.sgd_update``. The library
 is cached under ``$FXREC_CACHE`` (default ``~/.cache/fxrec``), keyed by the source, the torch
-version and the compiler flags, so it is built once per machine and torch (about 30 s here).
+version, the compiler flags and the CPU, so it is built once per machine and torch (about 10 s
+here).
 
 Nothing depends on the kernels being there: when no C++ compiler is found, the build fails, or
 ``FXREC_NATIVE=0`` is set, :func:`available` is False, :func:`why_unavailable` says why, and the
@@ -69,8 +70,22 @@ def _library_path() -> str:
     key = hashlib.sha256(
         src + repr((torch.__version__, cflags, link, _cpu_tag(), sys.version_info[:2])).encode()
     ).hexdigest()[:16]
-    root = os.environ.get("FXREC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fxrec")
-    return os.path.join(root, f"fxrec_kernels_{key}.so")
+    return os.path.join(_cache_dir(), f"fxrec_kernels_{key}.so")
+
+
+def _cache_dir() -> str:
+    """``$FXREC_CACHE``, else ``~/.cache/fxrec``, else (a home that cannot be written) a folder
+    of this user's in the system's temporary directory."""
+    if os.environ.get("FXREC_CACHE"):
+        return os.environ["FXREC_CACHE"]
+    home = os.path.join(os.path.expanduser("~"), ".cache", "fxrec")
+    try:
+        os.makedirs(home, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return os.path.join(tempfile.gettempdir(), f"fxrec-{os.getuid()}")
 
 
 def _build(target: str) -> None:
