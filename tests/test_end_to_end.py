@@ -9,7 +9,7 @@ import fxrec
 from fxrec.testing import assert_matches, embedding_ops, group_calls
 from tests import models as M
 
-BACKENDS = ["fbgemm", "direct", "loop", "auto"]
+BACKENDS = ["fbgemm", "native", "direct", "loop", "auto"]
 
 CASES = {
     "bag_list": (M.BagList, lambda s: M.bag_inputs(seed=s)),

@@ -159,7 +159,7 @@ def test_rows_with_no_ids_pool_as_pytorch_does(mode):
     torch.testing.assert_close(fast(*x), model(*x), equal_nan=True)
 
 
-@pytest.mark.parametrize("backend", ["fbgemm", "direct", "loop"])
+@pytest.mark.parametrize("backend", ["fbgemm", "native", "direct", "loop"])
 def test_include_last_offset_with_padding_and_bad_offsets(backend):
     class Bag(torch.nn.Module):
         def __init__(self, pad):

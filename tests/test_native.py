@@ -344,7 +344,9 @@ def test_dense_gradients_come_from_the_kernel_and_match_pytorch(backend):
     model = M.SequenceMean()  # padding row in a mean, a sum, and an unpooled sequence group
     fast = fxrec.transform(model, M.seq_inputs(), backend=backend)
     pooled = [g for g in group_modules(fast) if g.pooling != "none"]
-    assert pooled and all(_dense_grads_by_kernel(g, torch.zeros(2, sum(g.dims)), [True] * len(g.tables)) for g in pooled)
+    with torch.no_grad():  # as in backward without create_graph
+        assert pooled and all(_dense_grads_by_kernel(g, torch.zeros(2, sum(g.dims)), [True] * len(g.tables))
+                              for g in pooled)
     x = M.seq_inputs(seed=3)
     cot = torch.randn(5, 24)
     (fast(*x) * cot).sum().backward()
@@ -355,7 +357,8 @@ def test_dense_gradients_come_from_the_kernel_and_match_pytorch(backend):
 
     sparse = nn.ModuleDict({"a": nn.EmbeddingBag(20, 8, sparse=True), "b": nn.EmbeddingBag(20, 8)})
     g = group_modules(fxrec.transform(_TwoBags(sparse), (torch.tensor([1, 2]), torch.tensor([0, 1])), backend="fbgemm"))[0]
-    assert not _dense_grads_by_kernel(g, torch.zeros(2, 16), [True, True])
+    with torch.no_grad():
+        assert not _dense_grads_by_kernel(g, torch.zeros(2, 16), [True, True])
 
 
 class _TwoBags(nn.Module):
@@ -365,3 +368,45 @@ class _TwoBags(nn.Module):
 
     def forward(self, ids, offsets):
         return torch.cat([self.bags["a"](ids, offsets), self.bags["b"](ids, offsets)], 1)
+
+
+class _PooledByHand(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(20, 8, padding_idx=0)
+        self.s = nn.Embedding(30, 8)
+        self.frozen = nn.Embedding(10, 8)
+
+    def forward(self, x, y):
+        return torch.cat([self.e(x).sum(1), self.s(y), self.frozen(y % 10)], 1)
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "native"])
+def test_second_order_gradients_match_pytorch(backend):
+    """backward(create_graph=True) (a gradient penalty) needs differentiable gradients: the
+    kernel is not used there."""
+    model = _PooledByHand()  # every table trains: the kernel's case in first-order backward
+    x = (torch.randint(0, 20, (4, 3)), torch.randint(0, 30, (4,)))
+    fast = fxrec.transform(model, x, backend=backend)
+    for m in (model, fast):
+        out = m(*x)
+        loss = (out.sin() * torch.arange(out.numel()).view_as(out).cos()).sum()  # g depends on W
+        (g,) = torch.autograd.grad(loss, [m.get_parameter("e.weight")], create_graph=True)
+        (loss + 0.1 * g.pow(2).sum()).backward()
+    torch.testing.assert_close(fast.get_parameter("e.weight").grad, model.e.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_padding_row_gets_zero_gradient_even_from_inf(frozen):
+    """The kernel skips the padding row; the gathered-rows route (a frozen table in the group)
+    must give exactly zero too, not 0 * inf = NaN."""
+    model = _PooledByHand()
+    model.frozen.weight.requires_grad_(not frozen)
+    x = (torch.tensor([[0, 3, 0], [5, 0, 2]]), torch.tensor([1, 2]))
+    fast = fxrec.transform(model, x, backend="fbgemm")
+    cot = torch.ones(2, 24)
+    cot[0, 0] = float("inf")
+    for m in (model, fast):
+        (m(*x) * cot).sum().backward()
+    assert torch.equal(fast.get_parameter("e.weight").grad[0], torch.zeros(8))
+    assert torch.equal(model.e.weight.grad[0], torch.zeros(8))

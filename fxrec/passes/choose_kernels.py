@@ -123,6 +123,8 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not _fbgemm.fbgemm_available():
         backend = "loop"
         ctx.report.notes.append("fbgemm_gpu is not importable: every group runs the plain lookups")
+    if any(g.pooling != "none" for g in ctx.groups) and any(p.device.type == "cpu" for p in gm.parameters()):
+        _native.load()  # build fxrec's kernels now (once per machine), not in the first backward
     timed = [g for g in ctx.groups if not g.quant]
     values = _record_inputs(gm, ctx, timed) if backend == "auto" and timed else {}
     stats = {"fbgemm_fwd": 0, "native_fwd": 0, "direct_fwd": 0, "fbgemm_train": 0, "native_train": 0,

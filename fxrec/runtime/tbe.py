@@ -785,7 +785,10 @@ def _dense_grads_by_kernel(group: "EmbeddingGroup", grad_out: torch.Tensor, need
     the rows straight into them (no gathered copy of the rows, no index_add_)."""
     return (
         group.pooling != "none" and grad_out.device.type == "cpu" and grad_out.dtype == torch.float32
-        and all(need[t] and not spec.sparse for t, spec in enumerate(group.tables)) and _native.available()
+        and all(need[t] and not spec.sparse for t, spec in enumerate(group.tables))
+        # backward(create_graph=True): the gradient must itself be differentiable (PyTorch ops)
+        and not torch.is_grad_enabled()
+        and _native.available()
     )
 
 
@@ -934,7 +937,13 @@ class _TBELookupFunction(torch.autograd.Function):
         def rows_of(i: int) -> torch.Tensor:
             if scale is None:
                 return piece(i)
-            return piece(i) * scale[bounds[i] : bounds[i + 1]].unsqueeze(1)
+            rows = piece(i) * scale[bounds[i] : bounds[i + 1]].unsqueeze(1)
+            f = group.features[i]
+            if f.padding_idx is not None and f.form != "bag":
+                # exactly zero for the padding row, even where grad_out holds inf or NaN
+                pad = indices[bounds[i] : bounds[i + 1]] == f.padding_idx
+                rows = rows.masked_fill(pad.unsqueeze(1), 0.0)
+            return rows
 
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[5]:
