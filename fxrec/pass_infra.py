@@ -17,7 +17,7 @@ from .report import PassRun, Report
 class Config:
     """Everything a pass may read about how the user asked for the transform."""
 
-    backend: str = "auto"  # auto | fbgemm | direct | loop
+    backend: str = "auto"  # auto | fbgemm | native | direct | loop
     timing_rounds: int = 5
     # In tests: after every pass that changed the graph, compare it against the original model.
     check_numerics: bool = False
@@ -27,7 +27,7 @@ class Config:
     # inference: None, a dtype for every table ("int8", ...), "auto", or dict pattern -> dtype
     quantize: Any = None
     output_dtype: str = "fp32"  # of quantized lookups: fp32 | fp16
-    reuse_outputs: bool = True  # CPU inference on the direct path: keep and reuse the output buffer
+    reuse_outputs: bool = True  # CPU inference on the native/direct paths: keep and reuse the output buffer
     plan: Any = None  # a fxrec.planner.ShardingPlan: shard the groups for this rank
     rank: int = 0
 
