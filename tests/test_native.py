@@ -247,6 +247,7 @@ def test_without_the_kernel_backend_native_runs_the_plain_lookups_and_says_why()
         "    assert torch.equal(f(*x), m(*x))\n"
         "a = fxrec.transform(m, bag_lists(2), timing_rounds=1)\n"
         "assert 'fwd_native' not in a.report.groups[0].timings_ms\n"
+        "assert any('native CPU kernels are not available' in n for n in a.report.notes), a.report.notes\n"
         "print('ok')\n"
     )
     env = dict(os.environ, FXREC_NATIVE="0")

@@ -124,7 +124,12 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         backend = "loop"
         ctx.report.notes.append("fbgemm_gpu is not importable: every group runs the plain lookups")
     if any(g.pooling != "none" for g in ctx.groups) and any(p.device.type == "cpu" for p in gm.parameters()):
-        _native.load()  # build fxrec's kernels now (once per machine), not in the first backward
+        # build fxrec's kernels now (once per machine), not in the first backward
+        if not _native.load():
+            ctx.report.notes.append(
+                f"fxrec's native CPU kernels are not available ({_native.why_unavailable()}): "
+                "groups use fbgemm, direct or the plain lookups instead"
+            )
     timed = [g for g in ctx.groups if not g.quant]
     values = _record_inputs(gm, ctx, timed) if backend == "auto" and timed else {}
     stats = {"fbgemm_fwd": 0, "native_fwd": 0, "direct_fwd": 0, "fbgemm_train": 0, "native_train": 0,
