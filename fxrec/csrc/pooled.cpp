@@ -5,7 +5,9 @@
 //   fxrec::pooled_forward  writes every feature's pooled rows straight into its columns of the
 //                          group's [B, sum of dims] output (no per-table outputs, no cat);
 //   fxrec::sgd_update      adds -lr * gradient into the looked-up rows (fused SGD), never making
-//                          a gradient tensor.
+//                          a gradient tensor (with lr = -1 on zeros: the dense gradient);
+//   fxrec::adagrad_update  Adagrad or row-wise Adagrad on the looked-up rows, each row's
+//                          gradient summed over the batch first.
 // Work is split over ATen's intra-op threads: the forward by (feature, bag), the update by
 // (table, block of rows) so that no two threads write the same row.
 //
@@ -23,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -302,70 +305,176 @@ __attribute__((always_inline)) inline void add_scaled_row(float* __restrict__ r,
   for (; d < D; ++d) r[d] += sc * g[d];
 }
 
+// Calls fn(id, j, g_row, scale) for every id of feature f whose row is in [lo, hi), bag by bag
+// in order, the padding row skipped (PyTorch gives it no gradient). scale = base * per-sample
+// weight * 1/count for a mean (count: the bag's ids that are not padding; L for pooled_seq).
+template <typename Fn>
+void visit_rows(const Feature& f, int64_t fi, int64_t batch, const float* g_ptr, int64_t g_stride, bool mean,
+                float base, int64_t lo, int64_t hi, ErrorFlag& err, Fn&& fn) {
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t s = 0, e = 0;
+    if (!bag_range(f, b, s, e)) {
+      err.set(kOffsets, fi);
+      return;
+    }
+    float bag_scale = base;
+    if (mean) {
+      if (f.form == kBag) {
+        int64_t count = 0;
+        for (int64_t j = s; j < e; ++j) count += !(f.has_padding && f.ids[j] == f.padding);
+        if (count == 0) continue;
+        bag_scale = base * (1.f / static_cast<float>(count));
+      } else if (f.form == kPooledSeq) {
+        bag_scale = base / static_cast<float>(e - s);
+      }
+    }
+    const float* g = g_ptr + b * g_stride + f.col;
+    for (int64_t j = s; j < e; ++j) {
+      prefetch_row(f, j + kPrefetch, f.dim, lo, hi);
+      const int64_t id = f.ids[j];
+      if (f.has_padding && id == f.padding) continue;
+      if (id < 0 || id >= f.rows) {
+        err.set(kIdRange, fi);
+        continue;
+      }
+      if (id < lo || id >= hi) continue;
+      fn(id, j, g, f.psw != nullptr ? bag_scale * f.psw[j] : bag_scale);
+    }
+  }
+}
+
+struct UpdateSetup {
+  std::vector<Feature> fs;
+  std::vector<std::vector<int64_t>> feats_of_table;
+  int64_t batch = 0;
+  int64_t parts = 1;
+  const float* g_ptr = nullptr;
+  int64_t g_stride = 0;
+};
+
+UpdateSetup setup_update(at::TensorList weights, const at::Tensor& grad_out, at::IntArrayRef table_of_feature,
+                         at::TensorList ids, const c10::List<std::optional<at::Tensor>>& offsets,
+                         const c10::List<std::optional<at::Tensor>>& psw, at::IntArrayRef include_last,
+                         at::IntArrayRef padding_idx, at::IntArrayRef form) {
+  UpdateSetup u;
+  int64_t total_dim = 0;
+  u.fs = describe(weights, table_of_feature, ids, offsets, psw, include_last, padding_idx, form, u.batch, total_dim);
+  TORCH_CHECK(grad_out.device().is_cpu() && grad_out.scalar_type() == at::kFloat && grad_out.dim() == 2 &&
+                  grad_out.size(0) == u.batch && grad_out.size(1) == total_dim && grad_out.stride(1) == 1,
+              "fxrec kernel: grad_out must be float32 [B, sum of dims] with contiguous rows");
+  u.g_ptr = grad_out.data_ptr<float>();
+  u.g_stride = grad_out.stride(0);
+  const int64_t nt = static_cast<int64_t>(weights.size());
+  u.feats_of_table.resize(nt);
+  for (int64_t i = 0; i < static_cast<int64_t>(u.fs.size()); ++i) u.feats_of_table[u.fs[i].table].push_back(i);
+  // Each table's rows are cut into `parts` blocks; a work item owns one block of one table, so
+  // a row is only ever written by one thread, in the ids' order.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  u.parts = nt >= 2 * threads ? 1 : threads;
+  return u;
+}
+
 // W[id] += (-lr * psw * 1/count) * grad_out[b, cols of the feature], for every looked-up id
-// except the padding row (which gets no gradient in PyTorch).
+// except the padding row (which gets no gradient in PyTorch). With lr = -1 on zero tensors:
+// the dense gradient.
 void sgd_update(
     at::TensorList weights, at::Tensor grad_out, double lr, at::IntArrayRef table_of_feature,
     at::TensorList ids, const c10::List<std::optional<at::Tensor>>& offsets,
     const c10::List<std::optional<at::Tensor>>& psw, at::IntArrayRef include_last,
     at::IntArrayRef padding_idx, at::IntArrayRef form, int64_t mean) {
-  int64_t batch = 0, total_dim = 0;
-  std::vector<Feature> fs =
-      describe(weights, table_of_feature, ids, offsets, psw, include_last, padding_idx, form, batch, total_dim);
-  TORCH_CHECK(grad_out.scalar_type() == at::kFloat && grad_out.dim() == 2 && grad_out.size(0) == batch &&
-                  grad_out.size(1) == total_dim && grad_out.stride(1) == 1,
-              "fxrec kernel: grad_out must be float32 [B, sum of dims] with contiguous rows");
-  const float* g_ptr = grad_out.data_ptr<float>();
-  const int64_t g_stride = grad_out.stride(0);
+  UpdateSetup u = setup_update(weights, grad_out, table_of_feature, ids, offsets, psw, include_last, padding_idx, form);
   const int64_t nt = static_cast<int64_t>(weights.size());
-  std::vector<std::vector<int64_t>> feats_of_table(nt);
-  for (int64_t i = 0; i < static_cast<int64_t>(fs.size()); ++i) feats_of_table[fs[i].table].push_back(i);
-  // Each table's rows are cut into `parts` blocks; a work item owns one block of one table, so
-  // a row is only ever written by one thread, in the ids' order.
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t parts = nt >= 2 * threads ? 1 : threads;
   const float neg_lr = static_cast<float>(-lr);
   ErrorFlag err;
-  at::parallel_for(0, nt * parts, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, nt * u.parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / parts;
-      const int64_t p = item - t * parts;
-      if (feats_of_table[t].empty()) continue;
+      const int64_t t = item / u.parts, p = item - t * u.parts;
       const int64_t rows = weights[t].size(0);
-      const int64_t lo = rows * p / parts, hi = rows * (p + 1) / parts;
-      for (const int64_t fi : feats_of_table[t]) {
-        const Feature& f = fs[fi];
-        const int64_t D = f.dim;
+      const int64_t lo = rows * p / u.parts, hi = rows * (p + 1) / u.parts;
+      for (const int64_t fi : u.feats_of_table[t]) {
+        const Feature& f = u.fs[fi];
         float* W = f.weight_mut;
-        for (int64_t b = 0; b < batch; ++b) {
-          int64_t s = 0, e = 0;
-          if (!bag_range(f, b, s, e)) {
-            err.set(kOffsets, fi);
-            break;
+        const int64_t D = f.dim;
+        visit_rows(f, fi, u.batch, u.g_ptr, u.g_stride, mean, neg_lr, lo, hi, err,
+                   [&](int64_t id, int64_t, const float* g, float sc) { add_scaled_row(W + id * D, g, sc, D); });
+      }
+    }
+  });
+  raise_if(err);
+}
+
+// torch.optim.Adagrad on the step's gradient (rowwise = 0), or fbgemm's row-wise Adagrad
+// (rowwise = 1), applied to the looked-up rows only. The gradient of a row is first summed over
+// all its lookups in the batch (every feature of the table, in order), as a sparse gradient's
+// coalesce does, then:
+//   exact:    state[r] += g*g;             W[r] -= lr * (g / (sqrt(state[r]) + eps))
+//   row-wise: state[r] += mean(g*g);       W[r] -= (lr / (sqrt(state[r]) + eps)) * g
+void adagrad_update(
+    at::TensorList weights, at::TensorList states, at::Tensor grad_out, double lr, double eps, int64_t rowwise,
+    at::IntArrayRef table_of_feature, at::TensorList ids, const c10::List<std::optional<at::Tensor>>& offsets,
+    const c10::List<std::optional<at::Tensor>>& psw, at::IntArrayRef include_last, at::IntArrayRef padding_idx,
+    at::IntArrayRef form, int64_t mean) {
+  UpdateSetup u = setup_update(weights, grad_out, table_of_feature, ids, offsets, psw, include_last, padding_idx, form);
+  const int64_t nt = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(static_cast<int64_t>(states.size()) == nt, "fxrec kernel: one optimizer state per table");
+  for (int64_t t = 0; t < nt; ++t) {
+    const at::Tensor& st = states[t];
+    const int64_t want = rowwise ? weights[t].size(0) : weights[t].numel();
+    TORCH_CHECK(st.device().is_cpu() && st.scalar_type() == at::kFloat && st.is_contiguous() && st.numel() == want,
+                "fxrec kernel: the Adagrad state of table ", t, " must be contiguous float32 with ", want,
+                " elements");
+  }
+  const float flr = static_cast<float>(lr), feps = static_cast<float>(eps);
+  ErrorFlag err;
+  at::parallel_for(0, nt * u.parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slot;  // row - lo -> its place in `uniq`, or -1
+    std::vector<int64_t> uniq;  // rows of this block looked up in the batch, first seen first
+    std::vector<float> grads;   // their summed gradients, D floats each
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / u.parts, p = item - t * u.parts;
+      if (u.feats_of_table[t].empty()) continue;
+      const int64_t rows = weights[t].size(0), D = weights[t].size(1);
+      const int64_t lo = rows * p / u.parts, hi = rows * (p + 1) / u.parts;
+      slot.assign(hi - lo, -1);
+      uniq.clear();
+      grads.clear();
+      // a row's lookups are summed in the batch's order (features, then bags, then ids)
+      for (const int64_t fi : u.feats_of_table[t]) {
+        visit_rows(u.fs[fi], fi, u.batch, u.g_ptr, u.g_stride, mean, 1.f, lo, hi, err,
+                   [&](int64_t id, int64_t, const float* g, float sc) {
+                     int64_t& k = slot[id - lo];
+                     if (k < 0) {
+                       k = static_cast<int64_t>(uniq.size());
+                       uniq.push_back(id);
+                       grads.resize(grads.size() + D, 0.f);
+                     }
+                     add_scaled_row(grads.data() + k * D, g, sc, D);
+                   });
+      }
+      float* W = weights[t].data_ptr<float>();
+      float* S = states[t].data_ptr<float>();
+      for (size_t k = 0; k < uniq.size(); ++k) {
+        const int64_t id = uniq[k];
+        const float* acc = grads.data() + k * D;
+        float* w = W + id * D;
+        if (rowwise) {
+          f8 sq8 = f8{};
+          int64_t d = 0;
+          for (; d + 8 <= D; d += 8) {
+            const f8 a = load8(acc + d);
+            sq8 += a * a;
           }
-          float bag_scale = neg_lr;
-          if (mean) {
-            if (f.form == kBag) {
-              int64_t count = 0;
-              for (int64_t j = s; j < e; ++j) count += !(f.has_padding && f.ids[j] == f.padding);
-              if (count == 0) continue;
-              bag_scale = neg_lr * (1.f / static_cast<float>(count));
-            } else if (f.form == kPooledSeq) {
-              bag_scale = neg_lr / static_cast<float>(e - s);
-            }
-          }
-          const float* g = g_ptr + b * g_stride + f.col;
-          for (int64_t j = s; j < e; ++j) {
-            prefetch_row(f, j + kPrefetch, D, lo, hi);
-            const int64_t id = f.ids[j];
-            if (f.has_padding && id == f.padding) continue;
-            if (id < 0 || id >= f.rows) {
-              err.set(kIdRange, fi);
-              continue;
-            }
-            if (id < lo || id >= hi) continue;
-            const float sc = f.psw != nullptr ? bag_scale * f.psw[j] : bag_scale;
-            add_scaled_row(W + id * D, g, sc, D);
+          float sq = 0.f;
+          for (int j = 0; j < 8; ++j) sq += sq8[j];
+          for (; d < D; ++d) sq += acc[d] * acc[d];
+          S[id] += sq / static_cast<float>(D);
+          const float mult = flr / (std::sqrt(S[id]) + feps);
+          for (d = 0; d < D; ++d) w[d] -= mult * acc[d];
+        } else {
+          float* s = S + id * D;
+          for (int64_t d = 0; d < D; ++d) {
+            s[d] += acc[d] * acc[d];
+            w[d] += -flr * (acc[d] / (std::sqrt(s[d]) + feps));
           }
         }
       }
@@ -385,9 +494,14 @@ TORCH_LIBRARY(fxrec, m) {
       "sgd_update(Tensor(a!)[] weights, Tensor grad_out, float lr, int[] table_of_feature, Tensor[] ids, "
       "Tensor?[] offsets, Tensor?[] per_sample_weights, int[] include_last_offset, int[] padding_idx, "
       "int[] form, int mean) -> ()");
+  m.def(
+      "adagrad_update(Tensor(a!)[] weights, Tensor(b!)[] states, Tensor grad_out, float lr, float eps, int rowwise, "
+      "int[] table_of_feature, Tensor[] ids, Tensor?[] offsets, Tensor?[] per_sample_weights, "
+      "int[] include_last_offset, int[] padding_idx, int[] form, int mean) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fxrec, CPU, m) {
   m.impl("pooled_forward", pooled_forward);
   m.impl("sgd_update", sgd_update);
+  m.impl("adagrad_update", adagrad_update);
 }

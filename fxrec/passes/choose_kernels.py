@@ -113,6 +113,9 @@ def _fastest(times: Dict[str, float], prefer=None) -> str:
     return best
 
 
+_OWN_UPDATES = {"direct": ("sgd",), "native": ("sgd", "adagrad", "rowwise_adagrad")}
+
+
 def _native_fits(gr: meta.GroupRecord, params) -> bool:
     return gr.pooling != "none" and all(p.device.type == "cpu" for p in params) and _native.available()
 
@@ -194,8 +197,8 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
 
     With backend="auto" and an optimizer fbgemm can fuse, one training step of the group is timed
     on copies of its tables: fused by fbgemm (forward + backward with the update), fused by fxrec
-    (SGD only: the faster forward, and index_add_ of the gradient rows in backward; and, on CPU
-    where fxrec's kernel is built, its forward and its in-place update kernel), and the
+    (SGD only: the faster forward, and index_add_ of the gradient rows in backward), by fxrec's
+    native kernels (on CPU where they are built: SGD, Adagrad, row-wise Adagrad), and the
     fallback (forward + backward with sparse gradients + the torch.optim step); the fastest is
     kept. Groups that fbgemm's fused kernels would get wrong are not given to them: a table
     also used outside its lookups (its other gradient would be lost) and an nn.Embedding
@@ -231,18 +234,19 @@ def _choose_optimizer_path(gr: meta.GroupRecord, backend: str, values: Dict, rou
         t = gr.timings_ms
         torch_fwd = "fbgemm" if t.get("fwd_fbgemm", 1.0) < t.get("fwd_direct", 0.0) else "direct"
     own = backend in ("direct", "native") and gr.pooling != "none"  # no fbgemm kernels for this group
-    if backend == "loop" or (own and spec.kind != "sgd"):
+    # fxrec's own updates: SGD ("torch": index_add_), SGD and the Adagrads ("native" kernels)
+    if backend == "loop" or (own and spec.kind not in _OWN_UPDATES[backend]):
         gr.why += f"; optimizer: backend={backend!r}, so torch.optim in opt.step()"
         return
-    if own:  # SGD only (above): fxrec's own fused update
+    if own:
         spec = dataclasses.replace(spec, impl="native" if backend == "native" else "torch")
 
     def train_path(s) -> str:
         return {"torch": torch_fwd, "native": "native"}.get(s.impl, "fbgemm")
 
     if backend == "auto" and all(r.ids in values for r in gr.lookups):
-        native = spec.kind == "sgd" and _native_fits(gr, [values[r.weight] for r in gr.lookups
-                                                          if isinstance(r.weight, fx.Node) and r.weight in values])
+        native = spec.kind in _OWN_UPDATES["native"] and _native_fits(
+            gr, [values[r.weight] for r in gr.lookups if isinstance(r.weight, fx.Node) and r.weight in values])
         t = _time_optimizer_paths(gr, spec, values, rounds, torch_fwd, native)
         gr.timings_ms.update({f"step_{k}": v for k, v in t.items()})
         best = min(t, key=t.get)

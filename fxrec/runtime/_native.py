@@ -53,7 +53,8 @@ def _flags():
     lib_dir = os.path.join(torch_dir, "lib")
     inc = [f"-I{p}" for p in cpp_extension.include_paths()]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    compile_flags = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-fopenmp",
+    # -fno-math-errno: sqrt may be vectorised (it changes no result, only errno, never read)
+    compile_flags = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-fPIC", "-fopenmp",
                      f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     # ATen's parallel_for is OpenMP in these builds: link the libgomp torch itself loaded, so the
     # process keeps one OpenMP thread pool.

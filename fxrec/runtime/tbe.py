@@ -23,8 +23,8 @@ for inference) by the ``choose_kernels`` pass:
   first use, see :mod:`fxrec.runtime._native`) reads every feature's ids as given and writes
   the pooled rows straight into their columns of the output: no per-table outputs, no cat,
   no packing. In inference it writes into the reused buffer; in training its forward feeds
-  fxrec's gradients, and with fused SGD (``FusedSpec.impl == "native"``) its backward kernel
-  adds ``-lr * gradient`` into the looked-up rows, never making a gradient.
+  fxrec's gradients, and with a fused optimizer (``FusedSpec.impl == "native"``: SGD, Adagrad,
+  row-wise Adagrad) its backward kernels update the looked-up rows, never making a gradient.
 * ``"loop"``: the original ATen lookups one after the other, bit for bit what the user's model
   computed.
 
@@ -96,8 +96,10 @@ class FusedSpec:
     eps: float = 1e-8
     # "fbgemm": fbgemm's backward kernel applies the update. "torch" (SGD only): fxrec's backward
     # adds -lr * gradient rows into the looked-up rows with index_add_ (PyTorch's multi-threaded
-    # kernels), after whichever forward is faster. "native" (SGD only, CPU): fxrec's own kernels,
-    # forward and update (fxrec/csrc/pooled.cpp); where they cannot run, as "torch".
+    # kernels), after whichever forward is faster. "native" (CPU): fxrec's own kernels, forward
+    # and update (fxrec/csrc/pooled.cpp), for SGD, Adagrad and row-wise Adagrad; the Adagrad
+    # states live in the bound fbgemm TBE (as for "fbgemm"). Where fxrec's kernels cannot run a
+    # call: SGD as "torch", the Adagrads by fbgemm's fused kernel.
     impl: str = "fbgemm"
 
 
@@ -203,13 +205,20 @@ class EmbeddingGroup(nn.Module):
         """Training updates the tables inside backward (no gradients reach the parameters)."""
         return self.fused is not None and self.fused_enabled and self.path_train != "loop"
 
+    def _fbgemm_updates(self) -> bool:
+        """Training applies the fused optimizer by fbgemm's backward: its own path, or an
+        Adagrad of the native path on a call fxrec's kernels cannot take."""
+        return self.fused_active and (
+            self.fused.impl == "fbgemm" or (self.fused.impl == "native" and self.fused.kind != "sgd")
+        )
+
     def set_learning_rate(self, lr: float) -> None:
         """Learning rate of the fused optimizer (from the next backward on)."""
         if self.fused is None:
             raise RuntimeError(f"fxrec: tables {[t.name for t in self.tables]} have no fused optimizer")
         if lr != self.fused.lr:
             self.fused = dataclasses.replace(self.fused, lr=float(lr))
-            if self._bound is not None and self.fused.impl == "fbgemm":
+            if self._bound is not None and self.fused.impl in ("fbgemm", "native"):
                 self._bound.tbe.set_learning_rate(float(lr))
 
     def optimizer_states(self, params: Sequence[torch.Tensor]) -> List[dict]:
@@ -319,7 +328,7 @@ class EmbeddingGroup(nn.Module):
                     f"({t.num_rows}, {t.dim}) as when the model was transformed"
                 )
         ftm = [f.table for f in self.features]
-        fused = self.fused if self.fused is not None and self.fused.impl == "fbgemm" else None
+        fused = self.fused if self.fused is not None and self.fused.impl in ("fbgemm", "native") else None
         tbe = _fbgemm.make_training_tbe(
             [(t.num_rows, t.dim) for t in self.tables], ftm, self.pooling, params[0].device,
             optimizer=fused.kind if fused else "none", learning_rate=fused.lr if fused else 0.0,
@@ -346,7 +355,7 @@ class EmbeddingGroup(nn.Module):
         backward updates the tables), else through _TBELookupFunction (PyTorch's gradients, or
         fxrec's own fused update). ``forward`` computes the output without autograd; by
         default fbgemm's TBE forward."""
-        if training and self.fused_active and self.fused.impl == "fbgemm":
+        if training and self._fbgemm_updates():
             return tbe(indices, offsets, per_sample_weights=psw)
         if forward is None:
             def forward():
@@ -391,11 +400,16 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         path = self.path_train if training else self.path_eval
         native = None
         if path == "native":
+            own_state = fused and self.fused.impl == "native" and self.fused.kind != "sgd"
+            if own_state:
+                self._ensure_bound(params)  # the Adagrad states live in the bound TBE
             native = self._native_args(ids_list, offsets_list, psw_list, params)
             if native is not None and not training:
                 return self._native_forward(native, ids_list, offsets_list, reuse=self.reuse_output)
-            if native is not None and fused and self.fused.impl == "native" and self._native_sgd_fits(params, psw_list):
-                return _NativeSGDFunction.apply(self, native, ids_list, offsets_list, *params)
+            if native is not None and fused and self.fused.impl == "native" and self._native_fused_fits(params, psw_list):
+                return _NativeFusedFunction.apply(self, native, ids_list, offsets_list, *params)
+            if own_state:
+                path, native = "fbgemm", None  # this call: fbgemm's fused kernel, on the same states
         if path == "direct" and not training:
             out = self._direct(ids_list, offsets_list, psw_list, params) if self.reuse_output else None
             if out is not None:
@@ -412,7 +426,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                 elif path == "native":
                     def forward():  # fxrec's kernel; fxrec's backward gives the gradients
                         return self._native_forward(native, ids_list, offsets_list, reuse=False)
-                tbe = self._ensure_bound(params) if forward is None or (fused and self.fused.impl == "fbgemm") else None
+                tbe = self._ensure_bound(params) if forward is None or (fused and self._fbgemm_updates()) else None
                 return self._run_tbe(tbe, batch, indices, offsets, psw, params, training, forward)
             if fused and any(ids.numel() for ids in ids_list):
                 self._fused_unusable(params, "its features have different batch sizes (or a [B, 0] id tensor is mean-pooled)")
@@ -499,8 +513,8 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             self._native_failed(e, ids_list, offsets_list)
         return out
 
-    def _native_sgd_fits(self, params, psw_list) -> bool:
-        """fxrec's SGD kernel updates every table and gives no per-sample-weight gradient."""
+    def _native_fused_fits(self, params, psw_list) -> bool:
+        """fxrec's update kernels update every table and give no per-sample-weight gradient."""
         return all(p.requires_grad for p in params) and not any(
             w is not None and w.requires_grad for w in psw_list
         )
@@ -809,10 +823,12 @@ def _native_dense_grads(group, grad_out, indices, offsets, scale, bounds, batch)
     return grads
 
 
-class _NativeSGDFunction(torch.autograd.Function):
-    """fxrec's kernels with fused SGD: forward pools the rows into a new output; backward adds
-    ``-lr * gradient`` into the looked-up rows of every table (the padding row of
-    ``nn.Embedding`` excepted, as PyTorch gives it no gradient) and returns no gradients.
+class _NativeFusedFunction(torch.autograd.Function):
+    """fxrec's kernels with a fused optimizer: forward pools the rows into a new output;
+    backward applies SGD (``-lr * gradient`` added into the looked-up rows), Adagrad or row-wise
+    Adagrad (each row's gradient summed over the batch first, the state in the bound TBE) to
+    every table, the padding row of ``nn.Embedding`` excepted (PyTorch gives it no gradient),
+    and returns no gradients.
 
     The ids, offsets and per-sample weights are saved for backward, so changing them in place
     before backward raises autograd's "modified by an inplace operation", as PyTorch's own
@@ -839,10 +855,18 @@ class _NativeSGDFunction(torch.autograd.Function):
         ids, rest = saved[:n], saved[n:]
         offs = [rest.pop(0) if h else None for h in has_off]
         psw = [rest.pop(0) if h else None for h in has_psw]
+        spec = group.fused
+        states = None
+        if spec.kind != "sgd":  # first: binding may move the parameters' storage
+            states = [s["sum"] for s in group.optimizer_states(ctx.params)]
         weights = [p.detach() for p in ctx.params]
+        features = (tof, ids, offs, psw, last, pad, form, mean)
         with torch.no_grad():
-            _native.ops().sgd_update(weights, grad_out.contiguous(), float(group.fused.lr), tof, ids, offs, psw,
-                                     last, pad, form, mean)
+            if states is None:
+                _native.ops().sgd_update(weights, grad_out.contiguous(), float(spec.lr), *features)
+            else:
+                _native.ops().adagrad_update(weights, states, grad_out.contiguous(), float(spec.lr), float(spec.eps),
+                                             int(spec.kind == "rowwise_adagrad"), *features)
         bump = getattr(torch.autograd.graph, "increment_version", None)
         if bump is not None:
             for p in ctx.params:
@@ -865,7 +889,7 @@ class _TBELookupFunction(torch.autograd.Function):
             out = forward()
         ctx.group = group
         ctx.batch = batch
-        if group.fused_active and group.fused.impl in ("torch", "native"):
+        if group.fused_active and group.fused.impl in ("torch", "native") and group.fused.kind == "sgd":
             # backward updates these in place, so they are not saved (a second forward before
             # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
             ctx.save_for_backward(indices, offsets, psw)
@@ -908,7 +932,8 @@ class _TBELookupFunction(torch.autograd.Function):
         # fxrec's own fused SGD: no gradient is made, the rows are updated below. The -lr factor
         # goes on grad_out ([B, sum of dims]) before the rows are gathered, unless the
         # per-sample-weight gradient needs the unscaled rows.
-        sgd_lr = group.fused.lr if group.fused_active and group.fused.impl in ("torch", "native") else None
+        sgd_lr = (group.fused.lr if group.fused_active and group.fused.impl in ("torch", "native")
+                  and group.fused.kind == "sgd" else None)
         prescaled = sgd_lr is not None and not (psw is not None and ctx.needs_input_grad[5])
         if prescaled:
             grad_out = grad_out * (-sgd_lr)
