@@ -482,3 +482,27 @@ def test_native_adagrad_checkpoint_round_trip_gives_the_same_trajectory(opt, tmp
     run(b, opt_b, range(4, 8))
     for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), k
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_native_fused_update_leaves_a_frozen_table_alone(opt):
+    cfg, ref_opt = {**ADAGRADS, "sgd": (lambda: fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1))}[opt]
+
+    def model_fn():
+        m = M.BagList(rows=ROWS)
+        m.bags[0].weight.requires_grad_(False)  # pretrained, frozen
+        return m
+
+    ref, fast, _ = train_both(model_fn, duplicate_heavy_inputs, cfg(), ref_opt, steps=5, backend="native")
+    assert "_NativeFusedFunctionBackward" in autograd_node_names(fast(*duplicate_heavy_inputs(1)))
+    assert torch.equal(fast.state_dict()["bags.0.weight"], ref.bags[0].weight)  # never updated, in either
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_fbgemm_fused_kernel_refuses_a_frozen_table_by_name():
+    model = M.BagList(rows=ROWS)
+    fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.Adagrad(lr=0.1), backend="fbgemm")
+    fast.get_parameter("bags.1.weight").requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"\['bags\.1'\] are frozen"):
+        fast(*M.bag_inputs(rows=ROWS, seed=1)).sum().backward()

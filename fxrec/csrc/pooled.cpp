@@ -352,11 +352,13 @@ struct UpdateSetup {
   int64_t g_stride = 0;
 };
 
-UpdateSetup setup_update(at::TensorList weights, const at::Tensor& grad_out, at::IntArrayRef table_of_feature,
-                         at::TensorList ids, const c10::List<std::optional<at::Tensor>>& offsets,
+UpdateSetup setup_update(at::TensorList weights, const at::Tensor& grad_out, at::IntArrayRef update_table,
+                         at::IntArrayRef table_of_feature, at::TensorList ids,
+                         const c10::List<std::optional<at::Tensor>>& offsets,
                          const c10::List<std::optional<at::Tensor>>& psw, at::IntArrayRef include_last,
                          at::IntArrayRef padding_idx, at::IntArrayRef form) {
   UpdateSetup u;
+  TORCH_CHECK(update_table.size() == weights.size(), "fxrec kernel: one update flag per table");
   int64_t total_dim = 0;
   u.fs = describe(weights, table_of_feature, ids, offsets, psw, include_last, padding_idx, form, u.batch, total_dim);
   TORCH_CHECK(grad_out.device().is_cpu() && grad_out.scalar_type() == at::kFloat && grad_out.dim() == 2 &&
@@ -366,7 +368,10 @@ UpdateSetup setup_update(at::TensorList weights, const at::Tensor& grad_out, at:
   u.g_stride = grad_out.stride(0);
   const int64_t nt = static_cast<int64_t>(weights.size());
   u.feats_of_table.resize(nt);
-  for (int64_t i = 0; i < static_cast<int64_t>(u.fs.size()); ++i) u.feats_of_table[u.fs[i].table].push_back(i);
+  // a table whose flag is 0 (frozen: requires_grad=False) is never written
+  for (int64_t i = 0; i < static_cast<int64_t>(u.fs.size()); ++i) {
+    if (update_table[u.fs[i].table]) u.feats_of_table[u.fs[i].table].push_back(i);
+  }
   // Each table's rows are cut into `parts` blocks; a work item owns one block of one table, so
   // a row is only ever written by one thread, in the ids' order.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -378,11 +383,12 @@ UpdateSetup setup_update(at::TensorList weights, const at::Tensor& grad_out, at:
 // except the padding row (which gets no gradient in PyTorch). With lr = -1 on zero tensors:
 // the dense gradient.
 void sgd_update(
-    at::TensorList weights, at::Tensor grad_out, double lr, at::IntArrayRef table_of_feature,
-    at::TensorList ids, const c10::List<std::optional<at::Tensor>>& offsets,
+    at::TensorList weights, at::Tensor grad_out, double lr, at::IntArrayRef update_table,
+    at::IntArrayRef table_of_feature, at::TensorList ids, const c10::List<std::optional<at::Tensor>>& offsets,
     const c10::List<std::optional<at::Tensor>>& psw, at::IntArrayRef include_last,
     at::IntArrayRef padding_idx, at::IntArrayRef form, int64_t mean) {
-  UpdateSetup u = setup_update(weights, grad_out, table_of_feature, ids, offsets, psw, include_last, padding_idx, form);
+  UpdateSetup u = setup_update(weights, grad_out, update_table, table_of_feature, ids, offsets, psw, include_last,
+                               padding_idx, form);
   const int64_t nt = static_cast<int64_t>(weights.size());
   const float neg_lr = static_cast<float>(-lr);
   ErrorFlag err;
@@ -403,6 +409,34 @@ void sgd_update(
   raise_if(err);
 }
 
+// Row -> slot map for one table's rows in a batch: open addressing over a power-of-two array of
+// at least twice the lookups, so its size (and the time to clear it) follows the batch, not
+// the table.
+struct RowSlots {
+  std::vector<int64_t> keys, vals;
+  uint64_t mask = 0;
+  void reset(int64_t lookups) {
+    uint64_t cap = 16;
+    while (cap < static_cast<uint64_t>(2 * lookups)) cap <<= 1;
+    keys.assign(cap, -1);
+    vals.assign(cap, -1);
+    mask = cap - 1;
+  }
+  // the slot of `row` (-1 when new: the caller stores its place there)
+  int64_t& find(int64_t row) {
+    uint64_t h = (static_cast<uint64_t>(row) * 0x9E3779B97F4A7C15ull) >> 20;
+    while (true) {
+      h &= mask;
+      if (keys[h] == row) return vals[h];
+      if (keys[h] < 0) {
+        keys[h] = row;
+        return vals[h];
+      }
+      ++h;
+    }
+  }
+};
+
 // torch.optim.Adagrad on the step's gradient (rowwise = 0), or fbgemm's row-wise Adagrad
 // (rowwise = 1), applied to the looked-up rows only. The gradient of a row is first summed over
 // all its lookups in the batch (every feature of the table, in order), as a sparse gradient's
@@ -411,13 +445,15 @@ void sgd_update(
 //   row-wise: state[r] += mean(g*g);       W[r] -= (lr / (sqrt(state[r]) + eps)) * g
 void adagrad_update(
     at::TensorList weights, at::TensorList states, at::Tensor grad_out, double lr, double eps, int64_t rowwise,
-    at::IntArrayRef table_of_feature, at::TensorList ids, const c10::List<std::optional<at::Tensor>>& offsets,
-    const c10::List<std::optional<at::Tensor>>& psw, at::IntArrayRef include_last, at::IntArrayRef padding_idx,
-    at::IntArrayRef form, int64_t mean) {
-  UpdateSetup u = setup_update(weights, grad_out, table_of_feature, ids, offsets, psw, include_last, padding_idx, form);
+    at::IntArrayRef update_table, at::IntArrayRef table_of_feature, at::TensorList ids,
+    const c10::List<std::optional<at::Tensor>>& offsets, const c10::List<std::optional<at::Tensor>>& psw,
+    at::IntArrayRef include_last, at::IntArrayRef padding_idx, at::IntArrayRef form, int64_t mean) {
+  UpdateSetup u = setup_update(weights, grad_out, update_table, table_of_feature, ids, offsets, psw, include_last,
+                               padding_idx, form);
   const int64_t nt = static_cast<int64_t>(weights.size());
   TORCH_CHECK(static_cast<int64_t>(states.size()) == nt, "fxrec kernel: one optimizer state per table");
   for (int64_t t = 0; t < nt; ++t) {
+    if (!update_table[t]) continue;
     const at::Tensor& st = states[t];
     const int64_t want = rowwise ? weights[t].size(0) : weights[t].numel();
     TORCH_CHECK(st.device().is_cpu() && st.scalar_type() == at::kFloat && st.is_contiguous() && st.numel() == want,
@@ -427,7 +463,7 @@ void adagrad_update(
   const float flr = static_cast<float>(lr), feps = static_cast<float>(eps);
   ErrorFlag err;
   at::parallel_for(0, nt * u.parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slot;  // row - lo -> its place in `uniq`, or -1
+    RowSlots slots;             // row -> its place in `uniq` (open addressing, sized by the batch)
     std::vector<int64_t> uniq;  // rows of this block looked up in the batch, first seen first
     std::vector<float> grads;   // their summed gradients, D floats each
     for (int64_t item = begin; item < end; ++item) {
@@ -435,14 +471,16 @@ void adagrad_update(
       if (u.feats_of_table[t].empty()) continue;
       const int64_t rows = weights[t].size(0), D = weights[t].size(1);
       const int64_t lo = rows * p / u.parts, hi = rows * (p + 1) / u.parts;
-      slot.assign(hi - lo, -1);
+      int64_t lookups = 0;
+      for (const int64_t fi : u.feats_of_table[t]) lookups += u.fs[fi].n_ids;
+      slots.reset(lookups);
       uniq.clear();
       grads.clear();
       // a row's lookups are summed in the batch's order (features, then bags, then ids)
       for (const int64_t fi : u.feats_of_table[t]) {
         visit_rows(u.fs[fi], fi, u.batch, u.g_ptr, u.g_stride, mean, 1.f, lo, hi, err,
                    [&](int64_t id, int64_t, const float* g, float sc) {
-                     int64_t& k = slot[id - lo];
+                     int64_t& k = slots.find(id);
                      if (k < 0) {
                        k = static_cast<int64_t>(uniq.size());
                        uniq.push_back(id);
@@ -491,12 +529,13 @@ TORCH_LIBRARY(fxrec, m) {
       "Tensor?[] offsets, Tensor?[] per_sample_weights, int[] include_last_offset, int[] padding_idx, "
       "int[] form, int mean) -> ()");
   m.def(
-      "sgd_update(Tensor(a!)[] weights, Tensor grad_out, float lr, int[] table_of_feature, Tensor[] ids, "
+      "sgd_update(Tensor(a!)[] weights, Tensor grad_out, float lr, int[] update_table, int[] table_of_feature, "
+      "Tensor[] ids, "
       "Tensor?[] offsets, Tensor?[] per_sample_weights, int[] include_last_offset, int[] padding_idx, "
       "int[] form, int mean) -> ()");
   m.def(
       "adagrad_update(Tensor(a!)[] weights, Tensor(b!)[] states, Tensor grad_out, float lr, float eps, int rowwise, "
-      "int[] table_of_feature, Tensor[] ids, Tensor?[] offsets, Tensor?[] per_sample_weights, "
+      "int[] update_table, int[] table_of_feature, Tensor[] ids, Tensor?[] offsets, Tensor?[] per_sample_weights, "
       "int[] include_last_offset, int[] padding_idx, int[] form, int mean) -> ()");
 }
 

@@ -146,7 +146,8 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             gr.path_train = gr.path_eval = "fbgemm" if pooled_only else backend
             gr.why = f"backend={backend!r} was asked for"
             if backend == "native" and not pooled_only and not _native.available():
-                gr.why += f" but fxrec's kernel is not available ({_native.why_unavailable()}): plain lookups run"
+                gr.why += (f" but fxrec's kernels are not available ({_native.why_unavailable()}): the lookups run "
+                           "PyTorch's kernels (a fused Adagrad, fbgemm's)")
         elif not all(r.ids in values for r in gr.lookups):
             gr.path_train = gr.path_eval = "loop"
             gr.lower = False

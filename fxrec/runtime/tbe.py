@@ -356,6 +356,12 @@ class EmbeddingGroup(nn.Module):
         fxrec's own fused update). ``forward`` computes the output without autograd; by
         default fbgemm's TBE forward."""
         if training and self._fbgemm_updates():
+            frozen = [t.name for t, p in zip(self.tables, params) if not p.requires_grad]
+            if frozen:
+                self._fused_unusable(
+                    params, f"tables {frozen} are frozen (requires_grad=False) and fbgemm's fused kernel would update "
+                    "them; give them no optimizer (optimizer={name: ...} for the others), or use backend='native' on CPU"
+                )
             return tbe(indices, offsets, per_sample_weights=psw)
         if forward is None:
             def forward():
@@ -514,8 +520,8 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         return out
 
     def _native_fused_fits(self, params, psw_list) -> bool:
-        """fxrec's update kernels update every table and give no per-sample-weight gradient."""
-        return all(p.requires_grad for p in params) and not any(
+        """fxrec's update kernels give no per-sample-weight gradient (frozen tables they skip)."""
+        return any(p.requires_grad for p in params) and not any(
             w is not None and w.requires_grad for w in psw_list
         )
 
@@ -818,8 +824,8 @@ def _native_dense_grads(group, grad_out, indices, offsets, scale, bounds, batch)
     psw = [None if scale is None else scale[bounds[i] : bounds[i + 1]] for i in range(nf)]
     pad = [-1 if f.padding_idx is None or f.form == "bag" else int(f.padding_idx) for f in group.features]
     zeros = [0] * nf
-    _native.ops().sgd_update(grads, grad_out.contiguous(), -1.0, [f.table for f in group.features], ids, offs, psw,
-                             zeros, pad, zeros, 0)
+    _native.ops().sgd_update(grads, grad_out.contiguous(), -1.0, [1] * len(grads), [f.table for f in group.features],
+                             ids, offs, psw, zeros, pad, zeros, 0)
     return grads
 
 
@@ -860,7 +866,8 @@ class _NativeFusedFunction(torch.autograd.Function):
         if spec.kind != "sgd":  # first: binding may move the parameters' storage
             states = [s["sum"] for s in group.optimizer_states(ctx.params)]
         weights = [p.detach() for p in ctx.params]
-        features = (tof, ids, offs, psw, last, pad, form, mean)
+        # a frozen table (requires_grad=False) is left alone, as torch.optim would leave it
+        features = ([int(p.requires_grad) for p in ctx.params], tof, ids, offs, psw, last, pad, form, mean)
         with torch.no_grad():
             if states is None:
                 _native.ops().sgd_update(weights, grad_out.contiguous(), float(spec.lr), *features)
