@@ -34,7 +34,7 @@ These modules know nothing of graphs or passes.
 from __future__ import annotations
 
 import dataclasses
-import re
+import functools
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -43,17 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _fbgemm, _native
+from . import _fbgemm, native_lookup
+from ._tracing import compiling, exporting
 
 PATHS = ("fbgemm", "native", "direct", "loop")
 
-
-
-def exporting() -> bool:
-    """Inside torch.export tracing: checks that read tensor values (data-dependent) are skipped,
-    and fp32 groups run their plain lookups, which export as ATen ops."""
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return bool(is_exporting and is_exporting())
 
 
 @dataclass(frozen=True)
@@ -107,11 +101,6 @@ class FusedSpec:
 FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",)}
 
 
-def _compiling() -> bool:
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling and is_compiling())
-
-
 def _storage_use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
@@ -138,7 +127,7 @@ class ReusedOutput:
         self._lock = threading.Lock()
 
     def take(self, shape: List[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu" or not self._available or torch.jit.is_tracing() or _compiling():
+        if device.type != "cpu" or not self._available or torch.jit.is_tracing() or compiling():
             return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:
             b = self._buf
@@ -409,11 +398,11 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             own_state = fused and self.fused.impl == "native" and self.fused.kind != "sgd"
             if own_state:
                 self._ensure_bound(params)  # the Adagrad states live in the bound TBE
-            native = self._native_args(ids_list, offsets_list, psw_list, params)
+            native = native_lookup.native_call(self, ids_list, offsets_list, psw_list, params)
             if native is not None and not training:
-                return self._native_forward(native, ids_list, offsets_list, reuse=self.reuse_output)
-            if native is not None and fused and self.fused.impl == "native" and self._native_fused_fits(params, psw_list):
-                return _NativeFusedFunction.apply(self, native, ids_list, offsets_list, *params)
+                return native_lookup.native_forward(self, native, ids_list, offsets_list, reuse=self.reuse_output)
+            if native is not None and fused and self.fused.impl == "native" and native_lookup.fused_fits(params, psw_list):
+                return native_lookup.NativeFusedFunction.apply(self, native, ids_list, offsets_list, *params)
             if own_state:
                 path, native = "fbgemm", None  # this call: fbgemm's fused kernel, on the same states
         if path == "direct" and not training:
@@ -425,13 +414,13 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             if packed is not None:
                 indices, offsets, psw, batch = packed
                 self._validate_packed(indices, offsets, ids_list, offsets_list)
-                forward = None
-                if path == "direct" or (path == "native" and native is None):
-                    def forward():  # PyTorch's per-table kernels; fxrec's backward gives the gradients
-                        return self.loop(ids_list, offsets_list, psw_list, params)
-                elif path == "native":
-                    def forward():  # fxrec's kernel; fxrec's backward gives the gradients
-                        return self._native_forward(native, ids_list, offsets_list, reuse=False)
+                # the forward without autograd; fxrec's backward gives the gradients
+                forward = None  # fbgemm's TBE
+                if path == "direct" or (path == "native" and native is None):  # PyTorch's per-table kernels
+                    forward = functools.partial(self.loop, ids_list, offsets_list, psw_list, params)
+                elif path == "native":  # fxrec's kernel
+                    forward = functools.partial(native_lookup.native_forward, self, native, ids_list, offsets_list,
+                                                reuse=False)
                 tbe = self._ensure_bound(params) if forward is None or (fused and self._fbgemm_updates()) else None
                 return self._run_tbe(tbe, batch, indices, offsets, psw, params, training, forward)
             if fused and any(ids.numel() for ids in ids_list):
@@ -445,95 +434,6 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             # PyTorch's own kernels checked the inputs; say which feature and table was wrong.
             self._check_inputs(ids_list, offsets_list)
             raise
-
-    def _native_args(self, ids_list, offsets_list, psw_list, params) -> Optional[tuple]:
-        """The group's inputs as fxrec's kernel takes them, or None where it does not apply (no
-        kernel built, not CPU float32, tracing, an empty batch, batch sizes that differ, odd
-        shapes, or a PyTorch corner case only its own kernels reproduce); the caller then runs
-        another path."""
-        if exporting() or torch.jit.is_tracing() or _compiling():
-            return None
-        weights = []
-        for p in params:
-            if p.device.type != "cpu" or p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():
-                return None
-            weights.append(p.detach())
-        if not _native.available():
-            return None
-        mean = self.pooling == "mean"
-        ids_n, offs_n, psw_n, last, pad, form = [], [], [], [], [], []
-        batch = -1
-        for f, ids, off, psw in zip(self.features, ids_list, offsets_list, psw_list):
-            if ids.device.type != "cpu" or ids.dtype not in (torch.int64, torch.int32):
-                return None
-            if f.form == "bag":
-                if off is not None:
-                    if (ids.dim() != 1 or off.dim() != 1 or off.device.type != "cpu"
-                            or off.dtype not in (torch.int64, torch.int32)):
-                        return None
-                    if f.include_last_offset and f.padding_idx is not None:
-                        return None  # PyTorch then runs the last bag to the end of the ids
-                    b = off.numel() - 1 if f.include_last_offset else off.numel()
-                    off = off.long().contiguous()
-                elif ids.dim() == 2 and ids.shape[1] > 0:
-                    b = ids.shape[0]
-                else:
-                    return None  # PyTorch refuses [B, 0] bags; its own kernels say so
-                kind = 0
-            elif f.form == "pooled_seq":
-                if ids.dim() != 2 or (mean and ids.shape[1] == 0):
-                    return None  # PyTorch's mean of no rows is NaN
-                b, kind, off = ids.shape[0], 1, None
-            elif f.form == "single":
-                if ids.dim() != 1:
-                    return None
-                b, kind, off = ids.shape[0], 2, None
-            else:
-                return None
-            if psw is not None:
-                if mean or psw.device.type != "cpu" or psw.dtype != torch.float32 or psw.shape != ids.shape:
-                    return None  # PyTorch's kernels give the answer or the error
-                psw = psw.detach().reshape(-1).contiguous()
-            if batch >= 0 and b != batch:
-                return None
-            batch = b
-            ids_n.append(ids.long().contiguous())
-            offs_n.append(off)
-            psw_n.append(psw)
-            last.append(int(f.include_last_offset and off is not None))
-            pad.append(-1 if f.padding_idx is None else int(f.padding_idx))
-            form.append(kind)
-        if batch <= 0:
-            return None  # empty batch: PyTorch's own kernels give the exact empty result
-        tof = [f.table for f in self.features]
-        return weights, tof, ids_n, offs_n, psw_n, last, pad, form, int(mean), batch
-
-    def _native_forward(self, native: tuple, ids_list, offsets_list, reuse: bool) -> torch.Tensor:
-        weights, tof, ids, offs, psw, last, pad, form, mean, batch = native
-        shape = [batch, sum(self.dims)]
-        w0 = weights[0]
-        out = self._out.take(shape, w0.dtype, w0.device) if reuse else torch.empty(shape, dtype=w0.dtype)
-        try:
-            _native.ops().pooled_forward(out, weights, tof, ids, offs, psw, last, pad, form, mean)
-        except (IndexError, RuntimeError) as e:
-            self._native_failed(e, ids_list, offsets_list)
-        return out
-
-    def _native_fused_fits(self, params, psw_list) -> bool:
-        """fxrec's update kernels give no per-sample-weight gradient (frozen tables they skip)."""
-        return any(p.requires_grad for p in params) and not any(
-            w is not None and w.requires_grad for w in psw_list
-        )
-
-    def _native_failed(self, e: Exception, ids_list, offsets_list):
-        """The kernel refused its input: say which feature and table, as the other paths do."""
-        self._check_inputs(ids_list, offsets_list)  # raises, naming the feature, for the usual faults
-        msg = str(e).split("\n")[0]
-        m = re.search(r"feature (\d+)", msg)
-        if m and int(m.group(1)) < len(self.features):
-            f = self.features[int(m.group(1))]
-            msg = msg.replace(f"feature {m.group(1)}", f"feature '{f.name}' (table '{self.tables[f.table].name}')")
-        raise (IndexError if isinstance(e, IndexError) else ValueError)(msg.replace("fxrec kernel:", "fxrec:")) from e
 
     def _direct(self, ids_list, offsets_list, psw_list, params) -> Optional[torch.Tensor]:
         """The plain lookups concatenated into the group's reused output buffer (see
@@ -800,87 +700,6 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
         ]
 
 
-def _dense_grads_by_kernel(group: "EmbeddingGroup", grad_out: torch.Tensor, need) -> bool:
-    """Dense gradients of a pooled group on CPU, every table wanting one: fxrec's kernel adds
-    the rows straight into them (no gathered copy of the rows, no index_add_)."""
-    return (
-        group.pooling != "none" and grad_out.device.type == "cpu" and grad_out.dtype == torch.float32
-        and all(need[t] and not spec.sparse for t, spec in enumerate(group.tables))
-        # backward(create_graph=True): the gradient must itself be differentiable (PyTorch ops)
-        and not torch.is_grad_enabled()
-        and _native.available()
-    )
-
-
-def _native_dense_grads(group, grad_out, indices, offsets, scale, bounds, batch) -> List[torch.Tensor]:
-    """``zeros + sum of gradient rows`` per table, by fxrec's update kernel with lr = -1 on the
-    packed input: each feature's slice of the ids, its bags, and the per-index scale (sample
-    weight, 1/len for mean). The padding row of ``nn.Embedding`` is skipped (no gradient);
-    bags had theirs removed when packed."""
-    grads = [torch.zeros(t.num_rows, t.dim, dtype=grad_out.dtype) for t in group.tables]
-    nf = len(group.features)
-    ids = [indices[bounds[i] : bounds[i + 1]] for i in range(nf)]
-    offs = [offsets[i * batch : (i + 1) * batch] - bounds[i] for i in range(nf)]
-    psw = [None if scale is None else scale[bounds[i] : bounds[i + 1]] for i in range(nf)]
-    pad = [-1 if f.padding_idx is None or f.form == "bag" else int(f.padding_idx) for f in group.features]
-    zeros = [0] * nf
-    _native.ops().sgd_update(grads, grad_out.contiguous(), -1.0, [1] * len(grads), [f.table for f in group.features],
-                             ids, offs, psw, zeros, pad, zeros, 0)
-    return grads
-
-
-class _NativeFusedFunction(torch.autograd.Function):
-    """fxrec's kernels with a fused optimizer: forward pools the rows into a new output;
-    backward applies SGD (``-lr * gradient`` added into the looked-up rows), Adagrad or row-wise
-    Adagrad (each row's gradient summed over the batch first, the state in the bound TBE) to
-    every table, the padding row of ``nn.Embedding`` excepted (PyTorch gives it no gradient),
-    and returns no gradients.
-
-    The ids, offsets and per-sample weights are saved for backward, so changing them in place
-    before backward raises autograd's "modified by an inplace operation", as PyTorch's own
-    lookups do. The tables are not saved (backward updates them in place, and a second forward
-    before the backward must not trip the version check): backward reads the parameters'
-    storage as it is then (it may have been rebound to fbgemm's buffer meanwhile), and bumps
-    their version after the update.
-    """
-
-    @staticmethod
-    def forward(ctx, group, native, ids_list, offsets_list, *params):
-        _, tof, ids, offs, psw, last, pad, form, mean, _ = native
-        ctx.group = group
-        ctx.params = params
-        ctx.layout = (len(ids), tof, last, pad, form, mean, [o is not None for o in offs], [w is not None for w in psw])
-        ctx.save_for_backward(*ids, *[o for o in offs if o is not None], *[w for w in psw if w is not None])
-        return group._native_forward(native, ids_list, offsets_list, reuse=False)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        group = ctx.group
-        n, tof, last, pad, form, mean, has_off, has_psw = ctx.layout
-        saved = list(ctx.saved_tensors)
-        ids, rest = saved[:n], saved[n:]
-        offs = [rest.pop(0) if h else None for h in has_off]
-        psw = [rest.pop(0) if h else None for h in has_psw]
-        spec = group.fused
-        states = None
-        if spec.kind != "sgd":  # first: binding may move the parameters' storage
-            states = [s["sum"] for s in group.optimizer_states(ctx.params)]
-        weights = [p.detach() for p in ctx.params]
-        # a frozen table (requires_grad=False) is left alone, as torch.optim would leave it
-        features = ([int(p.requires_grad) for p in ctx.params], tof, ids, offs, psw, last, pad, form, mean)
-        with torch.no_grad():
-            if states is None:
-                _native.ops().sgd_update(weights, grad_out.contiguous(), float(spec.lr), *features)
-            else:
-                _native.ops().adagrad_update(weights, states, grad_out.contiguous(), float(spec.lr), float(spec.eps),
-                                             int(spec.kind == "rowwise_adagrad"), *features)
-        bump = getattr(torch.autograd.graph, "increment_version", None)
-        if bump is not None:
-            for p in ctx.params:
-                bump(p)
-        return (None, None, None, None, *([None] * len(ctx.params)))
-
-
 class _TBELookupFunction(torch.autograd.Function):
     """fbgemm TBE forward with PyTorch's gradients.
 
@@ -989,8 +808,8 @@ class _TBELookupFunction(torch.autograd.Function):
         # weights before the update.
         grads: List[Optional[torch.Tensor]] = [None] * len(params)
         need = ctx.needs_input_grad[6:]
-        if sgd_lr is None and _dense_grads_by_kernel(group, grad_out, need):
-            grads = _native_dense_grads(group, grad_out, indices, offsets, scale, bounds, batch)
+        if sgd_lr is None and native_lookup.dense_grads_by_kernel(group, grad_out, need):
+            grads = native_lookup.dense_grads(group, grad_out, indices, offsets, scale, bounds, batch)
         for t, (spec, p) in enumerate(zip(group.tables, params)):
             if not need[t] or grads[t] is not None:
                 continue
