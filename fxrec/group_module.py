@@ -13,20 +13,6 @@ from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from .runtime.tbe import EmbeddingGroup, FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
 
 
-def order_for_kernel(gr: meta.GroupRecord) -> None:
-    """Sequence groups: features ordered by table.
-
-    fbgemm's CPU sequence (nobag) kernel reads wrong rows when a table's features are not
-    adjacent (feature_table_map [0, 1, 0]); a sequence group's outputs are taken one by one, so
-    its features can be reordered freely. Pooled groups keep their column order.
-    """
-    if gr.pooling == "none":
-        first: Dict[str, int] = {}
-        for rec in gr.lookups:
-            first.setdefault(rec.param, len(first))
-        gr.lookups.sort(key=lambda r: first[r.param])
-
-
 def uses_outside_group(gr: meta.GroupRecord) -> str:
     """The first table of the group whose weight feeds anything but the group's lookups
     (a tied output projection, a lookup left as it was), or ""."""
@@ -46,7 +32,6 @@ def build_group_module(
     ``with_optimizer=False`` builds it without the fused optimizer (for timing and checks that
     must not update the weights). A group with ``quant`` dtypes, given the fp32 ``weights`` by
     parameter name, becomes a quantized inference group (called without weights)."""
-    order_for_kernel(gr)
     # A table whose optimizer fbgemm could fuse gets sparse gradients when it is not fused: the
     # torch.optim update on them is the same arithmetic (rows without ids are left alone either
     # way) without a table-sized gradient.

@@ -8,6 +8,12 @@ order then adds each lookup to the first open group of its key that it can join:
 * the group must keep a place to stand: after every input of every member and before the first
   user of any member's output.
 
+Within a group, the lookups of one table are next to each other (:func:`_tables_adjacent`):
+fbgemm's kernels need every table's features adjacent in ``feature_table_map`` (its CPU backward
+and nobag forward read wrong rows otherwise, and fused Adagrad updates go wrong silently), as
+TorchRec lays them out. The group's output columns follow that order; a concatenation that
+listed a table's features apart gets their slices back in its own order.
+
 Each table (weight parameter) belongs to one group only, because its storage becomes part of
 that group's TBE; a lookup of a table already owned by a group of another key is left as it
 was, with the reason. (One-id lookups of a table that is also looked up unpooled are made
@@ -15,8 +21,8 @@ unpooled first, so the usual history + candidate sharing stays in one group.)
 
 Before: lookups annotated by annotate_lookups. After: the graph is unchanged;
 ``ctx.groups`` holds GroupRecords and each member node carries ``meta["fxrec_group"]``. Members
-are ordered as the first ``torch.cat`` that consumes them lists them, so the group's output can
-replace that cat's arguments without reordering.
+are ordered as the first ``torch.cat`` that consumes them lists them (then made table-adjacent),
+so the group's output can usually replace that cat's arguments without reordering.
 
 Not handled: lookups whose record has a reason (left alone).
 """
@@ -141,7 +147,7 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 members.append(rec)
             if not members:
                 continue
-            gr = meta.GroupRecord(name=f"group_{len(groups)}", key=key, lookups=_column_order(members, pos))
+            gr = meta.GroupRecord(name=f"group_{len(groups)}", key=key, lookups=_tables_adjacent(_column_order(members, pos)))
             for rec in members:
                 table_group.setdefault(rec.param, gr)
             groups.append(gr)
@@ -179,3 +185,12 @@ def _column_order(members: List[meta.LookupRecord], pos: Dict[fx.Node, int]) -> 
         return best
 
     return sorted(members, key=where)
+
+
+def _tables_adjacent(members: List[meta.LookupRecord]) -> List[meta.LookupRecord]:
+    """Each table's lookups next to each other, tables in order of their first lookup, lookups of
+    one table in their given order: ``[a0, b1, a2]`` becomes ``[a0, a2, b1]``."""
+    first: Dict[str, int] = {}
+    for rec in members:
+        first.setdefault(rec.param, len(first))
+    return sorted(members, key=lambda r: first[r.param])  # stable

@@ -126,6 +126,7 @@ def test_candidate_lookup_joins_the_history_sequence_of_its_table():
     from tests.test_ctr_models import DIN, din_inputs
 
     groups, ctx, gm = groups_of(DIN(), din_inputs(0))
-    assert groups == [["item", "cat", "item", "cat"]]  # one sequence TBE: histories and candidates
+    # one sequence TBE: histories and candidates, each table's lookups side by side (fbgemm needs that)
+    assert groups == [["item", "item", "cat", "cat"]]
     forms = {(r.table, r.form) for n in gm.graph.nodes if meta.LOOKUP in n.meta for r in [n.meta[meta.LOOKUP]]}
     assert forms == {("item", "seq"), ("cat", "seq")}
