@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
 from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.fx as fx
 
-from .capture import capture, fixed_size_notes
+from .capture import accepted_sizes, capture, input_guards
+from .graph_module import MODES_KEY
 from .optim import check_spec as check_optimizer_spec
 from .runtime.optimizer import CombinedOptimizer
 from .runtime.tbe import EmbeddingGroup
@@ -167,8 +167,9 @@ def transform(
                 dim=r.dim, source=r.source, group=group_of.get(id(r.node)), reason=r.reason, dtype=r.dtype,
             )
         )
-    _note_modes(model, report)
-    report.notes.extend(fixed_size_notes(args, kwargs))
+    _note_modes(gm, report)
+    report.notes.extend(accepted_sizes(gm))
+    _name_guarded_inputs(gm, records)
     table_opts = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
         if n.op == "call_module" and str(n.target).startswith("fxrec_group_") and len(n.args) > 3:
@@ -183,18 +184,48 @@ def transform(
         and gm.get_submodule(n.target).fused is not None
     ]
     if plan is not None:
+        _sharded_group_entries(report, ctx.groups, plan)
         gm.meta["fxrec_plan"] = plan
         _sum_gradients_over_ranks(gm, report, plan, rank)
-    # GraphModule keeps these attributes through deepcopy (the partial is re-pointed at the copy).
+    # GraphModule keeps these attributes through deepcopy (TransformedModule through pickle too).
     preserved = gm.meta.setdefault("_user_preserved_attributes", {})
     preserved["report"] = report
-    preserved["make_optimizer"] = functools.partial(make_optimizer, gm)
     for k, v in preserved.items():
         setattr(gm, k, v)
     if verify:
         with fused_updates_off(gm):  # verify compares gradients; it must not train the model
             compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)
     return gm
+
+
+def _sharded_group_entries(report: Report, groups, plan) -> None:
+    """The report's group entries under a plan (shard_groups runs instead of choose_kernels, which
+    writes them otherwise): each group's tables and how the plan shards them."""
+    from .report import GroupEntry
+
+    for gr in groups:
+        if any(g.name == gr.name for g in report.groups):
+            continue
+        kinds = sorted({plan.tables[r.table].sharding for r in gr.lookups if r.table in plan.tables})
+        path = "sharded: " + ", ".join(kinds) if kinds else "plain"
+        report.groups.append(GroupEntry(
+            name=gr.name, pooling=gr.pooling, tables=[r.table for r in gr.lookups], features=[r.feature for r in gr.lookups],
+            lowered=kinds != ["data_parallel"] and bool(kinds), path_train=path, path_eval=path,
+            why="sharding plan: " + "; ".join(f"{r.table} {plan.tables[r.table].sharding}" for r in gr.lookups
+                                              if r.table in plan.tables),
+        ))
+
+
+def _name_guarded_inputs(gm: fx.GraphModule, records) -> None:
+    """Input-size errors say what each input feeds: ``ids of feature 'ids_2' (table 'bags.2')``."""
+    guards = input_guards(gm)
+    if guards is None:
+        return
+    index = {n.name: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    for r in records:
+        for what, node in (("ids", r.ids), ("offsets", r.offsets), ("per-sample weights", r.per_sample_weights)):
+            if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in index:
+                guards.roles.setdefault(index[node.name], f"{what} of feature '{r.feature}', table '{r.table}'")
 
 
 def _check_plan(plan, optimizer, mode: str, quantize) -> int:
@@ -275,12 +306,12 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
     return CombinedOptimizer(dense, fallbacks, fused)
 
 
-def _note_modes(model: torch.nn.Module, report: Report) -> None:
-    kinds = {type(m).__name__ for m in model.modules()
-             if isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm))}
-    if kinds:
-        mode = "training" if model.training else "eval"
-        report.notes.append(
-            f"captured in {mode} mode: {', '.join(sorted(kinds))} behave as in {mode} mode in the "
-            "transformed model; transform an .eval() copy for inference"
-        )
+def _note_modes(gm: fx.GraphModule, report: Report) -> None:
+    info = gm.meta.get(MODES_KEY)
+    if info is None:
+        return
+    if not info.switchable:
+        report.notes.append(f"train()/eval(): {info.why_not}")
+    elif info.flags:
+        report.notes.append(f"train()/eval() switch {sum(info.flags.values())} dropout/normalisation node(s) of "
+                            f"{len(info.flags)} module(s), as on the original model (captured in {info.captured} mode)")

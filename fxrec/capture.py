@@ -3,11 +3,13 @@
 Non-strict export runs the model's Python as Python, so list and dict inputs, loops over
 tables, modules built inside ``forward``, ids carried as floats and cast with ``.long()``, and
 in-place writes to inputs all work (``torch.fx.symbolic_trace`` fails on most real CTR models).
-Every tensor dimension is captured as dynamic where the model allows it (``Dim.AUTO``), so the
-result takes other batch sizes and other numbers of ids; dims of size 0 or 1 in the example
-inputs are fixed by torch.export (the report names them). The returned module is called exactly
-like the original: same positional and keyword structure, inputs mutated as the model mutates
-them.
+Every tensor dimension is captured as dynamic where the model allows it (``Dim.AUTO``), and
+size-obliviously, so the result takes other batch sizes (1 included) and other numbers of ids;
+dims of size 0 or 1 in the example inputs stay fixed (the report names them).
+The returned :class:`~fxrec.graph_module.TransformedModule` is called exactly like the original
+(same positional and keyword structure, inputs mutated as the model mutates them), checks its
+inputs' sizes with errors that name the input (:class:`~fxrec.runtime.input_guards.InputGuards`),
+and follows ``train()`` / ``eval()`` (:mod:`fxrec.modes`).
 """
 
 from __future__ import annotations
@@ -16,14 +18,21 @@ import copy
 import inspect
 import os
 import traceback
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.export import Dim
 from torch.utils import _pytree as pytree
+from torch.utils._sympy.printers import PythonPrinter
 
-from .codegen import StructuredCodeGen, supported
+from .codegen import StructuredCodeGen, leaf_paths, supported
+from .graph_module import MODES_KEY, TransformedModule, adopt
+from .modes import TrainingReads, bind_modes
+from .runtime.input_guards import InputGuards
+
+GUARDS_NAME = "fxrec_check_inputs"
 
 
 class CaptureError(RuntimeError):
@@ -40,11 +49,13 @@ def _user_frame(exc: BaseException):
 
 
 def _dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
-    """Every dim of every tensor input dynamic where the model allows it."""
+    """Every dim of every tensor input dynamic where the model allows it, but those of size 0 or 1
+    in the example: code such as ``x.squeeze(-1)`` depends on them being 1 (torch.export fixes them
+    too; the report names them)."""
 
     def spec(x):
         if isinstance(x, torch.Tensor):
-            return {i: Dim.AUTO for i in range(x.dim())} if x.dim() else None
+            return {i: Dim.AUTO for i in range(x.dim()) if x.shape[i] > 1} if x.dim() else None
         return None
 
     if not kwargs:
@@ -53,45 +64,152 @@ def _dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
-def fixed_size_notes(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> list:
-    """torch.export fixes every input dim whose example size is 0 or 1 (treating it as dynamic
-    would change what squeeze, broadcasting and the like do): name each such dim."""
-    notes = []
-    flat, _ = pytree.tree_flatten_with_path((args, kwargs))
-    for path, x in flat:
-        if isinstance(x, torch.Tensor):
-            for d, n in enumerate(x.shape):
-                if n in (0, 1):
-                    where = pytree.keystr(path)
-                    notes.append(
-                        f"input {where} has size {n} in dim {d} in the example inputs: the transformed model "
-                        f"accepts only size {n} there (pass an example batch of 2 or more for a dynamic batch)"
-                    )
-    return notes
+def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+    """torch.export, non-strict, every dim dynamic (see :func:`_dynamic_shapes`). Sizes are captured
+    size-obliviously (torch's ``backed_size_oblivious``): without it, export takes every dynamic size
+    to be 2 or more, so a model captured on a batch of 3 refuses a batch of 1. Where that capture
+    fails, the ordinary one is tried (the report then names the sizes the model accepts)."""
+    dynamic = _dynamic_shapes(model, args, kwargs)
+
+    def run():
+        return torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
+                                   dynamic_shapes=dynamic)
+
+    config = torch.fx.experimental._config
+    if hasattr(config, "backed_size_oblivious"):
+        try:
+            with config.patch(backed_size_oblivious=True):
+                return run()
+        except Exception:  # noqa: BLE001 - the ordinary capture below says what is wrong
+            pass
+    return run()
 
 
-def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> fx.GraphModule:
+def _capture_error(model: torch.nn.Module, e: BaseException) -> CaptureError:
+    frame = _user_frame(e)
+    where = f"{frame.filename}:{frame.lineno} ({frame.line})" if frame else "inside torch.export"
+    return CaptureError(
+        f"fxrec could not capture {type(model).__name__} at {where}: {type(e).__name__}: "
+        f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
+        "What to do: run the model once on the same example inputs to check that they are what "
+        "forward expects; keep data-dependent Python control flow (if on a tensor's value, "
+        ".item(), .tolist()) out of forward or move it to the data loader; pass every tensor "
+        "the model reads as an input rather than a global."
+    )
+
+
+def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> TransformedModule:
+    """``model`` (which fxrec owns: a copy of the user's) as a :class:`TransformedModule` (see the
+    module doc)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxrec.transform needs an nn.Module, got {type(model).__name__}")
+    reads = TrainingReads(model)
     try:
-        ep = torch.export.export(
-            model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
-            dynamic_shapes=_dynamic_shapes(model, args, kwargs),
-        )
+        with reads:
+            ep = export_dynamic(model, args, kwargs)
     except Exception as e:
-        frame = _user_frame(e)
-        where = f"{frame.filename}:{frame.lineno} ({frame.line})" if frame else "inside torch.export"
-        raise CaptureError(
-            f"fxrec could not capture {type(model).__name__} at {where}: {type(e).__name__}: "
-            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
-            "What to do: run the model once on the same example inputs to check that they are what "
-            "forward expects; keep data-dependent Python control flow (if on a tensor's value, "
-            ".item(), .tolist()) out of forward or move it to the data loader; pass every tensor "
-            "the model reads as an input rather than a global."
-        ) from e
+        raise _capture_error(model, e) from e
     gm = ep.module()
+    _install_input_guards(gm, ep)
     _structured_forward(gm)
+    adopt(gm)
+
+    def recapture() -> fx.GraphModule:
+        flags = {m: m.training for m in model.modules()}
+        model.train(not model.training)
+        try:
+            return export_dynamic(model, args, kwargs).module()
+        finally:
+            for m, f in flags.items():
+                m.training = f
+
+    gm.meta[MODES_KEY] = bind_modes(gm, model, reads, recapture)
     return gm
+
+
+def input_guards(gm: torch.nn.Module) -> Optional[InputGuards]:
+    """The input checks of a captured model (None if it has none)."""
+    mod = getattr(gm, GUARDS_NAME, None)
+    return mod if isinstance(mod, InputGuards) else None
+
+
+def _install_input_guards(gm: fx.GraphModule, ep) -> None:
+    """Replace export's guard function (``_guards_fn``) by :class:`InputGuards` built from the same
+    facts: the placeholders' symbolic shapes, the range of each size, and export's other guards."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    try:
+        paths = leaf_paths(info.in_spec, info.orig_args)
+    except Exception:  # noqa: BLE001 - structures the code generator does not take
+        paths = []
+    if len(paths) != len(placeholders):
+        paths = [n.name for n in placeholders]
+    exprs: List[Optional[list]] = []
+    for n in placeholders:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            exprs.append(None)
+            continue
+        exprs.append([sympy.sympify(s.node.expr) if isinstance(s, torch.SymInt) else sympy.Integer(int(s))
+                      for s in val.shape])
+    bound = {e for dims in exprs if dims for e in dims if isinstance(e, sympy.Symbol)}
+    printer = PythonPrinter()
+
+    def size(e):
+        if isinstance(e, sympy.Integer):
+            return int(e)
+        if isinstance(e, sympy.Symbol):
+            return str(e)
+        # a size derived from others; checked where every symbol it uses is bound by some input
+        return printer.doprint(e) if e.free_symbols <= bound else None
+
+    shapes = [None if dims is None else [size(e) for e in dims] for dims in exprs]
+    ranges = {}
+    for sym, vr in (getattr(ep, "range_constraints", None) or {}).items():
+        if sym in bound:
+            # (torch's int_oo, "no bound", is not a sympy Integer)
+            lo = int(vr.lower) if isinstance(vr.lower, sympy.Integer) else 0
+            hi = int(vr.upper) if isinstance(vr.upper, sympy.Integer) else None
+            ranges[str(sym)] = (max(lo, 0), hi)
+    # export's other guards name inputs as L['ids'][2]; the check function calls them a0, a1, ...
+    sources = sorted(((f"L[{p.split('[', 1)[0]!r}]" + p[len(p.split("[", 1)[0]):], f"a{k}")
+                      for k, p in enumerate(paths)), key=lambda x: -len(x[0]))
+    conditions = []
+    for g in getattr(ep, "_guards_code", None) or []:
+        for src, arg in sources:
+            g = g.replace(src, arg)
+        if "L[" not in g:
+            conditions.append(g)
+    guards = InputGuards([p.replace("'", "") for p in paths], shapes, ranges, conditions)
+    for old in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+        gm.graph.erase_node(old)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.add_submodule(GUARDS_NAME, guards)
+    with gm.graph.inserting_after(placeholders[-1]):
+        gm.graph.call_module(GUARDS_NAME, tuple(placeholders))  # the whole model's: no nn_module_stack
+    gm.recompile()
+
+
+def accepted_sizes(gm: torch.nn.Module) -> List[str]:
+    """Report notes: the input sizes the captured model accepts where they are restricted (a
+    fixed size of 0 or 1, a size that must be at least 2, an upper bound)."""
+    guards = input_guards(gm)
+    if guards is None:
+        return []
+    notes = []
+    for s, (lo, hi) in sorted(guards.ranges.items()):
+        if lo > 1 or hi is not None:
+            where = guards.sizes_of(s)
+            span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+            notes.append(f"the model accepts sizes {span} in {where} (a condition of its code, kept at capture)")
+    for k, shape in enumerate(guards.shapes):
+        for d, s in enumerate(shape or ()):
+            if s in (0, 1):
+                notes.append(f"input {guards.paths[k]} accepts only size {s} in dim {d} (fixed at capture)")
+    return notes
 
 
 def _structured_forward(gm: fx.GraphModule) -> None:

@@ -72,6 +72,24 @@ def _leaf_paths(spec, expr: str, out: List[Tuple[str, Any]]) -> None:
         _leaf_paths(kid, f"{expr}[{key}]", out)
 
 
+def arg_specs(in_spec, arg_names: List[str]) -> List[Tuple[str, Any]]:
+    """(argument name, its spec) of each positional and keyword argument of ``forward``."""
+    if in_spec.type is tuple and in_spec.num_children == 2 and _children(in_spec)[1].type is dict:
+        args_spec, kwargs_spec = _children(in_spec)
+        names = list(arg_names[: args_spec.num_children]) + list(kwargs_spec.context)
+        return list(zip(names, _children(args_spec) + _children(kwargs_spec)))
+    return list(zip(arg_names, _children(in_spec)))
+
+
+def leaf_paths(in_spec, arg_names: List[str]) -> List[str]:
+    """Each input tensor's access expression (``dense``, ``ids[2]``, ``feats['user']``), in the
+    order of the graph's placeholders."""
+    out: List[Tuple[str, Any]] = []
+    for name, spec in arg_specs(in_spec, arg_names):
+        _leaf_paths(spec, name, out)
+    return [expr for expr, _ in out]
+
+
 class StructuredCodeGen(fx.graph.CodeGen):
     """Writes ``forward`` with the model's own arguments (typed for TorchScript when ``typed``)
     and returns the model's own output structure."""
@@ -82,12 +100,7 @@ class StructuredCodeGen(fx.graph.CodeGen):
         self.none_leaves = set(none_leaves)  # input leaves that were None when the model was captured
 
     def _arg_specs(self):
-        spec = self.in_spec
-        if spec.type is tuple and spec.num_children == 2 and _children(spec)[1].type is dict:
-            args_spec, kwargs_spec = _children(spec)
-            names = self.arg_names[: args_spec.num_children] + list(kwargs_spec.context)
-            return list(zip(names, _children(args_spec) + _children(kwargs_spec)))
-        return list(zip(self.arg_names, _children(spec)))
+        return arg_specs(self.in_spec, self.arg_names)
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs) -> str:
         leaves = [v.split(":")[0].split("#")[0].strip() for v in free_vars if v != "self"]

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .capture import _dynamic_shapes
+from .capture import export_dynamic
 from .pass_infra import Config, PassContext, PassManager
 from .report import Report
 
@@ -39,8 +39,7 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
         if isinstance(example_inputs, list) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     with torch.no_grad():
-        ep = torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
-                                 dynamic_shapes=_dynamic_shapes(model, args, kwargs))
+        ep = export_dynamic(model, args, kwargs)
     if path is not None:
         torch.export.save(ep, path)
     return ep

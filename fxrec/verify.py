@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -17,10 +18,29 @@ def _float_leaves(out) -> List[torch.Tensor]:
     return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
 
+@contextlib.contextmanager
+def buffers_kept(*modules: torch.nn.Module) -> Iterator[None]:
+    """Run models without leaving a trace in their buffers (batch norm's running statistics and
+    counter, anything the model's code updates in place) or in torch's random state."""
+    from .runtime.tbe import EmbeddingGroup  # (its buffers are tables: never written by a forward)
+
+    saved = [(b, b.detach().clone()) for m in modules for sub in m.modules() if not isinstance(sub, EmbeddingGroup)
+             for b in sub.buffers(recurse=False)]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, old in saved:
+                    b.copy_(old)
+
+
 def _run(model, args, kwargs, seed: int):
     for p in model.parameters():
         p.grad = None
-    out = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    with buffers_kept(model):
+        torch.manual_seed(seed)  # the same dropout masks in both models
+        out = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
     leaves = _float_leaves(out)
     g = torch.Generator().manual_seed(seed)
     loss = None

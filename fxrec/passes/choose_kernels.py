@@ -40,6 +40,7 @@ from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..report import GroupEntry
 from ..runtime import _fbgemm, _native
 from ..runtime.tbe import EmbeddingGroup
+from ..verify import buffers_kept
 
 
 class _Recorder(fx.Interpreter):
@@ -61,7 +62,7 @@ def _record_inputs(gm: fx.GraphModule, ctx: PassContext, groups: List[meta.Group
         for x in (r.weight, r.ids, r.offsets, r.per_sample_weights) if isinstance(x, fx.Node)
     }
     rec = _Recorder(gm, wanted)
-    with torch.no_grad():
+    with torch.no_grad(), buffers_kept(gm):  # the transform must not count a batch or move statistics
         rec.run(*copy.deepcopy(ctx.example_args), **copy.deepcopy(ctx.example_kwargs))
     return rec.values
 

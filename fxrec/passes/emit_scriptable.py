@@ -11,7 +11,7 @@ its group modules are Python. This pass
   ``Dict[str, Tensor]``) and takes the leaves out by index, checking list lengths, and returns
   the model's own output structure;
 * calls every ATen op through its overload packet (``torch.ops.aten.linear``), which TorchScript
-  resolves by schema; ``sym_size`` becomes ``size``; export's guard and shape-assertion nodes go
+  resolves by schema; ``sym_size`` becomes ``size``; the input-size checks and export's shape-assertion nodes go
   (TorchScript checks shapes as the ops run);
 * swaps each group module for its :mod:`fxrec.runtime.serving` twin, passing only the offsets
   and per-sample weights that exist.
@@ -46,6 +46,7 @@ import torch.fx as fx
 
 from ..codegen import StructuredCodeGen
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..runtime.input_guards import InputGuards
 from ..runtime.serving import ServingPooledGroup, ServingSequenceGroup
 from ..runtime.tbe import EmbeddingGroup, SequenceEmbeddingGroup
 
@@ -88,7 +89,7 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     stats = {"groups": 0, "dropped_checks": 0}
     for n in list(graph.nodes):
-        if n.op == "call_module" and n.target == "_guards_fn":
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), InputGuards):
             graph.erase_node(n)
             stats["dropped_checks"] += 1
         elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
@@ -109,8 +110,9 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 gm.add_submodule(n.target, serving)
                 n.args = (list(ids), kept_offs, kept_psw, [] if serving.quantized else weights)
                 stats["groups"] += 1
-    if hasattr(gm, "_guards_fn"):
-        delattr(gm, "_guards_fn")
+    for name, mod in list(gm.named_children()):
+        if isinstance(mod, InputGuards):
+            delattr(gm, name)
     graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.arg_names, typed=True,
                                        none_leaves=info.none_leaves)
     return PassResult(fx.GraphModule(gm, graph, class_name="FxrecScriptable"), True, stats)

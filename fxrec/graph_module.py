@@ -1,0 +1,200 @@
+"""The module ``fxrec.transform`` returns: a ``torch.fx.GraphModule`` that behaves as an ``nn.Module``
+in every way a training loop uses one.
+
+torch.export's module (``ExportedProgram.module()``) raises on ``train()`` / ``eval()``, carries
+forward hooks made of local lambdas (so ``pickle`` / ``torch.save`` fail), and a fx GraphModule
+pickles by re-tracing its generated code (which fails for fxrec's ``forward``, whose list-length
+checks cannot be traced symbolically). :class:`TransformedModule`:
+
+* ``train(mode)`` / ``eval()`` are nn.Module's: every submodule's ``training`` flag is set, and the
+  graph's dropout / batch-norm nodes read those flags (see :mod:`fxrec.modes`); a model that
+  cannot switch raises :class:`fxrec.modes.ModeError`;
+* ``pickle`` / ``torch.save`` / ``copy.deepcopy`` keep the class, the graph, the report and the
+  fused optimizer states: the graph is pickled node by node (ATen operators by name; node
+  metadata that holds fake tensors becomes meta-device tensors of the example sizes);
+* ``make_optimizer(...)`` is :func:`fxrec.make_optimizer` on this model.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Dict
+
+import torch
+import torch.fx as fx
+
+MODES_KEY = "fxrec_modes"
+
+
+class TransformedModule(fx.GraphModule):
+    """A GraphModule made by :func:`fxrec.transform` (see the module doc)."""
+
+    def train(self, mode: bool = True):
+        from .modes import check_switch
+
+        check_switch(self.meta.get(MODES_KEY), bool(mode))
+        return super().train(mode)
+
+    def make_optimizer(self, dense_optimizer=torch.optim.SGD, **kwargs):
+        """:func:`fxrec.make_optimizer` for this model."""
+        from .api import make_optimizer
+
+        return make_optimizer(self, dense_optimizer, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return adopt(super().__deepcopy__(memo))
+
+    def __reduce__(self):
+        state = {k: v for k, v in self.__dict__.items() if k not in _NOT_PICKLED}
+        state["meta"] = _picklable_graph_meta(self.meta)
+        return (_rebuild, (state, _encode_graph(self.graph)))
+
+    def __copy__(self):  # a shallow copy would share the graph; make it a deep one
+        import copy
+
+        return copy.deepcopy(self)
+
+
+_NOT_PICKLED = {"_graph", "_code", "_lineno_map", "_prologue_start", "shape_env", "range_constraints", "meta"}
+
+
+def adopt(gm: fx.GraphModule) -> TransformedModule:
+    """Make ``gm`` (in place) a :class:`TransformedModule`: its own class (fx gives every
+    GraphModule one, for its generated ``forward``), nn.Module's train/eval, no export hooks."""
+    gm.__class__ = type("GraphModuleImpl", (TransformedModule,), {})
+    for attr in ("train", "eval"):
+        gm.__dict__.pop(attr, None)
+    for hooks in (gm._forward_pre_hooks, gm._forward_hooks):
+        for key, fn in list(hooks.items()):
+            if getattr(fn, "__module__", "").startswith("torch.export"):
+                del hooks[key]
+    gm.recompile()
+    return gm
+
+
+# --------------------------------------------------------------------------- pickling
+class _Ref:
+    """A reference to another node (by name) in an encoded graph."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return (_Ref, (self.name,))
+
+
+def _encode_target(t) -> Any:
+    if isinstance(t, torch._ops.OpOverload):
+        ns, name = t._schema.name.split("::")
+        return ("__op__", ns, name, t._overloadname)
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        ns, name = t._qualified_op_name.split("::")
+        return ("__packet__", ns, name)
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return ("__hop__", t.name())
+    return t
+
+
+def _decode_target(t) -> Any:
+    if isinstance(t, tuple) and t and t[0] == "__op__":
+        return getattr(getattr(getattr(torch.ops, t[1]), t[2]), t[3])
+    if isinstance(t, tuple) and t and t[0] == "__packet__":
+        return getattr(getattr(torch.ops, t[1]), t[2])
+    if isinstance(t, tuple) and t and t[0] == "__hop__":
+        return getattr(torch.ops.higher_order, t[1])
+    return t
+
+
+def _hint(s) -> int:
+    if isinstance(s, torch.SymInt):
+        h = getattr(s.node, "hint", None)
+        return int(h) if h is not None else 2
+    return int(s)
+
+
+def _plain_val(v):
+    """A fake tensor as a meta-device tensor of its example sizes; SymInts as their example value."""
+    if isinstance(v, torch.Tensor):
+        return torch.empty([_hint(s) for s in v.shape], dtype=v.dtype, device="meta")
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return None
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain_val(x) for x in v)
+    if v is None or isinstance(v, (int, float, bool, str)):
+        return v
+    return None
+
+
+def _node_meta(meta: dict) -> dict:
+    out = {}
+    if "val" in meta:
+        out["val"] = _plain_val(meta["val"])
+    for key in ("stack_trace", "fxrec_origin"):
+        if key in meta:
+            out[key] = meta[key]
+    if "nn_module_stack" in meta:
+        out["nn_module_stack"] = {k: (p, t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}")
+                                  for k, (p, t) in meta["nn_module_stack"].items()}
+    return out
+
+
+def _encode_graph(graph: fx.Graph) -> Dict[str, Any]:
+    nodes = []
+    for n in graph.nodes:
+        args = fx.node.map_arg(n.args, lambda a: _Ref(a.name))
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: _Ref(a.name))
+        nodes.append((n.op, n.name, _encode_target(n.target), args, kwargs, _node_meta(n.meta)))
+    return {"nodes": nodes, "codegen": graph._codegen}
+
+
+def _decode_graph(data: Dict[str, Any]) -> fx.Graph:
+    graph = fx.Graph()
+    graph._codegen = data["codegen"]
+    made: Dict[str, fx.Node] = {}
+
+    def resolve(a):
+        if isinstance(a, _Ref):
+            return made[a.name]
+        if isinstance(a, (list, tuple)):
+            return type(a)(resolve(x) for x in a)
+        if isinstance(a, dict):
+            return {k: resolve(v) for k, v in a.items()}
+        return a
+
+    for op, name, target, args, kwargs, meta in data["nodes"]:
+        node = graph.create_node(op, _decode_target(target), resolve(args), resolve(kwargs), name=name)
+        node.meta.update(meta)
+        made[name] = node
+    return graph
+
+
+def _picklable_graph_meta(meta: dict) -> dict:
+    """fxrec's records and the preserved attributes (the report); what does not pickle is left out."""
+    out: Dict[str, Any] = {}
+    for key, value in meta.items():
+        if key == "_user_preserved_attributes":
+            value = {k: v for k, v in value.items() if _pickles(v)}
+        elif not (key.startswith("fxrec") and _pickles(value)):
+            continue
+        out[key] = value
+    return out
+
+
+def _pickles(v) -> bool:
+    try:
+        pickle.dumps(v)
+        return True
+    except Exception:  # noqa: BLE001 - whatever cannot be pickled is left out
+        return False
+
+
+def _rebuild(state: Dict[str, Any], graph_data: Dict[str, Any]) -> TransformedModule:
+    gm = TransformedModule.__new__(TransformedModule)
+    gm.__dict__.update(state)
+    gm.meta = state.get("meta", {})
+    for k, v in gm.meta.get("_user_preserved_attributes", {}).items():
+        setattr(gm, k, v)
+    gm.graph = _decode_graph(graph_data)  # the setter recompiles
+    return gm

@@ -1,0 +1,346 @@
+"""train() / eval() for a captured model: which graph nodes follow a module's ``training`` flag.
+
+torch.export captures a model in one mode: dropout and batch norm appear as
+``aten.dropout.default(x, 0.5, True)`` and ``aten.batch_norm.default(..., True, ...)`` with the
+flag of the mode the model was in, and batch norm's ``num_batches_tracked += 1`` is there in
+training mode only. To make ``fast.eval()`` / ``fast.train()`` do what they do on the original
+model, capture records what each mode needs instead of capturing twice:
+
+* every mode flag of dropout (all kinds), batch norm and instance norm with running statistics,
+  and RReLU is replaced by the ``training`` attribute of the module that ran it, read when the
+  model runs (a ``get_attr`` node of ``<module path>.training``); batch norm's counter becomes
+  :func:`fxrec.runtime.modes.count_batch`, which counts in training mode only;
+* while torch.export runs the model, every read of a module's ``training`` attribute is recorded
+  (:class:`TrainingReads`). Reads by the modules above are accounted for. A read anywhere else
+  (``if self.training:`` in the model's code, ``F.dropout(x, training=self.training)``, a
+  MultiheadAttention fast path) may change the graph in ways no flag shows, so the model is
+  captured a second time in the other mode and the two graphs are compared: where they differ
+  only in boolean arguments, those arguments follow the reading module's flag too; where they
+  differ otherwise, the transformed model keeps the mode it was captured in and ``train()`` /
+  ``eval()`` to the other mode raise :class:`ModeError` naming the modules and the code lines that
+  read ``training`` (the report says so at transform time).
+
+Each module's flag starts as the original module's (``model.tower.eval()`` before the transform
+is kept). A module that only dropout or a functional call uses, and that holds no parameters, is
+recreated as an empty ``nn.Module`` in the transformed model so that it has a flag to set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from .runtime.modes import count_batch
+
+aten = torch.ops.aten
+
+
+class ModeError(RuntimeError):
+    """train() / eval() to a mode the transformed model cannot switch to (see :mod:`fxrec.modes`)."""
+
+
+# op -> (index of its mode flag, index of an argument that must not be None for the flag to follow
+# the mode: batch/instance norm without running statistics always use the batch's statistics)
+MODE_OPS: Dict[object, Tuple[int, Optional[int]]] = {
+    aten.dropout.default: (2, None),
+    aten.feature_dropout.default: (2, None),
+    aten.alpha_dropout.default: (2, None),
+    aten.feature_alpha_dropout.default: (2, None),
+    aten.rrelu.default: (3, None),
+    aten.batch_norm.default: (5, 3),
+    aten.instance_norm.default: (5, 3),
+}
+
+_KNOWN_READERS = (
+    torch.nn.modules.dropout._DropoutNd,
+    torch.nn.modules.batchnorm._BatchNorm,
+    torch.nn.modules.instancenorm._InstanceNorm,
+    torch.nn.RReLU,
+)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_TORCH_NN = os.path.join(_TORCH_DIR, "nn", "modules")
+
+
+@dataclass(frozen=True)
+class ModeInfo:
+    """What train() / eval() do on a transformed model (in ``gm.meta["fxrec_modes"]``).
+
+    captured: the mode of the capture (``"training"`` / ``"eval"``).
+    switchable: whether the other mode is available; ``why_not`` says why not.
+    flags: per module path, the number of graph nodes that follow its ``training`` flag.
+    """
+
+    captured: str
+    switchable: bool = True
+    why_not: str = ""
+    flags: Dict[str, int] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- reads of .training
+class TrainingReads:
+    """Records who reads ``module.training`` while the model runs (see the module doc).
+
+    Inside the ``with``, every module of ``model`` is given a subclass of its class (same name and
+    module, so torch.export records the same types) whose ``training`` is a property that notes the
+    reading frame. The classes are put back on exit.
+    """
+
+    _classes: Dict[type, type] = {}
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.unknown: Dict[str, str] = {}  # module path -> "file:line" of the first unaccounted read
+        self._paths = {id(m): p for p, m in model.named_modules()}
+        self._saved: List[Tuple[torch.nn.Module, type]] = []
+
+    def _note(self, module: torch.nn.Module, frame) -> None:
+        code = frame.f_code
+        reader = frame.f_locals.get("self") if "self" in code.co_varnames[: code.co_argcount] else None
+        if reader is module and isinstance(module, _KNOWN_READERS) and code.co_filename.startswith(_TORCH_NN):
+            return  # dropout / norm modules: their ops carry the flag
+        if code.co_filename.startswith(_TORCH_DIR) and not code.co_filename.startswith(_TORCH_NN):
+            return  # torch's own machinery (export, fx), not the model
+        if code.co_filename == torch.nn.modules.module.__file__:
+            return  # nn.Module itself (train(), repr)
+        path = self._paths.get(id(module), "?")
+        self.unknown.setdefault(path or "<model>", f"{os.path.basename(code.co_filename)}:{frame.f_lineno} "
+                                f"({code.co_name})")
+
+    @classmethod
+    def _recording_class(cls, klass: type) -> Optional[type]:
+        if klass in cls._classes:
+            return cls._classes[klass]
+        if "training" in vars(klass) or any("training" in vars(k) for k in klass.__mro__[1:] if k is not object
+                                              and k is not torch.nn.Module):
+            return None  # a class with its own `training` attribute: left alone (reads count as unknown)
+
+        def get(self):
+            rec = _ACTIVE[-1] if _ACTIVE else None
+            if rec is not None:
+                rec._note(self, sys._getframe(1))
+            return self.__dict__["training"]
+
+        def set_(self, value):
+            self.__dict__["training"] = value
+
+        try:
+            sub = type(klass.__name__, (klass,), {"training": property(get, set_), "__module__": klass.__module__,
+                                                  "__qualname__": klass.__qualname__})
+        except TypeError:
+            sub = None
+        cls._classes[klass] = sub
+        return sub
+
+    def __enter__(self) -> "TrainingReads":
+        _ACTIVE.append(self)
+        for m in self.model.modules():
+            sub = self._recording_class(type(m))
+            if sub is None:
+                self.unknown.setdefault(self._paths.get(id(m), "?") or "<model>", f"class {type(m).__name__}")
+                continue
+            if "training" not in m.__dict__:
+                continue
+            self._saved.append((m, type(m)))
+            m.__class__ = sub
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, klass in self._saved:
+            m.__class__ = klass
+        self._saved.clear()
+        _ACTIVE.remove(self)
+
+
+_ACTIVE: List[TrainingReads] = []
+
+
+# --------------------------------------------------------------------------- graph rewrite
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _full_args(node: fx.Node, upto: int) -> list:
+    """The node's positional args, padded with the schema's defaults up to index ``upto``."""
+    args = list(node.args)
+    schema = node.target._schema
+    for i in range(len(args), upto + 1):
+        a = schema.arguments[i]
+        args.append(node.kwargs[a.name] if a.name in node.kwargs else a.default_value)
+    return args
+
+
+def _mode_nodes(gm: fx.GraphModule) -> List[fx.Node]:
+    """The nodes of MODE_OPS whose flag follows the mode (see MODE_OPS)."""
+    out = []
+    for n in gm.graph.nodes:
+        spec = MODE_OPS.get(n.target) if n.op == "call_function" else None
+        if spec is None:
+            continue
+        flag, needs = spec
+        args = _full_args(n, max(flag, needs or 0))
+        if needs is not None and args[needs] is None:
+            continue
+        out.append(n)
+    return out
+
+
+def _counter_adds(gm: fx.GraphModule) -> List[fx.Node]:
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is aten.add_.Tensor and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "get_attr" and str(n.args[0].target).endswith("num_batches_tracked")]
+
+
+def _input_checks(gm: fx.GraphModule) -> List[fx.Node]:
+    """export's guard call, or fxrec's input checks that replace it."""
+    return [n for n in gm.graph.nodes if n.op == "call_module" and n.target in ("_guards_fn", "fxrec_check_inputs")]
+
+
+def _bool_diffs(a: fx.GraphModule, b: fx.GraphModule) -> Optional[List[Tuple[fx.Node, int]]]:
+    """Where graphs ``a`` and ``b`` (one model captured in both modes) differ only in boolean
+    arguments: the (node of ``a``, argument index) pairs that differ; None when they differ otherwise.
+    MODE_OPS flags and batch-norm counters are compared as if equal (they are handled by rule)."""
+    skip_a, skip_b = set(_counter_adds(a)) | set(_input_checks(a)), set(_counter_adds(b)) | set(_input_checks(b))
+    na = [n for n in a.graph.nodes if n not in skip_a]
+    nb = [n for n in b.graph.nodes if n not in skip_b]
+    if len(na) != len(nb):
+        return None
+    index_a = {n: i for i, n in enumerate(na)}
+    index_b = {n: i for i, n in enumerate(nb)}
+    diffs = []
+    for x, y in zip(na, nb):
+        if (x.op, x.target) != (y.op, y.target):
+            return None
+        if x.op == "call_function" and x.target in MODE_OPS:
+            upto = max(MODE_OPS[x.target][0], MODE_OPS[x.target][1] or 0)
+            ax, ay = _full_args(x, upto), _full_args(y, upto)
+        else:
+            ax, ay = list(x.args), list(y.args)
+        if len(ax) != len(ay) or set(x.kwargs) != set(y.kwargs):
+            return None
+        pairs = list(zip(ax, ay)) + [(x.kwargs[k], y.kwargs[k]) for k in x.kwargs]
+        for i, (u, v) in enumerate(pairs):
+            eq = _same(u, v, index_a, index_b)
+            if eq:
+                continue
+            if isinstance(u, bool) and isinstance(v, bool) and i < len(ax):
+                if not (x.target in MODE_OPS and i == MODE_OPS[x.target][0]):
+                    diffs.append((x, i))
+                continue
+            return None
+    return diffs
+
+
+def _same(u, v, index_a, index_b) -> bool:
+    if isinstance(u, fx.Node) or isinstance(v, fx.Node):
+        return isinstance(u, fx.Node) and isinstance(v, fx.Node) and index_a.get(u) == index_b.get(v)
+    if isinstance(u, (list, tuple)) and isinstance(v, (list, tuple)):
+        return len(u) == len(v) and all(_same(p, q, index_a, index_b) for p, q in zip(u, v))
+    if isinstance(u, dict) and isinstance(v, dict):
+        return u.keys() == v.keys() and all(_same(u[k], v[k], index_a, index_b) for k in u)
+    if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+        return u is v
+    return type(u) is type(v) and u == v
+
+
+def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
+               recapture: Callable[[], fx.GraphModule]) -> ModeInfo:
+    """Rewrite ``gm`` (``model`` captured in its current mode) so its mode-dependent nodes read
+    their module's ``training`` flag; see the module doc. ``recapture()`` captures the model in
+    the other mode (called only when the model's own code reads ``training``)."""
+    captured = "training" if model.training else "eval"
+    extra: List[Tuple[fx.Node, int]] = []
+    why_not = ""
+    if reads.unknown:
+        where = ", ".join(f"'{p}' ({w})" for p, w in sorted(reads.unknown.items()))
+        try:
+            other = recapture()
+            diffs = _bool_diffs(gm, other)
+        except Exception as e:  # noqa: BLE001 - the other mode cannot be captured at all
+            diffs, where = None, f"{where}; capturing in the other mode failed: {type(e).__name__}: {e}"
+        if diffs is None:
+            why_not = (f"the model's code reads `training` ({where}) and computes something else in the other "
+                       f"mode than dropout or normalisation; transform the model in that mode for it "
+                       f"(fxrec.transform(model.{'eval' if captured == 'training' else 'train'}(), ...))")
+        else:
+            extra = diffs
+    flags: Dict[str, int] = {}
+    graph = gm.graph
+    flag_nodes: Dict[str, fx.Node] = {}
+
+    def flag_of(node: fx.Node) -> fx.Node:
+        path = _module_path(node)
+        if path not in flag_nodes:
+            _ensure_module(gm, model, path)
+            first = next(n for n in graph.nodes if n.op != "placeholder")
+            with graph.inserting_before(first):
+                # (create_node: graph.get_attr warns for attributes that are not tensors or modules)
+                flag_nodes[path] = graph.create_node("get_attr", f"{path}.training" if path else "training")
+        flags[path] = flags.get(path, 0) + 1
+        return flag_nodes[path]
+
+    if not why_not:
+        for n in _mode_nodes(gm):
+            flag, needs = MODE_OPS[n.target]
+            args = _full_args(n, max(flag, needs or 0))
+            args[flag] = flag_of(n)
+            n.args, n.kwargs = tuple(args), {k: v for k, v in n.kwargs.items()
+                                             if k not in {a.name for a in n.target._schema.arguments[: len(args)]}}
+            if n.target is aten.batch_norm.default:
+                _count_batches(gm, n, args[flag])
+        for n, i in extra:
+            args = list(n.args)
+            args[i] = flag_of(n)
+            n.args = tuple(args)
+        for add in _counter_adds(gm):  # counters of batch norms replaced above
+            if not add.users:
+                graph.erase_node(add)
+    gm.recompile()
+    for path in flags:
+        gm.get_submodule(path).training = model.get_submodule(path).training
+    gm.training = model.training
+    return ModeInfo(captured=captured, switchable=not why_not, why_not=why_not, flags=flags)
+
+
+def _count_batches(gm: fx.GraphModule, bn: fx.Node, flag: fx.Node) -> None:
+    """Before a batch norm that follows the mode: count the batch in training mode (as the module does)."""
+    running_mean = bn.args[3]
+    if not (isinstance(running_mean, fx.Node) and running_mean.op == "get_attr"):
+        return
+    owner = str(running_mean.target).rpartition(".")[0]
+    target = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
+    try:
+        gm.get_buffer(target)
+    except AttributeError:
+        return
+    graph = gm.graph
+    counter = next((n for n in graph.nodes if n.op == "get_attr" and n.target == target), None)
+    with graph.inserting_before(bn):
+        if counter is None:
+            counter = graph.get_attr(target)
+        call = graph.call_function(count_batch, (counter, flag))
+    call.meta["nn_module_stack"] = bn.meta.get("nn_module_stack", {})
+
+
+def _ensure_module(gm: fx.GraphModule, model: torch.nn.Module, path: str) -> None:
+    """A module at ``path`` in ``gm`` to hold the flag (an empty one where the capture made none)."""
+    if not path:
+        return
+    try:
+        gm.get_submodule(path)
+    except AttributeError:
+        gm.add_submodule(path, torch.nn.Module())
+
+
+def check_switch(info: Optional[ModeInfo], mode: bool) -> None:
+    """Raise ModeError when ``info`` says the model cannot go to ``mode``."""
+    if info is None or info.switchable:
+        return
+    if mode != (info.captured == "training"):
+        raise ModeError(f"fxrec: this model was captured in {info.captured} mode and cannot switch to "
+                        f"{'training' if mode else 'eval'} mode: {info.why_not}")

@@ -1,0 +1,221 @@
+"""The transformed model's input checks: the sizes it was captured for, with errors that say which
+input is wrong and how.
+
+torch.export records what a captured model assumes of its inputs' sizes: each input's number of
+dims, the sizes it fixed, the sizes that must be equal (a feature's ids and its per-sample weights),
+sizes derived from others, the range of each dynamic size, and conditions the model's own code
+tested (``if x.shape[0] % 2``). Its guard function checks them but reports a failure as
+``AssertionError: Guard failed: psw.size()[0] == ids[2].size()[0]``, and cannot be pickled.
+:class:`InputGuards` checks the same facts: a generated Python function answers ok / not ok in a
+few comparisons per input; only when it says no does :meth:`InputGuards.explain` work out which
+input broke which fact, naming the input (``ids[2]``) and what it feeds (``ids of feature
+'ids_2', table 'bags.2'``). It is plain data (strings and ints) and the function is rebuilt from
+it after ``pickle`` / ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ._tracing import compiling, exporting
+
+
+class InputShapeError(ValueError):
+    """Inputs whose sizes the transformed model was not captured for."""
+
+
+# a fixed size, a Python expression over size symbols ("s0", "2*s0"), or None (not checked)
+Size = Union[int, str, None]
+
+
+def _namespace() -> dict:
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    return {**SYMPY_INTERP, "math": math, "inf": float("inf")}
+
+
+class InputGuards(torch.nn.Module):
+    """Checks the flat input tensors of a captured graph (see the module doc).
+
+    Args:
+      paths: each input's name as the user passes it (``dense``, ``ids[2]``, ``feats['user']``).
+      shapes: each input's captured shape (None: not a tensor, not checked): per dim a fixed size,
+        an expression over size symbols (a lone symbol binds it), or None (any size).
+      ranges: the sizes each symbol may take, ``(low, high)``, ``high`` None for no bound.
+      conditions: further Python expressions over the inputs (``a3.size()[0] % 2 == 0``, inputs
+        named ``a0``, ``a1``, ... in order) that the model's code relied on.
+    """
+
+    def __init__(self, paths: Sequence[str], shapes: Sequence[Optional[Sequence[Size]]],
+                 ranges: Dict[str, Tuple[int, Optional[int]]], conditions: Sequence[str] = ()):
+        super().__init__()
+        self.paths = list(paths)
+        self.shapes = [None if s is None else list(s) for s in shapes]
+        self.ranges = dict(ranges)
+        self.conditions = list(conditions)
+        self.roles: Dict[int, str] = {}  # input index -> what it feeds, filled in after the passes
+        self._fn = self._build()
+
+    # ------------------------------------------------------------------ the fast check
+    def _symbol_sources(self) -> Dict[str, str]:
+        """Each symbol's first binding: ``"a1.size(0)"``."""
+        out: Dict[str, str] = {}
+        for k, shape in enumerate(self.shapes):
+            for d, s in enumerate(shape or ()):
+                if isinstance(s, str) and s.isidentifier() and s not in out:
+                    out[s] = f"a{k}.size({d})"
+        return out
+
+    def sizes_of(self, symbol: str) -> str:
+        """The input dims that share size ``symbol``, in words."""
+        where = [f"{self.paths[k]} dim {d}" for k, shape in enumerate(self.shapes) for d, s in enumerate(shape or ())
+                 if s == symbol]
+        return ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+
+    def _build(self):
+        bound = self._symbol_sources()
+        args = ", ".join(f"a{k}" for k in range(len(self.paths)))
+        lines = [f"def _check({args}):"]
+        for k, shape in enumerate(self.shapes):
+            if shape is None:
+                continue
+            lines.append(f"    if a{k}.dim() != {len(shape)}: return False")
+            for d, s in enumerate(shape):
+                if s is None:
+                    continue
+                if isinstance(s, int):
+                    lines.append(f"    if a{k}.size({d}) != {s}: return False")
+                elif bound.get(s) == f"a{k}.size({d})":
+                    lines.append(f"    {s} = a{k}.size({d})")
+        for k, shape in enumerate(self.shapes):
+            for d, s in enumerate(shape or ()):
+                if isinstance(s, str) and bound.get(s) != f"a{k}.size({d})":
+                    lines.append(f"    if a{k}.size({d}) != ({s}): return False")
+        for sym, (lo, hi) in sorted(self.ranges.items()):
+            if sym in bound:
+                lines.append(f"    if {sym} < {lo}: return False")
+                if hi is not None:
+                    lines.append(f"    if {sym} > {hi}: return False")
+        for c in self.conditions:
+            lines.append(f"    if not ({c}): return False")
+        lines.append("    return True")
+        ns = _namespace()
+        exec("\n".join(lines), ns)  # noqa: S102 - code made from the captured shapes above
+        return ns["_check"]
+
+    def forward(self, *inputs) -> None:
+        if exporting() or compiling() or torch.jit.is_tracing():
+            return  # the tracer records its own guards
+        try:
+            ok = len(inputs) == len(self.paths) and self._fn(*inputs)
+        except Exception:  # noqa: BLE001 - e.g. a condition divides by a size that is 0 here
+            ok = False
+        if not ok:
+            raise InputShapeError(self.explain(inputs))
+
+    # ------------------------------------------------------------------ the message
+    def _name(self, k: int) -> str:
+        role = self.roles.get(k)
+        return f"input {self.paths[k]}" + (f" ({role})" if role else "")
+
+    def explain(self, inputs: Sequence) -> str:
+        """Every broken fact, in words."""
+        if len(inputs) != len(self.paths):
+            return f"fxrec: the model takes {len(self.paths)} input tensors, got {len(inputs)}"
+        problems: List[str] = []
+        seen: Dict[str, Tuple[int, int, int]] = {}  # symbol -> (value, input, dim) of its first binding
+        for k, (shape, x) in enumerate(zip(self.shapes, inputs)):
+            if shape is None:
+                continue
+            if not isinstance(x, torch.Tensor):
+                problems.append(f"{self._name(k)} is a {type(x).__name__}, not a tensor")
+                continue
+            if x.dim() != len(shape):
+                problems.append(f"{self._name(k)} has {x.dim()} dims (shape {tuple(x.shape)}); the model was "
+                                f"captured with {len(shape)} (shape {self._shown(shape)})")
+                continue
+            for d, s in enumerate(shape):
+                got = int(x.size(d))
+                if s is None:
+                    continue
+                if isinstance(s, int):
+                    if got != s:
+                        problems.append(f"{self._name(k)} has size {got} in dim {d}; the model was captured with "
+                                        f"a fixed size {s} there")
+                elif s.isidentifier():
+                    if s in seen and seen[s][0] != got:
+                        v, j, e = seen[s]
+                        problems.append(f"{self._name(k)} has size {got} in dim {d}, but {self._name(j)} has "
+                                        f"{v} in dim {e}; the model was captured with these two equal")
+                    seen.setdefault(s, (got, k, d))
+        values = {s: v[0] for s, v in seen.items()}
+        if not problems:
+            for k, (shape, x) in enumerate(zip(self.shapes, inputs)):
+                for d, s in enumerate(shape or ()):
+                    if isinstance(s, str) and not s.isidentifier():
+                        want = self._eval(s, values)
+                        if want is not None and int(x.size(d)) != want:
+                            problems.append(f"{self._name(k)} has size {int(x.size(d))} in dim {d}; the model was "
+                                            f"captured with {self._in_words(s)} there, {want} for these inputs")
+            for s, (lo, hi) in sorted(self.ranges.items()):
+                if s in values and (values[s] < lo or (hi is not None and values[s] > hi)):
+                    _, k, d = seen[s]
+                    span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+                    problems.append(f"{self._name(k)} has size {values[s]} in dim {d}; the model accepts {span} there")
+        if not problems:
+            for c in self.conditions:
+                try:
+                    ok = bool(eval(c, _namespace(), {f"a{k}": x for k, x in enumerate(inputs)}))  # noqa: S307
+                    why = "break a condition on their sizes that the model's code relied on when it was captured"
+                except ZeroDivisionError:
+                    ok, why = False, "make a size the model's code divides by 0"
+                except Exception:  # noqa: BLE001 - an input that is not a tensor: named above
+                    ok, why = False, "do not fit a condition on their sizes"
+                if not ok:
+                    problems.append(f"the inputs {why}: {self._in_words(c)}")
+        if not problems:
+            problems.append("the inputs do not fit the sizes the model was captured for")
+        return "fxrec: " + "; ".join(problems)
+
+    def _shown(self, shape: Sequence[Size]) -> str:
+        return "(" + ", ".join(str(s) if isinstance(s, int) else "any" for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+    def _in_words(self, expr: str) -> str:
+        """An expression with each input ``aK`` and symbol written as the input it comes from."""
+        import re
+
+        bound = self._symbol_sources()
+
+        def name(m):
+            tok = m.group(0)
+            if tok in bound:
+                k, d = re.match(r"a(\d+)\.size\((\d+)\)", bound[tok]).groups()
+                return f"{self.paths[int(k)]}.size({d})"
+            if re.fullmatch(r"a\d+", tok):
+                return self.paths[int(tok[1:])]
+            return tok
+
+        return re.sub(r"\b[A-Za-z_]\w*\b", name, expr)
+
+    @staticmethod
+    def _eval(expr: str, values: Dict[str, int]) -> Optional[int]:
+        try:
+            return int(eval(expr, _namespace(), dict(values)))  # noqa: S307
+        except Exception:  # noqa: BLE001 - a symbol no input binds
+            return None
+
+    # ------------------------------------------------------------------ pickle / deepcopy
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_fn", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._fn = self._build()
+
+    def extra_repr(self) -> str:
+        return f"inputs={len(self.paths)}, conditions={len(self.conditions)}"

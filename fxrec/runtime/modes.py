@@ -1,0 +1,14 @@
+"""What the captured graph calls to follow ``train()`` / ``eval()`` (see :mod:`fxrec.modes`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+
+@torch.fx.node.has_side_effect
+def count_batch(num_batches_tracked: torch.Tensor, training: bool) -> torch.Tensor:
+    """``BatchNorm``'s ``num_batches_tracked += 1``, which the module does in training mode only."""
+    if training:
+        num_batches_tracked.add_(1)
+    return num_batches_tracked
