@@ -23,18 +23,32 @@ torch 2.13, one all-gather per table to build) and no DTensor (its ``Shard(0)`` 
 table lives on rank 3 only" or place column pieces at arbitrary offsets). Pieces that several
 ranks hold identically (data-parallel tables, dense parameters) are written once (DCP dedups).
 Optimizer state is not part of these checkpoints.
+
+Safe and all-or-nothing: :func:`save` / :func:`save_model` write into ``<path>.fxrec-partial`` and
+rename it to ``path`` when every file is written, with ``fxrec_checksums.json`` (the SHA-256 and size
+of every file). Loading verifies every file against it before anything is read into the model, reads
+DCP's ``.metadata`` with an unpickler that builds only DCP's own metadata classes (DCP itself would
+unpickle anything), reads non-tensor entries with ``torch.load(weights_only=True)``, and loads into
+staging copies that are copied into the model only when the whole load succeeded: a failed load leaves
+the model as it was and raises :class:`CheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
+import pickle
+import shutil
+import uuid
 import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["save", "load", "save_model", "load_into_model", "CheckpointError"]
+__all__ = ["save", "load", "save_model", "load_into_model", "verify", "CheckpointError"]
 
 LAYOUT_KEY = "fxrec_shard_layout"
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -44,7 +58,116 @@ _Pieces = Dict[str, Tuple[torch.Size, List[Tuple[torch.Size, torch.Size, torch.T
 
 
 class CheckpointError(ValueError):
-    """A checkpoint does not fit the model: missing entries, other shapes, or unknown entries."""
+    """A checkpoint does not fit the model (missing entries, other shapes, unknown entries), or it is
+    damaged, incomplete or not written by fxrec.checkpoint; the message names the table or the file."""
+
+
+CHECKSUMS = "fxrec_checksums.json"
+_PARTIAL = ".fxrec-partial"
+
+
+# --------------------------------------------------------------------------- safe reading
+# What DCP's .metadata may contain: its metadata classes, torch.Size, dtypes, layouts, paths.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else: any other class or function in the file is refused."""
+
+    def find_class(self, module: str, name: str):
+        import torch as _torch
+
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(_torch, name, None), (_torch.dtype, _torch.layout,
+                                                                            _torch.memory_format)):
+            return getattr(_torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+def _read_metadata(path):
+    """DCP's metadata of the checkpoint at ``path``, read with :class:`_MetadataUnpickler`."""
+    file = os.path.join(str(path), ".metadata")
+    try:
+        with open(file, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"fxrec.checkpoint: {path!s} holds no DCP checkpoint (no .metadata file)") from e
+    except Exception as e:  # truncated, damaged, or holding objects of other kinds
+        raise CheckpointError(f"fxrec.checkpoint: {file} cannot be read as a checkpoint's metadata: "
+                              f"{type(e).__name__}: {e}") from e
+    if not hasattr(md, "state_dict_metadata"):
+        raise CheckpointError(f"fxrec.checkpoint: {file} holds a {type(md).__name__}, not a checkpoint's metadata")
+    return md
+
+
+def _file_digest(file: str) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_checksums(path: str) -> None:
+    files = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full) and name != CHECKSUMS:
+            files[name] = {"bytes": os.path.getsize(full), "sha256": _file_digest(full)}
+    with open(os.path.join(path, CHECKSUMS), "w") as f:
+        json.dump({"format": "fxrec-checkpoint/1", "files": files}, f, indent=1)
+
+
+def verify(path) -> None:
+    """Check every file of the checkpoint at ``path`` against its ``fxrec_checksums.json``; raise
+    :class:`CheckpointError` naming the first file that is missing, of another size, or changed."""
+    path = str(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"fxrec.checkpoint: no checkpoint directory at {path}")
+    manifest = os.path.join(path, CHECKSUMS)
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+        entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+    except FileNotFoundError as e:
+        hint = " (the save did not finish)" if path.endswith(_PARTIAL) else ""
+        raise CheckpointError(f"fxrec.checkpoint: {path} has no {CHECKSUMS}: it was not written by "
+                              f"fxrec.checkpoint{hint}, so its files cannot be verified") from e
+    except Exception as e:  # noqa: BLE001 - damaged JSON
+        raise CheckpointError(f"fxrec.checkpoint: {manifest} cannot be read: {type(e).__name__}: {e}") from e
+    for name, size, digest in entries:
+        file = os.path.join(path, name)
+        if os.path.basename(name) != name or not os.path.isfile(file):
+            raise CheckpointError(f"fxrec.checkpoint: {file} is missing")
+        got = os.path.getsize(file)
+        if got != size:
+            raise CheckpointError(f"fxrec.checkpoint: {file} has {got} bytes, {size} when it was written "
+                                  "(truncated or replaced)")
+        if _file_digest(file) != digest:
+            raise CheckpointError(f"fxrec.checkpoint: {file} does not match its checksum: its contents changed "
+                                  "after it was written")
+
+
+def _commit(tmp: str, path: str) -> None:
+    """Checksums into ``tmp``, then ``tmp`` renamed to ``path`` (an existing ``path`` is replaced)."""
+    _write_checksums(tmp)
+    old = None
+    if os.path.exists(path):
+        old = f"{path}.fxrec-old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- planners
@@ -59,7 +182,7 @@ def _dcp():
 
 
 def _planners():
-    """(_PieceSavePlanner, _PieceLoadPlanner), defined on first use."""
+    """(_PieceSavePlanner, _PieceLoadPlanner, _SafeLoadPlanner, _SafeReader), defined on first use."""
     global _PLANNERS
     if _PLANNERS is not None:
         return _PLANNERS
@@ -95,7 +218,15 @@ def _planners():
                 return self._views[(index.fqn, tuple(index.offset))]
             return super().lookup_object(index)
 
-    class _PieceLoadPlanner(DefaultLoadPlanner):
+    class _SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's planner, reading non-tensor entries with ``torch.load(weights_only=True)``."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            import torch as _torch
+
+            self.state_dict[read_item.dest_index.fqn] = _torch.load(value, weights_only=True)
+
+    class _PieceLoadPlanner(_SafeLoadPlanner):
         """The default planner for the whole tensors in the state dict, plus read items for the table
         pieces this rank holds (DCP's resharding: every saved chunk that overlaps a piece)."""
 
@@ -120,7 +251,21 @@ def _planners():
                 return self._views[(index.fqn, tuple(index.offset))]
             return super().lookup_tensor(index)
 
-    _PLANNERS = (_PieceSavePlanner, _PieceLoadPlanner)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _SafeReader(FileSystemReader):
+        """DCP's file reader, reading .metadata with :class:`_MetadataUnpickler`."""
+
+        def read_metadata(self, *args, **kwargs):
+            md = _read_metadata(self.path)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    _PLANNERS = (_PieceSavePlanner, _PieceLoadPlanner, _SafeLoadPlanner, _SafeReader)
     return _PLANNERS
 
 
@@ -181,10 +326,7 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
     the checkpoint's metadata file, so every rank raises the same error before any collective."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"fxrec.checkpoint: no checkpoint directory at {path!s}")
-    try:
-        md = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"fxrec.checkpoint: {path!s} holds no DCP checkpoint (no .metadata file)") from e
+    md = _read_metadata(path).state_dict_metadata
     problems = []
     for key, shape in sorted(expected.items()):
         what = "table" if key in tables else "entry"
@@ -239,8 +381,23 @@ def save(fast: torch.nn.Module, path, *, process_group=None) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return save_model(fast, path)  # an unsharded model in a single process
     pieces = _pieces_of(fast, layout)
-    _dcp().save(_whole_state(fast, layout), checkpoint_id=path, planner=_planners()[0](pieces),
+    rank = dist.get_rank(process_group)
+    tmp = str(path) + _PARTIAL
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that did not finish
+    dist.barrier(group=process_group)
+    _dcp().save(_whole_state(fast, layout), checkpoint_id=tmp, planner=_planners()[0](pieces),
                 process_group=process_group)
+    error = [None]
+    if rank == 0:  # DCP's save returns on every rank after rank 0 wrote the metadata
+        try:
+            _commit(tmp, str(path))
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            error[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(error, src=dist.get_global_rank(process_group, 0) if process_group else 0,
+                               group=process_group)
+    if error[0] is not None:
+        raise CheckpointError(f"fxrec.checkpoint.save: rank 0 could not finish {path!s}: {error[0]}")
 
 
 def load(fast: torch.nn.Module, path, *, strict: bool = True, process_group=None) -> None:
@@ -262,10 +419,16 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, process_group=None
         return load_into_model(fast, path, strict=strict)  # an unsharded model in a single process
     pieces = _pieces_of(fast, layout)
     whole = _whole_state(fast, layout)
+    _agree(lambda: verify(path), process_group)
     keys = _check_fits(path, _expected(whole, layout), _table_names(fast, layout), strict)
     pieces = {k: v for k, v in pieces.items() if k in keys}  # strict=False: tables it lacks stay as they are
-    _load_whole(whole, keys, path, _planners()[1](pieces), no_dist=False, process_group=process_group)
-    _copy_back(fast, whole)
+    staged_pieces = {k: (size, [(o, n, torch.empty_like(v)) for o, n, v in views]) for k, (size, views) in pieces.items()}
+    staged = _load_staged(whole, keys, path, _planners()[1](staged_pieces), no_dist=False, process_group=process_group)
+    with torch.no_grad():  # every rank read everything: now the model changes
+        for k, (_, views) in pieces.items():
+            for (_, _, view), (_, _, new) in zip(views, staged_pieces[k][1]):
+                view.copy_(new)
+    _copy_back(fast, whole, staged)
 
 
 def save_model(model: torch.nn.Module, path) -> None:
@@ -282,11 +445,14 @@ def save_model(model: torch.nn.Module, path) -> None:
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.save_model: the model is sharded (transformed with plan=): "
                            "use fxrec.checkpoint.save on every rank")
+    tmp = str(path) + _PARTIAL
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that did not finish
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         dcp = _dcp()
-        dcp.save(model.state_dict(), checkpoint_id=path, planner=dcp.DefaultSavePlanner(flatten_state_dict=False),
+        dcp.save(model.state_dict(), checkpoint_id=tmp, planner=dcp.DefaultSavePlanner(flatten_state_dict=False),
                  no_dist=True)
+    _commit(tmp, str(path))
 
 
 def load_into_model(model: torch.nn.Module, path, *, strict: bool = True) -> None:
@@ -299,19 +465,21 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True) -> Non
 
     Raises :class:`CheckpointError` naming each table or entry the checkpoint has with another
     shape (both shapes given), and with ``strict=True`` (default) each one it lacks and those the
-    model does not have.
+    model does not have; and naming the file when one is damaged or missing (the model is then
+    left as it was).
     """
     layout = _layout(model)
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.load_into_model: the model is sharded (transformed with plan=): "
                            "use fxrec.checkpoint.load on every rank")
     state = model.state_dict()
+    verify(path)
     keys = _check_fits(path, _expected(state, {}), _table_names(model, {}), strict)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-        planner = _dcp().DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=not strict)
-        _load_whole(state, keys, path, planner, no_dist=True, process_group=None)
-    _copy_back(model, state)
+        planner = _planners()[2](flatten_state_dict=False, allow_partial_load=not strict)
+        staged = _load_staged(state, keys, path, planner, no_dist=True, process_group=None)
+    _copy_back(model, state, staged)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -319,15 +487,51 @@ def _is_partial(shape, pieces) -> bool:
     return not (len(pieces) == 1 and tuple(pieces[0][:4]) == (0, shape[0], 0, shape[1]))
 
 
-def _load_whole(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no_dist: bool, process_group) -> None:
-    for k in [k for k in state if k not in keys]:  # refused by _check_fits when strict; skipped otherwise
-        del state[k]
-    _dcp().load(state, checkpoint_id=path, planner=planner, no_dist=no_dist, process_group=process_group)
+def _agree(check, process_group) -> None:
+    """Run ``check`` on every rank; when it raises on any rank, raise on every rank (the others
+    would otherwise wait in DCP's collectives for the one that left)."""
+    error: Optional[BaseException] = None
+    try:
+        check()
+    except (CheckpointError, FileNotFoundError) as e:
+        error = e
+    backend = dist.get_backend(process_group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    flag = torch.tensor([0 if error is None else 1], device=dev)
+    dist.all_reduce(flag, group=process_group)
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise CheckpointError("fxrec.checkpoint: another rank found the checkpoint damaged or missing (its error "
+                              "names the file); nothing was loaded")
 
 
-def _copy_back(module: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:
-    """DCP copies tensors in place into the state dict's tensors, which share storage with the
-    module's; non-tensor entries (``get_extra_state``) come back as new objects: hand them over."""
-    extra = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+def _load_staged(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no_dist: bool,
+                 process_group) -> Dict[str, object]:
+    """DCP's load of the entries in ``keys`` into new tensors shaped like ``state``'s (the model is not
+    touched); raises CheckpointError naming the path when DCP fails (its CheckpointException is a
+    BaseException that ``except Exception`` would not catch)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    staged = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items() if k in keys}
+    try:
+        _dcp().load(staged, checkpoint_id=path, planner=planner, storage_reader=_planners()[3](path),
+                    no_dist=no_dist, process_group=process_group)
+    except (Exception, CheckpointException) as e:
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+        why = lines[-1] if lines else ""  # DCP's text ends with the underlying error
+        raise CheckpointError(f"fxrec.checkpoint: reading {path!s} failed, nothing was loaded: "
+                              f"{type(e).__name__}: {why}") from e
+    return staged
+
+
+def _copy_back(module: torch.nn.Module, state: Dict[str, torch.Tensor], staged: Dict[str, object]) -> None:
+    """The staged tensors into the state dict's tensors (which share storage with the module's);
+    non-tensor entries (``get_extra_state``) through ``load_state_dict``."""
+    with torch.no_grad():
+        for k, v in staged.items():
+            if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
+                state[k].copy_(v)
+    extra = {k: v for k, v in staged.items() if not isinstance(v, torch.Tensor)}
     if extra:
         module.load_state_dict(extra, strict=False)

@@ -307,3 +307,109 @@ def test_a_sharded_model_needs_the_process_group():
 
     with pytest.raises(RuntimeError, match="every rank"):
         fxrec.checkpoint.save(Fake(), "unused")
+
+
+# --------------------------------------------------------------------------- safe, all-or-nothing
+def _saved(tmp_path):
+    torch.manual_seed(0)
+    model = Model()
+    fxrec.checkpoint.save_model(model, tmp_path / "ckpt")
+    return model, tmp_path / "ckpt"
+
+
+def _spoiled_copy(src, dst, spoil, rewrite_checksums=False):
+    import shutil
+
+    shutil.copytree(src, dst)
+    spoil(dst)
+    if rewrite_checksums:  # as if the file had been written so (checks the layers behind the checksums)
+        fxrec.checkpoint._write_checksums(str(dst))
+    return dst
+
+
+def _data_file(path):
+    return next(p for p in path.iterdir() if p.suffix == ".distcp")
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # creating the file is the proof that code ran
+
+
+@pytest.mark.parametrize("rewrite_checksums", [False, True])
+def test_a_metadata_file_holding_an_object_runs_no_code(tmp_path, rewrite_checksums):
+    import pickle
+
+    _, ckpt = _saved(tmp_path)
+    marker = tmp_path / "ran"
+    evil = _spoiled_copy(ckpt, tmp_path / "evil",
+                         lambda p: (p / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker))), rewrite_checksums)
+    model = Model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"evil/\.metadata"):
+        fxrec.checkpoint.load_into_model(model, evil)
+    assert not marker.exists()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("rewrite_checksums", [False, True])
+def test_a_truncated_data_file_is_an_exception_naming_it_and_the_model_stays(tmp_path, rewrite_checksums):
+    _, ckpt = _saved(tmp_path)
+
+    def truncate(p):
+        f = _data_file(p)
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    cut = _spoiled_copy(ckpt, tmp_path / "cut", truncate, rewrite_checksums)
+    model = Model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # an Exception (DCP's own CheckpointException is a BaseException that `except Exception` misses)
+    with pytest.raises(CheckpointError, match=r"cut(/__0_0\.distcp has \d+ bytes, \d+ when it was written| failed, "
+                                              r"nothing was loaded)"):
+        fxrec.checkpoint.load_into_model(model, cut)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_flipped_bytes_and_a_truncated_metadata_are_found(tmp_path):
+    _, ckpt = _saved(tmp_path)
+
+    def flip(p):
+        f = _data_file(p)
+        data = bytearray(f.read_bytes())
+        for i in range(len(data) // 3, len(data) // 3 + 64):
+            data[i] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp does not match its checksum"):
+        fxrec.checkpoint.load_into_model(Model(), _spoiled_copy(ckpt, tmp_path / "flipped", flip))
+
+    def cut_metadata(p):
+        (p / ".metadata").write_bytes((p / ".metadata").read_bytes()[:100])
+
+    with pytest.raises(CheckpointError, match=r"\.metadata has 100 bytes"):
+        fxrec.checkpoint.load_into_model(Model(), _spoiled_copy(ckpt, tmp_path / "md", cut_metadata))
+    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read as a checkpoint's metadata: UnpicklingError"):
+        fxrec.checkpoint.load_into_model(Model(), _spoiled_copy(ckpt, tmp_path / "md2", cut_metadata, True))
+    with pytest.raises(CheckpointError, match=r"has no fxrec_checksums\.json"):
+        fxrec.checkpoint.load_into_model(
+            Model(), _spoiled_copy(ckpt, tmp_path / "plain", lambda p: (p / "fxrec_checksums.json").unlink()))
+
+
+def test_save_is_renamed_into_place_and_replaces_an_older_checkpoint(tmp_path):
+    model, ckpt = _saved(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial directory left
+    stale = tmp_path / "ckpt.fxrec-partial"
+    stale.mkdir()
+    (stale / "junk").write_text("left by a save that died")
+    torch.manual_seed(5)
+    newer = Model()
+    fxrec.checkpoint.save_model(newer, ckpt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    fxrec.checkpoint.verify(ckpt)
+    loaded = Model()
+    fxrec.checkpoint.load_into_model(loaded, ckpt)
+    for k, v in newer.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
