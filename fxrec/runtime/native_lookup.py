@@ -69,6 +69,8 @@ def native_call(group, ids_list, offsets_list, psw_list, params) -> Optional[Nat
                     return None
                 if f.include_last_offset and f.padding_idx is not None:
                     return None  # PyTorch then runs the last bag to the end of the ids
+                if f.include_last_offset and mean and off.numel() and int(off[-1]) < ids.numel():
+                    return None  # PyTorch's mean then divides the last bag by the ids to the end
                 b = off.numel() - 1 if f.include_last_offset else off.numel()
                 off = off.long().contiguous()
             elif ids.dim() == 2 and ids.shape[1] > 0:

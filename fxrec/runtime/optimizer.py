@@ -17,6 +17,20 @@ import torch
 from .tbe import EmbeddingGroup
 
 
+class FollowLearningRate:
+    """Forward pre-hook of a fused group: its learning rate follows the optimizer's param group
+    (schedulers set ``"lr"`` there). A link to one optimizer: a copy or a pickled group does not
+    carry it (see ``EmbeddingGroup.__getstate__``) and keeps the learning rate it had."""
+
+    fxrec_optimizer_link = True
+
+    def __init__(self, group: dict):
+        self.group = group
+
+    def __call__(self, module, args) -> None:
+        module.set_learning_rate(self.group["lr"])
+
+
 class CombinedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
@@ -37,7 +51,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
             old = getattr(mod, "_fxrec_lr_hook", None)
             if old is not None:
                 old.remove()
-            mod._fxrec_lr_hook = mod.register_forward_pre_hook(lambda m, a, g=group: m.set_learning_rate(g["lr"]))
+            mod._fxrec_lr_hook = mod.register_forward_pre_hook(FollowLearningRate(group))
         self._collect_groups()
         self.state = {}
 

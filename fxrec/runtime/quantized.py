@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _fbgemm
-from .tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
+from .tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec, group_forward
 
 
 def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str) -> None:
@@ -81,12 +81,13 @@ class QuantizedPooledGroup(PooledEmbeddingGroup):
         super().__init__(tables, features, pooling)
         _attach_quantized_tbe(self, dtypes, weights, output_dtype)
 
+    @group_forward
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> torch.Tensor:
-        self._check_count(ids_list)
-        packed = self._pack(ids_list, offsets_list, psw_list)
+        self._check_count(ids_list, offsets_list)
+        packed = self._pack(ids_list, offsets_list, psw_list, empty_means=True, strict=True)
         if packed is None:
-            if all(ids.numel() == 0 for ids in ids_list):
+            if all(ids.numel() == 0 for ids in ids_list):  # an empty batch
                 batch = 0 if not ids_list else (ids_list[0].shape[0] if ids_list[0].dim() else 0)
                 return torch.zeros(batch, sum(self.dims), device=ids_list[0].device, dtype=self._out_dtype())
             raise ValueError(
@@ -95,7 +96,11 @@ class QuantizedPooledGroup(PooledEmbeddingGroup):
             )
         indices, offsets, psw, _ = packed
         self._validate_packed(indices, offsets, ids_list, offsets_list)
-        return _lookup(self, indices, offsets, psw)
+        out = _lookup(self, indices, offsets, psw)
+        nan_cols = self._empty_mean_columns(ids_list)
+        if nan_cols:  # a mean of no rows, as PyTorch gives it
+            out[:, nan_cols] = float("nan")
+        return out
 
     def _out_dtype(self) -> torch.dtype:
         return torch.float16 if self.output_dtype == "fp16" else torch.float32
@@ -109,9 +114,10 @@ class QuantizedSequenceGroup(SequenceEmbeddingGroup):
         super().__init__(tables, features, pooling)
         _attach_quantized_tbe(self, dtypes, weights, output_dtype)
 
+    @group_forward
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
-        self._check_count(ids_list)
+        self._check_count(ids_list, offsets_list)
         for f, ids in zip(self.features, ids_list):
             if ids.dtype not in (torch.int64, torch.int32):
                 self._check_ids(f, ids)

@@ -146,6 +146,8 @@ class ServingPooledGroup(_ServingGroup):
     def _pack_and_lookup(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor]) -> Tensor:
         """The eager quantized group's packing: features side by side, bags feature-major."""
         batch = -1
+        nan_cols: List[int] = []  # features that mean-pool [B, 0] ids: NaN, as PyTorch gives it
+        col = 0
         flats: List[Tensor] = []
         starts: List[Tensor] = []
         sample_weights: List[Tensor] = []
@@ -168,6 +170,11 @@ class ServingPooledGroup(_ServingGroup):
                     elif pad >= 0 and off.numel() > 0:
                         off = torch.cat([off[:-1], off.new_full([1], n)])  # as PyTorch: the last bag runs to the end
                     elif off.numel() > 0:
+                        if self.mode == 1 and int(off[-1]) < n:
+                            raise ValueError("fxrec: feature '" + self.names[i] + "' has ids after offsets[-1] with "
+                                             "include_last_offset=True and mean pooling, where PyTorch divides the "
+                                             "last bag by the ids up to the end of the tensor; quantized tables do "
+                                             "not reproduce that: pass only the ids up to offsets[-1]")
                         flat = flat[: int(off[-1])]
                     else:
                         flat = flat[:0]
@@ -185,9 +192,9 @@ class ServingPooledGroup(_ServingGroup):
                 b = ids.shape[0]
                 length = ids.shape[1]
                 flat = ids.reshape(-1).long()
-                if length == 0 and self.mode == 1 and b > 0:  # PyTorch's mean of no rows is NaN
-                    raise ValueError("fxrec: feature '" + self.names[i] + "' is mean-pooled over [B, 0] ids, "
-                                     "which fbgemm's quantized kernel cannot give as PyTorch does (NaN)")
+                if length == 0 and self.mode == 1:  # PyTorch's mean of no rows is NaN
+                    for c in range(col, col + self.dims[i]):
+                        nan_cols.append(c)
                 if length > 0:
                     start = torch.arange(0, b * length, length, device=dev)
                 else:
@@ -201,6 +208,7 @@ class ServingPooledGroup(_ServingGroup):
             elif b != batch:
                 raise ValueError("fxrec: the features of the group of tables " + str(self.table_names)
                                  + " have different batch sizes")
+            col += self.dims[i]
             flats.append(flat)
             starts.append(start)
             if self.any_weighted:
@@ -219,7 +227,10 @@ class ServingPooledGroup(_ServingGroup):
         psw_all: Optional[Tensor] = None
         if self.any_weighted:
             psw_all = torch.cat(sample_weights)
-        return self._quantized_lookup(indices, offsets, psw_all)
+        out = self._quantized_lookup(indices, offsets, psw_all)
+        if len(nan_cols) > 0:
+            out[:, nan_cols] = float("nan")
+        return out
 
 
 class ServingSequenceGroup(_ServingGroup):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -105,6 +106,13 @@ def _storage_use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+def _storage_object_held(t: torch.Tensor) -> bool:
+    """Whether Python code holds ``t.untyped_storage()`` (or a TypedStorage of it). That object
+    does not count in the storage's use count; torch keeps one Python object per storage while
+    anything refers to it, so its reference count says (2 here: the call's result and the argument)."""
+    return sys.getrefcount(t.untyped_storage()) > 2
+
+
 class ReusedOutput:
     """An output buffer kept between calls and handed out again once nothing refers to it.
 
@@ -112,7 +120,8 @@ class ReusedOutput:
     every call (on the 256-table benchmark shape here, 64 MB: from nothing to half of the plain
     model's forward time, depending on the machine's state). The buffer is reused only when the previous result is gone: every
     tensor that can see the buffer (the result, views of it, autograd's saved copies) holds a
-    reference to its storage, so the storage's use count tells whether anything still does.
+    reference to its storage, so the storage's use count tells whether anything still does; a
+    Python storage object (``out.untyped_storage()``) held without the tensor is checked too.
     Otherwise a new buffer is made (and kept). The buffer is never handed out on other devices
     (CUDA's caching allocator already reuses memory, in stream order), across an inference-mode
     boundary, or when this torch has no storage use count. Safe under threads: the check and
@@ -136,6 +145,7 @@ class ReusedOutput:
                 and b.is_inference() == torch.is_inference_mode_enabled()
                 and not b.is_shared()  # sent to another process: it may still read it
                 and _storage_use_count(b) == self._free_count
+                and not _storage_object_held(b)
             ):
                 b = torch.empty(shape, dtype=dtype, device=device)
                 self._buf = b
@@ -146,6 +156,30 @@ class ReusedOutput:
 
     def __reduce__(self):  # deepcopy / pickle: a new, empty buffer
         return (ReusedOutput, ())
+
+
+def group_forward(forward):
+    """Wraps every group module's ``forward``:
+
+    * a bag's ids and offsets of different integer dtypes are both taken as their common dtype,
+      as ``F.embedding_bag`` does (int16 ids with int64 offsets are int64 ids);
+    * an error raised inside is first checked for inputs on another device than the tables, and
+      then says which feature got them;
+    * ``torch.compile`` runs the group as it is (``torch.compiler.disable``: a graph break around
+      it; the dense parts of the model are compiled); its kernels and checks are not traceable.
+    """
+
+    @functools.wraps(forward)
+    def call(self, ids_list, offsets_list, psw_list, *params):
+        if self._bag_features:
+            ids_list, offsets_list = self._promote_bags(ids_list, offsets_list)
+        try:
+            return forward(self, ids_list, offsets_list, psw_list, *params)
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            self._check_devices(ids_list, offsets_list, psw_list, params[0] if params else [], e)
+            raise
+
+    return torch.compiler.disable(call)
 
 
 class _Bound:
@@ -175,7 +209,13 @@ class EmbeddingGroup(nn.Module):
         self.features = list(features)
         self.pooling = pooling
         self.set_paths(path_train, path_eval)
+        ftm = [f.table for f in self.features]
+        if ftm != sorted(ftm):
+            # fbgemm's kernels need each table's features adjacent (feature_table_map
+            # non-decreasing); with [0, 1, 0] its CPU backward updates wrong rows
+            raise ValueError(f"fxrec: a group's features must be ordered by table, got table order {ftm}")
         self.dims = [self.tables[f.table].dim for f in self.features]
+        self._bag_features = [i for i, f in enumerate(self.features) if f.form == "bag"]
         self._min_rows = min(t.num_rows for t in self.tables)
         self._features_of_table = [
             [i for i, f in enumerate(self.features) if f.table == t] for t in range(len(self.tables))
@@ -237,18 +277,72 @@ class EmbeddingGroup(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_bound"] = None
+        # the link to an optimizer (its learning-rate hook) stays with the original
+        state.pop("_fxrec_lr_hook", None)
+        state["_forward_pre_hooks"] = type(self._forward_pre_hooks)(
+            (k, h) for k, h in self._forward_pre_hooks.items() if not getattr(h, "fxrec_optimizer_link", False))
         if self._bound is not None and self.fused is not None:
             # the fused optimizer's states travel with the copy (its TBE is rebuilt)
             state["_carry_states"] = [[x.detach().clone() for x in t] for t in self._bound.tbe.split_optimizer_states()]
         return state
 
     # ---------------------------------------------------------------- input checks
-    def _check_count(self, ids_list) -> None:
+    def _promote_bags(self, ids_list, offsets_list):
+        """As F.embedding_bag: integer ids and offsets of different dtypes, both as their common dtype
+        (float ones are left to the checks, which name the feature)."""
+        new_ids = new_offs = None
+        for i in self._bag_features:
+            ids, off = ids_list[i], offsets_list[i]
+            if off is not None and ids.dtype != off.dtype and not (ids.is_floating_point() or off.is_floating_point()):
+                common = torch.promote_types(ids.dtype, off.dtype)
+                if new_ids is None:
+                    new_ids, new_offs = list(ids_list), list(offsets_list)
+                new_ids[i], new_offs[i] = ids.to(common), off.to(common)
+        return (ids_list, offsets_list) if new_ids is None else (new_ids, new_offs)
+
+    def _table_device(self, params) -> Optional[torch.device]:
+        if params:
+            return params[0].device
+        buf = next(self.buffers(), None)
+        return buf.device if buf is not None else None
+
+    def _check_devices(self, ids_list, offsets_list, psw_list, params, error: BaseException) -> None:
+        """Raise, naming the feature, when an input is on another device than the tables."""
+        dev = self._table_device(params)
+        if dev is None:
+            return
+        for f, ids, off, psw in zip(self.features, ids_list, offsets_list, psw_list):
+            for what, t in (("ids", ids), ("offsets", off), ("per-sample weights", psw)):
+                if isinstance(t, torch.Tensor) and t.device != dev:
+                    raise ValueError(
+                        f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got {what} on {t.device}, "
+                        f"but the table is on {dev}: move the inputs to {dev}") from error
+
+    def _check_count(self, ids_list, offsets_list=None) -> None:
+        """The number of features; while torch.export traces, the value checks as graph ops."""
         if len(ids_list) != len(self.features):
             raise ValueError(
                 f"fxrec: group of tables {[t.name for t in self.tables]} expects "
                 f"{len(self.features)} id tensors, got {len(ids_list)}"
             )
+        if exporting() and offsets_list is not None:
+            self._assert_inputs(ids_list, offsets_list)
+
+    def _assert_inputs(self, ids_list, offsets_list) -> None:
+        """An exported program checks ids and offsets as the eager group does: the checks become
+        ``aten._assert_async`` ops (no value is read while tracing) that raise when the program
+        runs, naming the feature and table."""
+        for f, ids, off in zip(self.features, ids_list, offsets_list):
+            t = self.tables[f.table]
+            where = f"feature '{f.name}' (table '{t.name}', {t.num_rows} rows)"
+            if ids.dtype.is_floating_point:
+                self._check_ids(f, ids)  # raises (a dtype is known while tracing)
+            torch._assert_async(~((ids < 0) | (ids >= t.num_rows)).any(),
+                                f"fxrec: {where} looks up an id outside 0..{t.num_rows - 1}")
+            if f.form == "bag" and off is not None and off.dim() == 1:
+                bad = (off[:1] != 0).any() | (off[1:] < off[:-1]).any() | (off[-1:] > ids.numel()).any()
+                torch._assert_async(~bad, f"fxrec: offsets of {where} must start at 0, never decrease and end "
+                                    "at most at its number of ids")
 
     def _check_ids(self, f: FeatureSpec, ids: torch.Tensor) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
@@ -354,6 +448,12 @@ class EmbeddingGroup(nn.Module):
             return tbe(indices, offsets, per_sample_weights=psw)
         if forward is None:
             def forward():
+                if torch.is_inference_mode_enabled():
+                    # fbgemm's training TBE registers its CPU forward behind autograd only, which
+                    # inference mode (and its tensors) skip: outside it, on ordinary copies of the
+                    # (small) index tensors, under no_grad, the same kernel runs
+                    with torch.inference_mode(False), torch.no_grad():
+                        return tbe(indices.clone(), offsets.clone(), per_sample_weights=None if psw is None else psw.clone())
                 return tbe(indices, offsets, per_sample_weights=psw)
         return _TBELookupFunction.apply(self, forward, batch, indices, offsets, psw, *params)
 
@@ -380,6 +480,7 @@ class EmbeddingGroup(nn.Module):
 class PooledEmbeddingGroup(EmbeddingGroup):
     """Pooled lookups (sum or mean) of one group; returns ``[B, sum of dims]``."""
 
+    @group_forward
     def forward(
         self,
         ids_list: List[torch.Tensor],
@@ -387,7 +488,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         psw_list: List[Optional[torch.Tensor]],
         params: List[torch.Tensor],
     ) -> torch.Tensor:
-        self._check_count(ids_list)
+        self._check_count(ids_list, offsets_list)
         if exporting():
             return self.loop(ids_list, offsets_list, psw_list, params)
         training = self._training(params, psw_list)
@@ -410,7 +511,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             if out is not None:
                 return out
         elif path in ("direct", "native") or (path == "fbgemm" and self._fbgemm_usable(params)):
-            packed = self._pack(ids_list, offsets_list, psw_list)
+            packed = self._pack(ids_list, offsets_list, psw_list, strict=fused)
             if packed is not None:
                 indices, offsets, psw, batch = packed
                 self._validate_packed(indices, offsets, ids_list, offsets_list)
@@ -462,6 +563,15 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         except (IndexError, RuntimeError, TypeError, ValueError):
             self._check_inputs(ids_list, offsets_list)  # names the feature and table
             raise
+
+    def _empty_mean_columns(self, ids_list) -> List[int]:
+        """Output columns of the features that mean-pool ``[B, 0]`` ids: PyTorch's answer there is NaN."""
+        cols, start = [], 0
+        for f, ids, d in zip(self.features, ids_list, self.dims):
+            if self.pooling == "mean" and f.form == "pooled_seq" and ids.dim() == 2 and ids.shape[1] == 0:
+                cols.extend(range(start, start + d))
+            start += d
+        return cols
 
     def _validate_packed(self, indices, offsets, ids_list, offsets_list) -> None:
         """Cheap checks on the packed input (a few ops for the whole group); on failure, the
@@ -522,8 +632,13 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                 outs.append(e)
         return torch.cat(outs, 1) if out is None else torch.cat(outs, 1, out=out)
 
-    def _pack(self, ids_list, offsets_list, psw_list):
+    def _pack(self, ids_list, offsets_list, psw_list, empty_means: bool = False, strict: bool = False):
         """One indices/offsets/weights input for the TBE, or None when only the loop fits.
+
+        ``empty_means``: pack a mean over ``[B, 0]`` ids as empty bags (the kernel gives 0; the
+        caller writes PyTorch's NaN into those columns) instead of returning None. ``strict``: raise,
+        naming the feature, where the answer would be None for an input only PyTorch's own kernels
+        reproduce (the caller has no such fallback: a fused optimizer, a quantized table).
 
         Features are packed feature-major: bags ``f*B .. (f+1)*B`` belong to feature f. The
         common cases (plain bags, single ids, [B, L] ids) cost a constant number of tensor ops
@@ -551,11 +666,23 @@ class PooledEmbeddingGroup(EmbeddingGroup):
                                         f"fxrec: offsets[-1] of feature '{f.name}' must equal its number of ids")
                     off = torch.cat([off[:-1], off.new_full((1,), flat.numel())])
                 if f.include_last_offset or f.padding_idx is not None:
-                    if f.include_last_offset and not exporting() and off.numel() and int(off[-1]) > flat.numel():
+                    last = int(off[-1]) if f.include_last_offset and not exporting() and off.numel() else None
+                    if last is not None and last > flat.numel():
                         raise ValueError(
                             f"fxrec: offsets of feature '{f.name}' (table '{self.tables[f.table].name}') end "
-                            f"at {int(off[-1])}, past its {flat.numel()} ids"
+                            f"at {last}, past its {flat.numel()} ids"
                         )
+                    if last is not None and last < flat.numel() and self.pooling == "mean":
+                        # PyTorch sums the last bag up to offsets[-1] but divides it by the number of
+                        # ids to the end of the tensor (and its backward gives those ids gradients)
+                        if strict:
+                            raise ValueError(
+                                f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') has "
+                                f"{flat.numel() - last} ids after offsets[-1] = {last} with include_last_offset=True "
+                                "and mean pooling, where PyTorch's mean divides the last bag by the ids up to the "
+                                "end of the tensor; fused optimizers and quantized tables do not reproduce that: "
+                                "pass only the ids up to offsets[-1]")
+                        return None
                     if not f.include_last_offset:
                         off = torch.cat([off, off.new_full((1,), flat.numel())])
                     elif (f.padding_idx is not None or exporting()) and off.numel():
@@ -578,7 +705,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
             elif f.form == "pooled_seq":
                 b, length = ids.shape
                 flat = ids.reshape(-1)
-                if length == 0 and self.pooling == "mean":
+                if length == 0 and self.pooling == "mean" and not empty_means:
                     return None  # PyTorch's mean of no rows is NaN; only its own kernels give that
                 start = (torch.arange(0, b * length, length, device=dev) if length
                          else torch.zeros(b, dtype=torch.long, device=dev))
@@ -621,20 +748,14 @@ class PooledEmbeddingGroup(EmbeddingGroup):
 
 
 class SequenceEmbeddingGroup(EmbeddingGroup):
-    """Unpooled lookups of one group (all tables share one dim); returns one tensor per feature.
-
-    Features must be ordered by table (feature_table_map non-decreasing): fbgemm's CPU nobag
-    kernel reads wrong rows otherwise.
-    """
+    """Unpooled lookups of one group (all tables share one dim); returns one tensor per feature."""
 
     def __init__(self, tables, features, pooling="none", path_train="fbgemm", path_eval="fbgemm", fused=None):
         super().__init__(tables, features, pooling, path_train, path_eval, fused)
-        ftm = [f.table for f in self.features]
-        if ftm != sorted(ftm):
-            raise ValueError(f"fxrec: sequence group features must be ordered by table, got table order {ftm}")
         if len(set(t.dim for t in self.tables)) != 1:
             raise ValueError("fxrec: the tables of a sequence group must share one dim")
 
+    @group_forward
     def forward(
         self,
         ids_list: List[torch.Tensor],
@@ -642,7 +763,7 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
         psw_list: List[Optional[torch.Tensor]],
         params: List[torch.Tensor],
     ) -> List[torch.Tensor]:
-        self._check_count(ids_list)
+        self._check_count(ids_list, offsets_list)
         for f, ids in zip(self.features, ids_list):
             if ids.dtype not in (torch.int64, torch.int32):
                 self._check_ids(f, ids)  # raises, naming the feature
