@@ -210,17 +210,18 @@ def test_eval_mode_and_no_grad_use_inference_path():
         torch.testing.assert_close(fast(*inputs), model(*inputs))
 
 
-def test_example_batch_of_one_is_named_in_the_report_and_fixed():
-    """torch.export fixes dims of size 1 (a dynamic one would change squeeze and broadcasting)."""
+def test_any_batch_size_after_an_example_batch_of_two_or_more():
+    """Capture is size-oblivious: an example batch of 4 does not make the batch 2 or more
+    (torch.export's default); an example batch of 1 fixes it, and the report says so."""
     model = M.FieldDict()
-    fast = fxrec.transform(model, M.field_inputs(batch=1), backend="fbgemm")
-    assert any("size 1 in dim 0" in n for n in fast.report.notes), fast.report.notes
-    assert_matches(model, fast, M.field_inputs(batch=1, seed=2))
-    with pytest.raises(Exception, match="size"):
-        fast(*M.field_inputs(batch=3, seed=1))
-    wide = fxrec.transform(model, M.field_inputs(batch=4), backend="fbgemm")
-    assert not any("size" in n for n in wide.report.notes)
-    assert_matches(model, wide, M.field_inputs(batch=1, seed=2), M.field_inputs(batch=3, seed=1))
+    one = fxrec.transform(model, M.field_inputs(batch=1), backend="fbgemm")
+    assert any("input x accepts only size 1 in dim 0" in n for n in one.report.notes), one.report.notes
+    assert_matches(model, one, M.field_inputs(batch=1, seed=2))
+    with pytest.raises(ValueError, match=r"input x has size 3 in dim 0; the model was captured with a fixed size 1"):
+        one(*M.field_inputs(batch=3, seed=1))
+    fast = fxrec.transform(model, M.field_inputs(batch=4), backend="fbgemm")
+    assert not any("accepts" in n for n in fast.report.notes), fast.report.notes
+    assert_matches(model, fast, *(M.field_inputs(batch=b, seed=b) for b in (1, 2, 3, 7)))
 
 
 def test_symbolic_traced_graph_module_with_call_module_lookups():

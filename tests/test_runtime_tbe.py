@@ -51,15 +51,24 @@ def test_mixed_dims_padding_duplicates_shared_tables(pooling):
     tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 4, sparse=True), TableSpec("c", 20, 12)]
     feats = [
         FeatureSpec("fa", 0, "bag", padding_idx=3),
+        FeatureSpec("fa2", 0, "single"),  # table a again (a table's features are adjacent in a group)
         FeatureSpec("fb", 1, "bag", include_last_offset=True),
         FeatureSpec("fc", 2, "pooled_seq", padding_idx=1),
-        FeatureSpec("fa2", 0, "single"),  # table a again
     ]
-    ids = [torch.tensor([3, 3, 3, 3, 7, 7, 7, 1, 2, 9, 9, 40]), torch.randint(0, 30, (9,)),
-           torch.tensor([[1, 1, 2], [3, 1, 4], [5, 5, 5], [1, 1, 1], [0, 2, 19]]), torch.tensor([7, 7, 0, 49, 5])]
-    offs = [torch.tensor([0, 2, 2, 7, 9]), torch.tensor([0, 1, 1, 4, 6, 9]), None, None]
+    ids = [torch.tensor([3, 3, 3, 3, 7, 7, 7, 1, 2, 9, 9, 40]), torch.tensor([7, 7, 0, 49, 5]), torch.randint(0, 30, (9,)),
+           torch.tensor([[1, 1, 2], [3, 1, 4], [5, 5, 5], [1, 1, 1], [0, 2, 19]])]
+    offs = [torch.tensor([0, 2, 2, 7, 9]), None, torch.tensor([0, 1, 1, 4, 6, 9]), None]
     b = assert_paths_agree(PooledEmbeddingGroup, tables, feats, pooling, ids, offs, [None] * 4)
     assert b[1][0][3].abs().max() == 0  # padding row 3 of table a gets no gradient from bag fa
+
+
+def test_features_of_one_table_apart_are_refused():
+    """fbgemm's kernels need a table's features adjacent (feature_table_map [0, 1, 0] gives wrong
+    fused Adagrad updates on CPU); group_lookups orders them so, and the module refuses otherwise."""
+    tables = [TableSpec("a", 10, 4), TableSpec("b", 10, 4)]
+    feats = [FeatureSpec("a0", 0, "bag"), FeatureSpec("b1", 1, "bag"), FeatureSpec("a2", 0, "bag")]
+    with pytest.raises(ValueError, match=r"ordered by table, got table order \[0, 1, 0\]"):
+        PooledEmbeddingGroup(tables, feats, "sum")
 
 
 def test_weighted_bags_give_sample_weight_gradients():
@@ -113,10 +122,10 @@ def test_sequence_group_refuses_features_not_ordered_by_table():
 def test_direct_path_is_bit_exact_for_bags_and_single_ids():
     """The direct path runs PyTorch's own kernels (embedding_bag, index_select) into one output."""
     tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 4)]
-    feats = [FeatureSpec("fa", 0, "bag", padding_idx=3, weighted=True), FeatureSpec("fb", 1, "bag", include_last_offset=True),
-             FeatureSpec("fa2", 0, "single")]
-    ids = [torch.tensor([3, 1, 3, 7, 7, 2]), torch.randint(0, 30, (9,), dtype=torch.int32), torch.tensor([7, 0, 49])]
-    offs = [torch.tensor([0, 2, 2]), torch.tensor([0, 1, 4, 9], dtype=torch.int32), None]
+    feats = [FeatureSpec("fa", 0, "bag", padding_idx=3, weighted=True), FeatureSpec("fa2", 0, "single"),
+             FeatureSpec("fb", 1, "bag", include_last_offset=True)]
+    ids = [torch.tensor([3, 1, 3, 7, 7, 2]), torch.tensor([7, 0, 49]), torch.randint(0, 30, (9,), dtype=torch.int32)]
+    offs = [torch.tensor([0, 2, 2]), None, torch.tensor([0, 1, 4, 9], dtype=torch.int32)]
     psw = [torch.rand(6), None, None]
     for pooling in ("sum", "mean"):
         if pooling == "mean":  # per-sample weights are for sum pooling only

@@ -2,6 +2,7 @@
 local batch and must get the single-process model's rows of the global batch, forward and after
 ten SGD steps (tables gathered back and compared)."""
 
+import json
 import os
 import tempfile
 from datetime import timedelta
@@ -69,6 +70,12 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts):
         example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
         plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, hosts=hosts)
         fast = fxrec.transform(model, example, plan=plan)
+        # the report of a sharded model prints, serialises and says how each group is sharded
+        text, data = str(fast.report), json.loads(fast.report.to_json())
+        sharded = {plan.tables[t].sharding for t in plan.tables}
+        assert all(g["path_train"].startswith("sharded: ") for g in data["groups"]), data["groups"]
+        assert all(k in text for k in sharded), text
+        assert len(fast.report.lowered) + len(fast.report.left_alone) == len(fast.report.lookups) == 4
         names = [type(fast.get_submodule(n.target)).__name__ for n in fast.graph.nodes if n.op == "call_module"]
         for sharding, short in (("table_wise", "TableWise"), ("row_wise", "RowWise")):
             if any(plan.tables[t].sharding == sharding for t in plan.tables):

@@ -1,0 +1,409 @@
+"""The transformed model as an nn.Module in every way a training loop uses one, and bad input named
+everywhere (the reliability issue). Each test compares against the plain PyTorch model."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxrec
+from fxrec.modes import ModeError
+from fxrec.testing import assert_matches, group_calls
+from tests import models as M
+
+BACKENDS = ["fbgemm", "native", "direct", "loop", "auto"]
+
+
+# --------------------------------------------------------------------------- train() / eval()
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        # a functional dropout that follows the module's mode, as CTR code often writes it
+        return F.dropout(self.drop(self.lin(x)), 0.2, training=self.training)
+
+
+class WithModes(nn.Module):
+    """Dropout modules, a functional dropout on self.training, batch norm with running statistics,
+    batch norm without (always the batch's statistics) and a sub-module set to eval on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 4, mode="sum")
+        self.bn = nn.BatchNorm1d(4)
+        self.bn_batch = nn.BatchNorm1d(4, track_running_stats=False)
+        self.towers = nn.ModuleList([Tower(), Tower()])
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, dense, ids, offsets):
+        x = torch.cat([self.bn(dense), self.bn_batch(self.emb(ids, offsets))], 1)
+        for t in self.towers:
+            x = t(x)
+        return self.out(x)
+
+
+def mode_inputs(batch=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 4, generator=g), torch.randint(0, 30, (2 * batch,), generator=g), \
+        torch.arange(0, 2 * batch, 2)
+
+
+def run_seeded(model, x, seed):
+    torch.manual_seed(seed)
+    return model(*x)
+
+
+@pytest.mark.parametrize("captured_in", ["train", "eval"])
+def test_train_and_eval_switch_dropout_and_batch_norm_as_the_original(captured_in):
+    model = WithModes().train(captured_in == "train")
+    model.towers[1].eval()  # kept through the transform: tower 1 stays in eval mode until switched
+    fast = fxrec.transform(model, mode_inputs(), backend="fbgemm")
+    ref = copy.deepcopy(model)
+    assert fast.get_submodule("towers.1").training is False and fast.get_submodule("towers.0").training is (captured_in == "train")
+    for step, mode in enumerate(["train", "eval", "train", "eval", "train"]):
+        for m in (fast, ref):
+            getattr(m, mode)()
+        x = mode_inputs(seed=step + 1)
+        torch.testing.assert_close(run_seeded(fast, x, step), run_seeded(ref, x, step), msg=f"step {step} {mode}")
+    for name in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        torch.testing.assert_close(fast.get_buffer(name), ref.get_buffer(name), msg=name)
+    assert int(fast.bn.num_batches_tracked) == 3  # three training calls; transform itself counted none
+    assert any("train()/eval() switch" in n for n in fast.report.notes), fast.report.notes
+
+
+def test_a_parent_module_switches_the_transformed_model():
+    fast = fxrec.transform(WithModes(), mode_inputs(), backend="native")
+    parent = nn.Sequential()
+    parent.add_module("fast", fast)
+    parent.eval()
+    assert not fast.training and not fast.get_submodule("towers.0.drop").training
+    x = mode_inputs(seed=3)
+    torch.testing.assert_close(run_seeded(fast, x, 0), run_seeded(fast, x, 1))  # no dropout in eval
+    parent.train()
+    assert not torch.equal(run_seeded(fast, x, 0), run_seeded(fast, x, 1))
+
+
+class ModeBranch(nn.Module):
+    """Computes something else in training mode than dropout: cannot be switched by flags."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        e = self.emb(ids, offsets)
+        return e * 2 if self.training else e + 1
+
+
+def test_a_model_whose_code_branches_on_training_refuses_the_other_mode_by_name():
+    model = ModeBranch()
+    fast = fxrec.transform(model, mode_inputs()[1:], backend="fbgemm")
+    assert any("reads `training`" in n and "test_reliability.py" in n for n in fast.report.notes), fast.report.notes
+    with pytest.raises(ModeError, match=r"captured in training mode and cannot switch to eval mode.*test_reliability"):
+        fast.eval()
+    fast.train()  # the captured mode stays available, and computes what the model does in it
+    x = mode_inputs(seed=2)[1:]
+    torch.testing.assert_close(fast(*x), model(*x))
+
+
+# --------------------------------------------------------------------------- inference mode
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make", [(M.BagList, M.bag_inputs), (M.SequenceMean, M.seq_inputs),
+                                  (M.WeightedBags, M.weighted_inputs)], ids=["bags", "sequence", "weighted"])
+def test_inference_mode_on_every_backend(backend, make):
+    model_fn, inputs = make
+    model = model_fn().eval()
+    fast = fxrec.transform(model, inputs(), backend=backend, timing_rounds=1)
+    x = inputs(seed=5)
+    with torch.inference_mode():
+        got = fast(*x)
+    torch.testing.assert_close(got, model(*x))
+
+
+def test_inference_mode_on_quantized_groups():
+    model = M.BagList().eval()
+    fast = fxrec.transform(model, M.bag_inputs(), mode="inference", quantize="fp32")
+    x = M.bag_inputs(seed=5)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(*x), model(*x))
+
+
+# --------------------------------------------------------------------------- pickle, deepcopy, compile
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_save_and_copy_keep_the_model_its_report_and_fused_states(how, tmp_path):
+    model = M.BagList(dim=8)
+    fast = fxrec.transform(model, M.bag_inputs(), optimizer=fxrec.optim.Adagrad(lr=0.1), backend="fbgemm")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adagrad([p for n, p in ref.named_parameters() if n.startswith("bags")], lr=0.1)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.0)
+    for step in range(2):
+        x = M.bag_inputs(seed=step)
+        fast(*x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(*x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    if how == "pickle":
+        other = pickle.loads(pickle.dumps(fast))
+    elif how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(fast, buf)
+        buf.seek(0)
+        other = torch.load(buf, weights_only=False)
+    else:
+        other = copy.deepcopy(fast)
+    assert type(other).__mro__[1] is fxrec.graph_module.TransformedModule
+    assert str(other.report) == str(fast.report)
+    assert other.code == fast.code
+    x = M.bag_inputs(seed=7)
+    torch.testing.assert_close(other(*x), fast(*x))
+    other.eval()
+    other.train()
+    # training goes on from the same fused Adagrad states in the copy
+    opt2 = other.make_optimizer(torch.optim.SGD, lr=0.0)
+    other(*x).sum().backward()
+    opt2.step()
+    ref(*x).sum().backward()
+    ref_opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(other.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "native"])
+def test_torch_compile_runs_the_dense_parts_and_the_groups_as_they_are(backend):
+    model = M.BagList()
+    fast = fxrec.transform(model, M.bag_inputs(), backend=backend)
+    compiled = torch.compile(fast, dynamic=True)
+    for batch, seed in ((6, 1), (9, 2)):
+        x = M.bag_inputs(batch=batch, seed=seed)
+        for m in (model, fast):
+            m.zero_grad()
+        cot = torch.randn(batch, 32)
+        (compiled(*x) * cot).sum().backward()
+        (model(*x) * cot).sum().backward()
+        torch.testing.assert_close(compiled(*x), model(*x))
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(fast.get_parameter(name).grad, p.grad, msg=name)
+
+
+# --------------------------------------------------------------------------- batch sizes
+class TwoDimIds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag2d = nn.EmbeddingBag(20, 4, mode="mean")
+        self.last = nn.EmbeddingBag(20, 4, mode="sum", include_last_offset=True)
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, dense, ids2d, ids, offsets):
+        return torch.cat([self.lin(dense), self.bag2d(ids2d), self.last(ids, offsets)], 1)
+
+
+def two_dim_inputs(batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3, (batch,), generator=g)
+    return (torch.rand(batch, 3, generator=g), torch.randint(0, 20, (batch, 2), generator=g),
+            torch.randint(0, 20, (int(lengths.sum()),), generator=g),
+            torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_of_one_after_an_example_batch_of_three(backend):
+    model = TwoDimIds()
+    fast = fxrec.transform(model, two_dim_inputs(3), backend=backend, timing_rounds=1)
+    assert not any("accepts" in n for n in fast.report.notes), fast.report.notes
+    assert_matches(model, fast, two_dim_inputs(1, 1), two_dim_inputs(2, 2), two_dim_inputs(9, 3))
+
+
+class NeedsFour(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 4)
+
+    def forward(self, dense, ids2d):
+        torch._check(dense.shape[0] >= 4)
+        return dense + self.emb(ids2d)
+
+
+def test_report_names_restricted_sizes_and_errors_say_them():
+    model = NeedsFour()
+    fast = fxrec.transform(model, (torch.rand(5, 4), torch.randint(0, 20, (5, 2))), backend="fbgemm")
+    assert any("accepts sizes 4 or more in dense dim 0" in n for n in fast.report.notes), fast.report.notes
+    with pytest.raises(ValueError, match=r"input dense has size 2 in dim 0; the model accepts 4 or more there"):
+        fast(torch.rand(2, 4), torch.randint(0, 20, (2, 2)))
+
+
+# --------------------------------------------------------------------------- input errors
+@pytest.fixture(scope="module")
+def weighted():
+    model = M.WeightedBags()
+    return model, fxrec.transform(model, M.weighted_inputs(), backend="fbgemm")
+
+
+def test_two_dim_offsets_name_the_input(weighted):
+    _, fast = weighted
+    x = list(M.weighted_inputs())
+    x[1] = x[1].view(2, 2)
+    with pytest.raises(ValueError, match=r"input off1 \(offsets of feature 'ids1', table 'w1'\) has 2 dims"):
+        fast(*x)
+
+
+def test_short_per_sample_weights_name_both_inputs(weighted):
+    _, fast = weighted
+    x = list(M.weighted_inputs())
+    x[2] = x[2][:-1]
+    with pytest.raises(ValueError, match=r"input psw1 \(per-sample weights of feature 'ids1', table 'w1'\) has size "
+                                         r"8 in dim 0, but input ids1 .* has 9 in dim 0; the model was captured with "
+                                         r"these two equal"):
+        fast(*x)
+
+
+def test_features_of_different_batch_sizes_are_named():
+    model = M.BagList()
+    fast = fxrec.transform(model, M.bag_inputs(), backend="native")
+    dense, ids, offs = M.bag_inputs()
+    offs[1] = offs[1][:-1]
+    with pytest.raises(ValueError, match=r"input offsets\[1\] \(offsets of feature 'ids_1', table 'bags.1'\) has "
+                                         r"size 5 in dim 0, but input dense has 6"):
+        fast(dense, ids, offs)
+
+
+def test_dense_input_of_the_wrong_width_is_named():
+    model = M.BagList()
+    fast = fxrec.transform(model, M.bag_inputs(), backend="fbgemm")
+    dense, ids, offs = M.bag_inputs()
+    with pytest.raises(ValueError, match=r"input dense has size 7 in dim 1; the model was captured with a fixed size 4"):
+        fast(torch.rand(6, 7), ids, offs)
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "native", "direct"])
+def test_ids_on_another_device_name_the_feature(backend):
+    model = M.BagList()
+    fast = fxrec.transform(model, M.bag_inputs(), backend=backend)
+    dense, ids, offs = M.bag_inputs()
+    ids[2] = ids[2].to("meta")
+    with pytest.raises(ValueError, match=r"feature 'ids_2' \(table 'bags.2'\) got ids on meta, but the table is on cpu"):
+        fast(dense, ids, offs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_integer_ids_with_int64_offsets_are_taken_as_pytorch_takes_them(backend):
+    model = M.BagList()
+    fast = fxrec.transform(model, M.bag_inputs(), backend=backend, timing_rounds=1)
+    dense, ids, offs = M.bag_inputs(seed=3)
+    ids = [ids[0].short(), ids[1].to(torch.uint8), ids[2].int()]  # embedding_bag promotes them with the offsets
+    assert_matches(model, fast, (dense, ids, offs))
+
+
+class EmptyMeans(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Embedding(20, 4), nn.Embedding(20, 4)
+
+    def forward(self, i, j):
+        return torch.cat([self.a(i).mean(1), self.b(j).mean(1)], 1)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp32"])
+def test_quantized_mean_over_no_ids_is_nan_as_pytorch(quantize):
+    model = EmptyMeans().eval()
+    fast = fxrec.transform(model, (torch.randint(0, 20, (3, 2)), torch.randint(0, 20, (3, 2))), mode="inference",
+                           quantize=quantize)
+    scripted = fxrec.export.torchscript(fast)
+    empty = torch.zeros(3, 0, dtype=torch.long)
+    for x in ((empty, empty), (empty, torch.randint(0, 20, (3, 2)))):
+        want = model(*x)
+        for got in (fast(*x), scripted(*x)):
+            assert torch.equal(got.isnan(), want.isnan())
+            torch.testing.assert_close(got[:, 4:], want[:, 4:], atol=0.05, rtol=0.05, equal_nan=True)
+
+
+class LastOffsetMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 4, mode="mean", include_last_offset=True)
+
+    def forward(self, ids, offsets):
+        return self.bag(ids, offsets)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ids_after_the_last_offset_divide_as_pytorch_or_are_refused(backend):
+    """PyTorch's mean with include_last_offset divides the last bag by the ids up to the end of the
+    tensor; the fp32 paths give exactly that (PyTorch's kernels), fused and quantized ones refuse."""
+    model = LastOffsetMean()
+    example = (torch.randint(0, 20, (7,)), torch.tensor([0, 2, 5, 7]))
+    trailing = (torch.randint(0, 20, (9,)), torch.tensor([0, 2, 5, 7]))
+    fast = fxrec.transform(model, example, backend=backend, timing_rounds=1)
+    assert_matches(model, fast, trailing)
+    fused = fxrec.transform(model, example, backend=backend, optimizer=fxrec.optim.SGD(lr=0.1), timing_rounds=1)
+    if any(g.fused is not None for g in fused.modules() if hasattr(g, "fused")):
+        with pytest.raises(ValueError, match=r"feature 'ids' \(table 'bag'\) has 2 ids after offsets\[-1\] = 7"):
+            fused(*trailing)
+    quantized = fxrec.transform(model.eval(), example, mode="inference", quantize="fp32")
+    with pytest.raises(ValueError, match=r"feature 'ids' \(table 'bag'\) has 2 ids after offsets\[-1\] = 7"):
+        quantized(*trailing)
+
+
+# --------------------------------------------------------------------------- exported programs
+BAD_INPUTS = {
+    "id equal to the row count": lambda d, i, o: i[0].__setitem__(0, 50),
+    "id 2**40": lambda d, i, o: i[1].__setitem__(0, 2 ** 40),
+    "id -1": lambda d, i, o: i[2].__setitem__(0, -1),
+    "offsets past the end": lambda d, i, o: o[0].__setitem__(-1, 1000),
+    "decreasing offsets": lambda d, i, o: o[1].__setitem__(2, 0),
+    "offsets not starting at 0": lambda d, i, o: o[1].__setitem__(0, 1),
+}
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp16", "fp32"])
+def test_exported_quantized_programs_refuse_bad_ids_and_offsets(quantize):
+    model = M.BagList(rows=(50, 80, 30)).eval()
+    x = M.bag_inputs(empty_bags=False)
+    fast = fxrec.transform(model, x, mode="inference", quantize=quantize)
+    program = fxrec.export.program(fast, x).module()
+    torch.testing.assert_close(program(*x), fast(*x))
+    for what, spoil in BAD_INPUTS.items():
+        bad = copy.deepcopy(x)
+        spoil(*bad)
+        with pytest.raises(RuntimeError, match=r"fxrec: (offsets of )?feature 'ids_\d' \(table 'bags.\d'"):
+            program(*bad)
+        with pytest.raises((IndexError, ValueError), match=r"feature 'ids_\d'"):
+            fast(*bad)
+
+
+# --------------------------------------------------------------------------- reused output buffers
+class OnlyBags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(50, 8) for _ in range(3)])
+
+    def forward(self, ids, offsets):
+        return torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)], 1)  # the group's output itself
+
+
+@pytest.mark.parametrize("backend", ["native", "direct"])
+def test_a_held_output_storage_stops_buffer_reuse(backend):
+    model = OnlyBags().eval()
+    example = M.bag_inputs(rows=(50, 50, 50))[1:]
+    fast = fxrec.transform(model, example, mode="inference", backend=backend, reuse_outputs=True)
+    assert group_calls(fast)
+    with torch.no_grad():
+        out = fast(*M.bag_inputs(rows=(50, 50, 50), seed=1)[1:])
+        pointer = out.data_ptr()
+        del out
+        out = fast(*M.bag_inputs(rows=(50, 50, 50), seed=2)[1:])
+        assert out.data_ptr() == pointer  # nothing held it: the buffer was reused
+        storage = out.untyped_storage()  # now the tensor goes, its storage stays held
+        want = out.clone()
+        del out
+        again = fast(*M.bag_inputs(rows=(50, 50, 50), seed=3)[1:])
+        assert again.data_ptr() != pointer
+        assert torch.equal(torch.tensor([], dtype=torch.float32).set_(storage).view_as(want), want)
