@@ -82,23 +82,24 @@ class InputGuards(torch.nn.Module):
         for k, shape in enumerate(self.shapes):
             if shape is None:
                 continue
-            lines.append(f"    if a{k}.dim() != {len(shape)}: return False")
+            lines.append(f"    t{k} = a{k}.shape")  # one call per input; the dims are read from it
+            lines.append(f"    if len(t{k}) != {len(shape)}: return False")
             for d, s in enumerate(shape):
                 if s is None:
                     continue
                 if isinstance(s, int):
-                    lines.append(f"    if a{k}.size({d}) != {s}: return False")
+                    lines.append(f"    if t{k}[{d}] != {s}: return False")
                 elif bound.get(s) == f"a{k}.size({d})":
-                    lines.append(f"    {s} = a{k}.size({d})")
+                    lines.append(f"    {s} = t{k}[{d}]")
         for k, shape in enumerate(self.shapes):
             for d, s in enumerate(shape or ()):
                 if isinstance(s, str) and bound.get(s) != f"a{k}.size({d})":
-                    lines.append(f"    if a{k}.size({d}) != ({s}): return False")
+                    lines.append(f"    if t{k}[{d}] != ({s}): return False")
         for sym, (lo, hi) in sorted(self.ranges.items()):
-            if sym in bound:
+            if sym in bound and lo > 0:
                 lines.append(f"    if {sym} < {lo}: return False")
-                if hi is not None:
-                    lines.append(f"    if {sym} > {hi}: return False")
+            if sym in bound and hi is not None:
+                lines.append(f"    if {sym} > {hi}: return False")
         for c in self.conditions:
             lines.append(f"    if not ({c}): return False")
         lines.append("    return True")
