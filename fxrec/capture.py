@@ -114,9 +114,10 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     _structured_forward(gm)
     adopt(gm)
 
-    def recapture() -> fx.GraphModule:
+    def recapture() -> fx.GraphModule:  # every module in the other mode than its own
         flags = {m: m.training for m in model.modules()}
-        model.train(not model.training)
+        for m, f in flags.items():
+            m.training = not f
         try:
             return export_dynamic(model, args, kwargs).module()
         finally:

@@ -6,16 +6,19 @@ flag of the mode the model was in, and batch norm's ``num_batches_tracked += 1``
 training mode only. To make ``fast.eval()`` / ``fast.train()`` do what they do on the original
 model, capture records what each mode needs instead of capturing twice:
 
-* every mode flag of dropout (all kinds), batch norm and instance norm with running statistics,
-  and RReLU is replaced by the ``training`` attribute of the module that ran it, read when the
-  model runs (a ``get_attr`` node of ``<module path>.training``); batch norm's counter becomes
-  :func:`fxrec.runtime.modes.count_batch`, which counts in training mode only;
+* every mode flag of torch's dropout modules (all kinds), batch norm and instance norm with
+  running statistics, and RReLU is replaced by the ``training`` attribute of that module, read
+  when the model runs (a ``get_attr`` node of ``<module path>.training``); batch norm's counter
+  becomes :func:`fxrec.runtime.modes.count_batch`, which counts in training mode only (the same
+  ops called by the model's own code, ``F.dropout(x, 0.5)``, keep their flag: they drop in eval
+  mode too, unless the code reads ``training``, below);
 * while torch.export runs the model, every read of a module's ``training`` attribute is recorded
   (:class:`TrainingReads`). Reads by the modules above are accounted for. A read anywhere else
   (``if self.training:`` in the model's code, ``F.dropout(x, training=self.training)``, a
   MultiheadAttention fast path) may change the graph in ways no flag shows, so the model is
-  captured a second time in the other mode and the two graphs are compared: where they differ
-  only in boolean arguments, those arguments follow the reading module's flag too; where they
+  captured a second time with every module in the other mode and the two graphs are compared:
+  where they differ only in boolean arguments, those arguments follow the flag of the module
+  that runs the op (the innermost module of the node); where they
   differ otherwise, the transformed model keeps the mode it was captured in and ``train()`` /
   ``eval()`` to the other mode raise :class:`ModeError` naming the modules and the code lines that
   read ``training`` (the report says so at transform time).
@@ -175,12 +178,24 @@ def _full_args(node: fx.Node, upto: int) -> list:
     return args
 
 
-def _mode_nodes(gm: fx.GraphModule) -> List[fx.Node]:
-    """The nodes of MODE_OPS whose flag follows the mode (see MODE_OPS)."""
+def _known_module(model: torch.nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` is one of torch's dropout / norm modules (its own forward):
+    the mode flags of its ops are its ``training`` flag."""
+    try:
+        m = model.get_submodule(path)
+    except AttributeError:
+        return False
+    return isinstance(m, _KNOWN_READERS) and type(m).forward.__code__.co_filename.startswith(_TORCH_NN)
+
+
+def _mode_nodes(gm: fx.GraphModule, model: torch.nn.Module) -> List[fx.Node]:
+    """The nodes of MODE_OPS run by torch's dropout / norm modules whose flag follows the module's
+    mode (see MODE_OPS). The same ops called by the model's own code keep their flag unless the
+    two captures show it following the mode: ``F.dropout(x, 0.5)`` drops in eval mode too."""
     out = []
     for n in gm.graph.nodes:
         spec = MODE_OPS.get(n.target) if n.op == "call_function" else None
-        if spec is None:
+        if spec is None or not _known_module(model, _module_path(n)):
             continue
         flag, needs = spec
         args = _full_args(n, max(flag, needs or 0))
@@ -201,10 +216,10 @@ def _input_checks(gm: fx.GraphModule) -> List[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module" and n.target in ("_guards_fn", "fxrec_check_inputs")]
 
 
-def _bool_diffs(a: fx.GraphModule, b: fx.GraphModule) -> Optional[List[Tuple[fx.Node, int]]]:
+def _bool_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[List[Tuple[fx.Node, int]]]:
     """Where graphs ``a`` and ``b`` (one model captured in both modes) differ only in boolean
     arguments: the (node of ``a``, argument index) pairs that differ; None when they differ otherwise.
-    MODE_OPS flags and batch-norm counters are compared as if equal (they are handled by rule)."""
+    The flags of the ``ruled`` nodes (bound by rule) and batch-norm counters are left out."""
     skip_a, skip_b = set(_counter_adds(a)) | set(_input_checks(a)), set(_counter_adds(b)) | set(_input_checks(b))
     na = [n for n in a.graph.nodes if n not in skip_a]
     nb = [n for n in b.graph.nodes if n not in skip_b]
@@ -229,7 +244,7 @@ def _bool_diffs(a: fx.GraphModule, b: fx.GraphModule) -> Optional[List[Tuple[fx.
             if eq:
                 continue
             if isinstance(u, bool) and isinstance(v, bool) and i < len(ax):
-                if not (x.target in MODE_OPS and i == MODE_OPS[x.target][0]):
+                if not (x in ruled and i == MODE_OPS[x.target][0]):
                     diffs.append((x, i))
                 continue
             return None
@@ -251,16 +266,17 @@ def _same(u, v, index_a, index_b) -> bool:
 def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
                recapture: Callable[[], fx.GraphModule]) -> ModeInfo:
     """Rewrite ``gm`` (``model`` captured in its current mode) so its mode-dependent nodes read
-    their module's ``training`` flag; see the module doc. ``recapture()`` captures the model in
-    the other mode (called only when the model's own code reads ``training``)."""
+    their module's ``training`` flag; see the module doc. ``recapture()`` captures the model with
+    every module in the other mode than its own (called only when the model's own code reads ``training``)."""
     captured = "training" if model.training else "eval"
+    ruled = _mode_nodes(gm, model)
     extra: List[Tuple[fx.Node, int]] = []
     why_not = ""
     if reads.unknown:
         where = ", ".join(f"'{p}' ({w})" for p, w in sorted(reads.unknown.items()))
         try:
             other = recapture()
-            diffs = _bool_diffs(gm, other)
+            diffs = _bool_diffs(gm, other, set(ruled))
         except Exception as e:  # noqa: BLE001 - the other mode cannot be captured at all
             diffs, where = None, f"{where}; capturing in the other mode failed: {type(e).__name__}: {e}"
         if diffs is None:
@@ -285,7 +301,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
         return flag_nodes[path]
 
     if not why_not:
-        for n in _mode_nodes(gm):
+        for n in ruled:
             flag, needs = MODE_OPS[n.target]
             args = _full_args(n, max(flag, needs or 0))
             args[flag] = flag_of(n)
@@ -294,7 +310,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
             if n.target is aten.batch_norm.default:
                 _count_batches(gm, n, args[flag])
         for n, i in extra:
-            args = list(n.args)
+            args = _full_args(n, i) if n.target in MODE_OPS else list(n.args)
             args[i] = flag_of(n)
             n.args = tuple(args)
         for add in _counter_adds(gm):  # counters of batch norms replaced above

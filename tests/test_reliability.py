@@ -90,6 +90,27 @@ def test_a_parent_module_switches_the_transformed_model():
     assert not torch.equal(run_seeded(fast, x, 0), run_seeded(fast, x, 1))
 
 
+class AlwaysDrops(nn.Module):
+    """F.dropout without training=: drops in eval mode too, in PyTorch and in the transformed model."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        return F.dropout(self.emb(ids, offsets), 0.5)
+
+
+def test_a_functional_dropout_that_ignores_the_mode_keeps_dropping_in_eval():
+    model = AlwaysDrops()
+    fast = fxrec.transform(model, mode_inputs()[1:], backend="fbgemm")
+    x = mode_inputs(seed=4)[1:]
+    for m in (fast, model):
+        m.eval()
+    torch.testing.assert_close(run_seeded(fast, x, 1), run_seeded(model, x, 1))
+    assert not torch.equal(run_seeded(fast, x, 1), run_seeded(fast, x, 2))
+
+
 class ModeBranch(nn.Module):
     """Computes something else in training mode than dropout: cannot be switched by flags."""
 
