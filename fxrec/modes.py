@@ -93,13 +93,12 @@ class TrainingReads:
     reading frame. The classes are put back on exit.
     """
 
-    _classes: Dict[type, type] = {}
-
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.unknown: Dict[str, str] = {}  # module path -> "file:line" of the first unaccounted read
         self._paths = {id(m): p for p, m in model.named_modules()}
         self._saved: List[Tuple[torch.nn.Module, type]] = []
+        self._classes: Dict[type, Optional[type]] = {}
 
     def _note(self, module: torch.nn.Module, frame) -> None:
         code = frame.f_code
@@ -114,36 +113,33 @@ class TrainingReads:
         self.unknown.setdefault(path or "<model>", f"{os.path.basename(code.co_filename)}:{frame.f_lineno} "
                                 f"({code.co_name})")
 
-    @classmethod
-    def _recording_class(cls, klass: type) -> Optional[type]:
-        if klass in cls._classes:
-            return cls._classes[klass]
-        if "training" in vars(klass) or any("training" in vars(k) for k in klass.__mro__[1:] if k is not object
-                                              and k is not torch.nn.Module):
-            return None  # a class with its own `training` attribute: left alone (reads count as unknown)
+    def _recording_class(self, klass: type) -> Optional[type]:
+        """``klass`` with a ``training`` property that notes its readers (None where it cannot be made)."""
+        if klass in self._classes:
+            return self._classes[klass]
+        sub = None
+        if not any("training" in vars(k) for k in klass.__mro__ if k not in (object, torch.nn.Module)):
+            recorder = self
 
-        def get(self):
-            rec = _ACTIVE[-1] if _ACTIVE else None
-            if rec is not None:
-                rec._note(self, sys._getframe(1))
-            return self.__dict__["training"]
+            def get(module):
+                recorder._note(module, sys._getframe(1))
+                return module.__dict__["training"]
 
-        def set_(self, value):
-            self.__dict__["training"] = value
+            def set_(module, value):
+                module.__dict__["training"] = value
 
-        try:
-            sub = type(klass.__name__, (klass,), {"training": property(get, set_), "__module__": klass.__module__,
-                                                  "__qualname__": klass.__qualname__})
-        except TypeError:
-            sub = None
-        cls._classes[klass] = sub
+            try:
+                sub = type(klass.__name__, (klass,), {"training": property(get, set_), "__module__": klass.__module__,
+                                                      "__qualname__": klass.__qualname__})
+            except TypeError:  # a metaclass that refuses
+                sub = None
+        self._classes[klass] = sub
         return sub
 
     def __enter__(self) -> "TrainingReads":
-        _ACTIVE.append(self)
         for m in self.model.modules():
             sub = self._recording_class(type(m))
-            if sub is None:
+            if sub is None:  # its reads cannot be seen: treated as the model's own code reading
                 self.unknown.setdefault(self._paths.get(id(m), "?") or "<model>", f"class {type(m).__name__}")
                 continue
             if "training" not in m.__dict__:
@@ -156,10 +152,6 @@ class TrainingReads:
         for m, klass in self._saved:
             m.__class__ = klass
         self._saved.clear()
-        _ACTIVE.remove(self)
-
-
-_ACTIVE: List[TrainingReads] = []
 
 
 # --------------------------------------------------------------------------- graph rewrite

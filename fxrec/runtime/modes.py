@@ -6,9 +6,13 @@ import torch
 import torch.fx
 
 
-@torch.fx.node.has_side_effect
 def count_batch(num_batches_tracked: torch.Tensor, training: bool) -> torch.Tensor:
     """``BatchNorm``'s ``num_batches_tracked += 1``, which the module does in training mode only."""
     if training:
         num_batches_tracked.add_(1)
     return num_batches_tracked
+
+
+# its result is unused: tell torch.fx's dead-code elimination that the call matters (where this
+# torch has the marker)
+getattr(torch.fx.node, "has_side_effect", lambda fn: fn)(count_batch)
