@@ -148,9 +148,12 @@ def _install_input_guards(gm: fx.GraphModule, ep) -> None:
     if len(paths) != len(placeholders):
         paths = [n.name for n in placeholders]
     exprs: List[Optional[list]] = []
-    for n in placeholders:
+    values = {}
+    for k, n in enumerate(placeholders):
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
+            if isinstance(val, (bool, int, float, str)):  # baked into the graph at capture
+                values[k] = val
             exprs.append(None)
             continue
         exprs.append([sympy.sympify(s.node.expr) if isinstance(s, torch.SymInt) else sympy.Integer(int(s))
@@ -183,7 +186,7 @@ def _install_input_guards(gm: fx.GraphModule, ep) -> None:
             g = g.replace(src, arg)
         if "L[" not in g:
             conditions.append(g)
-    guards = InputGuards([p.replace("'", "") for p in paths], shapes, ranges, conditions)
+    guards = InputGuards([p.replace("'", "") for p in paths], shapes, ranges, conditions, values)
     for old in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(old)
     if hasattr(gm, "_guards_fn"):

@@ -41,14 +41,13 @@ import json
 import os
 import pickle
 import shutil
-import uuid
 import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["save", "load", "save_model", "load_into_model", "verify", "CheckpointError"]
+__all__ = ["save", "load", "save_model", "load_into_model", "verify", "add_checksums", "CheckpointError"]
 
 LAYOUT_KEY = "fxrec_shard_layout"
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -64,6 +63,7 @@ class CheckpointError(ValueError):
 
 CHECKSUMS = "fxrec_checksums.json"
 _PARTIAL = ".fxrec-partial"
+_OLD = ".fxrec-old"
 
 
 # --------------------------------------------------------------------------- safe reading
@@ -107,6 +107,11 @@ def _read_metadata(path):
                               f"{type(e).__name__}: {e}") from e
     if not hasattr(md, "state_dict_metadata"):
         raise CheckpointError(f"fxrec.checkpoint: {file} holds a {type(md).__name__}, not a checkpoint's metadata")
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or os.path.basename(name) != name or name in (".", ".."):
+            raise CheckpointError(f"fxrec.checkpoint: {file} points DCP at {name!r}, which is not a file of the "
+                                  "checkpoint directory")
     return md
 
 
@@ -128,24 +133,38 @@ def _write_checksums(path: str) -> None:
         json.dump({"format": "fxrec-checkpoint/1", "files": files}, f, indent=1)
 
 
-def verify(path) -> None:
-    """Check every file of the checkpoint at ``path`` against its ``fxrec_checksums.json``; raise
-    :class:`CheckpointError` naming the first file that is missing, of another size, or changed."""
-    path = str(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"fxrec.checkpoint: no checkpoint directory at {path}")
+def _manifest(path: str) -> Dict[str, Tuple[int, str]]:
     manifest = os.path.join(path, CHECKSUMS)
     try:
         with open(manifest) as f:
             files = json.load(f)["files"]
-        entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+        entries = {str(name): (int(e["bytes"]), str(e["sha256"])) for name, e in files.items()}
     except FileNotFoundError as e:
         hint = " (the save did not finish)" if path.endswith(_PARTIAL) else ""
         raise CheckpointError(f"fxrec.checkpoint: {path} has no {CHECKSUMS}: it was not written by "
-                              f"fxrec.checkpoint{hint}, so its files cannot be verified") from e
+                              f"fxrec.checkpoint{hint}, so its files cannot be verified (for a checkpoint you trust "
+                              "that an older fxrec wrote, fxrec.checkpoint.add_checksums(path) adds them)") from e
     except Exception as e:  # noqa: BLE001 - damaged JSON
         raise CheckpointError(f"fxrec.checkpoint: {manifest} cannot be read: {type(e).__name__}: {e}") from e
-    for name, size, digest in entries:
+    if ".metadata" not in entries:
+        raise CheckpointError(f"fxrec.checkpoint: {manifest} does not list .metadata")
+    return entries
+
+
+def verify(path, *, part: Tuple[int, int] = (0, 1)) -> None:
+    """Check the checkpoint at ``path`` against its ``fxrec_checksums.json``: every file it lists
+    has its size and SHA-256, and every file DCP's metadata points at is one of them. Raises
+    :class:`CheckpointError` naming the first file that is missing, of another size, changed, or
+    not listed. ``part=(i, n)`` hashes only every n-th data file from the i-th (the ranks of a
+    load share the work); .metadata is always checked."""
+    path = os.path.normpath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"fxrec.checkpoint: no checkpoint directory at {path}")
+    entries = _manifest(path)
+    names = sorted(entries)
+    mine = [n for k, n in enumerate(names) if n == ".metadata" or k % part[1] == part[0]]
+    for name in mine:
+        size, digest = entries[name]
         file = os.path.join(path, name)
         if os.path.basename(name) != name or not os.path.isfile(file):
             raise CheckpointError(f"fxrec.checkpoint: {file} is missing")
@@ -156,14 +175,30 @@ def verify(path) -> None:
         if _file_digest(file) != digest:
             raise CheckpointError(f"fxrec.checkpoint: {file} does not match its checksum: its contents changed "
                                   "after it was written")
+    for info in (getattr(_read_metadata(path), "storage_data", None) or {}).values():
+        if str(info.relative_path) not in entries:
+            raise CheckpointError(f"fxrec.checkpoint: {os.path.join(path, '.metadata')} points DCP at "
+                                  f"{info.relative_path!s}, which {CHECKSUMS} does not list")
+
+
+def add_checksums(path) -> None:
+    """Write ``fxrec_checksums.json`` for the checkpoint directory ``path`` as its files are now: for a
+    checkpoint you trust that an older fxrec (or DCP itself) wrote, so that :func:`load` takes it."""
+    path = os.path.normpath(os.fspath(path))
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"fxrec.checkpoint: {path} holds no DCP checkpoint (no .metadata file)")
+    _write_checksums(path)
 
 
 def _commit(tmp: str, path: str) -> None:
-    """Checksums into ``tmp``, then ``tmp`` renamed to ``path`` (an existing ``path`` is replaced)."""
+    """Checksums into ``tmp``, then ``tmp`` renamed to ``path``. An existing ``path`` is moved to
+    ``<path>.fxrec-old`` first and removed after (two renames: if the process dies between them,
+    the previous checkpoint is whole at ``<path>.fxrec-old``)."""
     _write_checksums(tmp)
     old = None
     if os.path.exists(path):
-        old = f"{path}.fxrec-old-{uuid.uuid4().hex[:8]}"
+        old = path + _OLD
+        shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)
     os.rename(tmp, path)
     if old is not None:
@@ -376,6 +411,7 @@ def save(fast: torch.nn.Module, path, *, process_group=None) -> None:
         ...train...
         fxrec.checkpoint.save(fast, f"ckpt/step_{step}")     # on every rank
     """
+    path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
     _check_collective("save", layout)
     if not (dist.is_available() and dist.is_initialized()):
@@ -413,13 +449,15 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, process_group=None
         fast = fxrec.transform(model, local_example, plan=new_plan)   # another plan / world size
         fxrec.checkpoint.load(fast, "ckpt/step_100")                 # on every rank
     """
+    path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
     _check_collective("load", layout)
     if not (dist.is_available() and dist.is_initialized()):
         return load_into_model(fast, path, strict=strict)  # an unsharded model in a single process
     pieces = _pieces_of(fast, layout)
     whole = _whole_state(fast, layout)
-    _agree(lambda: verify(path), process_group)
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    _agree(lambda: verify(path, part=(rank, world)), process_group)  # each rank hashes its share
     keys = _check_fits(path, _expected(whole, layout), _table_names(fast, layout), strict)
     pieces = {k: v for k, v in pieces.items() if k in keys}  # strict=False: tables it lacks stay as they are
     staged_pieces = {k: (size, [(o, n, torch.empty_like(v)) for o, n, v in views]) for k, (size, views) in pieces.items()}
@@ -441,6 +479,7 @@ def save_model(model: torch.nn.Module, path) -> None:
         # later, on every rank of a sharded run:
         fxrec.checkpoint.load(fxrec.transform(model, local_example, plan=plan), "ckpt/init")
     """
+    path = os.path.normpath(os.fspath(path))
     layout = _layout(model)
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.save_model: the model is sharded (transformed with plan=): "
@@ -468,6 +507,7 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True) -> Non
     model does not have; and naming the file when one is damaged or missing (the model is then
     left as it was).
     """
+    path = os.path.normpath(os.fspath(path))
     layout = _layout(model)
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.load_into_model: the model is sharded (transformed with plan=): "
@@ -493,7 +533,7 @@ def _agree(check, process_group) -> None:
     error: Optional[BaseException] = None
     try:
         check()
-    except (CheckpointError, FileNotFoundError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure on one rank stops them all
         error = e
     backend = dist.get_backend(process_group)
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

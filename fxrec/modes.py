@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .runtime.modes import count_batch
+from .runtime.modes import count_batch, evaluating
 
 aten = torch.ops.aten
 
@@ -102,11 +102,8 @@ class TrainingReads:
 
     def _note(self, module: torch.nn.Module, frame) -> None:
         code = frame.f_code
-        reader = frame.f_locals.get("self") if "self" in code.co_varnames[: code.co_argcount] else None
-        if reader is module and isinstance(module, _KNOWN_READERS) and code.co_filename.startswith(_TORCH_NN):
-            return  # dropout / norm modules: their ops carry the flag
-        if code.co_filename.startswith(_TORCH_DIR) and not code.co_filename.startswith(_TORCH_NN):
-            return  # torch's own machinery (export, fx), not the model
+        if _known_module(module) and code.co_filename.startswith(_TORCH_NN):
+            return  # torch's dropout / norm modules reading their own flag: their ops carry it
         if code.co_filename == torch.nn.modules.module.__file__:
             return  # nn.Module itself (train(), repr)
         path = self._paths.get(id(module), "?")
@@ -170,14 +167,21 @@ def _full_args(node: fx.Node, upto: int) -> list:
     return args
 
 
-def _known_module(model: torch.nn.Module, path: str) -> bool:
-    """Whether the module at ``path`` is one of torch's dropout / norm modules (its own forward):
-    the mode flags of its ops are its ``training`` flag."""
-    try:
-        m = model.get_submodule(path)
-    except AttributeError:
+def _known_module(m: Optional[torch.nn.Module]) -> bool:
+    """Whether ``m`` is one of torch's dropout / norm modules running torch's own forward: the mode
+    flags of its ops are its ``training`` flag. (A subclass with a forward of its own, and a batch
+    norm with ``momentum=None``, whose running average depends on the mode in a way no flag
+    shows, are not.)"""
+    if not isinstance(m, _KNOWN_READERS) or not type(m).forward.__code__.co_filename.startswith(_TORCH_NN):
         return False
-    return isinstance(m, _KNOWN_READERS) and type(m).forward.__code__.co_filename.startswith(_TORCH_NN)
+    return not (isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.momentum is None)
+
+
+def _submodule(model: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _mode_nodes(gm: fx.GraphModule, model: torch.nn.Module) -> List[fx.Node]:
@@ -187,7 +191,7 @@ def _mode_nodes(gm: fx.GraphModule, model: torch.nn.Module) -> List[fx.Node]:
     out = []
     for n in gm.graph.nodes:
         spec = MODE_OPS.get(n.target) if n.op == "call_function" else None
-        if spec is None or not _known_module(model, _module_path(n)):
+        if spec is None or not _known_module(_submodule(model, _module_path(n))):
             continue
         flag, needs = spec
         args = _full_args(n, max(flag, needs or 0))
@@ -223,8 +227,11 @@ def _bool_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[Li
     for x, y in zip(na, nb):
         if (x.op, x.target) != (y.op, y.target):
             return None
-        if x.op == "call_function" and x.target in MODE_OPS:
-            upto = max(MODE_OPS[x.target][0], MODE_OPS[x.target][1] or 0)
+        if x.op == "call_function" and isinstance(x.target, torch._ops.OpOverload):
+            # an argument left at its default in one capture is written out in the other
+            upto = max(len(x.args), len(y.args)) - 1
+            if x.target in MODE_OPS:
+                upto = max(upto, MODE_OPS[x.target][0], MODE_OPS[x.target][1] or 0)
             ax, ay = _full_args(x, upto), _full_args(y, upto)
         else:
             ax, ay = list(x.args), list(y.args)
@@ -266,15 +273,15 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     why_not = ""
     if reads.unknown:
         where = ", ".join(f"'{p}' ({w})" for p, w in sorted(reads.unknown.items()))
+        todo = f"transform the model in that mode for it (fxrec.transform(model.{'eval' if captured == 'training' else 'train'}(), ...))"
         try:
-            other = recapture()
-            diffs = _bool_diffs(gm, other, set(ruled))
+            diffs = _bool_diffs(gm, recapture(), set(ruled))
+            what = "computes something else in the other mode than flags of its operations"
         except Exception as e:  # noqa: BLE001 - the other mode cannot be captured at all
-            diffs, where = None, f"{where}; capturing in the other mode failed: {type(e).__name__}: {e}"
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            diffs, what = None, f"cannot be captured in the other mode ({type(e).__name__}: {first})"
         if diffs is None:
-            why_not = (f"the model's code reads `training` ({where}) and computes something else in the other "
-                       f"mode than dropout or normalisation; transform the model in that mode for it "
-                       f"(fxrec.transform(model.{'eval' if captured == 'training' else 'train'}(), ...))")
+            why_not = f"the model's code reads `training` ({where}) and {what}; {todo}"
         else:
             extra = diffs
     flags: Dict[str, int] = {}
@@ -302,9 +309,20 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
             if n.target is aten.batch_norm.default:
                 _count_batches(gm, n, args[flag])
         for n, i in extra:
-            args = _full_args(n, i) if n.target in MODE_OPS else list(n.args)
-            args[i] = flag_of(n)
+            args = _full_args(n, max(i, len(n.args) - 1)) if isinstance(n.target, torch._ops.OpOverload) \
+                else list(n.args)
+            module = _submodule(model, _module_path(n))
+            if module is None:  # (a path the stack names always exists; be safe)
+                why_not = f"node {n.name} follows the mode but names no module"
+                break
+            flag = flag_of(n)
+            if args[i] != module.training:  # `not self.training`: the argument is the flag's negation
+                with graph.inserting_before(n):
+                    flag = graph.call_function(evaluating, (flag,))
+            args[i] = flag
             n.args = tuple(args)
+            if n.target is aten.batch_norm.default and i == MODE_OPS[n.target][0]:
+                _count_batches(gm, n, flag)
         for add in _counter_adds(gm):  # counters of batch norms replaced above
             if not add.users:
                 graph.erase_node(add)

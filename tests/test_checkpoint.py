@@ -413,3 +413,56 @@ def test_save_is_renamed_into_place_and_replaces_an_older_checkpoint(tmp_path):
     fxrec.checkpoint.load_into_model(loaded, ckpt)
     for k, v in newer.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_a_metadata_that_points_outside_the_directory_or_an_empty_manifest_is_refused(tmp_path):
+    import json
+    import pickle
+
+    _, ckpt = _saved(tmp_path)
+    torch.manual_seed(3)
+    fxrec.checkpoint.save_model(Model(), tmp_path / "other")
+
+    def point_outside(p):
+        md = fxrec.checkpoint._read_metadata(str(p))
+        for info in md.storage_data.values():
+            info.relative_path = str(tmp_path / "other" / info.relative_path)
+        (p / ".metadata").write_bytes(pickle.dumps(md))
+        _data_file(p).unlink()
+
+    model = Model()
+    with pytest.raises(CheckpointError, match=r"points DCP at '/.*other/__0_0\.distcp', which is not a file of the "
+                                              r"checkpoint directory"):
+        fxrec.checkpoint.load_into_model(model, _spoiled_copy(ckpt, tmp_path / "outside", point_outside, True))
+
+    def list_nothing(p):
+        (p / "fxrec_checksums.json").write_text(json.dumps({"format": "fxrec-checkpoint/1", "files": {}}))
+
+    with pytest.raises(CheckpointError, match=r"does not list \.metadata"):
+        fxrec.checkpoint.load_into_model(model, _spoiled_copy(ckpt, tmp_path / "empty", list_nothing))
+
+    def list_only_metadata(p):
+        files = json.loads((p / "fxrec_checksums.json").read_text())["files"]
+        (p / "fxrec_checksums.json").write_text(json.dumps({"files": {".metadata": files[".metadata"]}}))
+
+    with pytest.raises(CheckpointError, match=r"points DCP at __0_0\.distcp, which fxrec_checksums\.json does not list"):
+        fxrec.checkpoint.load_into_model(model, _spoiled_copy(ckpt, tmp_path / "short", list_only_metadata))
+
+
+def test_a_trailing_slash_and_a_checkpoint_an_older_fxrec_wrote(tmp_path):
+    torch.manual_seed(0)
+    model = Model()
+    fxrec.checkpoint.save_model(model, f"{tmp_path}/slash/")
+    fxrec.checkpoint.save_model(model, f"{tmp_path}/slash/")  # replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slash"]
+    # DCP alone (as an older fxrec wrote): refused until its checksums are added by someone who trusts it
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    with pytest.raises(CheckpointError, match=r"add_checksums"):
+        fxrec.checkpoint.load_into_model(Model(), tmp_path / "plain")
+    fxrec.checkpoint.add_checksums(tmp_path / "plain")
+    loaded = Model()
+    fxrec.checkpoint.load_into_model(loaded, f"{tmp_path}/plain/")
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k

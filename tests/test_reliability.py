@@ -111,6 +111,76 @@ def test_a_functional_dropout_that_ignores_the_mode_keeps_dropping_in_eval():
     assert not torch.equal(run_seeded(fast, x, 1), run_seeded(fast, x, 2))
 
 
+class NegatedFlag(nn.Module):
+    """The model's code passes `not self.training`: the argument is the flag's negation."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 4)
+
+    def forward(self, ids):
+        e = self.emb(ids)
+        return torch.cat([torch.std(e, 1, unbiased=not self.training), e.sum(1)], 1)
+
+
+class MyNorm(nn.BatchNorm1d):
+    def forward(self, x):  # a forward of its own, calling torch's
+        return super().forward(x) * 2
+
+
+class MyDrop(nn.Dropout):
+    def forward(self, x):
+        return super().forward(x) + 1
+
+
+class Subclassed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 4)
+        self.norm = MyNorm(4)
+        self.drop = MyDrop(0.5)
+
+    def forward(self, ids, offsets):
+        return self.drop(self.norm(self.emb(ids, offsets)))
+
+
+@pytest.mark.parametrize("model_fn, inputs", [(NegatedFlag, lambda s: (torch.randint(0, 30, (5, 3), generator=s),)),
+                                              (Subclassed, lambda s: mode_inputs(seed=int(s.initial_seed()))[1:])],
+                         ids=["not-training", "subclasses"])
+def test_flags_the_models_code_passes_follow_the_mode_with_their_sign(model_fn, inputs):
+    model = model_fn()
+    fast = fxrec.transform(model, inputs(torch.Generator().manual_seed(0)), backend="fbgemm")
+    assert fast.meta["fxrec_modes"].switchable, fast.report.notes
+    for step, mode in enumerate(["train", "eval", "train", "eval"]):
+        for m in (fast, model):
+            getattr(m, mode)()
+        x = inputs(torch.Generator().manual_seed(step + 1))
+        torch.testing.assert_close(run_seeded(fast, x, step), run_seeded(model, x, step), msg=f"{mode} {step}")
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(fast.get_buffer(name), b, msg=name)
+
+
+def test_batch_norm_with_a_cumulative_average_keeps_its_captured_mode():
+    """momentum=None: the running average depends on the mode in a way no flag shows, and torch.export
+    cannot capture it in training mode at all."""
+    model = nn.Sequential(nn.EmbeddingBag(30, 4), nn.BatchNorm1d(4, momentum=None)).eval()
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, offsets):
+            return self.m[1](self.m[0](ids, offsets))
+
+    wrapped = Wrap().eval()
+    fast = fxrec.transform(wrapped, mode_inputs()[1:], backend="fbgemm")
+    with pytest.raises(ModeError, match=r"captured in eval mode and cannot switch to training mode.*cannot be "
+                                        r"captured in the other mode"):
+        fast.train()
+    torch.testing.assert_close(fast(*mode_inputs(seed=1)[1:]), wrapped(*mode_inputs(seed=1)[1:]))
+
+
 class ModeBranch(nn.Module):
     """Computes something else in training mode than dropout: cannot be switched by flags."""
 
@@ -213,6 +283,49 @@ def test_torch_compile_runs_the_dense_parts_and_the_groups_as_they_are(backend):
         torch.testing.assert_close(compiled(*x), model(*x))
         for name, p in model.named_parameters():
             torch.testing.assert_close(fast.get_parameter(name).grad, p.grad, msg=name)
+
+
+class OddEven(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, ids, offsets, dense):
+        d = dense * 2 if dense.shape[0] % 2 == 0 else dense - 100  # a branch on a size, taken at capture
+        return torch.cat([self.lin(d), self.emb(ids, offsets)], 1)
+
+
+def odd_even_inputs(batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30, (2 * batch,), generator=g), torch.arange(0, 2 * batch, 2), torch.randn(batch, 4, generator=g)
+
+
+def test_torch_compile_keeps_the_input_checks():
+    model = OddEven()
+    fast = fxrec.transform(model, odd_even_inputs(6), backend="native")
+    compiled = torch.compile(fast, dynamic=True, backend="eager")
+    torch.testing.assert_close(compiled(*odd_even_inputs(8, 1)), model(*odd_even_inputs(8, 1)))
+    with pytest.raises(ValueError, match=r"a condition on their sizes .*\(dense.size\(\)\[0\] % 2\) == 0"):
+        compiled(*odd_even_inputs(5, 2))
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets, scale: float, shift: int):
+        return self.emb(ids, offsets) * scale + shift
+
+
+def test_inputs_that_are_not_tensors_hold_their_captured_values():
+    model = Scaled()
+    x = mode_inputs()[1:]
+    fast = fxrec.transform(model, x + (2.0, 3), backend="fbgemm")
+    torch.testing.assert_close(fast(*x, 2.0, 3), model(*x, 2.0, 3))
+    with pytest.raises(ValueError, match=r"input scale is 5.0; the model was captured with 2.0 there"):
+        fast(*x, 5.0, 3)
 
 
 # --------------------------------------------------------------------------- batch sizes

@@ -24,7 +24,7 @@ from ._tracing import compiling, exporting
 
 
 class InputShapeError(ValueError):
-    """Inputs whose sizes the transformed model was not captured for."""
+    """Inputs whose sizes (or fixed values) the transformed model was not captured for."""
 
 
 # a fixed size, a Python expression over size symbols ("s0", "2*s0"), or None (not checked)
@@ -47,15 +47,19 @@ class InputGuards(torch.nn.Module):
       ranges: the sizes each symbol may take, ``(low, high)``, ``high`` None for no bound.
       conditions: further Python expressions over the inputs (``a3.size()[0] % 2 == 0``, inputs
         named ``a0``, ``a1``, ... in order) that the model's code relied on.
+      values: the inputs that are not tensors (ints, floats, bools, strings), by index, with the
+        value the graph was captured with: it holds only for that value.
     """
 
     def __init__(self, paths: Sequence[str], shapes: Sequence[Optional[Sequence[Size]]],
-                 ranges: Dict[str, Tuple[int, Optional[int]]], conditions: Sequence[str] = ()):
+                 ranges: Dict[str, Tuple[int, Optional[int]]], conditions: Sequence[str] = (),
+                 values: Optional[Dict[int, object]] = None):
         super().__init__()
         self.paths = list(paths)
         self.shapes = [None if s is None else list(s) for s in shapes]
         self.ranges = dict(ranges)
         self.conditions = list(conditions)
+        self.values = dict(values or {})
         self.roles: Dict[int, str] = {}  # input index -> what it feeds, filled in after the passes
         self._fn = self._build()
 
@@ -100,6 +104,11 @@ class InputGuards(torch.nn.Module):
                 lines.append(f"    if {sym} < {lo}: return False")
             if sym in bound and hi is not None:
                 lines.append(f"    if {sym} > {hi}: return False")
+        for k, v in sorted(self.values.items()):
+            if isinstance(v, float) and math.isnan(v):
+                lines.append(f"    if not (isinstance(a{k}, float) and math.isnan(a{k})): return False")
+            else:
+                lines.append(f"    if type(a{k}) is not {type(v).__name__} or a{k} != {v!r}: return False")
         for c in self.conditions:
             lines.append(f"    if not ({c}): return False")
         lines.append("    return True")
@@ -108,8 +117,12 @@ class InputGuards(torch.nn.Module):
         return ns["_check"]
 
     def forward(self, *inputs) -> None:
-        if exporting() or compiling() or torch.jit.is_tracing():
+        if exporting() or torch.jit.is_tracing():
             return  # the tracer records its own guards
+        if compiling():  # torch.compile traces the check: its comparisons become its guards
+            if not self._fn(*inputs):
+                raise InputShapeError(self.explain(inputs))
+            return
         try:
             ok = len(inputs) == len(self.paths) and self._fn(*inputs)
         except Exception:  # noqa: BLE001 - e.g. a condition divides by a size that is 0 here
@@ -127,6 +140,13 @@ class InputGuards(torch.nn.Module):
         if len(inputs) != len(self.paths):
             return f"fxrec: the model takes {len(self.paths)} input tensors, got {len(inputs)}"
         problems: List[str] = []
+        for k, v in sorted(self.values.items()):
+            x = inputs[k]
+            same = (isinstance(x, float) and math.isnan(x)) if isinstance(v, float) and math.isnan(v) else \
+                (type(x) is type(v) and x == v)
+            if not same:
+                problems.append(f"{self._name(k)} is {x!r}; the model was captured with {v!r} there (an input that "
+                                "is not a tensor is fixed at capture: transform again for another value)")
         seen: Dict[str, Tuple[int, int, int]] = {}  # symbol -> (value, input, dim) of its first binding
         for k, (shape, x) in enumerate(zip(self.shapes, inputs)):
             if shape is None:
