@@ -198,12 +198,19 @@ def _install_input_guards(gm: fx.GraphModule, ep) -> None:
 
 
 def accepted_sizes(gm: torch.nn.Module) -> List[str]:
-    """Report notes: the input sizes the captured model accepts where they are restricted (a
-    fixed size of 0 or 1, a size that must be at least 2, an upper bound)."""
+    """Report notes: the input sizes the captured model accepts: a summary line, then every
+    restriction (a fixed size of 0 or 1, a size that must be at least 2, an upper bound)."""
     guards = input_guards(gm)
     if guards is None:
         return []
-    notes = []
+    symbols = {s for shape in guards.shapes for s in (shape or ()) if isinstance(s, str) and s.isidentifier()}
+    free = [s for s in symbols if guards.ranges.get(s, (0, None))[0] <= 1 and guards.ranges.get(s, (0, None))[1] is None]
+    fixed = [(guards.paths[k], d, s) for k, shape in enumerate(guards.shapes) for d, s in enumerate(shape or ())
+             if isinstance(s, int)]
+    shown = ", ".join(f"{p} dim {d} = {v}" for p, d, v in fixed[:6]) + (f" and {len(fixed) - 6} more" if len(fixed) > 6
+                                                                         else "")
+    notes = [f"input sizes: {len(free)} dynamic size(s) that take any value (batch 1 included)"
+             + (f"; fixed: {shown}" if fixed else "")]
     for s, (lo, hi) in sorted(guards.ranges.items()):
         if lo > 1 or hi is not None:
             where = guards.sizes_of(s)

@@ -221,6 +221,8 @@ def test_any_batch_size_after_an_example_batch_of_two_or_more():
         one(*M.field_inputs(batch=3, seed=1))
     fast = fxrec.transform(model, M.field_inputs(batch=4), backend="fbgemm")
     assert not any("accepts" in n for n in fast.report.notes), fast.report.notes
+    assert "input sizes: 2 dynamic size(s) that take any value (batch 1 included)" in fast.report.notes
+    assert any(n.startswith("input sizes: ") and "fixed: x dim 0 = 1" in n for n in one.report.notes), one.report.notes
     assert_matches(model, fast, *(M.field_inputs(batch=b, seed=b) for b in (1, 2, 3, 7)))
 
 

@@ -131,7 +131,7 @@ _OPTIMIZERS = {
 
 
 @_settings(40)
-@given(models(), optimizer_kinds, st.integers(0, 1000), st.sampled_from(["fbgemm", "native", "auto"]))
+@given(models(), optimizer_kinds, st.integers(0, 1000), st.sampled_from(BACKENDS))
 # the cases of the reliability issue: a table's features apart in a pooled group (fbgemm's fused
 # Adagrad wrong, row-wise Adagrad raising) and in a sequence group
 @example(([(10, 4), (12, 4)], [("bag_sum", 0), ("bag_sum", 1), ("bag_sum", 0)], [0, 1, 2]), ["adagrad"] * 4, 0, "fbgemm")
