@@ -172,7 +172,7 @@ def transform(
     _name_guarded_inputs(gm, records)
     table_opts = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
-        if n.op == "call_module" and str(n.target).startswith("fxrec_group_") and len(n.args) > 3:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup) and len(n.args) > 3:
             for w, spec in zip(n.args[3], gm.get_submodule(n.target).tables):
                 if w.target in table_opts:
                     table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
@@ -180,7 +180,7 @@ def transform(
     gm.meta["fxrec_fused_groups"] = [
         (n.target, [w.target for w in n.args[3]])
         for n in gm.graph.nodes
-        if n.op == "call_module" and str(n.target).startswith("fxrec_group_") and len(n.args) > 3
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup) and len(n.args) > 3
         and gm.get_submodule(n.target).fused is not None
     ]
     if plan is not None:

@@ -39,7 +39,9 @@ def calls(gm: fx.GraphModule, targets: Iterable) -> List[fx.Node]:
 
 
 def group_calls(gm: fx.GraphModule) -> List[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("fxrec_group_")]
+    from .runtime.tbe import EmbeddingGroup
+
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup)]
 
 
 def embedding_ops(gm: fx.GraphModule) -> List[fx.Node]:

@@ -96,7 +96,9 @@ def compare_models(
 
 def _diagnose_groups(gm: torch.nn.Module, args, kwargs, rtol: float, atol: float) -> List[str]:
     """Name the tables whose lowered lookup disagrees with the plain lookup on these inputs."""
-    groups = {n: m for n, m in gm.named_modules() if n.startswith("fxrec_group_")}
+    from .runtime.tbe import EmbeddingGroup
+
+    groups = {n: m for n, m in gm.named_modules() if isinstance(m, EmbeddingGroup)}
     if not groups:
         return []
     seen: Dict[str, tuple] = {}

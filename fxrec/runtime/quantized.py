@@ -84,7 +84,7 @@ class QuantizedPooledGroup(PooledEmbeddingGroup):
     @group_forward
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> torch.Tensor:
-        self._check_count(ids_list, offsets_list)
+        self._check_count(ids_list)
         packed = self._pack(ids_list, offsets_list, psw_list, empty_means=True, strict=True)
         if packed is None:
             if all(ids.numel() == 0 for ids in ids_list):  # an empty batch
@@ -117,7 +117,7 @@ class QuantizedSequenceGroup(SequenceEmbeddingGroup):
     @group_forward
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
-        self._check_count(ids_list, offsets_list)
+        self._check_count(ids_list)
         for f, ids in zip(self.features, ids_list):
             if ids.dtype not in (torch.int64, torch.int32):
                 self._check_ids(f, ids)

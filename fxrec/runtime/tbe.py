@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -45,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _fbgemm, native_lookup
-from ._tracing import compiling, exporting
+from ._tracing import exporting
+from .output_buffer import ReusedOutput
 
 PATHS = ("fbgemm", "native", "direct", "loop")
 
@@ -102,67 +101,12 @@ class FusedSpec:
 FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",)}
 
 
-def _storage_use_count(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def _storage_object_held(t: torch.Tensor) -> bool:
-    """Whether Python code holds ``t.untyped_storage()`` (or a TypedStorage of it). That object
-    does not count in the storage's use count; torch keeps one Python object per storage while
-    anything refers to it, so its reference count says (2 here: the call's result and the argument)."""
-    return sys.getrefcount(t.untyped_storage()) > 2
-
-
-class ReusedOutput:
-    """An output buffer kept between calls and handed out again once nothing refers to it.
-
-    A fresh ``[B, sum of dims]`` tensor of tens of MB costs a page fault per 4 KiB page on
-    every call (on the 256-table benchmark shape here, 64 MB: from nothing to half of the plain
-    model's forward time, depending on the machine's state). The buffer is reused only when the previous result is gone: every
-    tensor that can see the buffer (the result, views of it, autograd's saved copies) holds a
-    reference to its storage, so the storage's use count tells whether anything still does; a
-    Python storage object (``out.untyped_storage()``) held without the tensor is checked too.
-    Otherwise a new buffer is made (and kept). The buffer is never handed out on other devices
-    (CUDA's caching allocator already reuses memory, in stream order), across an inference-mode
-    boundary, or when this torch has no storage use count. Safe under threads: the check and
-    the hand-out happen under one lock. Costs one output's memory between calls.
-    """
-
-    _available = hasattr(torch._C, "_storage_Use_Count")
-
-    def __init__(self) -> None:
-        self._buf: Optional[torch.Tensor] = None
-        self._free_count = 0
-        self._lock = threading.Lock()
-
-    def take(self, shape: List[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu" or not self._available or torch.jit.is_tracing() or compiling():
-            return torch.empty(shape, dtype=dtype, device=device)
-        with self._lock:
-            b = self._buf
-            if not (
-                b is not None and list(b.shape) == list(shape) and b.dtype == dtype
-                and b.is_inference() == torch.is_inference_mode_enabled()
-                and not b.is_shared()  # sent to another process: it may still read it
-                and _storage_use_count(b) == self._free_count
-                and not _storage_object_held(b)
-            ):
-                b = torch.empty(shape, dtype=dtype, device=device)
-                self._buf = b
-                self._free_count = _storage_use_count(b)
-            # a new tensor (detached: in-place autograd on it never reaches the kept buffer);
-            # while it or anything made from it lives, the count is above free
-            return b.detach().view(shape)
-
-    def __reduce__(self):  # deepcopy / pickle: a new, empty buffer
-        return (ReusedOutput, ())
-
-
 def group_forward(forward):
     """Wraps every group module's ``forward``:
 
     * a bag's ids and offsets of different integer dtypes are both taken as their common dtype,
       as ``F.embedding_bag`` does (int16 ids with int64 offsets are int64 ids);
+    * while torch.export traces, the checks of ids and offsets become graph ops (``_assert_inputs``);
     * an error raised inside is first checked for inputs on another device than the tables, and
       then says which feature got them;
     * ``torch.compile`` runs the group as it is (``torch.compiler.disable``: a graph break around
@@ -173,6 +117,9 @@ def group_forward(forward):
     def call(self, ids_list, offsets_list, psw_list, *params):
         if self._bag_features:
             ids_list, offsets_list = self._promote_bags(ids_list, offsets_list)
+        if exporting():
+            self._check_count(ids_list)
+            self._assert_inputs(ids_list, offsets_list)
         try:
             return forward(self, ids_list, offsets_list, psw_list, *params)
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
@@ -318,15 +265,12 @@ class EmbeddingGroup(nn.Module):
                         f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got {what} on {t.device}, "
                         f"but the table is on {dev}: move the inputs to {dev}") from error
 
-    def _check_count(self, ids_list, offsets_list=None) -> None:
-        """The number of features; while torch.export traces, the value checks as graph ops."""
+    def _check_count(self, ids_list) -> None:
         if len(ids_list) != len(self.features):
             raise ValueError(
                 f"fxrec: group of tables {[t.name for t in self.tables]} expects "
                 f"{len(self.features)} id tensors, got {len(ids_list)}"
             )
-        if exporting() and offsets_list is not None:
-            self._assert_inputs(ids_list, offsets_list)
 
     def _assert_inputs(self, ids_list, offsets_list) -> None:
         """An exported program checks ids and offsets as the eager group does: the checks become
@@ -488,7 +432,7 @@ class PooledEmbeddingGroup(EmbeddingGroup):
         psw_list: List[Optional[torch.Tensor]],
         params: List[torch.Tensor],
     ) -> torch.Tensor:
-        self._check_count(ids_list, offsets_list)
+        self._check_count(ids_list)
         if exporting():
             return self.loop(ids_list, offsets_list, psw_list, params)
         training = self._training(params, psw_list)
@@ -763,7 +707,7 @@ class SequenceEmbeddingGroup(EmbeddingGroup):
         psw_list: List[Optional[torch.Tensor]],
         params: List[torch.Tensor],
     ) -> List[torch.Tensor]:
-        self._check_count(ids_list, offsets_list)
+        self._check_count(ids_list)
         for f, ids in zip(self.features, ids_list):
             if ids.dtype not in (torch.int64, torch.int32):
                 self._check_ids(f, ids)  # raises, naming the feature
