@@ -6,7 +6,7 @@ VENV    := .venv
 PYBIN   := $(VENV)/bin/python
 STAMP   := $(VENV)/.fxrec-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-transform clean
 
 # Graphviz's `dot` (fxrec.viz, `fxrec draw`, transform(dump_dir=...)) is a system package: installed
 # here when missing if we are root with apt-get (CI: a fresh Debian machine), else we say how.
@@ -33,6 +33,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PYBIN) benchmarks/bench_lookups.py
+
+# Transform time vs TorchRec, and peak memory of transform: benchmarks/results/cpu_transform.json.
+# torchrec goes in with --no-deps (its requirement "fbgemm-gpu" would pull the CUDA build over
+# fbgemm-gpu-cpu); the extra `bench` has the pure-Python packages it imports.
+bench-transform: $(STAMP)
+	$(PYBIN) -c "import tensordict, pyre_extensions, torchrec; assert torchrec.__version__ == '1.8.0'" 2>/dev/null || { \
+	  $(PYBIN) -m pip install -q --disable-pip-version-check -e '.[cpu,bench]' && \
+	  $(PYBIN) -m pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0; }
+	$(PYBIN) benchmarks/bench_transform.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_inference.py [--out FILE] [--rounds N]
 
 Same shapes and plain model as bench_lookups.py, in eval mode under no_grad. "fxrec_auto" is
-transform(mode="inference") without quantization (kernel chosen by measurement); the others
+transform(mode="inference") without quantization (kernel by the rule table); the others
 are transform(mode="inference", quantize=dtype) on fbgemm's IntNBit TBE. Bytes are the
 embedding storage (fp32 tables for plain, stored quantized bytes from the report otherwise).
 Alternating runs in one process, medians; speed-up = plain / variant.
@@ -49,7 +49,7 @@ def bench(shape, rounds):
         "embedding_bytes": nbytes,
         "bytes_vs_fp32": {k: v / fp32_bytes for k, v in nbytes.items()},
         "max_abs_diff_vs_plain": err,
-        "auto_choice": [{"group": g.name, "inference": g.path_eval, "lowered": g.lowered, "why": g.why}
+        "auto_choice": [{"group": g.name, "inference": g.kernel_eval, "lowered": g.lowered, "why": g.why}
                         for g in models["fxrec_auto"].report.groups],
     }
 

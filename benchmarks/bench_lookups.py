@@ -104,7 +104,7 @@ def bench_shape(name, cfg, rounds):
         "train_step_ms": s,
         "forward_speedup_vs_plain": {k: f["plain"] / v for k, v in f.items() if k != "plain"},
         "train_speedup_vs_plain": {k: s["plain"] / v for k, v in s.items() if k != "plain"},
-        "auto_choice": {"lowered": g.lowered, "train": g.path_train, "inference": g.path_eval, "why": g.why},
+        "auto_choice": {"lowered": g.lowered, "train": g.kernel_train, "inference": g.kernel_eval, "why": g.why},
         "transform_seconds_auto": transform_s,
     }
 

@@ -5,9 +5,9 @@
 The plain model is a ModuleList of nn.EmbeddingBag(mode="sum", sparse=True) (sparse gradients,
 the fast way to train it with torch.optim), looked up in a loop then torch.cat, trained by the
 torch optimizer (SGD, Adagrad, fxrec's RowWiseAdagradTorch for row-wise Adagrad, SparseAdam for
-Adam). fxrec transforms the same model with optimizer=fxrec.optim.X: "auto" (fused or torch.optim
-fallback per group, chosen by measurement) and "fused" (backend="fbgemm", fused where fbgemm
-has the optimizer). One step = zero_grad, forward, backward, step; the variants run in turn in
+Adam). fxrec transforms the same model with optimizer=fxrec.optim.X: "auto" (the default: kernel
+and fused optimizer by the rule table of fxrec/passes/choose_kernels.py) and "fused"
+(backend="fbgemm", fused where fbgemm has the optimizer). One step = zero_grad, forward, backward, step; the variants run in turn in
 one process, medians reported, speed-up = plain / variant.
 """
 

@@ -5,7 +5,7 @@
 """
 
 from . import checkpoint, export, optim, viz
-from .api import make_optimizer, transform, write_back
+from .api import explain, make_optimizer, transform, write_back
 from .capture import CaptureError
 from .pass_infra import PassError
 from .planner import PlanError, ShardingPlan, TableSpec, Topology, plan
@@ -16,7 +16,7 @@ from .verify import VerificationError, compare_models
 __version__ = "0.1.0"
 
 __all__ = [
-    "transform", "write_back", "make_optimizer", "optim", "export", "viz", "Report", "CaptureError", "PassError",
+    "transform", "explain", "write_back", "make_optimizer", "optim", "export", "viz", "Report", "CaptureError", "PassError",
     "VerificationError", "compare_models", "plan", "ShardingPlan", "TableSpec", "Topology", "PlanError", "CollectiveError",
     "checkpoint", "__version__",
 ]

@@ -14,14 +14,17 @@ from .capture import accepted_sizes, capture, input_guards
 from .graph_module import MODES_KEY
 from .optim import check_spec as check_optimizer_spec
 from .runtime.optimizer import CombinedOptimizer
-from .runtime.tbe import EmbeddingGroup
+from .runtime.group import EmbeddingGroup
+from .runtime.kernels import KERNEL_NAMES
 from .pass_infra import Config, PassContext, PassManager
-from .pipeline import default_pipeline
-from .report import LookupEntry, Report
+from .pipeline import default_pipeline, explain_pipeline
+from .report import Report, build_report
 from . import meta
 from .verify import compare_models
 
-BACKENDS = ("auto", "fbgemm", "native", "direct", "loop")
+#: ``backend=``: "auto" (the rule table), or a kernel's name to put first wherever it supports a group.
+BACKENDS = ("auto",) + KERNEL_NAMES
+DEVICES = ("cpu", "cuda")
 
 
 def write_back(transformed: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -65,24 +68,33 @@ def transform(
     logger: Optional[logging.Logger] = None,
     dump_dir: Optional[str] = None,
     plan=None,
+    autotune: bool = False,
+    copy_model: bool = True,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
     Args:
       model: any ``nn.Module`` using ``nn.Embedding`` / ``nn.EmbeddingBag`` / ``F.embedding`` /
-        ``F.embedding_bag`` on its parameters. It is not modified: fxrec works on a copy.
+        ``F.embedding_bag`` on its parameters. It is not modified: fxrec works on a copy (but
+        see ``copy_model``).
       example_inputs: the positional inputs of one call (a tuple; a single tensor is taken as
-        the only input). Lists and dicts of tensors are fine. Use a representative batch:
-        ``backend="auto"`` times both implementations on it.
+        the only input). Lists and dicts of tensors are fine.
       example_kwargs: keyword inputs of that call, if any.
-      backend: ``"auto"`` (per group, the fastest of fbgemm's TBE, ``"native"`` (fxrec's own CPU
-        kernel, which writes every feature straight into the group's output; built with g++ on
-        first use), ``"direct"`` (the plain lookups into a reused output buffer, with fxrec's
-        gradients) and the plain lookups, measured on the example inputs, separately for
-        training and inference), or one of ``"fbgemm"``, ``"native"``, ``"direct"``, ``"loop"``
-        forced everywhere it applies (``"native"`` and ``"direct"`` are for pooled groups;
-        sequence groups use fbgemm under them; where fxrec's kernel is not built or does not
-        apply to an input, ``"native"`` runs the plain lookups and the report says why).
+      backend: ``"auto"``: each group's kernel by the rule table of
+        ``fxrec/passes/choose_kernels.py`` (CUDA: fbgemm's TBE; CPU: fxrec's native kernel for
+        pooled groups when it is built, else PyTorch's own lookups, ``"reference"``; fbgemm where
+        only it fuses the optimizer). A kernel's name (``"reference"``, ``"native"``,
+        ``"fbgemm"``) puts that kernel first wherever it supports the group; the report says
+        where it does not and what runs instead.
+      autotune: time the kernels that support each group on the example inputs (use a
+        representative batch) and keep the fastest, for training and for inference; the winner is
+        cached on disk (``$FXREC_CACHE``, default ``~/.cache/fxrec``) by group, input sizes,
+        device and versions, so the next transform of the same model is instant and identical.
+        Timing copies each group's tables once while it runs.
+      copy_model: True (default): transform a copy, leaving ``model`` as it was (one copy of its
+        tables while both live). False: hand the model over: the transformed model takes its
+        parameters' storage (no copy; training the transformed model changes ``model``'s tables,
+        and ``model`` must not be used afterwards).
       verify: run the example inputs through both models and raise
         :class:`fxrec.VerificationError` naming the tables whose outputs or gradients differ.
       check_passes: after every pass, compare the graph against the original model (slow;
@@ -133,21 +145,26 @@ def transform(
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     # A reference copy only when something will compare against it (tables can be large).
-    reference_model = copy.deepcopy(model) if (verify or check_passes) else None
+    # What verify compares with: the user's model itself when fxrec works on a copy (no second copy
+    # of the tables; its .grad fields are restored); a copy when the model is handed over.
+    reference_model = None
+    if verify or check_passes:
+        reference_model = model if copy_model else copy.deepcopy(model)
     dump = None
     if dump_dir is not None:
         from .viz import pass_dumper  # checks that Graphviz is installed
 
         dump = pass_dumper(dump_dir)
-    gm = capture(copy.deepcopy(model), args, kwargs)
+    log = logger or logging.getLogger("fxrec")
+    log.debug("capturing the model with torch.export")
+    gm = capture(copy.deepcopy(model) if copy_model else model, args, kwargs)
 
     report = Report()
     ctx = PassContext(
         config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds, optimizer=optimizer,
                       mode=mode, quantize=quantize, output_dtype=output_dtype,
-                      reuse_outputs=reuse_outputs, plan=plan, rank=rank),
-        report=report, example_args=args, example_kwargs=kwargs,
-        logger=logger or logging.getLogger("fxrec"),
+                      reuse_outputs=reuse_outputs, plan=plan, rank=rank, autotune=autotune),
+        report=report, example_args=args, example_kwargs=kwargs, logger=log,
     )
     if check_passes:
         ctx.reference = lambda g: compare_models(reference_model, g, args, kwargs, rtol=rtol, atol=atol)
@@ -158,17 +175,8 @@ def transform(
     def snapshot(g, c):
         records.extend(n.meta[meta.LOOKUP] for n in g.graph.nodes if meta.LOOKUP in n.meta)
 
-    gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot}, dump=dump)
-    group_of = {id(r.node): g.name for g in ctx.groups for r in g.lookups}
-    for r in records:
-        report.lookups.append(
-            LookupEntry(
-                table=r.table, feature=r.feature, form=r.form, pooling=r.pooling, rows=r.num_rows,
-                dim=r.dim, source=r.source, group=group_of.get(id(r.node)), reason=r.reason, dtype=r.dtype,
-            )
-        )
-    _note_modes(gm, report)
-    report.notes.extend(accepted_sizes(gm))
+    with _grads_restored(reference_model if reference_model is model else None):
+        gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot}, dump=dump)
     _name_guarded_inputs(gm, records)
     table_opts = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
@@ -183,37 +191,37 @@ def transform(
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup) and len(n.args) > 3
         and gm.get_submodule(n.target).fused is not None
     ]
+    notes = _modes_notes(gm) + accepted_sizes(gm)
+    plan_per_rank = []
     if plan is not None:
-        _sharded_group_entries(report, ctx.groups, plan)
         gm.meta["fxrec_plan"] = plan
-        _sum_gradients_over_ranks(gm, report, plan, rank)
+        _sum_gradients_over_ranks(gm, plan)
+        notes.append(_rank_note(plan, rank))
+        plan_per_rank = [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
+                         for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
+    # the report, built once from the graph after the pipeline (every pipeline the same way)
+    report = build_report(gm, report.passes, report.pass_runs, notes, plan_per_rank)
     # GraphModule keeps these attributes through deepcopy (TransformedModule through pickle too).
     preserved = gm.meta.setdefault("_user_preserved_attributes", {})
     preserved["report"] = report
     for k, v in preserved.items():
         setattr(gm, k, v)
     if verify:
-        with fused_updates_off(gm):  # verify compares gradients; it must not train the model
-            compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)
+        with fused_updates_off(gm), _grads_restored(reference_model if reference_model is model else None):
+            compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)  # trains nothing
     return gm
 
 
-def _sharded_group_entries(report: Report, groups, plan) -> None:
-    """The report's group entries under a plan (shard_groups runs instead of choose_kernels, which
-    writes them otherwise): each group's tables and how the plan shards them."""
-    from .report import GroupEntry
-
-    for gr in groups:
-        if any(g.name == gr.name for g in report.groups):
-            continue
-        kinds = sorted({plan.tables[r.table].sharding for r in gr.lookups if r.table in plan.tables})
-        path = "sharded: " + ", ".join(kinds) if kinds else "plain"
-        report.groups.append(GroupEntry(
-            name=gr.name, pooling=gr.pooling, tables=[r.table for r in gr.lookups], features=[r.feature for r in gr.lookups],
-            lowered=kinds != ["data_parallel"] and bool(kinds), path_train=path, path_eval=path,
-            why="sharding plan: " + "; ".join(f"{r.table} {plan.tables[r.table].sharding}" for r in gr.lookups
-                                              if r.table in plan.tables),
-        ))
+@contextlib.contextmanager
+def _grads_restored(model: Optional[torch.nn.Module]):
+    """verify clears and fills the ``.grad`` of the reference's parameters: when the reference is
+    the user's model, put them back."""
+    saved = [(p, p.grad) for p in model.parameters()] if model is not None else []
+    try:
+        yield
+    finally:
+        for p, g in saved:
+            p.grad = g
 
 
 def _name_guarded_inputs(gm: fx.GraphModule, records) -> None:
@@ -250,7 +258,7 @@ def _check_plan(plan, optimizer, mode: str, quantize) -> int:
     return dist.get_rank()
 
 
-def _sum_gradients_over_ranks(gm: fx.GraphModule, report: Report, plan, rank: int) -> None:
+def _sum_gradients_over_ranks(gm: fx.GraphModule, plan) -> None:
     """Every parameter that is not a table shard is whole on every rank: sum its gradient."""
     from .runtime.collectives import all_reduce_grad
 
@@ -258,12 +266,13 @@ def _sum_gradients_over_ranks(gm: fx.GraphModule, report: Report, plan, rank: in
     for name, p in gm.named_parameters():
         if p.requires_grad and name not in sharded:
             p.register_hook(all_reduce_grad(name))
-    report.plan_per_rank = [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
-                            for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
+
+
+def _rank_note(plan, rank: int) -> str:
     mine = [f"{s.table} ({plan.tables[s.table].sharding}, rows {s.row_offset}..{s.row_offset + s.num_rows})"
             for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
-    report.notes.append(f"rank {rank} of {plan.topology.world_size}: holds {', '.join(mine) or 'no table shards'}; "
-                        "the gradients of every other parameter are summed over ranks in backward")
+    return (f"rank {rank} of {plan.topology.world_size}: holds {', '.join(mine) or 'no table shards'}; "
+            "the gradients of every other parameter are summed over ranks in backward")
 
 
 @contextlib.contextmanager
@@ -306,12 +315,66 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
     return CombinedOptimizer(dense, fallbacks, fused)
 
 
-def _note_modes(gm: fx.GraphModule, report: Report) -> None:
+def _modes_notes(gm: fx.GraphModule) -> list:
     info = gm.meta.get(MODES_KEY)
     if info is None:
-        return
+        return []
     if not info.switchable:
-        report.notes.append(f"train()/eval(): {info.why_not}")
-    elif info.flags:
-        report.notes.append(f"train()/eval() switch {sum(info.flags.values())} dropout/normalisation node(s) of "
-                            f"{len(info.flags)} module(s), as on the original model (captured in {info.captured} mode)")
+        return [f"train()/eval(): {info.why_not}"]
+    if info.flags:
+        return [f"train()/eval() switch {sum(info.flags.values())} dropout/normalisation node(s) of "
+                f"{len(info.flags)} module(s), as on the original model (captured in {info.captured} mode)"]
+    return []
+
+
+def explain(
+    model: torch.nn.Module,
+    example_inputs: Union[tuple, list, torch.Tensor],
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    device: Optional[str] = None,
+    backend: str = "auto",
+    optimizer=None,
+    mode: str = "training",
+    quantize=None,
+    plan=None,
+) -> Report:
+    """The report :func:`transform` would give, for ``device`` ("cpu" or "cuda"; default: where
+    the model's tables are), without building any kernel, moving or copying any table, or needing
+    that device: which lookups are found and grouped, and each group's kernels, fused optimizer,
+    dtypes and placement on that device. With ``plan=``, how the plan shards each group (no
+    process group needed). ``print()`` it, or ``.to_json()``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"fxrec: device must be one of {DEVICES} (or None: the tables' own), got {device!r}")
+    check_optimizer_spec(optimizer)
+    if mode not in ("training", "inference"):
+        raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
+    if mode == "inference" and optimizer is not None:
+        raise ValueError("fxrec: an embedding optimizer needs mode='training'")
+    args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
+    gm = capture(model, args, kwargs)  # tracing reads the model; it changes and copies nothing
+    ctx = PassContext(
+        config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
+                      device=device or _tables_device(model)),
+        report=Report(), example_args=args, example_kwargs=kwargs, logger=logging.getLogger("fxrec"),
+    )
+    gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)
+    if plan is not None:
+        from .passes.shard_groups import plan_decision
+
+        for gr in ctx.groups:
+            d = plan_decision(gr, plan)
+            for r in gr.lookups:
+                r.node.meta[meta.DECISION] = d
+    notes = _modes_notes(gm) + accepted_sizes(gm)
+    notes.append(f"explained for device {ctx.config.device}: nothing was built; transform on that device gives "
+                 "these decisions")
+    return build_report(gm, ctx.report.passes, ctx.report.pass_runs, notes)
+
+
+def _tables_device(model: torch.nn.Module) -> str:
+    p = next(model.parameters(), None)
+    return "cpu" if p is None or p.device.type == "meta" else p.device.type

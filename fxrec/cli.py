@@ -23,9 +23,12 @@ import os
 import re
 import statistics
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from .api import BACKENDS, DEVICES
 
 PROG = "fxrec"
 
@@ -169,14 +172,58 @@ def load_model(spec: str) -> Tuple[Any, tuple]:
     return model, inputs
 
 
+class _Progress(logging.Handler):
+    """Says on the terminal which step a transform is in, once it has taken more than
+    ``after`` seconds (short transforms print nothing)."""
+
+    def __init__(self, after: float = 2.0):
+        super().__init__(logging.DEBUG)
+        self.start, self.after, self.stage, self.shown = time.perf_counter(), after, "", False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith("running pass ") or msg.startswith("capturing"):
+            self.stage = msg
+            self._show()
+
+    def _show(self) -> None:
+        elapsed = time.perf_counter() - self.start
+        if elapsed >= self.after and self.stage:
+            print(f"{PROG}: {elapsed:5.1f} s: {self.stage}", file=sys.__stderr__, flush=True)
+            self.shown = True
+
+    def _tick(self) -> None:
+        if not self._stop.wait(self.after):
+            self._show()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.shown:
+            print(f"{PROG}: {time.perf_counter() - self.start:5.1f} s: done", file=sys.__stderr__, flush=True)
+
+
 def _transform(args, model, inputs, **extra):
     import fxrec
 
+    log = logging.getLogger("fxrec.cli.transform")
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
     try:
-        return fxrec.transform(
-            model, inputs, backend=args.backend, mode=args.mode, quantize=args.quantize,
-            timing_rounds=args.timing_rounds, **extra,
-        )
+        with _Progress() as progress:
+            log.addHandler(progress)
+            try:
+                return fxrec.transform(
+                    model, inputs, backend=args.backend, mode=args.mode, quantize=args.quantize,
+                    timing_rounds=args.timing_rounds, autotune=args.autotune, logger=log, **extra,
+                )
+            finally:
+                log.removeHandler(progress)
     except Exception as e:
         raise CLIError(f"could not transform {type(model).__name__} from {args.model}: {_paragraph(e)}") from e
 
@@ -188,14 +235,23 @@ def _transform(args, model, inputs, **extra):
 
 def cmd_inspect(args) -> int:
     model, inputs = load_model(args.model)
-    fast = _transform(args, model, inputs)
-    if args.json:
-        print(fast.report.to_json())
+    if args.device is not None:  # the decisions for that device, nothing built (fxrec.explain)
+        import fxrec
+
+        try:
+            report = fxrec.explain(model, inputs, device=args.device, backend=args.backend, mode=args.mode,
+                                   quantize=args.quantize)
+        except Exception as e:
+            raise CLIError(f"could not explain {type(model).__name__} from {args.model}: {_paragraph(e)}") from e
     else:
-        print(fast.report)
+        report = _transform(args, model, inputs).report
+    if args.json:
+        print(report.to_json())
+    else:
+        print(report)
     if args.output:
         with open(args.output, "w") as f:
-            f.write(fast.report.to_json() + "\n")
+            f.write(report.to_json() + "\n")
     return 0
 
 
@@ -317,13 +373,15 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     transform = argparse.ArgumentParser(add_help=False)
     g = transform.add_argument_group("transform options (as fxrec.transform)")
-    g.add_argument("--backend", choices=("auto", "fbgemm", "native", "direct", "loop"), default="auto",
-                   help="kernels per group (default: auto, timed on the example inputs)")
+    g.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="kernel to put first (default: auto, the rule table)")
+    g.add_argument("--autotune", action="store_true",
+                   help="time the kernels of each group on the example inputs (cached on disk)")
     g.add_argument("--mode", choices=("training", "inference"), default="training", help="default: training")
     g.add_argument("--quantize", default=None, metavar="DTYPE",
                    help="inference: int8, int4, int2, fp16, fp32 or auto")
     g.add_argument("--timing-rounds", type=_positive_int, default=5, metavar="N",
-                   help="rounds per candidate when backend=auto times kernels (default: 5)")
+                   help="rounds per candidate when --autotune times kernels (default: 5)")
 
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -341,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "not lowered and why, quantization errors, time per pass.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-o", "--output", metavar="FILE.json", help="also write the report as JSON to this file")
+    p.add_argument("--device", choices=DEVICES, default=None,
+                   help="the decisions transform would make on this device (cuda works without a GPU: "
+                        "nothing is built, fxrec.explain)")
     p.set_defaults(run=cmd_inspect, parser=p)
 
     p = sub.add_parser("draw", parents=[common, transform], help="draw the graph (needs Graphviz)",

@@ -71,7 +71,7 @@ def torchscript(model: torch.fx.GraphModule, path: Optional[str] = None) -> torc
 def fbgemm_libraries() -> list:
     """Paths of fbgemm_gpu's operator libraries, in load order: what a C++ program loads before
     ``torch::jit::load`` of a model that calls fbgemm's operators (``examples/inference_cpp``)."""
-    from .runtime import _fbgemm
+    from .runtime.kernels import fbgemm as _fbgemm
 
     return _fbgemm.operator_libraries()
 

@@ -131,7 +131,7 @@ def _node_meta(meta: dict) -> dict:
     out = {}
     if "val" in meta:
         out["val"] = _plain_val(meta["val"])
-    for key in ("stack_trace", "fxrec_origin"):
+    for key in ("stack_trace", "fxrec_origin", "fxrec_decision", "fxrec_quant"):  # plain, frozen records
         if key in meta:
             out[key] = meta[key]
     if "nn_module_stack" in meta:

@@ -10,7 +10,8 @@ import torch.fx as fx
 
 from . import meta
 from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
-from .runtime.tbe import EmbeddingGroup, FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
+from .runtime.group import EmbeddingGroup
+from .runtime.specs import FeatureSpec, GroupSpec, TableSpec
 
 
 def uses_outside_group(gr: meta.GroupRecord) -> str:
@@ -23,16 +24,8 @@ def uses_outside_group(gr: meta.GroupRecord) -> str:
     return ""
 
 
-def build_group_module(
-    gr: meta.GroupRecord, with_optimizer: bool = True, weights: Optional[Dict[str, torch.Tensor]] = None,
-    output_dtype: str = "fp32", reuse_output: bool = True,
-) -> Tuple[EmbeddingGroup, Dict[str, int]]:
-    """The runtime module for ``gr`` and the index of each table param in its weight list.
-
-    ``with_optimizer=False`` builds it without the fused optimizer (for timing and checks that
-    must not update the weights). A group with ``quant`` dtypes, given the fp32 ``weights`` by
-    parameter name, becomes a quantized inference group (called without weights)."""
-    # A table whose optimizer fbgemm could fuse gets sparse gradients when it is not fused: the
+def _specs(gr: meta.GroupRecord) -> Tuple[List[TableSpec], List[FeatureSpec], Dict[str, int]]:
+    # A table whose optimizer could be fused gets sparse gradients when it is not fused: the
     # torch.optim update on them is the same arithmetic (rows without ids are left alone either
     # way) without a table-sized gradient.
     sparse_grads = gr.optimizer is not None and gr.optimizer.fused_spec() is not None and not uses_outside_group(gr)
@@ -42,21 +35,40 @@ def build_group_module(
     for rec in gr.lookups:
         if rec.param not in index:
             index[rec.param] = len(tables)
-            tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse or sparse_grads))
+            tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse or sparse_grads,
+                                    rec.dtype.replace("torch.", "") or "float32"))
         features.append(
             FeatureSpec(
                 name=rec.feature, table=index[rec.param], form=rec.form, padding_idx=rec.padding_idx,
                 include_last_offset=rec.include_last_offset, weighted=rec.weighted,
             )
         )
+    return tables, features, index
+
+
+def group_spec(gr: meta.GroupRecord) -> GroupSpec:
+    """What the kernels look at to say whether they support the group (no tensors)."""
+    tables, features, _ = _specs(gr)
+    return GroupSpec(tuple(tables), tuple(features), gr.pooling, quantized=bool(gr.quant))
+
+
+def build_group_module(
+    gr: meta.GroupRecord, with_optimizer: bool = True, weights: Optional[Dict[str, torch.Tensor]] = None,
+    output_dtype: str = "fp32", reuse_output: bool = True,
+) -> Tuple[EmbeddingGroup, Dict[str, int]]:
+    """The runtime module for ``gr`` and the index of each table param in its weight list.
+
+    ``with_optimizer=False`` builds it without the fused optimizer (for timing and checks that
+    must not update the weights). A group with ``quant`` dtypes, given the fp32 ``weights`` by
+    parameter name, becomes a quantized inference group (called without weights)."""
+    tables, features, index = _specs(gr)
     if gr.quant and weights is not None:
         qcls = QuantizedSequenceGroup if gr.pooling == "none" else QuantizedPooledGroup
         order = sorted(index, key=index.get)
         return qcls(tables, features, gr.pooling, [gr.quant[p] for p in order], [weights[p] for p in order],
                     output_dtype), index
-    cls = SequenceEmbeddingGroup if gr.pooling == "none" else PooledEmbeddingGroup
-    fused = gr.fused if with_optimizer else None
-    mod = cls(tables, features, gr.pooling, gr.path_train, gr.path_eval, fused)
+    mod = EmbeddingGroup(tables, features, gr.pooling, gr.kernel_train, gr.kernel_eval,
+                         gr.fused if with_optimizer else None)
     mod.reuse_output = reuse_output
     return mod, index
 

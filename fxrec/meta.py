@@ -17,6 +17,12 @@ LOOKUP = "fxrec_lookup"
 GROUP = "fxrec_group"
 #: On a node that fxrec emitted: the names of the original nodes it replaces.
 ORIGIN = "fxrec_origin"
+#: On the node that runs a group (its lookups until lower_groups, then its group module's call, or
+#: the sharded input-dist): the group's :class:`GroupDecision` (written by ``choose_kernels`` or
+#: ``shard_groups``). The report is built from these.
+DECISION = "fxrec_decision"
+#: On a quantized group's call: its tables' :class:`fxrec.report.QuantEntry` (``measure_quantization``).
+QUANT = "fxrec_quant"
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,7 @@ class LookupRecord:
     table: str  # the weight's name in the model, without ".weight"
     param: str  # the weight's full name in state_dict()
     feature: str  # a readable name of the ids input
-    form: str  # bag | pooled_seq | single | seq  (see fxrec.runtime.tbe.FeatureSpec)
+    form: str  # bag | pooled_seq | single | seq  (see fxrec.runtime.specs.FeatureSpec)
     pooling: str  # sum | mean | none | max
     num_rows: int
     dim: int
@@ -64,20 +70,19 @@ class LookupRecord:
 
 @dataclass
 class GroupRecord:
-    """A set of lookups that run as one runtime group module (one fbgemm TBE)."""
+    """A set of lookups that run as one runtime group module (one kernel call)."""
 
     name: str
     key: tuple
     lookups: list = field(default_factory=list)  # LookupRecord, in output-column order
     module: str = ""  # attribute name of the runtime module in the GraphModule, once lowered
-    # Set by choose_kernels: which implementation runs for training and for inference, and why.
-    path_train: str = "fbgemm"
-    path_eval: str = "fbgemm"
+    # Set by choose_kernels: the kernel for training and for inference, and the decision record.
+    kernel_train: str = "reference"
+    kernel_eval: str = "reference"
     lower: bool = True  # False: the plain lookups stay in the graph as they were
-    why: str = ""
-    timings_ms: dict = field(default_factory=dict)
-    fused: object = None  # runtime.tbe.FusedSpec when the optimizer runs inside backward
+    fused: object = None  # runtime.specs.FusedSpec when the optimizer runs inside backward
     quant: dict = field(default_factory=dict)  # param -> dtype, for inference on quantized tables
+    decision: Optional["GroupDecision"] = None
 
     @property
     def pooling(self) -> str:
@@ -95,3 +100,32 @@ class GroupRecord:
             if r.param not in seen:
                 seen.append(r.param)
         return seen
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """What was decided for one group, and why: the data the report, the CLI and the tests read.
+
+    ``kernel_train`` / ``kernel_eval`` are kernel names (:data:`fxrec.runtime.kernels.KERNEL_NAMES`),
+    or ``"plain"`` for lookups left as the user wrote them. ``fused`` is the optimizer applied
+    inside backward ("" when none), ``fused_by`` the kernel that applies it. ``decided_by``: "rule",
+    "backend='<name>'", "autotune (measured)", "autotune (cached)" or "sharding plan".
+    """
+
+    group: str
+    pooling: str
+    tables: Tuple[str, ...]
+    features: Tuple[str, ...]
+    lookups: tuple  # fxrec.report.LookupEntry of each lookup, in the group's order
+    device: str
+    kernel_train: str
+    kernel_eval: str
+    decided_by: str
+    why: str
+    fused: str = ""
+    fused_by: str = ""
+    optimizer: str = ""  # the table optimizer and where it runs, as text
+    dtypes: Tuple[str, ...] = ()  # per table, as stored
+    placement: str = "host"  # host (CPU memory) | device (accelerator memory)
+    lowered: bool = True
+    timings_ms: Tuple[Tuple[str, float], ...] = ()

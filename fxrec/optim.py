@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from .runtime.tbe import FusedSpec
+from .runtime.specs import FusedSpec
 
 
 class EmbeddingOptimizer:

@@ -17,8 +17,11 @@ from .report import PassRun, Report
 class Config:
     """Everything a pass may read about how the user asked for the transform."""
 
-    backend: str = "auto"  # auto | fbgemm | native | direct | loop
+    backend: str = "auto"  # auto (the rule table) | a kernel name, put first
+    autotune: bool = False  # time the kernels on the example inputs (cached on disk) instead of the rules
     timing_rounds: int = 5
+    # fxrec.explain: decide for this device ("cpu", "cuda") instead of the tables' own, build nothing
+    device: Optional[str] = None
     # In tests: after every pass that changed the graph, compare it against the original model.
     check_numerics: bool = False
     # fxrec.optim optimizer, or dict from table name/pattern to one (None: plain gradients).
@@ -27,7 +30,7 @@ class Config:
     # inference: None, a dtype for every table ("int8", ...), "auto", or dict pattern -> dtype
     quantize: Any = None
     output_dtype: str = "fp32"  # of quantized lookups: fp32 | fp16
-    reuse_outputs: bool = True  # CPU inference on the native/direct paths: keep and reuse the output buffer
+    reuse_outputs: bool = True  # CPU inference of pooled groups: keep and reuse the output buffer
     plan: Any = None  # a fxrec.planner.ShardingPlan: shard the groups for this rank
     rank: int = 0
 
@@ -113,6 +116,7 @@ class PassManager:
             dump(0, "captured", gm)
         for index, p in enumerate(self.passes, 1):
             start = time.perf_counter()
+            ctx.logger.debug("running pass %s", p.name)  # progress: the CLI shows it on long transforms
             try:
                 res = p(gm, ctx)
                 gm = res.gm

@@ -5,9 +5,8 @@
 3. group_lookups     — needs all records at once (keys, shared tables, data dependences).
 4. quantize_tables   — inference only: the dtype of each grouped table, before choose_kernels
                        (quantized groups are not timed) and lower_groups (which builds them).
-5. choose_kernels    — times fbgemm against the plain lookups per group on the example inputs,
-                       before lowering, so that a group where plain wins both ways is never
-                       lowered (it costs nothing) and lower_groups knows each group's paths.
+5. choose_kernels    — each group's kernels by the rule table (or autotune=True's measurement),
+                       before lowering: lower_groups builds each group with its kernels.
 6. lower_groups      — rewrites only what was grouped and chosen; after it those lookups are gone.
 7. fold_concat       — needs the group's slice nodes that lower_groups emitted.
 8. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
@@ -15,6 +14,9 @@
 With a sharding plan: annotate_lookups → assign_optimizers → group_lookups → shard_groups →
 fold_concat. shard_groups takes the place of choose_kernels and lower_groups: every rank must
 run the same graph shape (its collectives pair up across ranks), so nothing is chosen by timing.
+
+fxrec.explain runs the passes that decide, and none that build: annotate_lookups →
+assign_optimizers → group_lookups → (quantize_tables) → choose_kernels, for the device asked.
 """
 
 from __future__ import annotations
@@ -45,3 +47,13 @@ def default_pipeline(config: Config) -> List[CompilerPass]:
     if config.quantize is not None:
         passes.append(measure_quantization)
     return passes
+
+
+def explain_pipeline(config: Config) -> List[CompilerPass]:
+    """The deciding passes only (fxrec.explain): nothing is lowered, built or allocated."""
+    passes = [annotate_lookups, assign_optimizers, group_lookups]
+    if config.plan is not None:
+        return passes  # the plan decides; fxrec.explain describes it
+    if config.quantize is not None:
+        passes.append(quantize_tables)
+    return passes + [choose_kernels]

@@ -7,8 +7,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 
-@dataclass
+@dataclass(frozen=True)
 class LookupEntry:
+    """One lookup as the report shows it (plain data: it outlives the graph nodes it describes)."""
+
     table: str
     feature: str
     form: str
@@ -19,6 +21,11 @@ class LookupEntry:
     group: Optional[str] = None
     reason: str = ""
     dtype: str = ""  # of the table's weight as written ("float32")
+
+    @classmethod
+    def of(cls, r, group: Optional[str]) -> "LookupEntry":
+        """From a :class:`fxrec.meta.LookupRecord`."""
+        return cls(r.table, r.feature, r.form, r.pooling, r.num_rows, r.dim, r.source, group, r.reason, r.dtype)
 
 
 @dataclass
@@ -34,16 +41,24 @@ class PassRun:
 
 @dataclass
 class GroupEntry:
+    """One group as decided (see :class:`fxrec.meta.GroupDecision`): its kernels for training and
+    for inference ("plain": lookups left as written), what decided them and why."""
+
     name: str
     pooling: str
     tables: List[str]
     features: List[str]
     lowered: bool = True
-    path_train: str = ""
-    path_eval: str = ""
+    kernel_train: str = ""
+    kernel_eval: str = ""
     why: str = ""
     timings_ms: Dict[str, float] = field(default_factory=dict)
     optimizer: str = ""  # the embedding optimizer and where it runs, if one was given
+    decided_by: str = ""  # rule | backend='...' | autotune (measured) | autotune (cached) | sharding plan
+    device: str = ""
+    fused: str = ""  # the optimizer applied inside backward, if any
+    dtypes: List[str] = field(default_factory=list)
+    placement: str = ""
 
 
 @dataclass
@@ -163,7 +178,7 @@ class Report:
                 if e.group is None:
                     status = f"left alone: {e.reason}"
                 elif not self.group(e.group).lowered:
-                    status = f"{e.group}, kept plain (faster)"
+                    status = f"{e.group}, kept plain"
                 else:
                     status = e.group
                 rows.append((e.table, e.feature, e.form, e.pooling, f"{e.rows} x {e.dim}", status, e.source))
@@ -171,20 +186,17 @@ class Report:
             lines.append("Lookups")
             lines.extend(_table(rows))
         if self.groups:
-            rows = [("group", "pooling", "tables", "features", "train path", "inference path", "why")]
+            rows = [("group", "device", "pooling", "tables", "features", "train kernel", "inference kernel",
+                     "decided by")]
             for g in self.groups:
-                rows.append(
-                    (g.name, g.pooling, str(len(g.tables)), str(len(g.features)), g.path_train, g.path_eval, g.why)
-                )
+                rows.append((g.name, g.device, g.pooling, str(len(g.tables)), str(len(g.features)), g.kernel_train,
+                             g.kernel_eval, g.decided_by))
             lines.append("")
-            lines.append("Groups (paths: 'fbgemm' = one fbgemm TBE; 'native' = fxrec's CPU kernel, every feature "
-                         "written straight into the group's output (and fused SGD's in-place update); 'direct' = "
-                         "PyTorch's lookups into a reused output buffer, fxrec's gradients in training; 'loop' = "
-                         "PyTorch's lookups in the group module; "
-                         "'plain' = the original lookups left in the graph, kept because they were faster)")
+            lines.append("Groups (kernels: " + "; ".join(f"'{k}' = {v}" for k, v in KERNEL_MEANINGS.items()) + ")")
             lines.extend(_table(rows))
             for g in self.groups:
                 lines.append(f"  {g.name}: {', '.join(g.tables)}")
+                lines.append(f"    why: {g.why}")
                 if g.optimizer:
                     lines.append(f"    optimizer {g.optimizer}")
         if self.quantization:
@@ -210,6 +222,44 @@ class Report:
         return "\n".join(lines)
 
 
+#: What each kernel name in the report means (the names are fxrec.runtime.kernels.KERNEL_NAMES).
+KERNEL_MEANINGS = {
+    "native": "fxrec's C++ CPU kernel, every feature written straight into the group's output",
+    "fbgemm": "one fbgemm table-batched embedding (TBE) call",
+    "reference": "PyTorch's own lookups in the group module",
+    "plain": "the original lookups left in the graph",
+}
+
+
+def build_report(gm, passes=(), pass_runs=(), notes=(), plan_per_rank=()) -> Report:
+    """The report of a transformed (or explained) graph, from its nodes' meta alone: each group's
+    :class:`fxrec.meta.GroupDecision` (on its call, its sharded modules, or its lookups when not
+    lowered), the lookups left alone (their :class:`fxrec.meta.LookupRecord`), and the quantized
+    groups' measurements. Every pipeline reports the same way."""
+    from . import meta
+
+    report = Report(notes=list(notes), passes=list(passes), pass_runs=list(pass_runs),
+                    plan_per_rank=list(plan_per_rank))
+    seen = set()
+    for n in gm.graph.nodes:
+        d = n.meta.get(meta.DECISION)
+        if d is not None:
+            if d.group in seen:
+                continue
+            seen.add(d.group)
+            report.lookups.extend(d.lookups)
+            report.groups.append(GroupEntry(
+                name=d.group, pooling=d.pooling, tables=list(dict.fromkeys(d.tables)), features=list(d.features),
+                lowered=d.lowered, kernel_train=d.kernel_train, kernel_eval=d.kernel_eval, why=d.why,
+                timings_ms=dict(d.timings_ms), optimizer=d.optimizer, decided_by=d.decided_by, device=d.device,
+                fused=d.fused, dtypes=list(d.dtypes), placement=d.placement,
+            ))
+        elif meta.LOOKUP in n.meta:
+            report.lookups.append(LookupEntry.of(n.meta[meta.LOOKUP], None))
+        report.quantization.extend(n.meta.get(meta.QUANT, ()))
+    return report
+
+
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
 
 
@@ -219,9 +269,11 @@ def _became(g: GroupEntry, quantization: List[QuantEntry]) -> str:
     dtypes = sorted({q.dtype for q in quantization if q.table in g.tables})
     if dtypes:
         return f"one quantized group module ({', '.join(dtypes)} tables)"
-    if g.path_train == g.path_eval:
-        return f"one group module, path {g.path_train}"
-    return f"one group module, path {g.path_train} in training, {g.path_eval} in inference"
+    if g.kernel_train.startswith("sharded"):
+        return f"input-dist, lookup, output-dist modules ({g.kernel_train})"
+    if g.kernel_train == g.kernel_eval:
+        return f"one group module, kernel {g.kernel_train}"
+    return f"one group module, kernel {g.kernel_train} in training, {g.kernel_eval} in inference"
 
 
 def _seconds(s: float) -> str:

@@ -39,7 +39,7 @@ def calls(gm: fx.GraphModule, targets: Iterable) -> List[fx.Node]:
 
 
 def group_calls(gm: fx.GraphModule) -> List[fx.Node]:
-    from .runtime.tbe import EmbeddingGroup
+    from .runtime.group import EmbeddingGroup
 
     return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup)]
 

@@ -22,7 +22,7 @@ def _float_leaves(out) -> List[torch.Tensor]:
 def buffers_kept(*modules: torch.nn.Module) -> Iterator[None]:
     """Run models without leaving a trace in their buffers (batch norm's running statistics and
     counter, anything the model's code updates in place) or in torch's random state."""
-    from .runtime.tbe import EmbeddingGroup  # (its buffers are tables: never written by a forward)
+    from .runtime.group import EmbeddingGroup  # (its buffers are tables: never written by a forward)
 
     saved = [(b, b.detach().clone()) for m in modules for sub in m.modules() if not isinstance(sub, EmbeddingGroup)
              for b in sub.buffers(recurse=False)]
@@ -96,7 +96,7 @@ def compare_models(
 
 def _diagnose_groups(gm: torch.nn.Module, args, kwargs, rtol: float, atol: float) -> List[str]:
     """Name the tables whose lowered lookup disagrees with the plain lookup on these inputs."""
-    from .runtime.tbe import EmbeddingGroup
+    from .runtime.group import EmbeddingGroup
 
     groups = {n: m for n, m in gm.named_modules() if isinstance(m, EmbeddingGroup)}
     if not groups:
@@ -114,7 +114,7 @@ def _diagnose_groups(gm: torch.nn.Module, args, kwargs, rtol: float, atol: float
         mod = groups[name]
         with torch.no_grad():
             got = mod(*a)
-            want = mod.loop(*a)
+            want = mod.lookups(*a)
         if isinstance(got, torch.Tensor):
             got = list(torch.split(got, mod.dims, 1))
             want = list(torch.split(want, mod.dims, 1))
@@ -123,7 +123,7 @@ def _diagnose_groups(gm: torch.nn.Module, args, kwargs, rtol: float, atol: float
                 d = (x - y).abs().max().item()
                 found.append(
                     f"table '{mod.tables[f.table].name}' (feature '{f.name}', {name}): the "
-                    f"{mod.path_eval} lookup differs from the plain lookup by {d:.3g}"
+                    f"{mod.kernel_eval} kernel differs from the plain lookup by {d:.3g}"
                 )
     if not found:
         found.append("every lowered lookup matches the plain lookup on these inputs: the difference comes from elsewhere in the model")

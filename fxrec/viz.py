@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from . import meta
 from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
-from .runtime.tbe import EmbeddingGroup
+from .runtime.group import EmbeddingGroup
 
 __all__ = [
     "KINDS", "KIND_COLORS", "GraphvizMissing", "node_kind", "to_dot", "draw", "render",
@@ -119,7 +119,7 @@ def node_kind(gm: fx.GraphModule, node: fx.Node) -> str:
       ``F.embedding*``, ``nn.Embedding`` / ``nn.EmbeddingBag`` modules of symbolically traced graphs).
     * ``"quantized"``: calls of fxrec's quantized inference groups
       (:class:`~fxrec.runtime.quantized.QuantizedPooledGroup`, ``QuantizedSequenceGroup``).
-    * ``"group"``: calls of any other :class:`~fxrec.runtime.tbe.EmbeddingGroup` (fxrec's TBE groups).
+    * ``"group"``: calls of any other :class:`~fxrec.runtime.group.EmbeddingGroup` (fxrec's TBE groups).
     * ``"collective"``: a ``call_function`` whose target has the attribute ``_fxrec_collective``
       set to True, or a ``call_module`` whose module's class sets ``_fxrec_collective = True``
       (the contract fxrec's distributed runtime follows).
@@ -254,7 +254,7 @@ def _group_lines(gm: fx.GraphModule, node: fx.Node, kind: str) -> List[str]:
         lines.append("quantized: " + ", ".join(f"{d} ×{n}" for d, n in dtypes.items())
                      + f"; output {getattr(mod, 'output_dtype', 'fp32')}")
     else:
-        lines.append(f"path train: {mod.path_train} · eval: {mod.path_eval}")
+        lines.append(f"kernel train: {mod.kernel_train} · eval: {mod.kernel_eval}")
         if getattr(mod, "fused", None) is not None:
             lines.append(f"fused optimizer: {mod.fused.kind}")
     return lines

@@ -15,7 +15,7 @@ from fxrec import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = "examples/dlrm_factory.py:small"
-FAST = ["--backend", "fbgemm", "--timing-rounds", "1"]  # no kernel timing: quick and deterministic
+FAST = ["--backend", "fbgemm"]  # fbgemm first: no kernel build on a fresh machine
 HAVE_DOT = shutil.which("dot") is not None
 
 TINY = '''
@@ -284,3 +284,33 @@ def test_memory_sizes():
     assert cli.parse_size("512 mib") == 512 * 2**20
     assert cli.parse_size("1.5GB") == 1_500_000_000
     assert cli.parse_size("4096") == 4096
+
+
+def test_inspect_for_a_device_not_here_shows_the_decisions_without_building(files, capsys):
+    assert cli.main(["inspect", files["tiny_model"] + ":small", "--device", "cuda", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(g["device"], g["kernel_train"], g["decided_by"]) for g in data["groups"]] == [("cuda", "fbgemm", "rule")]
+    assert any("nothing was built" in n for n in data["notes"])
+
+
+def test_inspect_autotune_says_it_measured(files, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FXREC_CACHE", str(tmp_path))
+    assert cli.main(["inspect", files["tiny_model"] + ":small", "--autotune", "--timing-rounds", "1", "--json"]) == 0
+    (g,) = json.loads(capsys.readouterr().out)["groups"]
+    assert g["decided_by"] == "autotune (measured)" and g["timings_ms"]
+
+
+def test_progress_is_shown_only_for_long_transforms(capsys):
+    import logging
+
+    log = logging.getLogger("fxrec.test.progress")
+    log.setLevel(logging.DEBUG)
+    with cli._Progress(after=0.0) as p:
+        log.addHandler(p)
+        log.debug("running pass group_lookups")
+        log.removeHandler(p)
+    with cli._Progress(after=60.0) as quiet:
+        log.addHandler(quiet)
+        log.debug("running pass group_lookups")
+        log.removeHandler(quiet)
+    assert p.shown and not quiet.shown

@@ -21,7 +21,8 @@ class _Calls:
         return getattr(self.mod, name)
 
 
-@pytest.fixture(params=[("fbgemm", True), ("fbgemm", False), ("direct", True), ("direct", False), ("loop", True)],
+@pytest.fixture(params=[("fbgemm", True), ("fbgemm", False), ("native", True), ("native", False), ("reference", True),
+                        ("reference", False)],
                 ids=lambda p: f"{p[0]}-{'train' if p[1] else 'eval'}")
 def fast(request):
     backend, grad = request.param
@@ -131,7 +132,7 @@ def test_verify_reports_the_table_and_difference():
 def test_sequence_lookup_out_of_range_names_table():
     model = M.SequenceMean()
     inputs = M.seq_inputs()
-    for backend in ("fbgemm", "loop"):
+    for backend in ("fbgemm", "reference"):
         fast = fxrec.transform(model, inputs, backend=backend)
         bad = list(inputs)
         bad[2] = bad[2].clone()
@@ -159,7 +160,7 @@ def test_rows_with_no_ids_pool_as_pytorch_does(mode):
     torch.testing.assert_close(fast(*x), model(*x), equal_nan=True)
 
 
-@pytest.mark.parametrize("backend", ["fbgemm", "native", "direct", "loop"])
+@pytest.mark.parametrize("backend", ["fbgemm", "native", "reference"])
 def test_include_last_offset_with_padding_and_bad_offsets(backend):
     class Bag(torch.nn.Module):
         def __init__(self, pad):

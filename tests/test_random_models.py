@@ -25,7 +25,7 @@ from tests.test_fused_optimizers import RowWiseAdagradReference
 
 LOOKUP_KINDS = ["bag_sum", "bag_mean", "bag_weighted", "bag_last", "bag_2d", "emb_single", "emb_sum", "emb_mean",
                 "emb_seq"]
-BACKENDS = ["fbgemm", "native", "direct", "loop", "auto"]
+BACKENDS = ["fbgemm", "native", "reference", "auto"]
 _MORE = int(os.environ.get("FXREC_FUZZ_EXAMPLES", "0"))
 
 

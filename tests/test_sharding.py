@@ -73,7 +73,7 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts):
         # the report of a sharded model prints, serialises and says how each group is sharded
         text, data = str(fast.report), json.loads(fast.report.to_json())
         sharded = {plan.tables[t].sharding for t in plan.tables}
-        assert all(g["path_train"].startswith("sharded: ") for g in data["groups"]), data["groups"]
+        assert all(g["kernel_train"].startswith("sharded: ") for g in data["groups"]), data["groups"]
         assert all(k in text for k in sharded), text
         assert len(fast.report.lowered) + len(fast.report.left_alone) == len(fast.report.lookups) == 4
         names = [type(fast.get_submodule(n.target)).__name__ for n in fast.graph.nodes if n.op == "call_module"]

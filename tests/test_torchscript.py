@@ -10,7 +10,7 @@ ROWS = (500, 800, 300)
 
 CASES = {
     "bags_fp32_fbgemm": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s), dict(backend="fbgemm")),
-    "bags_fp32_direct": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s), dict(backend="direct")),
+    "bags_fp32_direct": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s), dict(backend="reference")),
     "bags_int8": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s),
                   dict(mode="inference", quantize="int8")),
     "bags_mixed_fp16_out": (lambda: M.BagList(rows=ROWS, dim=16), lambda s, b=6: M.bag_inputs(rows=ROWS, batch=b, seed=s),

@@ -18,7 +18,8 @@ from torch import nn
 import fxrec
 from fxrec import viz
 from fxrec.capture import capture
-from fxrec.runtime.tbe import FeatureSpec, PooledEmbeddingGroup, TableSpec
+from fxrec.runtime.group import EmbeddingGroup
+from fxrec.runtime.specs import FeatureSpec, TableSpec
 
 HAVE_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(
@@ -120,8 +121,8 @@ def hand_built():
     root = nn.Module()
     root.w = nn.Parameter(torch.randn(10, 4))
     root.dist = FakeInputDist()
-    root.group = PooledEmbeddingGroup([TableSpec("t0", 10, 4)], [FeatureSpec("f0", 0, "bag")], "sum",
-                                      path_train="fbgemm", path_eval="direct")
+    root.group = EmbeddingGroup([TableSpec("t0", 10, 4)], [FeatureSpec("f0", 0, "bag")], "sum",
+                                kernel_train="fbgemm", kernel_eval="reference")
     root.lin = nn.Linear(4, 4)
     g = fx.Graph()
     ids = g.placeholder("ids")
@@ -169,7 +170,7 @@ def test_hand_built_graph_draws_each_kind_in_its_colour():
         assert f'fillcolor="{viz.KIND_COLORS[kind]}"' in nodes[name]
     assert "shape=hexagon" in nodes["fake_all_to_all"]
     # the group's label names its table and its paths
-    assert "t0" in nodes["group"] and "train: fbgemm" in nodes["group"] and "eval: direct" in nodes["group"]
+    assert "t0" in nodes["group"] and "train: fbgemm" in nodes["group"] and "eval: reference" in nodes["group"]
     # the legend names every kind present
     for text in ("collective", "fxrec TBE group", "embedding lookup", "dense op", "parameter"):
         assert text in dot
@@ -342,7 +343,7 @@ def test_report_json(tiny):
     assert [(n["table"], "max" in n["reason"]) for n in data["not_lowered"]] == [("maxbag", True)]
     group = data["groups"][0]
     assert group["tables"] == ["bags.0", "bags.1", "bags.2"]
-    assert group["became"] == "one group module, path fbgemm"
+    assert group["became"] == "one group module, kernel fbgemm"
     assert data["plan_per_rank"] == []
     assert data["quantization"] == []
     assert [p["name"] for p in data["passes"]] == [

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
-from ..runtime._fbgemm import TBE_DIM_ALIGNMENT
+from ..runtime.kernels.fbgemm import TBE_DIM_ALIGNMENT
 
 aten = torch.ops.aten
 

@@ -48,7 +48,7 @@ from ..codegen import StructuredCodeGen
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.input_guards import InputGuards
 from ..runtime.serving import ServingPooledGroup, ServingSequenceGroup
-from ..runtime.tbe import EmbeddingGroup, SequenceEmbeddingGroup
+from ..runtime.group import EmbeddingGroup
 
 aten = torch.ops.aten
 
@@ -71,7 +71,7 @@ def _serving_module(group: EmbeddingGroup, offsets: list, psws: list):
         psw_index.append(len(kept_psw) if w is not None else -1)
         if w is not None:
             kept_psw.append(w)
-    cls = ServingSequenceGroup if isinstance(group, SequenceEmbeddingGroup) else ServingPooledGroup
+    cls = ServingSequenceGroup if group.pooling == "none" else ServingPooledGroup
     return cls(group, off_index, psw_index), kept_offs, kept_psw
 
 

@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.fx as fx
 
+from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
 
 aten = torch.ops.aten
@@ -43,7 +44,10 @@ def _group_slice(n) -> Optional[Tuple[fx.Node, int, int]]:
         and n.args[1] == 1
         and isinstance(n.args[0], fx.Node)
         and n.args[0].op == "call_module"
-        and str(n.args[0].target).startswith(("fxrec_group_", "fxrec_shard_"))
+        # a column slice that lower_groups / shard_groups handed a lookup's user (both carry the
+        # lookups they replace as their origin), not a slice the user wrote
+        and meta.ORIGIN in n.meta
+        and meta.ORIGIN in n.args[0].meta
     ):
         return n.args[0], int(n.args[2]), int(n.args[3])
     return None

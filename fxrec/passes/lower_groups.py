@@ -27,8 +27,9 @@ guaranteed every input is defined before that point.
 Groups that quantize_tables gave dtypes become quantized inference groups (called without
 weights); the fp32 parameters they replace are removed from the model when nothing else reads them.
 
-Not handled: lookups without a group, and groups that choose_kernels kept as plain lookups
-(both left as they were).
+The group's decision record (``meta.DECISION``) moves from its lookups to the call.
+
+Not handled: lookups without a group (left as they were).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         with graph.inserting_before(anchor):
             call = graph.call_module(name, group_inputs(gr, index, lambda n: n))
             call.meta[meta.ORIGIN] = [rec.node.name for rec in gr.lookups]
+            call.meta[meta.DECISION] = gr.decision
             if "stack_trace" in gr.lookups[0].node.meta:
                 call.meta["stack_trace"] = gr.lookups[0].node.meta["stack_trace"]
             hand_outputs(graph, call, gr.lookups, pooled=gr.pooling != "none")

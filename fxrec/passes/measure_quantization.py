@@ -19,6 +19,7 @@ from typing import Dict
 import torch
 import torch.fx as fx
 
+from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..report import QuantEntry
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
@@ -39,6 +40,8 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             h.remove()
     params = {g.module: [p for p in g.quant] for g in ctx.groups if g.quant}
     worst = 0.0
+    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module" and n.target in groups}
+    measured = 0
     for name, mod in groups.items():
         # the fp32 weights in the module's table order (the table names map back to parameters)
         fp32 = [ctx.fp32_weights[_param_of(t.name, params[name])] for t in mod.tables]
@@ -48,12 +51,13 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             ids, offs, psw = seen[name]
             with torch.no_grad():
                 got = mod(ids, offs, psw)
-                want = mod.loop(ids, offs, psw, fp32)
+                want = mod.lookups(ids, offs, psw, fp32)
             if isinstance(got, torch.Tensor):
                 got, want = torch.split(got.float(), mod.dims, 1), torch.split(want, mod.dims, 1)
             for f, g, w in zip(mod.features, got, want):
                 if g.numel():
                     errs.setdefault(f.table, []).append((g.float() - w).abs().reshape(-1))
+        entries = []
         for t, spec in enumerate(mod.tables):
             e = torch.cat(errs[t]) if t in errs else None
             entry = QuantEntry(
@@ -62,10 +66,12 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 max_abs_error=float(e.max()) if e is not None else None,
                 mean_abs_error=float(e.mean()) if e is not None else None,
             )
-            ctx.report.quantization.append(entry)
+            entries.append(entry)
             worst = max(worst, entry.max_abs_error or 0.0)
+        calls[name].meta[meta.QUANT] = tuple(entries)
+        measured += len(entries)
     ctx.fp32_weights.clear()
-    return PassResult(gm, False, {"tables": len(ctx.report.quantization), "worst_max_abs_error": f"{worst:.3g}"})
+    return PassResult(gm, False, {"tables": measured, "worst_max_abs_error": f"{worst:.3g}"})
 
 
 def _param_of(table: str, params) -> str:

@@ -22,7 +22,7 @@ import fnmatch
 import torch.fx as fx
 
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
-from ..runtime._fbgemm import QUANT_DTYPES, quant_align
+from ..runtime.kernels.fbgemm import QUANT_DTYPES, quant_align
 
 AUTO_MIN_BYTES = 64 * 1024
 

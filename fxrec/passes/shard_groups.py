@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
+from ..report import LookupEntry
 from ..group_module import hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.sharded import (
@@ -83,6 +84,27 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
     return tp.sharding
 
 
+def plan_decision(gr: meta.GroupRecord, plan) -> meta.GroupDecision:
+    """The group's decision under ``plan`` (fxrec.explain: without checking or rewriting)."""
+    return _decision(gr, [plan.tables[r.table].sharding if r.table in plan.tables else "data_parallel"
+                          for r in gr.lookups])
+
+
+def _decision(gr: meta.GroupRecord, kinds) -> meta.GroupDecision:
+    """The group's decision under the plan: how each of its tables is sharded."""
+    # data-parallel lookups stay the user's lookups (whole tables, gradients summed over ranks)
+    sharded = sorted({k for k in kinds if k != "data_parallel"})
+    kernel = "sharded: " + ", ".join(sorted(set(kinds)))
+    return meta.GroupDecision(
+        group=gr.name, pooling=gr.pooling, tables=tuple(r.table for r in gr.lookups),
+        features=tuple(r.feature for r in gr.lookups), lookups=tuple(LookupEntry.of(r, gr.name) for r in gr.lookups),
+        device=gr.lookups[0].device.split(":")[0], kernel_train=kernel, kernel_eval=kernel, decided_by="sharding plan",
+        why="sharding plan: " + "; ".join(f"{r.table} {k}" for r, k in zip(gr.lookups, kinds)),
+        dtypes=tuple(r.dtype for r in gr.lookups), lowered=bool(sharded),
+        placement="device" if gr.lookups[0].device.startswith("cuda") else "host",
+    )
+
+
 def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
     owner, _, attr = fqn.rpartition(".")
     mod = gm.get_submodule(owner) if owner else gm
@@ -106,7 +128,9 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if kinds[id(r)] != "data_parallel" and any(u not in mine for u in r.weight.users):
                 raise InputError(f"fxrec: table '{r.table}' is also used outside its lookups (tied weights, or a "
                                  "lookup fxrec leaves alone); a sharded table is only looked up: plan it data_parallel")
+        decision = _decision(gr, [kinds[id(r)] for r in gr.lookups])
         for r in gr.lookups:
+            r.node.meta[meta.DECISION] = decision  # stays on data-parallel lookups, which are not rewritten
             stats[kinds[id(r)]] = stats.get(kinds[id(r)], 0) + 1
             if kinds[id(r)] == "column_wise":
                 kinds[id(r)] = "table_wise"  # column shards run as table-wise pieces (below)
@@ -181,6 +205,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 out = graph.call_module(f"{name}_output_dist", (look, din))
                 for n in (din, look, out):
                     n.meta[meta.ORIGIN] = [r.node.name for r in recs]
+                din.meta[meta.DECISION] = decision
                 hand_outputs(graph, out, recs)
             for r in recs:
                 for n in r.nodes:

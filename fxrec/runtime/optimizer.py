@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .tbe import EmbeddingGroup
+from .group import EmbeddingGroup
 
 
 class FollowLearningRate:

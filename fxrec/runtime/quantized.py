@@ -15,8 +15,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import _fbgemm
-from .tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec, group_forward
+from .group import EmbeddingGroup, group_forward
+from .kernels import FBGEMM
+from .kernels import fbgemm as _fbgemm
+from .packing import pack_pooled, pack_sequence, unpack_sequence
+from .specs import FeatureSpec, GroupSpec, TableSpec
 
 
 def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str) -> None:
@@ -65,6 +68,12 @@ def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[t
     )
 
 
+class _Quantized:
+    @property
+    def spec(self) -> GroupSpec:
+        return GroupSpec(tuple(self.tables), tuple(self.features), self.pooling, quantized=True)
+
+
 def table_bytes(tbe: torch.nn.Module) -> List[int]:
     """Bytes each table takes in the quantized TBE (rows x stored row width, scale/bias included)."""
     out = []
@@ -73,19 +82,19 @@ def table_bytes(tbe: torch.nn.Module) -> List[int]:
     return out
 
 
-class QuantizedPooledGroup(PooledEmbeddingGroup):
+class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
     """Pooled lookups (sum or mean) on quantized tables; returns ``[B, sum of dims]``."""
 
     def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], pooling: str,
                  dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32"):
-        super().__init__(tables, features, pooling)
+        super().__init__(tables, features, pooling, FBGEMM, FBGEMM)
         _attach_quantized_tbe(self, dtypes, weights, output_dtype)
 
     @group_forward
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> torch.Tensor:
         self._check_count(ids_list)
-        packed = self._pack(ids_list, offsets_list, psw_list, empty_means=True, strict=True)
+        packed = pack_pooled(self, ids_list, offsets_list, psw_list, empty_means=True, strict=True)
         if packed is None:
             if all(ids.numel() == 0 for ids in ids_list):  # an empty batch
                 batch = 0 if not ids_list else (ids_list[0].shape[0] if ids_list[0].dim() else 0)
@@ -106,12 +115,12 @@ class QuantizedPooledGroup(PooledEmbeddingGroup):
         return torch.float16 if self.output_dtype == "fp16" else torch.float32
 
 
-class QuantizedSequenceGroup(SequenceEmbeddingGroup):
+class QuantizedSequenceGroup(_Quantized, EmbeddingGroup):
     """Unpooled lookups on quantized tables; returns one tensor per feature."""
 
     def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], pooling: str,
                  dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32"):
-        super().__init__(tables, features, pooling)
+        super().__init__(tables, features, pooling, FBGEMM, FBGEMM)
         _attach_quantized_tbe(self, dtypes, weights, output_dtype)
 
     @group_forward
@@ -124,5 +133,5 @@ class QuantizedSequenceGroup(SequenceEmbeddingGroup):
         if max(ids.numel() for ids in ids_list) == 0:
             dt = torch.float16 if self.output_dtype == "fp16" else torch.float32
             return [torch.zeros(tuple(ids.shape) + (self.tables[0].dim,), dtype=dt, device=ids.device) for ids in ids_list]
-        indices, offsets, _ = self._pack_sequence(ids_list)
-        return self._unpack_sequence(_lookup(self, indices, offsets, None), ids_list)
+        indices, offsets, _ = pack_sequence(self, ids_list)
+        return unpack_sequence(self, _lookup(self, indices, offsets, None), ids_list)

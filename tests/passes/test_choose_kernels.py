@@ -1,75 +1,212 @@
+"""choose_kernels: kernels by the rule table, decisions as frozen records, autotune opt-in and cached."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
 import fxrec
+from fxrec import meta
 from fxrec.passes.annotate_lookups import annotate_lookups
-from fxrec.passes.choose_kernels import choose_kernels
+from fxrec.passes.assign_optimizers import assign_optimizers
+from fxrec.passes.choose_kernels import RULES, choose_kernels
 from fxrec.passes.fold_concat import fold_concat
 from fxrec.passes.group_lookups import group_lookups
 from fxrec.passes.lower_groups import lower_groups
-from fxrec.testing import assert_matches, captured, embedding_ops, group_calls, run_passes
+from fxrec.runtime.kernels import native
+from fxrec.testing import assert_matches, captured, group_calls, run_passes
 from tests import models as M
 
 PIPE = [annotate_lookups, group_lookups, choose_kernels, lower_groups, fold_concat]
 
 
-def test_forced_backends_set_both_paths():
-    for backend in ("fbgemm", "native", "direct", "loop"):
-        inputs = M.bag_inputs()
-        gm, ctx = run_passes(captured(M.BagList(), inputs), PIPE, inputs, backend=backend)
-        mod = gm.get_submodule(group_calls(gm)[0].target)
-        assert (mod.path_train, mod.path_eval) == (backend, backend)
-        assert ctx.report.groups[0].why == f"backend={backend!r} was asked for"
+def kernels_of(fast):
+    return [(g.kernel_train, g.kernel_eval) for g in fast.report.groups]
 
 
-def test_auto_measures_both_paths_and_keeps_the_faster():
+def test_rule_table_names_every_device_and_mode():
+    for device in ("cpu", "cuda"):
+        for mode in ("training", "inference"):
+            assert RULES[(device, mode)], (device, mode)
+    assert RULES[("cuda", "training")][0] == "fbgemm"
+
+
+def test_cpu_pooled_groups_run_the_native_kernel_when_it_is_built():
     inputs = M.bag_inputs()
     model = M.BagList()
-    gm, ctx = run_passes(captured(model, inputs), PIPE, inputs, backend="auto")
-    (gr,) = ctx.groups
-    t = gr.timings_ms
-    assert all(v > 0 for v in t.values())
-    names = {"fbgemm": "fbgemm", "native": "native", "direct": "direct", "loop": "plain"}
-    assert set(t) == {f"{m}_{n}" for m in ("fwd", "train") for n in names.values()}
-    best = min(t[f"fwd_{n}"] for n in names.values())
-    chosen = t[f"fwd_{names[gr.path_eval]}"]
-    # direct wins its ties with the plain loop (the same kernels, a reused output)
-    assert chosen == best or (gr.path_eval == "direct" and t["fwd_plain"] == best and chosen <= 1.10 * best)
-    assert t[f"train_{names[gr.path_train]}"] == min(t[f"train_{n}"] for n in names.values())
-    assert gr.lower == ((gr.path_eval, gr.path_train) != ("loop", "loop"))
-    assert bool(group_calls(gm)) == gr.lower
-    if not gr.lower:  # plain won both ways: the graph keeps the user's lookups, untouched
-        assert len(embedding_ops(gm)) == 3
-        assert "kept as they were" in gr.why
-    assert_matches(model, gm, inputs)
-
-
-def test_group_where_plain_wins_both_ways_is_not_lowered():
-    """Tiny tables and a batch of two: the plain lookups win on any machine (fbgemm's TBE has a
-    fixed per-call cost of tens of microseconds)."""
-    inputs = M.bag_inputs(rows=(5, 5, 5), batch=2, max_len=1)
-    model = M.BagList(rows=(5, 5, 5))
-    fast = fxrec.transform(model, inputs, backend="auto", timing_rounds=5)
-    g = fast.report.groups[0]
-    if g.lowered:  # the measurement decides; report what it saw if fbgemm won somewhere
-        t = g.timings_ms
-        assert min(t["fwd_fbgemm"], t["fwd_direct"]) < t["fwd_plain"] or min(t["train_fbgemm"], t["train_direct"]) < t["train_plain"]
-    else:
-        assert not group_calls(fast) and len(embedding_ops(fast)) == 3
-        assert all("kept plain" in line for line in str(fast.report).splitlines() if line.strip().startswith("bags."))
+    fast = fxrec.transform(model, inputs)
+    want = "native" if native.available() else "reference"
+    assert kernels_of(fast) == [(want, want)]
+    assert fast.report.groups[0].decided_by == "rule"
+    assert fast.report.groups[0].timings_ms == {}  # nothing was measured
     assert_matches(model, fast, inputs)
 
 
-def test_measuring_leaves_no_gradients_and_changes_no_weights():
+def test_cpu_sequence_groups_run_the_reference_and_fbgemm_where_only_it_fuses_the_optimizer():
+    inputs = M.seq_inputs()
+    plain = fxrec.transform(M.SequenceMean(), inputs)
+    seq = [g for g in plain.report.groups if g.pooling == "none"]
+    assert seq and all(g.kernel_train == "reference" for g in seq)
+    fused = fxrec.transform(M.SequenceMean(), inputs, optimizer=fxrec.optim.Adagrad(lr=0.1))
+    seq = [g for g in fused.report.groups if g.pooling == "none"]
+    assert all(g.kernel_train == "fbgemm" and g.fused == "adagrad" for g in seq), fused.report
+    assert all("not reference" in g.why for g in seq)  # says why the reference was passed over
+
+
+def test_forced_backend_goes_first_where_it_supports_the_group():
+    for backend in ("fbgemm", "native", "reference"):
+        inputs = M.bag_inputs()
+        gm, ctx = run_passes(captured(M.BagList(), inputs), PIPE, inputs, backend=backend)
+        mod = gm.get_submodule(group_calls(gm)[0].target)
+        want = backend if backend != "native" or native.available() else "reference"
+        assert (mod.kernel_train, mod.kernel_eval) == (want, want)
+        assert ctx.groups[0].decision.decided_by == f"backend={backend!r}"
+
+
+def test_three_transforms_give_the_same_decisions():
+    from examples.dlrm_factory import small
+
+    model, inputs = small(rows_cap=2000, batch=64)
+    reports = [fxrec.transform(model, inputs, optimizer=fxrec.optim.SGD(lr=0.01)).report for _ in range(3)]
+    decided = [json.dumps(r.to_dict()["groups"], sort_keys=True) for r in reports]
+    assert decided[0] == decided[1] == decided[2]
+
+
+def test_decision_is_a_frozen_record_on_the_group_call():
+    inputs = M.bag_inputs()
+    gm, ctx = run_passes(captured(M.BagList(), inputs), PIPE, inputs)
+    call = group_calls(gm)[0]
+    d = call.meta[meta.DECISION]
+    assert isinstance(d, meta.GroupDecision) and d is ctx.groups[0].decision
+    assert d.group == "group_0" and d.tables == ("bags.0", "bags.1", "bags.2") and len(d.lookups) == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.kernel_train = "reference"
+
+
+def test_choose_kernels_leaves_the_graph_and_the_report_alone():
+    inputs = M.bag_inputs()
+    gm, ctx = run_passes(captured(M.BagList(), inputs), [annotate_lookups, group_lookups], inputs)
+    before = gm.code
+    res = choose_kernels(gm, ctx)
+    assert not res.modified and gm.code == before
+    assert ctx.report.groups == [] and ctx.report.notes == []  # the report is built from the graph later
+    assert all(meta.DECISION in r.node.meta for r in ctx.groups[0].lookups)
+
+
+def test_transform_trains_no_weight_and_leaves_no_gradient():
     model = M.BagList()
     inputs = M.bag_inputs()
-    fast = fxrec.transform(model, inputs, backend="auto", timing_rounds=2)
+    fast = fxrec.transform(model, inputs, autotune=False, optimizer=fxrec.optim.Adagrad(lr=0.5))
     assert all(p.grad is None for p in fast.parameters())
     for k, v in model.state_dict().items():
-        assert (fast.state_dict()[k] == v).all(), k
+        assert torch.equal(fast.state_dict()[k], v), k
 
 
-def test_direct_wins_ties_within_ten_percent_only():
-    from fxrec.passes.choose_kernels import _fastest
+def test_autotune_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXREC_CACHE", str(tmp_path))
+    model, inputs = M.BagList(), M.bag_inputs()
+    first = fxrec.transform(model, inputs, autotune=True, timing_rounds=1, optimizer=fxrec.optim.SGD(lr=0.1))
+    g1 = first.report.groups[0]
+    assert g1.decided_by == "autotune (measured)"
+    assert {"fwd_reference", "fwd_fbgemm", "train_reference", "train_fbgemm"} <= set(g1.timings_ms)
+    assert (tmp_path / "autotune.json").exists()
+    second = fxrec.transform(model, inputs, autotune=True, timing_rounds=1, optimizer=fxrec.optim.SGD(lr=0.1))
+    g2 = second.report.groups[0]
+    assert g2.decided_by == "autotune (cached)"
+    assert (g2.kernel_train, g2.kernel_eval) == (g1.kernel_train, g1.kernel_eval)
+    # autotune copies the tables it times: the model is not trained by it
+    for k, v in model.state_dict().items():
+        assert torch.equal(second.state_dict()[k], v), k
+    with torch.no_grad():
+        torch.testing.assert_close(second(*inputs), model(*inputs))
 
-    assert _fastest({"fbgemm": 3.0, "direct": 2.15, "loop": 2.0}, "direct") == "direct"
-    assert _fastest({"fbgemm": 3.0, "direct": 2.3, "loop": 2.0}, "direct") == "loop"
-    assert _fastest({"fbgemm": 1.0, "direct": 2.0, "loop": 2.0}, "direct") == "fbgemm"
-    assert _fastest({"fbgemm": 3.0, "direct": 2.15, "loop": 2.0}, None) == "loop"
+
+def test_autotune_keeps_the_rule_choice_within_the_noise():
+    from fxrec.autotune import _fastest
+
+    assert _fastest({"fbgemm": 1.0, "native": 1.05, "reference": 2.0}, "native") == "native"
+    assert _fastest({"fbgemm": 1.0, "native": 1.2, "reference": 2.0}, "native") == "fbgemm"
+
+
+class Padded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(40, 8, padding_idx=0)
+        self.users = nn.EmbeddingBag(30, 8, mode="sum")
+
+    def forward(self, hist, users, offsets):
+        return torch.cat([self.items(hist).sum(1), self.users(users, offsets)], 1)
+
+
+def padded_inputs():
+    return (torch.randint(0, 40, (4, 3)), torch.randint(0, 30, (6,)), torch.tensor([0, 2, 3, 5]))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_explain_for_cuda_puts_every_group_on_fbgemm_with_its_fused_optimizer(opt):
+    optimizer = {"sgd": fxrec.optim.SGD(lr=0.1), "adagrad": fxrec.optim.Adagrad(lr=0.1),
+                 "rowwise_adagrad": fxrec.optim.RowWiseAdagrad(lr=0.1)}[opt]
+    from examples.dlrm_factory import small
+
+    model, inputs = small(rows_cap=500, batch=8)
+    r = fxrec.explain(model, inputs, device="cuda", optimizer=optimizer)
+    assert r.groups and all((g.kernel_train, g.kernel_eval, g.device) == ("fbgemm", "fbgemm", "cuda") for g in r.groups)
+    assert all(g.fused == opt and g.placement == "device" for g in r.groups)
+    json.loads(r.to_json())  # serialises
+
+
+def test_explain_for_cuda_says_where_fbgemm_cannot_fuse():
+    r = fxrec.explain(Padded(), padded_inputs(), device="cuda", optimizer=fxrec.optim.Adagrad(lr=0.1))
+    g = r.group(next(e.group for e in r.lookups if e.table == "items"))
+    # fbgemm's fused Adagrad would update nn.Embedding's padding row: no kernel fuses it there
+    assert g.fused == "" and "padding row" in g.why and "torch.optim" in g.why
+    r = fxrec.explain(Padded(), padded_inputs(), device="cuda", optimizer=fxrec.optim.SGD(lr=0.1))
+    g = r.group(next(e.group for e in r.lookups if e.table == "items"))
+    assert (g.kernel_train, g.fused) == ("reference", "sgd")  # fxrec's SGD leaves the padding row alone
+
+
+def test_explain_builds_nothing_and_leaves_the_model_alone():
+    model = M.BagList()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    r = fxrec.explain(model, M.bag_inputs(), device="cuda", optimizer=fxrec.optim.SGD(lr=0.1))
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert all(p.grad is None for p in model.parameters())
+    assert "nothing was built" in str(r)
+    # the same decisions transform makes, for the device at hand
+    here = fxrec.explain(model, M.bag_inputs(), optimizer=fxrec.optim.SGD(lr=0.1))
+    fast = fxrec.transform(model, M.bag_inputs(), optimizer=fxrec.optim.SGD(lr=0.1))
+    assert kernels_of(fast) == [(g.kernel_train, g.kernel_eval) for g in here.groups]
+
+
+def test_explain_refuses_an_unknown_device():
+    with pytest.raises(ValueError, match="device must be one of"):
+        fxrec.explain(M.BagList(), M.bag_inputs(), device="tpu")
+
+
+def test_assign_then_choose_on_a_pass_list():
+    inputs = M.bag_inputs()
+    gm, ctx = run_passes(captured(M.BagList(), inputs), [annotate_lookups, assign_optimizers, group_lookups,
+                                                         choose_kernels], inputs)
+    assert ctx.groups[0].decision.kernel_train == ctx.groups[0].kernel_train
+
+
+def test_explain_takes_a_model_on_the_meta_device():
+    """Tables far larger than this machine's memory, never allocated: the decisions for CUDA."""
+
+    class Huge(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bags = nn.ModuleList(nn.EmbeddingBag(10_000_000, 128) for _ in range(3))
+
+        def forward(self, ids, offsets):
+            return torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)], 1)
+
+    with torch.device("meta"):
+        model = Huge()
+    x = ([torch.randint(0, 1000, (8,)) for _ in range(3)], [torch.arange(0, 8, 2) for _ in range(3)])
+    r = fxrec.explain(model, x, device="cuda", optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+    (g,) = r.groups
+    assert (g.kernel_train, g.fused, g.device) == ("fbgemm", "rowwise_adagrad", "cuda")
+    assert r.tables[0]["bytes"] == 10_000_000 * 128 * 4

@@ -1,22 +1,112 @@
-"""fxrec's own CPU kernels as the group modules use them (the "native" path of
-:mod:`fxrec.runtime.tbe`): the inputs turned into a kernel call, the pooled forward, the
-autograd function of the fused updates, and the dense gradients.
+"""The ``native`` kernel: fxrec's own C++ CPU kernels (``fxrec/csrc/pooled.cpp``).
 
-The kernels are ``fxrec/csrc/pooled.cpp``, built and loaded by :mod:`fxrec.runtime._native`.
-Nothing here knows about graphs or passes; ``group`` is a pooled group module (its features,
-tables, pooling, dims, output buffer, input checks and optimizer states).
+For pooled groups on CPU: every feature's ids are read as given and the pooled rows written
+straight into their columns of the output (no per-table outputs, no cat, no packing). In
+inference it writes into the group's reused output buffer; in training its forward feeds
+fxrec's gradients (:mod:`fxrec.runtime.grad`), whose dense table gradients it also makes, and
+with a fused optimizer (SGD, Adagrad, row-wise Adagrad) its backward kernels update the
+looked-up rows, never making a gradient. The Adagrads' states are kept in the group's bound
+fbgemm TBE, so a call these kernels cannot take runs fbgemm's fused kernel on the same states.
+
+The library is built by ``torch.utils.cpp_extension.load`` on first use (about 10 s here) and
+cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), once
+per machine and torch; its name carries a tag of the CPU (it is built with ``-march=native``).
+Nothing depends on it being there: when the build fails or ``FXREC_NATIVE=0`` is set,
+:func:`available` is False, :func:`why_unavailable` says why, and the rule table picks another
+kernel (the report says so).
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import os
 import re
+import shutil
+import sysconfig
+import threading
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
-from . import _native
-from ._tracing import compiling, exporting
+from .. import _tracing
+from . import NATIVE, Kernel
+
+_SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc",
+                       "pooled.cpp")
+_lock = threading.Lock()
+_state: dict = {"tried": False, "ok": False, "why": "not built yet"}
+
+
+def _cpu_tag() -> str:
+    """Machine features the build depends on (-march=native): a library built on another CPU
+    is never loaded here (the tag is part of the extension's name)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256((os.uname().machine + flags).encode()).hexdigest()[:12]
+
+
+def _omp_link() -> List[str]:
+    """ATen's parallel_for is OpenMP in these builds: link the libgomp torch itself loaded, so
+    the process keeps one OpenMP thread pool."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    gomp = sorted(glob.glob(os.path.join(lib_dir, "libgomp*.so*")))
+    return [f"-L{lib_dir}", f"-l:{os.path.basename(gomp[0])}", f"-Wl,-rpath,{lib_dir}"] if gomp else ["-fopenmp"]
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the ninja wheel's program, when the venv is not activated
+        scripts = sysconfig.get_path("scripts")
+        if os.path.exists(os.path.join(scripts, "ninja")):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    try:
+        cpp_extension.load(
+            name=f"fxrec_kernels_{_cpu_tag()}", sources=[_SOURCE], is_python_module=False,
+            # -fno-math-errno: sqrt may be vectorised (it changes no result, only errno, never read)
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=_omp_link(), verbose=False,
+        )
+    except Exception as e:
+        raise RuntimeError(f"building fxrec's kernels failed: {e}") from e
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernels; True when ``torch.ops.fxrec`` has them."""
+    with _lock:
+        if _state["tried"]:
+            return _state["ok"]
+        _state["tried"] = True
+        if os.environ.get("FXREC_NATIVE", "1") == "0":
+            _state["why"] = "disabled by FXREC_NATIVE=0"
+            return False
+        try:
+            if not (hasattr(torch.ops, "fxrec") and hasattr(torch.ops.fxrec, "pooled_forward")):
+                _build_and_load()
+            torch.ops.fxrec.pooled_forward  # noqa: B018 - raises when the library did not register
+            _state.update(ok=True, why="")
+        except Exception as e:  # any failure: another kernel runs, and the report says why
+            _state.update(ok=False, why=f"{type(e).__name__}: {e}".strip())
+        return _state["ok"]
+
+
+def available() -> bool:
+    return load()
+
+
+def why_unavailable() -> Optional[str]:
+    return None if load() else _state["why"]
+
+
+def ops():
+    """``torch.ops.fxrec`` (after :func:`load` returned True)."""
+    return torch.ops.fxrec
 
 
 @dataclass
@@ -47,14 +137,14 @@ def native_call(group, ids_list, offsets_list, psw_list, params) -> Optional[Nat
     kernel built, not CPU float32, tracing, an empty batch, batch sizes that differ, odd
     shapes, or a PyTorch corner case only its own kernels reproduce); the caller then runs
     another path."""
-    if exporting() or torch.jit.is_tracing() or compiling():
+    if _tracing.exporting() or torch.jit.is_tracing() or _tracing.compiling():
         return None
     weights = []
     for p in params:
         if p.device.type != "cpu" or p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():
             return None
         weights.append(p.detach())
-    if not _native.available():
+    if not available():
         return None
     mean = group.pooling == "mean"
     ids_n, offs_n, psw_n, last, pad, form = [], [], [], [], [], []
@@ -114,7 +204,7 @@ def native_forward(group, call: NativeCall, ids_list, offsets_list, reuse: bool)
     w0 = call.weights[0]
     out = group._out.take(shape, w0.dtype, w0.device) if reuse else torch.empty(shape, dtype=w0.dtype)
     try:
-        _native.ops().pooled_forward(out, call.weights, *call.features())
+        ops().pooled_forward(out, call.weights, *call.features())
     except (IndexError, RuntimeError) as e:
         _raise_named(group, e, ids_list, offsets_list)
     return out
@@ -144,7 +234,7 @@ def dense_grads_by_kernel(group, grad_out: torch.Tensor, need) -> bool:
         and all(need[t] and not spec.sparse for t, spec in enumerate(group.tables))
         # backward(create_graph=True): the gradient must itself be differentiable (PyTorch ops)
         and not torch.is_grad_enabled()
-        and _native.available()
+        and available()
     )
 
 
@@ -160,7 +250,7 @@ def dense_grads(group, grad_out, indices, offsets, scale, bounds, batch) -> List
     psw = [None if scale is None else scale[bounds[i] : bounds[i + 1]] for i in range(nf)]
     pad = [-1 if f.padding_idx is None or f.form == "bag" else int(f.padding_idx) for f in group.features]
     zeros = [0] * nf
-    _native.ops().sgd_update(grads, grad_out.contiguous(), -1.0, [1] * len(grads), [f.table for f in group.features],
+    ops().sgd_update(grads, grad_out.contiguous(), -1.0, [1] * len(grads), [f.table for f in group.features],
                              ids, offs, psw, zeros, pad, zeros, 0)
     return grads
 
@@ -208,12 +298,65 @@ class NativeFusedFunction(torch.autograd.Function):
         features = ([int(p.requires_grad) for p in ctx.params], tof, ids, offs, psw, last, pad, form, mean)
         with torch.no_grad():
             if states is None:
-                _native.ops().sgd_update(weights, grad_out.contiguous(), float(spec.lr), *features)
+                ops().sgd_update(weights, grad_out.contiguous(), float(spec.lr), *features)
             else:
-                _native.ops().adagrad_update(weights, states, grad_out.contiguous(), float(spec.lr), float(spec.eps),
+                ops().adagrad_update(weights, states, grad_out.contiguous(), float(spec.lr), float(spec.eps),
                                              int(spec.kind == "rowwise_adagrad"), *features)
         bump = getattr(torch.autograd.graph, "increment_version", None)
         if bump is not None:
             for p in ctx.params:
                 bump(p)
         return (None, None, None, None, *([None] * len(ctx.params)))
+
+
+class NativeKernel(Kernel):
+    """fxrec's C++ kernels: pooled groups of float32 tables on CPU."""
+
+    name = NATIVE
+    OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+    def supports(self, group, device, mode, optimizer):
+        if device != "cpu":
+            return "fxrec's native kernels are CPU code"
+        if not group.pooled:
+            return "fxrec's native kernels pool (sum or mean); sequence lookups are not theirs"
+        if group.quantized:
+            return "quantized tables are fbgemm's IntNBit"
+        if any(t.dtype != "float32" for t in group.tables):
+            return "fxrec's native kernels take float32 tables"
+        if optimizer is not None and optimizer not in self.OPTIMIZERS:
+            return f"fxrec's native kernels have no fused {optimizer}"
+        return None
+
+    def available(self, device):
+        return None if device != "cpu" or load() else f"fxrec's native kernels are not available ({_state['why']})"
+
+    def run(self, group, ids_list, offsets_list, psw_list, params, training):
+        from ..grad import LookupWithGrads
+        from ..packing import pack_pooled
+        from .fbgemm import ensure_bound
+
+        call = native_call(group, ids_list, offsets_list, psw_list, params)
+        if call is None:
+            return None
+        if not training:
+            return native_forward(group, call, ids_list, offsets_list, reuse=group.reuse_output)
+        if group.fused_active:
+            if not fused_fits(params, psw_list):
+                return None  # a per-sample-weight gradient: the group runs another kernel
+            if group.fused.kind != "sgd":
+                ensure_bound(group, params)  # the Adagrad states live in the bound TBE
+            return NativeFusedFunction.apply(group, call, ids_list, offsets_list, *params)
+        packed = pack_pooled(group, ids_list, offsets_list, psw_list)
+        if packed is None:
+            return None
+        indices, offsets, psw, batch = packed
+        group._validate_packed(indices, offsets, ids_list, offsets_list)
+
+        def forward():
+            return native_forward(group, call, ids_list, offsets_list, reuse=False)
+
+        return LookupWithGrads.apply(group, forward, batch, indices, offsets, psw, *params)
+
+
+KERNEL = NativeKernel()

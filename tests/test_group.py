@@ -1,9 +1,10 @@
-"""The runtime group modules alone: fbgemm path against the plain-lookup path, values and grads."""
+"""The group module alone: each kernel against PyTorch's own lookups (the reference), values and grads."""
 
 import pytest
 import torch
 
-from fxrec.runtime.tbe import FeatureSpec, PooledEmbeddingGroup, SequenceEmbeddingGroup, TableSpec
+from fxrec.runtime.group import EmbeddingGroup
+from fxrec.runtime.specs import FeatureSpec, TableSpec
 
 
 def run(group_cls, tables, feats, pooling, ids, offs, psw, path, seed=1):
@@ -30,9 +31,9 @@ def eval_out(group_cls, tables, feats, pooling, ids, offs, psw, path):
 def assert_paths_agree(*args):
     """Every path gives the plain lookups' outputs and gradients (with autograd) and outputs
     (without); returns the fbgemm path's run."""
-    a = run(*args, path="loop")
-    want_eval = eval_out(*args, path="loop")
-    paths = ["fbgemm"] + (["direct"] if args[0] is PooledEmbeddingGroup else [])
+    a = run(*args, path="reference")
+    want_eval = eval_out(*args, path="reference")
+    paths = ["fbgemm"] + (["native"] if args[3] != "none" else [])
     for path in paths:
         b = run(*args, path=path)
         for x, y in zip(a[0], b[0]):
@@ -58,7 +59,7 @@ def test_mixed_dims_padding_duplicates_shared_tables(pooling):
     ids = [torch.tensor([3, 3, 3, 3, 7, 7, 7, 1, 2, 9, 9, 40]), torch.tensor([7, 7, 0, 49, 5]), torch.randint(0, 30, (9,)),
            torch.tensor([[1, 1, 2], [3, 1, 4], [5, 5, 5], [1, 1, 1], [0, 2, 19]])]
     offs = [torch.tensor([0, 2, 2, 7, 9]), None, torch.tensor([0, 1, 1, 4, 6, 9]), None]
-    b = assert_paths_agree(PooledEmbeddingGroup, tables, feats, pooling, ids, offs, [None] * 4)
+    b = assert_paths_agree(EmbeddingGroup, tables, feats, pooling, ids, offs, [None] * 4)
     assert b[1][0][3].abs().max() == 0  # padding row 3 of table a gets no gradient from bag fa
 
 
@@ -68,7 +69,7 @@ def test_features_of_one_table_apart_are_refused():
     tables = [TableSpec("a", 10, 4), TableSpec("b", 10, 4)]
     feats = [FeatureSpec("a0", 0, "bag"), FeatureSpec("b1", 1, "bag"), FeatureSpec("a2", 0, "bag")]
     with pytest.raises(ValueError, match=r"ordered by table, got table order \[0, 1, 0\]"):
-        PooledEmbeddingGroup(tables, feats, "sum")
+        EmbeddingGroup(tables, feats, "sum")
 
 
 def test_weighted_bags_give_sample_weight_gradients():
@@ -77,7 +78,7 @@ def test_weighted_bags_give_sample_weight_gradients():
     ids = [torch.randint(0, 50, (10,)), torch.tensor([2, 2, 5, 6, 2, 7])]
     offs = [torch.tensor([0, 3, 3, 8]), torch.tensor([0, 2, 4, 4])]
     psw = [torch.rand(10), torch.rand(6)]
-    b = assert_paths_agree(PooledEmbeddingGroup, tables, feats, "sum", ids, offs, psw)
+    b = assert_paths_agree(EmbeddingGroup, tables, feats, "sum", ids, offs, psw)
     assert b[2][0] is not None and b[2][0].abs().sum() > 0
 
 
@@ -85,7 +86,7 @@ def test_sequence_group_any_shape_with_padding():
     tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 8)]
     feats = [FeatureSpec("fa", 0, "seq", padding_idx=2), FeatureSpec("fa2", 0, "seq"), FeatureSpec("fb", 1, "seq")]
     ids = [torch.tensor([[2, 3, 4], [2, 2, 9]]), torch.randint(0, 50, (2, 2, 2)), torch.randint(0, 30, (7,))]
-    b = assert_paths_agree(SequenceEmbeddingGroup, tables, feats, "none", ids, [None] * 3, [None] * 3)
+    b = assert_paths_agree(EmbeddingGroup, tables, feats, "none", ids, [None] * 3, [None] * 3)
     assert [tuple(o.shape) for o in b[0]] == [(2, 3, 8), (2, 2, 2, 8), (7, 8)]
     assert b[1][0][2].abs().max() == 0
 
@@ -93,7 +94,7 @@ def test_sequence_group_any_shape_with_padding():
 def test_fbgemm_path_reads_the_parameters_storage():
     tables = [TableSpec("a", 10, 4), TableSpec("b", 6, 4)]
     feats = [FeatureSpec("fa", 0, "single"), FeatureSpec("fb", 1, "single")]
-    g = PooledEmbeddingGroup(tables, feats, "sum", "fbgemm", "fbgemm")
+    g = EmbeddingGroup(tables, feats, "sum", "fbgemm", "fbgemm")
     params = [torch.nn.Parameter(torch.randn(10, 4)), torch.nn.Parameter(torch.randn(6, 4))]
     ids = [torch.tensor([1, 2]), torch.tensor([5, 0])]
     g(ids, [None, None], [None, None], params)
@@ -106,7 +107,7 @@ def test_fbgemm_path_reads_the_parameters_storage():
 def test_batch_sizes_that_differ_between_features_fall_back_to_plain_lookups():
     tables = [TableSpec("a", 10, 4), TableSpec("b", 6, 4)]
     feats = [FeatureSpec("fa", 0, "single"), FeatureSpec("fb", 1, "single")]
-    g = PooledEmbeddingGroup(tables, feats, "sum", "fbgemm", "fbgemm")
+    g = EmbeddingGroup(tables, feats, "sum", "fbgemm", "fbgemm")
     params = [torch.randn(10, 4), torch.randn(6, 4)]
     with pytest.raises(RuntimeError, match="(?i)size"):  # torch.cat's own error, as in the plain model
         g([torch.tensor([1, 2]), torch.tensor([5])], [None, None], [None, None], params)
@@ -116,11 +117,12 @@ def test_sequence_group_refuses_features_not_ordered_by_table():
     tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 8)]
     feats = [FeatureSpec("fa", 0, "seq"), FeatureSpec("fb", 1, "seq"), FeatureSpec("fa2", 0, "seq")]
     with pytest.raises(ValueError, match="ordered by table"):
-        SequenceEmbeddingGroup(tables, feats)
+        EmbeddingGroup(tables, feats, "none")
 
 
-def test_direct_path_is_bit_exact_for_bags_and_single_ids():
-    """The direct path runs PyTorch's own kernels (embedding_bag, index_select) into one output."""
+def test_reference_inference_into_a_reused_buffer_is_bit_exact_for_bags_and_single_ids():
+    """In inference the reference kernel runs PyTorch's own kernels (embedding_bag, index_select)
+    into one reused output: exactly the plain lookups' concatenation."""
     tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 4)]
     feats = [FeatureSpec("fa", 0, "bag", padding_idx=3, weighted=True), FeatureSpec("fa2", 0, "single"),
              FeatureSpec("fb", 1, "bag", include_last_offset=True)]
@@ -131,15 +133,21 @@ def test_direct_path_is_bit_exact_for_bags_and_single_ids():
         if pooling == "mean":  # per-sample weights are for sum pooling only
             feats[0] = FeatureSpec("fa", 0, "bag", padding_idx=3)
             psw = [None] * 3
-        want = eval_out(PooledEmbeddingGroup, tables, feats, pooling, ids, offs, psw, "loop")
-        got = eval_out(PooledEmbeddingGroup, tables, feats, pooling, ids, offs, psw, "direct")
+        got = eval_out(EmbeddingGroup, tables, feats, pooling, ids, offs, psw, "reference")
+        params = [torch.randn(t.num_rows, t.dim, generator=g) for g in [torch.Generator().manual_seed(0)]
+                  for t in tables]
+        want = torch.cat([torch.nn.functional.embedding_bag(ids[0], params[0], offs[0], mode=pooling, padding_idx=3,
+                                                            per_sample_weights=psw[0]),
+                          torch.nn.functional.embedding(ids[1], params[0]),
+                          torch.nn.functional.embedding_bag(ids[2], params[1], offs[2], mode=pooling,
+                                                            include_last_offset=True)], 1)
         assert torch.equal(got, want), pooling
 
 
 def _direct_group():
     tables = [TableSpec("a", 100, 8), TableSpec("b", 60, 4)]
     feats = [FeatureSpec("fa", 0, "bag"), FeatureSpec("fb", 1, "single")]
-    g = PooledEmbeddingGroup(tables, feats, "sum", "direct", "direct")
+    g = EmbeddingGroup(tables, feats, "sum", "reference", "reference")
     params = [torch.randn(100, 8), torch.randn(60, 4)]
     return g, params
 
@@ -152,7 +160,7 @@ def _direct_inputs(seed):
 
 def _plain(g, params, ids, offs, psw):
     with torch.no_grad():
-        return g.loop(ids, offs, psw, params)
+        return g.lookups(ids, offs, psw, params)
 
 
 def test_output_buffer_is_reused_only_when_nothing_refers_to_it():

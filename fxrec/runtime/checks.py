@@ -1,0 +1,158 @@
+"""The group module's input checks: every error names the feature and table that was wrong.
+
+Cheap checks run on every call (a few ops for the whole group, on the packed input); when one
+fails, the per-feature checks here find the feature and raise a message that names it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ._tracing import exporting
+from .specs import FeatureSpec
+
+
+class InputChecks:
+    """Mixed into :class:`~fxrec.runtime.group.EmbeddingGroup` (uses its ``features``, ``tables``)."""
+
+    def _promote_bags(self, ids_list, offsets_list):
+        """As F.embedding_bag: integer ids and offsets of different dtypes, both as their common dtype
+        (float ones are left to the checks, which name the feature)."""
+        new_ids = new_offs = None
+        for i in self._bag_features:
+            ids, off = ids_list[i], offsets_list[i]
+            if off is not None and ids.dtype != off.dtype and not (ids.is_floating_point() or off.is_floating_point()):
+                common = torch.promote_types(ids.dtype, off.dtype)
+                if new_ids is None:
+                    new_ids, new_offs = list(ids_list), list(offsets_list)
+                new_ids[i], new_offs[i] = ids.to(common), off.to(common)
+        return (ids_list, offsets_list) if new_ids is None else (new_ids, new_offs)
+
+    def _table_device(self, params) -> Optional[torch.device]:
+        if params:
+            return params[0].device
+        buf = next(self.buffers(), None)
+        return buf.device if buf is not None else None
+
+    def _check_devices(self, ids_list, offsets_list, psw_list, params, error: BaseException) -> None:
+        """Raise, naming the feature, when an input is on another device than the tables."""
+        dev = self._table_device(params)
+        if dev is None:
+            return
+        for f, ids, off, psw in zip(self.features, ids_list, offsets_list, psw_list):
+            for what, t in (("ids", ids), ("offsets", off), ("per-sample weights", psw)):
+                if isinstance(t, torch.Tensor) and t.device != dev:
+                    raise ValueError(
+                        f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got {what} on {t.device}, "
+                        f"but the table is on {dev}: move the inputs to {dev}") from error
+
+    def _check_count(self, ids_list) -> None:
+        if len(ids_list) != len(self.features):
+            raise ValueError(
+                f"fxrec: group of tables {[t.name for t in self.tables]} expects "
+                f"{len(self.features)} id tensors, got {len(ids_list)}"
+            )
+
+    def _assert_inputs(self, ids_list, offsets_list) -> None:
+        """An exported program checks ids and offsets as the eager group does: the checks become
+        ``aten._assert_async`` ops (no value is read while tracing) that raise when the program
+        runs, naming the feature and table."""
+        for f, ids, off in zip(self.features, ids_list, offsets_list):
+            t = self.tables[f.table]
+            where = f"feature '{f.name}' (table '{t.name}', {t.num_rows} rows)"
+            if ids.dtype.is_floating_point:
+                self._check_ids(f, ids)  # raises (a dtype is known while tracing)
+            torch._assert_async(~((ids < 0) | (ids >= t.num_rows)).any(),
+                                f"fxrec: {where} looks up an id outside 0..{t.num_rows - 1}")
+            if f.form == "bag" and off is not None and off.dim() == 1:
+                bad = (off[:1] != 0).any() | (off[1:] < off[:-1]).any() | (off[-1:] > ids.numel()).any()
+                torch._assert_async(~bad, f"fxrec: offsets of {where} must start at 0, never decrease and end "
+                                    "at most at its number of ids")
+
+    def _check_ids(self, f: FeatureSpec, ids: torch.Tensor) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got ids of "
+                f"dtype {ids.dtype}; embedding ids must be int64 or int32 "
+                "(cast them with .long() in the model)"
+            )
+        if ids.numel() == 0:
+            return
+        lo, hi = torch.aminmax(ids)
+        lo_i, hi_i = int(lo), int(hi)
+        rows = self.tables[f.table].num_rows
+        if lo_i < 0 or hi_i >= rows:
+            bad = lo_i if lo_i < 0 else hi_i
+            raise IndexError(
+                f"fxrec: feature '{f.name}' looks up id {bad} in table "
+                f"'{self.tables[f.table].name}', which has {rows} rows (valid ids: 0..{rows - 1})"
+            )
+
+    def _check_offsets(self, f: FeatureSpec, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        if offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"fxrec: feature '{f.name}' needs 1-D integer offsets, got shape "
+                f"{tuple(offsets.shape)} and dtype {offsets.dtype}"
+            )
+        if offsets.numel() == 0:
+            return
+        n = ids.numel()
+        first = int(offsets[0])
+        bad_order = bool((offsets[1:] < offsets[:-1]).any()) if offsets.numel() > 1 else False
+        last = int(offsets[-1])
+        if first != 0 or bad_order or last > n:
+            raise ValueError(
+                f"fxrec: offsets of feature '{f.name}' (table '{self.tables[f.table].name}') do "
+                f"not match its {n} ids: offsets must start at 0, never decrease and end at most "
+                f"at {n}; got first={first}, last={last}, decreasing={bad_order}"
+            )
+
+    def _empty_mean_columns(self, ids_list) -> List[int]:
+        """Output columns of the features that mean-pool ``[B, 0]`` ids: PyTorch's answer there is NaN."""
+        cols, start = [], 0
+        for f, ids, d in zip(self.features, ids_list, self.dims):
+            if self.pooling == "mean" and f.form == "pooled_seq" and ids.dim() == 2 and ids.shape[1] == 0:
+                cols.extend(range(start, start + d))
+            start += d
+        return cols
+
+    def _validate_packed(self, indices, offsets, ids_list, offsets_list) -> None:
+        """Cheap checks on the packed input (a few ops for the whole group); on failure, the
+        per-feature checks find the feature and raise a message that names it."""
+        if exporting():
+            return
+        ok = True
+        if indices.numel():
+            lo, hi = (int(x) for x in torch.aminmax(indices))
+            ok = lo >= 0 and hi < self._min_rows
+            if not ok and lo >= 0:  # tables of different sizes: check each feature
+                ok = all(
+                    ids.numel() == 0 or int(ids.max()) < self.tables[f.table].num_rows
+                    for f, ids in zip(self.features, ids_list)
+                )
+        if ok and offsets.numel() > 1:
+            ok = bool((offsets[1:] >= offsets[:-1]).all())
+        if not ok:
+            self._check_inputs(ids_list, offsets_list)
+            raise ValueError(f"fxrec: invalid ids or offsets for tables {[t.name for t in self.tables]}")
+
+    def _check_inputs(self, ids_list, offsets_list) -> None:
+        self._check_count(ids_list)
+        for f, ids, off in zip(self.features, ids_list, offsets_list):
+            self._check_ids(f, ids)
+            if f.form == "bag":
+                if off is None:
+                    raise ValueError(f"fxrec: feature '{f.name}' needs offsets")
+                self._check_offsets(f, ids, off)
+            elif f.form == "pooled_seq" and ids.dim() != 2:
+                raise ValueError(
+                    f"fxrec: feature '{f.name}' expects 2-D [batch, length] ids, got shape "
+                    f"{tuple(ids.shape)}"
+                )
+            elif f.form == "single" and ids.dim() != 1:
+                raise ValueError(
+                    f"fxrec: feature '{f.name}' expects 1-D ids, got shape {tuple(ids.shape)}"
+                )
+

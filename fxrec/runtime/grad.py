@@ -1,0 +1,151 @@
+"""The one PyTorch-gradient backward of a group, and fxrec's fused SGD that shares it.
+
+:class:`LookupWithGrads` runs any kernel's forward without autograd and gives, in backward, the
+gradients ``nn.EmbeddingBag`` / ``nn.Embedding`` would give: for each table a dense
+``[rows, dim]`` gradient, or a sparse COO one for tables created with ``sparse=True``; and the
+gradient of the per-sample weights. With a fused SGD that no kernel of its own applies, backward
+adds ``-lr * gradient`` into the looked-up rows instead (``index_add_``, PyTorch's
+multi-threaded kernel) and returns no table gradient.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .kernels import native
+
+
+class LookupWithGrads(torch.autograd.Function):
+    """A kernel's forward (packed input) with PyTorch's gradients.
+
+    ``forward()`` computes the output without autograd (for fbgemm's TBE: so its fused-update
+    backward is never built); ``indices`` / ``offsets`` / ``psw`` are the packed input
+    (:mod:`fxrec.runtime.packing`), which backward reads.
+    """
+
+    @staticmethod
+    def forward(ctx, group, forward, batch, indices, offsets, psw, *params):
+        with torch.no_grad():
+            out = forward()
+        ctx.group = group
+        ctx.batch = batch
+        if group.sgd_in_backward():
+            # backward updates these in place, so they are not saved (a second forward before
+            # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
+            ctx.save_for_backward(indices, offsets, psw)
+            ctx.params = params
+        else:
+            ctx.save_for_backward(indices, offsets, psw, *params)
+            ctx.params = None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        group = ctx.group
+        indices, offsets, psw, *params = ctx.saved_tensors
+        if ctx.params is not None:
+            params = list(ctx.params)
+        batch = ctx.batch
+        nfeat = len(group.features)
+        n = indices.numel()
+        dev = indices.device
+        lengths = offsets.diff()
+        # Features are packed feature-major, so feature i owns indices bounds[i]:bounds[i+1].
+        bounds = offsets[torch.arange(0, nfeat + 1, device=dev) * batch].tolist()
+
+        # Per-index scale: the sample weight, 1/len for mean pooling, 0 for a padding row.
+        scale: Optional[torch.Tensor] = psw
+        if group.pooling == "mean":
+            bag = torch.repeat_interleave(
+                torch.arange(lengths.numel(), device=dev), lengths, output_size=n
+            )
+            inv = (1.0 / lengths.clamp(min=1).to(grad_out.dtype))[bag]
+            scale = inv if scale is None else scale * inv
+        for i, f in enumerate(group.features):
+            if f.padding_idx is not None and f.form != "bag":
+                if scale is None:
+                    scale = torch.ones(n, dtype=grad_out.dtype, device=dev)
+                s, e = bounds[i], bounds[i + 1]
+                scale = scale.clone() if scale is psw else scale
+                scale[s:e] = scale[s:e] * (indices[s:e] != f.padding_idx)
+
+        # fxrec's own fused SGD: no gradient is made, the rows are updated below. The -lr factor
+        # goes on grad_out ([B, sum of dims]) before the rows are gathered, unless the
+        # per-sample-weight gradient needs the unscaled rows.
+        sgd_lr = group.fused.lr if group.sgd_in_backward() else None
+        prescaled = sgd_lr is not None and not (psw is not None and ctx.needs_input_grad[5])
+        if prescaled:
+            grad_out = grad_out * (-sgd_lr)
+
+        # Gradient row for every looked-up index: the grad of its bag, in its feature's columns
+        # (made when first needed).
+        pieces: dict = {}
+        cols = [0]
+        for d in group.dims:
+            cols.append(cols[-1] + d)
+        bag_row: Optional[torch.Tensor] = None
+
+        def piece(i: int) -> torch.Tensor:
+            nonlocal bag_row
+            if i not in pieces:
+                if group.pooling == "none":
+                    pieces[i] = grad_out[bounds[i] : bounds[i + 1]]
+                else:
+                    if bag_row is None:
+                        bag_row = torch.repeat_interleave(
+                            torch.arange(lengths.numel(), device=dev) % batch, lengths, output_size=n
+                        )
+                    pieces[i] = grad_out[:, cols[i] : cols[i + 1]].index_select(0, bag_row[bounds[i] : bounds[i + 1]])
+            return pieces[i]
+
+        def rows_of(i: int) -> torch.Tensor:
+            if scale is None:
+                return piece(i)
+            rows = piece(i) * scale[bounds[i] : bounds[i + 1]].unsqueeze(1)
+            f = group.features[i]
+            if f.padding_idx is not None and f.form != "bag":
+                # exactly zero for the padding row, even where grad_out holds inf or NaN
+                pad = indices[bounds[i] : bounds[i + 1]] == f.padding_idx
+                rows = rows.masked_fill(pad.unsqueeze(1), 0.0)
+            return rows
+
+        grad_psw = None
+        if psw is not None and ctx.needs_input_grad[5]:
+            parts = []
+            for i, f in enumerate(group.features):
+                s, e = bounds[i], bounds[i + 1]
+                parts.append((params[f.table].detach()[indices[s:e]] * piece(i)).sum(1))
+            grad_psw = torch.cat(parts)
+
+        # The fused SGD update comes after the per-sample-weight gradient, which reads the
+        # weights before the update.
+        grads: List[Optional[torch.Tensor]] = [None] * len(params)
+        need = ctx.needs_input_grad[6:]
+        if sgd_lr is None and native.dense_grads_by_kernel(group, grad_out, need):
+            grads = native.dense_grads(group, grad_out, indices, offsets, scale, bounds, batch)
+        for t, (spec, p) in enumerate(zip(group.tables, params)):
+            if not need[t] or grads[t] is not None:
+                continue
+            mine = group._features_of_table[t]
+            if len(mine) == 1:  # one feature: no copy (the rows may be a view of grad_out)
+                ids_t = indices[bounds[mine[0]] : bounds[mine[0] + 1]]
+                rows_t = rows_of(mine[0])
+            else:
+                ids_t = torch.cat([indices[bounds[i] : bounds[i + 1]] for i in mine])
+                rows_t = torch.cat([rows_of(i) for i in mine])
+            if sgd_lr is not None:
+                with torch.no_grad():
+                    # index_add_ with alpha= is several times slower than scaling first
+                    p.index_add_(0, ids_t, rows_t if prescaled else rows_t * (-sgd_lr))
+            elif spec.sparse:
+                grads[t] = torch.sparse_coo_tensor(
+                    ids_t.unsqueeze(0), rows_t if len(mine) > 1 or group.pooling != "none" else rows_t.clone(),
+                    (spec.num_rows, spec.dim), device=p.device, check_invariants=False,
+                )
+            else:
+                grads[t] = torch.zeros(
+                    spec.num_rows, spec.dim, dtype=p.dtype, device=p.device
+                ).index_add_(0, ids_t, rows_t)
+        return (None, None, None, None, None, grad_psw, *grads)

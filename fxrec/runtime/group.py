@@ -1,0 +1,202 @@
+"""EmbeddingGroup: the one runtime module for a group of embedding lookups.
+
+It takes the lookups' own inputs (one id tensor per feature, with its offsets and per-sample
+weights where it had them) and the group's weight parameters, and returns what the original
+lookups returned: for pooled groups one ``[B, sum of dims]`` tensor whose columns are the
+features side by side, for sequence groups one tensor per feature.
+
+What a group does is always the same (check the inputs, pack them, look rows up, make gradients
+or apply a fused update); only the *kernel* differs (:mod:`fxrec.runtime.kernels`). The group
+holds the name of its training kernel and of its inference kernel, chosen by the
+``choose_kernels`` pass; its forward calls that kernel, and the reference kernel (PyTorch's own
+lookups) for any input the chosen one does not take. These modules know nothing of graphs or
+passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import kernels
+from ._tracing import exporting
+from .checks import InputChecks
+from .kernels import FBGEMM, REFERENCE
+from .output_buffer import ReusedOutput
+from .specs import FUSED_STATE_NAMES, FeatureSpec, FusedSpec, GroupSpec, TableSpec
+
+
+def group_forward(forward):
+    """Wraps every group module's ``forward``:
+
+    * a bag's ids and offsets of different integer dtypes are both taken as their common dtype,
+      as ``F.embedding_bag`` does (int16 ids with int64 offsets are int64 ids);
+    * while torch.export traces, the checks of ids and offsets become graph ops (``_assert_inputs``);
+    * an error raised inside is first checked for inputs on another device than the tables, and
+      then says which feature got them;
+    * ``torch.compile`` runs the group as it is (``torch.compiler.disable``: a graph break around
+      it; the dense parts of the model are compiled); its kernels and checks are not traceable.
+    """
+
+    @functools.wraps(forward)
+    def call(self, ids_list, offsets_list, psw_list, *params):
+        if self._bag_features:
+            ids_list, offsets_list = self._promote_bags(ids_list, offsets_list)
+        if exporting():
+            self._check_count(ids_list)
+            self._assert_inputs(ids_list, offsets_list)
+        try:
+            return forward(self, ids_list, offsets_list, psw_list, *params)
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            self._check_devices(ids_list, offsets_list, psw_list, params[0] if params else [], e)
+            raise
+
+    return torch.compiler.disable(call)
+
+
+class EmbeddingGroup(InputChecks, nn.Module):
+    """One group of lookups: its specs, input checks and kernels (see the module docstring)."""
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        features: Sequence[FeatureSpec],
+        pooling: str,
+        kernel_train: str = REFERENCE,
+        kernel_eval: str = REFERENCE,
+        fused: Optional[FusedSpec] = None,
+    ):
+        super().__init__()
+        if pooling not in ("sum", "mean", "none"):
+            raise ValueError(f"pooling must be 'sum', 'mean' or 'none', got {pooling!r}")
+        self.tables = list(tables)
+        self.features = list(features)
+        self.pooling = pooling
+        self.set_kernels(kernel_train, kernel_eval)
+        ftm = [f.table for f in self.features]
+        if ftm != sorted(ftm):
+            # fbgemm's kernels need each table's features adjacent (feature_table_map
+            # non-decreasing); with [0, 1, 0] its CPU backward updates wrong rows
+            raise ValueError(f"fxrec: a group's features must be ordered by table, got table order {ftm}")
+        if pooling == "none" and len({t.dim for t in self.tables}) != 1:
+            raise ValueError("fxrec: the tables of a sequence group must share one dim")
+        self.dims = [self.tables[f.table].dim for f in self.features]
+        self._bag_features = [i for i, f in enumerate(self.features) if f.form == "bag"]
+        self._min_rows = min(t.num_rows for t in self.tables)
+        self._features_of_table = [
+            [i for i, f in enumerate(self.features) if f.table == t] for t in range(len(self.tables))
+        ]
+        self._bound = None  # kernels.fbgemm.Bound: the TBE the parameters are views of, once bound
+        # Inference of pooled groups on CPU: reuse the output buffer between calls.
+        self.reuse_output = True
+        self._out = ReusedOutput()
+        self.fused = fused
+        # Off while fxrec verifies the group: gradients instead of updates.
+        self.fused_enabled = True
+        self._carry_states: Optional[List[List[torch.Tensor]]] = None
+
+    @property
+    def spec(self) -> GroupSpec:
+        return GroupSpec(tuple(self.tables), tuple(self.features), self.pooling)
+
+    @property
+    def fused_active(self) -> bool:
+        """Training updates the tables inside backward (no gradients reach the parameters)."""
+        return self.fused is not None and self.fused_enabled
+
+    def sgd_in_backward(self) -> bool:
+        """A fused SGD that fxrec's backward applies (index_add_ of the rows): on every training
+        kernel but fbgemm's, whose backward applies its own."""
+        return self.fused_active and self.fused.kind == "sgd" and self.kernel_train != FBGEMM
+
+    def set_kernels(self, kernel_train: str, kernel_eval: str) -> None:
+        for k in (kernel_train, kernel_eval):
+            kernels.get(k)  # raises on an unknown name
+        self.kernel_train = kernel_train
+        self.kernel_eval = kernel_eval
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Learning rate of the fused optimizer (from the next backward on)."""
+        if self.fused is None:
+            raise RuntimeError(f"fxrec: tables {[t.name for t in self.tables]} have no fused optimizer")
+        if lr != self.fused.lr:
+            self.fused = dataclasses.replace(self.fused, lr=float(lr))
+            if self._bound is not None and self._bound.optimizer != "none":
+                self._bound.tbe.set_learning_rate(float(lr))
+
+    def optimizer_states(self, params: Sequence[torch.Tensor]) -> List[dict]:
+        """Per table, the fused optimizer's state tensors by name (views: writes go to the kernel)."""
+        names = FUSED_STATE_NAMES[self.fused.kind] if self.fused is not None else ()
+        if not names:
+            return [{} for _ in self.tables]
+        from .kernels.fbgemm import ensure_bound
+
+        states = ensure_bound(self, params).split_optimizer_states()
+        return [dict(zip(names, per_table)) for per_table in states]
+
+    def extra_repr(self) -> str:
+        names = ", ".join(t.name for t in self.tables)
+        return (f"pooling={self.pooling}, tables=[{names}], features={len(self.features)}, "
+                f"kernel_train={self.kernel_train}, kernel_eval={self.kernel_eval}")
+
+    # deepcopy/pickle must not carry the TBE: the copy's parameters are new tensors, and the
+    # copy binds its own TBE to them on first use.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_bound"] = None
+        # the link to an optimizer (its learning-rate hook) stays with the original
+        state.pop("_fxrec_lr_hook", None)
+        state["_forward_pre_hooks"] = type(self._forward_pre_hooks)(
+            (k, h) for k, h in self._forward_pre_hooks.items() if not getattr(h, "fxrec_optimizer_link", False))
+        if self._bound is not None and self._bound.optimizer != "none":
+            # the fused optimizer's states travel with the copy (its TBE is rebuilt)
+            state["_carry_states"] = [[x.detach().clone() for x in t] for t in self._bound.tbe.split_optimizer_states()]
+        return state
+
+    def fused_unusable(self, why: str):
+        raise RuntimeError(
+            f"fxrec: tables {[t.name for t in self.tables]} train with a fused optimizer, but {why}; "
+            "transform without optimizer= to use torch.optim instead"
+        )
+
+    def _training(self, params: Sequence[torch.Tensor], psw_list) -> bool:
+        return torch.is_grad_enabled() and (
+            any(p.requires_grad for p in params)
+            or any(w is not None and w.requires_grad for w in psw_list)
+        )
+
+    def lookups(self, ids_list, offsets_list, psw_list, params):
+        """PyTorch's own lookups of the group (the reference kernel's, without a reused buffer)."""
+        from .kernels.reference import lookups
+
+        return lookups(self, ids_list, offsets_list, psw_list, params)
+
+    @group_forward
+    def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
+                psw_list: List[Optional[torch.Tensor]], params: List[torch.Tensor]):
+        self._check_count(ids_list)
+        if self.pooling == "none":
+            for f, ids in zip(self.features, ids_list):
+                if ids.dtype not in (torch.int64, torch.int32):
+                    self._check_ids(f, ids)  # raises, naming the feature
+        if exporting():  # the form torch.export traces: PyTorch's own ops
+            return self.lookups(ids_list, offsets_list, psw_list, params)
+        if params and any(ids.device != params[0].device for ids in ids_list):
+            # PyTorch's own lookups take meta ids with CPU tables and return meta rows: say so instead
+            self._check_devices(ids_list, offsets_list, psw_list, params, ValueError("device mismatch"))
+        training = self._training(params, psw_list)
+        chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
+        out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
+        if out is None and training and self.fused_active and self.fused.kind != "sgd" and chosen.name != FBGEMM:
+            # the Adagrads' states are in the bound fbgemm TBE: its fused kernel on the same states
+            out = kernels.get(FBGEMM).run(self, ids_list, offsets_list, psw_list, params, training)
+        if out is None:  # an input the chosen kernel does not take: PyTorch's own answer
+            if training and self.fused_active and self.fused.kind != "sgd" and any(ids.numel() for ids in ids_list):
+                self.fused_unusable("fbgemm cannot run them (fbgemm missing, not fp32 on one device, or features "
+                                    "with different batch sizes)")
+            out = kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training)
+        return out

@@ -1,0 +1,326 @@
+"""The ``fbgemm`` kernel: fbgemm_gpu's table-batched embedding (TBE). The one import of fbgemm_gpu.
+
+Everything else in fxrec asks this module for fbgemm's TBE and its enums, so that a missing or
+mismatched install fails once, with a message that says what to install.
+
+In a group on this kernel the user's weight parameters are views into the TBE's single flat
+weight buffer (:func:`ensure_bound`), so the kernel reads exactly the user's weights, and an
+optimizer step or ``load_state_dict`` on them is what the kernel sees next. Without a fused
+optimizer the gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`); with one,
+fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE
+(:func:`make_inference_tbe`, :mod:`fxrec.runtime.quantized`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import FBGEMM, Kernel
+
+_IMPORT_ERROR: Optional[BaseException] = None
+
+try:  # fbgemm prints version-table warnings at import on some torch releases; they are harmless
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+except Exception as e:  # pragma: no cover - exercised only on broken installs
+    _IMPORT_ERROR = e
+
+
+def require_fbgemm() -> None:
+    """Raise a clear error when fbgemm_gpu cannot be used with the installed torch."""
+    if _IMPORT_ERROR is not None:
+        raise ImportError(
+            "fxrec needs fbgemm_gpu built for the installed torch "
+            f"(torch {torch.__version__}): install 'fbgemm-gpu-cpu==1.8.0' for torch 2.13 "
+            "on CPU-only machines, 'fbgemm-gpu==1.6.0' for torch 2.11 with CUDA. "
+            f"Import failed with: {_IMPORT_ERROR!r}"
+        ) from _IMPORT_ERROR
+
+
+def fbgemm_available() -> bool:
+    return _IMPORT_ERROR is None
+
+
+# fbgemm's training TBE rejects embedding dims that are not a multiple of this.
+TBE_DIM_ALIGNMENT = 4
+
+POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
+
+
+def make_training_tbe(
+    rows_dims: Sequence[Tuple[int, int]],
+    feature_table_map: List[int],
+    pooling: str,
+    device: torch.device,
+    optimizer: str = "none",
+    learning_rate: float = 0.0,
+    eps: float = 1e-8,
+) -> "SplitTableBatchedEmbeddingBagsCodegen":
+    """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device`.
+
+    ``optimizer="none"``: the module is used for its forward kernel only (fxrec computes
+    PyTorch's gradients itself), so fbgemm gets exact SGD with learning rate zero, which never
+    runs. Otherwise ``"sgd"``, ``"adagrad"`` or ``"rowwise_adagrad"``: the update fbgemm fuses
+    into its backward, with ``learning_rate`` and ``eps``.
+    """
+    require_fbgemm()
+    on_cpu = device.type == "cpu"
+    location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
+    compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
+    mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
+    kinds = {
+        "none": EmbOptimType.EXACT_SGD,
+        "sgd": EmbOptimType.EXACT_SGD,
+        "adagrad": EmbOptimType.EXACT_ADAGRAD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(int(r), int(d), location, compute) for r, d in rows_dims],
+            feature_table_map=list(feature_table_map),
+            optimizer=kinds[optimizer],
+            learning_rate=0.0 if optimizer == "none" else float(learning_rate),
+            eps=float(eps),
+            pooling_mode=mode,
+            device=device if not on_cpu else None,
+            # fxrec validates ids itself, with messages that name the table and feature.
+            bounds_check_mode=BoundsCheckMode.NONE,
+        )
+    return tbe
+
+
+QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
+
+
+def make_inference_tbe(
+    rows_dims_dtypes: Sequence[Tuple[int, int, str]],
+    feature_table_map: List[int],
+    pooling: str,
+    device: torch.device,
+    weights: Sequence[torch.Tensor],
+    output_dtype: str = "fp32",
+) -> "torch.nn.Module":
+    """fbgemm's IntNBitTableBatchedEmbeddingBagsCodegen holding ``weights`` quantized row-wise
+    to each table's dtype (fp32, fp16, int8, int4, int2; integer types get an fp16 scale and
+    bias per row, as fbgemm's quantize_embs lays them out)."""
+    require_fbgemm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+            IntNBitTableBatchedEmbeddingBagsCodegen,
+        )
+        from fbgemm_gpu.tbe.utils.quantize import quantize_embs
+
+        types = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8,
+                 "int4": SparseType.INT4, "int2": SparseType.INT2}
+        location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
+        mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
+        tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+            [("", int(r), int(d), types[t], location) for r, d, t in rows_dims_dtypes],
+            feature_table_map=list(feature_table_map),
+            pooling_mode=mode,
+            device=device,
+            output_dtype=types[output_dtype],
+            bounds_check_mode=BoundsCheckMode.NONE,
+        )
+        tbe.initialize_weights()
+        tbe.assign_embedding_weights(
+            [quantize_embs(w.detach().float().to(device), types[t]) for w, (_, _, t) in zip(weights, rows_dims_dtypes)]
+        )
+    return tbe
+
+
+def quant_align(dtype: str) -> int:
+    """The dim a table must be a multiple of to be stored in ``dtype``."""
+    require_fbgemm()
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    return {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8,
+            "int4": SparseType.INT4, "int2": SparseType.INT2}[dtype].align_size()
+
+
+def tbe_flat_weights(tbe: "SplitTableBatchedEmbeddingBagsCodegen") -> torch.Tensor:
+    """The single flat fp32 storage that holds every table of `tbe`."""
+    return tbe.weights_host if tbe.weights_host.numel() > 0 else tbe.weights_dev
+
+
+def operator_libraries() -> List[str]:
+    """Paths of fbgemm_gpu's operator libraries, in the order fbgemm_gpu loads them (for a C++
+    program that must load them before a model that calls fbgemm's operators)."""
+    require_fbgemm()
+    import os
+
+    here = os.path.dirname(fbgemm_gpu.__file__)
+    names = getattr(fbgemm_gpu, "fbgemm_gpu_libraries", None) or []
+    return [p for p in (os.path.join(here, f"{n}.so") for n in names) if os.path.exists(p)]
+
+
+# ---------------------------------------------------------------- the group's binding to a TBE
+class Bound:
+    """fbgemm TBE whose flat weight buffer the group's parameters are views of."""
+
+    def __init__(self, tbe: nn.Module, ptrs: List[int], optimizer: str):
+        self.tbe = tbe
+        self.ptrs = ptrs
+        self.optimizer = optimizer
+
+
+def tbe_optimizer(group) -> str:
+    """What the group's TBE is built with: the fused optimizer where fbgemm applies it or keeps
+    its states (the Adagrads on any kernel), else "none" (forward only)."""
+    f = group.fused
+    if f is not None and (group.kernel_train == FBGEMM or f.kind != "sgd"):
+        return f.kind
+    return "none"
+
+
+def usable(params: Sequence[torch.Tensor]) -> bool:
+    if not fbgemm_available() or not params:
+        return False
+    dev = params[0].device
+    return all(p.dtype == torch.float32 and p.device == dev and p.dim() == 2 for p in params)
+
+
+def ensure_bound(group, params: Sequence[torch.Tensor]) -> nn.Module:
+    b = group._bound
+    if b is None or b.ptrs != [p.data_ptr() for p in params]:
+        b = _bind(group, params)
+    return b.tbe
+
+
+def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
+    """Move the group's weights into one fbgemm TBE and make the parameters views of it.
+
+    Called on first use and again whenever a parameter no longer aliases the TBE (after
+    ``.to(device)``, ``deepcopy``, or a ``param.data = ...`` by the user), so the kernel can
+    never read stale weights. The old storage is freed as the parameters move (no second copy
+    is kept).
+    """
+    for t, p in zip(group.tables, params):
+        if tuple(p.shape) != (t.num_rows, t.dim):
+            raise ValueError(
+                f"fxrec: weight of table '{t.name}' has shape {tuple(p.shape)}, expected "
+                f"({t.num_rows}, {t.dim}) as when the model was transformed"
+            )
+    opt = tbe_optimizer(group)
+    fused = group.fused if opt != "none" else None
+    tbe = make_training_tbe(
+        [(t.num_rows, t.dim) for t in group.tables], [f.table for f in group.features], group.pooling,
+        params[0].device, optimizer=opt, learning_rate=fused.lr if fused else 0.0, eps=fused.eps if fused else 1e-8,
+    )
+    views = tbe.split_embedding_weights()
+    old = group._bound
+    old_states = old.tbe.split_optimizer_states() if old is not None and fused and old.optimizer == opt \
+        else group._carry_states
+    with torch.no_grad():
+        for p, v in zip(params, views):
+            v.copy_(p.detach())
+            p.data = v
+        if fused and old_states:
+            for new_t, old_t in zip(tbe.split_optimizer_states(), old_states):
+                for n, o in zip(new_t, old_t):
+                    n.copy_(o)
+    group._carry_states = None
+    group._bound = Bound(tbe, [p.data_ptr() for p in params], opt)
+    return group._bound
+
+
+def run_tbe(group, tbe, batch, indices, offsets, psw, params, training: bool):
+    """The TBE on a packed input: with the fused optimizer in training (fbgemm's backward updates
+    the tables), else through LookupWithGrads (PyTorch's gradients)."""
+    from ..grad import LookupWithGrads
+
+    if training and group.fused_active:
+        frozen = [t.name for t, p in zip(group.tables, params) if not p.requires_grad]
+        if frozen:
+            group.fused_unusable(
+                f"tables {frozen} are frozen (requires_grad=False) and fbgemm's fused kernel would update "
+                "them; give them no optimizer (optimizer={name: ...} for the others), or use backend='native' on CPU"
+            )
+        return tbe(indices, offsets, per_sample_weights=psw)
+
+    def forward():
+        if torch.is_inference_mode_enabled():
+            # fbgemm's training TBE registers its CPU forward behind autograd only, which
+            # inference mode (and its tensors) skip: outside it, on ordinary copies of the
+            # (small) index tensors, under no_grad, the same kernel runs
+            with torch.inference_mode(False), torch.no_grad():
+                return tbe(indices.clone(), offsets.clone(), per_sample_weights=None if psw is None else psw.clone())
+        return tbe(indices, offsets, per_sample_weights=psw)
+
+    return LookupWithGrads.apply(group, forward, batch, indices, offsets, psw, *params)
+
+
+# fbgemm's CUDA kernels handle embedding dims up to this (fbgemm_gpu's max_D for its kernels).
+CUDA_MAX_DIM = 2048
+
+
+class FbgemmKernel(Kernel):
+    """fbgemm's TBE: one kernel call for every feature of the group; fused SGD, Adagrad and
+    row-wise Adagrad in its backward (the three its CPU build trains with; the CUDA build the same
+    three as fxrec offers them). Quantized tables: IntNBit."""
+
+    name = FBGEMM
+    OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+    def supports(self, group, device, mode, optimizer):
+        if device not in ("cpu", "cuda"):
+            return f"fbgemm runs on cpu and cuda, not {device}"
+        bad = [t.name for t in group.tables if t.dim % TBE_DIM_ALIGNMENT]
+        if bad:
+            return f"tables {bad} have a dim that is not a multiple of {TBE_DIM_ALIGNMENT}"
+        if device == "cuda" and any(t.dim > CUDA_MAX_DIM for t in group.tables):
+            return f"fbgemm's CUDA kernels take dims up to {CUDA_MAX_DIM}"
+        if group.quantized:
+            return None if mode == "inference" else "quantized tables are for inference"
+        if any(t.dtype != "float32" for t in group.tables):
+            return "fxrec gives fbgemm float32 tables only"
+        if optimizer is not None and optimizer not in self.OPTIMIZERS:
+            return f"fbgemm has no fused {optimizer} here"
+        if optimizer is not None and group.padded_rows:
+            return (f"nn.Embedding {list(group.padded_rows)} has a padding row, which fbgemm's fused {optimizer} "
+                    "would update (PyTorch gives it no gradient)")
+        return None
+
+    def available(self, device):
+        return None if fbgemm_available() else f"fbgemm_gpu does not import ({_IMPORT_ERROR!r})"
+
+    def run(self, group, ids_list, offsets_list, psw_list, params, training):
+        from ..packing import pack_pooled, pack_sequence, unpack_sequence
+
+        if not usable(params):
+            return None
+        fused = training and group.fused_active
+        if group.pooling != "none":
+            packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=fused)
+            if packed is None:
+                return None
+            indices, offsets, psw, batch = packed
+            group._validate_packed(indices, offsets, ids_list, offsets_list)
+            return run_tbe(group, ensure_bound(group, params), batch, indices, offsets, psw, params, training)
+        if max(ids.numel() for ids in ids_list) == 0:
+            return None
+        tbe = ensure_bound(group, params)
+        indices, offsets, bmax = pack_sequence(group, ids_list)
+        out = run_tbe(group, tbe, bmax, indices, offsets, None, params, training)
+        return unpack_sequence(group, out, ids_list)
+
+
+KERNEL = FbgemmKernel()

@@ -1,0 +1,136 @@
+"""The ``reference`` kernel: PyTorch's own lookups, one per feature, as the user's model runs them.
+
+Bit for bit what the plain model computes (``F.embedding_bag`` / ``F.embedding``, then ``cat``
+for pooled groups), so it is also what torch.export and TorchScript trace, the oracle ``verify``
+compares with, and what every group runs on an input no other kernel takes. Two things it adds:
+
+* in inference, a pooled group on CPU writes into an output buffer it keeps between calls and
+  reuses when nothing refers to the previous result any more (see
+  :class:`~fxrec.runtime.output_buffer.ReusedOutput`): the same kernels without page-faulting a
+  fresh output of tens of MB every call;
+* in training with a fused SGD, the forward feeds fxrec's backward
+  (:class:`~fxrec.runtime.grad.LookupWithGrads`), which adds ``-lr * gradient`` into the
+  looked-up rows and makes no table gradient.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import REFERENCE, Kernel
+
+
+def lookups(group, ids_list, offsets_list, psw_list, params, out: Optional[torch.Tensor] = None):
+    """The original lookups, one after the other: for pooled groups concatenated (into ``out``
+    when given), for sequence groups one tensor per feature."""
+    outs = []
+    for f, ids, off, psw in zip(group.features, ids_list, offsets_list, psw_list):
+        w = params[f.table]
+        sparse = group.tables[f.table].sparse
+        if f.form == "bag":
+            outs.append(F.embedding_bag(
+                ids, w, off, mode=group.pooling, sparse=sparse, per_sample_weights=psw,
+                include_last_offset=f.include_last_offset, padding_idx=f.padding_idx,
+            ))
+        else:
+            e = F.embedding(ids, w, padding_idx=f.padding_idx, sparse=sparse)
+            if f.form == "pooled_seq":
+                e = e.sum(1) if group.pooling == "sum" else e.mean(1)
+            outs.append(e)
+    if group.pooling == "none":
+        return outs
+    return torch.cat(outs, 1) if out is None else torch.cat(outs, 1, out=out)
+
+
+def _batch(group, ids_list, offsets_list) -> int:
+    """The one batch size of a pooled group's features, or -1 where they differ or a shape is odd."""
+    batch = -1
+    for f, ids, off in zip(group.features, ids_list, offsets_list):
+        if f.form == "bag":
+            if off is None or off.dim() != 1 or ids.dim() != 1:
+                return -1
+            b = off.numel() - 1 if f.include_last_offset else off.numel()
+        elif ids.dim() != (1 if f.form == "single" else 2):
+            return -1
+        else:
+            b = ids.shape[0]
+        if batch >= 0 and b != batch:
+            return -1
+        batch = b
+    return batch
+
+
+def _into_reused(group, ids_list, offsets_list, psw_list, params) -> Optional[torch.Tensor]:
+    """The lookups concatenated into the group's reused output buffer; None where only a fresh
+    output gives PyTorch's own answer (an empty batch, batch sizes that differ, odd shapes)."""
+    batch = _batch(group, ids_list, offsets_list)
+    if batch <= 0:
+        return None
+    w0 = params[0]
+    out = group._out.take([batch, sum(group.dims)], w0.dtype, w0.device)
+    return lookups(group, ids_list, offsets_list, psw_list, params, out=out)
+
+
+def _fused(group, ids_list, offsets_list, psw_list, params):
+    """Training with a fused SGD: the lookups' forward, fxrec's backward updating the rows."""
+    from ..grad import LookupWithGrads
+    from ..packing import pack_pooled, pack_sequence, unpack_sequence
+
+    if group.pooling == "none":
+        if max(ids.numel() for ids in ids_list) == 0:
+            return None
+        indices, offsets, bmax = pack_sequence(group, ids_list)
+
+        def forward():
+            return torch.cat([params[f.table][ids.reshape(-1)] for f, ids in zip(group.features, ids_list)])
+
+        out = LookupWithGrads.apply(group, forward, bmax, indices, offsets, None, *params)
+        return unpack_sequence(group, out, ids_list)
+    packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=True)
+    if packed is None:
+        return None
+    indices, offsets, psw, batch = packed
+    group._validate_packed(indices, offsets, ids_list, offsets_list)
+
+    def forward():
+        return lookups(group, ids_list, offsets_list, psw_list, params)
+
+    return LookupWithGrads.apply(group, forward, batch, indices, offsets, psw, *params)
+
+
+class ReferenceKernel(Kernel):
+    name = REFERENCE
+
+    def supports(self, group, device, mode, optimizer):
+        if group.quantized:
+            return "quantized tables are fbgemm's IntNBit"
+        if optimizer is not None and optimizer != "sgd":
+            return (f"PyTorch's lookups make gradients: fxrec fuses SGD onto them (index_add_ of the rows), "
+                    f"not {optimizer}")
+        return None
+
+    def run(self, group, ids_list, offsets_list, psw_list, params, training):
+        if training and group.fused_active:
+            out = _fused(group, ids_list, offsets_list, psw_list, params)
+            if out is not None:
+                return out
+            if any(ids.numel() for ids in ids_list):
+                group.fused_unusable("its features have different batch sizes (or a [B, 0] id tensor is mean-pooled)")
+            with torch.no_grad():  # empty batch: nothing to update
+                return lookups(group, ids_list, offsets_list, psw_list, params)
+        try:
+            if not training and group.pooling != "none" and group.reuse_output:
+                out = _into_reused(group, ids_list, offsets_list, psw_list, params)
+                if out is not None:
+                    return out
+            return lookups(group, ids_list, offsets_list, psw_list, params)
+        except (IndexError, RuntimeError, TypeError, ValueError):
+            # PyTorch's own kernels checked the inputs; say which feature and table was wrong.
+            group._check_inputs(ids_list, offsets_list)
+            raise
+
+
+KERNEL = ReferenceKernel()

@@ -1,0 +1,76 @@
+"""What a group of lookups is, as plain frozen data: its tables, its features, its fused optimizer.
+
+The group module (:mod:`fxrec.runtime.group`) is built from these; the kernels
+(:mod:`fxrec.runtime.kernels`) answer from them alone whether they can run a group, so a
+decision can be made (and explained) for a device that is not present, without building anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One lookup of a group, as the runtime needs it.
+
+    form:
+      ``bag``        1-D ids with offsets (``nn.EmbeddingBag`` / ``F.embedding_bag``)
+      ``pooled_seq`` 2-D ``[B, L]`` ids pooled over L (``nn.Embedding`` then sum/mean over dim 1)
+      ``single``     1-D ``[B]`` ids, one row each (``nn.Embedding`` on a column)
+      ``seq``        ids of any shape, no pooling (``nn.Embedding`` sequence lookup)
+    padding_idx: the table's padding row, or None. For ``bag`` it is excluded from the bag (as
+      ``nn.EmbeddingBag`` does); for the other forms it is looked up but gets no gradient (as
+      ``nn.Embedding`` does).
+    """
+
+    name: str
+    table: int
+    form: str
+    padding_idx: Optional[int] = None
+    include_last_offset: bool = False
+    weighted: bool = False
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    num_rows: int
+    dim: int
+    sparse: bool = False
+    dtype: str = "float32"  # of the weight as the model holds it
+
+
+@dataclass(frozen=True)
+class FusedSpec:
+    """An optimizer applied inside backward: ``sgd``, ``adagrad`` or ``rowwise_adagrad``, with its
+    learning rate and eps. Which code applies it is the group's training kernel's business."""
+
+    kind: str
+    lr: float
+    eps: float = 1e-8
+
+
+# Names of the fused optimizer's states per table, in split_optimizer_states() order.
+FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",)}
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything a kernel's ``supports()`` may look at: no tensors, no modules."""
+
+    tables: Tuple[TableSpec, ...]
+    features: Tuple[FeatureSpec, ...]
+    pooling: str  # sum | mean | none
+    quantized: bool = False
+
+    @property
+    def pooled(self) -> bool:
+        return self.pooling != "none"
+
+    @property
+    def padded_rows(self) -> Tuple[str, ...]:
+        """Tables looked up by nn.Embedding with a padding row (that row gets no gradient)."""
+        return tuple(sorted({self.tables[f.table].name for f in self.features
+                             if f.padding_idx is not None and f.form != "bag"}))

@@ -1,0 +1,153 @@
+"""Each kernel alone: what its supports() accepts and refuses, and its numbers against PyTorch's
+own lookups written out in the test (not the reference kernel's code)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxrec.runtime import kernels
+from fxrec.runtime.group import EmbeddingGroup
+from fxrec.runtime.kernels import native as native_mod
+from fxrec.runtime.specs import FeatureSpec, FusedSpec, GroupSpec, TableSpec
+
+POOLED = GroupSpec((TableSpec("a", 50, 8), TableSpec("b", 30, 4)),
+                   (FeatureSpec("fa", 0, "bag"), FeatureSpec("fb", 1, "single")), "sum")
+SEQ = GroupSpec((TableSpec("a", 50, 8),), (FeatureSpec("fa", 0, "seq"),), "none")
+PADDED_SEQ = GroupSpec((TableSpec("a", 50, 8),), (FeatureSpec("fa", 0, "pooled_seq", padding_idx=0),), "sum")
+QUANT = GroupSpec(POOLED.tables, POOLED.features, "sum", quantized=True)
+
+
+def test_kernel_names_are_the_registry():
+    assert kernels.KERNEL_NAMES == ("reference", "native", "fbgemm")
+    for name in kernels.KERNEL_NAMES:
+        assert kernels.get(name).name == name
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kernels.get("loop")
+
+
+def test_reference_supports_everything_but_quantized_tables_and_fused_adagrads():
+    ref = kernels.get("reference")
+    for device in ("cpu", "cuda"):
+        for spec in (POOLED, SEQ, PADDED_SEQ):
+            assert ref.supports(spec, device, "training", None) is None
+            assert ref.supports(spec, device, "training", "sgd") is None
+            assert "not adagrad" in ref.supports(spec, device, "training", "adagrad")
+    assert "quantized" in ref.supports(QUANT, "cpu", "inference", None)
+
+
+def test_native_supports_pooled_float32_groups_on_cpu():
+    nat = kernels.get("native")
+    assert nat.supports(POOLED, "cpu", "training", "rowwise_adagrad") is None
+    assert nat.supports(POOLED, "cpu", "inference", None) is None
+    assert "CPU" in nat.supports(POOLED, "cuda", "training", None)
+    assert "sequence" in nat.supports(SEQ, "cpu", "inference", None)
+    half = GroupSpec((TableSpec("a", 50, 8, dtype="float16"),), (FeatureSpec("fa", 0, "bag"),), "sum")
+    assert "float32" in nat.supports(half, "cpu", "inference", None)
+    assert "quantized" in nat.supports(QUANT, "cpu", "inference", None)
+    assert "no fused adam" in nat.supports(POOLED, "cpu", "training", "adam")
+
+
+def test_fbgemm_supports_what_its_kernels_take():
+    fb = kernels.get("fbgemm")
+    assert fb.supports(POOLED, "cuda", "training", "adagrad") is None
+    assert fb.supports(SEQ, "cpu", "training", "rowwise_adagrad") is None
+    odd = GroupSpec((TableSpec("a", 50, 6),), (FeatureSpec("fa", 0, "bag"),), "sum")
+    assert "multiple of 4" in fb.supports(odd, "cuda", "inference", None)
+    wide = GroupSpec((TableSpec("a", 50, 4096),), (FeatureSpec("fa", 0, "bag"),), "sum")
+    assert fb.supports(wide, "cpu", "inference", None) is None
+    assert "2048" in fb.supports(wide, "cuda", "inference", None)
+    assert "padding row" in fb.supports(PADDED_SEQ, "cuda", "training", "adagrad")
+    assert fb.supports(PADDED_SEQ, "cuda", "training", None) is None  # gradients are PyTorch's there
+    assert fb.supports(QUANT, "cuda", "inference", None) is None
+    assert "inference" in fb.supports(QUANT, "cpu", "training", None)
+    assert "tpu" in fb.supports(POOLED, "tpu", "inference", None)
+
+
+def test_native_reports_why_it_is_not_available_only_for_cpu():
+    nat = kernels.get("native")
+    assert nat.available("cuda") is None  # not asked of this machine: explain decides for devices not here
+    if native_mod.available():
+        assert nat.available("cpu") is None
+
+
+# ------------------------------------------------------------------------------------- numerics
+TABLES = [TableSpec("a", 50, 8), TableSpec("b", 30, 4)]
+FEATURES = [FeatureSpec("fa", 0, "bag", padding_idx=3), FeatureSpec("fa2", 0, "single"),
+            FeatureSpec("fb", 1, "pooled_seq")]
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 50, (11,), generator=g), torch.randint(0, 50, (4,), generator=g),
+           torch.randint(0, 30, (4, 3), generator=g)]
+    offs = [torch.tensor([0, 3, 3, 8]), None, None]
+    return ids, offs, [None, None, None]
+
+
+def plain(params, ids, offs, pooling):
+    """What the user's model computes, written out."""
+    a = F.embedding_bag(ids[0], params[0], offs[0], mode=pooling, padding_idx=3)
+    b = F.embedding(ids[1], params[0])
+    c = F.embedding(ids[2], params[1])
+    return torch.cat([a, b, c.sum(1) if pooling == "sum" else c.mean(1)], 1)
+
+
+def kernel_names():
+    return ["reference", "fbgemm"] + (["native"] if native_mod.available() else [])
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("name", kernel_names())
+def test_each_kernel_gives_pytorchs_outputs_and_gradients(name, pooling):
+    group = EmbeddingGroup(TABLES, FEATURES, pooling, name, name)
+    base = [torch.randn(t.num_rows, t.dim, generator=torch.Generator().manual_seed(7)) for t in TABLES]
+    ids, offs, psw = inputs()
+    kernel = kernels.get(name)
+    with torch.no_grad():
+        got = kernel.run(group, ids, offs, psw, [p.clone() for p in base], training=False)
+    torch.testing.assert_close(got, plain(base, ids, offs, pooling), rtol=1e-6, atol=1e-6)
+    mine = [p.clone().requires_grad_() for p in base]
+    theirs = [p.clone().requires_grad_() for p in base]
+    cot = torch.randn(4, 20, generator=torch.Generator().manual_seed(3))
+    (kernel.run(group, ids, offs, psw, mine, training=True) * cot).sum().backward()
+    (plain(theirs, ids, offs, pooling) * cot).sum().backward()
+    for x, y in zip(mine, theirs):
+        torch.testing.assert_close(x.grad.to_dense(), y.grad, rtol=1e-5, atol=1e-6)
+    assert mine[0].grad[3].abs().max() == 0  # the bag's padding row gets no gradient
+
+
+@pytest.mark.parametrize("name", kernel_names())
+def test_each_kernel_applies_the_fused_sgd_as_torch_optim(name):
+    group = EmbeddingGroup(TABLES, FEATURES, "sum", name, name, fused=FusedSpec("sgd", 0.5))
+    base = [torch.randn(t.num_rows, t.dim, generator=torch.Generator().manual_seed(7)) for t in TABLES]
+    ids, offs, psw = inputs(1)
+    mine = [torch.nn.Parameter(p.clone()) for p in base]
+    theirs = [torch.nn.Parameter(p.clone()) for p in base]
+    group(ids, offs, psw, mine).sum().backward()
+    assert all(p.grad is None for p in mine)  # updated in backward, no gradient made
+    plain(theirs, ids, offs, "sum").sum().backward()
+    torch.optim.SGD(theirs, lr=0.5).step()
+    for x, y in zip(mine, theirs):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_hand_back_inputs_they_do_not_take():
+    """Features with different batch sizes: fbgemm and native return None (one TBE call needs one
+    batch size), and the group runs PyTorch's own lookups, which raise as the plain model does."""
+    group = EmbeddingGroup(TABLES[:1], [FeatureSpec("fa", 0, "single"), FeatureSpec("fa2", 0, "single")], "sum",
+                           "fbgemm", "fbgemm")
+    params = [torch.randn(50, 8)]
+    ids = [torch.tensor([1, 2]), torch.tensor([3])]
+    for name in kernel_names()[1:]:
+        with torch.no_grad():
+            assert kernels.get(name).run(group, ids, [None, None], [None, None], params, training=False) is None
+    with torch.no_grad(), pytest.raises(RuntimeError, match="(?i)size"):
+        group(ids, [None, None], [None, None], params)
+
+
+def test_fbgemm_kernel_hands_back_tables_it_cannot_hold():
+    group = EmbeddingGroup(TABLES[:1], FEATURES[:1], "sum", "fbgemm", "fbgemm")
+    ids, offs, psw = inputs()
+    with torch.no_grad():
+        assert kernels.get("fbgemm").run(group, ids[:1], offs[:1], psw[:1], [torch.randn(50, 8).double()],
+                                         training=False) is None
