@@ -90,7 +90,8 @@ def transform(
         representative batch) and keep the fastest, for training and for inference; the winner is
         cached on disk (``$FXREC_CACHE``, default ``~/.cache/fxrec``) by group, input sizes,
         device and versions, so the next transform of the same model is instant and identical.
-        Timing copies each group's tables once while it runs.
+        Timing copies one group's tables at a time while it runs. A ``backend=`` other than
+        ``"auto"`` wins over ``autotune``.
       copy_model: True (default): transform a copy, leaving ``model`` as it was (one copy of its
         tables while both live). False: hand the model over: the transformed model takes its
         parameters' storage (no copy; training the transformed model changes ``model``'s tables,

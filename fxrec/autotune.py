@@ -2,9 +2,10 @@
 
 Opt-in (``fxrec.transform(..., autotune=True)``); by default kernels are chosen by the rule table
 of ``fxrec/passes/choose_kernels.py`` and nothing is measured. For each group, every kernel that
-supports it (and is there on this machine) is timed, alternating, ``timing_rounds`` runs each,
-median: the forward under no_grad for inference, forward + backward for training (with the fused
-optimizer, on copies of the group's tables, so the model is not trained). The fastest wins; a
+supports it (and is there on this machine) is timed in turn, ``timing_rounds`` runs each after a
+warm-up, median: the forward under no_grad for inference, forward + backward for training (with
+the fused optimizer). Each kernel runs on its own copy of the group's tables, freed before the
+next (one extra copy at a time; the model is neither trained nor rebound). The fastest wins; a
 kernel must beat the rule's choice by more than the noise (10 %) to replace it.
 
 Winners are cached in ``$FXREC_CACHE/autotune.json`` (default ``~/.cache/fxrec``), keyed by the
@@ -107,8 +108,8 @@ class Autotuner:
             return decision  # not reached by the example inputs: the rule stands
         device = decision.device
         key = self._key(gr, value, device)
-        if key in self.cache:
-            hit = self.cache[key]
+        hit = self.cache.get(key)
+        if hit is not None and all(kernels.get(k).available(device) is None for k in (hit["train"], hit["eval"])):
             return replace_kernels(gr, decision, hit["train"], hit["eval"], "autotune (cached)",
                                    hit["why"] + f" (cached in {self.path})", hit["timings_ms"])
         spec = group_spec(gr)
@@ -130,25 +131,29 @@ class Autotuner:
         return replace_kernels(gr, decision, best_train, best_eval, "autotune (measured)", why, timings)
 
     def _time(self, gr: meta.GroupRecord, value, names: List[str], train: bool) -> Dict[str, float]:
+        """Median ms of each kernel, one kernel at a time on its own copy of the group's tables
+        (freed before the next: one extra copy at a time, and the model's own tables are never
+        bound to a scratch kernel)."""
         saved = (gr.kernel_train, gr.kernel_eval)
-        fns = {}
-        for name in names:
-            gr.kernel_train = gr.kernel_eval = name
-            mod, index = build_group_module(gr, with_optimizer=train)
-            ids, offs, psw, params = group_inputs(gr, index, value)
-            if train:  # copies: the fused update must not train the model
+        out: Dict[str, float] = {}
+        try:
+            for name in names:
+                gr.kernel_train = gr.kernel_eval = name
+                mod, index = build_group_module(gr, with_optimizer=train)
+                ids, offs, psw, params = group_inputs(gr, index, value)
                 params = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
-            fns[name] = _step(mod, (ids, offs, psw, params), train)
-        gr.kernel_train, gr.kernel_eval = saved
-        times: Dict[str, List[float]] = {k: [] for k in fns}
-        for f in fns.values():  # warm-up: binds a TBE, builds nothing twice
-            f()
-        for _ in range(self.ctx.config.timing_rounds):
-            for k, f in fns.items():
-                start = time.perf_counter()
-                f()
-                times[k].append(time.perf_counter() - start)
-        return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+                run = _step(mod, (ids, offs, psw, params), train)
+                run()  # warm-up: binds a TBE, builds nothing twice
+                times = []
+                for _ in range(self.ctx.config.timing_rounds):
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+                out[name] = statistics.median(times) * 1e3
+                del mod, params, run
+        finally:
+            gr.kernel_train, gr.kernel_eval = saved
+        return out
 
     def _save(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)

@@ -243,8 +243,8 @@ def cmd_inspect(args) -> int:
                                    quantize=args.quantize)
         except Exception as e:
             raise CLIError(f"could not explain {type(model).__name__} from {args.model}: {_paragraph(e)}") from e
-    else:
-        report = _transform(args, model, inputs).report
+    else:  # the model was loaded for this only: hand it over (no copy of its tables)
+        report = _transform(args, model, inputs, copy_model=False).report
     if args.json:
         print(report.to_json())
     else:
@@ -285,12 +285,12 @@ def cmd_draw(args) -> int:
         viz.check_graphviz()  # before the work: the dumps between passes are rendered too
     model, inputs = load_model(args.model)
     if stage is None:
-        fast = _transform(args, model, inputs)
+        fast = _transform(args, model, inputs, copy_model=False)  # loaded for this only
         viz.draw(fast, args.output, title=f"{type(model).__name__} after fxrec.transform")
     else:
         # The graph between passes is what transform(dump_dir=...) writes: take that picture.
         with tempfile.TemporaryDirectory(prefix="fxrec-draw-") as tmp:
-            _transform(args, model, inputs, dump_dir=tmp)
+            _transform(args, model, inputs, dump_dir=tmp, copy_model=False)
             found = sorted(glob.glob(os.path.join(tmp, f"{stage:02d}_*.dot")))
             if not found:
                 raise CLIError(f"transform wrote no graph number {stage} ({wanted}); it wrote: "

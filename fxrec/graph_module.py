@@ -134,6 +134,10 @@ def _node_meta(meta: dict) -> dict:
     for key in ("stack_trace", "fxrec_origin", "fxrec_decision", "fxrec_quant"):  # plain, frozen records
         if key in meta:
             out[key] = meta[key]
+    if "fxrec_lookup" in meta:  # a lookup left as written: what the report says of it (no graph nodes)
+        from .report import LookupEntry
+
+        out["fxrec_lookup"] = LookupEntry.of(meta["fxrec_lookup"], None)
     if "nn_module_stack" in meta:
         out["nn_module_stack"] = {k: (p, t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}")
                                   for k, (p, t) in meta["nn_module_stack"].items()}

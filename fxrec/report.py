@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
@@ -24,7 +25,9 @@ class LookupEntry:
 
     @classmethod
     def of(cls, r, group: Optional[str]) -> "LookupEntry":
-        """From a :class:`fxrec.meta.LookupRecord`."""
+        """From a :class:`fxrec.meta.LookupRecord` (or a LookupEntry: the same, in ``group``)."""
+        if isinstance(r, LookupEntry):
+            return dataclasses.replace(r, group=group)
         return cls(r.table, r.feature, r.form, r.pooling, r.num_rows, r.dim, r.source, group, r.reason, r.dtype)
 
 
@@ -255,7 +258,8 @@ def build_report(gm, passes=(), pass_runs=(), notes=(), plan_per_rank=()) -> Rep
                 fused=d.fused, dtypes=list(d.dtypes), placement=d.placement,
             ))
         elif meta.LOOKUP in n.meta:
-            report.lookups.append(LookupEntry.of(n.meta[meta.LOOKUP], None))
+            r = n.meta[meta.LOOKUP]  # a LookupRecord, or its LookupEntry in a pickled model
+            report.lookups.append(r if isinstance(r, LookupEntry) else LookupEntry.of(r, None))
         report.quantization.extend(n.meta.get(meta.QUANT, ()))
     return report
 

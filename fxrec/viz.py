@@ -220,7 +220,8 @@ def _wrap(names: Sequence[str], per_line: int = 4) -> List[str]:
 def _lookup_lines(gm: fx.GraphModule, node: fx.Node) -> List[str]:
     rec = node.meta.get(meta.LOOKUP)
     if rec is not None:
-        lines = [f"{_op_name(gm, node)} · {rec.table}", f"{rec.num_rows}×{rec.dim}, {rec.form}, {rec.pooling}"]
+        rows = getattr(rec, "num_rows", None) or getattr(rec, "rows", 0)  # a LookupEntry in a pickled model
+        lines = [f"{_op_name(gm, node)} · {rec.table}", f"{rows}×{rec.dim}, {rec.form}, {rec.pooling}"]
         if rec.reason:
             lines.append(f"not lowered: {rec.reason}"[:80])
         return lines

@@ -485,3 +485,58 @@ def test_fbgemm_fused_kernel_refuses_a_frozen_table_by_name():
     fast.get_parameter("bags.1.weight").requires_grad_(False)
     with pytest.raises(RuntimeError, match=r"\['bags\.1'\] are frozen"):
         fast(*M.bag_inputs(rows=ROWS, seed=1)).sum().backward()
+
+
+class _PaddedBesideLastOffset(torch.nn.Module):
+    """A bag the native kernel hands to another kernel on every call (include_last_offset with a
+    padding_idx) in one group with nn.Embedding's padding row."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(10, 4, mode="sum", include_last_offset=True, padding_idx=1)
+        self.seq = torch.nn.Embedding(10, 4, padding_idx=0)
+
+    def forward(self, ids, offsets, hist):
+        return torch.cat([self.bag(ids, offsets), self.seq(hist).sum(1)], 1)
+
+
+def _padded_beside_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 10, (7,), generator=g), torch.tensor([0, 2, 2, 5]),
+            torch.cat([torch.zeros(3, 1, dtype=torch.long), torch.randint(0, 10, (3, 2), generator=g)], 1))
+
+
+@pytest.mark.parametrize("opt", ["adagrad", "rowwise_adagrad"])
+def test_adagrad_never_trains_a_padding_row_through_a_fallback_kernel(opt):
+    """fbgemm's fused Adagrad would update nn.Embedding's padding row: a group that may need it
+    (the native kernel's states live in fbgemm's TBE) trains with torch.optim instead."""
+    cfg, ref_opt = ADAGRADS[opt]
+    ref, fast, _ = train_both(_PaddedBesideLastOffset, _padded_beside_inputs, cfg(), ref_opt, steps=5, backend="auto")
+    g = fast.report.groups[0]
+    assert "torch.optim" in g.optimizer and "padding row" in g.why, g
+    assert torch.equal(fast.state_dict()["seq.weight"][0], torch.zeros(4))
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_fused_sgd_still_updates_when_fbgemm_cannot_take_a_call(monkeypatch):
+    """A group on fbgemm's fused SGD whose call falls to PyTorch's lookups: fxrec's backward
+    applies the update (no gradient is left for nobody to apply)."""
+    from fxrec.runtime.kernels import fbgemm as fbgemm_kernel
+
+    model = M.BagList(rows=ROWS)
+    fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+    assert fast.report.groups[0].kernel_train == "fbgemm"
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    monkeypatch.setattr(fbgemm_kernel, "usable", lambda params: False)
+    for step in range(3):
+        x = M.bag_inputs(rows=ROWS, seed=step + 1)
+        for m, o in ((ref, ref_opt), (fast, opt)):
+            o.zero_grad()
+            m(*x).sin().sum().backward()
+            o.step()
+    assert all(p.grad is None for n, p in fast.named_parameters() if n.startswith("bags"))
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)

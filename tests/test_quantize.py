@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 import fxrec
 from fxrec.testing import embedding_ops, group_calls
@@ -109,3 +110,16 @@ def test_quantized_ids_out_of_range_are_named():
     ids[1][0] = 800
     with pytest.raises(IndexError, match=r"id 800 in table 'bags.1'"):
         fast(dense, ids, offs)
+
+
+def test_mean_bag_with_padding_and_last_offset_is_served_as_pytorch_computes_it(tmp_path):
+    """With a padding_idx PyTorch runs the last bag to the end of the ids (mean included): the
+    quantized group and its TorchScript twin pack it that way instead of refusing it."""
+    torch.manual_seed(0)
+    model = nn.EmbeddingBag(20, 8, mode="mean", include_last_offset=True, padding_idx=1).eval()
+    ids, offsets = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), torch.tensor([0, 2, 3, 6])  # 2 ids after offsets[-1]
+    fast = fxrec.transform(model, (ids, offsets), mode="inference", quantize="fp32")
+    with torch.no_grad():
+        want = model(ids, offsets)
+        torch.testing.assert_close(fast(ids, offsets), want)
+        torch.testing.assert_close(fxrec.export.torchscript(fast)(ids, offsets), want)

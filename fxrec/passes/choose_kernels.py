@@ -126,7 +126,7 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
 def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     stats = {k: 0 for k in kernels.KERNEL_NAMES}
     tuned = None
-    if ctx.config.autotune and ctx.config.device is None:
+    if ctx.config.autotune and ctx.config.device is None and ctx.config.backend == "auto":  # a forced backend wins
         from ..autotune import Autotuner
 
         tuned = Autotuner(gm, ctx)

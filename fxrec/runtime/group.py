@@ -27,6 +27,7 @@ from ._tracing import exporting
 from .checks import InputChecks
 from .kernels import FBGEMM, REFERENCE
 from .output_buffer import ReusedOutput
+from .packing import FORM_CODES
 from .specs import FUSED_STATE_NAMES, FeatureSpec, FusedSpec, GroupSpec, TableSpec
 
 
@@ -86,6 +87,14 @@ class EmbeddingGroup(InputChecks, nn.Module):
             raise ValueError("fxrec: the tables of a sequence group must share one dim")
         self.dims = [self.tables[f.table].dim for f in self.features]
         self._bag_features = [i for i, f in enumerate(self.features) if f.form == "bag"]
+        # the features as the scriptable packing takes them (fxrec.runtime.packing.pack_bags)
+        self._where = [f"feature '{f.name}' (table '{self.tables[f.table].name}')" for f in self.features]
+        self._forms = [FORM_CODES[f.form] for f in self.features]
+        self._pads = [-1 if f.padding_idx is None else int(f.padding_idx) for f in self.features]
+        self._ilos = [bool(f.include_last_offset) for f in self.features]
+        self._any_weighted = any(f.weighted for f in self.features)
+        self._table_of = [f.table for f in self.features]
+        self._sparse = [bool(t.sparse) for t in self.tables]
         self._min_rows = min(t.num_rows for t in self.tables)
         self._features_of_table = [
             [i for i, f in enumerate(self.features) if f.table == t] for t in range(len(self.tables))
@@ -109,9 +118,9 @@ class EmbeddingGroup(InputChecks, nn.Module):
         return self.fused is not None and self.fused_enabled
 
     def sgd_in_backward(self) -> bool:
-        """A fused SGD that fxrec's backward applies (index_add_ of the rows): on every training
-        kernel but fbgemm's, whose backward applies its own."""
-        return self.fused_active and self.fused.kind == "sgd" and self.kernel_train != FBGEMM
+        """A fused SGD that fxrec's backward (:mod:`fxrec.runtime.grad`) applies: whenever a call
+        goes through it (fbgemm's fused kernel and fxrec's native update never do)."""
+        return self.fused_active and self.fused.kind == "sgd"
 
     def set_kernels(self, kernel_train: str, kernel_eval: str) -> None:
         for k in (kernel_train, kernel_eval):
@@ -192,8 +201,13 @@ class EmbeddingGroup(InputChecks, nn.Module):
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
         if out is None and training and self.fused_active and self.fused.kind != "sgd" and chosen.name != FBGEMM:
-            # the Adagrads' states are in the bound fbgemm TBE: its fused kernel on the same states
-            out = kernels.get(FBGEMM).run(self, ids_list, offsets_list, psw_list, params, training)
+            # the Adagrads' states are in the bound fbgemm TBE: its fused kernel on the same states,
+            # where it computes what PyTorch would (not on nn.Embedding's padding row, for one)
+            fb = kernels.get(FBGEMM)
+            why = fb.supports(self.spec, params[0].device.type, "training", self.fused.kind) if params else None
+            if why is not None and any(ids.numel() for ids in ids_list):
+                self.fused_unusable(f"this call needs fbgemm's fused kernel, and {why}")
+            out = fb.run(self, ids_list, offsets_list, psw_list, params, training)
         if out is None:  # an input the chosen kernel does not take: PyTorch's own answer
             if training and self.fused_active and self.fused.kind != "sgd" and any(ids.numel() for ids in ids_list):
                 self.fused_unusable("fbgemm cannot run them (fbgemm missing, not fp32 on one device, or features "

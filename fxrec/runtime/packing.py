@@ -2,81 +2,100 @@
 the layout fbgemm's TBE, fxrec's gradients and the quantized lookups all read.
 
 Features are packed feature-major: bags ``f*B .. (f+1)*B`` belong to feature f. The one packing
-of the project: the group module, its kernels and the sharded lookups call these functions.
+of the project: :func:`pack_bags` and :func:`pack_rows` are plain typed functions that
+TorchScript compiles, so the eager group module (through :func:`pack_pooled` /
+:func:`pack_sequence`, which add its checks) and the TorchScript serving modules
+(:mod:`fxrec.runtime.serving`) run the same code. The common cases (plain bags, single ids,
+``[B, L]`` ids) cost a constant number of tensor ops for the whole group, not a few per feature.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from ._tracing import exporting
 
+#: FeatureSpec.form as the integer the scriptable packing takes.
+FORM_CODES = {"bag": 0, "pooled_seq": 1, "single": 2, "seq": 3}
 
-def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = False, strict: bool = False):
-    """One indices/offsets/weights input for the TBE, or None when only the loop fits.
+#: pack_bags' batch when only PyTorch's own kernels give the answer (features with different batch
+#: sizes, a mean over [B, 0] ids, include_last_offset mean with ids after offsets[-1]); written as -1
+#: inside pack_bags, since TorchScript reads no module globals.
+NOT_PACKABLE = -1
 
-    ``empty_means``: pack a mean over ``[B, 0]`` ids as empty bags (the kernel gives 0; the
-    caller writes PyTorch's NaN into those columns) instead of returning None. ``strict``: raise,
-    naming the feature, where the answer would be None for an input only PyTorch's own kernels
-    reproduce (the caller has no such fallback: a fused optimizer, a quantized table).
 
-    Features are packed feature-major: bags ``f*B .. (f+1)*B`` belong to feature f. The
-    common cases (plain bags, single ids, [B, L] ids) cost a constant number of tensor ops
-    for the whole group, not a few per feature.
+def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_list: List[Optional[Tensor]],
+              where: List[str], forms: List[int], pads: List[int], ilos: List[bool], mean: bool,
+              any_weighted: bool, strict: bool, empty_means: bool, tracing: bool
+              ) -> Tuple[int, Tensor, Tensor, Optional[Tensor]]:
+    """``(batch, indices, offsets, per-sample weights)`` of a pooled group's inputs.
+
+    ``batch`` is :data:`NOT_PACKABLE` where only PyTorch's own kernels reproduce the input (then
+    the tensors are empty), 0 for an empty batch. ``where[i]`` names feature i in errors.
+    ``empty_means``: pack a mean over ``[B, 0]`` ids as empty bags (the kernel gives 0; the caller
+    writes PyTorch's NaN into those columns). ``strict``: raise, naming the feature, where the
+    answer would be NOT_PACKABLE because of the input's values (a fused optimizer or a quantized
+    table has no PyTorch kernel to fall back to). ``tracing``: torch.export is tracing (no value
+    may be read: checks become ``_assert_async`` ops). Offsets must be given for bags.
     """
-    starts: List[torch.Tensor] = []  # per feature: where each of its B bags starts
-    flat_ids: List[torch.Tensor] = []
-    weights: List[torch.Tensor] = []
+    starts: List[Tensor] = []  # per feature: where each of its B bags starts
+    flat_ids: List[Tensor] = []
+    weights: List[Tensor] = []
     batch = -1
-    any_weighted = any(f.weighted for f in group.features)
-    for f, ids, off, psw in zip(group.features, ids_list, offsets_list, psw_list):
-        if ids.dtype not in (torch.int64, torch.int32):
-            group._check_ids(f, ids)  # raises, naming the feature
-        dev = ids.device
-        if f.form == "bag":
+    dev = ids_list[0].device
+    nothing = torch.empty(0, dtype=torch.long, device=dev)
+    for i in range(len(ids_list)):
+        ids = ids_list[i]
+        psw = psw_list[i]
+        form = forms[i]
+        if form == 0:  # bag
             flat = ids.reshape(-1)
-            if off is None or off.dtype not in (torch.int64, torch.int32):
-                group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
-            if off.dtype != torch.int64:
-                off = off.long()
-            if f.include_last_offset and exporting():
-                # an exported program cannot drop a data-dependent number of trailing ids:
-                # it asserts there are none (offsets[-1] == number of ids)
-                torch._assert_async(off[-1] == flat.numel(),
-                                    f"fxrec: offsets[-1] of feature '{f.name}' must equal its number of ids")
-                off = torch.cat([off[:-1], off.new_full((1,), flat.numel())])
-            if f.include_last_offset or f.padding_idx is not None:
-                last = int(off[-1]) if f.include_last_offset and not exporting() and off.numel() else None
-                if last is not None and last > flat.numel():
-                    raise ValueError(
-                        f"fxrec: offsets of feature '{f.name}' (table '{group.tables[f.table].name}') end "
-                        f"at {last}, past its {flat.numel()} ids"
-                    )
-                if last is not None and last < flat.numel() and group.pooling == "mean":
+            given = offsets_list[i]
+            assert given is not None
+            off = given.long()
+            ilo = ilos[i]
+            pad = pads[i]
+            n = flat.numel()
+            if ilo and tracing:
+                # an exported program cannot drop a data-dependent number of trailing ids: it
+                # asserts there are none (offsets[-1] == number of ids)
+                torch._assert_async(off[-1] == n, "fxrec: offsets[-1] of " + where[i] + " must equal its number of ids")
+                off = torch.cat([off[:-1], off.new_full([1], n)])
+            if ilo or pad >= 0:
+                last = -1
+                if ilo and not tracing and off.numel() > 0:
+                    last = int(off[-1])
+                if last > n:
+                    raise ValueError("fxrec: offsets of " + where[i] + " end at " + str(last) + ", past its "
+                                     + str(n) + " ids")
+                if last >= 0 and last < n and mean and pad < 0:
                     # PyTorch sums the last bag up to offsets[-1] but divides it by the number of
                     # ids to the end of the tensor (and its backward gives those ids gradients)
                     if strict:
                         raise ValueError(
-                            f"fxrec: feature '{f.name}' (table '{group.tables[f.table].name}') has "
-                            f"{flat.numel() - last} ids after offsets[-1] = {last} with include_last_offset=True "
-                            "and mean pooling, where PyTorch's mean divides the last bag by the ids up to the "
-                            "end of the tensor; fused optimizers and quantized tables do not reproduce that: "
-                            "pass only the ids up to offsets[-1]")
-                    return None
-                if not f.include_last_offset:
-                    off = torch.cat([off, off.new_full((1,), flat.numel())])
-                elif (f.padding_idx is not None or exporting()) and off.numel():
+                            "fxrec: " + where[i] + " has " + str(n - last) + " ids after offsets[-1] = " + str(last)
+                            + " with include_last_offset=True and mean pooling, where PyTorch's mean divides the "
+                            "last bag by the ids up to the end of the tensor; fused optimizers and quantized tables "
+                            "do not reproduce that: pass only the ids up to offsets[-1]")
+                    return -1, nothing, nothing, None
+                if not ilo:
+                    off = torch.cat([off, off.new_full([1], n)])
+                elif (pad >= 0 or tracing) and off.numel() > 0:
                     # as PyTorch does: with a padding_idx the last bag runs to the end of the ids
-                    off = torch.cat([off[:-1], off.new_full((1,), flat.numel())])
+                    off = torch.cat([off[:-1], off.new_full([1], n)])
+                elif off.numel() > 0:
+                    flat = flat[: int(off[-1])]
                 else:
-                    flat = flat[: int(off[-1])] if off.numel() else flat[:0]
-                if f.padding_idx is not None:
-                    if not exporting() and bool((off > flat.numel()).any()):
-                        group._check_offsets(f, flat, off)  # raises, naming the feature
-                    keep = flat != f.padding_idx
-                    kept_before = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.long().cumsum(0)])
+                    flat = flat[:0]
+                if pad >= 0:
+                    if not tracing and bool((off > flat.numel()).any()):
+                        raise ValueError("fxrec: offsets of " + where[i] + " do not match its " + str(flat.numel())
+                                         + " ids: offsets must start at 0, never decrease and end at most there")
+                    keep = flat != pad
+                    kept_before = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), keep.long().cumsum(0)])
                     off = kept_before[off]
                     flat = flat[keep]
                     if psw is not None:
@@ -84,72 +103,102 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
                 off = off[:-1]
             b = off.numel()
             start = off
-        elif f.form == "pooled_seq":
-            b, length = ids.shape
+        elif form == 1:  # [B, L] ids pooled over L
+            b = ids.shape[0]
+            length = ids.shape[1]
             flat = ids.reshape(-1)
-            if length == 0 and group.pooling == "mean" and not empty_means:
-                return None  # PyTorch's mean of no rows is NaN; only its own kernels give that
-            start = (torch.arange(0, b * length, length, device=dev) if length
-                     else torch.zeros(b, dtype=torch.long, device=dev))
-        else:  # single
+            if length == 0 and mean and not empty_means:
+                return -1, nothing, nothing, None  # PyTorch's mean of no rows is NaN
+            if length > 0:
+                start = torch.arange(0, b * length, length, device=dev)
+            else:
+                start = torch.zeros(b, dtype=torch.long, device=dev)
+        else:  # one id per sample
             b = ids.shape[0]
             flat = ids
             start = torch.arange(b, device=dev)
         if batch < 0:
             batch = b
         elif b != batch:
-            return None  # features with different batch sizes: TBE needs one B
-        flat_ids.append(flat if flat.dtype == torch.int64 else flat.long())
+            return -1, nothing, nothing, None  # one TBE call needs one batch size
+        flat_ids.append(flat.long())
         starts.append(start)
         if any_weighted:
             if psw is None:
-                psw = torch.ones(flat.numel(), dtype=torch.float32, device=flat.device)
+                psw = torch.ones(flat.numel(), dtype=torch.float32, device=dev)
             weights.append(psw.reshape(-1)[: flat.numel()].float())
     if batch <= 0:
-        return None  # empty batch: PyTorch's own kernels give the exact empty result
+        return 0, nothing, nothing, None  # an empty batch
     indices = torch.cat(flat_ids)
-    bases = [0]
+    bases: List[int] = [0]
     for x in flat_ids[:-1]:
         bases.append(bases[-1] + x.numel())
-    all_starts = torch.cat(starts)
     nfeat = len(flat_ids)
-    firsts = all_starts.view(nfeat, batch)[:, 0]
-    if not exporting() and bool((firsts != 0).any()):
-        bad = int(torch.nonzero(firsts)[0, 0])
-        f = group.features[bad]
-        raise ValueError(
-            f"fxrec: offsets of feature '{f.name}' (table '{group.tables[f.table].name}') must "
-            f"start at 0, got {int(firsts[bad])}"
-        )
-    offsets = torch.empty(nfeat * batch + 1, dtype=torch.long, device=indices.device)
-    base = torch.tensor(bases, dtype=torch.long, device=indices.device)
-    torch.add(all_starts.view(nfeat, batch), base.unsqueeze(1), out=offsets[:-1].view(nfeat, batch))
-    offsets[-1] = indices.numel()
-    psw = torch.cat(weights) if any_weighted else None
-    return indices, offsets, psw, batch
+    all_starts = torch.cat(starts).view(nfeat, batch)
+    if not tracing:
+        firsts = all_starts[:, 0]
+        if bool((firsts != 0).any()):
+            bad = int(torch.nonzero(firsts)[0, 0])
+            raise ValueError("fxrec: offsets of " + where[bad] + " must start at 0, got " + str(int(firsts[bad])))
+    base = torch.tensor(bases, dtype=torch.long, device=dev).unsqueeze(1)
+    offsets = torch.cat([(all_starts + base).reshape(-1), torch.full([1], indices.numel(), dtype=torch.long,
+                                                                      device=dev)])
+    psw_all: Optional[Tensor] = None
+    if any_weighted:
+        psw_all = torch.cat(weights)
+    return batch, indices, offsets, psw_all
 
 
-
-def pack_sequence(group, ids_list):
-    """Packed nobag input: feature f gets max(counts) bags, the first counts[f] of length one."""
-    counts = [ids.numel() for ids in ids_list]
+def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:
+    """Unpooled (sequence) input: feature f gets max(counts) bags, the first counts[f] of length
+    one; ``(indices, offsets, max count)``."""
+    counts: List[int] = [ids.numel() for ids in ids_list]
     bmax = max(counts)
     dev = ids_list[0].device
     counts_t = torch.tensor(counts, device=dev)
-    all_len = (torch.arange(bmax, device=dev) < counts_t.unsqueeze(1)).long().reshape(-1)
+    lengths = (torch.arange(bmax, device=dev) < counts_t.unsqueeze(1)).long().reshape(-1)
     indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), lengths.cumsum(0)])
+    return indices, offsets, bmax
+
+
+def unpack_rows(out: Tensor, ids_list: List[Tensor], dim: int) -> List[Tensor]:
+    """The packed unpooled rows back as one ``[*ids.shape, dim]`` tensor per feature."""
+    outs: List[Tensor] = []
+    start = 0
+    for ids in ids_list:
+        n = ids.numel()
+        outs.append(out[start:start + n].reshape(list(ids.shape) + [dim]))
+        start += n
+    return outs
+
+
+# ------------------------------------------------------------------ the eager group's entry points
+def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = False, strict: bool = False):
+    """:func:`pack_bags` for an eager group module: ``(indices, offsets, psw, batch)``, or None
+    where the group runs PyTorch's own kernels instead (an empty batch included). Checks dtypes
+    and that bags have offsets first, naming the feature."""
+    for f, ids, off in zip(group.features, ids_list, offsets_list):
+        if ids.dtype not in (torch.int64, torch.int32):
+            group._check_ids(f, ids)  # raises, naming the feature
+        if f.form == "bag" and (off is None or off.dtype not in (torch.int64, torch.int32)):
+            group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
+    batch, indices, offsets, psw = pack_bags(
+        ids_list, offsets_list, psw_list, group._where, group._forms, group._pads, group._ilos,
+        group.pooling == "mean", group._any_weighted, strict, empty_means, exporting())
+    return None if batch <= 0 else (indices, offsets, psw, batch)
+
+
+def pack_sequence(group, ids_list):
+    """:func:`pack_rows` for an eager group module, with its ids checked (naming the feature)."""
+    indices, offsets, bmax = pack_rows(ids_list)
     if not exporting():
         lo, hi = torch.aminmax(indices)
         if int(lo) < 0 or int(hi) >= group._min_rows:
             for f, ids in zip(group.features, ids_list):
                 group._check_ids(f, ids)
-    offsets = torch.zeros(all_len.numel() + 1, dtype=torch.long, device=dev)
-    torch.cumsum(all_len, 0, out=offsets[1:])
     return indices, offsets, bmax
 
+
 def unpack_sequence(group, out, ids_list) -> List[torch.Tensor]:
-    d = group.tables[0].dim
-    return [
-        part.reshape(tuple(ids.shape) + (d,))
-        for part, ids in zip(torch.split(out, [ids.numel() for ids in ids_list], 0), ids_list)
-    ]
+    return unpack_rows(out, ids_list, group.tables[0].dim)

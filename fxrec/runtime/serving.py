@@ -15,13 +15,15 @@ quantized groups). These modules know nothing of graphs or passes.
 """
 
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from .kernels.reference import lookup_each
+from .packing import FORM_CODES, pack_bags, pack_rows, unpack_rows
+
 # TorchScript reads no module globals: the forms are written as these literals in the methods
-FORM_CODES = {"bag": 0, "pooled_seq": 1, "single": 2, "seq": 3}
 _Q_INTS = ("total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
            "output_dtype", "row_alignment", "max_float8_D", "fp8_exponent_bits", "fp8_exponent_bias",
            "pooling_mode")
@@ -33,6 +35,9 @@ class _ServingGroup(nn.Module):
     """Specs as plain lists (what TorchScript can hold), input checks, and the quantized buffers."""
 
     names: List[str]
+    where: List[str]
+    no_sparse: List[bool]
+    pooling: str
     table_names: List[str]
     rows: List[int]
     feature_table: List[int]
@@ -47,6 +52,7 @@ class _ServingGroup(nn.Module):
     def __init__(self, group: nn.Module, off_index: List[int], psw_index: List[int]):
         super().__init__()
         self.names: List[str] = [f.name for f in group.features]
+        self.where: List[str] = list(group._where)
         self.table_names: List[str] = [group.tables[f.table].name for f in group.features]
         self.rows: List[int] = [group.tables[f.table].num_rows for f in group.features]
         self.feature_table: List[int] = [f.table for f in group.features]
@@ -58,6 +64,8 @@ class _ServingGroup(nn.Module):
         self.psw_index: List[int] = psw_index
         self.any_weighted: bool = any(i >= 0 for i in psw_index)
         self.mode: int = {"sum": 0, "mean": 1, "none": 0}[group.pooling]
+        self.pooling: str = group.pooling
+        self.no_sparse: List[bool] = [False for _ in group.tables]  # serving makes no gradients
         self.quantized: bool = hasattr(group, "q_ints")
         self.q: Dict[str, int] = dict(group.q_ints) if self.quantized else {}
         self.fp16_out: bool = self.quantized and group.output_dtype == "fp16"
@@ -95,6 +103,18 @@ class _ServingGroup(nn.Module):
                         raise ValueError("fxrec: offsets of " + where + " do not match its " + str(ids.numel())
                                          + " ids: they must start at 0, never decrease and end at most there")
 
+    def _per_feature(self, offsets_list: List[Tensor], psw_list: List[Tensor]
+                     ) -> Tuple[List[Optional[Tensor]], List[Optional[Tensor]]]:
+        """Each feature's offsets and per-sample weights, None where it has none."""
+        offs: List[Optional[Tensor]] = []
+        psws: List[Optional[Tensor]] = []
+        for i in range(len(self.names)):
+            k = self.off_index[i]
+            offs.append(offsets_list[k] if k >= 0 else None)
+            w = self.psw_index[i]
+            psws.append(psw_list[w] if w >= 0 else None)
+        return offs, psws
+
     def _quantized_lookup(self, indices: Tensor, offsets: Tensor, psw: Optional[Tensor]) -> Tensor:
         q = self.q
         return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
@@ -120,114 +140,31 @@ class ServingPooledGroup(_ServingGroup):
     def forward(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor],
                 weights: List[Tensor]) -> Tensor:
         self._check(ids_list, offsets_list)
-        if not self.quantized:
-            outs: List[Tensor] = []
-            for i in range(len(self.names)):
-                w = weights[self.feature_table[i]]
-                ids = ids_list[i]
-                form = self.forms[i]
-                if form == 0:  # bag
-                    psw: Optional[Tensor] = None
-                    if self.psw_index[i] >= 0:
-                        psw = psw_list[self.psw_index[i]]
-                    pad: Optional[int] = None
-                    if self.pads[i] >= 0:
-                        pad = self.pads[i]
-                    outs.append(torch.embedding_bag(w, ids, offsets_list[self.off_index[i]], False, self.mode, False,
-                                                    psw, self.ilos[i], pad)[0])
-                elif form == 2:  # single id
-                    outs.append(torch.embedding(w, ids))
-                else:
-                    e = torch.embedding(w, ids)
-                    outs.append(e.sum(1) if self.mode == 0 else e.mean(1))
-            return torch.cat(outs, 1)
+        if not self.quantized:  # the reference kernel's lookups (the same function)
+            offs, psws = self._per_feature(offsets_list, psw_list)
+            return torch.cat(lookup_each(ids_list, offs, psws, weights, self.feature_table, self.forms, self.pads,
+                                         self.ilos, self.no_sparse, self.pooling), 1)
         return self._pack_and_lookup(ids_list, offsets_list, psw_list)
 
     def _pack_and_lookup(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor]) -> Tensor:
-        """The eager quantized group's packing: features side by side, bags feature-major."""
-        batch = -1
+        """The eager quantized group's packing (the same function), then fbgemm's lookup."""
+        offs, psws = self._per_feature(offsets_list, psw_list)
         nan_cols: List[int] = []  # features that mean-pool [B, 0] ids: NaN, as PyTorch gives it
         col = 0
-        flats: List[Tensor] = []
-        starts: List[Tensor] = []
-        sample_weights: List[Tensor] = []
         for i in range(len(self.names)):
             ids = ids_list[i]
-            dev = ids.device
-            form = self.forms[i]
-            psw: Optional[Tensor] = None
-            if self.psw_index[i] >= 0:
-                psw = psw_list[self.psw_index[i]].reshape(-1)
-            if form == 0:  # bag
-                flat = ids.reshape(-1).long()
-                off = offsets_list[self.off_index[i]].long()
-                ilo = self.ilos[i]
-                pad = self.pads[i]
-                if ilo or pad >= 0:
-                    n = flat.numel()
-                    if not ilo:
-                        off = torch.cat([off, off.new_full([1], n)])
-                    elif pad >= 0 and off.numel() > 0:
-                        off = torch.cat([off[:-1], off.new_full([1], n)])  # as PyTorch: the last bag runs to the end
-                    elif off.numel() > 0:
-                        if self.mode == 1 and int(off[-1]) < n:
-                            raise ValueError("fxrec: feature '" + self.names[i] + "' has ids after offsets[-1] with "
-                                             "include_last_offset=True and mean pooling, where PyTorch divides the "
-                                             "last bag by the ids up to the end of the tensor; quantized tables do "
-                                             "not reproduce that: pass only the ids up to offsets[-1]")
-                        flat = flat[: int(off[-1])]
-                    else:
-                        flat = flat[:0]
-                    if pad >= 0:
-                        keep = flat != pad
-                        kept_before = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), keep.long().cumsum(0)])
-                        off = kept_before[off]
-                        flat = flat[keep]
-                        if psw is not None:
-                            psw = psw[: keep.numel()][keep]
-                    off = off[:-1]
-                b = off.numel()
-                start = off
-            elif form == 1:  # [B, L] ids pooled over L
-                b = ids.shape[0]
-                length = ids.shape[1]
-                flat = ids.reshape(-1).long()
-                if length == 0 and self.mode == 1:  # PyTorch's mean of no rows is NaN
-                    for c in range(col, col + self.dims[i]):
-                        nan_cols.append(c)
-                if length > 0:
-                    start = torch.arange(0, b * length, length, device=dev)
-                else:
-                    start = torch.zeros(b, dtype=torch.long, device=dev)
-            else:
-                b = ids.shape[0]
-                flat = ids.reshape(-1).long()
-                start = torch.arange(b, device=dev)
-            if batch < 0:
-                batch = b
-            elif b != batch:
-                raise ValueError("fxrec: the features of the group of tables " + str(self.table_names)
-                                 + " have different batch sizes")
+            if self.forms[i] == 1 and self.mode == 1 and ids.dim() == 2 and ids.shape[1] == 0:
+                for c in range(col, col + self.dims[i]):
+                    nan_cols.append(c)
             col += self.dims[i]
-            flats.append(flat)
-            starts.append(start)
-            if self.any_weighted:
-                if psw is None:
-                    psw = torch.ones(flat.numel(), dtype=torch.float32, device=dev)
-                sample_weights.append(psw[: flat.numel()].float())
-        if batch <= 0:
+        batch, indices, offsets, psw = pack_bags(ids_list, offs, psws, self.where, self.forms, self.pads, self.ilos,
+                                                 self.mode == 1, self.any_weighted, True, True, False)
+        if batch < 0:
+            raise ValueError("fxrec: the features of the group of tables " + str(self.table_names)
+                             + " have different batch sizes")
+        if batch == 0:
             return torch.zeros(0, sum(self.dims), dtype=self._out_dtype(), device=ids_list[0].device)
-        indices = torch.cat(flats)
-        bases: List[int] = [0]
-        for x in flats[:-1]:
-            bases.append(bases[-1] + x.numel())
-        base = torch.tensor(bases, dtype=torch.long, device=indices.device).unsqueeze(1)
-        offsets = torch.cat([(torch.stack(starts) + base).reshape(-1),
-                             torch.full([1], indices.numel(), dtype=torch.long, device=indices.device)])
-        psw_all: Optional[Tensor] = None
-        if self.any_weighted:
-            psw_all = torch.cat(sample_weights)
-        out = self._quantized_lookup(indices, offsets, psw_all)
+        out = self._quantized_lookup(indices, offsets, psw)
         if len(nan_cols) > 0:
             out[:, nan_cols] = float("nan")
         return out
@@ -240,10 +177,10 @@ class ServingSequenceGroup(_ServingGroup):
                 weights: List[Tensor]) -> List[Tensor]:
         self._check(ids_list, offsets_list)
         outs: List[Tensor] = []
-        if not self.quantized:
-            for i in range(len(self.names)):
-                outs.append(torch.embedding(weights[self.feature_table[i]], ids_list[i]))
-            return outs
+        if not self.quantized:  # the reference kernel's lookups (the same function)
+            offs, psws = self._per_feature(offsets_list, psw_list)
+            return lookup_each(ids_list, offs, psws, weights, self.feature_table, self.forms, self.pads, self.ilos,
+                               self.no_sparse, self.pooling)
         counts: List[int] = [ids.numel() for ids in ids_list]
         bmax = max(counts)
         dim = self.dims[0]
@@ -251,14 +188,5 @@ class ServingSequenceGroup(_ServingGroup):
             for ids in ids_list:
                 outs.append(torch.zeros(ids.shape + [dim], dtype=self._out_dtype(), device=ids.device))
             return outs
-        dev = ids_list[0].device
-        counts_t = torch.tensor(counts, device=dev)
-        lengths = (torch.arange(bmax, device=dev) < counts_t.unsqueeze(1)).long().reshape(-1)
-        indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), lengths.cumsum(0)])
-        out = self._quantized_lookup(indices, offsets, None)
-        start = 0
-        for i in range(len(ids_list)):
-            outs.append(out[start: start + counts[i]].reshape(ids_list[i].shape + [dim]))
-            start += counts[i]
-        return outs
+        indices, offsets, _ = pack_rows(ids_list)
+        return unpack_rows(self._quantized_lookup(indices, offsets, None), ids_list, dim)

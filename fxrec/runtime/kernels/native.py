@@ -326,6 +326,14 @@ class NativeKernel(Kernel):
             return "fxrec's native kernels take float32 tables"
         if optimizer is not None and optimizer not in self.OPTIMIZERS:
             return f"fxrec's native kernels have no fused {optimizer}"
+        if optimizer in ("adagrad", "rowwise_adagrad"):
+            # their states live in an fbgemm TBE, whose fused kernel runs the calls these kernels
+            # cannot take: the group must be one fbgemm computes exactly too
+            from .fbgemm import KERNEL as FBGEMM_KERNEL
+
+            why = FBGEMM_KERNEL.supports(group, device, mode, optimizer)
+            if why is not None:
+                return f"a fused {optimizer} here keeps its states in fbgemm's TBE, and {why}"
         return None
 
     def available(self, device):

@@ -19,27 +19,40 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from . import REFERENCE, Kernel
+
+
+def lookup_each(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_list: List[Optional[Tensor]],
+                weights: List[Tensor], table_of: List[int], forms: List[int], pads: List[int], ilos: List[bool],
+                sparse: List[bool], pooling: str) -> List[Tensor]:
+    """Each feature's lookup as the user's model makes it (``forms``: 0 bag, 1 ``[B, L]`` ids
+    pooled over L, 2 and 3 one row per id), one tensor per feature. A plain typed function:
+    TorchScript compiles it, so the serving modules run the same lookups."""
+    outs: List[Tensor] = []
+    for i in range(len(ids_list)):
+        t = table_of[i]
+        w = weights[t]
+        pad: Optional[int] = None
+        if pads[i] >= 0:
+            pad = pads[i]
+        if forms[i] == 0:
+            outs.append(F.embedding_bag(ids_list[i], w, offsets_list[i], mode=pooling, sparse=sparse[t],
+                                        per_sample_weights=psw_list[i], include_last_offset=ilos[i], padding_idx=pad))
+        else:
+            e = F.embedding(ids_list[i], w, padding_idx=pad, sparse=sparse[t])
+            if forms[i] == 1:
+                e = e.sum(1) if pooling == "sum" else e.mean(1)
+            outs.append(e)
+    return outs
 
 
 def lookups(group, ids_list, offsets_list, psw_list, params, out: Optional[torch.Tensor] = None):
     """The original lookups, one after the other: for pooled groups concatenated (into ``out``
     when given), for sequence groups one tensor per feature."""
-    outs = []
-    for f, ids, off, psw in zip(group.features, ids_list, offsets_list, psw_list):
-        w = params[f.table]
-        sparse = group.tables[f.table].sparse
-        if f.form == "bag":
-            outs.append(F.embedding_bag(
-                ids, w, off, mode=group.pooling, sparse=sparse, per_sample_weights=psw,
-                include_last_offset=f.include_last_offset, padding_idx=f.padding_idx,
-            ))
-        else:
-            e = F.embedding(ids, w, padding_idx=f.padding_idx, sparse=sparse)
-            if f.form == "pooled_seq":
-                e = e.sum(1) if group.pooling == "sum" else e.mean(1)
-            outs.append(e)
+    outs = lookup_each(ids_list, offsets_list, psw_list, params, group._table_of, group._forms, group._pads,
+                       group._ilos, group._sparse, group.pooling)
     if group.pooling == "none":
         return outs
     return torch.cat(outs, 1) if out is None else torch.cat(outs, 1, out=out)
