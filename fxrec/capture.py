@@ -10,13 +10,28 @@ The returned :class:`~fxrec.graph_module.TransformedModule` is called exactly li
 (same positional and keyword structure, inputs mutated as the model mutates them), checks its
 inputs' sizes with errors that name the input (:class:`~fxrec.runtime.input_guards.InputGuards`),
 and follows ``train()`` / ``eval()`` (:mod:`fxrec.modes`).
+
+Capture time. With every size dynamic, torch.export's cost grows with the number of size symbols
+(one per dynamic input dim): each new symbol goes through sympy's reasoning in the operations that
+touch it, about 10 ms a symbol, so a model with 256 ids and 256 offsets tensors took 7.5 s to
+capture against 1.6 s with fixed sizes. Two things bring that to 4.5 s: :func:`export_dynamic`
+leaves out work done per traced tensor whose results fxrec never reads (:func:`_lean_tracing`), and
+:func:`capture` does not have torch build the guard function that fxrec replaces (:func:`_unlifted`).
+The symbols themselves stay: each ids tensor keeps its own (features take different numbers of
+ids in one call), and the offsets' batch symbols become one where the model ties them (the
+``torch.cat`` of the pooled outputs). Declaring that tie up front with one shared ``Dim`` saves
+about a tenth (torch.export still makes a symbol per input and equates them afterwards) and would
+tie inputs that a model leaves apart, so it is not done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import inspect
 import os
+import threading
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -72,8 +87,9 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
     dynamic = _dynamic_shapes(model, args, kwargs)
 
     def run():
-        return torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
-                                   dynamic_shapes=dynamic)
+        with _lean_tracing():
+            return torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
+                                       dynamic_shapes=dynamic)
 
     config = torch.fx.experimental._config
     if hasattr(config, "backed_size_oblivious"):
@@ -83,6 +99,72 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
         except Exception:  # noqa: BLE001 - the ordinary capture below says what is wrong
             pass
     return run()
+
+
+@contextlib.contextmanager
+def _lean_tracing():
+    """Within: torch.export does not do two things per traced tensor whose results fxrec never
+    reads, and which cost most of the capture time once there are hundreds of size symbols
+    (sympy reasoning on expressions of fresh symbols):
+
+    * the fake-tensor cache, off (``torch._dynamo.config.fake_tensor_cache_enabled``): an entry is
+      checked against the operator's output when it is made, and with a symbol per input an
+      operator seldom meets the same sizes again, so entries cost and never pay back;
+    * the memory format in each node's ``meta["tensor_meta"]``, not computed (three contiguity
+      tests a tensor); ``meta["val"]``, which fxrec and torch read, keeps the full sizes and strides.
+
+    Neither changes the captured graph. The second is switched for this thread only; the first is
+    a torch config setting, process-wide while the capture runs (as ``backed_size_oblivious`` is).
+    """
+    import torch._dynamo.config as dynamo_config  # torch.export imports it anyway
+
+    with contextlib.ExitStack() as stack:
+        if hasattr(dynamo_config, "fake_tensor_cache_enabled"):
+            stack.enter_context(dynamo_config.patch(fake_tensor_cache_enabled=False))
+        if _install_lean_tensor_meta():
+            previous = getattr(_LEAN, "active", False)
+            _LEAN.active = True
+            stack.callback(setattr, _LEAN, "active", previous)
+        yield
+
+
+_LEAN = threading.local()  # .active: this thread's capture leaves the memory format out
+_LEAN_LOCK = threading.Lock()
+
+
+def _install_lean_tensor_meta() -> bool:
+    """Wrap the function torch's proxy tracer calls for ``meta["tensor_meta"]`` (once per process) so
+    that it skips the memory format while this thread has ``_LEAN.active`` set, and is torch's own
+    everywhere else. False where this torch has no such function (then nothing changes)."""
+    from torch.fx.experimental import proxy_tensor
+
+    with _LEAN_LOCK:
+        full = getattr(proxy_tensor, "_extract_tensor_metadata", None)
+        if full is None:
+            return False
+        if getattr(full, "_fxrec_lean", False):
+            return True
+        try:
+            inspect.signature(full).bind(None, include_contiguity=False)
+        except (TypeError, ValueError):
+            return False
+
+        @functools.wraps(full)
+        def extract(result, include_contiguity=True):
+            return full(result, include_contiguity=include_contiguity and not getattr(_LEAN, "active", False))
+
+        extract._fxrec_lean = True
+        proxy_tensor._extract_tensor_metadata = extract
+        return True
+
+
+def _unlifted(ep) -> fx.GraphModule:
+    """``ep.module()`` without the guard function (``_guards_fn``) torch builds for it: capture puts
+    :class:`InputGuards` in its place, and building it costs a second a few hundred inputs (torch
+    formats every input path for every guard)."""
+    if "check_guards" in inspect.signature(type(ep).module).parameters:
+        return ep.module(check_guards=False)
+    return ep.module()  # a torch without the argument builds no guard function
 
 
 def _capture_error(model: torch.nn.Module, e: BaseException) -> CaptureError:
@@ -109,7 +191,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
             ep = export_dynamic(model, args, kwargs)
     except Exception as e:
         raise _capture_error(model, e) from e
-    gm = ep.module()
+    gm = _unlifted(ep)
     _install_input_guards(gm, ep)
     _structured_forward(gm)
     adopt(gm)
@@ -119,7 +201,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
         for m, f in flags.items():
             m.training = not f
         try:
-            return export_dynamic(model, args, kwargs).module()
+            return _unlifted(export_dynamic(model, args, kwargs))
         finally:
             for m, f in flags.items():
                 m.training = f
@@ -135,8 +217,9 @@ def input_guards(gm: torch.nn.Module) -> Optional[InputGuards]:
 
 
 def _install_input_guards(gm: fx.GraphModule, ep) -> None:
-    """Replace export's guard function (``_guards_fn``) by :class:`InputGuards` built from the same
-    facts: the placeholders' symbolic shapes, the range of each size, and export's other guards."""
+    """Put :class:`InputGuards` where export's guard function (``_guards_fn``) goes, built from the
+    same facts: the placeholders' symbolic shapes, the range of each size, and export's other guards.
+    (:func:`_unlifted` asks torch not to build its own; one it builds anyway is removed.)"""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
         return

@@ -1,0 +1,169 @@
+"""Capture keeps every size dynamic that the model leaves free, with one size symbol per independent
+size, and its speed-ups (fxrec/capture.py, "Capture time") change nothing else: the graph, the
+input checks, torch's settings outside the capture."""
+
+import contextlib
+import copy
+import threading
+from typing import List
+
+import pytest
+import torch
+from torch import nn
+
+import fxrec
+from fxrec import capture as C
+from fxrec.testing import assert_matches, captured
+
+TABLES = 5
+
+
+class Bags(nn.Module):
+    """benchmarks/bench_lookups.py's PlainBags, smaller: a list of ids and one of offsets."""
+
+    def __init__(self, tables=TABLES, rows=40, dim=4):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(rows, dim, mode="sum") for _ in range(tables)])
+
+    def forward(self, ids: List[torch.Tensor], offsets: List[torch.Tensor]):
+        return torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)], 1)
+
+
+def one_hot(batch, tables=TABLES, rows=40, seed=0):
+    """One id per bag: every ids tensor has as many entries as every offsets tensor, the case where
+    sizes that only happen to be equal could be taken for one."""
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randint(0, rows, (batch,), generator=g) for _ in range(tables)],
+            [torch.arange(batch) for _ in range(tables)])
+
+
+def ragged(batch, max_lens, rows=40, seed=0):
+    """Feature k has 0..max_lens[k] ids per bag: different numbers of ids per feature in one call."""
+    g = torch.Generator().manual_seed(seed)
+    ids, offsets = [], []
+    for m in max_lens:
+        lengths = torch.randint(0, m + 1, (batch,), generator=g)
+        ids.append(torch.randint(0, rows, (int(lengths.sum()),), generator=g))
+        offsets.append(torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]]))
+    return ids, offsets
+
+
+def test_batch_and_each_features_number_of_ids_stay_dynamic():
+    model = Bags()
+    fast = fxrec.transform(model, one_hot(8), backend="fbgemm")
+    calls = [
+        one_hot(1, seed=1),
+        one_hot(3, seed=2),
+        ragged(5, (40, 0, 1, 3, 7), seed=3),   # feature 1 without any id, feature 0 with up to 40 a bag
+        ragged(64, (1, 9, 2, 30, 4), seed=4),
+    ]
+    ids, offsets = calls[2]
+    assert len({len(i) for i in ids}) == TABLES and len(ids[1]) == 0
+    assert_matches(model, fast, *calls)
+
+
+def test_one_symbol_for_the_batch_and_one_per_ids_tensor():
+    """The design (see fxrec/capture.py): each ids tensor its own size symbol; the offsets, whose
+    pooled rows the model concatenates, one symbol between them. Even where the example gives all
+    of them the same size."""
+    guards = C.input_guards(captured(Bags(), one_hot(8)))
+    size = {path: shape[0] for path, shape in zip(guards.paths, guards.shapes)}
+    ids = [size[f"ids[{k}]"] for k in range(TABLES)]
+    batch = {size[f"offsets[{k}]"] for k in range(TABLES)}
+    assert all(isinstance(s, str) and s.isidentifier() for s in ids + list(batch)), size
+    assert len(batch) == 1 and len(set(ids)) == TABLES and not batch & set(ids), size
+    assert len({s for shape in guards.shapes for s in shape}) == TABLES + 1
+
+
+def test_torch_builds_no_guard_function_that_capture_would_replace(monkeypatch):
+    from torch.export import _unlift
+
+    if not hasattr(_unlift, "_convert_guards_code_to_fn"):
+        pytest.skip("this torch builds its guard function elsewhere")
+    built = []
+    real = _unlift._convert_guards_code_to_fn
+    monkeypatch.setattr(_unlift, "_convert_guards_code_to_fn", lambda *a, **k: built.append(1) or real(*a, **k))
+    gm = captured(Bags(), one_hot(8))
+    assert not built and not hasattr(gm, "_guards_fn")
+    assert C.input_guards(gm) is not None
+    ids, offsets = one_hot(8)
+    with pytest.raises(ValueError, match=r"input offsets\[2\] has size 7 in dim 0"):
+        gm(ids, offsets[:2] + [offsets[2][:-1]] + offsets[3:])
+
+
+def _formats(ep_or_gm) -> list:
+    return [n.meta["tensor_meta"].memory_format for n in ep_or_gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.meta.get("tensor_meta"), tuple)]
+
+
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+def test_capture_leaves_torch_settings_and_other_exports_as_they_were():
+    cache = torch._dynamo.config.fake_tensor_cache_enabled
+    oblivious = torch.fx.experimental._config.backed_size_oblivious
+    gm = captured(Bags(), one_hot(8))
+    # what the passes read is all there: every tensor a node makes has its fake value
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is not torch.ops.aten.sym_size.int:
+            assert "val" in n.meta, n
+    assert torch._dynamo.config.fake_tensor_cache_enabled == cache
+    assert torch.fx.experimental._config.backed_size_oblivious == oblivious
+    # torch.export outside fxrec's capture records the memory format, as always
+    formats = _formats(torch.export.export(Lin(), (torch.randn(5, 4),), strict=False))
+    assert formats and all(f == torch.contiguous_format for f in formats)
+
+
+def test_memory_formats_are_left_out_in_the_capturing_thread_only():
+    seen = {}
+
+    def other_thread():
+        seen["other"] = _formats(torch.export.export(Lin(), (torch.randn(5, 4),), strict=False))
+
+    with C._lean_tracing():
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        seen["here"] = _formats(torch.export.export(Lin(), (torch.randn(5, 4),), strict=False))
+    assert seen["other"] and all(f == torch.contiguous_format for f in seen["other"])
+    if C._install_lean_tensor_meta():  # (a torch without the function keeps the formats everywhere)
+        assert seen["here"] and all(f is None for f in seen["here"])
+
+
+def test_capture_with_the_speed_ups_gives_the_same_graph_as_without(monkeypatch):
+    model, example = Bags(), one_hot(8)
+    lean = captured(model, example)
+    monkeypatch.setattr(C, "_lean_tracing", contextlib.nullcontext)
+    monkeypatch.setattr(C, "_unlifted", lambda ep: ep.module())
+    plain = captured(model, example)
+    assert lean.code == plain.code
+    assert C.input_guards(lean).shapes == C.input_guards(plain).shapes
+    assert C.input_guards(lean).conditions == C.input_guards(plain).conditions
+
+
+def test_train_eval_capture_in_the_other_mode_still_works():
+    """A model whose code reads `training` is captured again in the other mode (fxrec/modes.py);
+    that capture goes through the same path."""
+
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(20, 4, mode="sum")
+
+        def forward(self, ids, offsets):
+            return nn.functional.dropout(self.bag(ids, offsets), 0.5, training=self.training)
+
+    model = Reads()
+    example = (torch.randint(0, 20, (12,)), torch.arange(0, 12, 2))
+    fast = fxrec.transform(copy.deepcopy(model), example, backend="fbgemm")
+    modes = fast.meta["fxrec_modes"]
+    assert modes.switchable and modes.flags  # the two captures compared: the dropout follows the mode
+    fast.eval()
+    model.eval()
+    torch.testing.assert_close(fast(*example), model(*example))
