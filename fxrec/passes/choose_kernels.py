@@ -30,24 +30,30 @@ from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..runtime import kernels
 from ..runtime.kernels import FBGEMM, NATIVE, REFERENCE
 
-#: (device, mode) -> kernels in order of preference. Figures: ``make bench`` on the 2-core CPU of
-#: docs/benchmarks.md (benchmarks/results/cpu.json, ms per call, forward | forward+backward):
+#: (device, mode, fused optimizer) -> kernels in order of preference; ``None`` as the optimizer is
+#: the line for every optimizer without one of its own. Figures: benchmarks/results/cpu.json and
+#: cpu_optimizers.json (``make bench``, benchmarks/bench_optimizers.py; 2-core CPU, docs/benchmarks.md),
+#: and the in-process alternating timings autotune makes (ms per call or step).
 RULES = {
     # fbgemm's TBE is written for GPUs (one launch for every table, fused optimizers in its
-    # backward); the reference runs what fbgemm cannot (dims not multiple of 4, other dtypes).
-    ("cuda", "training"): (FBGEMM, REFERENCE),
-    ("cuda", "inference"): (FBGEMM, REFERENCE),
-    # CPU, pooled groups: fxrec's native kernel was the fastest forward on all three shapes
-    # (onehot26 1.93 vs fbgemm 2.10 vs plain 2.62; multihot16 5.21 vs 7.13 vs 5.55; small256 13.2 vs
-    # 19.2 vs 19.7) and the fastest or within 5 % of the fastest training step. Sequence groups:
-    # PyTorch's own F.embedding (the reference); fbgemm where a fused Adagrad needs its kernel.
-    ("cpu", "training"): (NATIVE, REFERENCE, FBGEMM),
-    ("cpu", "inference"): (NATIVE, REFERENCE, FBGEMM),
+    # backward); the reference runs what fbgemm cannot (other dtypes, dims over 2048).
+    ("cuda", "training", None): (FBGEMM, REFERENCE),
+    ("cuda", "inference", None): (FBGEMM, REFERENCE),
+    # CPU, pooled groups: fxrec's native kernel is the fastest forward on all three shapes
+    # (onehot26 3.34 vs fbgemm 5.91 vs plain 4.23; multihot16 8.76 vs 16.5 vs 9.31; small256 18.0 vs
+    # 31.0 vs 25.8), the fastest training step with dense gradients (79 vs 91; 63 vs 71; 91 vs 101)
+    # and with fused SGD and Adagrad. Sequence groups: PyTorch's own F.embedding (the reference);
+    # fbgemm where only it fuses the optimizer (a sequence group with Adagrad).
+    ("cpu", "training", None): (NATIVE, REFERENCE, FBGEMM),
+    ("cpu", "inference", None): (NATIVE, REFERENCE, FBGEMM),
+    # CPU, row-wise Adagrad: fbgemm's fused step measured faster or equal (onehot26 6.72 vs native
+    # 7.39; multihot16 26.7 vs 36.2; small256 73.4 vs 71.0); both keep the same states.
+    ("cpu", "training", "rowwise_adagrad"): (FBGEMM, NATIVE, REFERENCE),
 }
 
 
-def _order(device: str, mode: str, backend: str) -> Tuple[str, ...]:
-    order = RULES.get((device, mode), (REFERENCE,))
+def _order(device: str, mode: str, backend: str, optimizer: Optional[str] = None) -> Tuple[str, ...]:
+    order = RULES.get((device, mode, optimizer)) or RULES.get((device, mode, None), (REFERENCE,))
     if backend != "auto":
         order = (backend,) + tuple(k for k in order if k != backend)
     return order
@@ -96,7 +102,7 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
     k_train, passed_train = k_eval, []
     if training:
         kind = fused.kind if fused is not None else None
-        k_train, passed_train = pick(spec, device, "training", kind, _order(device, "training", backend), here)
+        k_train, passed_train = pick(spec, device, "training", kind, _order(device, "training", backend, kind), here)
         if k_train is None and fused is not None:
             why.append(f"optimizer: no kernel fuses {fused.kind} here ({'; '.join(passed_train)}), so torch.optim "
                        "in opt.step()")
