@@ -53,19 +53,9 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
 
 def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
     """fbgemm's quantized TBE lookup operator on the group's buffers."""
-    q = group.q_ints
-    return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-        dev_weights=group.q_weights, uvm_weights=group.q_weights_uvm,
-        weights_placements=group.q_weights_placements, weights_offsets=group.q_weights_offsets,
-        weights_tys=group.q_weights_tys, D_offsets=group.q_D_offsets, total_D=q["total_D"],
-        max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
-        max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
-        indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
-        output_dtype=q["output_dtype"], lxu_cache_weights=group.q_lxu_cache_weights,
-        lxu_cache_locations=group.q_lxu_cache_locations, row_alignment=q["row_alignment"],
-        max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
-        fp8_exponent_bias=q["fp8_exponent_bias"],
-    )
+    bufs = [group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets,
+            group.q_weights_tys, group.q_D_offsets, group.q_lxu_cache_weights, group.q_lxu_cache_locations]
+    return _fbgemm.int_nbit_lookup(group.q_ints, bufs, indices, offsets, psw)
 
 
 class _Quantized:

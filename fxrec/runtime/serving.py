@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .kernels.fbgemm import int_nbit_lookup
 from .kernels.reference import lookup_each
 from .packing import FORM_CODES, pack_bags, pack_rows, unpack_rows
 
@@ -116,19 +117,9 @@ class _ServingGroup(nn.Module):
         return offs, psws
 
     def _quantized_lookup(self, indices: Tensor, offsets: Tensor, psw: Optional[Tensor]) -> Tensor:
-        q = self.q
-        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-            dev_weights=self.q_weights, uvm_weights=self.q_weights_uvm,
-            weights_placements=self.q_weights_placements, weights_offsets=self.q_weights_offsets,
-            weights_tys=self.q_weights_tys, D_offsets=self.q_D_offsets, total_D=q["total_D"],
-            max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
-            max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
-            indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
-            output_dtype=q["output_dtype"], lxu_cache_weights=self.q_lxu_cache_weights,
-            lxu_cache_locations=self.q_lxu_cache_locations, row_alignment=q["row_alignment"],
-            max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
-            fp8_exponent_bias=q["fp8_exponent_bias"],
-        )
+        bufs = [self.q_weights, self.q_weights_uvm, self.q_weights_placements, self.q_weights_offsets,
+                self.q_weights_tys, self.q_D_offsets, self.q_lxu_cache_weights, self.q_lxu_cache_locations]
+        return int_nbit_lookup(self.q, bufs, indices, offsets, psw)
 
     def _out_dtype(self) -> torch.dtype:
         return torch.float16 if self.fp16_out else torch.float32

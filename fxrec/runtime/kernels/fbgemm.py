@@ -14,7 +14,7 @@ fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -145,6 +145,24 @@ def make_inference_tbe(
             [quantize_embs(w.detach().float().to(device), types[t]) for w, (_, _, t) in zip(weights, rows_dims_dtypes)]
         )
     return tbe
+
+
+def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: torch.Tensor,
+                    offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
+    """fbgemm's quantized TBE lookup on a group's buffers: ``weights`` are, in order, the
+    quantized rows, uvm rows, placements, offsets, types, D offsets, cache weights and cache
+    locations (the ``q_*`` buffers); ``q`` its ints. A typed function TorchScript compiles: the
+    eager quantized groups and their serving twins call it alike."""
+    return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+        dev_weights=weights[0], uvm_weights=weights[1], weights_placements=weights[2], weights_offsets=weights[3],
+        weights_tys=weights[4], D_offsets=weights[5], total_D=q["total_D"],
+        max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
+        max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
+        indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
+        output_dtype=q["output_dtype"], lxu_cache_weights=weights[6], lxu_cache_locations=weights[7],
+        row_alignment=q["row_alignment"], max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
+        fp8_exponent_bias=q["fp8_exponent_bias"],
+    )
 
 
 def quant_align(dtype: str) -> int:
