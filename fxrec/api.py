@@ -145,7 +145,6 @@ def transform(
     rank = _check_plan(plan, optimizer, mode, quantize)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
-    # A reference copy only when something will compare against it (tables can be large).
     # What verify compares with: the user's model itself when fxrec works on a copy (no second copy
     # of the tables; its .grad fields are restored); a copy when the model is handed over.
     reference_model = None
