@@ -219,3 +219,14 @@ def test_explain_takes_a_model_on_the_meta_device():
     (g,) = r.groups
     assert (g.kernel_train, g.fused, g.device) == ("fbgemm", "rowwise_adagrad", "cuda")
     assert r.tables[0]["bytes"] == 10_000_000 * 128 * 4
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_explain_for_cuda_inference_runs_every_group_on_fbgemm(quantize):
+    from examples.dlrm_factory import small
+
+    model, inputs = small(rows_cap=500, batch=8)
+    r = fxrec.explain(model, inputs, device="cuda", mode="inference", quantize=quantize)
+    assert r.groups and all((g.kernel_eval, g.device, g.placement) == ("fbgemm", "cuda", "device") for g in r.groups)
+    want = "int8" if quantize else "float32"
+    assert all(set(g.dtypes) == {want} for g in r.groups), [g.dtypes for g in r.groups]
