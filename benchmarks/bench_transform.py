@@ -151,8 +151,8 @@ def group_choice(gm):
     try:
         g = gm.report.groups[0]
         return {"lowered": g.lowered,
-                "train": getattr(g, "kernel_train", getattr(g, "path_train", None)),
-                "inference": getattr(g, "kernel_eval", getattr(g, "path_eval", None)), "why": getattr(g, "why", None)}
+                "train": g.kernel_train,
+                "inference": g.kernel_eval, "why": g.why}
     except Exception as e:  # noqa: BLE001 - the report's layout is not what is measured
         return {"error": f"{type(e).__name__}: {e}"}
 

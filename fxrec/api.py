@@ -106,7 +106,7 @@ def transform(
         from table name / glob pattern to one of these. The report gives bytes and the error
         against the fp32 lookups on the example inputs per table.
       output_dtype: inference with quantize: dtype of the pooled outputs, ``"fp32"`` or ``"fp16"``.
-      reuse_outputs: on CPU, in inference, a pooled group on the ``"native"`` or ``"direct"`` path writes into one
+      reuse_outputs: on CPU, in inference, a pooled group on the ``"native"`` or ``"reference"`` kernel writes into one
         output buffer that it keeps between calls and reuses whenever nothing references the
         previous result (a fresh tensor of tens of MB costs a page fault per 4 KiB every call).
         Costs one output's memory per group between calls; ``False`` allocates every call.
