@@ -175,7 +175,8 @@ def transform(
     def snapshot(g, c):
         records.extend(n.meta[meta.LOOKUP] for n in g.graph.nodes if meta.LOOKUP in n.meta)
 
-    with _grads_restored(reference_model if reference_model is model else None):
+    users_own = reference_model if reference_model is model else None  # its .grad are put back
+    with _grads_restored(users_own):
         gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot}, dump=dump)
     _name_guarded_inputs(gm, records)
     table_opts = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
@@ -207,7 +208,7 @@ def transform(
     for k, v in preserved.items():
         setattr(gm, k, v)
     if verify:
-        with fused_updates_off(gm), _grads_restored(reference_model if reference_model is model else None):
+        with fused_updates_off(gm), _grads_restored(users_own):
             compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)  # trains nothing
     return gm
 

@@ -22,7 +22,6 @@ torch 2.13 warns that ``torch.jit.script`` is deprecated; :func:`program` is the
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any, Dict, Optional
 

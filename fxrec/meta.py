@@ -114,8 +114,6 @@ class GroupDecision:
 
     group: str
     pooling: str
-    tables: Tuple[str, ...]
-    features: Tuple[str, ...]
     lookups: tuple  # fxrec.report.LookupEntry of each lookup, in the group's order
     device: str
     kernel_train: str
@@ -129,3 +127,12 @@ class GroupDecision:
     placement: str = "host"  # host (CPU memory) | device (accelerator memory)
     lowered: bool = True
     timings_ms: Tuple[Tuple[str, float], ...] = ()
+
+    @property
+    def tables(self) -> Tuple[str, ...]:
+        """Each lookup's table, in the group's order."""
+        return tuple(e.table for e in self.lookups)
+
+    @property
+    def features(self) -> Tuple[str, ...]:
+        return tuple(e.feature for e in self.lookups)

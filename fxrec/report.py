@@ -258,8 +258,8 @@ def build_report(gm, passes=(), pass_runs=(), notes=(), plan_per_rank=()) -> Rep
                 fused=d.fused, dtypes=list(d.dtypes), placement=d.placement,
             ))
         elif meta.LOOKUP in n.meta:
-            r = n.meta[meta.LOOKUP]  # a LookupRecord, or its LookupEntry in a pickled model
-            report.lookups.append(r if isinstance(r, LookupEntry) else LookupEntry.of(r, None))
+            # a LookupRecord, or its LookupEntry in a pickled model
+            report.lookups.append(LookupEntry.of(n.meta[meta.LOOKUP], None))
         report.quantization.extend(n.meta.get(meta.QUANT, ()))
     return report
 

@@ -119,8 +119,7 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
     if gr.fused is not None:
         text += f"; optimizer: fused {gr.fused.kind} inside backward by {k_train}"
     return meta.GroupDecision(
-        group=gr.name, pooling=gr.pooling, tables=tuple(r.table for r in gr.lookups),
-        features=tuple(r.feature for r in gr.lookups), lookups=tuple(LookupEntry.of(r, gr.name) for r in gr.lookups),
+        group=gr.name, pooling=gr.pooling, lookups=tuple(LookupEntry.of(r, gr.name) for r in gr.lookups),
         device=device, kernel_train=k_train if training else k_eval, kernel_eval=k_eval, decided_by=by, why=text,
         fused=gr.fused.kind if gr.fused else "", fused_by=k_train if gr.fused else "",
         optimizer=_optimizer_text(gr), dtypes=tuple(gr.quant.get(p, t.dtype) for p, t in zip(gr.tables, spec.tables)),

@@ -96,8 +96,7 @@ def _decision(gr: meta.GroupRecord, kinds) -> meta.GroupDecision:
     sharded = sorted({k for k in kinds if k != "data_parallel"})
     kernel = "sharded: " + ", ".join(sorted(set(kinds)))
     return meta.GroupDecision(
-        group=gr.name, pooling=gr.pooling, tables=tuple(r.table for r in gr.lookups),
-        features=tuple(r.feature for r in gr.lookups), lookups=tuple(LookupEntry.of(r, gr.name) for r in gr.lookups),
+        group=gr.name, pooling=gr.pooling, lookups=tuple(LookupEntry.of(r, gr.name) for r in gr.lookups),
         device=gr.lookups[0].device.split(":")[0], kernel_train=kernel, kernel_eval=kernel, decided_by="sharding plan",
         why="sharding plan: " + "; ".join(f"{r.table} {k}" for r, k in zip(gr.lookups, kinds)),
         dtypes=tuple(r.dtype for r in gr.lookups), lowered=bool(sharded),

@@ -194,9 +194,6 @@ class EmbeddingGroup(InputChecks, nn.Module):
                     self._check_ids(f, ids)  # raises, naming the feature
         if exporting():  # the form torch.export traces: PyTorch's own ops
             return self.lookups(ids_list, offsets_list, psw_list, params)
-        if params and any(ids.device != params[0].device for ids in ids_list):
-            # PyTorch's own lookups take meta ids with CPU tables and return meta rows: say so instead
-            self._check_devices(ids_list, offsets_list, psw_list, params, ValueError("device mismatch"))
         training = self._training(params, psw_list)
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)

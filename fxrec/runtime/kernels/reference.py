@@ -126,6 +126,10 @@ class ReferenceKernel(Kernel):
         return None
 
     def run(self, group, ids_list, offsets_list, psw_list, params, training):
+        if params and any(ids.device != params[0].device for ids in ids_list):
+            # PyTorch's lookups take meta ids with CPU tables and return meta rows: say so instead
+            # (the other kernels hand such inputs here)
+            group._check_devices(ids_list, offsets_list, psw_list, params, ValueError("device mismatch"))
         if training and group.fused_active:
             out = _fused(group, ids_list, offsets_list, psw_list, params)
             if out is not None:
