@@ -18,8 +18,9 @@ table "bags.0", form "bag", pooling "sum", and ``reason == ""`` (lowerable).
 
 Not handled (recorded with the reason, and left exactly as it was): ``mode="max"``,
 ``max_norm`` (the table is renormalised in place), ``scale_grad_by_freq``, weights that are not
-parameters (buffers, or computed in forward), dtypes other than fp32, dims that fbgemm's
-training TBE does not take (not a multiple of 4), a negative ``padding_idx`` on a bag.
+parameters (buffers, or computed in forward), dtypes other than fp32, a negative
+``padding_idx`` on a bag. Any dim is lowered: a kernel that needs a multiple of 4 (fbgemm's TBE)
+pads the table it stores (:func:`fxrec.runtime.specs.pad_dim`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import torch.fx as fx
 
 from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
-from ..runtime.kernels.fbgemm import TBE_DIM_ALIGNMENT
 
 aten = torch.ops.aten
 
@@ -184,8 +184,6 @@ def _record(gm: fx.GraphModule, node: fx.Node) -> Optional[meta.LookupRecord]:
         reasons.append("the weight is not a parameter of the model (a buffer, or computed in forward)")
     if wval.dtype != torch.float32:
         reasons.append(f"dtype {wval.dtype}: fxrec lowers fp32 tables for training")
-    if dim % TBE_DIM_ALIGNMENT:
-        reasons.append(f"dim {dim} is not a multiple of {TBE_DIM_ALIGNMENT} (fbgemm TBE requirement)")
     mutated = _mutated_in_graph(weight)
     if mutated:
         reasons.append(mutated)

@@ -11,6 +11,16 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 
+#: fbgemm's training TBE stores dims that are a multiple of this; fxrec pads other dims up to it.
+DIM_ALIGNMENT = 4
+
+
+def pad_dim(dim: int, align: int = DIM_ALIGNMENT) -> int:
+    """``dim`` rounded up to a multiple of ``align``: the width a table is stored with in a TBE
+    (the extra columns are zeros no user sees)."""
+    return -(-int(dim) // align) * align
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     """One lookup of a group, as the runtime needs it.
