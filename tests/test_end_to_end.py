@@ -73,12 +73,11 @@ def test_not_lowerable_lookups_are_left_alone_with_reasons():
     inputs = M.not_lowerable_inputs()
     fast = fxrec.transform(model, inputs, backend="fbgemm")
     reasons = {e.table: e.reason for e in fast.report.left_alone}
-    assert set(reasons) == {"maxbag", "renorm", "freq", "odd"}
+    assert set(reasons) == {"maxbag", "renorm", "freq"}  # "odd" (dim 6) is lowered, padded to 8
     assert "max" in reasons["maxbag"]
     assert "max_norm" in reasons["renorm"]
     assert "scale_grad_by_freq" in reasons["freq"]
-    assert "multiple of 4" in reasons["odd"]
-    assert [e.table for e in fast.report.lowered] == ["ok"]
+    assert sorted(e.table for e in fast.report.lowered) == ["odd", "ok"]
     ref = copy.deepcopy(model)  # max_norm renormalises weights in forward: compare fresh copies
     assert_matches(ref, fast, inputs)
     for name in reasons:

@@ -219,8 +219,8 @@ def test_report_says_where_each_optimizer_runs():
 
 
 def test_table_left_as_it_was_still_gets_its_optimizer_from_make_optimizer():
-    """dim 6 is not lowered; its optimizer runs as torch.optim.Adagrad in step()."""
-    model = M.BagList(rows=ROWS, dim=6)
+    """mode="max" bags are not lowered; their optimizer runs as torch.optim.Adagrad in step()."""
+    model = M.BagList(rows=ROWS, mode="max")
     ref, fast, opt = train_both(lambda: model, lambda s: M.bag_inputs(rows=ROWS, seed=s),
                                 fxrec.optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1), steps=5)
     assert len(fast.report.left_alone) == 3

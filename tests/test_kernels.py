@@ -52,7 +52,17 @@ def test_fbgemm_supports_what_its_kernels_take():
     assert fb.supports(POOLED, "cuda", "training", "adagrad") is None
     assert fb.supports(SEQ, "cpu", "training", "rowwise_adagrad") is None
     odd = GroupSpec((TableSpec("a", 50, 6),), (FeatureSpec("fa", 0, "bag"),), "sum")
-    assert "multiple of 4" in fb.supports(odd, "cuda", "inference", None)
+    assert fb.supports(odd, "cuda", "inference", None) is None  # stored padded to 8 columns
+    assert fb.supports(odd, "cuda", "training", "adagrad") is None  # a zero column stays zero
+    assert "average the squared gradient" in fb.supports(odd, "cuda", "training", "rowwise_adagrad")
+    # a sequence group stores its tables at the widest (8): row-wise Adagrad then averages over 8
+    seq_mixed = GroupSpec((TableSpec("a", 50, 7), TableSpec("b", 50, 8)),
+                          (FeatureSpec("fa", 0, "seq"), FeatureSpec("fb", 1, "seq")), "none")
+    assert "['a']" in fb.supports(seq_mixed, "cpu", "training", "rowwise_adagrad")
+    edge = GroupSpec((TableSpec("a", 50, 2047),), (FeatureSpec("fa", 0, "bag"),), "sum")
+    assert "2048" not in (fb.supports(edge, "cuda", "inference", None) or "")  # 2048 once padded
+    over = GroupSpec((TableSpec("a", 50, 2049),), (FeatureSpec("fa", 0, "bag"),), "sum")
+    assert "2048" in fb.supports(over, "cuda", "inference", None)
     wide = GroupSpec((TableSpec("a", 50, 4096),), (FeatureSpec("fa", 0, "bag"),), "sum")
     assert fb.supports(wide, "cpu", "inference", None) is None
     assert "2048" in fb.supports(wide, "cuda", "inference", None)
@@ -151,3 +161,47 @@ def test_fbgemm_kernel_hands_back_tables_it_cannot_hold():
     with torch.no_grad():
         assert kernels.get("fbgemm").run(group, ids[:1], offs[:1], psw[:1], [torch.randn(50, 8).double()],
                                          training=False) is None
+
+
+ODD_TABLES = [TableSpec("a", 50, 5), TableSpec("b", 30, 3)]
+
+
+def plain_odd(params, ids, offs):
+    a = F.embedding_bag(ids[0], params[0], offs[0], mode="sum")
+    b = F.embedding(ids[1], params[0])
+    c = F.embedding(ids[2], params[1]).sum(1)
+    return torch.cat([a, b, c], 1)
+
+
+@pytest.mark.parametrize("kind", [None, "sgd", "adagrad"])
+def test_fbgemm_stores_odd_dims_padded_and_users_see_only_the_real_columns(kind):
+    """dims 5 and 3 are stored as 8 and 4 columns in the TBE: the parameters are views of the real
+    columns, outputs and updates are PyTorch's, the padding columns stay zero, and the Adagrad
+    state a user reads has the table's shape."""
+    fused = FusedSpec(kind, 0.5) if kind else None
+    feats = [FeatureSpec("fa", 0, "bag"), FeatureSpec("fa2", 0, "single"), FeatureSpec("fb", 1, "pooled_seq")]
+    group = EmbeddingGroup(ODD_TABLES, feats, "sum", "fbgemm", "fbgemm", fused=fused)
+    base = [torch.randn(t.num_rows, t.dim, generator=torch.Generator().manual_seed(7)) for t in ODD_TABLES]
+    ids, offs, psw = inputs(2)
+    mine = [torch.nn.Parameter(p.clone()) for p in base]
+    theirs = [torch.nn.Parameter(p.clone()) for p in base]
+    cot = torch.randn(4, 13, generator=torch.Generator().manual_seed(3))
+    theirs_opt = torch.optim.Adagrad(theirs, lr=0.5, eps=1e-8) if kind == "adagrad" else torch.optim.SGD(theirs, lr=0.5)
+    mine_opt = torch.optim.SGD(mine, lr=0.5) if kind is None else None  # fused: updated inside backward
+    for _ in range(3):
+        (group(ids, offs, psw, mine) * cot).sum().backward()
+        (plain_odd(theirs, ids, offs) * cot).sum().backward()
+        for opt in (mine_opt, theirs_opt):
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+    for x, y, t in zip(mine, theirs, ODD_TABLES):
+        assert x.shape == (t.num_rows, t.dim) and x.stride(0) == -(-t.dim // 4) * 4  # a view into the TBE
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-5, atol=1e-6)
+    stored = group._bound.tbe.split_embedding_weights()
+    assert [tuple(w.shape) for w in stored] == [(50, 8), (30, 4)]
+    assert stored[0][:, 5:].abs().max() == 0 and stored[1][:, 3:].abs().max() == 0
+    if kind == "adagrad":
+        states = [s["sum"] for s in group.optimizer_states(mine)]
+        assert [tuple(s.shape) for s in states] == [(50, 5), (30, 3)]
+        assert group._bound.tbe.split_optimizer_states()[0][0][:, 5:].abs().max() == 0

@@ -411,3 +411,261 @@ def test_padding_row_gets_zero_gradient_even_from_inf(frozen):
         (m(*x) * cot).sum().backward()
     assert torch.equal(fast.get_parameter("e.weight").grad[0], torch.zeros(8))
     assert torch.equal(model.e.weight.grad[0], torch.zeros(8))
+
+
+# Tables stored padded (fbgemm's TBE keeps odd dims padded to a multiple of 4): the kernels take
+# the user's parameter as the view padded[:, :dim] (rows strided, columns contiguous), and an
+# element-wise Adagrad state as the same kind of view of a [rows, pad_dim] buffer.
+
+STRIDED = [(1, 4), (3, 4), (5, 8), (7, 8), (10, 12), (13, 16), (3, 16), (16, 24), (32, 48), (12, 16)]
+SENTINEL = 123.0
+
+
+def padded_views(seed, rows=23, layouts=STRIDED, fill=SENTINEL):
+    """Per (dim, pad): a [rows, pad] buffer of `fill` whose first dim columns are random, and
+    its [:, :dim] view."""
+    g = torch.Generator().manual_seed(seed)
+    bufs = []
+    for d, pad in layouts:
+        buf = torch.full((rows, pad), fill)
+        buf[:, :d] = torch.randn(rows, d, generator=g)
+        bufs.append(buf)
+    return bufs, [b[:, :d] for b, (d, _) in zip(bufs, layouts)]
+
+
+def every_form(n_tables, rows=23, batch=6, seed=0, psw=False):
+    """Per table four features: a bag with offsets (empty bags, a padding row), a [B, 3] bag, a
+    [B, 4] pooled_seq and a single id; the kernels' per-feature arguments."""
+    g = torch.Generator().manual_seed(seed)
+    tof, ids, offs, w, last, pad, form = [], [], [], [], [], [], []
+    for t in range(n_tables):
+        lengths = torch.randint(0, 5, (batch,), generator=g)
+        bag_ids = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
+        cases = [
+            (bag_ids, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]]), 2, 0),
+            (torch.randint(0, rows, (batch, 3), generator=g), None, -1, 0),
+            (torch.randint(0, rows, (batch, 4), generator=g), None, -1, 1),
+            (torch.randint(0, rows, (batch,), generator=g), None, -1, 2),
+        ]
+        for i, o, p, k in cases:
+            tof.append(t)
+            ids.append(i)
+            offs.append(o)
+            w.append(torch.rand(i.numel(), generator=g) if psw else None)
+            last.append(0)
+            pad.append(p)
+            form.append(k)
+    return tof, ids, offs, w, last, pad, form
+
+
+def assert_padding_untouched(bufs, layouts=STRIDED, fill=SENTINEL):
+    for b, (d, _) in zip(bufs, layouts):
+        assert torch.equal(b[:, d:], torch.full_like(b[:, d:], fill)), (d, b.shape)
+
+
+@needs_kernel
+def test_padded_views_are_strided_as_fbgemm_will_store_them():
+    bufs, views = padded_views(0)
+    for v, (d, pad) in zip(views, STRIDED):
+        assert v.stride() == (pad, 1) and not v.is_contiguous()
+        assert _native._rows_contiguous(v)
+    assert not _native._rows_contiguous(torch.zeros(4, 6).t())  # columns strided
+    assert not _native._rows_contiguous(torch.zeros(4, 6)[:, ::2])
+    assert not _native._rows_contiguous(torch.zeros(1, 4).expand(5, 4))  # rows overlap
+
+
+@needs_kernel
+@pytest.mark.parametrize("mean,psw", [(0, False), (1, False), (0, True)])
+def test_forward_on_row_strided_tables_is_bitwise_the_forward_on_contiguous_copies(mean, psw):
+    bufs, views = padded_views(1)
+    copies = [v.contiguous() for v in views]
+    tof, ids, offs, w, last, pad, form = every_form(len(views), seed=2, psw=psw)
+    total = sum(STRIDED[t][0] for t in tof)
+    got, want = torch.full((6, total), -1.0), torch.full((6, total), -2.0)
+    _native.ops().pooled_forward(got, views, tof, ids, offs, w, last, pad, form, mean)
+    _native.ops().pooled_forward(want, copies, tof, ids, offs, w, last, pad, form, mean)
+    assert torch.equal(got, want)
+    assert_padding_untouched(bufs)
+    if not mean and not psw:  # and PyTorch's own sum of the same rows, in the same order
+        cols, col = [], 0
+        for t, i, o, p, k in zip(tof, ids, offs, pad, form):
+            d = STRIDED[t][0]
+            if o is not None:
+                ref = torch.nn.functional.embedding_bag(i, copies[t], o, mode="sum", padding_idx=p)
+            elif k == 2:
+                ref = copies[t][i]
+            else:
+                ref = torch.nn.functional.embedding_bag(i, copies[t], mode="sum") if k == 0 else copies[t][i].sum(1)
+            assert torch.equal(got[:, col : col + d], ref), (t, k)
+            col += d
+
+
+@needs_kernel
+def test_forward_threads_see_the_same_strided_rows():
+    """One thread and many (the bags split over threads) read the same rows."""
+    bufs, views = padded_views(3, rows=50)
+    tof, ids, offs, w, last, pad, form = every_form(len(views), rows=50, batch=300, seed=4)
+    total = sum(STRIDED[t][0] for t in tof)
+    outs = []
+    threads = torch.get_num_threads()
+    for n in (1, max(2, threads)):
+        torch.set_num_threads(n)
+        try:
+            out = torch.empty(300, total)
+            _native.ops().pooled_forward(out, views, tof, ids, offs, w, last, pad, form, 0)
+            outs.append(out)
+        finally:
+            torch.set_num_threads(threads)
+    want = torch.empty(300, total)
+    _native.ops().pooled_forward(want, [v.contiguous() for v in views], tof, ids, offs, w, last, pad, form, 0)
+    assert torch.equal(outs[0], want) and torch.equal(outs[1], want)
+    assert_padding_untouched(bufs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mean,psw", [(0, False), (1, False), (0, True)])
+def test_sgd_update_on_row_strided_tables_is_bitwise_the_update_of_contiguous_copies(mean, psw):
+    bufs, views = padded_views(5)
+    copies = [v.contiguous() for v in views]
+    before = [b.clone() for b in bufs]
+    tof, ids, offs, w, last, pad, form = every_form(len(views), seed=6, psw=psw)
+    grad_out = torch.randn(6, sum(STRIDED[t][0] for t in tof), generator=torch.Generator().manual_seed(7))
+    update = [int(t != 2) for t in range(len(views))]  # table 2 frozen
+    _native.ops().sgd_update(views, grad_out, 0.25, update, tof, ids, offs, w, last, pad, form, mean)
+    _native.ops().sgd_update(copies, grad_out, 0.25, update, tof, ids, offs, w, last, pad, form, mean)
+    for t, (v, c) in enumerate(zip(views, copies)):
+        assert torch.equal(v, c), t
+        assert torch.equal(v, before[t][:, : STRIDED[t][0]]) == (not update[t]), t
+    assert_padding_untouched(bufs)
+
+
+@needs_kernel
+def test_dense_gradient_into_row_strided_zeros_is_the_gradient_into_contiguous_zeros():
+    """sgd_update with lr = -1 on zeros (fxrec's dense gradients) on padded zeros."""
+    bufs, views = padded_views(8, fill=0.0)
+    for v in views:
+        v.zero_()
+    copies = [v.contiguous() for v in views]
+    tof, ids, offs, w, last, pad, form = every_form(len(views), seed=9, psw=True)
+    grad_out = torch.randn(6, sum(STRIDED[t][0] for t in tof), generator=torch.Generator().manual_seed(10))
+    update = [1] * len(views)
+    _native.ops().sgd_update(views, grad_out, -1.0, update, tof, ids, offs, w, last, pad, form, 0)
+    _native.ops().sgd_update(copies, grad_out, -1.0, update, tof, ids, offs, w, last, pad, form, 0)
+    assert all(torch.equal(v, c) for v, c in zip(views, copies))
+    assert any(torch.count_nonzero(v) for v in views)
+    assert_padding_untouched(bufs, fill=0.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("state_layout", ["contiguous_2d", "flat"])
+@pytest.mark.parametrize("mean,psw", [(0, False), (1, False), (0, True)])
+def test_adagrad_on_row_strided_tables_and_states_is_bitwise_the_update_of_contiguous_copies(mean, psw,
+                                                                                            state_layout):
+    bufs, views = padded_views(11)
+    sbufs, states = padded_views(12)
+    for s in states:
+        s.copy_(s.abs())  # a sum of squares
+    copies = [v.contiguous() for v in views]
+    s_copies = [s.contiguous() if state_layout == "contiguous_2d" else s.contiguous().view(-1) for s in states]
+    tof, ids, offs, w, last, pad, form = every_form(len(views), seed=13, psw=psw)
+    grad_out = torch.randn(6, sum(STRIDED[t][0] for t in tof), generator=torch.Generator().manual_seed(14))
+    update = [int(t != 3) for t in range(len(views))]
+    for ws, ss in ((views, states), (copies, s_copies)):
+        _native.ops().adagrad_update(ws, ss, grad_out, 0.1, 1e-8, 0, update, tof, ids, offs, w, last, pad, form,
+                                     mean)
+    for t in range(len(views)):
+        assert torch.equal(views[t], copies[t]), t
+        assert torch.equal(states[t], s_copies[t].view_as(states[t])), t
+    assert_padding_untouched(bufs)
+    assert_padding_untouched(sbufs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mean,psw", [(0, False), (1, False), (0, True)])
+def test_rowwise_adagrad_on_row_strided_tables_is_bitwise_the_update_of_contiguous_copies(mean, psw):
+    bufs, views = padded_views(15)
+    g = torch.Generator().manual_seed(16)
+    states = [torch.rand(v.shape[0], generator=g) for v in views]
+    copies = [v.contiguous() for v in views]
+    s_copies = [s.clone() for s in states]
+    frozen = (views[0].clone(), states[0].clone())
+    tof, ids, offs, w, last, pad, form = every_form(len(views), seed=17, psw=psw)
+    grad_out = torch.randn(6, sum(STRIDED[t][0] for t in tof), generator=g)
+    update = [int(t != 0) for t in range(len(views))]
+    for ws, ss in ((views, states), (copies, s_copies)):
+        _native.ops().adagrad_update(ws, ss, grad_out, 0.1, 1e-8, 1, update, tof, ids, offs, w, last, pad, form,
+                                     mean)
+    for t in range(len(views)):
+        assert torch.equal(views[t], copies[t]) and torch.equal(states[t], s_copies[t]), t
+    assert torch.equal(views[0], frozen[0]) and torch.equal(states[0], frozen[1])  # not updated
+    assert_padding_untouched(bufs)
+
+
+@needs_kernel
+def test_rowwise_adagrad_on_a_padded_table_averages_over_the_real_dim():
+    """state += mean over the dim of g*g: the view's dim, not the padded width."""
+    layouts = [(3, 4), (5, 8), (13, 16), (10, 16)]
+    bufs, views = padded_views(18, rows=12, layouts=layouts)
+    g = torch.Generator().manual_seed(19)
+    ids = [torch.randperm(12, generator=g)[:5] for _ in layouts]  # one lookup per row: g is grad_out's row
+    states = [torch.rand(12, generator=g) for _ in layouts]
+    grad_out = torch.randn(5, sum(d for d, _ in layouts), generator=g)
+    want_w, want_s, col = [], [], 0
+    for v, s, i, (d, _) in zip(views, states, ids, layouts):
+        gr = grad_out[:, col : col + d]
+        ws, ss = v.clone(), s.clone()
+        ss[i] += (gr * gr).mean(1)
+        ws[i] -= (0.1 / (ss[i].sqrt() + 1e-8))[:, None] * gr
+        want_w.append(ws)
+        want_s.append(ss)
+        col += d
+    n = len(layouts)
+    _native.ops().adagrad_update(views, states, grad_out, 0.1, 1e-8, 1, [1] * n, list(range(n)), ids, [None] * n,
+                                 [None] * n, [0] * n, [-1] * n, [2] * n, 0)
+    for t in range(n):
+        torch.testing.assert_close(states[t], want_s[t], rtol=1e-6, atol=0)
+        torch.testing.assert_close(views[t], want_w[t], rtol=1e-6, atol=1e-7)
+    assert_padding_untouched(bufs, layouts)
+
+
+@needs_kernel
+def test_kernels_refuse_tables_and_states_whose_rows_are_not_contiguous():
+    out = torch.empty(2, 4)
+    args = ([0], [torch.tensor([0, 1])], [torch.tensor([0, 1])], [None], [0], [-1], [0], 0)
+    for bad in (torch.zeros(8, 5).t()[:, :4], torch.zeros(5, 8)[:, ::2], torch.zeros(1, 4).expand(5, 4)):
+        with pytest.raises(RuntimeError, match="row-contiguous 2-D float32"):
+            _native.ops().pooled_forward(out, [bad], *args)
+    w = torch.zeros(5, 4)
+    feats = ([1], [0], [torch.tensor([0, 1])], [torch.tensor([0, 1])], [None], [0], [-1], [0], 0)
+    for state in (torch.zeros(5, 8)[:, ::2], torch.zeros(5, 8), torch.zeros(5, 8)[:, :3], torch.zeros(4, 4)):
+        with pytest.raises(RuntimeError, match="Adagrad state of table 0"):
+            _native.ops().adagrad_update([w], [state], out, 0.1, 1e-8, 0, *feats)
+    with pytest.raises(RuntimeError, match="Adagrad state of table 0"):
+        _native.ops().adagrad_update([w], [torch.zeros(5, 2)[:, 0]], out, 0.1, 1e-8, 1, *feats)
+
+
+@needs_kernel
+def test_a_group_takes_row_strided_parameters_on_the_native_kernel():
+    """native_call takes padded[:, :dim] parameters as they are: the forward reads them in
+    place and a fused SGD's backward updates them in the padded buffer."""
+    layouts = [(3, 4), (5, 8), (16, 20)]
+    model = Bags(dims=[d for d, _ in layouts])
+    fast = fxrec.transform(model, bag_lists(3), backend="native", optimizer=fxrec.optim.SGD(lr=0.5))
+    (group,) = group_modules(fast)
+    bufs, views = padded_views(20, rows=37, layouts=layouts)
+    params = [nn.Parameter(v) for v in views]
+    assert all(p.data_ptr() == v.data_ptr() and p.stride() == v.stride() for p, v in zip(params, views))
+    copies = [nn.Parameter(v.detach().clone()) for v in views]
+    before = [v.clone() for v in views]
+    ids, offs = bag_lists(3, seed=21)
+    assert _native.native_call(group, ids, offs, [None] * 3, params) is not None
+    with torch.no_grad():
+        assert torch.equal(group(ids, offs, [None] * 3, params), group(ids, offs, [None] * 3, copies))
+    outs = [group(ids, offs, [None] * 3, ps) for ps in (params, copies)]
+    assert all("NativeFusedFunctionBackward" in autograd_node_names(o) for o in outs)
+    cot = torch.randn_like(outs[0])
+    for o in outs:
+        (o * cot).sum().backward()
+    for p, c, v, b in zip(params, copies, views, before):
+        assert p.grad is None and torch.equal(v, c.detach()) and not torch.equal(v, b)
+    assert_padding_untouched(bufs, layouts)

@@ -91,11 +91,55 @@ def test_per_table_dtypes_auto_and_fp16_output():
     assert "Quantization" in str(half.report)
 
 
+class _OddBags(nn.Module):
+    def __init__(self, dims, rows=300):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(rows, d, mode="sum") for d in dims])
+
+    def forward(self, ids, offsets):
+        return torch.cat([b(ids, offsets) for b in self.bags], 1)
+
+
+@pytest.mark.parametrize("dtype,dim,stored", [("int8", 6, 8), ("int4", 4, 8), ("int2", 10, 16), ("fp16", 5, 6),
+                                              ("int8", 1, 4)])
+def test_a_dim_the_dtype_cannot_store_is_padded_without_changing_the_real_columns(dtype, dim, stored):
+    """The padded table must give exactly what fbgemm gives for a table of the stored width whose
+    extra columns repeat the row's first value (same min and max: same scale, bias and codes)."""
+    torch.manual_seed(0)
+    odd = _OddBags([dim, 8]).eval()
+    wide = _OddBags([stored, 8]).eval()
+    with torch.no_grad():
+        w = odd.bags[0].weight
+        wide.bags[0].weight.copy_(torch.cat([w, w[:, :1].expand(-1, stored - dim)], 1))
+        wide.bags[1].weight.copy_(odd.bags[1].weight)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 300, (40,), generator=g)
+    offsets = torch.arange(0, 40, 4)
+    q_odd = fxrec.transform(odd, (ids, offsets), mode="inference", quantize=dtype)
+    q_wide = fxrec.transform(wide, (ids, offsets), mode="inference", quantize=dtype)
+    assert not q_odd.report.left_alone
+    with torch.no_grad():
+        got, ref = q_odd(ids, offsets), q_wide(ids, offsets)
+    assert got.shape == (10, dim + 8)
+    assert torch.equal(got[:, :dim], ref[:, :dim]) and torch.equal(got[:, dim:], ref[:, stored:])
+    from fxrec.export import torchscript
+
+    assert torch.equal(torchscript(q_odd)(ids, offsets), got)  # the serving module drops the same columns
+    entry = {q.table: q for q in q_odd.report.quantization}["bags.0"]
+    assert entry.dim == dim and entry.max_abs_error is not None
+
+
+def test_auto_keeps_dims_int8_would_not_shrink_in_fp32():
+    from fxrec.passes.quantize_tables import dtype_for
+
+    assert dtype_for("auto", "t", "t.weight", 1_000_000, 1) == "fp32"  # int8: 4 + 4 bytes a row > 4
+    assert dtype_for("auto", "t", "t.weight", 1_000_000, 2) == "fp32"  # 4 + 4 = 8 bytes, as fp32
+    assert dtype_for("auto", "t", "t.weight", 1_000_000, 3) == "int8"  # 4 + 4 < 12
+
+
 def test_quantization_errors_are_named():
     model = M.BagList(rows=ROWS, dim=4).eval()
     inputs = M.bag_inputs(rows=ROWS)
-    with pytest.raises(ValueError, match=r"table 'bags.0' \(dim 4\) cannot be stored as int4.*multiple of 8"):
-        fxrec.transform(model, inputs, mode="inference", quantize="int4")
     with pytest.raises(ValueError, match="needs mode='inference'"):
         fxrec.transform(model, inputs, quantize="int8")
     with pytest.raises(ValueError, match="quantize must be one of"):

@@ -19,6 +19,11 @@
 // Rows are summed in id order from zero, then a mean divides by the bag's count (bags: the ids
 // that are not padding) or by L (pooled_seq), as PyTorch does. An empty bag gives zeros. Bad ids or offsets raise
 // (the Python caller then names the feature); they are never read out of bounds.
+//
+// A table (and an element-wise Adagrad state) need not be contiguous, only its rows: stride(1)
+// == 1 and stride(0) >= its dim, e.g. padded[:, :dim] of a table stored padded to a wider
+// [rows, pad_dim] (fbgemm's TBE); row r starts at r * stride(0), the padding columns are never
+// read or written.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,6 +51,7 @@ struct Feature {
   int64_t fixed_len = 0;  // 2-D ids: L
   int64_t rows = 0;
   int64_t dim = 0;
+  int64_t stride = 0;  // of the weight's rows (>= dim: a view of a wider, padded table)
   int64_t col = 0;
   int64_t padding = -1;  // meaningful only with has_padding
   bool has_padding = false;
@@ -79,6 +85,17 @@ inline bool bag_range(const Feature& f, int64_t b, int64_t& start, int64_t& end)
   return start >= 0 && start <= end && end <= f.n_ids;
 }
 
+// The distance between rows of a 2-D tensor whose rows are each contiguous and do not overlap
+// (stride(1) == 1, stride(0) >= size(1)), e.g. padded[:, :dim] of a contiguous [rows, pad_dim]
+// table; -1 for any other layout. A dim of size 1 may carry any stride (as in is_contiguous).
+int64_t row_stride(const at::Tensor& t) {
+  if (t.dim() != 2) return -1;
+  if (t.is_contiguous()) return t.size(1);
+  if (t.stride(1) != 1 && t.size(1) > 1) return -1;
+  if (t.size(0) <= 1) return t.size(1);
+  return t.stride(0) >= t.size(1) ? t.stride(0) : -1;
+}
+
 // Bags of a feature with offsets, or single ids.
 int64_t batch_of(const Feature& f) {
   if (f.offsets == nullptr) return f.n_ids;
@@ -104,8 +121,10 @@ std::vector<Feature> describe(
     const int64_t t = table_of_feature[i];
     TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(weights.size()), "fxrec kernel: bad table index");
     const at::Tensor& w = weights[t];
-    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous(),
-                "fxrec kernel: weights must be contiguous 2-D float32 CPU tensors");
+    const int64_t w_stride = row_stride(w);
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w_stride >= 0,
+                "fxrec kernel: weights must be row-contiguous 2-D float32 CPU tensors (stride(1) == 1, "
+                "stride(0) >= size(1))");
     const at::Tensor& x = ids[i];
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kLong && x.is_contiguous(),
                 "fxrec kernel: ids must be contiguous int64 CPU tensors");
@@ -114,6 +133,7 @@ std::vector<Feature> describe(
     f.weight_mut = w.data_ptr<float>();
     f.rows = w.size(0);
     f.dim = w.size(1);
+    f.stride = w_stride;
     f.col = total_dim;
     total_dim += f.dim;
     f.ids = x.data_ptr<int64_t>();
@@ -171,13 +191,14 @@ void raise_if(const ErrorFlag& err) {
 // order, the rows they name are scattered over the table).
 constexpr int64_t kPrefetch = 16;
 
-// (lo, hi): only rows in this block (the update's threads each own a block of rows).
+// (lo, hi): only rows in this block (the update's threads each own a block of rows). D: the
+// floats of the row to fetch, from its start at id * f.stride.
 __attribute__((always_inline)) inline void prefetch_row(const Feature& f, int64_t j, int64_t D, int64_t lo = 0,
                                                         int64_t hi = -1) {
   if (j < f.n_ids) {
     const int64_t id = f.ids[j];
     if (id >= lo && id < (hi < 0 ? f.rows : hi)) {
-      const char* p = reinterpret_cast<const char*>(f.weight + id * D);
+      const char* p = reinterpret_cast<const char*>(f.weight + id * f.stride);
       for (int64_t k = 0; k < D * 4; k += 64) __builtin_prefetch(p + k, 0, 3);
     }
   }
@@ -196,7 +217,8 @@ __attribute__((always_inline)) inline void store8(float* p, f8 v) { std::memcpy(
 
 // The pooled rows of bags [b0, b1) of one feature, into out. DC > 0 (a multiple of 8) is the
 // dim known at compile time: the bag is summed in registers. DC == 0: any dim, summed in a
-// local buffer. Either way each output row is stored once.
+// local buffer. Either way each output row is stored once. Row id of the table starts at
+// W + id * f.stride (the dim only sets how many floats are read from there).
 template <int64_t DC>
 void forward_bags(const Feature& f, int64_t fi, int64_t b0, int64_t b1, float* __restrict__ out_ptr,
                   int64_t out_stride, bool mean, ErrorFlag& err) {
@@ -228,7 +250,7 @@ void forward_bags(const Feature& f, int64_t fi, int64_t b0, int64_t b1, float* _
         err.set(kIdRange, fi);
         break;
       }
-      const float* __restrict__ r = W + id * D;
+      const float* __restrict__ r = W + id * f.stride;
       if constexpr (DC > 0) {
         if (f.psw != nullptr) {
           const float w = f.psw[j];
@@ -400,9 +422,9 @@ void sgd_update(
       for (const int64_t fi : u.feats_of_table[t]) {
         const Feature& f = u.fs[fi];
         float* W = f.weight_mut;
-        const int64_t D = f.dim;
+        const int64_t D = f.dim, ws = f.stride;
         visit_rows(f, fi, u.batch, u.g_ptr, u.g_stride, mean, neg_lr, lo, hi, err,
-                   [&](int64_t id, int64_t, const float* g, float sc) { add_scaled_row(W + id * D, g, sc, D); });
+                   [&](int64_t id, int64_t, const float* g, float sc) { add_scaled_row(W + id * ws, g, sc, D); });
       }
     }
   });
@@ -452,13 +474,30 @@ void adagrad_update(
                                padding_idx, form);
   const int64_t nt = static_cast<int64_t>(weights.size());
   TORCH_CHECK(static_cast<int64_t>(states.size()) == nt, "fxrec kernel: one optimizer state per table");
+  // per table, the distance between rows of its weight and of its element-wise state (either a
+  // [rows, D] tensor of its own row stride, e.g. padded_state[:, :D], or contiguous rows * D)
+  std::vector<int64_t> w_stride(nt, 0), s_stride(nt, 0);
   for (int64_t t = 0; t < nt; ++t) {
     if (!update_table[t]) continue;
+    const at::Tensor& w = weights[t];
+    w_stride[t] = row_stride(w);
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w_stride[t] >= 0,
+                "fxrec kernel: weights must be row-contiguous 2-D float32 CPU tensors (stride(1) == 1, "
+                "stride(0) >= size(1))");
     const at::Tensor& st = states[t];
-    const int64_t want = rowwise ? weights[t].size(0) : weights[t].numel();
-    TORCH_CHECK(st.device().is_cpu() && st.scalar_type() == at::kFloat && st.is_contiguous() && st.numel() == want,
-                "fxrec kernel: the Adagrad state of table ", t, " must be contiguous float32 with ", want,
-                " elements");
+    const int64_t rows = w.size(0), D = w.size(1);
+    const bool cpu_float = st.device().is_cpu() && st.scalar_type() == at::kFloat;
+    if (rowwise) {
+      TORCH_CHECK(cpu_float && st.is_contiguous() && st.numel() == rows, "fxrec kernel: the Adagrad state of table ",
+                  t, " must be contiguous float32 with ", rows, " elements");
+    } else if (cpu_float && st.dim() == 2 && st.size(0) == rows && st.size(1) == D && row_stride(st) >= 0) {
+      s_stride[t] = row_stride(st);
+    } else {
+      TORCH_CHECK(cpu_float && st.is_contiguous() && st.numel() == rows * D, "fxrec kernel: the Adagrad state of table ",
+                  t, " must be float32 [", rows, ", ", D, "] with contiguous rows (stride(1) == 1, stride(0) >= ", D,
+                  "), or contiguous float32 with ", rows * D, " elements");
+      s_stride[t] = D;
+    }
   }
   const float flr = static_cast<float>(lr), feps = static_cast<float>(eps);
   ErrorFlag err;
@@ -491,10 +530,11 @@ void adagrad_update(
       }
       float* W = weights[t].data_ptr<float>();
       float* S = states[t].data_ptr<float>();
+      const int64_t ws = w_stride[t], ss = s_stride[t];
       for (size_t k = 0; k < uniq.size(); ++k) {
         const int64_t id = uniq[k];
         const float* acc = grads.data() + k * D;
-        float* w = W + id * D;
+        float* w = W + id * ws;
         if (rowwise) {
           f8 sq8 = f8{};
           int64_t d = 0;
@@ -509,7 +549,7 @@ void adagrad_update(
           const float mult = flr / (std::sqrt(S[id]) + feps);
           for (d = 0; d < D; ++d) w[d] -= mult * acc[d];
         } else {
-          float* s = S + id * D;
+          float* s = S + id * ss;
           for (int64_t d = 0; d < D; ++d) {
             s[d] += acc[d] * acc[d];
             w[d] += -flr * (acc[d] / (std::sqrt(s[d]) + feps));

@@ -3,16 +3,19 @@
 ``transform(model, inputs, mode="inference", quantize=...)`` with ``quantize`` one of:
 ``"int8"`` / ``"int4"`` / ``"int2"`` / ``"fp16"`` / ``"fp32"`` for every table, a dict from
 table name or glob pattern to a dtype (first match wins; ``"*"`` for the rest), or ``"auto"``:
-int8 (D + 4 bytes a row: the row's int8 values and an fp16 scale and bias) for tables of at
-least ``AUTO_MIN_BYTES`` of fp32 weights, fp32 for smaller ones, which have nothing worth
-saving. Integer dtypes are quantized row-wise (each row its own scale and bias, computed from
+int8 (D + 4 bytes a row, D rounded up to 4: the row's int8 values and an fp16 scale and bias)
+for tables of at least ``AUTO_MIN_BYTES`` of fp32 weights whose rows int8 makes smaller (dim 3
+and up), fp32 for the others, which have nothing worth saving. Integer dtypes are quantized row-wise (each row its own scale and bias, computed from
 the trained weights by fbgemm's quantize_embs), so they lose precision: the report gives the
 error measured on the example inputs (measure_quantization).
 
 Before/After: the graph is unchanged; ``GroupRecord.quant`` maps each table to its dtype.
 
-Not handled: dims that the dtype cannot store (int4 needs a multiple of 8, int2 of 16): an
-error that names the table; quantizing for training (mode must be "inference").
+A dim the dtype cannot store as it is (fbgemm needs a multiple of 4 for int8, 8 for int4, 16
+for int2, 2 for fp16) is stored padded, without changing the real columns' values
+(:mod:`fxrec.runtime.quantized`); the report gives the bytes as stored.
+
+Not handled: quantizing for training (mode must be "inference").
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import fnmatch
 import torch.fx as fx
 
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
-from ..runtime.kernels.fbgemm import QUANT_DTYPES, quant_align
+from ..runtime.kernels.fbgemm import QUANT_DTYPES
+from ..runtime.specs import pad_dim
 
 AUTO_MIN_BYTES = 64 * 1024
 
@@ -30,7 +34,10 @@ AUTO_MIN_BYTES = 64 * 1024
 def dtype_for(spec, table: str, param: str, rows: int, dim: int):
     if isinstance(spec, str):
         if spec == "auto":
-            return "int8" if rows * dim * 4 >= AUTO_MIN_BYTES else "fp32"
+            # int8 stores a row in its dim rounded up to 4 bytes plus an fp16 scale and bias: for
+            # dims of 1 and 2 that is not smaller than fp32
+            saves = pad_dim(dim, 4) + 4 < dim * 4
+            return "int8" if rows * dim * 4 >= AUTO_MIN_BYTES and saves else "fp32"
         return spec
     for pattern, dt in spec.items():
         if pattern in (table, param) or fnmatch.fnmatchcase(table, pattern) or fnmatch.fnmatchcase(param, pattern):
@@ -51,14 +58,7 @@ def quantize_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     counts = {}
     for gr in ctx.groups:
         for rec in gr.lookups:
-            dt = dtype_for(spec, rec.table, rec.param, rec.num_rows, rec.dim)
-            align = quant_align(dt)
-            if rec.dim % align:
-                raise InputError(
-                    f"fxrec: table '{rec.table}' (dim {rec.dim}) cannot be stored as {dt}: fbgemm needs "
-                    f"a dim that is a multiple of {align}; give it another dtype in quantize="
-                )
-            gr.quant[rec.param] = dt
+            gr.quant[rec.param] = dtype_for(spec, rec.table, rec.param, rec.num_rows, rec.dim)
         gr.lower = True
         for dt in gr.quant.values():
             counts[dt] = counts.get(dt, 0) + 1

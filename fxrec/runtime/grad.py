@@ -90,8 +90,8 @@ class LookupWithGrads(torch.autograd.Function):
         def piece(i: int) -> torch.Tensor:
             nonlocal bag_row
             if i not in pieces:
-                if group.pooling == "none":
-                    pieces[i] = grad_out[bounds[i] : bounds[i + 1]]
+                if group.pooling == "none":  # the packed rows may be stored wider than the feature
+                    pieces[i] = grad_out[bounds[i] : bounds[i + 1], : group.dims[i]]
                 else:
                     if bag_row is None:
                         bag_row = torch.repeat_interleave(

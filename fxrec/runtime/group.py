@@ -28,7 +28,7 @@ from .checks import InputChecks
 from .kernels import FBGEMM, REFERENCE
 from .output_buffer import ReusedOutput
 from .packing import FORM_CODES
-from .specs import FUSED_STATE_NAMES, FeatureSpec, FusedSpec, GroupSpec, TableSpec
+from .specs import FUSED_STATE_NAMES, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
 
 
 def group_forward(forward):
@@ -83,8 +83,10 @@ class EmbeddingGroup(InputChecks, nn.Module):
             # fbgemm's kernels need each table's features adjacent (feature_table_map
             # non-decreasing); with [0, 1, 0] its CPU backward updates wrong rows
             raise ValueError(f"fxrec: a group's features must be ordered by table, got table order {ftm}")
-        if pooling == "none" and len({t.dim for t in self.tables}) != 1:
-            raise ValueError("fxrec: the tables of a sequence group must share one dim")
+        if pooling == "none" and len({pad_dim(t.dim) for t in self.tables}) != 1:
+            # fbgemm's sequence TBE stores one width: dims that round up to one multiple of 4
+            raise ValueError(f"fxrec: the tables of a sequence group must have dims that round up to one multiple "
+                             f"of 4, got {[t.dim for t in self.tables]}")
         self.dims = [self.tables[f.table].dim for f in self.features]
         self._bag_features = [i for i, f in enumerate(self.features) if f.form == "bag"]
         # the features as the scriptable packing takes them (fxrec.runtime.packing.pack_bags)
@@ -145,7 +147,9 @@ class EmbeddingGroup(InputChecks, nn.Module):
         from .kernels.fbgemm import ensure_bound
 
         states = ensure_bound(self, params).split_optimizer_states()
-        return [dict(zip(names, per_table)) for per_table in states]
+        # a padded table's element-wise state: the view of its real columns, as its weight
+        return [dict(zip(names, [s[:, : t.dim] if s.dim() == 2 and s.shape[1] != t.dim else s for s in per_table]))
+                for t, per_table in zip(self.tables, states)]
 
     def extra_repr(self) -> str:
         names = ", ".join(t.name for t in self.tables)

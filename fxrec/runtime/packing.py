@@ -162,13 +162,18 @@ def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:
     return indices, offsets, bmax
 
 
-def unpack_rows(out: Tensor, ids_list: List[Tensor], dim: int) -> List[Tensor]:
-    """The packed unpooled rows back as one ``[*ids.shape, dim]`` tensor per feature."""
+def unpack_rows(out: Tensor, ids_list: List[Tensor], dims: List[int]) -> List[Tensor]:
+    """The packed unpooled rows back as one ``[*ids.shape, dims[i]]`` tensor per feature (a
+    feature's first ``dims[i]`` columns: the packed rows may be stored wider)."""
     outs: List[Tensor] = []
     start = 0
-    for ids in ids_list:
+    for i in range(len(ids_list)):
+        ids = ids_list[i]
         n = ids.numel()
-        outs.append(out[start:start + n].reshape(list(ids.shape) + [dim]))
+        rows = out[start:start + n]
+        if dims[i] != out.shape[1]:
+            rows = rows[:, :dims[i]]
+        outs.append(rows.reshape(list(ids.shape) + [dims[i]]))
         start += n
     return outs
 
@@ -201,4 +206,4 @@ def pack_sequence(group, ids_list):
 
 
 def unpack_sequence(group, out, ids_list) -> List[torch.Tensor]:
-    return unpack_rows(out, ids_list, group.tables[0].dim)
+    return unpack_rows(out, ids_list, group.dims)

@@ -7,6 +7,13 @@ The call is the training group's call without the weights:
 ``group(ids_list, offsets_list, psw_list)``. Inputs are packed and checked exactly as for the
 training groups, so padding, per-sample weights, 2-D ids and include_last_offset keep their
 PyTorch meaning.
+
+A table whose dim its dtype cannot store (fbgemm needs a multiple of 4 for int8, 8 for int4, 16
+for int2, 2 for fp16) is stored with extra columns up to the next multiple, each a copy of the
+row's first value, so the row's minimum and maximum, and with them its scale, bias and every
+real column's quantized value, are what they would be without them; the lookup's output loses
+those columns before anyone sees it (``q_columns``). A sequence group stores every table at the
+widest such width (fbgemm's unpooled lookup has one width).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from .group import EmbeddingGroup, group_forward
 from .kernels import FBGEMM
 from .kernels import fbgemm as _fbgemm
 from .packing import pack_pooled, pack_sequence, unpack_sequence
-from .specs import FeatureSpec, GroupSpec, TableSpec
+from .specs import FeatureSpec, GroupSpec, TableSpec, pad_dim
 
 
 def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str) -> None:
@@ -34,10 +41,21 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
             raise ValueError(f"fxrec: table '{t.name}': dtype must be one of {_fbgemm.QUANT_DTYPES}, got {dt!r}")
     group.dtypes = list(dtypes)
     group.output_dtype = output_dtype
+    stored = stored_dims(group.tables, dtypes, group.pooling)
+    padded = [w if d == t.dim else torch.cat([w, w[:, :1].expand(-1, d - t.dim)], 1)
+              for w, t, d in zip(weights, group.tables, stored)]
     tbe = _fbgemm.make_inference_tbe(
-        [(t.num_rows, t.dim, dt) for t, dt in zip(group.tables, dtypes)],
-        [f.table for f in group.features], group.pooling, weights[0].device, weights, output_dtype,
+        [(t.num_rows, d, dt) for t, d, dt in zip(group.tables, stored, dtypes)],
+        [f.table for f in group.features], group.pooling, weights[0].device, padded, output_dtype,
     )
+    cols: List[int] = []
+    if group.pooling != "none" and any(d != t.dim for t, d in zip(group.tables, stored)):
+        at = 0
+        for f in group.features:
+            cols.extend(range(at, at + group.tables[f.table].dim))
+            at += stored[f.table]
+    group.register_buffer("q_columns", torch.tensor(cols, dtype=torch.long, device=weights[0].device),
+                          persistent=False)  # derived from the specs: not part of state_dict()
     group.table_nbytes = table_bytes(tbe)
     group.register_buffer("q_weights", tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev)
     for name in ("weights_uvm", "weights_placements", "weights_offsets", "weights_tys", "D_offsets",
@@ -51,11 +69,20 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
         "pooling_mode")}
 
 
+def stored_dims(tables: Sequence[TableSpec], dtypes: Sequence[str], pooling: str) -> List[int]:
+    """Per table, the width it is stored with: its dim rounded up to what its dtype needs; in a
+    sequence group the widest of those."""
+    dims = [pad_dim(t.dim, _fbgemm.quant_align(dt)) for t, dt in zip(tables, dtypes)]
+    return [max(dims)] * len(dims) if pooling == "none" else dims
+
+
 def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
-    """fbgemm's quantized TBE lookup operator on the group's buffers."""
+    """fbgemm's quantized TBE lookup operator on the group's buffers (pooled: padding columns
+    dropped)."""
     bufs = [group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets,
             group.q_weights_tys, group.q_D_offsets, group.q_lxu_cache_weights, group.q_lxu_cache_locations]
-    return _fbgemm.int_nbit_lookup(group.q_ints, bufs, indices, offsets, psw)
+    out = _fbgemm.int_nbit_lookup(group.q_ints, bufs, indices, offsets, psw)
+    return out.index_select(1, group.q_columns) if group.q_columns.numel() else out
 
 
 class _Quantized:
@@ -122,6 +149,6 @@ class QuantizedSequenceGroup(_Quantized, EmbeddingGroup):
                 self._check_ids(f, ids)
         if max(ids.numel() for ids in ids_list) == 0:
             dt = torch.float16 if self.output_dtype == "fp16" else torch.float32
-            return [torch.zeros(tuple(ids.shape) + (self.tables[0].dim,), dtype=dt, device=ids.device) for ids in ids_list]
+            return [torch.zeros(tuple(ids.shape) + (d,), dtype=dt, device=ids.device) for ids, d in zip(ids_list, self.dims)]
         indices, offsets, _ = pack_sequence(self, ids_list)
         return unpack_sequence(self, _lookup(self, indices, offsets, None), ids_list)

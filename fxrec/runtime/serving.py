@@ -29,7 +29,7 @@ _Q_INTS = ("total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D",
            "output_dtype", "row_alignment", "max_float8_D", "fp8_exponent_bits", "fp8_exponent_bias",
            "pooling_mode")
 _Q_BUFFERS = ("q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_offsets", "q_weights_tys",
-              "q_D_offsets", "q_lxu_cache_weights", "q_lxu_cache_locations")
+              "q_D_offsets", "q_lxu_cache_weights", "q_lxu_cache_locations", "q_columns")
 
 
 class _ServingGroup(nn.Module):
@@ -71,8 +71,8 @@ class _ServingGroup(nn.Module):
         self.q: Dict[str, int] = dict(group.q_ints) if self.quantized else {}
         self.fp16_out: bool = self.quantized and group.output_dtype == "fp16"
         for name in _Q_BUFFERS:
-            src = getattr(group, name) if self.quantized else torch.empty(0)
-            self.register_buffer(name, src.clone(), persistent=name != "q_lxu_cache_locations")
+            src = getattr(group, name) if self.quantized else torch.empty(0, dtype=torch.long)
+            self.register_buffer(name, src.clone(), persistent=name not in ("q_lxu_cache_locations", "q_columns"))
 
     def _check(self, ids_list: List[Tensor], offsets_list: List[Tensor]) -> None:
         if len(ids_list) != len(self.names):
@@ -119,7 +119,10 @@ class _ServingGroup(nn.Module):
     def _quantized_lookup(self, indices: Tensor, offsets: Tensor, psw: Optional[Tensor]) -> Tensor:
         bufs = [self.q_weights, self.q_weights_uvm, self.q_weights_placements, self.q_weights_offsets,
                 self.q_weights_tys, self.q_D_offsets, self.q_lxu_cache_weights, self.q_lxu_cache_locations]
-        return int_nbit_lookup(self.q, bufs, indices, offsets, psw)
+        out = int_nbit_lookup(self.q, bufs, indices, offsets, psw)
+        if self.q_columns.numel() > 0:  # tables stored padded (see fxrec.runtime.quantized)
+            out = out.index_select(1, self.q_columns)
+        return out
 
     def _out_dtype(self) -> torch.dtype:
         return torch.float16 if self.fp16_out else torch.float32
@@ -174,10 +177,9 @@ class ServingSequenceGroup(_ServingGroup):
                                self.no_sparse, self.pooling)
         counts: List[int] = [ids.numel() for ids in ids_list]
         bmax = max(counts)
-        dim = self.dims[0]
         if bmax == 0:
-            for ids in ids_list:
-                outs.append(torch.zeros(ids.shape + [dim], dtype=self._out_dtype(), device=ids.device))
+            for i, ids in enumerate(ids_list):
+                outs.append(torch.zeros(ids.shape + [self.dims[i]], dtype=self._out_dtype(), device=ids.device))
             return outs
         indices, offsets, _ = pack_rows(ids_list)
-        return unpack_rows(self._quantized_lookup(indices, offsets, None), ids_list, dim)
+        return unpack_rows(self._quantized_lookup(indices, offsets, None), ids_list, self.dims)

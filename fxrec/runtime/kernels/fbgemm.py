@@ -5,7 +5,13 @@ mismatched install fails once, with a message that says what to install.
 
 In a group on this kernel the user's weight parameters are views into the TBE's single flat
 weight buffer (:func:`ensure_bound`), so the kernel reads exactly the user's weights, and an
-optimizer step or ``load_state_dict`` on them is what the kernel sees next. Without a fused
+optimizer step or ``load_state_dict`` on them is what the kernel sees next. A table whose dim is
+not a multiple of 4 is stored with zero columns up to the next one (:func:`tbe_dims`; a sequence
+group's tables all at the widest): its parameter is the view of its real columns
+(``[rows, dim]``, row stride the stored width), the TBE's output loses the padding columns
+before anyone sees it (:func:`real_columns`), so they get no gradient and no update (SGD and
+Adagrad leave a zero column zero). Row-wise Adagrad would average the squared gradient over the
+stored width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`). Without a fused
 optimizer the gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`); with one,
 fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE
 (:func:`make_inference_tbe`, :mod:`fxrec.runtime.quantized`).
@@ -19,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..specs import DIM_ALIGNMENT, pad_dim
 from . import FBGEMM, Kernel
 
 _IMPORT_ERROR: Optional[BaseException] = None
@@ -56,8 +63,9 @@ def fbgemm_available() -> bool:
     return _IMPORT_ERROR is None
 
 
-# fbgemm's training TBE rejects embedding dims that are not a multiple of this.
-TBE_DIM_ALIGNMENT = 4
+# fbgemm's training TBE rejects embedding dims that are not a multiple of this; a group on this
+# kernel stores other dims padded up to it (zero columns, never seen by a user).
+TBE_DIM_ALIGNMENT = DIM_ALIGNMENT
 
 POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
 
@@ -240,7 +248,8 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
     opt = tbe_optimizer(group)
     fused = group.fused if opt != "none" else None
     tbe = make_training_tbe(
-        [(t.num_rows, t.dim) for t in group.tables], [f.table for f in group.features], group.pooling,
+        [(t.num_rows, d) for t, d in zip(group.tables, tbe_dims(group))], [f.table for f in group.features],
+        group.pooling,
         params[0].device, optimizer=opt, learning_rate=fused.lr if fused else 0.0, eps=fused.eps if fused else 1e-8,
     )
     views = tbe.split_embedding_weights()
@@ -248,7 +257,10 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
     old_states = old.tbe.split_optimizer_states() if old is not None and fused and old.optimizer == opt \
         else group._carry_states
     with torch.no_grad():
-        for p, v in zip(params, views):
+        for t, p, v in zip(group.tables, params, views):
+            if v.shape[1] != t.dim:
+                v[:, t.dim:].zero_()
+                v = v[:, : t.dim]
             v.copy_(p.detach())
             p.data = v
         if fused and old_states:
@@ -260,9 +272,36 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
     return group._bound
 
 
+def tbe_dims(group) -> List[int]:
+    """Per table, the width it is stored with in the group's TBE: its dim rounded up to a multiple
+    of 4; in a sequence group (one width per fbgemm module) the widest of those."""
+    return [padded_width(group, t) for t in group.tables]
+
+
+def real_columns(group, out: torch.Tensor) -> torch.Tensor:
+    """A pooled TBE output ``[B, sum of stored widths]`` as the group's ``[B, sum of dims]``: the
+    padding columns dropped (one index_select; its backward gives them a zero gradient). The
+    index is made once per device."""
+    if group.pooling == "none":
+        return out  # unpack_sequence takes each feature's columns
+    cache = group.__dict__.setdefault("_tbe_columns", {})
+    idx = cache.get(out.device)
+    if idx is None:
+        stored = tbe_dims(group)
+        if all(stored[f.table] == d for f, d in zip(group.features, group.dims)):
+            idx = cache[out.device] = False
+        else:
+            cols, at = [], 0
+            for f, d in zip(group.features, group.dims):
+                cols.extend(range(at, at + d))
+                at += stored[f.table]
+            idx = cache[out.device] = torch.tensor(cols, dtype=torch.long, device=out.device)
+    return out if idx is False else out.index_select(1, idx)
+
+
 def run_tbe(group, tbe, batch, indices, offsets, psw, params, training: bool):
     """The TBE on a packed input: with the fused optimizer in training (fbgemm's backward updates
-    the tables), else through LookupWithGrads (PyTorch's gradients)."""
+    the tables), else through LookupWithGrads (PyTorch's gradients); padding columns dropped."""
     from ..grad import LookupWithGrads
 
     if training and group.fused_active:
@@ -272,7 +311,7 @@ def run_tbe(group, tbe, batch, indices, offsets, psw, params, training: bool):
                 f"tables {frozen} are frozen (requires_grad=False) and fbgemm's fused kernel would update "
                 "them; give them no optimizer (optimizer={name: ...} for the others), or use backend='native' on CPU"
             )
-        return tbe(indices, offsets, per_sample_weights=psw)
+        return real_columns(group, tbe(indices, offsets, per_sample_weights=psw))
 
     def forward():
         if torch.is_inference_mode_enabled():
@@ -280,10 +319,18 @@ def run_tbe(group, tbe, batch, indices, offsets, psw, params, training: bool):
             # inference mode (and its tensors) skip: outside it, on ordinary copies of the
             # (small) index tensors, under no_grad, the same kernel runs
             with torch.inference_mode(False), torch.no_grad():
-                return tbe(indices.clone(), offsets.clone(), per_sample_weights=None if psw is None else psw.clone())
-        return tbe(indices, offsets, per_sample_weights=psw)
+                return real_columns(group, tbe(indices.clone(), offsets.clone(),
+                                               per_sample_weights=None if psw is None else psw.clone()))
+        return real_columns(group, tbe(indices, offsets, per_sample_weights=psw))
 
     return LookupWithGrads.apply(group, forward, batch, indices, offsets, psw, *params)
+
+
+def padded_width(group, table) -> int:
+    """The width ``table`` of ``group`` (a GroupSpec) is stored with in a training TBE."""
+    if group.pooling == "none":
+        return max(pad_dim(t.dim) for t in group.tables)
+    return pad_dim(table.dim)
 
 
 # fbgemm's CUDA kernels handle embedding dims up to this (fbgemm_gpu's max_D for its kernels).
@@ -298,13 +345,13 @@ class FbgemmKernel(Kernel):
     name = FBGEMM
     OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
-    def supports(self, group, device, mode, optimizer):
+    def supports(self, group, device, mode, optimizer, *, states_only: bool = False):
+        """``states_only``: whether a TBE of this group can keep the fused optimizer's states
+        for a kernel that applies the update itself (fxrec's native kernels, which average a
+        row-wise Adagrad over the table's real dim)."""
         if device not in ("cpu", "cuda"):
             return f"fbgemm runs on cpu and cuda, not {device}"
-        bad = [t.name for t in group.tables if t.dim % TBE_DIM_ALIGNMENT]
-        if bad:
-            return f"tables {bad} have a dim that is not a multiple of {TBE_DIM_ALIGNMENT}"
-        if device == "cuda" and any(t.dim > CUDA_MAX_DIM for t in group.tables):
+        if device == "cuda" and any(pad_dim(t.dim) > CUDA_MAX_DIM for t in group.tables):
             return f"fbgemm's CUDA kernels take dims up to {CUDA_MAX_DIM}"
         if group.quantized:
             return None if mode == "inference" else "quantized tables are for inference"
@@ -312,6 +359,10 @@ class FbgemmKernel(Kernel):
             return "fxrec gives fbgemm float32 tables only"
         if optimizer is not None and optimizer not in self.OPTIMIZERS:
             return f"fbgemm has no fused {optimizer} here"
+        padded = [t.name for t in group.tables if padded_width(group, t) != t.dim]
+        if optimizer == "rowwise_adagrad" and padded and not states_only:
+            return (f"tables {padded} are stored padded to a multiple of 4 columns, and fbgemm's row-wise Adagrad "
+                    "would average the squared gradient over the padded row, not the table's dim")
         if optimizer is not None and group.padded_rows:
             return (f"nn.Embedding {list(group.padded_rows)} has a padding row, which fbgemm's fused {optimizer} "
                     "would update (PyTorch gives it no gradient)")

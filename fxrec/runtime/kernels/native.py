@@ -132,6 +132,18 @@ class NativeCall:
                 self.form, self.mean)
 
 
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """A 2-D tensor whose rows the kernels can read: each row contiguous, rows not overlapping
+    (``stride(1) == 1``, ``stride(0) >= size(1)``), e.g. ``padded[:, :dim]`` of a table stored
+    padded to a wider ``[rows, pad_dim]``; a dim of size 1 may carry any stride."""
+    if t.dim() != 2:
+        return False
+    if t.is_contiguous():
+        return True
+    rows, dim = t.shape
+    return (t.stride(1) == 1 or dim <= 1) and (rows <= 1 or t.stride(0) >= dim)
+
+
 def native_call(group, ids_list, offsets_list, psw_list, params) -> Optional[NativeCall]:
     """The group's inputs as fxrec's kernels take them, or None where they do not apply (no
     kernel built, not CPU float32, tracing, an empty batch, batch sizes that differ, odd
@@ -141,9 +153,9 @@ def native_call(group, ids_list, offsets_list, psw_list, params) -> Optional[Nat
         return None
     weights = []
     for p in params:
-        if p.device.type != "cpu" or p.dtype != torch.float32 or p.dim() != 2 or not p.is_contiguous():
+        if p.device.type != "cpu" or p.dtype != torch.float32 or not _rows_contiguous(p):
             return None
-        weights.append(p.detach())
+        weights.append(p.detach())  # as it is: a padded table's [:, :dim] view is read in place
     if not available():
         return None
     mean = group.pooling == "mean"
@@ -292,6 +304,7 @@ class NativeFusedFunction(torch.autograd.Function):
         spec = group.fused
         states = None
         if spec.kind != "sgd":  # first: binding may move the parameters' storage
+            # as they are: an element-wise state may be a [rows, dim] view of a padded buffer
             states = [s["sum"] for s in group.optimizer_states(ctx.params)]
         weights = [p.detach() for p in ctx.params]
         # a frozen table (requires_grad=False) is left alone, as torch.optim would leave it
@@ -328,10 +341,12 @@ class NativeKernel(Kernel):
             return f"fxrec's native kernels have no fused {optimizer}"
         if optimizer in ("adagrad", "rowwise_adagrad"):
             # their states live in an fbgemm TBE, whose fused kernel runs the calls these kernels
-            # cannot take: the group must be one fbgemm computes exactly too
+            # cannot take: the group must be one fbgemm holds. (Row-wise Adagrad on tables fbgemm
+            # stores padded is exact here, averaged over the real dim; a call these kernels cannot
+            # take then raises, naming the tables, rather than averaging over the padding.)
             from .fbgemm import KERNEL as FBGEMM_KERNEL
 
-            why = FBGEMM_KERNEL.supports(group, device, mode, optimizer)
+            why = FBGEMM_KERNEL.supports(group, device, mode, optimizer, states_only=True)
             if why is not None:
                 return f"a fused {optimizer} here keeps its states in fbgemm's TBE, and {why}"
         return None

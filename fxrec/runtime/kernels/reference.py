@@ -97,8 +97,11 @@ def _fused(group, ids_list, offsets_list, psw_list, params):
             return None
         indices, offsets, bmax = pack_sequence(group, ids_list)
 
-        def forward():
-            return torch.cat([params[f.table][ids.reshape(-1)] for f, ids in zip(group.features, ids_list)])
+        width = max(group.dims)
+
+        def forward():  # every feature's rows, packed at the widest dim (unpack_sequence narrows them)
+            rows = [params[f.table][ids.reshape(-1)] for f, ids in zip(group.features, ids_list)]
+            return torch.cat([r if d == width else F.pad(r, (0, width - d)) for r, d in zip(rows, group.dims)])
 
         out = LookupWithGrads.apply(group, forward, bmax, indices, offsets, None, *params)
         return unpack_sequence(group, out, ids_list)
