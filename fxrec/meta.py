@@ -23,6 +23,10 @@ ORIGIN = "fxrec_origin"
 DECISION = "fxrec_decision"
 #: On a quantized group's call: its tables' :class:`fxrec.report.QuantEntry` (``measure_quantization``).
 QUANT = "fxrec_quant"
+#: In ``gm.meta``: a tuple of :class:`RemovedLookup`, the lookups ``merge_lookups`` removed.
+REMOVED = "fxrec_removed_lookups"
+#: In ``gm.meta``: a :class:`Fragmentation`, how many groups ``group_lookups`` made and why.
+FRAGMENTATION = "fxrec_fragmentation"
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ class GroupDecision:
     placement: str = "host"  # host (CPU memory) | device (accelerator memory)
     lowered: bool = True
     timings_ms: Tuple[Tuple[str, float], ...] = ()
+    # tables stored wider than their dim (a kernel's alignment): (table, dim, stored width, extra bytes)
+    padding: Tuple[Tuple[str, int, int, int], ...] = ()
 
     @property
     def tables(self) -> Tuple[str, ...]:
@@ -136,3 +142,30 @@ class GroupDecision:
     @property
     def features(self) -> Tuple[str, ...]:
         return tuple(e.feature for e in self.lookups)
+
+
+@dataclass(frozen=True)
+class RemovedLookup:
+    """A lookup ``merge_lookups`` took out of the graph (plain data: it outlives the nodes).
+
+    ``what``: ``"merged into <feature>"`` (the same table and inputs as that lookup: its users
+    read that lookup's output) or ``"result unused: removed"``.
+    """
+
+    table: str
+    feature: str
+    source: str
+    what: str
+
+
+@dataclass(frozen=True)
+class Fragmentation:
+    """The groups ``group_lookups`` made against the fewest possible: one per kind (``kinds``:
+    each pooling, "sum" / "mean", and for sequence groups each stored dim, "sequence dim 8"),
+    and why each extra group is apart (``splits``: "group_3 apart from group_0: weighted vs
+    unweighted", "group_5 apart from group_1: depends on the output of group_1 (...)")."""
+
+    groups: int
+    fewest: int
+    kinds: Tuple[str, ...] = ()
+    splits: Tuple[str, ...] = ()

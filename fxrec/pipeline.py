@@ -1,22 +1,29 @@
 """The pass order, decided here and only here.
 
 1. annotate_lookups  — find every lookup first: every later pass reads its LookupRecords.
-2. assign_optimizers — the table's optimizer is part of the group key, so it comes before grouping.
-3. group_lookups     — needs all records at once (keys, shared tables, data dependences).
-4. quantize_tables   — inference only: the dtype of each grouped table, before choose_kernels
+2. merge_lookups     — reads those records and removes lookups (repeated ones, unused ones) before
+                       anything counts, groups or assigns them: every later pass sees one lookup
+                       per distinct (table, inputs), and no dead one holds a table in a group.
+3. assign_optimizers — the table's optimizer is part of the group key, so it comes before grouping.
+4. group_lookups     — needs all records at once (keys, shared tables, data dependences); it
+                       reorders the graph so every group has a place to stand, so it comes before
+                       every pass that places a group's call (lower_groups, shard_groups).
+5. quantize_tables   — inference only: the dtype of each grouped table, before choose_kernels
                        (quantized groups are not timed) and lower_groups (which builds them).
-5. choose_kernels    — each group's kernels by the rule table (or autotune=True's measurement),
+6. choose_kernels    — each group's kernels by the rule table (or autotune=True's measurement),
                        before lowering: lower_groups builds each group with its kernels.
-6. lower_groups      — rewrites only what was grouped and chosen; after it those lookups are gone.
-7. fold_concat       — needs the group's slice nodes that lower_groups emitted.
-8. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
+7. lower_groups      — rewrites only what was grouped and chosen; after it those lookups are gone.
+8. fold_concat       — needs the group's slice nodes that lower_groups emitted.
+9. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
 
-With a sharding plan: annotate_lookups → assign_optimizers → group_lookups → shard_groups →
-fold_concat. shard_groups takes the place of choose_kernels and lower_groups: every rank must
-run the same graph shape (its collectives pair up across ranks), so nothing is chosen by timing.
+With a sharding plan: annotate_lookups → merge_lookups → assign_optimizers → group_lookups →
+shard_groups → fold_concat. shard_groups takes the place of choose_kernels and lower_groups: every
+rank must run the same graph shape (its collectives pair up across ranks), so nothing is chosen
+by timing.
 
 fxrec.explain runs the passes that decide, and none that build: annotate_lookups →
-assign_optimizers → group_lookups → (quantize_tables) → choose_kernels, for the device asked.
+merge_lookups → assign_optimizers → group_lookups → (quantize_tables) → choose_kernels, for the
+device asked (merge_lookups and group_lookups change only the captured copy's graph).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from .passes.fold_concat import fold_concat
 from .passes.group_lookups import group_lookups
 from .passes.lower_groups import lower_groups
 from .passes.measure_quantization import measure_quantization
+from .passes.merge_lookups import merge_lookups
 from .passes.quantize_tables import quantize_tables
 from .passes.shard_groups import shard_groups
 
@@ -39,8 +47,8 @@ def default_pipeline(config: Config) -> List[CompilerPass]:
     if config.plan is not None:
         # sharded: every rank runs the same graph shape, so nothing is chosen by timing here;
         # shard_groups replaces choose_kernels + lower_groups, fold_concat still applies
-        return [annotate_lookups, assign_optimizers, group_lookups, shard_groups, fold_concat]
-    passes = [annotate_lookups, assign_optimizers, group_lookups]
+        return [annotate_lookups, merge_lookups, assign_optimizers, group_lookups, shard_groups, fold_concat]
+    passes = [annotate_lookups, merge_lookups, assign_optimizers, group_lookups]
     if config.quantize is not None:
         passes.append(quantize_tables)
     passes += [choose_kernels, lower_groups, fold_concat]
@@ -51,7 +59,7 @@ def default_pipeline(config: Config) -> List[CompilerPass]:
 
 def explain_pipeline(config: Config) -> List[CompilerPass]:
     """The deciding passes only (fxrec.explain): nothing is lowered, built or allocated."""
-    passes = [annotate_lookups, assign_optimizers, group_lookups]
+    passes = [annotate_lookups, merge_lookups, assign_optimizers, group_lookups]
     if config.plan is not None:
         return passes  # the plan decides; fxrec.explain describes it
     if config.quantize is not None:

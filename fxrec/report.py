@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ class GroupEntry:
     fused: str = ""  # the optimizer applied inside backward, if any
     dtypes: List[str] = field(default_factory=list)
     placement: str = ""
+    # tables stored wider than their dim (a kernel's alignment): [table, dim, stored width, extra bytes]
+    padding: List[Tuple[str, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +90,11 @@ class Report:
     pass_runs: List[PassRun] = field(default_factory=list)  # per pass: wall time and stats
     # When sharded: one entry per rank (its tables and memory); empty until fxrec shards.
     plan_per_rank: List[Dict[str, Any]] = field(default_factory=list)
+    # Lookups merge_lookups took out (fxrec.meta.RemovedLookup: table, feature, source, what).
+    removed: List[Any] = field(default_factory=list)
+    # The groups made against the fewest possible, and why each extra one is apart
+    # (fxrec.meta.Fragmentation: groups, fewest, kinds, splits); None when not grouped.
+    fragmentation: Any = None
 
     @property
     def lowered(self) -> List[LookupEntry]:
@@ -149,6 +156,8 @@ class Report:
                 {**asdict(g), "became": _became(g, self.quantization)} for g in self.groups
             ],
             "not_lowered": not_lowered,
+            "removed": [asdict(r) for r in self.removed],
+            "fragmentation": asdict(self.fragmentation) if self.fragmentation is not None else None,
             "plan_per_rank": list(self.plan_per_rank),
             "quantization": [asdict(q) for q in self.quantization],
             "passes": [asdict(p) for p in self.pass_runs],
@@ -163,7 +172,11 @@ class Report:
         table, feature, form, pooling, rows, dim, dtype, source line, group or null, reason),
         ``groups`` (tables, features, train/inference paths, why, timings, optimizer, and
         ``became``: what the group is in the transformed model), ``not_lowered`` (table, feature
-        and why, for every lookup left as written), ``plan_per_rank`` (empty unless sharded),
+        and why, for every lookup left as written), ``removed`` (table, feature, source and what
+        happened, for every lookup merged into an equal one or removed as unused),
+        ``fragmentation`` (``groups`` made, the ``fewest`` possible, their ``kinds``, and
+        ``splits``: why each extra group is apart; null when nothing was grouped),
+        ``plan_per_rank`` (empty unless sharded),
         ``quantization`` (per table: dtype, bytes, max/mean abs error), ``passes`` (name, wall
         seconds, modified, stats, in run order), ``total_pass_seconds``, ``notes``.
         """
@@ -174,6 +187,7 @@ class Report:
             f"fxrec report: {len(self.lookups)} embedding lookups found, "
             f"{len(self.lowered)} lowered into {sum(g.lowered for g in self.groups)} group(s), "
             f"{len(self.left_alone)} left as they were"
+            + (f", {len(self.removed)} merged or removed (unused)" if self.removed else "")
         ]
         if self.lookups:
             rows = [("table", "feature", "form", "pooling", "rows x dim", "status", "where")]
@@ -202,6 +216,21 @@ class Report:
                 lines.append(f"    why: {g.why}")
                 if g.optimizer:
                     lines.append(f"    optimizer {g.optimizer}")
+                if g.padding:
+                    lines.append("    padded: " + ", ".join(f"{t} dim {d} stored as {w} (+{_bytes(b)})"
+                                                       for t, d, w, b in g.padding))
+        f = self.fragmentation
+        if f is not None and f.groups:
+            lines.append("")
+            lines.append(f"Fragmentation: {f.groups} group(s) made, {f.fewest} the fewest possible "
+                         f"(one per kind: {', '.join(f.kinds)})")
+            lines.extend(f"  - {s}" for s in f.splits)
+        if self.removed:
+            rows = [("table", "feature", "what", "where")]
+            rows.extend((r.table, r.feature, r.what, r.source) for r in self.removed)
+            lines.append("")
+            lines.append("Removed lookups (the model computes the same without them)")
+            lines.extend(_table(rows))
         if self.quantization:
             rows = [("table", "dtype", "rows x dim", "bytes fp32", "bytes stored", "of fp32", "max abs err", "mean abs err")]
             for q in self.quantization:
@@ -235,14 +264,17 @@ KERNEL_MEANINGS = {
 
 
 def build_report(gm, passes=(), pass_runs=(), notes=(), plan_per_rank=()) -> Report:
-    """The report of a transformed (or explained) graph, from its nodes' meta alone: each group's
+    """The report of a transformed (or explained) graph, from its meta alone: each group's
     :class:`fxrec.meta.GroupDecision` (on its call, its sharded modules, or its lookups when not
-    lowered), the lookups left alone (their :class:`fxrec.meta.LookupRecord`), and the quantized
-    groups' measurements. Every pipeline reports the same way."""
+    lowered), the lookups left alone (their :class:`fxrec.meta.LookupRecord`), the quantized
+    groups' measurements, and from ``gm.meta`` the lookups merge_lookups removed
+    (:class:`fxrec.meta.RemovedLookup`) and the groups against the fewest possible
+    (:class:`fxrec.meta.Fragmentation`). Every pipeline reports the same way."""
     from . import meta
 
     report = Report(notes=list(notes), passes=list(passes), pass_runs=list(pass_runs),
-                    plan_per_rank=list(plan_per_rank))
+                    plan_per_rank=list(plan_per_rank), removed=list(getattr(gm, "meta", {}).get(meta.REMOVED, ())),
+                    fragmentation=getattr(gm, "meta", {}).get(meta.FRAGMENTATION))
     seen = set()
     for n in gm.graph.nodes:
         d = n.meta.get(meta.DECISION)
@@ -256,12 +288,21 @@ def build_report(gm, passes=(), pass_runs=(), notes=(), plan_per_rank=()) -> Rep
                 lowered=d.lowered, kernel_train=d.kernel_train, kernel_eval=d.kernel_eval, why=d.why,
                 timings_ms=dict(d.timings_ms), optimizer=d.optimizer, decided_by=d.decided_by, device=d.device,
                 fused=d.fused, dtypes=list(d.dtypes), placement=d.placement,
+                padding=[tuple(x) for x in getattr(d, "padding", ())],  # older pickles have none
             ))
         elif meta.LOOKUP in n.meta:
             # a LookupRecord, or its LookupEntry in a pickled model
             report.lookups.append(LookupEntry.of(n.meta[meta.LOOKUP], None))
         report.quantization.extend(n.meta.get(meta.QUANT, ()))
     return report
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}

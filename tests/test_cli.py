@@ -197,7 +197,7 @@ def test_draw_checks_its_arguments_before_loading_the_model(files, capsys):
     assert cli.main(["draw", files["tiny_model"] + ":small", "-o", "g.svg", "--after", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "usage: fxrec draw" in err
-    assert "no such pass" in err and "annotate_lookups, assign_optimizers, group_lookups" in err
+    assert "no such pass" in err and "annotate_lookups, merge_lookups, assign_optimizers, group_lookups" in err
 
 
 @pytest.mark.parametrize("factory, message", [

@@ -25,13 +25,14 @@ def test_kernel_names_are_the_registry():
         kernels.get("loop")
 
 
-def test_reference_supports_everything_but_quantized_tables_and_fused_adagrads():
+def test_reference_supports_everything_but_quantized_tables_and_adam():
     ref = kernels.get("reference")
     for device in ("cpu", "cuda"):
         for spec in (POOLED, SEQ, PADDED_SEQ):
             assert ref.supports(spec, device, "training", None) is None
             assert ref.supports(spec, device, "training", "sgd") is None
-            assert "not adagrad" in ref.supports(spec, device, "training", "adagrad")
+            assert ref.supports(spec, device, "training", "adagrad") is None  # states in fbgemm's TBE
+            assert "not adam" in ref.supports(spec, device, "training", "adam")
     assert "quantized" in ref.supports(QUANT, "cpu", "inference", None)
 
 
@@ -205,3 +206,47 @@ def test_fbgemm_stores_odd_dims_padded_and_users_see_only_the_real_columns(kind)
         states = [s["sum"] for s in group.optimizer_states(mine)]
         assert [tuple(s.shape) for s in states] == [(50, 5), (30, 3)]
         assert group._bound.tbe.split_optimizer_states()[0][0][:, 5:].abs().max() == 0
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad"])
+def test_reference_fuses_the_adagrads_exactly_where_fbgemm_would_not(kind):
+    """A sequence group with a padding row and dims 7 and 5 (stored at 8): fbgemm's kernel would
+    train the padding row and average row-wise over 8 columns; the reference kernel's update is
+    torch.optim.Adagrad's (or the row-wise one over the real dim, written out here), and leaves
+    the padding row alone."""
+    tables = [TableSpec("a", 40, 7), TableSpec("b", 30, 5)]
+    feats = [FeatureSpec("fa", 0, "seq", padding_idx=0), FeatureSpec("fb", 1, "seq")]
+    spec = GroupSpec(tuple(tables), tuple(feats), "none")
+    assert kernels.get("fbgemm").supports(spec, "cuda", "training", kind) is not None
+    assert kernels.get("reference").supports(spec, "cuda", "training", kind) is None
+    group = EmbeddingGroup(tables, feats, "none", "reference", "reference", fused=FusedSpec(kind, 0.3, 1e-3))
+    base = [torch.randn(t.num_rows, t.dim, generator=torch.Generator().manual_seed(5)) for t in tables]
+    mine = [torch.nn.Parameter(p.clone()) for p in base]
+    theirs = [p.clone() for p in base]
+    states = [torch.zeros(40, 7) if kind == "adagrad" else torch.zeros(40), torch.zeros(30, 5) if kind == "adagrad"
+              else torch.zeros(30)]
+    g = torch.Generator().manual_seed(9)
+    for _ in range(4):
+        ids = [torch.randint(0, 40, (3, 6), generator=g), torch.randint(0, 30, (3, 2), generator=g)]
+        cots = [torch.randn(3, 6, 7, generator=g), torch.randn(3, 2, 5, generator=g)]
+        outs = group(ids, [None, None], [None, None], mine)
+        sum((o * c).sum() for o, c in zip(outs, cots)).backward()
+        ws = [w.clone().requires_grad_() for w in theirs]
+        ref_outs = [F.embedding(ids[0], ws[0], padding_idx=0), F.embedding(ids[1], ws[1])]
+        sum((o * c).sum() for o, c in zip(ref_outs, cots)).backward()
+        for t in range(2):
+            grad = ws[t].grad
+            touched = grad.abs().sum(1) > 0
+            if kind == "adagrad":
+                states[t] += grad * grad
+                theirs[t] = theirs[t] - 0.3 * grad / (states[t].sqrt() + 1e-3)
+            else:
+                states[t] += torch.where(touched, (grad * grad).mean(1), 0.0)
+                theirs[t] = theirs[t] - (0.3 / (states[t].sqrt() + 1e-3)).unsqueeze(1) * grad
+    assert all(p.grad is None for p in mine)
+    for x, y in zip(mine, theirs):
+        torch.testing.assert_close(x.detach(), y, rtol=1e-5, atol=1e-6)
+    assert torch.equal(mine[0].detach()[0], base[0][0])  # the padding row
+    got = [s["sum"] for s in group.optimizer_states(mine)]
+    for x, y in zip(got, states):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)

@@ -3,10 +3,13 @@
 Each example draws tables (dims that fbgemm takes and dims it does not), lookups of every form
 (bags with sum / mean / per-sample weights / include_last_offset / 2-D ids, one id per row, [B, L]
 ids pooled by hand, sequences), tables shared by several lookups, and the order in which the
-lookups are concatenated. One model per example is transformed on every backend and must give the
-plain model's outputs and gradients at batch sizes 1, 2, 5 and 8 (the example batch is 3), with and
-without autograd; and, with an embedding optimizer per table (SGD, Adagrad or row-wise Adagrad),
-three training steps must give torch.optim's tables.
+lookups are concatenated, and where in forward each lookup is made (some after the dense part has
+read the others, so a table is read at several places). Dims run from 1 to 16, multiples of 4 or
+not (the kernels that need a multiple of 4 pad the tables they store). One model per example is
+transformed on every backend and must give the plain model's outputs and gradients at batch sizes
+1, 2, 5 and 8 (the example batch is 3), with and without autograd; and, with an embedding
+optimizer per table (SGD, Adagrad or row-wise Adagrad), three training steps must give
+torch.optim's tables.
 
 CI runs a fixed set of 40 examples per test (``derandomize``) in about a minute and a half.
 ``FXREC_FUZZ_EXAMPLES=300 pytest tests/test_random_models.py`` runs more, with fresh random ones.
@@ -35,33 +38,46 @@ def _settings(n: int):
 
 
 class RandomModel(torch.nn.Module):
-    def __init__(self, tables, lookups, order):
+    def __init__(self, tables, lookups, order, stages=None):
         super().__init__()
         self.tables = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(r, d)) for r, d in tables])
         self.lookups = lookups  # (kind, table index)
         self.order = order  # the order the lookups are concatenated in
+        # Where in forward each lookup is made (0 for all when not given): the stage-0 lookups, then
+        # the dense part reads their outputs, then the stage-1 lookups with their ids made only
+        # there (``ids % rows``: the same ids). A table looked up in both stages is read before and
+        # after computations that use its rows, as real models read a shared table.
+        self.stages = list(stages) if stages is not None else [0] * len(lookups)
+        self.rows = [r for r, _ in tables]
         self.dense = torch.nn.Linear(2, 3)
 
     def forward(self, dense, ids, offsets, weights):
-        outs = []
-        for k, (kind, t) in enumerate(self.lookups):
-            w = self.tables[t]
-            if kind == "bag_2d":
-                outs.append(F.embedding_bag(ids[k], w, mode="sum"))
-            elif kind.startswith("bag"):
-                mode = "mean" if kind == "bag_mean" else "sum"
-                psw = weights[k] if kind == "bag_weighted" else None
-                outs.append(F.embedding_bag(ids[k], w, offsets[k], mode=mode, per_sample_weights=psw,
-                                            include_last_offset=kind == "bag_last"))
-            elif kind == "emb_single":
-                outs.append(F.embedding(ids[k][:, 0], w))
-            elif kind == "emb_sum":
-                outs.append(F.embedding(ids[k], w).sum(1))
-            elif kind == "emb_mean":
-                outs.append(F.embedding(ids[k], w).mean(1))
-            else:
-                outs.append(F.embedding(ids[k], w).flatten(1))
-        return torch.cat([self.dense(dense)] + [outs[i] for i in self.order], 1)
+        outs = {}
+        h = self.dense(dense)
+        for stage in (0, 1):
+            if stage == 1 and outs and 1 in self.stages:
+                h = h * torch.sigmoid(sum(o.sum(1, keepdim=True) for o in outs.values()))
+            for k, (kind, t) in enumerate(self.lookups):
+                if self.stages[k] != stage:
+                    continue
+                w = self.tables[t]
+                x = ids[k] % self.rows[t] if stage == 1 else ids[k]
+                if kind == "bag_2d":
+                    outs[k] = F.embedding_bag(x, w, mode="sum")
+                elif kind.startswith("bag"):
+                    mode = "mean" if kind == "bag_mean" else "sum"
+                    psw = weights[k] if kind == "bag_weighted" else None
+                    outs[k] = F.embedding_bag(x, w, offsets[k], mode=mode, per_sample_weights=psw,
+                                              include_last_offset=kind == "bag_last")
+                elif kind == "emb_single":
+                    outs[k] = F.embedding(x[:, 0], w)
+                elif kind == "emb_sum":
+                    outs[k] = F.embedding(x, w).sum(1)
+                elif kind == "emb_mean":
+                    outs[k] = F.embedding(x, w).mean(1)
+                else:
+                    outs[k] = F.embedding(x, w).flatten(1)
+        return torch.cat([h] + [outs[i] for i in self.order], 1)
 
 
 def make_inputs(tables, lookups, batch, seed, empty_first_bag=False):
@@ -85,18 +101,32 @@ def make_inputs(tables, lookups, batch, seed, empty_first_bag=False):
     return torch.rand(batch, 2, generator=g), ids, offsets, weights
 
 
+# Dims fbgemm's TBE stores as they are and dims it must pad (1, 2, 3, 5, 6, 7, 10, 13: the dim-1
+# linear parts of FM models, auto dims like 6 * vocab ** 0.25, odd sequence dims).
+DIMS = [1, 2, 3, 4, 5, 6, 7, 8, 8, 10, 12, 13, 16]
+
+
 @st.composite
 def models(draw):
-    """Tables, lookups (kind, table) and the concatenation order; half the lookups share one kind,
-    so that groups of several tables, and tables looked up several times in one group, are common."""
+    """Tables, lookups (kind, table), the concatenation order and each lookup's stage in forward;
+    half the lookups share one kind, so that groups of several tables, and tables looked up several
+    times in one group, are common; lookups at stage 1 are made after the dense part has read the
+    others (a table shared by both stages is read at several places)."""
     n_tables = draw(st.integers(1, 4))
-    tables = [(draw(st.integers(2, 30)), draw(st.sampled_from([3, 4, 8, 8, 12, 16]))) for _ in range(n_tables)]
+    tables = [(draw(st.integers(2, 30)), draw(st.sampled_from(DIMS))) for _ in range(n_tables)]
     n_lookups = draw(st.integers(1, 6))
     base = draw(st.sampled_from(LOOKUP_KINDS))
     lookups = [(draw(st.one_of(st.just(base), st.sampled_from(LOOKUP_KINDS))), draw(st.integers(0, n_tables - 1)))
                for _ in range(n_lookups)]
     order = draw(st.permutations(range(n_lookups)))
-    return tables, lookups, order
+    stages = draw(st.lists(st.integers(0, 1), min_size=n_lookups, max_size=n_lookups))
+    return tables, lookups, order, stages
+
+
+def _unpack(spec):
+    """(tables, lookups, order, stages) from a drawn spec or an explicit example (no stages: all 0)."""
+    tables, lookups, order, *rest = spec
+    return tables, lookups, order, (rest[0] if rest else [0] * len(lookups))
 
 
 optimizer_kinds = st.one_of(st.sampled_from(["sgd", "adagrad", "rowwise_adagrad"]).map(lambda k: [k] * 4),
@@ -105,10 +135,12 @@ optimizer_kinds = st.one_of(st.sampled_from(["sgd", "adagrad", "rowwise_adagrad"
 
 @_settings(40)
 @given(models(), st.integers(0, 1000))
+# a DIN-like table read by a sequence and, later, by one id per row, beside a dim-1 linear part
+@example(([(10, 7), (12, 1)], [("emb_seq", 0), ("emb_sum", 1), ("emb_single", 0)], [0, 1, 2], [0, 0, 1]), 0)
 def test_random_models_match_plain_on_every_backend(spec, seed):
-    tables, lookups, order = spec
+    tables, lookups, order, stages = _unpack(spec)
     torch.manual_seed(seed)
-    model = RandomModel(tables, lookups, order)
+    model = RandomModel(tables, lookups, order, stages)
     example = make_inputs(tables, lookups, 3, seed)
     others = [make_inputs(tables, lookups, b, seed + b, empty_first_bag=b > 1) for b in (1, 2, 5, 8)]
     for backend in BACKENDS:
@@ -139,12 +171,18 @@ _OPTIMIZERS = {
          "auto")
 @example(([(2, 3), (2, 3), (2, 4), (2, 4)], [("emb_seq", 0), ("emb_seq", 2), ("emb_seq", 3), ("emb_seq", 2)],
           [0, 1, 2, 3]), ["sgd"] * 4, 0, "fbgemm")
+# odd dims read at two places in forward: a sequence table of dim 7 (history, then target) and a
+# mean bag of dim 6 whose table is also read by one id per row
+@example(([(10, 7), (12, 6)], [("emb_seq", 0), ("bag_mean", 1), ("emb_single", 0), ("emb_single", 1)],
+          [0, 1, 2, 3], [0, 0, 1, 1]), ["rowwise_adagrad"] * 4, 0, "fbgemm")
+@example(([(10, 7), (12, 6)], [("emb_seq", 0), ("bag_mean", 1), ("emb_single", 0), ("emb_single", 1)],
+          [0, 1, 2, 3], [0, 0, 1, 1]), ["adagrad"] * 4, 0, "auto")
 def test_random_models_train_as_torch_optim(spec, kinds, seed, backend):
     """Per-table fused optimizers (or their fallbacks) over three steps equal torch.optim on the
     plain model, whatever the order of the features and however tables are shared."""
-    tables, lookups, order = spec
+    tables, lookups, order, stages = _unpack(spec)
     torch.manual_seed(seed)
-    model = RandomModel(tables, lookups, order)
+    model = RandomModel(tables, lookups, order, stages)
     used = sorted({t for _, t in lookups})
     per_table = {f"tables.{t}": _OPTIMIZERS[kinds[t]][0]() for t in used}
     fast = fxrec.transform(model, make_inputs(tables, lookups, 3, seed), optimizer=per_table, backend=backend,

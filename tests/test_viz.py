@@ -347,7 +347,8 @@ def test_report_json(tiny):
     assert data["plan_per_rank"] == []
     assert data["quantization"] == []
     assert [p["name"] for p in data["passes"]] == [
-        "annotate_lookups", "assign_optimizers", "group_lookups", "choose_kernels", "lower_groups", "fold_concat",
+        "annotate_lookups", "merge_lookups", "assign_optimizers", "group_lookups", "choose_kernels", "lower_groups",
+        "fold_concat",
     ]
     assert all(p["seconds"] > 0 for p in data["passes"])
     assert data["passes"][0]["stats"]["lookups"] == 4

@@ -49,6 +49,9 @@ RULES = {
     # CPU, row-wise Adagrad: fbgemm's fused step measured faster or equal (onehot26 6.72 vs native
     # 7.39; multihot16 26.7 vs 36.2; small256 73.4 vs 71.0); both keep the same states.
     ("cpu", "training", "rowwise_adagrad"): (FBGEMM, NATIVE, REFERENCE),
+    # CPU, Adagrad: the native kernel for pooled groups (as above), fbgemm's for sequence groups;
+    # the reference (PyTorch ops, one unique() a table) where neither is exact: on a padding row.
+    ("cpu", "training", "adagrad"): (NATIVE, FBGEMM, REFERENCE),
 }
 
 
@@ -124,7 +127,29 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
         fused=gr.fused.kind if gr.fused else "", fused_by=k_train if gr.fused else "",
         optimizer=_optimizer_text(gr), dtypes=tuple(gr.quant.get(p, t.dtype) for p, t in zip(gr.tables, spec.tables)),
         placement="device" if device == "cuda" else "host",
+        padding=_padding(gr, spec, k_train if training else None, k_eval),
     )
+
+
+def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) -> tuple:
+    """The tables the group will store wider than their dim, and the bytes that costs: quantized
+    tables at their dtype's alignment; fp32 tables wherever an fbgemm TBE holds them (the fbgemm
+    kernel, or the Adagrads' states); element-wise Adagrad pads its state as well."""
+    if gr.quant:
+        from ..runtime.quantized import stored_dims
+
+        dtypes = [gr.quant[p] for p in gr.tables]
+        stored = stored_dims(spec.tables, dtypes, spec.pooling)
+        col_bytes = [{"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}[d] for d in dtypes]
+    elif FBGEMM in (k_train, k_eval) or (gr.fused is not None and gr.fused.kind != "sgd"):
+        from ..runtime.kernels.fbgemm import padded_width
+
+        stored = [padded_width(spec, t) for t in spec.tables]
+        col_bytes = [8.0 if gr.fused is not None and gr.fused.kind == "adagrad" else 4.0] * len(stored)
+    else:
+        return ()
+    return tuple((t.name, t.dim, w, int(t.num_rows * (w - t.dim) * b))
+                 for t, w, b in zip(spec.tables, stored, col_bytes) if w != t.dim)
 
 
 @compiler_pass(needs=("groups",), provides=("paths",))

@@ -1,28 +1,46 @@
-"""group_lookups: put lookups that can share one fbgemm TBE into groups.
+"""group_lookups: put lookups that can share one fbgemm TBE into groups, across the whole graph.
 
-A pure key function decides what may share a TBE (:func:`group_key`); a greedy walk in graph
-order then adds each lookup to the first open group of its key that it can join:
+A pure key function decides what may share a TBE (:func:`group_key`). Where the lookups were
+written in ``forward`` does not matter; two lookups of one key are kept apart only when one truly
+depends on the other: a path in the graph from one's output to the other's inputs (data flow,
+or the order of side effects below).
 
-* it must not depend on the output of any lookup already in the group (networkx reachability
-  on the graph's data-flow edges), and
-* the group must keep a place to stand: after every input of every member and before the first
-  user of any member's output.
+1. Table ownership. Each table (weight parameter) belongs to one group, because its storage
+   becomes part of that group's TBE. The lookups of a table with the key most of them share form
+   one *unit* that is grouped as a whole. A one-id lookup (``single``, pooled by sum) gives the
+   same numbers pooled by mean, or unpooled as a [B] sequence, so it takes the pooling of its
+   table's other lookups (and of the other pooled lookups, when its table has no others and they
+   are all pooled by mean). What still differs is left as it was, with the reason: a lookup of
+   another kind (bag-pooled vs unpooled, weighted vs unweighted, ...), one whose ids are
+   computed from its own table's lookup, one whose table's lookups are tied through the lookups
+   of another table.
+2. Dependences. One sweep over the graph in order gives each node the set of units whose output
+   reaches it (a bitmask), over the data-flow edges plus the ordering edges of side effects.
+3. Groups. Units in topological order (by first position) join the first group of their key
+   that is not among their ancestors in the graph of groups so far; else they start one. The
+   graph of groups stays acyclic, so every group has a place to stand.
+4. Reordering. A stable topological sort (Kahn's algorithm, ties by original position) of the
+   nodes plus one virtual node per group (every input of every member -> virtual -> every user
+   of every member's output) moves the nodes so that every group's inputs are defined before
+   the first user of any of its outputs, where lower_groups / shard_groups put its call. Nodes
+   keep their original order as far as that allows (a graph already in such an order is left
+   as it is): typically the users of an early lookup move below the id computations of a later
+   one. The lookups and their id computations (casts, slices, index arithmetic) move freely.
+
+Side effects keep their order (:class:`fxrec.dataflow.SideEffects`: impure nodes keep their
+relative order, and the readers of an argument an op writes in place stay on their side of it).
 
 Within a group, the lookups of one table are next to each other (:func:`_tables_adjacent`):
 fbgemm's kernels need every table's features adjacent in ``feature_table_map`` (its CPU backward
 and nobag forward read wrong rows otherwise, and fused Adagrad updates go wrong silently), as
-TorchRec lays them out. The group's output columns follow that order; a concatenation that
-listed a table's features apart gets their slices back in its own order.
+TorchRec lays them out. Members are ordered as the first ``torch.cat`` that consumes them lists
+them (:func:`_column_order`), then made table-adjacent, so the group's output can usually
+replace that cat's arguments without reordering.
 
-Each table (weight parameter) belongs to one group only, because its storage becomes part of
-that group's TBE; a lookup of a table already owned by a group of another key is left as it
-was, with the reason. (One-id lookups of a table that is also looked up unpooled are made
-unpooled first, so the usual history + candidate sharing stays in one group.)
-
-Before: lookups annotated by annotate_lookups. After: the graph is unchanged;
-``ctx.groups`` holds GroupRecords and each member node carries ``meta["fxrec_group"]``. Members
-are ordered as the first ``torch.cat`` that consumes them lists them (then made table-adjacent),
-so the group's output can usually replace that cat's arguments without reordering.
+Before: lookups annotated by annotate_lookups. After: the nodes possibly reordered (nothing
+else changes); ``ctx.groups`` holds GroupRecords, each member node carries
+``meta["fxrec_group"]``, and ``gm.meta["fxrec_fragmentation"]`` (a :class:`fxrec.meta.Fragmentation`)
+says how many groups were made, the fewest possible, and why each extra one is apart.
 
 Not handled: lookups whose record has a reason (left alone).
 """
@@ -30,22 +48,28 @@ Not handled: lookups whose record has a reason (left alone).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Set, Tuple
+import heapq
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
 from .. import meta
+from ..dataflow import SideEffects, reaches, reorder
 from ..pass_infra import PassContext, PassResult, compiler_pass
+from ..runtime.specs import pad_dim
+
+aten = torch.ops.aten
 
 
 def group_key(rec: meta.LookupRecord) -> tuple:
     """What must be equal for two lookups to share one TBE.
 
     pooling (one TBE pools one way), weighted or not, dtype and device (one weight buffer),
-    sparse gradient or not (one gradient layout), for unpooled lookups the dim (fbgemm's
-    sequence TBE has one dim for all its tables), and the optimizer (one TBE runs one).
+    sparse gradient or not (one gradient layout), for unpooled lookups the dim as stored
+    (:func:`fxrec.runtime.specs.pad_dim`: fbgemm's sequence TBE has one dim for all its tables),
+    and the optimizer (one TBE runs one).
     """
     return (
         rec.pooling,
@@ -53,122 +77,384 @@ def group_key(rec: meta.LookupRecord) -> tuple:
         rec.dtype,
         rec.device,
         rec.sparse,
-        rec.dim if rec.pooling == "none" else None,
+        pad_dim(rec.dim) if rec.pooling == "none" else None,
         rec.optimizer,
     )
 
 
-def build_dataflow(gm: fx.GraphModule) -> nx.DiGraph:
-    g = nx.DiGraph()
-    for n in gm.graph.nodes:
-        g.add_node(n)
-        for u in n.users:
-            g.add_edge(n, u)
-    return g
-
-
+# --------------------------------------------------------------------------- records
 def _inputs(rec: meta.LookupRecord) -> List[fx.Node]:
-    return [x for x in (rec.weight, rec.ids, rec.offsets, rec.per_sample_weights) if isinstance(x, fx.Node)]
+    """The nodes a lookup reads that are not its own."""
+    own = set(rec.nodes)
+    seen: Dict[fx.Node, None] = {}
+    for n in rec.nodes:
+        for x in n.all_input_nodes:
+            if x not in own:
+                seen.setdefault(x)
+    return list(seen)
 
 
-class _Open:
-    def __init__(self, rec_pos: Dict[fx.Node, int]):
-        self.members: List[meta.LookupRecord] = []
-        self.last_input = -1  # latest position of any member's input
-        self.first_use = 1 << 60  # earliest position of any user of any member's output
-        self.pos = rec_pos
+def _users(rec: meta.LookupRecord) -> List[fx.Node]:
+    own = set(rec.nodes)
+    return [u for u in rec.output.users if u not in own]
+
+
+def _single_ids_join(records: List[meta.LookupRecord]) -> List[meta.LookupRecord]:
+    """One-id lookups (``single``, pooled by sum) take the form of the lookups they can share a
+    TBE with, since the numbers are the same: a sequence lookup of [B] ids ([B, D] out) when their
+    table is also looked up unpooled (DIN's candidate and history); pooled by mean when the
+    table's other lookups are (the mean of one row is the row); and pooled by mean when their
+    table has no other lookups and the pooled lookups they could join are all pooled by mean."""
+    lowerable = [r for r in records if r.lowerable]
+    by_table: Dict[str, List[meta.LookupRecord]] = {}
+    for r in lowerable:
+        by_table.setdefault(r.param, []).append(r)
+
+    def single(r):
+        return r.form == "single" and r.pooling == "sum" and not r.weighted
+
+    out = {}
+    for param, rs in by_table.items():
+        others = [r for r in rs if not single(r)]
+        if any(r.form == "seq" for r in others):
+            new = dict(form="seq", pooling="none")
+        elif others and all(r.pooling == "mean" for r in others):
+            new = dict(pooling="mean")
+        else:
+            continue
+        for r in rs:
+            if single(r):
+                out[r.node] = dataclasses.replace(r, **new)
+    # tables looked up only by one id: mean when nothing else of their key pools by sum
+    only_single = {p for p, rs in by_table.items() if all(single(r) for r in rs)}
+    fixed = {group_key(out.get(r.node, r)) for r in lowerable if r.param not in only_single}
+    for p in only_single:
+        for r in by_table[p]:
+            k = group_key(r)
+            if k not in fixed and (("mean",) + k[1:]) in fixed:
+                out[r.node] = dataclasses.replace(r, pooling="mean")
+    return [out.get(r.node, r) for r in records]
+
+
+# --------------------------------------------------------------------------- the pass
+class _Unit:
+    """The lookups of one table that run in one group (the table's storage is in one TBE)."""
+
+    def __init__(self, index: int, key: tuple, members: List[meta.LookupRecord]):
+        self.index = index
+        self.key = key
+        self.members = members
+        self.group: Optional["_Group"] = None
+
+    @property
+    def table(self) -> str:
+        return self.members[0].table
+
+
+class _Group:
+    def __init__(self, key: tuple):
+        self.key = key
+        self.units: List[_Unit] = []
+        self.succ: Set["_Group"] = set()
+        self.pred: Set["_Group"] = set()
+        self.name = ""
+
+    @property
+    def members(self) -> List[meta.LookupRecord]:
+        return [r for u in self.units for r in u.members]
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _sweep(nodes: Sequence[fx.Node], effects: SideEffects, unit_of: Dict[fx.Node, int]):
+    """One pass in graph order: for each unit member, the units whose output reaches its inputs
+    (``anc``), and the members reached by their own unit (``dropped``)."""
+    out: Dict[fx.Node, int] = {}
+    anc: Dict[fx.Node, int] = {}
+    dropped: List[fx.Node] = []
+    for n in nodes:
+        m = 0
+        for p in effects.all_preds(n):
+            m |= out.get(p, 0)
+        u = unit_of.get(n)
+        if u is not None:
+            anc[n] = m
+            if m >> u & 1:
+                dropped.append(n)
+            else:
+                m |= 1 << u
+        out[n] = m
+    return anc, dropped
+
+
+def _cause(x: meta.LookupRecord, ys: Sequence[meta.LookupRecord], effects: SideEffects) -> Tuple[Optional[meta.LookupRecord], bool]:
+    """Which of ``ys`` lookup ``x`` depends on, and whether through data (True) or only through
+    the order of side effects (False)."""
+    by_node = {y.node: y for y in ys}
+    hit = reaches(x.node, set(by_node), lambda n: n.all_input_nodes)
+    if hit is not None:
+        return by_node[hit], True
+    hit = reaches(x.node, set(by_node), effects.all_preds)
+    return (by_node[hit] if hit is not None else None), False
+
+
+def _reads(x: meta.LookupRecord, y: Optional[meta.LookupRecord], data: bool) -> str:
+    if y is None:
+        return f"feature '{x.feature}' runs after it"
+    if data:
+        return f"feature '{x.feature}' reads '{y.feature}'"
+    return f"feature '{x.feature}' must run after '{y.feature}': in-place writes or random numbers order them"
+
+
+_FIELDS = ("pooling", "weighted", "dtype", "device", "sparse", "dim", "optimizer")
+
+
+def _kind_text(key: tuple, field: str) -> str:
+    k = dict(zip(_FIELDS, key))
+    if field == "pooling":
+        return "unpooled" if k["pooling"] == "none" else f"pooled by {k['pooling']}"
+    if field == "weighted":
+        return "weighted" if k["weighted"] else "unweighted"
+    if field == "sparse":
+        return "with sparse gradients" if k["sparse"] else "with dense gradients"
+    if field == "dim":
+        return f"of stored dim {k['dim']}"
+    if field == "optimizer":
+        return f"optimizer {k['optimizer'].describe()}" if k["optimizer"] is not None else "no optimizer"
+    return f"{field} {k[field]}"
+
+
+def _differing(a: tuple, b: tuple) -> List[str]:
+    out = [f for f, x, y in zip(_FIELDS, a, b) if x != y]
+    return [f for f in out if f != "dim"] if "pooling" in out else out  # only unpooled keys hold a dim
+
+
+def key_difference(mine: tuple, theirs: tuple) -> str:
+    """Why lookups of key ``mine`` cannot share a TBE with those of key ``theirs``, in words
+    (each difference as "mine vs theirs")."""
+    out = []
+    for f in _differing(mine, theirs):
+        if f == "sparse":
+            out.append("sparse gradients differ")
+        elif f == "optimizer":
+            out.append(f"optimizer differs ({_kind_text(mine, f)} vs {_kind_text(theirs, f)})")
+        elif f == "dim":
+            out.append(f"stored dims differ ({mine[5]} vs {theirs[5]})")
+        elif f in ("pooling", "weighted"):
+            out.append(f"{_kind_text(mine, f)} vs {_kind_text(theirs, f)}")
+        else:
+            out.append(f"{f} {mine[_FIELDS.index(f)]} vs {theirs[_FIELDS.index(f)]}")
+    return ", ".join(out) or "same key"
+
+
+def kind_of(key: tuple) -> str:
+    """The class a group of ``key`` falls in when counting the fewest groups: its pooling, or
+    for unpooled lookups the stored dim."""
+    return f"sequence dim {key[5]}" if key[0] == "none" else key[0]
 
 
 @compiler_pass(needs=(meta.LOOKUP,), provides=(meta.GROUP, "groups"))
 def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-    flow = build_dataflow(gm)
-    _single_ids_join_sequences(gm)
-    open_groups: Dict[tuple, List[_Open]] = {}
-    owner: Dict[str, tuple] = {}  # table param -> key of the group that owns it
-    n_split = 0
-    for node in gm.graph.nodes:
-        rec: Optional[meta.LookupRecord] = node.meta.get(meta.LOOKUP)
-        if rec is None or not rec.lowerable:
-            continue
-        key = group_key(rec)
-        if rec.param in owner and owner[rec.param] != key:
-            rec = dataclasses.replace(
-                rec,
-                reason=f"table '{rec.table}' is already batched with lookups of another kind "
-                f"(pooling/weights/sparsity differ: {owner[rec.param]} vs {key})",
-            )
-            node.meta[meta.LOOKUP] = rec
-            ctx.logger.debug("%s not grouped: %s", rec.feature, rec.reason)
-            continue
-        owner[rec.param] = key
-        ancestors: Optional[Set[fx.Node]] = None
-        last_in = max(pos[x] for x in _inputs(rec))
-        first_use = min((pos[u] for u in rec.output.users), default=1 << 60)
-        placed = False
-        for og in open_groups.setdefault(key, []):
-            if max(og.last_input, last_in) >= min(og.first_use, first_use):
-                continue
-            if ancestors is None:
-                ancestors = nx.ancestors(flow, node)
-            if any(m.output in ancestors or m.node in ancestors for m in og.members):
-                ctx.logger.debug("%s not grouped with %s: depends on its output", rec.feature, og.members[0].feature)
-                continue
-            # A table shared by two features must live in the group that owns it.
-            og.members.append(rec)
-            og.last_input = max(og.last_input, last_in)
-            og.first_use = min(og.first_use, first_use)
-            placed = True
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    found = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta]
+    for rec in _single_ids_join(found):
+        rec.node.meta[meta.LOOKUP] = rec
+    records = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta and n.meta[meta.LOOKUP].lowerable]
+
+    # 1. table ownership: each table's lookups of its most common key form a unit
+    by_table: Dict[str, Dict[tuple, List[meta.LookupRecord]]] = {}
+    for rec in records:
+        by_table.setdefault(rec.param, {}).setdefault(group_key(rec), []).append(rec)
+    units: List[_Unit] = []
+    plain: List[Tuple[meta.LookupRecord, _Unit, str]] = []  # left as written: (record, its table's unit, why)
+    for keys in by_table.values():
+        owner = max(keys, key=lambda k: (len(keys[k]), -pos[keys[k][0].node]))
+        unit = _Unit(len(units), owner, keys[owner])
+        units.append(unit)
+        for k, rs in keys.items():
+            if k != owner:
+                plain.extend((r, unit, "kind") for r in rs)
+
+    # 2. dependences: which units reach each member; a member reached by its own unit, and the
+    # units of a cycle of units, leave the unit
+    effects = SideEffects(nodes)
+    while True:
+        unit_of = {r.node: u.index for u in units for r in u.members}
+        anc, dropped = _sweep(nodes, effects, unit_of)
+        for n in dropped:
+            u = units[unit_of[n]]
+            rec = next(r for r in u.members if r.node is n)
+            u.members.remove(rec)
+            plain.append((rec, u, "self"))
+        unit_graph = nx.DiGraph()
+        unit_graph.add_nodes_from(range(len(units)))
+        preds: Dict[int, Set[int]] = {u.index: set() for u in units}
+        for u in units:
+            for r in u.members:
+                for p in _bits(anc[r.node]):
+                    preds[u.index].add(p)
+                    unit_graph.add_edge(p, u.index)
+        cycles = [c for c in nx.strongly_connected_components(unit_graph) if len(c) > 1]
+        if not cycles:
             break
-        if not placed:
-            if open_groups[key]:
-                n_split += 1
-            og = _Open(pos)
-            og.members.append(rec)
-            og.last_input, og.first_use = last_in, first_use
-            open_groups[key].append(og)
+        for c in cycles:  # keep the first lookup of the unit that starts last; the graph is re-swept
+            u = max((units[i] for i in c if len(units[i].members) > 1), key=lambda u: pos[u.members[0].node])
+            other = units[next(i for i in c if i != u.index)]
+            for rec in u.members[1:]:
+                plain.append((rec, u, f"cycle:{other.table}"))
+            del u.members[1:]
 
-    # A table must sit in exactly one group: move later lookups of a table into its first group
-    # when they can stand there, else leave them as they were.
-    groups: List[meta.GroupRecord] = []
-    table_group: Dict[str, meta.GroupRecord] = {}
-    for key, ogs in open_groups.items():
-        for og in ogs:
-            members = []
-            for rec in og.members:
-                g = table_group.get(rec.param)
-                if g is not None:
-                    rec = dataclasses.replace(
-                        rec, reason=f"table '{rec.table}' is batched in {g.name}, and this lookup "
-                        "cannot be placed with it (data dependence or placement)"
-                    )
-                    rec.node.meta[meta.LOOKUP] = rec
-                    continue
-                members.append(rec)
-            if not members:
+    # 3. groups: units in topological order join the first group of their key that is not among
+    # their ancestors
+    order: List[_Unit] = []
+    indeg = {u.index: len(preds[u.index]) for u in units}
+    succs: Dict[int, List[int]] = {u.index: [] for u in units}
+    for v, ps in preds.items():
+        for p in ps:
+            succs[p].append(v)
+    heap = [(pos[u.members[0].node], u.index) for u in units if indeg[u.index] == 0]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        order.append(units[i])
+        for v in succs[i]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (pos[units[v].members[0].node], v))
+    assert len(order) == len(units), "fxrec: the graph of lookups has a cycle"
+    groups: List[_Group] = []
+    for u in order:
+        direct = {units[p].group for p in preds[u.index]}
+        above = set(direct)
+        todo = list(direct)
+        while todo:
+            g = todo.pop()
+            for h in g.pred:
+                if h not in above:
+                    above.add(h)
+                    todo.append(h)
+        target = next((g for g in groups if g.key == u.key and g not in above), None)
+        if target is None:
+            target = _Group(u.key)
+            groups.append(target)
+        target.units.append(u)
+        u.group = target
+        for g in direct:
+            g.succ.add(target)
+            target.pred.add(g)
+    groups.sort(key=lambda g: min(pos[r.node] for r in g.members))
+
+    records_out: List[meta.GroupRecord] = []
+    for i, g in enumerate(groups):
+        g.name = f"group_{i}"
+        members = _tables_adjacent(_column_order(g.members, pos))
+        records_out.append(meta.GroupRecord(name=g.name, key=g.key, lookups=members))
+        for rec in members:
+            rec.node.meta[meta.GROUP] = g.name
+
+    # lookups left as written, with the reason
+    for rec, u, why in plain:
+        first = u.members[0]
+        where = f"table '{rec.table}' is batched in {u.group.name}"
+        if why == "kind":
+            diff = _differing(u.key, group_key(rec))
+            mine = ", ".join(_kind_text(group_key(rec), f) for f in diff)
+            theirs = ", ".join(_kind_text(u.key, f) for f in diff)
+            reason = (f"{where} with its lookups {theirs} (feature '{first.feature}'); this one is {mine}, "
+                      "and a table is stored in one group")
+        elif why == "self":
+            y, data = _cause(rec, [r for r in u.members], effects)
+            y = y or first
+            what = (f"its ids are computed from the output of that table's lookup '{y.feature}'" if data else
+                    f"it must run after that table's lookup '{y.feature}' (in-place writes or random numbers "
+                    "order them)")
+            reason = f"{where} (feature '{first.feature}'), and this lookup cannot run in that call: {what}"
+        else:
+            other = why.split(":", 1)[1]
+            reason = (f"{where} (feature '{first.feature}'), and this lookup cannot join it: the two are tied "
+                      f"through the lookups of table '{other}' (the output of one reaches the other's ids)")
+        rec = dataclasses.replace(rec, reason=reason)
+        rec.node.meta[meta.LOOKUP] = rec
+        ctx.logger.debug("%s not grouped: %s", rec.feature, reason)
+
+    gm.meta[meta.FRAGMENTATION] = _fragmentation(groups, effects)
+    moved = reorder(graph, nodes, effects, [_place(gr) for gr in records_out])
+    ctx.groups = records_out
+    return PassResult(gm, moved > 0, {
+        "groups": len(records_out), "grouped": sum(len(g.lookups) for g in records_out),
+        "fewest": gm.meta[meta.FRAGMENTATION].fewest, "left_plain": len(plain), "nodes_moved": moved,
+    })
+
+
+def _fragmentation(groups: List[_Group], effects: SideEffects) -> meta.Fragmentation:
+    """The groups made, the fewest possible (one per pooling kind; for sequence groups one per
+    stored dim), and why each extra group is apart from the first of its kind."""
+    kinds: Dict[str, List[_Group]] = {}
+    for g in groups:
+        kinds.setdefault(kind_of(g.key), []).append(g)
+    splits = []
+    for gs in kinds.values():
+        for i, g in enumerate(gs[1:], 1):
+            same = next((h for h in gs[:i] if h.key == g.key), None)
+            if same is None:
+                splits.append(f"{g.name} apart from {gs[0].name}: {key_difference(g.key, gs[0].key)}")
                 continue
-            gr = meta.GroupRecord(name=f"group_{len(groups)}", key=key, lookups=_tables_adjacent(_column_order(members, pos)))
-            for rec in members:
-                table_group.setdefault(rec.param, gr)
-            groups.append(gr)
-    for gr in groups:
-        for rec in gr.lookups:
-            rec.node.meta[meta.GROUP] = gr.name
-    ctx.groups = groups
-    return PassResult(
-        gm, False, {"groups": len(groups), "grouped": sum(len(g.lookups) for g in groups), "split_by_deps": n_split}
-    )
+            path = _path(same, g)
+            if path is not None:
+                text = f"depends on the output of {same.name}"
+            else:
+                path = _path(g, same)
+                text = f"{same.name} depends on its output"
+            if path is None:  # not expected: groups of one key are apart only when connected
+                splits.append(f"{g.name} apart from {same.name}")
+                continue
+            if len(path) > 2:
+                text += " through " + ", ".join(h.name for h in path[1:-1])
+            hops = []
+            for a, b in zip(path, path[1:]):
+                for x in b.members:
+                    y, data = _cause(x, a.members, effects)
+                    if y is not None:
+                        hops.append(_reads(x, y, data))
+                        break
+            splits.append(f"{g.name} apart from {same.name}: {text}" + (f" ({'; '.join(hops)})" if hops else ""))
+    return meta.Fragmentation(groups=len(groups), fewest=len(kinds), kinds=tuple(kinds), splits=tuple(splits))
 
 
-def _single_ids_join_sequences(gm: fx.GraphModule) -> None:
-    """A table looked up unpooled (a behaviour sequence) and with one id per row (the candidate,
-    as DIN does) can sit in one TBE only if both lookups are unpooled: a one-id lookup of
-    such a table becomes a sequence lookup of [B] ids (same numbers, [B, D] out)."""
-    records = [n.meta[meta.LOOKUP] for n in gm.graph.nodes if meta.LOOKUP in n.meta]
-    seq_tables = {r.param for r in records if r.lowerable and r.form == "seq"}
-    for r in records:
-        if r.lowerable and r.form == "single" and r.param in seq_tables:
-            r.node.meta[meta.LOOKUP] = dataclasses.replace(r, form="seq", pooling="none")
+def _path(a: _Group, b: _Group) -> Optional[List[_Group]]:
+    """The shortest path a -> ... -> b in the graph of groups, or None."""
+    back = {a: None}
+    todo = [a]
+    while todo:
+        nxt = []
+        for g in todo:
+            for h in sorted(g.succ, key=lambda x: x.name):
+                if h not in back:
+                    back[h] = g
+                    nxt.append(h)
+        todo = nxt
+    if b not in back:
+        return None
+    path = [b]
+    while path[-1] is not a:
+        path.append(back[path[-1]])
+    return path[::-1]
+
+
+def _place(gr: meta.GroupRecord) -> Tuple[Set[fx.Node], Set[fx.Node]]:
+    """What must come before the group's call (every input of every member) and after it (every
+    user of every member's output; with none, the last lookup's output, where lower_groups puts
+    the call)."""
+    ins = {x for r in gr.lookups for x in _inputs(r)}
+    users = {u for r in gr.lookups for u in _users(r)}
+    return ins, users or {gr.lookups[-1].output}
 
 
 def _column_order(members: List[meta.LookupRecord], pos: Dict[fx.Node, int]) -> List[meta.LookupRecord]:

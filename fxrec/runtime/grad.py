@@ -1,11 +1,16 @@
-"""The one PyTorch-gradient backward of a group, and fxrec's fused SGD that shares it.
+"""The one PyTorch-gradient backward of a group, and the reference kernel's fused updates that share it.
 
 :class:`LookupWithGrads` runs any kernel's forward without autograd and gives, in backward, the
 gradients ``nn.EmbeddingBag`` / ``nn.Embedding`` would give: for each table a dense
 ``[rows, dim]`` gradient, or a sparse COO one for tables created with ``sparse=True``; and the
-gradient of the per-sample weights. With a fused SGD that no kernel of its own applies, backward
-adds ``-lr * gradient`` into the looked-up rows instead (``index_add_``, PyTorch's
-multi-threaded kernel) and returns no table gradient.
+gradient of the per-sample weights. With a fused optimizer that no kernel of its own applies
+(the reference kernel's), backward updates the looked-up rows instead and returns no table
+gradient: SGD adds ``-lr * gradient`` (``index_add_``, PyTorch's multi-threaded kernel); Adagrad
+and row-wise Adagrad first sum each row's gradient over the batch (``unique`` + ``index_add_``,
+as a sparse gradient's coalesce does), then apply torch.optim.Adagrad's update, or the row-wise
+one averaged over the table's dim, to those rows and their states (kept in the group's bound
+fbgemm TBE, as for the other kernels). ``unique`` waits for the device on CUDA: this path runs
+only where fbgemm's kernel cannot compute the update exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class LookupWithGrads(torch.autograd.Function):
             out = forward()
         ctx.group = group
         ctx.batch = batch
-        if group.sgd_in_backward():
+        if group.update_in_backward():
             # backward updates these in place, so they are not saved (a second forward before
             # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
             ctx.save_for_backward(indices, offsets, psw)
@@ -74,7 +79,11 @@ class LookupWithGrads(torch.autograd.Function):
         # fxrec's own fused SGD: no gradient is made, the rows are updated below. The -lr factor
         # goes on grad_out ([B, sum of dims]) before the rows are gathered, unless the
         # per-sample-weight gradient needs the unscaled rows.
-        sgd_lr = group.fused.lr if group.sgd_in_backward() else None
+        fused = group.fused if group.update_in_backward() else None
+        sgd_lr = fused.lr if fused is not None and fused.kind == "sgd" else None
+        # the Adagrads' states (binding first: it may move the parameters' storage)
+        states = ([s["sum"] for s in group.optimizer_states(params)]
+                  if fused is not None and fused.kind != "sgd" else None)
         prescaled = sgd_lr is not None and not (psw is not None and ctx.needs_input_grad[5])
         if prescaled:
             grad_out = grad_out * (-sgd_lr)
@@ -139,6 +148,9 @@ class LookupWithGrads(torch.autograd.Function):
                 with torch.no_grad():
                     # index_add_ with alpha= is several times slower than scaling first
                     p.index_add_(0, ids_t, rows_t if prescaled else rows_t * (-sgd_lr))
+            elif states is not None:
+                with torch.no_grad():
+                    adagrad_rows(p.detach(), states[t], ids_t, rows_t, fused)
             elif spec.sparse:
                 grads[t] = torch.sparse_coo_tensor(
                     ids_t.unsqueeze(0), rows_t if len(mine) > 1 or group.pooling != "none" else rows_t.clone(),
@@ -149,3 +161,20 @@ class LookupWithGrads(torch.autograd.Function):
                     spec.num_rows, spec.dim, dtype=p.dtype, device=p.device
                 ).index_add_(0, ids_t, rows_t)
         return (None, None, None, None, None, grad_psw, *grads)
+
+
+def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, fused) -> None:
+    """Adagrad (``fused.kind == "adagrad"``: torch.optim.Adagrad's arithmetic) or row-wise
+    Adagrad on the rows ``ids`` looked up with gradient rows ``rows``: each row's gradient summed
+    over its lookups first, then ``state += g*g`` (row-wise: the mean of ``g*g`` over the row),
+    ``weight -= lr * g / (sqrt(state) + eps)``. In place, on ``weight`` and ``state``."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    g = rows.new_zeros(uniq.numel(), rows.shape[1]).index_add_(0, inv, rows)
+    if fused.kind == "rowwise_adagrad":
+        s = state.index_select(0, uniq) + (g * g).mean(1)
+        state.index_copy_(0, uniq, s)
+        weight.index_add_(0, uniq, g * (-fused.lr / (s.sqrt() + fused.eps)).unsqueeze(1))
+    else:
+        s = state.index_select(0, uniq).addcmul_(g, g)
+        state.index_copy_(0, uniq, s)
+        weight.index_add_(0, uniq, (g / s.sqrt().add_(fused.eps)) * (-fused.lr))

@@ -25,7 +25,7 @@ from torch import nn
 from . import kernels
 from ._tracing import exporting
 from .checks import InputChecks
-from .kernels import FBGEMM, REFERENCE
+from .kernels import REFERENCE
 from .output_buffer import ReusedOutput
 from .packing import FORM_CODES
 from .specs import FUSED_STATE_NAMES, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
@@ -119,10 +119,11 @@ class EmbeddingGroup(InputChecks, nn.Module):
         """Training updates the tables inside backward (no gradients reach the parameters)."""
         return self.fused is not None and self.fused_enabled
 
-    def sgd_in_backward(self) -> bool:
-        """A fused SGD that fxrec's backward (:mod:`fxrec.runtime.grad`) applies: whenever a call
-        goes through it (fbgemm's fused kernel and fxrec's native update never do)."""
-        return self.fused_active and self.fused.kind == "sgd"
+    def update_in_backward(self) -> bool:
+        """A fused optimizer that fxrec's PyTorch backward (:mod:`fxrec.runtime.grad`) applies:
+        whenever a call goes through it (the reference kernel's; fbgemm's fused kernel and fxrec's
+        native update never do)."""
+        return self.fused_active
 
     def set_kernels(self, kernel_train: str, kernel_eval: str) -> None:
         for k in (kernel_train, kernel_eval):
@@ -201,17 +202,6 @@ class EmbeddingGroup(InputChecks, nn.Module):
         training = self._training(params, psw_list)
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
-        if out is None and training and self.fused_active and self.fused.kind != "sgd" and chosen.name != FBGEMM:
-            # the Adagrads' states are in the bound fbgemm TBE: its fused kernel on the same states,
-            # where it computes what PyTorch would (not on nn.Embedding's padding row, for one)
-            fb = kernels.get(FBGEMM)
-            why = fb.supports(self.spec, params[0].device.type, "training", self.fused.kind) if params else None
-            if why is not None and any(ids.numel() for ids in ids_list):
-                self.fused_unusable(f"this call needs fbgemm's fused kernel, and {why}")
-            out = fb.run(self, ids_list, offsets_list, psw_list, params, training)
-        if out is None:  # an input the chosen kernel does not take: PyTorch's own answer
-            if training and self.fused_active and self.fused.kind != "sgd" and any(ids.numel() for ids in ids_list):
-                self.fused_unusable("fbgemm cannot run them (fbgemm missing, not fp32 on one device, or features "
-                                    "with different batch sizes)")
+        if out is None:  # an input the chosen kernel does not take: PyTorch's own answer (and update)
             out = kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training)
         return out

@@ -326,6 +326,16 @@ def run_tbe(group, tbe, batch, indices, offsets, psw, params, training: bool):
     return LookupWithGrads.apply(group, forward, batch, indices, offsets, psw, *params)
 
 
+def states_refusal(group, device: str, mode: str, optimizer: Optional[str]) -> Optional[str]:
+    """Why a kernel that applies a fused Adagrad itself (native, reference) cannot fuse it into
+    ``group``: the states live in an fbgemm TBE of the group, which must be able to hold them.
+    None for other optimizers, and where it can."""
+    if optimizer not in ("adagrad", "rowwise_adagrad"):
+        return None
+    why = KERNEL.supports(group, device, mode, optimizer, states_only=True)
+    return None if why is None else f"a fused {optimizer} keeps its states in fbgemm's TBE, and {why}"
+
+
 def padded_width(group, table) -> int:
     """The width ``table`` of ``group`` (a GroupSpec) is stored with in a training TBE."""
     if group.pooling == "none":
@@ -347,8 +357,8 @@ class FbgemmKernel(Kernel):
 
     def supports(self, group, device, mode, optimizer, *, states_only: bool = False):
         """``states_only``: whether a TBE of this group can keep the fused optimizer's states
-        for a kernel that applies the update itself (fxrec's native kernels, which average a
-        row-wise Adagrad over the table's real dim)."""
+        for a kernel that applies the update itself (fxrec's native and reference kernels, which
+        average a row-wise Adagrad over the table's real dim and leave a padding row alone)."""
         if device not in ("cpu", "cuda"):
             return f"fbgemm runs on cpu and cuda, not {device}"
         if device == "cuda" and any(pad_dim(t.dim) > CUDA_MAX_DIM for t in group.tables):
@@ -363,7 +373,7 @@ class FbgemmKernel(Kernel):
         if optimizer == "rowwise_adagrad" and padded and not states_only:
             return (f"tables {padded} are stored padded to a multiple of 4 columns, and fbgemm's row-wise Adagrad "
                     "would average the squared gradient over the padded row, not the table's dim")
-        if optimizer is not None and group.padded_rows:
+        if optimizer is not None and group.padded_rows and not states_only:
             return (f"nn.Embedding {list(group.padded_rows)} has a padding row, which fbgemm's fused {optimizer} "
                     "would update (PyTorch gives it no gradient)")
         return None

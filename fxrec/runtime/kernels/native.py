@@ -6,7 +6,8 @@ inference it writes into the group's reused output buffer; in training its forwa
 fxrec's gradients (:mod:`fxrec.runtime.grad`), whose dense table gradients it also makes, and
 with a fused optimizer (SGD, Adagrad, row-wise Adagrad) its backward kernels update the
 looked-up rows, never making a gradient. The Adagrads' states are kept in the group's bound
-fbgemm TBE, so a call these kernels cannot take runs fbgemm's fused kernel on the same states.
+fbgemm TBE, so a call these kernels cannot take runs the reference kernel's update on the same
+states.
 
 The library is built by ``torch.utils.cpp_extension.load`` on first use (about 10 s here) and
 cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), once
@@ -339,17 +340,11 @@ class NativeKernel(Kernel):
             return "fxrec's native kernels take float32 tables"
         if optimizer is not None and optimizer not in self.OPTIMIZERS:
             return f"fxrec's native kernels have no fused {optimizer}"
-        if optimizer in ("adagrad", "rowwise_adagrad"):
-            # their states live in an fbgemm TBE, whose fused kernel runs the calls these kernels
-            # cannot take: the group must be one fbgemm holds. (Row-wise Adagrad on tables fbgemm
-            # stores padded is exact here, averaged over the real dim; a call these kernels cannot
-            # take then raises, naming the tables, rather than averaging over the padding.)
-            from .fbgemm import KERNEL as FBGEMM_KERNEL
+        # a call these kernels cannot take goes to the reference kernel, which applies the update
+        # the same way on the same states
+        from .fbgemm import states_refusal
 
-            why = FBGEMM_KERNEL.supports(group, device, mode, optimizer, states_only=True)
-            if why is not None:
-                return f"a fused {optimizer} here keeps its states in fbgemm's TBE, and {why}"
-        return None
+        return states_refusal(group, device, mode, optimizer)
 
     def available(self, device):
         return None if device != "cpu" or load() else f"fxrec's native kernels are not available ({_state['why']})"

@@ -8,9 +8,13 @@ compares with, and what every group runs on an input no other kernel takes. Two 
   reuses when nothing refers to the previous result any more (see
   :class:`~fxrec.runtime.output_buffer.ReusedOutput`): the same kernels without page-faulting a
   fresh output of tens of MB every call;
-* in training with a fused SGD, the forward feeds fxrec's backward
-  (:class:`~fxrec.runtime.grad.LookupWithGrads`), which adds ``-lr * gradient`` into the
-  looked-up rows and makes no table gradient.
+* in training with a fused optimizer, the forward feeds fxrec's backward
+  (:class:`~fxrec.runtime.grad.LookupWithGrads`), which updates the looked-up rows and makes no
+  table gradient: SGD by ``index_add_`` of ``-lr * gradient``; Adagrad and row-wise Adagrad on
+  each row's summed gradient, their states in the group's bound fbgemm TBE (as on the other
+  kernels). It fuses what fbgemm's kernel cannot compute exactly (row-wise Adagrad on a table
+  stored padded, an ``nn.Embedding`` padding row) and takes every call the chosen kernel hands
+  back.
 """
 
 from __future__ import annotations
@@ -120,13 +124,16 @@ def _fused(group, ids_list, offsets_list, psw_list, params):
 class ReferenceKernel(Kernel):
     name = REFERENCE
 
+    OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
     def supports(self, group, device, mode, optimizer):
         if group.quantized:
             return "quantized tables are fbgemm's IntNBit"
-        if optimizer is not None and optimizer != "sgd":
-            return (f"PyTorch's lookups make gradients: fxrec fuses SGD onto them (index_add_ of the rows), "
-                    f"not {optimizer}")
-        return None
+        if optimizer is not None and optimizer not in self.OPTIMIZERS:
+            return f"fxrec fuses {', '.join(self.OPTIMIZERS)} onto PyTorch's lookups, not {optimizer}"
+        from .fbgemm import states_refusal
+
+        return states_refusal(group, device, mode, optimizer)
 
     def run(self, group, ids_list, offsets_list, psw_list, params, training):
         if params and any(ids.device != params[0].device for ids in ids_list):
@@ -134,6 +141,13 @@ class ReferenceKernel(Kernel):
             # (the other kernels hand such inputs here)
             group._check_devices(ids_list, offsets_list, psw_list, params, ValueError("device mismatch"))
         if training and group.fused_active:
+            if group.fused.kind != "sgd":
+                from .fbgemm import ensure_bound, usable
+
+                if not usable(params):
+                    group.fused_unusable("its states live in fbgemm's TBE, which cannot hold these tables (fbgemm "
+                                         "missing, or tables not float32 on one device)")
+                ensure_bound(group, params)  # the states; the parameters become views of the TBE
             out = _fused(group, ids_list, offsets_list, psw_list, params)
             if out is not None:
                 return out

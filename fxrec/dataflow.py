@@ -1,0 +1,203 @@
+"""The order a graph's nodes must keep, and moving them within it.
+
+Passes that move nodes (group_lookups, to give each group one place to stand) or merge equal
+computations (merge_lookups) need the same facts: what besides data flow orders two nodes. Here:
+
+* :class:`SideEffects`: impure nodes (placeholders, in-place ops, random ops, asserts, module
+  calls) keep their relative order; the output stays last; for an op that writes one of its
+  arguments (schema ``alias_info.is_write``, e.g. an ``add_`` on an input), every other user of
+  that argument (or of a view of it) stays on the side of the write it was on;
+* :func:`reorder`: a stable topological sort under those edges, with extra "places" (a set of
+  inputs that must all come before a set of users);
+* :func:`reaches`: whether one node is reached from others, walking back.
+
+These know nothing of lookups or groups.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# Ops whose result may share storage with their first argument though their schema does not say so.
+_MAY_ALIAS = {aten.reshape.default, aten.flatten.using_ints, aten.contiguous.default, aten.reshape_as.default,
+              aten.view_as.default, aten.expand_as.default, aten.unflatten.int}
+
+
+def is_impure(node: fx.Node) -> bool:
+    """Whether ``node`` has an effect beyond its result (its place among such nodes is kept)."""
+    if node.op in ("placeholder", "output", "call_module", "call_method"):
+        return True
+    if node.op != "call_function":
+        return False
+    try:
+        return node.is_impure()
+    except Exception:  # noqa: BLE001 - what cannot be told is kept in place
+        return True
+
+
+def schema_args(node: fx.Node):
+    """(schema argument, the nodes passed for it) of an ATen op's call."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return
+    for i, a in enumerate(schema.arguments):
+        val = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        nodes = [v for v in (val if isinstance(val, (list, tuple)) else (val,)) if isinstance(v, fx.Node)]
+        if nodes:
+            yield a, nodes
+
+
+class SideEffects:
+    """The ordering edges that side effects add to the data flow of ``nodes`` (the graph's nodes in
+    order): ``preds[n]`` are the nodes that must stay before ``n`` besides its inputs. Every edge
+    goes forward in the given order. ``written`` holds every node whose value an op writes in
+    place (with its views): two equal computations on them are not the same value."""
+
+    def __init__(self, nodes: Sequence[fx.Node]):
+        pos = {n: i for i, n in enumerate(nodes)}
+        parent: Dict[fx.Node, fx.Node] = {}
+
+        def find(x):
+            root = x
+            while parent.get(root, root) is not root:
+                root = parent[root]
+            while parent.get(x, x) is not root:
+                parent[x], x = root, parent[x]
+            return root
+
+        def union(a, b):
+            ra, rb = find(a), find(b)
+            if ra is not rb:
+                parent[ra] = rb
+
+        writes: List[Tuple[fx.Node, List[fx.Node], bool]] = []  # (writer, what it writes, a real write)
+        impure: List[fx.Node] = []
+        for n in nodes:
+            if n.op in ("output", "placeholder", "get_attr"):
+                if n.op == "placeholder":
+                    impure.append(n)
+                continue
+            if is_impure(n):
+                impure.append(n)
+            if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+                union(n, n.args[0])
+                continue
+            if n.op == "call_function" and n.target in _MAY_ALIAS and n.args and isinstance(n.args[0], fx.Node):
+                union(n, n.args[0])
+            schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+            if schema is None:
+                if is_impure(n) and n.all_input_nodes:
+                    # an effect we cannot see into keeps its place with respect to everything that
+                    # reads what it is given; a Python function (a batch counter) may write them
+                    writes.append((n, list(n.all_input_nodes), n.op == "call_function"))
+                continue
+            returns_alias = any(r.alias_info is not None for r in schema.returns)
+            w: List[fx.Node] = []
+            for a, arg_nodes in schema_args(n):
+                if a.alias_info is None:
+                    continue
+                if returns_alias:
+                    for x in arg_nodes:
+                        union(n, x)
+                if a.alias_info.is_write:
+                    w.extend(arg_nodes)
+            if w:
+                writes.append((n, w, True))
+
+        self.preds: Dict[fx.Node, List[fx.Node]] = {}
+        for a, b in zip(impure, impure[1:]):
+            self.preds.setdefault(b, []).append(a)
+        roots = {find(x) for _, ws, _ in writes for x in ws}
+        members: Dict[fx.Node, List[fx.Node]] = {}
+        for n in nodes:
+            r = find(n)
+            if r in roots:
+                members.setdefault(r, []).append(n)
+        self.written: Set[fx.Node] = set()
+        for w, targets, real in writes:
+            for root in {find(x) for x in targets}:
+                if real:
+                    self.written.update(members[root])
+                for m in members[root]:
+                    for u in m.users:
+                        if u is w or u.op == "output":
+                            continue
+                        if pos[u] < pos[w]:
+                            self.preds.setdefault(w, []).append(u)
+                        else:
+                            self.preds.setdefault(u, []).append(w)
+
+    def all_preds(self, n: fx.Node) -> List[fx.Node]:
+        extra = self.preds.get(n)
+        return n.all_input_nodes + extra if extra else n.all_input_nodes
+
+
+def reaches(start: fx.Node, targets: Set[fx.Node], preds: Callable[[fx.Node], List[fx.Node]]) -> Optional[fx.Node]:
+    """A node of ``targets`` from which ``start`` is reached (walking back over ``preds``), or None."""
+    seen = {start}
+    todo = list(preds(start))
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in targets:
+            return n
+        todo.extend(preds(n))
+    return None
+
+
+def reorder(graph: fx.Graph, nodes: List[fx.Node], effects: SideEffects,
+            places: Sequence[Tuple[Set[fx.Node], Set[fx.Node]]]) -> int:
+    """Move ``nodes`` (the graph's nodes in order, output last) into a stable topological order of
+    their data flow and side effects in which, for each ``(inputs, users)`` of ``places``, every
+    input comes before every user: a place where one call can stand that reads all the inputs
+    and feeds all the users. Kahn's algorithm, ties broken by the original position, so a graph
+    already in such an order is left as it is. Returns how many nodes changed place."""
+    out_node = nodes[-1]
+    assert out_node.op == "output"
+    real = nodes[:-1]
+    index = {n: i for i, n in enumerate(real)}
+    n_real = len(real)
+    succ: List[List[int]] = [[] for _ in range(n_real + len(places))]
+    indeg = [0] * (n_real + len(places))
+
+    def edge(a: int, b: int) -> None:
+        succ[a].append(b)
+        indeg[b] += 1
+
+    for n in real:
+        for p in set(effects.all_preds(n)):
+            edge(index[p], index[n])
+    for k, (ins, users) in enumerate(places):
+        v = n_real + k
+        for x in ins:
+            edge(index[x], v)
+        for u in users:
+            if u is not out_node:
+                edge(v, index[u])
+    heap = [(i, i) for i in range(n_real) if indeg[i] == 0] + [(-1, v) for v in range(n_real, len(indeg)) if indeg[v] == 0]
+    heapq.heapify(heap)
+    order: List[int] = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        if i < n_real:
+            order.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(heap, (j if j < n_real else -1, j))
+    if len(order) != n_real:
+        raise RuntimeError("fxrec: no order of the graph's nodes gives every call a place (a cycle through one)")
+    moved = sum(1 for k, i in enumerate(order) if k != i)
+    if moved:
+        for i in order:
+            out_node.prepend(real[i])
+    return moved
