@@ -112,6 +112,8 @@ def test_real_style_ctr_models(name, model_fn, inputs_fn, backend):
     # every lookup lowered (DeepFM's dim-1 linear table too: stored padded to 4 columns)
     assert not fast.report.left_alone, fast.report
     assert not embedding_ops(fast)
+    frag = fast.report.fragmentation  # the fewest groups: one per pooling kind / sequence dim
+    assert frag.groups == frag.fewest == len(fast.report.groups), fast.report
     assert_matches(model, fast, inputs_fn(1), inputs_fn(2))
 
 
