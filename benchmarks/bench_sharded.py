@@ -1,5 +1,6 @@
-"""Per-step time of the demo DLRM at world size 2 on CPU (gloo): a mixed sharding plan vs the
-same model with every table data-parallel. Both run in the same processes, alternating. JSON.
+"""Per-step time of the demo DLRM at world size 2 on CPU (gloo): a mixed sharding plan (SGD on
+the local shards' dense gradients, and row-wise Adagrad fused into backward) vs the same model
+with every table data-parallel. All run in the same processes, alternating. JSON.
 
     .venv/bin/python benchmarks/bench_sharded.py [--out FILE] [--steps 15]
 
@@ -48,6 +49,10 @@ def worker(rank, world, init_file, args, out_file):
     }
     models = {k: fxrec.transform(model, example, plan=p) for k, p in plans.items()}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    fused = "sharded_mixed_fused_rowwise_adagrad"
+    models[fused] = fxrec.transform(model, example, plan=plans["sharded_mixed"],
+                                    optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+    opts[fused] = models[fused].make_optimizer(torch.optim.SGD, lr=0.1)
     batch = local_slice(make_batch(rows, batch=local_b * world, seed=1), rank, local_b)
 
     def step(k):
@@ -69,6 +74,7 @@ def worker(rank, world, init_file, args, out_file):
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         with open(out_file, "w") as fh:
             json.dump({"step_ms": med, "speedup_sharded_vs_data_parallel": med["data_parallel"] / med["sharded_mixed"],
+                       "speedup_fused_rowwise_vs_data_parallel": med["data_parallel"] / med[fused],
                        "all_step_ms": {k: [x * 1e3 for x in v] for k, v in times.items()}}, fh)
     dist.destroy_process_group()
 

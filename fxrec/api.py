@@ -127,7 +127,8 @@ def transform(
         Every rank feeds its own local batch (the same size on every rank) and gets the rows of
         the single-process model for it; gradients are summed over ranks, so a loss that sums
         over the global batch (or divides by the global batch size) gives the single-process
-        gradients. Not with ``optimizer=`` or ``mode="inference"`` yet.
+        gradients. With ``optimizer=``, each rank's local lookups apply it inside backward to the
+        rows they hold (docs/sharding.md). Not with ``mode="inference"`` yet.
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -186,12 +187,7 @@ def transform(
                 if w.target in table_opts:
                     table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
     gm.meta["fxrec_table_optimizers"] = table_opts
-    gm.meta["fxrec_fused_groups"] = [
-        (n.target, [w.target for w in n.args[3]])
-        for n in gm.graph.nodes
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup) and len(n.args) > 3
-        and gm.get_submodule(n.target).fused is not None
-    ]
+    gm.meta["fxrec_fused_groups"] = _fused_groups(gm)
     notes = _modes_notes(gm) + accepted_sizes(gm)
     plan_per_rank = []
     if plan is not None:
@@ -237,6 +233,22 @@ def _name_guarded_inputs(gm: fx.GraphModule, records) -> None:
                 guards.roles.setdefault(index[node.name], f"{what} of feature '{r.feature}', table '{r.table}'")
 
 
+def _fused_groups(gm: fx.GraphModule) -> list:
+    """(group module's name, its tables' parameter names) of every group with a fused optimizer:
+    the group calls (weights as 4th argument), and with a plan each rank's local lookup group
+    (its lookup module's ``group``, weights as the call's 2nd argument)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_module":
+            continue
+        mod = gm.get_submodule(n.target)
+        if isinstance(mod, EmbeddingGroup) and len(n.args) > 3 and mod.fused is not None:
+            out.append((n.target, [w.target for w in n.args[3]]))
+        elif isinstance(getattr(mod, "group", None), EmbeddingGroup) and mod.group.fused is not None:
+            out.append((f"{n.target}.group", [w.target for w in n.args[1]]))
+    return out
+
+
 def _check_plan(plan, optimizer, mode: str, quantize) -> int:
     """This process's rank when ``plan`` is given (0 otherwise); raises on what a plan cannot do."""
     if plan is None:
@@ -251,9 +263,6 @@ def _check_plan(plan, optimizer, mode: str, quantize) -> int:
     if dist.get_world_size() != plan.topology.world_size:
         raise ValueError(f"fxrec: the plan is for world size {plan.topology.world_size}, the process group "
                          f"has {dist.get_world_size()} ranks")
-    if optimizer is not None:
-        raise ValueError("fxrec: fused embedding optimizers with a sharding plan are not built yet: transform "
-                         "without optimizer= and train the local shards with a torch.optim optimizer")
     if mode != "training" or quantize is not None:
         raise ValueError("fxrec: a sharding plan is for training; inference on sharded tables is not built yet")
     return dist.get_rank()
@@ -307,9 +316,10 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
             fused.append((name, mod, [transformed.get_parameter(f) for f in fqns], list(fqns)))
             fused_names.update(fqns)
     by_config: Dict = {}
+    held = dict(transformed.named_parameters())  # with a plan: the tables this rank holds
     for fqn, (opt, sparse) in table_opts.items():
-        if fqn not in fused_names:
-            by_config.setdefault((opt, sparse), []).append(transformed.get_parameter(fqn))
+        if fqn not in fused_names and fqn in held:
+            by_config.setdefault((opt, sparse), []).append(held[fqn])
     fallbacks = [opt.torch_optimizer(params, sparse=sparse) for (opt, sparse), params in by_config.items()]
     dense_params = [p for n, p in transformed.named_parameters() if p.requires_grad and n not in table_opts]
     dense = dense_optimizer(dense_params, **kwargs) if dense_params else None

@@ -2,6 +2,7 @@
 local batch and must get the single-process model's rows of the global batch, forward and after
 ten SGD steps (tables gathered back and compared)."""
 
+import copy
 import json
 import os
 import tempfile
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxrec
 
@@ -51,6 +53,17 @@ def local_batch(x, rank, batch):
     return dense[lo:hi], l_ids, l_offs, single[lo:hi]
 
 
+class _CountLookups(TorchDispatchMode):
+    """Counts PyTorch's embedding ops run under it."""
+
+    calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "embedding" in func.overloadpacket.__name__:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _worker(rank, world, init_file, pins, mode, steps, hosts=1):
     _train_and_compare(rank, world, init_file, pins, mode, steps, hosts)
     # torch 2.13 + gloo: a process sometimes aborts at interpreter exit ("terminate called without
@@ -82,6 +95,20 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts):
                 assert f"{short}InputDist" in names and f"{short}OutputDist" in names, names
         kinds = {n.target: fxrec.viz.node_kind(fast, n) for n in fast.graph.nodes if n.op == "call_module"}
         assert all(k == "collective" for t, k in kinds.items() if t.endswith(("input_dist", "output_dist"))), kinds
+        # each rank's local lookups are one call of its group module, on the kernel the rule gives
+        from fxrec.runtime import kernels
+        from fxrec.runtime.group import EmbeddingGroup
+
+        lookups = [fast.get_submodule(t) for t in kinds if t.endswith("_lookup")]
+        groups = [m.group for m in lookups if m.group is not None]
+        assert all(isinstance(g, EmbeddingGroup) for g in groups), lookups
+        want_kernel = "native" if kernels.get("native").available("cpu") is None else "reference"
+        assert {g.kernel_train for g in groups} <= {want_kernel}, [g.kernel_train for g in groups]
+        if want_kernel == "native":  # no PyTorch lookup runs but the data-parallel tables' own
+            plain = sum(1 for n in fast.graph.nodes if n.op == "call_function" and "embedding" in str(n.target))
+            with _CountLookups() as seen:
+                fast(*example)
+            assert seen.calls == plain, (seen.calls, plain)
         opt = torch.optim.SGD(fast.parameters(), lr=0.05)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
         for step in range(steps):
@@ -213,3 +240,89 @@ def test_batch_sizes_that_differ_between_ranks_are_rejected_on_every_rank(tmp_pa
     for rank in (0, 1):
         text = (tmp_path / f"error.{rank}").read_text()
         assert "different sizes [4, 5]" in text and "same batch size on every rank" in text, text
+
+
+_FUSED = {"sgd": lambda: fxrec.optim.SGD(lr=0.1), "adagrad": lambda: fxrec.optim.Adagrad(lr=0.1),
+          "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.1)}
+
+
+def _fused_worker(rank, world, init_file, pins, opt_name, steps):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = Model()
+        single = fxrec.transform(copy.deepcopy(model), global_batch(LOCAL_B * world, 0), optimizer=_FUSED[opt_name]())
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        fast = fxrec.transform(model, example, plan=plan, optimizer=_FUSED[opt_name]())
+        opt, ref_opt = fast.make_optimizer(lr=0.05), single.make_optimizer(lr=0.05)
+        # every sharded table's rows are updated inside backward by its rank's group kernel
+        fused_tables = {f for _, fqns in fast.meta["fxrec_fused_groups"] for f in fqns}
+        sharded = {f"{t}.weight" for t, tp in plan.tables.items() if tp.sharding != "data_parallel"}
+        held = {n for n, _ in fast.named_parameters()}
+        assert fused_tables == sharded & held, (fused_tables, sharded, held)
+        for step in range(steps):
+            x = global_batch(LOCAL_B * world, step + 1)
+            cot = torch.randn(LOCAL_B * world, generator=torch.Generator().manual_seed(100 + step))
+            want = single(*x)
+            got = fast(*local_batch(x, rank, LOCAL_B))
+            torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step} forward")
+            for o, loss in ((ref_opt, (want * cot).sum()), (opt, (got * cot[rank * LOCAL_B:(rank + 1) * LOCAL_B]).sum())):
+                o.zero_grad()
+                loss.backward()
+                o.step()
+        params = dict(fast.named_parameters())
+        for name, want in single.state_dict().items():
+            tp = plan.tables.get(name.rsplit(".", 1)[0])
+            if name not in params:
+                continue
+            if tp is not None and tp.sharding == "column_wise":
+                sh = next(s for s in tp.shards if s.rank == rank)
+                want = want[:, sh.col_offset:sh.col_offset + sh.num_cols]
+            elif tp is not None and tp.sharding in ("row_wise", "table_row_wise"):
+                sh = next(s for s in tp.shards if s.rank == rank)
+                want = want[sh.row_offset:sh.row_offset + sh.num_rows]
+            torch.testing.assert_close(params[name].detach(), want, rtol=1e-5, atol=1e-6, msg=name)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("opt_name", list(_FUSED))
+def test_fused_optimizers_on_a_mixed_plan_match_the_single_process_fused_model(opt_name):
+    """Every sharding type at once (column-wise not with row-wise Adagrad, which it refuses), each
+    optimizer fused: 6 steps equal the single-process fused model, on every shard."""
+    pins = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "data_parallel",
+            "bags.2": ("table_wise", 0) if opt_name == "rowwise_adagrad" else {"sharding": "column_wise", "ranks": [1, 0]}}
+    spawn(_fused_worker, 2, pins, opt_name, 6)
+
+
+def _refusal_worker(rank, world, init_file, result_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = Model()
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
+                          pins={"bags.1": {"sharding": "column_wise", "ranks": [0, 1]}})
+        try:
+            fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+            msg = "no error"
+        except ValueError as e:
+            msg = str(e)
+        if rank == 0:
+            with open(result_file, "w") as fh:
+                fh.write(msg)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_rowwise_adagrad_on_a_column_wise_table_is_refused_naming_it(tmp_path):
+    result = tmp_path / "msg"
+    spawn(_refusal_worker, 2, str(result))
+    msg = result.read_text()
+    assert "['bags.1']" in msg and "column_wise" in msg and "row-wise Adagrad" in msg, msg

@@ -55,7 +55,8 @@ RULES = {
 }
 
 
-def _order(device: str, mode: str, backend: str, optimizer: Optional[str] = None) -> Tuple[str, ...]:
+def kernel_order(device: str, mode: str, backend: str, optimizer: Optional[str] = None) -> Tuple[str, ...]:
+    """The kernels the rule table (and ``backend``) gives, in order of preference."""
     order = RULES.get((device, mode, optimizer)) or RULES.get((device, mode, None), (REFERENCE,))
     if backend != "auto":
         order = (backend,) + tuple(k for k in order if k != backend)
@@ -101,16 +102,16 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
         why.append(f"optimizer: table '{outside}' is also used outside its lookups, and a fused update would miss "
                    "that gradient, so torch.optim in opt.step()")
         fused = None
-    k_eval, passed_eval = pick(spec, device, "inference", None, _order(device, "inference", backend), here)
+    k_eval, passed_eval = pick(spec, device, "inference", None, kernel_order(device, "inference", backend), here)
     k_train, passed_train = k_eval, []
     if training:
         kind = fused.kind if fused is not None else None
-        k_train, passed_train = pick(spec, device, "training", kind, _order(device, "training", backend, kind), here)
+        k_train, passed_train = pick(spec, device, "training", kind, kernel_order(device, "training", backend, kind), here)
         if k_train is None and fused is not None:
             why.append(f"optimizer: no kernel fuses {fused.kind} here ({'; '.join(passed_train)}), so torch.optim "
                        "in opt.step()")
             fused = None
-            k_train, passed_train = pick(spec, device, "training", None, _order(device, "training", backend), here)
+            k_train, passed_train = pick(spec, device, "training", None, kernel_order(device, "training", backend), here)
     k_train, k_eval = k_train or REFERENCE, k_eval or REFERENCE
     gr.kernel_train, gr.kernel_eval = k_train, k_eval
     gr.fused = fused if training else None

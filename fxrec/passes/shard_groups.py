@@ -8,6 +8,10 @@ split by how the plan shards their tables:
   reads only the tables rank r owns, and the tables it does not own leave the model;
 * row-wise: ``input_dist -> lookup -> output_dist`` (bucketize + all-to-all, then reduce-scatter);
   rank r's parameter becomes its block of rows, under the table's own name;
+* each rank's local lookups (table-wise pieces; row-wise blocks) are one call of a group module
+  (:class:`~fxrec.runtime.group.EmbeddingGroup`) on the kernel the rule table gives, with the
+  group's fused optimizer applied inside backward to the rows the rank holds (row-wise Adagrad
+  is refused on column-wise tables: its per-row state needs the whole row);
 * data-parallel: the lookups stay as the user wrote them; the table is whole on every rank and
   its gradient is summed over ranks (as every parameter outside the sharded tables is; see
   fxrec.api).
@@ -45,6 +49,8 @@ tables the plan does not name.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
@@ -52,9 +58,13 @@ from .. import meta
 from ..report import LookupEntry
 from ..group_module import hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..runtime.group import EmbeddingGroup
+from ..runtime.kernels import REFERENCE
 from ..runtime.sharded import (
     RowWiseInputDist, RowWiseLookup, RowWiseOutputDist, TableWiseInputDist, TableWiseLookup, TableWiseOutputDist,
 )
+from ..runtime.specs import FeatureSpec, GroupSpec, TableSpec
+from .choose_kernels import kernel_order, pick
 
 SUPPORTED = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 
@@ -82,6 +92,58 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
             raise InputError(f"fxrec: feature '{rec.feature}' of table '{rec.table}' uses padding_idx or "
                              "include_last_offset, which sharded lookups do not take yet: plan it data_parallel")
     return tp.sharding
+
+
+def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: bool, fused=None) -> EmbeddingGroup:
+    """The group module of what one rank looks up locally: ``pieces`` are ``(lookup record, rows,
+    dim)`` as this rank holds them (a shard's rows and columns), one feature each, ``table_of``
+    each piece's index into the rank's local tables. Its kernels by the rule table (the same on
+    every rank: they do not change the collectives); ``fused`` (a FusedSpec) is applied inside
+    backward to the rows this rank holds, by the first kernel of the rule that fuses it (None:
+    no kernel does, and the tables' optimizer runs unfused in ``opt.step()``)."""
+    tables, features = {}, []
+    for (r, rows, dim), t in zip(pieces, table_of):
+        tables.setdefault(t, TableSpec(r.table, int(rows), int(dim), sparse=r.sparse, dtype=r.dtype))
+        features.append(FeatureSpec(r.feature, t, "bag", weighted=weighted))
+    specs = [tables[t] for t in range(len(tables))]
+    device = ctx.config.device or pieces[0][0].device.split(":")[0]
+    spec = GroupSpec(tuple(specs), tuple(features), pooling)
+    chosen = []
+    for mode in ("training", "inference"):
+        kind = fused.kind if fused is not None and mode == "training" else None
+        k, _ = pick(spec, device, mode, kind, kernel_order(device, mode, ctx.config.backend, kind), True)
+        if k is None and kind is not None:
+            fused = None  # no kernel fuses it here: torch.optim on the shards in opt.step()
+            k, _ = pick(spec, device, mode, None, kernel_order(device, mode, ctx.config.backend), True)
+        chosen.append(k or REFERENCE)
+    return EmbeddingGroup(specs, features, pooling, *chosen, fused=fused)
+
+
+def _with_local(decision: meta.GroupDecision, gr: meta.GroupRecord, group, short: str) -> meta.GroupDecision:
+    """The decision with what this rank's local lookups run on, and the optimizer's place."""
+    if group is None:
+        return decision
+    fused = group.fused.kind if group.fused is not None else ""
+    opt = ""
+    if gr.optimizer is not None:
+        opt = f"{gr.optimizer.describe()}: " + ("fused into backward" if fused else "torch.optim in opt.step()")
+    return dataclasses.replace(decision, fused=fused, fused_by=group.kernel_train if fused else "", optimizer=opt,
+                               why=f"{decision.why}; this rank's {short} lookups: one {group.kernel_train} call")
+
+
+def _fused_spec(gr: meta.GroupRecord, plan):
+    """The group's fused optimizer, if its optimizer can be fused (a group has one). Row-wise
+    Adagrad keeps one state per row, the mean of the squared gradient over the whole row: a
+    column shard sees only its columns, so it is refused on column-wise tables."""
+    opt = gr.optimizer
+    spec = opt.fused_spec() if opt is not None else None
+    if spec is not None and spec.kind == "rowwise_adagrad":
+        cols = [r.table for r in gr.lookups if plan.tables[r.table].sharding == "column_wise"]
+        if cols:
+            raise InputError(f"fxrec: tables {sorted(set(cols))} are planned column_wise and train with row-wise "
+                             "Adagrad, whose per-row state averages over the whole row, which no column shard holds; "
+                             "plan them table_wise or row_wise, or use another optimizer")
+    return spec
 
 
 def plan_decision(gr: meta.GroupRecord, plan) -> meta.GroupDecision:
@@ -170,13 +232,16 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                         [r.per_sample_weights for r, _ in pieces])
                 p_names = [r.feature for r, _ in pieces]
                 p_rows = [r.num_rows for r, _ in pieces]
+                owned = [(r, sh) for (r, sh), o in zip(pieces, owners) if o == rank]
+                group = _local_group(ctx, [(r, sh.num_rows, sh.num_cols) for r, sh in owned], table_of, gr.pooling,
+                                     weighted, _fused_spec(gr, plan)) if owned else None
                 mods = (TableWiseInputDist(f"{name}_input_dist", [r.form for r, _ in pieces], owners, weighted, rank,
                                            world, p_names, p_rows),
-                        TableWiseLookup(table_of, gr.pooling, world),
+                        TableWiseLookup(group, world),
                         TableWiseOutputDist(f"{name}_output_dist", [sh.num_cols for _, sh in pieces], owners, rank, world))
             else:
                 blocks, bases = [], []
-                local, table_of = [], []
+                local, table_of, shapes = [], [], []
                 for r in recs:
                     tp = plan.tables[r.table]
                     by_rank = {sh.rank: sh for sh in tp.shards}
@@ -192,9 +257,11 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                             block = full.detach()[lo:lo + n].clone()
                             _set_param(gm, r.param, torch.nn.Parameter(block, requires_grad=full.requires_grad))
                     table_of.append(local.index(r.weight))
+                    sh = by_rank.get(rank)
+                    shapes.append((r, sh.num_rows if sh is not None else 0, r.dim))
                     sharded_params[r.param] = tp.sharding
                 mods = (RowWiseInputDist(f"{name}_input_dist", forms, blocks, weighted, rank, world, names, rows, bases),
-                        RowWiseLookup(table_of, world),
+                        RowWiseLookup(_local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan)), world),
                         RowWiseOutputDist(f"{name}_output_dist", [r.dim for r in recs], gr.pooling))
             for suffix, mod in zip(("input_dist", "lookup", "output_dist"), mods):
                 gm.add_submodule(f"{name}_{suffix}", mod)
@@ -204,7 +271,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 out = graph.call_module(f"{name}_output_dist", (look, din))
                 for n in (din, look, out):
                     n.meta[meta.ORIGIN] = [r.node.name for r in recs]
-                din.meta[meta.DECISION] = decision
+                din.meta[meta.DECISION] = _with_local(decision, gr, mods[1].group, short)
                 hand_outputs(graph, out, recs)
             for r in recs:
                 for n in r.nodes:

@@ -8,14 +8,17 @@ Table-wise (a table lives whole on its owner rank):
   * :class:`TableWiseInputDist` sends each owner the ids of its features for this rank's batch
     (all-to-all of the counts, then of lengths, values and weights) and orders what arrives as
     one global batch per owned feature (source rank major): ``W * B`` bags.
-  * :class:`TableWiseLookup` pools them on the owned tables: one ``[W * B, D]`` per feature.
+  * :class:`TableWiseLookup` pools them on the owned tables: one ``[W * B, D]`` per feature, by
+    one call of the rank's group module (:class:`~fxrec.runtime.group.EmbeddingGroup`, on the
+    kernel the rule gives: native on CPU, fbgemm on CUDA).
   * :class:`TableWiseOutputDist` sends every source rank its ``B`` rows back (all-to-all; in
     backward the gradients go the other way) and lays them out as ``[B, sum of dims]``.
 Row-wise (rows ``[r * block, (r + 1) * block)`` of a table live on rank r; table-row-wise: the
 same over the ranks of one host, the others holding no rows and adding zeros to the sums):
   * :class:`RowWiseInputDist` bucketizes every id to the rank holding its row (local row =
     id - r * block) and sends each rank its ids, bag by bag.
-  * :class:`RowWiseLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``.
+  * :class:`RowWiseLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``,
+    by one call of the rank's group module.
   * :class:`RowWiseOutputDist` adds the partial sums of all ranks and gives each rank its own
     ``B`` rows (reduce-scatter; all-gather in backward); mean pooling divides by the bag's length.
 All collectives are in :mod:`fxrec.runtime.collectives`. Every rank must call a group's modules
@@ -27,7 +30,6 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .collectives import all_gather_ints, all_to_all, reduce_scatter
@@ -142,26 +144,32 @@ class TableWiseInputDist(nn.Module):
         return lengths, values, weights, batch
 
 
-class TableWiseLookup(nn.Module):
-    """Pool the received bags on this rank's tables: one ``[W * B, dim]`` per owned feature."""
+def _local_lookup(group: Optional[nn.Module], dist_out, weights: List[torch.Tensor], world: int) -> torch.Tensor:
+    """The received bags (``W * B`` per feature, features one after the other) looked up by this
+    rank's group module: one kernel call for every local table and shard, ``[W * B, sum of dims]``."""
+    lengths, values, psw, batch = dist_out[:4]
+    nfeat = len(group.features)
+    lens = lengths.view(nfeat, world * batch)
+    counts = lens.sum(1).tolist()
+    vals = list(torch.split(values, counts))
+    ws = list(torch.split(psw, counts)) if psw is not None else [None] * nfeat
+    return group(vals, [_exclusive_cumsum(ln) for ln in lens], ws, weights)
 
-    def __init__(self, table_of: List[int], pooling: str, world: int):
+
+class TableWiseLookup(nn.Module):
+    """Pool the received bags on this rank's tables: one ``[W * B, dim]`` per owned feature, all
+    looked up by one call of ``group`` (an :class:`~fxrec.runtime.group.EmbeddingGroup` of the
+    tables and column shards this rank owns, on its kernel; None when it owns none)."""
+
+    def __init__(self, group: Optional[nn.Module], world: int):
         super().__init__()
-        self.table_of, self.mode, self.world = list(table_of), pooling, world
+        self.group, self.world = group, world
 
     def forward(self, dist_out, weights: List[torch.Tensor]) -> List[torch.Tensor]:
-        lengths, values, psw, batch = dist_out
-        nfeat = len(self.table_of)
-        if nfeat == 0:
+        if self.group is None:
             return []
-        lens = lengths.view(nfeat, self.world * batch)
-        counts = lens.sum(1).tolist()
-        outs = []
-        for f, (vals, ln) in enumerate(zip(torch.split(values, counts), lens)):
-            w_f = torch.split(psw, counts)[f] if psw is not None else None
-            outs.append(F.embedding_bag(vals, weights[self.table_of[f]], _exclusive_cumsum(ln), mode=self.mode,
-                                        per_sample_weights=w_f))
-        return outs
+        out = _local_lookup(self.group, dist_out, weights, self.world)
+        return list(torch.split(out, self.group.dims, 1))
 
 
 class TableWiseOutputDist(nn.Module):
@@ -242,22 +250,16 @@ class RowWiseInputDist(nn.Module):
 
 
 class RowWiseLookup(nn.Module):
-    """Partial sums of the rows this rank holds: ``[W * B, sum of dims]`` (bags source-major)."""
+    """Partial sums of the rows this rank holds: ``[W * B, sum of dims]`` (bags source-major),
+    by one call of ``group`` (an :class:`~fxrec.runtime.group.EmbeddingGroup` of this rank's
+    row blocks, pooled by sum, on its kernel)."""
 
-    def __init__(self, table_of: List[int], world: int):
+    def __init__(self, group: nn.Module, world: int):
         super().__init__()
-        self.table_of, self.world = list(table_of), world
+        self.group, self.world = group, world
 
     def forward(self, dist_out, weights: List[torch.Tensor]) -> torch.Tensor:
-        lengths, values, psw, batch, _ = dist_out
-        nfeat = len(self.table_of)
-        lens = lengths.view(nfeat, self.world * batch)
-        counts = lens.sum(1).tolist()
-        vals = torch.split(values, counts)
-        ws = torch.split(psw, counts) if psw is not None else [None] * nfeat
-        outs = [F.embedding_bag(v, weights[self.table_of[f]], _exclusive_cumsum(ln), mode="sum", per_sample_weights=w)
-                for f, (v, ln, w) in enumerate(zip(vals, lens, ws))]
-        return torch.cat(outs, 1)
+        return _local_lookup(self.group, dist_out, weights, self.world)
 
 
 class RowWiseOutputDist(nn.Module):
