@@ -3,6 +3,9 @@
     torchrun --nproc_per_node 2 examples/train_dist.py            # gloo on CPU
     torchrun --nnodes 2 --nproc_per_node 8 ... examples/train_dist.py --backend nccl   # the same, multi-host
 
+With ``--backend nccl`` each rank runs on ``cuda:LOCAL_RANK`` (``torch.cuda.set_device`` first; the
+model and every batch there), as NCCL needs. (Not yet run on GPUs: none was at hand.)
+
 Every rank feeds its own slice of the global batch. The plan mixes sharding types (the largest
 table row-wise, the next ones table-wise, the small ones data-parallel); ``--check`` also trains
 the plain model on the whole global batch in every process and compares outputs at every step
@@ -20,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,15 +56,23 @@ def main():
     ap.add_argument("--check", action="store_true", help="compare with the single-process model")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for the others")
     a = ap.parse_args()
+    device = torch.device("cpu")
+    if a.backend == "nccl":  # NCCL runs on CUDA tensors: this rank's GPU, for the model and every batch
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     dist.init_process_group(a.backend, timeout=timedelta(seconds=a.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = table_rows(a.cap)
     torch.manual_seed(0)
-    model = DLRM(rows, dim=16)
-    ref = DLRM(rows, dim=16)
+    model = DLRM(rows, dim=16).to(device)
+    ref = DLRM(rows, dim=16).to(device)
     ref.load_state_dict(model.state_dict())
     global_b = a.local_batch * world
-    example = local_slice(make_batch(rows, batch=global_b, seed=0), rank, a.local_batch)
+
+    def on_device(batch):
+        return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+    example = on_device(local_slice(make_batch(rows, batch=global_b, seed=0), rank, a.local_batch))
     plan = fxrec.plan(model, example, world_size=world, memory_per_rank="4GB", pins=mixed_pins(rows, world))
     fast = fxrec.transform(model, example, plan=plan)
     if rank == 0:
@@ -72,8 +84,8 @@ def main():
     loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
     worst, times = 0.0, []
     for step in range(a.steps):
-        batch = make_batch(rows, batch=global_b, seed=step + 1)
-        label = (torch.rand(global_b, generator=torch.Generator().manual_seed(1000 + step)) < 0.3).float()
+        batch = on_device(make_batch(rows, batch=global_b, seed=step + 1))
+        label = (torch.rand(global_b, generator=torch.Generator().manual_seed(1000 + step)) < 0.3).float().to(device)
         lo, hi = rank * a.local_batch, (rank + 1) * a.local_batch
         t = time.perf_counter()
         out = fast(*local_slice(batch, rank, a.local_batch))
@@ -99,7 +111,7 @@ def main():
                 s = tp.shards[rank]
                 want = want[s.row_offset:s.row_offset + s.num_rows]
             worst = max(worst, float((params[name].detach() - want).abs().max()))
-    t = torch.tensor([worst])
+    t = torch.tensor([worst], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         times.sort()

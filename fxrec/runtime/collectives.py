@@ -93,10 +93,10 @@ def reduce_scatter(x: torch.Tensor, where: str = "") -> torch.Tensor:
     return _ReduceScatter.apply(x, where)
 
 
-def all_gather_ints(values: List[int], where: str = "") -> List[List[int]]:
-    """Every rank's list of ints (same length on every rank)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.long, device=dev)
+def all_gather_ints(values: List[int], device: torch.device, where: str = "") -> List[List[int]]:
+    """Every rank's list of ints (same length on every rank), exchanged on ``device``: the device
+    of the tensors they describe (NCCL takes only CUDA tensors; gloo either)."""
+    t = torch.tensor(values, dtype=torch.long, device=device)
     out = t.new_empty(dist.get_world_size() * len(values))
     try:
         _all_gather_single(out, t)
@@ -109,7 +109,12 @@ def all_reduce_grad(name: str):
     """A gradient hook summing the gradient over ranks (data-parallel parameters)."""
 
     def hook(grad: torch.Tensor) -> Optional[torch.Tensor]:
-        g = grad.coalesce() if grad.is_sparse else grad.clone()  # sparse stays sparse (gloo sums it)
+        if grad.is_sparse and dist.get_backend() == "gloo":
+            g = grad.coalesce()  # sparse stays sparse: gloo sums sparse tensors
+        else:
+            # NCCL has no sparse all-reduce: the summed gradient is dense (a data-parallel table
+            # created with sparse=True gets a dense gradient, which torch.optim takes too)
+            g = grad.to_dense() if grad.is_sparse else grad.clone()
         try:
             dist.all_reduce(g)
         except Exception as e:  # noqa: BLE001

@@ -131,7 +131,7 @@ class TableWiseInputDist(nn.Module):
         send_values = [0] * self.world
         for i, n in zip(self.send_order, per_feature):
             send_values[self.owners[i]] += int(n)
-        info = all_gather_ints([batch] + send_values, f"{self.name} (counts)")
+        info = all_gather_ints([batch] + send_values, values.device, f"{self.name} (counts)")
         batch = _check_batch([row[0] for row in info], self.name)
         recv_values = [row[1 + self.rank] for row in info]
         mine = self.per_rank[self.rank]
@@ -238,7 +238,7 @@ class RowWiseInputDist(nn.Module):
         send_values = torch.cat(values)[order]
         send_weights = torch.cat(weights)[order] if self.weighted else None
         per_dest = send_lengths.view(self.world, nfeat * batch).sum(1).tolist()
-        info = all_gather_ints([batch] + per_dest, f"{self.name} (counts)")
+        info = all_gather_ints([batch] + per_dest, send_values.device, f"{self.name} (counts)")
         batch = _check_batch([row[0] for row in info], self.name)
         recv = [row[1 + self.rank] for row in info]
         lengths = all_to_all(send_lengths, [nfeat * batch] * self.world, [nfeat * batch] * self.world,
