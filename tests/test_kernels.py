@@ -250,3 +250,32 @@ def test_reference_fuses_the_adagrads_exactly_where_fbgemm_would_not(kind):
     got = [s["sum"] for s in group.optimizer_states(mine)]
     for x, y in zip(got, states):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_fbgemm_bucketize_sends_each_id_to_its_row_block_in_bag_order():
+    """The row-wise input dist's bucketing (fbgemm's block_bucketize_sparse_features), against the
+    rule written out: bucket id // block (blocks cover every row, as the planner cuts them), local
+    row id - bucket * block, lengths by (bucket, feature, bag), a bag's ids and weights in their order."""
+    from fxrec.runtime.kernels.fbgemm import bucketize_rows
+
+    g = torch.Generator().manual_seed(4)
+    world, batch, blocks = 3, 5, [4, 7]
+    lengths = torch.randint(0, 4, (2 * batch,), generator=g)
+    rows = [10, 21]
+    ids = torch.cat([torch.randint(0, rows[f], (int(lengths[f * batch:(f + 1) * batch].sum()),), generator=g)
+                     for f in range(2)])
+    weights = torch.rand(ids.numel(), generator=g)
+    got_len, got_ids, got_w = bucketize_rows(lengths, ids, torch.tensor(blocks), world, weights)
+    want = {(r, f, b): [] for r in range(world) for f in range(2) for b in range(batch)}
+    at = 0
+    for f in range(2):
+        for b in range(batch):
+            for _ in range(int(lengths[f * batch + b])):
+                i = int(ids[at])
+                r = i // blocks[f]
+                want[(r, f, b)].append((i - r * blocks[f], float(weights[at])))
+                at += 1
+    keys = sorted(want)
+    assert got_len.tolist() == [len(want[k]) for k in keys]
+    assert got_ids.tolist() == [i for k in keys for i, _ in want[k]]
+    assert torch.allclose(got_w, torch.tensor([w for k in keys for _, w in want[k]]))

@@ -16,7 +16,8 @@ Table-wise (a table lives whole on its owner rank):
 Row-wise (rows ``[r * block, (r + 1) * block)`` of a table live on rank r; table-row-wise: the
 same over the ranks of one host, the others holding no rows and adding zeros to the sums):
   * :class:`RowWiseInputDist` bucketizes every id to the rank holding its row (local row =
-    id - r * block) and sends each rank its ids, bag by bag.
+    id - r * block; fbgemm's ``block_bucketize_sparse_features``) and sends each rank its ids,
+    bag by bag.
   * :class:`RowWiseLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``,
     by one call of the rank's group module.
   * :class:`RowWiseOutputDist` adds the partial sums of all ranks and gives each rank its own
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from .collectives import all_gather_ints, all_to_all, reduce_scatter
+from .kernels.fbgemm import bucketize_rows
 
 _MODES = {"sum": 0, "mean": 1}
 
@@ -203,7 +205,8 @@ class TableWiseOutputDist(nn.Module):
 
 
 class RowWiseInputDist(nn.Module):
-    """Send every id to the rank holding its row, bag by bag (see the module doc)."""
+    """Send every id to the rank holding its row, bag by bag (see the module doc); ids are bucketed
+    by fbgemm's ``block_bucketize_sparse_features``."""
 
     _fxrec_collective = True
 
@@ -215,6 +218,14 @@ class RowWiseInputDist(nn.Module):
         # first rank of each feature's row blocks: 0 for row-wise, the host's first rank for table-row-wise
         self.bases = list(bases) if bases is not None else [0] * len(forms)
         self.rank, self.world = rank, world
+        self._blocks_on: dict = {}
+
+    def _block_sizes(self, device: torch.device) -> torch.Tensor:
+        """The block sizes as a tensor on ``device`` (made once per device)."""
+        t = self._blocks_on.get(device)
+        if t is None:
+            t = self._blocks_on[device] = torch.tensor(self.blocks, dtype=torch.long, device=device)
+        return t
 
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.forms)
@@ -222,21 +233,16 @@ class RowWiseInputDist(nn.Module):
         _check_ids(pairs, self.names, self.rows, list(range(nfeat)))
         _check_sample_weights(psw_list, self.names, list(range(nfeat)))
         batch = int(pairs[0][0].numel())
-        keys, values, weights = [], [], []
-        for f, (ln, vals) in enumerate(pairs):
-            block_index = torch.div(vals, self.blocks[f], rounding_mode="floor")
-            dest = block_index + self.bases[f]
-            bag = torch.repeat_interleave(torch.arange(batch, device=vals.device), ln, output_size=vals.numel())
-            keys.append(dest * (nfeat * batch) + f * batch + bag)
-            values.append(vals - block_index * self.blocks[f])
-            if self.weighted:
-                w = psw_list[f]
-                weights.append(w.reshape(-1).float() if w is not None else torch.ones(vals.numel(), device=vals.device))
-        key = torch.cat(keys)
-        order = torch.argsort(key, stable=True)
-        send_lengths = torch.bincount(key, minlength=self.world * nfeat * batch)
-        send_values = torch.cat(values)[order]
-        send_weights = torch.cat(weights)[order] if self.weighted else None
+        weights = None
+        if self.weighted:
+            weights = torch.cat([psw_list[f].reshape(-1).float() if psw_list[f] is not None
+                                 else torch.ones(vals.numel(), device=vals.device) for f, (_, vals) in enumerate(pairs)])
+        # fbgemm's bucketize: a table-row-wise table's blocks start at its host's first rank, so its
+        # ids are shifted by that many blocks (bucket = id // block + base; local row unchanged)
+        shifted = [vals + self.bases[f] * self.blocks[f] if self.bases[f] else vals for f, (_, vals) in enumerate(pairs)]
+        dev = pairs[0][1].device
+        send_lengths, send_values, send_weights = bucketize_rows(
+            torch.cat([ln for ln, _ in pairs]), torch.cat(shifted), self._block_sizes(dev), self.world, weights)
         per_dest = send_lengths.view(self.world, nfeat * batch).sum(1).tolist()
         info = all_gather_ints([batch] + per_dest, send_values.device, f"{self.name} (counts)")
         batch = _check_batch([row[0] for row in info], self.name)
