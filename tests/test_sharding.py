@@ -254,7 +254,7 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps):
         model = Model()
         single = fxrec.transform(copy.deepcopy(model), global_batch(LOCAL_B * world, 0), optimizer=_FUSED[opt_name]())
         example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, optimizer=opt_name)
         fast = fxrec.transform(model, example, plan=plan, optimizer=_FUSED[opt_name]())
         opt, ref_opt = fast.make_optimizer(lr=0.05), single.make_optimizer(lr=0.05)
         # every sharded table's rows are updated inside backward by its rank's group kernel
@@ -273,6 +273,24 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps):
                 loss.backward()
                 o.step()
         params = dict(fast.named_parameters())
+        # the planner's bytes for this rank are what the runtime holds: every table piece's weights,
+        # its optimizer state (fused: in the group module; data-parallel: torch.optim's), and a
+        # data-parallel table's dense gradient (a fused shard makes none)
+        held = 0
+        for _, mod in fast.named_modules():
+            g = getattr(mod, "group", None)
+            if g is not None and g.fused is not None:
+                ws = [params[n] for n in dict(fast.meta["fxrec_fused_groups"]).get(_name_of(fast, mod) + ".group", [])]
+                held += sum(s.numel() * 4 for st in g.optimizer_states(ws) for s in st.values())
+        for t, tp in plan.tables.items():
+            p = params.get(f"{t}.weight")
+            if p is None:
+                continue
+            held += p.numel() * 4
+            if tp.sharding == "data_parallel":
+                held += p.grad.numel() * 4
+                held += sum(s["sum"].numel() * 4 for o in opt.fallbacks for q, s in o.state.items() if q is p)
+        assert held == plan.rank_bytes()[rank], (held, plan.rank_bytes()[rank])
         for name, want in single.state_dict().items():
             tp = plan.tables.get(name.rsplit(".", 1)[0])
             if name not in params:
@@ -290,10 +308,15 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps):
     os._exit(0)
 
 
+def _name_of(root: nn.Module, mod: nn.Module) -> str:
+    return next(n for n, m in root.named_modules() if m is mod)
+
+
 @pytest.mark.parametrize("opt_name", list(_FUSED))
 def test_fused_optimizers_on_a_mixed_plan_match_the_single_process_fused_model(opt_name):
     """Every sharding type at once (column-wise not with row-wise Adagrad, which it refuses), each
-    optimizer fused: 6 steps equal the single-process fused model, on every shard."""
+    optimizer fused: 6 steps equal the single-process fused model, on every shard, and each rank
+    holds the bytes the plan says."""
     pins = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "data_parallel",
             "bags.2": ("table_wise", 0) if opt_name == "rowwise_adagrad" else {"sharding": "column_wise", "ranks": [1, 0]}}
     spawn(_fused_worker, 2, pins, opt_name, 6)

@@ -64,10 +64,12 @@ def plan(
         else 512; the plan notes which).
       pooling_factors: average ids per sample, by table name (or, with a model, by feature
         name); overrides what the example inputs or the specs say.
-      optimizer: sizes the optimizer state: None / "none", "sgd" (0 bytes), "sgd_momentum"
-        (rows*dim*4), "adagrad" (rows*dim*4), "rowwise_adagrad" (rows*4), "adam" (2*rows*dim*4),
-        an :mod:`fxrec.optim` optimizer, or a dict from table name / glob to one of these. A
-        TableSpec's own ``optimizer`` wins.
+      optimizer: the optimizer you will give ``transform``; it sizes the optimizer state: None /
+        "none", "sgd" (0 bytes), "sgd_momentum" (rows*dim*4), "adagrad" (rows*dim*4),
+        "rowwise_adagrad" (rows*4), "adam" (2*rows*dim*4), an :mod:`fxrec.optim` optimizer, or a
+        dict from table name / glob to one of these. A TableSpec's own ``optimizer`` wins. SGD,
+        Adagrad and row-wise Adagrad are fused into backward on sharded tables (no gradient);
+        with the others, and on data-parallel tables, a dense gradient of the shard is counted.
       pins: ``{table: "row_wise"}`` fixes a table's sharding type; ``{table: ("table_wise", 3)}``
         or ``{table: {"sharding": "column_wise", "ranks": [0, 5]}}`` also its ranks.
       sharding_types: the types the planner may choose (default: all of

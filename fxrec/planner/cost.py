@@ -12,7 +12,10 @@ the host), ``inter`` (to other hosts), all GB/s.
 
 Memory (bytes) of a shard of r rows and c columns::
 
-    r * c * e  +  r * s(c)                 (+ R * D * e for data-parallel: its dense gradient)
+    r * c * e  +  r * s(c)  (+ r * c * e: the shard's dense gradient, for data-parallel tables, and
+                             for sharded ones whose optimizer fxrec does not fuse: "none",
+                             "sgd_momentum", "adam"; SGD, Adagrad and row-wise Adagrad are
+                             applied inside backward and make no gradient)
 
 Cost (ms per step) = lookup + communication + a fixed overhead, charged to the rank that holds
 the shard::
@@ -65,6 +68,8 @@ OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
     "rowwise_adagrad": (4, 0),
     "adam": (0, 8),
 }
+#: The optimizers transform(plan=..., optimizer=...) applies inside backward on sharded tables.
+FUSED_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
 _OPTIMIZER_ALIASES = {"row_wise_adagrad": "rowwise_adagrad", "rowwiseadagrad": "rowwise_adagrad", "": "none"}
 
 ID_BYTES = 8  # int64 ids
@@ -132,8 +137,8 @@ class CostModel:
         """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
         a, b = OPTIMIZER_STATE[opt]
         n = rows * cols * spec.element_bytes + rows * (a + b * cols)
-        if sharding == DATA_PARALLEL:
-            n += spec.num_rows * spec.dim * spec.element_bytes  # the dense gradient
+        if sharding == DATA_PARALLEL or opt not in FUSED_KINDS:
+            n += rows * cols * spec.element_bytes  # the dense gradient (a data-parallel shard is the whole table)
         return n
 
     # ------------------------------------------------------------------ cost
