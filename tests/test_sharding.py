@@ -124,6 +124,10 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts):
             (got * cot[rank * LOCAL_B:(rank + 1) * LOCAL_B]).sum().backward()
             opt.step()
         params = dict(fast.named_parameters())
+        # no optimizer given: the plan counts each held table piece's weights and dense gradient
+        held = sum((p.numel() + p.grad.numel()) * 4 for t in plan.tables for p in [params.get(f"{t}.weight")]
+                   if p is not None)
+        assert held == plan.rank_bytes()[rank], (held, plan.rank_bytes()[rank])
         for name, want in ref.state_dict().items():
             table = name.rsplit(".", 1)[0]
             tp = plan.tables.get(table)
