@@ -37,8 +37,8 @@ from typing import Dict, List, Optional
 import torch.fx as fx
 
 from .. import meta
-from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..dataflow import SideEffects, is_impure
+from ..pass_infra import PassContext, PassResult, compiler_pass
 
 
 def _frozen(v):
