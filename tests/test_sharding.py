@@ -250,7 +250,7 @@ _FUSED = {"sgd": lambda: fxrec.optim.SGD(lr=0.1), "adagrad": lambda: fxrec.optim
           "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.1)}
 
 
-def _fused_worker(rank, world, init_file, pins, opt_name, steps):
+def _fused_worker(rank, world, init_file, pins, opt_name, steps, backend="auto"):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
@@ -259,8 +259,11 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps):
         single = fxrec.transform(copy.deepcopy(model), global_batch(LOCAL_B * world, 0), optimizer=_FUSED[opt_name]())
         example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
         plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, optimizer=opt_name)
-        fast = fxrec.transform(model, example, plan=plan, optimizer=_FUSED[opt_name]())
+        fast = fxrec.transform(model, example, plan=plan, optimizer=_FUSED[opt_name](), backend=backend)
         opt, ref_opt = fast.make_optimizer(lr=0.05), single.make_optimizer(lr=0.05)
+        if backend == "fbgemm":  # the GPU's lowering: every local group on fbgemm's TBE, fused by it
+            groups = [m.group for _, m in fast.named_modules() if getattr(m, "group", None) is not None]
+            assert groups and all(g.kernel_train == "fbgemm" for g in groups), [g.kernel_train for g in groups]
         # every sharded table's rows are updated inside backward by its rank's group kernel
         fused_tables = {f for _, fqns in fast.meta["fxrec_fused_groups"] for f in fqns}
         sharded = {f"{t}.weight" for t, tp in plan.tables.items() if tp.sharding != "data_parallel"}
@@ -316,14 +319,15 @@ def _name_of(root: nn.Module, mod: nn.Module) -> str:
     return next(n for n, m in root.named_modules() if m is mod)
 
 
+@pytest.mark.parametrize("backend", ["auto", "fbgemm"])
 @pytest.mark.parametrize("opt_name", list(_FUSED))
-def test_fused_optimizers_on_a_mixed_plan_match_the_single_process_fused_model(opt_name):
+def test_fused_optimizers_on_a_mixed_plan_match_the_single_process_fused_model(opt_name, backend):
     """Every sharding type at once (column-wise not with row-wise Adagrad, which it refuses), each
     optimizer fused: 6 steps equal the single-process fused model, on every shard, and each rank
     holds the bytes the plan says."""
     pins = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "data_parallel",
             "bags.2": ("table_wise", 0) if opt_name == "rowwise_adagrad" else {"sharding": "column_wise", "ranks": [1, 0]}}
-    spawn(_fused_worker, 2, pins, opt_name, 6)
+    spawn(_fused_worker, 2, pins, opt_name, 6, backend)
 
 
 def _refusal_worker(rank, world, init_file, result_file):
