@@ -22,7 +22,13 @@ the table. The pieces are handed to DCP directly as shard chunks by a small save
 torch 2.13, one all-gather per table to build) and no DTensor (its ``Shard(0)`` cannot say "this
 table lives on rank 3 only" or place column pieces at arbitrary offsets). Pieces that several
 ranks hold identically (data-parallel tables, dense parameters) are written once (DCP dedups).
-Optimizer state is not part of these checkpoints.
+The states of fused embedding optimizers (Adagrad's, row-wise Adagrad's) are part of them, as
+entries ``<table fqn>.fxrec_fused.<state>``: Adagrad's shaped and cut like its table, row-wise
+Adagrad's as a ``[rows, 1]`` column cut by the table's rows, so they reshard with the weights.
+They are optional both ways: a checkpoint without them loads into a fused model (its states are
+left as they are), and one with them loads into a model without (they are skipped). The states
+of optimizers fxrec does not fuse (torch.optim's, in ``opt.step()``) and of the dense optimizer
+are not part of these checkpoints.
 
 Safe and all-or-nothing: :func:`save` / :func:`save_model` write into ``<path>.fxrec-partial`` and
 rename it to ``path`` when every file is written, with ``fxrec_checksums.json`` (the SHA-256 and size
@@ -50,6 +56,8 @@ import torch.distributed as dist
 __all__ = ["save", "load", "save_model", "load_into_model", "verify", "add_checksums", "CheckpointError"]
 
 LAYOUT_KEY = "fxrec_shard_layout"
+#: Marks a fused optimizer's state entry: ``<table fqn>.fxrec_fused.<state name>``.
+FUSED_TAG = ".fxrec_fused."
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 # fqn -> (global shape, [(chunk offsets, chunk sizes, local view), ...])
@@ -310,14 +318,55 @@ def _layout(module: torch.nn.Module) -> dict:
     return dict(meta.get(LAYOUT_KEY, {})) if isinstance(meta, dict) else {}
 
 
-def _pieces_of(module: torch.nn.Module, layout: dict) -> _Pieces:
-    """This rank's table pieces as views of its parameters (see the module doc)."""
+def _fused_states(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every fused optimizer state of ``module`` as a 2-D tensor sharing the state's storage, by
+    entry name (see the module doc): Adagrad's ``[rows, dim]``, row-wise Adagrad's ``[rows, 1]``.
+    Call it before taking views of the parameters: a group not yet bound to its TBE binds here,
+    and its parameters' storage moves."""
+    meta = getattr(module, "meta", None)
+    out: Dict[str, torch.Tensor] = {}
+    if not isinstance(meta, dict):
+        return out
+    for name, fqns in meta.get("fxrec_fused_groups", []):
+        group = module.get_submodule(name)
+        if group.fused is None or group.fused.kind == "sgd":
+            continue
+        params = [module.get_parameter(f) for f in fqns]
+        for fqn, states in zip(fqns, group.optimizer_states(params)):
+            for state, t in states.items():
+                out[f"{fqn}{FUSED_TAG}{state}"] = t if t.dim() == 2 else t.unsqueeze(1)
+    return out
+
+
+def _split_states(states: Dict[str, torch.Tensor], layout: dict) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
+    """(layout of the states of sharded tables, cut as their tables' rows (and columns); those
+    states by entry; the states of whole tables, by entry)."""
+    state_layout, sharded, whole = {}, {}, {}
+    for key, t in states.items():
+        fqn = key.split(FUSED_TAG)[0]
+        if fqn not in layout:
+            whole[key] = t
+            continue
+        (rows, dim), pieces = layout[fqn]
+        if t.shape[1] != dim or dim == 1:  # row-wise: one column, cut by rows (never column-wise)
+            state_layout[key] = ((rows, 1), [(ro, n, 0, 1, 0) for ro, n, _, _, _ in pieces])
+        else:
+            state_layout[key] = ((rows, dim), pieces)
+        sharded[key] = t
+    return state_layout, sharded, whole
+
+
+def _pieces_of(module: torch.nn.Module, layout: dict, tensors: Optional[Dict[str, torch.Tensor]] = None) -> _Pieces:
+    """This rank's table pieces as views of its parameters (see the module doc), or of
+    ``tensors[fqn]`` where given (a fused optimizer's state)."""
     out: _Pieces = {}
     for fqn, (shape, pieces) in sorted(layout.items()):
         size = torch.Size(shape)
         views = []
         param = None
-        if pieces:
+        if pieces and tensors is not None and fqn in tensors:
+            param = tensors[fqn].detach()
+        elif pieces:
             try:
                 param = module.get_parameter(fqn).detach()
             except AttributeError as e:
@@ -367,7 +416,7 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
         what = "table" if key in tables else "entry"
         got = md.get(key)
         if got is None:
-            if strict:
+            if strict and FUSED_TAG not in key:  # optimizer states are optional
                 problems.append(f"the checkpoint has no {what} '{key}' (the model's is "
                                 f"{_fmt(shape) if shape is not None else 'not a tensor'})")
         elif shape is not None:
@@ -376,7 +425,7 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
             elif tuple(got.size) != tuple(shape):
                 problems.append(f"{what} '{key}' is {_fmt(got.size)} in the checkpoint and {_fmt(shape)} in the model")
     if strict:
-        extra = sorted(set(md) - set(expected))
+        extra = sorted(k for k in set(md) - set(expected) if FUSED_TAG not in k)
         if extra:
             problems.append(f"the checkpoint has entries the model does not: {extra} (strict=False ignores them)")
     if problems:
@@ -416,13 +465,14 @@ def save(fast: torch.nn.Module, path, *, process_group=None) -> None:
     _check_collective("save", layout)
     if not (dist.is_available() and dist.is_initialized()):
         return save_model(fast, path)  # an unsharded model in a single process
-    pieces = _pieces_of(fast, layout)
+    state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout)
+    pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
     rank = dist.get_rank(process_group)
     tmp = str(path) + _PARTIAL
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that did not finish
     dist.barrier(group=process_group)
-    _dcp().save(_whole_state(fast, layout), checkpoint_id=tmp, planner=_planners()[0](pieces),
+    _dcp().save({**_whole_state(fast, layout), **whole_states}, checkpoint_id=tmp, planner=_planners()[0](pieces),
                 process_group=process_group)
     error = [None]
     if rank == 0:  # DCP's save returns on every rank after rank 0 wrote the metadata
@@ -454,11 +504,12 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, process_group=None
     _check_collective("load", layout)
     if not (dist.is_available() and dist.is_initialized()):
         return load_into_model(fast, path, strict=strict)  # an unsharded model in a single process
-    pieces = _pieces_of(fast, layout)
-    whole = _whole_state(fast, layout)
+    state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout)
+    pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
+    whole = {**_whole_state(fast, layout), **whole_states}
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     _agree(lambda: verify(path, part=(rank, world)), process_group)  # each rank hashes its share
-    keys = _check_fits(path, _expected(whole, layout), _table_names(fast, layout), strict)
+    keys = _check_fits(path, _expected(whole, {**layout, **state_layout}), _table_names(fast, layout), strict)
     pieces = {k: v for k, v in pieces.items() if k in keys}  # strict=False: tables it lacks stay as they are
     staged_pieces = {k: (size, [(o, n, torch.empty_like(v)) for o, n, v in views]) for k, (size, views) in pieces.items()}
     staged = _load_staged(whole, keys, path, _planners()[1](staged_pieces), no_dist=False, process_group=process_group)
@@ -489,8 +540,9 @@ def save_model(model: torch.nn.Module, path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         dcp = _dcp()
-        dcp.save(model.state_dict(), checkpoint_id=tmp, planner=dcp.DefaultSavePlanner(flatten_state_dict=False),
-                 no_dist=True)
+        states = _fused_states(model)  # first: it may bind the tables to their TBE (new storage)
+        dcp.save({**model.state_dict(), **states}, checkpoint_id=tmp,
+                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
     _commit(tmp, str(path))
 
 
@@ -512,7 +564,8 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True) -> Non
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.load_into_model: the model is sharded (transformed with plan=): "
                            "use fxrec.checkpoint.load on every rank")
-    state = model.state_dict()
+    states = _fused_states(model)  # first: it may bind the tables to their TBE (new storage)
+    state = {**model.state_dict(), **states}
     verify(path)
     keys = _check_fits(path, _expected(state, {}), _table_names(model, {}), strict)
     with warnings.catch_warnings():
