@@ -359,16 +359,22 @@ def test_rowwise_adagrad_on_a_column_wise_table_is_refused_naming_it(tmp_path):
     assert "['bags.1']" in msg and "column_wise" in msg and "row-wise Adagrad" in msg, msg
 
 
-def _train_fused(model_fn, steps, world, rank=None):
-    """``steps`` steps (global batches) of ``model_fn()``'s model: the whole batch, or this rank's part."""
+_CKPT_G = 24  # the global batch of the checkpoint test, at every world size
+
+
+def _train_fused(steps, world, rank=None):
+    """A function training a model ``steps`` steps on global batches of ``_CKPT_G``: the whole
+    batch (``rank`` None), or this rank's part."""
+    b = _CKPT_G // world
+
     def run(fast, opt, first):
         for step in range(first, first + steps):
-            x = global_batch(LOCAL_B * world, step + 1)
-            cot = torch.randn(LOCAL_B * world, generator=torch.Generator().manual_seed(100 + step))
+            x = global_batch(_CKPT_G, step + 1)
+            cot = torch.randn(_CKPT_G, generator=torch.Generator().manual_seed(100 + step))
             if rank is None:
                 loss = (fast(*x) * cot).sum()
             else:
-                loss = (fast(*local_batch(x, rank, LOCAL_B)) * cot[rank * LOCAL_B:(rank + 1) * LOCAL_B]).sum()
+                loss = (fast(*local_batch(x, rank, b)) * cot[rank * b:(rank + 1) * b]).sum()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -376,33 +382,33 @@ def _train_fused(model_fn, steps, world, rank=None):
 
 
 def _ckpt_worker(rank, world, init_file, opt_name, ckpt, phase):
-    """phase 0: 3 steps under plan A, save. phase 1: load under plan B (and into one process),
-    3 more steps; both equal 6 uninterrupted single-process fused steps."""
+    """phase 0 (world size 2): 3 steps under plan A, save. phase 1 (world size 4): load under plan
+    B (and into one process), 3 more steps; both equal 6 uninterrupted single-process fused steps."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
         torch.manual_seed(0)
         model = Model()
-        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        example = local_batch(global_batch(_CKPT_G, 0), rank, _CKPT_G // world)
         pins = ({"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0), "single": "row_wise"}
                 if phase == 0 else
-                {"bags.0": "row_wise", "bags.1": ("table_wise", 0), "bags.2": "row_wise", "single": ("table_wise", 1)})
+                {"bags.0": "row_wise", "bags.1": ("table_wise", 3), "bags.2": "row_wise", "single": ("table_wise", 2)})
         plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, optimizer=opt_name)
         fast = fxrec.transform(copy.deepcopy(model), example, plan=plan, optimizer=_FUSED[opt_name]())
         opt = fast.make_optimizer(lr=0.05)
-        run = _train_fused(None, 3, world, rank)
+        run = _train_fused(3, world, rank)
         if phase == 0:
             run(fast, opt, 0)
             fxrec.checkpoint.save(fast, ckpt)
         else:
             fxrec.checkpoint.load(fast, ckpt)
             run(fast, opt, 3)
-            one = fxrec.transform(copy.deepcopy(model), global_batch(LOCAL_B * world, 0), optimizer=_FUSED[opt_name]())
+            one = fxrec.transform(copy.deepcopy(model), global_batch(_CKPT_G, 0), optimizer=_FUSED[opt_name]())
             fxrec.checkpoint.load_into_model(one, ckpt)  # the same checkpoint into one process
             one_opt = one.make_optimizer(lr=0.05)
-            _train_fused(None, 3, world)(one, one_opt, 3)
-            ref = fxrec.transform(copy.deepcopy(model), global_batch(LOCAL_B * world, 0), optimizer=_FUSED[opt_name]())
-            _train_fused(None, 6, world)(ref, ref.make_optimizer(lr=0.05), 0)  # uninterrupted
+            _train_fused(3, 1)(one, one_opt, 3)
+            ref = fxrec.transform(copy.deepcopy(model), global_batch(_CKPT_G, 0), optimizer=_FUSED[opt_name]())
+            _train_fused(6, 1)(ref, ref.make_optimizer(lr=0.05), 0)  # uninterrupted
             params = dict(fast.named_parameters())
             for name, want in ref.state_dict().items():
                 torch.testing.assert_close(one.state_dict()[name], want, rtol=1e-5, atol=1e-6, msg=f"one process: {name}")
@@ -421,9 +427,9 @@ def _ckpt_worker(rank, world, init_file, opt_name, ckpt, phase):
 
 @pytest.mark.parametrize("opt_name", ["adagrad", "rowwise_adagrad"])
 def test_fused_states_checkpoint_reshards_and_training_continues_exactly(opt_name, tmp_path):
-    """Save a fused model at world size 2 under one plan, load it under another (every table moves
-    between table-wise and row-wise) and into one process: 3 more steps on each equal 6
-    uninterrupted steps of the single-process fused model."""
+    """Save a fused model at world size 2 under one plan, load it at world size 4 under another
+    (every table moves between table-wise and row-wise) and into one process: 3 more steps on
+    each equal 6 uninterrupted steps of the single-process fused model."""
     ckpt = str(tmp_path / "ckpt")
     spawn(_ckpt_worker, 2, opt_name, ckpt, 0)
-    spawn(_ckpt_worker, 2, opt_name, ckpt, 1)
+    spawn(_ckpt_worker, 4, opt_name, ckpt, 1)
