@@ -246,6 +246,16 @@ def test_batch_sizes_that_differ_between_ranks_are_rejected_on_every_rank(tmp_pa
         assert "different sizes [4, 5]" in text and "same batch size on every rank" in text, text
 
 
+def _held_part(whole: torch.Tensor, tp, rank: int) -> torch.Tensor:
+    """The part of a table (``tp``: its plan, None for a dense parameter) this rank holds."""
+    if tp is None or tp.sharding in ("table_wise", "data_parallel"):
+        return whole
+    sh = next(s for s in tp.shards if s.rank == rank)
+    if tp.sharding == "column_wise":
+        return whole[:, sh.col_offset:sh.col_offset + sh.num_cols]
+    return whole[sh.row_offset:sh.row_offset + sh.num_rows]  # row-wise, table-row-wise
+
+
 _FUSED = {"sgd": lambda: fxrec.optim.SGD(lr=0.1), "adagrad": lambda: fxrec.optim.Adagrad(lr=0.1),
           "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.1)}
 
@@ -300,15 +310,9 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps, backend="auto")
         assert held == plan.rank_bytes()[rank], (held, plan.rank_bytes()[rank])
         for name, want in single.state_dict().items():
             tp = plan.tables.get(name.rsplit(".", 1)[0])
-            if name not in params:
-                continue
-            if tp is not None and tp.sharding == "column_wise":
-                sh = next(s for s in tp.shards if s.rank == rank)
-                want = want[:, sh.col_offset:sh.col_offset + sh.num_cols]
-            elif tp is not None and tp.sharding in ("row_wise", "table_row_wise"):
-                sh = next(s for s in tp.shards if s.rank == rank)
-                want = want[sh.row_offset:sh.row_offset + sh.num_rows]
-            torch.testing.assert_close(params[name].detach(), want, rtol=1e-5, atol=1e-6, msg=name)
+            if name in params:
+                torch.testing.assert_close(params[name].detach(), _held_part(want, tp, rank), rtol=1e-5, atol=1e-6,
+                                           msg=name)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -413,12 +417,9 @@ def _ckpt_worker(rank, world, init_file, opt_name, ckpt, phase):
             for name, want in ref.state_dict().items():
                 torch.testing.assert_close(one.state_dict()[name], want, rtol=1e-5, atol=1e-6, msg=f"one process: {name}")
                 tp = plan.tables.get(name.rsplit(".", 1)[0])
-                if name not in params:
-                    continue
-                if tp is not None and tp.sharding == "row_wise":
-                    sh = next(s for s in tp.shards if s.rank == rank)
-                    want = want[sh.row_offset:sh.row_offset + sh.num_rows]
-                torch.testing.assert_close(params[name].detach(), want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+                if name in params:
+                    torch.testing.assert_close(params[name].detach(), _held_part(want, tp, rank), rtol=1e-5,
+                                               atol=1e-6, msg=f"rank {rank}: {name}")
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -143,9 +143,9 @@ def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) ->
         stored = stored_dims(spec.tables, dtypes, spec.pooling)
         col_bytes = [{"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}[d] for d in dtypes]
     elif FBGEMM in (k_train, k_eval) or (gr.fused is not None and gr.fused.kind != "sgd"):
-        from ..runtime.kernels.fbgemm import padded_width
+        from ..runtime.kernels.fbgemm import tbe_dims
 
-        stored = [padded_width(spec, t) for t in spec.tables]
+        stored = tbe_dims(spec)
         col_bytes = [8.0 if gr.fused is not None and gr.fused.kind == "adagrad" else 4.0] * len(stored)
     else:
         return ()

@@ -36,7 +36,7 @@ class LookupWithGrads(torch.autograd.Function):
             out = forward()
         ctx.group = group
         ctx.batch = batch
-        if group.update_in_backward():
+        if group.fused_active:  # a fused call here is the reference kernel's: this backward updates
             # backward updates these in place, so they are not saved (a second forward before
             # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
             ctx.save_for_backward(indices, offsets, psw)
@@ -79,7 +79,7 @@ class LookupWithGrads(torch.autograd.Function):
         # fxrec's own fused SGD: no gradient is made, the rows are updated below. The -lr factor
         # goes on grad_out ([B, sum of dims]) before the rows are gathered, unless the
         # per-sample-weight gradient needs the unscaled rows.
-        fused = group.fused if group.update_in_backward() else None
+        fused = group.fused if group.fused_active else None
         sgd_lr = fused.lr if fused is not None and fused.kind == "sgd" else None
         # the Adagrads' states (binding first: it may move the parameters' storage)
         states = ([s["sum"] for s in group.optimizer_states(params)]

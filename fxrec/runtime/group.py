@@ -119,12 +119,6 @@ class EmbeddingGroup(InputChecks, nn.Module):
         """Training updates the tables inside backward (no gradients reach the parameters)."""
         return self.fused is not None and self.fused_enabled
 
-    def update_in_backward(self) -> bool:
-        """A fused optimizer that fxrec's PyTorch backward (:mod:`fxrec.runtime.grad`) applies:
-        whenever a call goes through it (the reference kernel's; fbgemm's fused kernel and fxrec's
-        native update never do)."""
-        return self.fused_active
-
     def set_kernels(self, kernel_train: str, kernel_eval: str) -> None:
         for k in (kernel_train, kernel_eval):
             kernels.get(k)  # raises on an unknown name

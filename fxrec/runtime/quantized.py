@@ -26,7 +26,7 @@ from .group import EmbeddingGroup, group_forward
 from .kernels import FBGEMM
 from .kernels import fbgemm as _fbgemm
 from .packing import pack_pooled, pack_sequence, unpack_sequence
-from .specs import FeatureSpec, GroupSpec, TableSpec, pad_dim
+from .specs import FeatureSpec, GroupSpec, TableSpec, real_columns_index, stored_widths
 
 
 def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str) -> None:
@@ -48,12 +48,7 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
         [(t.num_rows, d, dt) for t, d, dt in zip(group.tables, stored, dtypes)],
         [f.table for f in group.features], group.pooling, weights[0].device, padded, output_dtype,
     )
-    cols: List[int] = []
-    if group.pooling != "none" and any(d != t.dim for t, d in zip(group.tables, stored)):
-        at = 0
-        for f in group.features:
-            cols.extend(range(at, at + group.tables[f.table].dim))
-            at += stored[f.table]
+    cols = real_columns_index(group.tables, group.features, stored) if group.pooling != "none" else []
     group.register_buffer("q_columns", torch.tensor(cols, dtype=torch.long, device=weights[0].device),
                           persistent=False)  # derived from the specs: not part of state_dict()
     group.table_nbytes = table_bytes(tbe)
@@ -70,10 +65,9 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
 
 
 def stored_dims(tables: Sequence[TableSpec], dtypes: Sequence[str], pooling: str) -> List[int]:
-    """Per table, the width it is stored with: its dim rounded up to what its dtype needs; in a
-    sequence group the widest of those."""
-    dims = [pad_dim(t.dim, _fbgemm.quant_align(dt)) for t, dt in zip(tables, dtypes)]
-    return [max(dims)] * len(dims) if pooling == "none" else dims
+    """Per table, the width it is stored with: its dim rounded up to what its dtype needs (in a
+    sequence group the widest)."""
+    return stored_widths(tables, pooling, [_fbgemm.quant_align(dt) for dt in dtypes])
 
 
 def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:

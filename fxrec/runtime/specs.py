@@ -21,6 +21,25 @@ def pad_dim(dim: int, align: int = DIM_ALIGNMENT) -> int:
     return -(-int(dim) // align) * align
 
 
+def stored_widths(tables, pooling: str, aligns) -> list:
+    """Per table, the width a TBE stores it with: its dim rounded up to its ``aligns`` entry; in
+    a sequence group (one width per fbgemm module) the widest of those."""
+    widths = [pad_dim(t.dim, a) for t, a in zip(tables, aligns)]
+    return [max(widths)] * len(widths) if pooling == "none" else widths
+
+
+def real_columns_index(tables, features, stored) -> list:
+    """The columns of a pooled TBE output (features side by side at their tables' ``stored``
+    widths) that hold the features' real dims, in order; empty when nothing is padded."""
+    if all(w == t.dim for t, w in zip(tables, stored)):
+        return []
+    cols, at = [], 0
+    for f in features:
+        cols.extend(range(at, at + tables[f.table].dim))
+        at += stored[f.table]
+    return cols
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     """One lookup of a group, as the runtime needs it.

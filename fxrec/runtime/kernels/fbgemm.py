@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..specs import DIM_ALIGNMENT, pad_dim
+from ..specs import DIM_ALIGNMENT, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
 
 _IMPORT_ERROR: Optional[BaseException] = None
@@ -62,10 +62,6 @@ def require_fbgemm() -> None:
 def fbgemm_available() -> bool:
     return _IMPORT_ERROR is None
 
-
-# fbgemm's training TBE rejects embedding dims that are not a multiple of this; a group on this
-# kernel stores other dims padded up to it (zero columns, never seen by a user).
-TBE_DIM_ALIGNMENT = DIM_ALIGNMENT
 
 POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
 
@@ -286,9 +282,8 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
 
 
 def tbe_dims(group) -> List[int]:
-    """Per table, the width it is stored with in the group's TBE: its dim rounded up to a multiple
-    of 4; in a sequence group (one width per fbgemm module) the widest of those."""
-    return [padded_width(group, t) for t in group.tables]
+    """Per table, the width it is stored with in the group's (or GroupSpec's) training TBE."""
+    return stored_widths(group.tables, group.pooling, [DIM_ALIGNMENT] * len(group.tables))
 
 
 def real_columns(group, out: torch.Tensor) -> torch.Tensor:
@@ -300,15 +295,8 @@ def real_columns(group, out: torch.Tensor) -> torch.Tensor:
     cache = group.__dict__.setdefault("_tbe_columns", {})
     idx = cache.get(out.device)
     if idx is None:
-        stored = tbe_dims(group)
-        if all(stored[f.table] == d for f, d in zip(group.features, group.dims)):
-            idx = cache[out.device] = False
-        else:
-            cols, at = [], 0
-            for f, d in zip(group.features, group.dims):
-                cols.extend(range(at, at + d))
-                at += stored[f.table]
-            idx = cache[out.device] = torch.tensor(cols, dtype=torch.long, device=out.device)
+        cols = real_columns_index(group.tables, group.features, tbe_dims(group))
+        idx = cache[out.device] = torch.tensor(cols, dtype=torch.long, device=out.device) if cols else False
     return out if idx is False else out.index_select(1, idx)
 
 
@@ -349,13 +337,6 @@ def states_refusal(group, device: str, mode: str, optimizer: Optional[str]) -> O
     return None if why is None else f"a fused {optimizer} keeps its states in fbgemm's TBE, and {why}"
 
 
-def padded_width(group, table) -> int:
-    """The width ``table`` of ``group`` (a GroupSpec) is stored with in a training TBE."""
-    if group.pooling == "none":
-        return max(pad_dim(t.dim) for t in group.tables)
-    return pad_dim(table.dim)
-
-
 # fbgemm's CUDA kernels handle embedding dims up to this (fbgemm_gpu's max_D for its kernels).
 CUDA_MAX_DIM = 2048
 
@@ -374,7 +355,8 @@ class FbgemmKernel(Kernel):
         average a row-wise Adagrad over the table's real dim and leave a padding row alone)."""
         if device not in ("cpu", "cuda"):
             return f"fbgemm runs on cpu and cuda, not {device}"
-        if device == "cuda" and any(pad_dim(t.dim) > CUDA_MAX_DIM for t in group.tables):
+        stored = tbe_dims(group)
+        if device == "cuda" and max(stored) > CUDA_MAX_DIM:
             return f"fbgemm's CUDA kernels take dims up to {CUDA_MAX_DIM}"
         if group.quantized:
             return None if mode == "inference" else "quantized tables are for inference"
@@ -382,7 +364,7 @@ class FbgemmKernel(Kernel):
             return "fxrec gives fbgemm float32 tables only"
         if optimizer is not None and optimizer not in self.OPTIMIZERS:
             return f"fbgemm has no fused {optimizer} here"
-        padded = [t.name for t in group.tables if padded_width(group, t) != t.dim]
+        padded = [t.name for t, w in zip(group.tables, stored) if w != t.dim]
         if optimizer == "rowwise_adagrad" and padded and not states_only:
             return (f"tables {padded} are stored padded to a multiple of 4 columns, and fbgemm's row-wise Adagrad "
                     "would average the squared gradient over the padded row, not the table's dim")
