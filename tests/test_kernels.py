@@ -265,7 +265,7 @@ def test_fbgemm_bucketize_sends_each_id_to_its_row_block_in_bag_order():
     ids = torch.cat([torch.randint(0, rows[f], (int(lengths[f * batch:(f + 1) * batch].sum()),), generator=g)
                      for f in range(2)])
     weights = torch.rand(ids.numel(), generator=g)
-    got_len, got_ids, got_w = bucketize_rows(lengths, ids, torch.tensor(blocks), world, weights)
+    got_len, got_ids, got_w, _ = bucketize_rows(lengths, ids, torch.tensor(blocks), world, weights)
     want = {(r, f, b): [] for r in range(world) for f in range(2) for b in range(batch)}
     at = 0
     for f in range(2):
@@ -279,3 +279,27 @@ def test_fbgemm_bucketize_sends_each_id_to_its_row_block_in_bag_order():
     assert got_len.tolist() == [len(want[k]) for k in keys]
     assert got_ids.tolist() == [i for k in keys for i, _ in want[k]]
     assert torch.allclose(got_w, torch.tensor([w for k in keys for _, w in want[k]]))
+
+
+def test_fbgemm_bucketize_of_a_sequence_says_where_each_id_went():
+    """The sequence input dist's bucketing: one bag per feature (all its ids), ids shifted by a
+    base of blocks (table-wise: a block of the whole table on its owner); ``where[i]`` is the
+    position id ``i`` took, and holds its local row."""
+    from fxrec.runtime.kernels.fbgemm import bucketize_rows
+
+    g = torch.Generator().manual_seed(5)
+    world, rows, blocks, bases = 3, [9, 20, 7], [9, 7, 3], [2, 0, 0]  # table-wise on 2, row-wise, row-wise
+    ids = [torch.randint(0, r, (n,), generator=g) for r, n in zip(rows, (6, 11, 0))]
+    shifted = torch.cat([i + b * k for i, b, k in zip(ids, bases, blocks)])
+    lengths = torch.tensor([i.numel() for i in ids])
+    got_len, got_ids, _, where = bucketize_rows(lengths, shifted, torch.tensor(blocks), world, None, sequence=True)
+    flat = torch.cat(ids)
+    feat = torch.cat([torch.full((i.numel(),), f) for f, i in enumerate(ids)])
+    dest = torch.tensor([bases[f] + int(i) // blocks[f] for f, i in zip(feat.tolist(), flat)])
+    local = torch.tensor([int(i) % blocks[f] for f, i in zip(feat.tolist(), flat)])
+    assert got_len.tolist() == [int(((dest == d) & (feat == f)).sum()) for d in range(world) for f in range(3)]
+    assert sorted(where.tolist()) == list(range(flat.numel()))
+    assert torch.equal(got_ids[where], local)
+    # by destination, then feature, then the ids' own order
+    order = sorted(range(flat.numel()), key=lambda i: (int(dest[i]), int(feat[i]), i))
+    assert where.tolist() == [order.index(i) for i in range(flat.numel())]

@@ -8,7 +8,11 @@ split by how the plan shards their tables:
   reads only the tables rank r owns, and the tables it does not own leave the model;
 * row-wise: ``input_dist -> lookup -> output_dist`` (bucketize + all-to-all, then reduce-scatter);
   rank r's parameter becomes its block of rows, under the table's own name;
-* each rank's local lookups (table-wise pieces; row-wise blocks) are one call of a group module
+* unpooled (sequence) groups: ``input_dist -> lookup -> output_dist`` for table-wise, row-wise and
+  table-row-wise tables alike: each id goes to the rank of its row's block (a table-wise table is
+  one block on its owner), its row comes back to its place (all-to-all both ways); column-wise
+  is refused for them;
+* each rank's local lookups (table-wise pieces; row-wise blocks; sequence rows) are one call of a group module
   (:class:`~fxrec.runtime.group.EmbeddingGroup`) on the kernel the rule table gives, with the
   group's fused optimizer applied inside backward to the rows the rank holds (row-wise Adagrad
   is refused on column-wise tables: its per-row state needs the whole row);
@@ -61,7 +65,8 @@ from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.sharded import (
-    RowWiseInputDist, RowWiseLookup, RowWiseOutputDist, TableWiseInputDist, TableWiseLookup, TableWiseOutputDist,
+    RowWiseInputDist, RowWiseLookup, RowWiseOutputDist, SequenceInputDist, SequenceLookup, SequenceOutputDist,
+    TableWiseInputDist, TableWiseLookup, TableWiseOutputDist,
 )
 from ..runtime.specs import FeatureSpec, GroupSpec, TableSpec
 from .choose_kernels import kernel_order, pick
@@ -85,9 +90,10 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
         raise InputError(f"fxrec: table '{rec.table}' is planned column_wise with two shards on one rank; "
                          "each column shard needs its own rank")
     if tp.sharding != "data_parallel":
-        if rec.pooling == "none":
-            raise InputError(f"fxrec: table '{rec.table}' is looked up unpooled (feature '{rec.feature}'); "
-                             "sharded tables take pooled lookups for now: plan it data_parallel")
+        if rec.pooling == "none" and tp.sharding == "column_wise":
+            raise InputError(f"fxrec: table '{rec.table}' is looked up unpooled (feature '{rec.feature}') and planned "
+                             "column_wise; unpooled lookups of sharded tables run table_wise, row_wise or "
+                             "table_row_wise for now: pin one of those (or data_parallel)")
         if rec.padding_idx is not None or rec.include_last_offset:
             raise InputError(f"fxrec: feature '{rec.feature}' of table '{rec.table}' uses padding_idx or "
                              "include_last_offset, which sharded lookups do not take yet: plan it data_parallel")
@@ -104,7 +110,7 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
     tables, features = {}, []
     for (r, rows, dim), t in zip(pieces, table_of):
         tables.setdefault(t, TableSpec(r.table, int(rows), int(dim), sparse=r.sparse, dtype=r.dtype))
-        features.append(FeatureSpec(r.feature, t, "bag", weighted=weighted))
+        features.append(FeatureSpec(r.feature, t, "seq" if pooling == "none" else "bag", weighted=weighted))
     specs = [tables[t] for t in range(len(tables))]
     device = ctx.config.device or pieces[0][0].device.split(":")[0]
     spec = GroupSpec(tuple(specs), tuple(features), pooling)
@@ -166,6 +172,51 @@ def _decision(gr: meta.GroupRecord, kinds) -> meta.GroupDecision:
     )
 
 
+def _hold_rows(gm: fx.GraphModule, r: meta.LookupRecord, tp, rank: int, sharded_params: dict) -> int:
+    """Make a row-wise (or table-row-wise) table's parameter this rank's block of rows (none, for
+    a table-row-wise table of another host), under the table's own name; its number of rows."""
+    sh = {s.rank: s for s in tp.shards}.get(rank)
+    lo, n = (sh.row_offset, sh.num_rows) if sh is not None else (0, 0)
+    if r.param not in sharded_params:
+        full = gm.get_parameter(r.param)
+        block = full.detach()[lo:lo + n].clone()
+        _set_param(gm, r.param, torch.nn.Parameter(block, requires_grad=full.requires_grad))
+    return n
+
+
+def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, recs, name: str,
+                      sharded_params: dict):
+    """The modules of an unpooled group's sharded lookups, and the weights this rank looks up.
+    Table-wise, row-wise and table-row-wise tables all take one rule (SequenceInputDist): ids go
+    to the rank of their row's block, a table-wise table being one block on its owner."""
+    plan, rank = ctx.config.plan, ctx.config.rank
+    world = plan.topology.world_size
+    blocks, bases, local, held, pieces = [], [], [], [], []
+    for i, r in enumerate(recs):
+        tp = plan.tables[r.table]
+        if tp.sharding == "table_wise":
+            blocks.append(r.num_rows)
+            bases.append(tp.shards[0].rank)
+            n = r.num_rows if tp.shards[0].rank == rank else 0
+        else:
+            blocks.append(max(1, min(tp.shards, key=lambda x: x.rank).num_rows))
+            bases.append(min(sh.rank for sh in tp.shards))
+            n = _hold_rows(gm, r, tp, rank, sharded_params)
+        sharded_params[r.param] = tp.sharding
+        if n:
+            if r.weight not in local:
+                local.append(r.weight)
+            held.append(i)
+            pieces.append((r, n, r.dim))
+    table_of = [local.index(recs[i].weight) for i in held]
+    group = _local_group(ctx, pieces, table_of, "none", False, _fused_spec(gr, plan)) if held else None
+    mods = (SequenceInputDist(f"{name}_input_dist", blocks, bases, rank, world, [r.feature for r in recs],
+                              [r.num_rows for r in recs]),
+            SequenceLookup(group, held, [r.dim for r in recs]),
+            SequenceOutputDist(f"{name}_output_dist", [r.dim for r in recs], rank, world))
+    return mods, local
+
+
 def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
     owner, _, attr = fqn.rpartition(".")
     mod = gm.get_submodule(owner) if owner else gm
@@ -200,17 +251,19 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         pos = {n: i for i, n in enumerate(graph.nodes)}
         users = [u for rec in gr.lookups for u in rec.output.users]
         anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
-        for kind in ("table_wise", "row_wise"):
-            recs = [r for r in gr.lookups if kinds[id(r)] == kind]
+        for kind in ("sequence",) if gr.pooling == "none" else ("table_wise", "row_wise"):
+            recs = [r for r in gr.lookups if kinds[id(r)] != "data_parallel" and kind in ("sequence", kinds[id(r)])]
             if not recs:
                 continue
-            short = "tw" if kind == "table_wise" else "rw"
+            short = {"table_wise": "tw", "row_wise": "rw", "sequence": "seq"}[kind]
             name = f"fxrec_shard_{gr.name}_{short}"
             forms = [r.form for r in recs]
             weighted = any(r.weighted for r in recs)
             names, rows = [r.feature for r in recs], [r.num_rows for r in recs]
             args = ([r.ids for r in recs], [r.offsets for r in recs], [r.per_sample_weights for r in recs])
-            if kind == "table_wise":
+            if kind == "sequence":
+                mods, local = _sequence_modules(ctx, gm, gr, recs, name, sharded_params)
+            elif kind == "table_wise":
                 # one piece per (lookup, shard): a table-wise table has one shard, a column-wise
                 # table one per column range, each on its own rank; a lookup's pieces are
                 # adjacent and in column order, so its output columns are contiguous
@@ -247,18 +300,11 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     by_rank = {sh.rank: sh for sh in tp.shards}
                     blocks.append(max(1, min(tp.shards, key=lambda x: x.rank).num_rows))
                     bases.append(min(by_rank))
+                    n = _hold_rows(gm, r, tp, rank, sharded_params)
                     if r.weight not in local:
                         local.append(r.weight)
-                        if r.param not in sharded_params:
-                            # this rank's block of rows (none, for a table-row-wise table of another host)
-                            full = gm.get_parameter(r.param)
-                            sh = by_rank.get(rank)
-                            lo, n = (sh.row_offset, sh.num_rows) if sh is not None else (0, 0)
-                            block = full.detach()[lo:lo + n].clone()
-                            _set_param(gm, r.param, torch.nn.Parameter(block, requires_grad=full.requires_grad))
                     table_of.append(local.index(r.weight))
-                    sh = by_rank.get(rank)
-                    shapes.append((r, sh.num_rows if sh is not None else 0, r.dim))
+                    shapes.append((r, n, r.dim))
                     sharded_params[r.param] = tp.sharding
                 mods = (RowWiseInputDist(f"{name}_input_dist", forms, blocks, weighted, rank, world, names, rows, bases),
                         RowWiseLookup(_local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan)), world),
@@ -272,7 +318,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 for n in (din, look, out):
                     n.meta[meta.ORIGIN] = [r.node.name for r in recs]
                 din.meta[meta.DECISION] = _with_local(decision, gr, mods[1].group, short)
-                hand_outputs(graph, out, recs)
+                hand_outputs(graph, out, recs, pooled=kind != "sequence")
             for r in recs:
                 for n in r.nodes:
                     graph.erase_node(n)

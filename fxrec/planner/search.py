@@ -223,6 +223,9 @@ def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[s
         if sharding in (ROW_WISE, DATA_PARALLEL) and ranks is not None and ranks != tuple(range(W)):
             raise ValueError(f"fxrec.plan: pin for {name!r}: {sharding} uses all ranks 0..{W - 1} in order, got {list(ranks)}")
         if sharding == COLUMN_WISE:
+            if not spec.pooled:
+                raise ValueError(f"fxrec.plan: pin for {name!r}: the table is looked up unpooled (one row per id), "
+                                 "which fxrec shards table_wise, row_wise or table_row_wise, not column_wise")
             units = max_column_shards(spec.dim)
             if units == 0:
                 raise ValueError(f"fxrec.plan: pin for {name!r}: column_wise needs a dim that is a multiple of 4, got {spec.dim}")
@@ -326,7 +329,8 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
     out = []
     for s in allowed:
         if s == COLUMN_WISE:
-            kmax = min(max_column_shards(spec.dim), W)
+            # unpooled lookups are not sharded by columns (fxrec's runtime sends whole rows back)
+            kmax = min(max_column_shards(spec.dim), W) if spec.pooled else 0
             if kmax >= 2:
                 out.append(t.option(COLUMN_WISE, t.column_shards(threshold, mem, kmax)))
         elif s == ROW_WISE:

@@ -22,6 +22,13 @@ same over the ranks of one host, the others holding no rows and adding zeros to 
     by one call of the rank's group module.
   * :class:`RowWiseOutputDist` adds the partial sums of all ranks and gives each rank its own
     ``B`` rows (reduce-scatter; all-gather in backward); mean pooling divides by the bag's length.
+Unpooled (sequence) features, of table-wise, row-wise and table-row-wise tables alike:
+  * :class:`SequenceInputDist` sends every id to the rank of its row's block (a table-wise table
+    is one block on its owner; fbgemm's bucketize remembers where each id went).
+  * :class:`SequenceLookup` looks the received ids' rows up by one call of the rank's unpooled
+    group module.
+  * :class:`SequenceOutputDist` sends every row back (all-to-all) to its id's place:
+    ``ids.shape + [dim]`` per feature, as ``nn.Embedding`` gives.
 All collectives are in :mod:`fxrec.runtime.collectives`. Every rank must call a group's modules
 in the same order with the same batch size. These modules know nothing of graphs or passes.
 """
@@ -58,17 +65,23 @@ def feature_lengths(form: str, ids: torch.Tensor, offsets: Optional[torch.Tensor
     return torch.ones(ids.shape[0], dtype=torch.long, device=ids.device), ids.reshape(-1).long()
 
 
+def _regroup_index(lengths: torch.Tensor, world: int, nfeat: int, batch: int, n: int):
+    """Bags received as (source rank, feature, sample) -> (feature, source rank, sample): the new
+    lengths, and the index that takes the received ids into the new order."""
+    lens = lengths.view(world, nfeat, batch)
+    starts = _exclusive_cumsum(lengths).view(world, nfeat, batch)
+    new_lens = lens.permute(1, 0, 2).reshape(-1)
+    new_starts = starts.permute(1, 0, 2).reshape(-1)
+    idx = torch.repeat_interleave(new_starts - _exclusive_cumsum(new_lens), new_lens, output_size=n) + torch.arange(n, device=lengths.device)
+    return new_lens, idx
+
+
 def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor], world: int, nfeat: int,
              batch: int):
     """Bags received as (source rank, feature, sample) -> (feature, source rank, sample)."""
     if nfeat == 0:
         return lengths, values, weights
-    lens = lengths.view(world, nfeat, batch)
-    starts = _exclusive_cumsum(lengths).view(world, nfeat, batch)
-    new_lens = lens.permute(1, 0, 2).reshape(-1)
-    new_starts = starts.permute(1, 0, 2).reshape(-1)
-    n = values.numel()
-    idx = torch.repeat_interleave(new_starts - _exclusive_cumsum(new_lens), new_lens, output_size=n) + torch.arange(n, device=values.device)
+    new_lens, idx = _regroup_index(lengths, world, nfeat, batch, values.numel())
     return new_lens, values[idx], (weights[idx] if weights is not None else None)
 
 
@@ -98,6 +111,14 @@ def _check_batch(batches: List[int], where: str) -> int:
             "needs the same batch size on every rank (pad the last batch, or drop it)"
         )
     return batches[0]
+
+
+def _block_sizes(dist_module: nn.Module, device: torch.device) -> torch.Tensor:
+    """An input dist's ``blocks`` as a tensor on ``device`` (made once per device)."""
+    t = dist_module._blocks_on.get(device)
+    if t is None:
+        t = dist_module._blocks_on[device] = torch.tensor(dist_module.blocks, dtype=torch.long, device=device)
+    return t
 
 
 class TableWiseInputDist(nn.Module):
@@ -220,13 +241,6 @@ class RowWiseInputDist(nn.Module):
         self.rank, self.world = rank, world
         self._blocks_on: dict = {}
 
-    def _block_sizes(self, device: torch.device) -> torch.Tensor:
-        """The block sizes as a tensor on ``device`` (made once per device)."""
-        t = self._blocks_on.get(device)
-        if t is None:
-            t = self._blocks_on[device] = torch.tensor(self.blocks, dtype=torch.long, device=device)
-        return t
-
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.forms)
         pairs = [feature_lengths(self.forms[i], ids_list[i], offsets_list[i]) for i in range(nfeat)]
@@ -241,8 +255,8 @@ class RowWiseInputDist(nn.Module):
         # ids are shifted by that many blocks (bucket = id // block + base; local row unchanged)
         shifted = [vals + self.bases[f] * self.blocks[f] if self.bases[f] else vals for f, (_, vals) in enumerate(pairs)]
         dev = pairs[0][1].device
-        send_lengths, send_values, send_weights = bucketize_rows(
-            torch.cat([ln for ln, _ in pairs]), torch.cat(shifted), self._block_sizes(dev), self.world, weights)
+        send_lengths, send_values, send_weights, _ = bucketize_rows(
+            torch.cat([ln for ln, _ in pairs]), torch.cat(shifted), _block_sizes(self, dev), self.world, weights)
         per_dest = send_lengths.view(self.world, nfeat * batch).sum(1).tolist()
         info = all_gather_ints([batch] + per_dest, send_values.device, f"{self.name} (counts)")
         batch = _check_batch([row[0] for row in info], self.name)
@@ -286,3 +300,90 @@ class RowWiseOutputDist(nn.Module):
             scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), torch.tensor(self.dims, device=out.device), dim=0)
             out = out * scale.t()
         return out
+
+
+class SequenceInputDist(nn.Module):
+    """Send every id of the unpooled features to the rank holding its row (see the module doc).
+
+    One rule for every sharding type: feature ``f``'s rows lie in blocks of ``blocks[f]`` rows on
+    ranks ``bases[f], bases[f] + 1, ...`` (table-wise: one block of the whole table on its owner;
+    row-wise: the planner's blocks from rank 0; table-row-wise: from the host's first rank), and
+    fbgemm's bucketize sends each id to its block's rank as the local row, remembering where each
+    id went so that its row comes back to its place. Ranks may feed ids of different shapes."""
+
+    _fxrec_collective = True
+
+    def __init__(self, name: str, blocks: List[int], bases: List[int], rank: int, world: int,
+                 names: List[str], rows: List[int]):
+        super().__init__()
+        self.name, self.blocks, self.bases = name, list(blocks), list(bases)
+        self.names, self.rows, self.rank, self.world = list(names), list(rows), rank, world
+        self._blocks_on: dict = {}
+
+    def forward(self, ids_list, offsets_list, psw_list):
+        nfeat = len(self.blocks)
+        vals = [ids.reshape(-1).long() for ids in ids_list]
+        _check_ids([(None, v) for v in vals], self.names, self.rows, list(range(nfeat)))
+        dev = vals[0].device
+        shifted = torch.cat([v + self.bases[f] * self.blocks[f] if self.bases[f] else v for f, v in enumerate(vals)])
+        lengths = torch.tensor([v.numel() for v in vals], dtype=torch.long, device=dev)
+        send_lengths, send_values, _, where = bucketize_rows(lengths, shifted, _block_sizes(self, dev), self.world,
+                                                             None, sequence=True)
+        counts = send_lengths.tolist()  # [destination rank, feature]
+        info = all_gather_ints(counts, dev, f"{self.name} (counts)")
+        recv = [info[s][self.rank * nfeat:(self.rank + 1) * nfeat] for s in range(self.world)]
+        got = all_to_all(send_values, [sum(c) for c in recv],
+                         [sum(counts[d * nfeat:(d + 1) * nfeat]) for d in range(self.world)], f"{self.name} (ids)")
+        # received (source, feature) -> (feature, source); ``back`` puts rows into arrival order again
+        flat = torch.tensor([c for row in recv for c in row], dtype=torch.long, device=dev)
+        _, idx = _regroup_index(flat, self.world, nfeat, 1, got.numel())
+        back = torch.empty_like(idx)
+        back[idx] = torch.arange(idx.numel(), device=dev)
+        per_feature = [sum(recv[s][f] for s in range(self.world)) for f in range(nfeat)]
+        return (got[idx], per_feature, back, recv, where, counts, [tuple(ids.shape) for ids in ids_list])
+
+
+class SequenceLookup(nn.Module):
+    """The rows of the received ids, one tensor ``[n, dim]`` per feature, by one call of ``group``
+    (an unpooled :class:`~fxrec.runtime.group.EmbeddingGroup` of the tables and row blocks this
+    rank holds, features ``held`` of the dist's; None when it holds none)."""
+
+    def __init__(self, group: Optional[nn.Module], held: List[int], dims: List[int]):
+        super().__init__()
+        self.group, self.held, self.dims = group, list(held), list(dims)
+
+    def forward(self, dist_out, weights: List[torch.Tensor]) -> List[torch.Tensor]:
+        values, per_feature = dist_out[0], dist_out[1]
+        parts = list(torch.split(values, per_feature))
+        out = [values.new_zeros((0, d), dtype=torch.float32) for d in self.dims]  # nothing comes for the others
+        if self.group is not None:
+            n = len(self.held)
+            rows = self.group([parts[f] for f in self.held], [None] * n, [None] * n, weights)
+            for f, r in zip(self.held, rows):
+                out[f] = r
+        return out
+
+
+class SequenceOutputDist(nn.Module):
+    """Send every row back to the rank whose id it is, and put it in the id's place:
+    one ``ids.shape + [dim]`` tensor per feature, as ``nn.Embedding`` gives."""
+
+    _fxrec_collective = True
+
+    def __init__(self, name: str, dims: List[int], rank: int, world: int):
+        super().__init__()
+        self.name, self.dims, self.rank, self.world = name, list(dims), rank, world
+        self.width = max(dims)  # rows travel at one width, narrower ones padded with zeros
+
+    def forward(self, looked: List[torch.Tensor], dist_out) -> List[torch.Tensor]:
+        _, _, back, recv, where, counts, shapes = dist_out
+        nfeat, w = len(self.dims), self.width
+        rows = torch.cat([r if r.shape[1] == w else torch.nn.functional.pad(r, (0, w - r.shape[1])) for r in looked])
+        send = rows[back]  # arrival order: by source rank, then feature
+        if torch.is_grad_enabled() and not send.requires_grad:
+            send = send.detach().requires_grad_()  # every rank joins the backward all-to-all
+        got = all_to_all(send, [sum(counts[d * nfeat:(d + 1) * nfeat]) for d in range(self.world)],
+                         [sum(c) for c in recv], self.name)
+        mine = got[where]  # each id's row in the id's place
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        return [part[:, :d].reshape(s + (d,)) for part, d, s in zip(torch.split(mine, sizes), self.dims, shapes)]

@@ -170,16 +170,17 @@ def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: tor
 
 
 def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
-                   weights: Optional[torch.Tensor]):
+                   weights: Optional[torch.Tensor], sequence: bool = False):
     """fbgemm's ``block_bucketize_sparse_features`` (CPU and CUDA): bags given feature-major by
     ``lengths`` ``[F * B]`` and their ``ids``, each id sent to bucket ``id // blocks[f]`` as the local
     row ``id - bucket * blocks[f]``. Ids must be below ``world * blocks[f]`` (the planner's blocks
     are ``ceil(rows / ranks)``; fbgemm hashes larger ids another way). Returns ``(lengths [world * F * B],
-    ids, weights)`` ordered by bucket, then feature, then bag, ids of a bag in their order."""
+    ids, weights, where)`` ordered by bucket, then feature, then bag, ids of a bag in their order;
+    with ``sequence=True``, ``where[i]`` is the position id ``i`` went to (else None)."""
     require_fbgemm()
-    new_lengths, new_ids, new_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-        lengths, ids, False, False, blocks, world, weights)
-    return new_lengths, new_ids, new_weights
+    new_lengths, new_ids, new_weights, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, ids, False, sequence, blocks, world, weights)
+    return new_lengths, new_ids, new_weights, where
 
 
 def quant_align(dtype: str) -> int:
