@@ -12,11 +12,12 @@ import torch.fx as fx
 
 from .capture import accepted_sizes, capture, input_guards
 from .graph_module import MODES_KEY
+from .materialize import materialize, meta_names, working_copy
 from .optim import check_spec as check_optimizer_spec
 from .runtime.optimizer import CombinedOptimizer
 from .runtime.group import EmbeddingGroup
 from .runtime.kernels import KERNEL_NAMES
-from .pass_infra import Config, PassContext, PassManager
+from .pass_infra import Config, InputError, PassContext, PassManager
 from .pipeline import default_pipeline, explain_pipeline
 from .report import Report, build_report
 from . import meta
@@ -128,7 +129,9 @@ def transform(
         the single-process model for it; gradients are summed over ranks, so a loss that sums
         over the global batch (or divides by the global batch size) gives the single-process
         gradients. With ``optimizer=``, each rank's local lookups apply it inside backward to the
-        rows they hold (docs/sharding.md). Not with ``mode="inference"`` yet.
+        rows they hold (docs/sharding.md). Not with ``mode="inference"`` yet. A model built on
+        the ``meta`` device needs a plan: each rank allocates only what it holds, initialised by
+        the modules' own ``reset_parameters()`` (:mod:`fxrec.materialize`).
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -146,6 +149,14 @@ def transform(
     rank = _check_plan(plan, optimizer, mode, quantize)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
+    on_meta = meta_names(model)
+    if on_meta and plan is None:
+        raise InputError(f"fxrec: the model's {on_meta[:4]}{' ...' if len(on_meta) > 4 else ''} are on the meta device: "
+                         "transform(..., plan=...) allocates a meta model's tensors (each rank its own shards); "
+                         "without a plan, build the model on a real device (docs/sharding.md)")
+    if on_meta and (verify or check_passes):
+        raise InputError("fxrec: verify and check_passes compare with the model's own outputs, which a model on the "
+                         "meta device has none of")
     # What verify compares with: the user's model itself when fxrec works on a copy (no second copy
     # of the tables; its .grad fields are restored); a copy when the model is handed over.
     reference_model = None
@@ -158,7 +169,11 @@ def transform(
         dump = pass_dumper(dump_dir)
     log = logger or logging.getLogger("fxrec")
     log.debug("capturing the model with torch.export")
-    gm = capture(copy.deepcopy(model) if copy_model else model, args, kwargs)
+    # With a plan, capture on placeholders (no copy of the tables): each rank then allocates and
+    # fills only what it holds (materialize, below); verify and check_passes need the real values.
+    on_placeholders = plan is not None and not (verify or check_passes)
+    gm = capture(working_copy(model, args, every=on_placeholders) if copy_model or on_meta or on_placeholders
+                 else model, args, kwargs)
 
     report = Report()
     ctx = PassContext(
@@ -192,6 +207,9 @@ def transform(
     plan_per_rank = []
     if plan is not None:
         gm.meta["fxrec_plan"] = plan
+        # this rank's tensors: allocated, filled from the model (meta ones: initialised, and the
+        # whole ones broadcast from rank 0)
+        materialize(gm, model, gm.meta.get("fxrec_sharded_params", {}), gm.meta.get("fxrec_shard_layout", {}))
         _sum_gradients_over_ranks(gm, plan)
         notes.append(_rank_note(plan, rank))
         plan_per_rank = [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
@@ -366,7 +384,8 @@ def explain(
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
-    gm = capture(model, args, kwargs)  # tracing reads the model; it changes and copies nothing
+    # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
+    gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs)
     ctx = PassContext(
         config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
                       device=device or _tables_device(model)),

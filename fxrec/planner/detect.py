@@ -17,7 +17,6 @@ tables stay ordinary parameters; the plan's notes name them.
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -90,6 +89,7 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
     examples or None). The model is not modified."""
     from .. import meta
     from ..capture import capture
+    from ..materialize import working_copy
     from ..pass_infra import Config, PassContext, PassManager
     from ..passes.annotate_lookups import annotate_lookups
     from ..report import Report
@@ -101,7 +101,7 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
     else:
         args = (example_inputs,)
     kwargs: Dict[str, Any] = dict(example_kwargs or {})
-    gm = capture(copy.deepcopy(model), args, kwargs)
+    gm = capture(working_copy(model, args), args, kwargs)  # a meta model: no table allocated
     ctx = PassContext(config=Config(), report=Report(), example_args=args, example_kwargs=kwargs,
                       logger=logger or logging.getLogger("fxrec"))
     gm = PassManager([annotate_lookups]).run(gm, ctx)

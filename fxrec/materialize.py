@@ -1,0 +1,143 @@
+"""Models built on the ``meta`` device: captured without memory, then each rank allocates only
+what it holds.
+
+A model whose parameters or buffers are on ``meta`` (``with torch.device("meta"): model = ...``)
+has shapes and no data. :func:`with_placeholders` gives a copy whose meta tensors are zero-stride
+views of one zero on the example inputs' device: ``torch.export`` captures it as it captures a
+real model, with no table's memory allocated. ``transform(..., plan=...)`` then shards the
+placeholders like real tables (a row block or column shard is a clone of the rows it keeps, the
+only memory a shard takes; tables this rank does not own leave), and :func:`materialize`
+allocates what is still a placeholder (whole tables this rank owns, data-parallel tables, dense
+parameters and buffers) and initialises every tensor that came from ``meta`` with its module's
+own ``reset_parameters()``, run on the tensors this rank holds: a shard gets the module's
+initialiser applied to the shard (for ``nn.Embedding`` / ``nn.EmbeddingBag``: ``normal_``, the
+same distribution, not the same numbers as one process). Tensors whole on every rank (dense
+parameters, buffers, data-parallel tables) are then broadcast from rank 0, so all ranks agree.
+Load trained values with ``fxrec.checkpoint.load`` afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List
+
+import torch
+import torch.utils._pytree
+from torch import nn
+
+from .pass_infra import InputError
+
+
+def meta_names(model: nn.Module) -> List[str]:
+    """Names of the model's parameters and buffers that are on the meta device."""
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    return [n for n, t in named if t is not None and t.is_meta]
+
+
+def with_placeholders(model: nn.Module, device: torch.device, every: bool = False) -> nn.Module:
+    """A copy of ``model`` whose meta tensors (with ``every``: all its parameters and buffers) are
+    zero-stride placeholders, on ``device`` for meta tensors and on their own device otherwise:
+    one element each, so the copy allocates no table (ties stay tied)."""
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_meta or every:
+            ph = torch.zeros((), dtype=t.dtype, device=device if t.is_meta else t.device).expand(t.shape)
+            memo[id(t)] = nn.Parameter(ph, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ph
+    return copy.deepcopy(model, memo)  # the placeholders stand in for the tensors they replace
+
+
+def working_copy(model: nn.Module, args, every: bool = False) -> nn.Module:
+    """The copy of ``model`` that fxrec captures: placeholders for its meta tensors (``every``: for
+    all of them, filled by :func:`materialize` after sharding), meta ones on the device of the
+    first tensor among the example ``args`` (CPU if none)."""
+    if not every and not meta_names(model):
+        return copy.deepcopy(model)
+    leaves = [x for x in torch.utils._pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    return with_placeholders(model, leaves[0].device if leaves else torch.device("cpu"), every)
+
+
+def _held(t: torch.Tensor) -> bool:
+    """Whether ``t`` has memory of its own (not a placeholder)."""
+    return t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+
+
+def _owner(root: nn.Module, fqn: str):
+    path, _, attr = fqn.rpartition(".")
+    return (root.get_submodule(path) if path else root), attr
+
+
+def _put(owner: nn.Module, attr: str, t: torch.Tensor) -> None:
+    if isinstance(t, nn.Parameter):
+        setattr(owner, attr, t)
+    else:
+        owner.register_buffer(attr, t, persistent=attr not in owner._non_persistent_buffers_set)
+
+
+def materialize(gm: nn.Module, model: nn.Module, sharded: Dict[str, str], layout: Dict[str, tuple]) -> None:
+    """Give every tensor of ``gm`` captured from a placeholder of ``model`` its memory and values
+    (see the module doc): allocated where it is still a placeholder; copied from ``model``'s
+    tensor (this rank's pieces of it, by ``layout``: fqn -> (global shape, [(row offset, rows,
+    col offset, cols, local col offset)])), or, for a meta tensor, initialised by its module's
+    ``reset_parameters()``. ``sharded``: fqn -> sharding of the table shards this rank holds
+    (never broadcast). Collective when a process group is initialised and ``model`` has meta
+    tensors."""
+    import torch.distributed as dist
+
+    sources = dict(model.named_parameters(remove_duplicate=False))
+    sources.update(dict(model.named_buffers(remove_duplicate=False)))
+    gm_tensors = dict(gm.named_parameters(remove_duplicate=False))
+    gm_tensors.update(dict(gm.named_buffers(remove_duplicate=False)))
+    replaced: Dict[int, torch.Tensor] = {}  # id of a placeholder -> the tensor that replaced it
+    to_init: Dict[str, List[str]] = {}  # module path -> its meta tensors' names
+    for fqn, t in list(gm_tensors.items()):
+        src = sources.get(fqn)
+        if src is None:
+            continue  # a tensor fxrec made
+        owner, attr = _owner(gm, fqn)
+        if id(t) in replaced:  # a tied tensor, allocated under its other name
+            t = replaced[id(t)]
+            _put(owner, attr, t)
+        elif not _held(t):  # still a placeholder: this rank holds it whole
+            real = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            new = nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else real
+            replaced[id(t)] = t = new
+            _put(owner, attr, t)
+        gm_tensors[fqn] = t
+        if src.is_meta:
+            to_init.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+            continue
+        with torch.no_grad():
+            pieces = layout.get(fqn, (None, [(0, src.shape[0], 0, None, 0)] if src.dim() else []))[1]
+            if not src.dim():
+                t.copy_(src)
+            for ro, nr, co, nc, lco in pieces:
+                if src.dim() == 1 or nc is None:
+                    t[:nr].copy_(src[ro:ro + nr])
+                else:
+                    t[:nr, lco:lco + nc].copy_(src[ro:ro + nr, co:co + nc])
+    for path, fqns in to_init.items():
+        _initialise(model, path, fqns, gm_tensors)
+    if dist.is_available() and dist.is_initialized() and to_init:
+        with torch.no_grad():
+            for fqns in to_init.values():
+                for fqn in fqns:
+                    if fqn not in sharded:
+                        dist.broadcast(gm_tensors[fqn].data, src=0)
+
+
+def _initialise(model: nn.Module, path: str, fqns: List[str], gm_tensors: Dict[str, torch.Tensor]) -> None:
+    """Run the module ``path`` of ``model``'s own ``reset_parameters()`` on the tensors ``fqns`` as
+    this rank holds them (``gm_tensors``), by a stand-in of the module that holds them."""
+    orig = model.get_submodule(path) if path else model
+    if not callable(getattr(orig, "reset_parameters", None)):
+        raise InputError(
+            f"fxrec: {fqns} are on the meta device, and their module '{path or type(orig).__name__}' "
+            f"({type(orig).__name__}) has no reset_parameters() to initialise them; give it one (it is run on "
+            "the tensors each rank holds), or build the model on a real device")
+    stand = copy.copy(orig)
+    stand._parameters, stand._buffers = dict(orig._parameters), dict(orig._buffers)
+    for fqn in fqns:
+        t = gm_tensors[fqn]
+        (stand._parameters if isinstance(t, nn.Parameter) else stand._buffers)[fqn.rpartition(".")[2]] = t
+    with torch.no_grad():
+        stand.reset_parameters()

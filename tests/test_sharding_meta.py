@@ -1,0 +1,166 @@
+"""Models built on the meta device, transformed with a plan: each rank allocates only what it
+holds (checked in bytes, and by the peak memory of a rank that does not own a 1 GB table),
+initialised by the tables' own reset_parameters, the whole tensors equal on every rank, and
+after ``fxrec.checkpoint.load`` the model trains exactly as the plain model."""
+
+import copy
+import os
+import resource
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fxrec
+
+from .test_sharding import LOCAL_B, Model, global_batch, local_batch, spawn
+
+PINS = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": {"sharding": "column_wise", "ranks": [1, 0]},
+        "single": "data_parallel"}
+
+
+def _held_bytes(fast: nn.Module) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(fast.parameters()) + list(fast.buffers())}
+    return sum(storages.values())
+
+
+def _worker(rank, world, init_file, ckpt):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(rank)  # every rank draws other numbers: the whole tensors must still agree
+        with torch.device("meta"):
+            model = Model()
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=PINS)
+        fast = fxrec.transform(model, example, plan=plan)
+        assert all(p.is_meta for p in model.parameters())  # the user's model is untouched
+        params = dict(fast.named_parameters())
+        # this rank holds its shards and the whole tensors, and nothing else
+        want = 0
+        for t, tp in plan.tables.items():
+            for sh in tp.shards:
+                if sh.rank == rank or tp.sharding == "data_parallel":
+                    want += sh.num_rows * sh.num_cols * 4
+                    break
+        want += sum(p.numel() * 4 for n, p in fast.named_parameters() if n.startswith("top."))
+        assert _held_bytes(fast) == want, (_held_bytes(fast), want)
+        # the tables' own initialiser ran on the shards (nn.EmbeddingBag: normal_)
+        for name, p in params.items():
+            if name.startswith("bags.") and p.numel() >= 100:
+                assert 0.7 < float(p.detach().std()) < 1.3, (name, float(p.detach().std()))
+        # the tensors whole on every rank are the same on every rank
+        for name in ("top.weight", "top.bias", "single.weight"):
+            gathered = [torch.empty_like(params[name]) for _ in range(world)]
+            dist.all_gather(gathered, params[name].detach().contiguous())
+            assert all(torch.equal(g, gathered[0]) for g in gathered), name
+        # trained values from the single-process model's checkpoint: then exactly the plain model
+        fxrec.checkpoint.load(fast, ckpt)
+        torch.manual_seed(0)
+        ref = Model()
+        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+        for step in range(3):
+            x = global_batch(LOCAL_B * world, step + 1)
+            want_out = ref(*x)
+            got = fast(*local_batch(x, rank, LOCAL_B))
+            torch.testing.assert_close(got, want_out[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step}")
+            for o, loss in ((ref_opt, want_out.sum()), (opt, got.sum())):
+                o.zero_grad()
+                loss.backward()
+                o.step()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_meta_model_allocates_only_its_shards_and_trains_after_loading_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    fxrec.checkpoint.save_model(Model(), tmp_path / "ckpt")
+    spawn(_worker, 2, str(tmp_path / "ckpt"))
+
+
+class _Big(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.EmbeddingBag(8_000_000, 32, mode="sum")  # 1 GB
+        self.small = nn.EmbeddingBag(100, 32, mode="sum")
+        self.top = nn.Linear(64, 1)
+
+    def forward(self, a, ao, b, bo):
+        return self.top(torch.cat([self.big(a, ao), self.small(b, bo)], 1))
+
+
+def _big_worker(rank, world, init_file, on_meta):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        with torch.device("meta" if on_meta else "cpu"):
+            model = _Big()
+        ex = (torch.tensor([1, 7_999_999]), torch.tensor([0, 1]), torch.tensor([3, 4]), torch.tensor([0, 1]))
+        plan = fxrec.plan(model, ex, world_size=world, memory_per_rank="4GB",
+                          pins={"big": ("table_wise", 1), "small": ("table_wise", 0)})
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        fast = fxrec.transform(model, ex, plan=plan)
+        out = fast(*ex)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        out.sum().backward()  # (the owner's unfused table then gets its dense gradient: 1 GB more)
+        if rank == 0:
+            grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        if rank == 0:  # never holds the 1 GB table, not even for a moment
+            assert "big.weight" not in dict(fast.named_parameters())
+            assert grown < 300 * 2**20, f"rank 0's peak memory grew by {grown / 2**20:.0f} MB"
+        else:  # holds it once: the model's own table (real) is not copied a second time
+            assert fast.get_parameter("big.weight").shape == (8_000_000, 32)
+            assert grown < 2**30 + 300 * 2**20, f"rank 1's peak memory grew by {grown / 2**20:.0f} MB"
+            if not on_meta:
+                torch.testing.assert_close(fast.get_parameter("big.weight")[::100_000].detach(),
+                                           model.big.weight[::100_000].detach(), rtol=0, atol=0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("on_meta", [True, False], ids=["meta", "real"])
+def test_a_rank_allocates_a_table_only_if_it_owns_it_and_only_once(on_meta):
+    """A 1 GB table planned table-wise on rank 1: rank 0's peak memory does not grow by it during
+    transform and a step (a meta model: it never exists there; a real one: the model's table is
+    never copied), rank 1's grows by at most one copy by transform and forward."""
+    spawn(_big_worker, 2, on_meta)
+
+
+def test_a_meta_model_without_a_plan_is_refused():
+    with torch.device("meta"):
+        model = Model()
+    example = global_batch(LOCAL_B, 0)
+    with pytest.raises(ValueError, match="meta device.*plan="):
+        fxrec.transform(model, example)
+
+
+def test_a_meta_tensor_whose_module_cannot_initialise_it_is_refused_naming_it():
+    from fxrec.materialize import materialize, with_placeholders
+
+    class Raw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.empty(10, 4, device="meta"))
+
+    model = Raw()
+    work = with_placeholders(model, torch.device("cpu"))
+    assert work.table.untyped_storage().nbytes() == 4  # a placeholder: one element
+    with pytest.raises(ValueError, match=r"\['table'\].*meta device.*reset_parameters"):
+        materialize(work, model, {}, {})
+
+
+def test_a_meta_model_is_explained_as_a_real_one():
+    torch.manual_seed(0)
+    real = Model()
+    with torch.device("meta"):
+        model = Model()
+    example = global_batch(LOCAL_B, 0)
+    a, b = fxrec.explain(model, example), fxrec.explain(real, example)
+    assert [(g.name, g.kernel_train, g.tables) for g in a.groups] == [(g.name, g.kernel_train, g.tables) for g in b.groups]
