@@ -129,7 +129,9 @@ def transform(
         the single-process model for it; gradients are summed over ranks, so a loss that sums
         over the global batch (or divides by the global batch size) gives the single-process
         gradients. With ``optimizer=``, each rank's local lookups apply it inside backward to the
-        rows they hold (docs/sharding.md). Not with ``mode="inference"`` yet. A model built on
+        rows they hold (docs/sharding.md). With ``mode="inference", quantize=...`` each rank serves
+        its shards quantized (table-wise and row-wise; integer dtypes not column-wise; data-parallel
+        tables stay fp32). A model built on
         the ``meta`` device needs a plan: each rank allocates only what it holds, initialised by
         the modules' own ``reset_parameters()`` (:mod:`fxrec.materialize`).
 
@@ -154,6 +156,9 @@ def transform(
         raise InputError(f"fxrec: the model's {on_meta[:4]}{' ...' if len(on_meta) > 4 else ''} are on the meta device: "
                          "transform(..., plan=...) allocates a meta model's tensors (each rank its own shards); "
                          "without a plan, build the model on a real device (docs/sharding.md)")
+    if on_meta and quantize is not None:
+        raise InputError("fxrec: quantize= quantizes the model's trained tables, and a model on the meta device has "
+                         "no values: build it on a real device (or load its checkpoint into it) to serve it quantized")
     if on_meta and (verify or check_passes):
         raise InputError("fxrec: verify and check_passes compare with the model's own outputs, which a model on the "
                          "meta device has none of")
@@ -170,8 +175,9 @@ def transform(
     log = logger or logging.getLogger("fxrec")
     log.debug("capturing the model with torch.export")
     # With a plan, capture on placeholders (no copy of the tables): each rank then allocates and
-    # fills only what it holds (materialize, below); verify and check_passes need the real values.
-    on_placeholders = plan is not None and not (verify or check_passes)
+    # fills only what it holds (materialize, below); verify, check_passes and quantize= need the
+    # real values while the passes run.
+    on_placeholders = plan is not None and not (verify or check_passes or quantize is not None)
     gm = capture(working_copy(model, args, every=on_placeholders) if copy_model or on_meta or on_placeholders
                  else model, args, kwargs)
 
@@ -281,8 +287,6 @@ def _check_plan(plan, optimizer, mode: str, quantize) -> int:
     if dist.get_world_size() != plan.topology.world_size:
         raise ValueError(f"fxrec: the plan is for world size {plan.topology.world_size}, the process group "
                          f"has {dist.get_world_size()} ranks")
-    if mode != "training" or quantize is not None:
-        raise ValueError("fxrec: a sharding plan is for training; inference on sharded tables is not built yet")
     return dist.get_rank()
 
 

@@ -17,7 +17,9 @@
 9. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
 
 With a sharding plan: annotate_lookups → merge_lookups → assign_optimizers → group_lookups →
-shard_groups → fold_concat. shard_groups takes the place of choose_kernels and lower_groups: every
+(quantize_tables) → shard_groups → fold_concat. quantize_tables comes before shard_groups, which
+builds each rank's quantized groups from its shards; measure_quantization does not run (the
+quantized lookups of one rank are not a model the example inputs can run alone). shard_groups takes the place of choose_kernels and lower_groups: every
 rank must run the same graph shape (its collectives pair up across ranks), so nothing is chosen
 by timing.
 
@@ -47,7 +49,8 @@ def default_pipeline(config: Config) -> List[CompilerPass]:
     if config.plan is not None:
         # sharded: every rank runs the same graph shape, so nothing is chosen by timing here;
         # shard_groups replaces choose_kernels + lower_groups, fold_concat still applies
-        return [annotate_lookups, merge_lookups, assign_optimizers, group_lookups, shard_groups, fold_concat]
+        quant = [quantize_tables] if config.quantize is not None else []
+        return [annotate_lookups, merge_lookups, assign_optimizers, group_lookups, *quant, shard_groups, fold_concat]
     passes = [annotate_lookups, merge_lookups, assign_optimizers, group_lookups]
     if config.quantize is not None:
         passes.append(quantize_tables)

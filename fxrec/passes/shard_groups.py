@@ -64,6 +64,7 @@ from ..group_module import hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
+from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from ..runtime.sharded import (
     RowWiseInputDist, RowWiseLookup, RowWiseOutputDist, SequenceInputDist, SequenceLookup, SequenceOutputDist,
     TableWiseInputDist, TableWiseLookup, TableWiseOutputDist,
@@ -100,7 +101,24 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
     return tp.sharding
 
 
-def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: bool, fused=None) -> EmbeddingGroup:
+def _check_quantized(gr: meta.GroupRecord, kinds: dict) -> None:
+    """What a plan can serve quantized: row-wise quantization keeps a scale and bias per row,
+    which a column shard cannot compute (so integer dtypes are not column-wise); data-parallel
+    tables keep the user's fp32 lookups."""
+    for r in gr.lookups:
+        dt = gr.quant.get(r.param)
+        if dt in ("int8", "int4", "int2") and kinds[id(r)] == "column_wise":
+            raise InputError(f"fxrec: table '{r.table}' is planned column_wise and quantized {dt}, whose per-row "
+                             "scale and bias need the whole row: plan it table_wise or row_wise, or quantize it "
+                             "fp16 / fp32")
+        if dt not in (None, "fp32") and kinds[id(r)] == "data_parallel":
+            raise InputError(f"fxrec: table '{r.table}' is planned data_parallel, whose lookups stay the model's fp32 "
+                             f"ones, and quantize= asks for {dt}: plan it table_wise or row_wise, or give it fp32 "
+                             "(quantize={..., '" + r.table + "': 'fp32'})")
+
+
+def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: bool, fused=None,
+                 gm: fx.GraphModule = None, quant: dict = None) -> EmbeddingGroup:
     """The group module of what one rank looks up locally: ``pieces`` are ``(lookup record, rows,
     dim)`` as this rank holds them (a shard's rows and columns), one feature each, ``table_of``
     each piece's index into the rank's local tables. Its kernels by the rule table (the same on
@@ -112,6 +130,11 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
         tables.setdefault(t, TableSpec(r.table, int(rows), int(dim), sparse=r.sparse, dtype=r.dtype))
         features.append(FeatureSpec(r.feature, t, "seq" if pooling == "none" else "bag", weighted=weighted))
     specs = [tables[t] for t in range(len(tables))]
+    if quant:  # inference on quantized tables: fbgemm's IntNBit TBE of this rank's pieces
+        first = {t: r for (r, _, _), t in zip(pieces, table_of)}
+        qcls = QuantizedSequenceGroup if pooling == "none" else QuantizedPooledGroup
+        return qcls(specs, features, pooling, [quant[first[t].param] for t in range(len(specs))],
+                    [gm.get_parameter(first[t].param).detach() for t in range(len(specs))], ctx.config.output_dtype)
     device = ctx.config.device or pieces[0][0].device.split(":")[0]
     spec = GroupSpec(tuple(specs), tuple(features), pooling)
     chosen = []
@@ -209,7 +232,7 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
             held.append(i)
             pieces.append((r, n, r.dim))
     table_of = [local.index(recs[i].weight) for i in held]
-    group = _local_group(ctx, pieces, table_of, "none", False, _fused_spec(gr, plan)) if held else None
+    group = _local_group(ctx, pieces, table_of, "none", False, _fused_spec(gr, plan), gm, gr.quant) if held else None
     mods = (SequenceInputDist(f"{name}_input_dist", blocks, bases, rank, world, [r.feature for r in recs],
                               [r.num_rows for r in recs]),
             SequenceLookup(group, held, [r.dim for r in recs]),
@@ -240,6 +263,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if kinds[id(r)] != "data_parallel" and any(u not in mine for u in r.weight.users):
                 raise InputError(f"fxrec: table '{r.table}' is also used outside its lookups (tied weights, or a "
                                  "lookup fxrec leaves alone); a sharded table is only looked up: plan it data_parallel")
+        _check_quantized(gr, kinds)
         decision = _decision(gr, [kinds[id(r)] for r in gr.lookups])
         for r in gr.lookups:
             r.node.meta[meta.DECISION] = decision  # stays on data-parallel lookups, which are not rewritten
@@ -287,7 +311,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 p_rows = [r.num_rows for r, _ in pieces]
                 owned = [(r, sh) for (r, sh), o in zip(pieces, owners) if o == rank]
                 group = _local_group(ctx, [(r, sh.num_rows, sh.num_cols) for r, sh in owned], table_of, gr.pooling,
-                                     weighted, _fused_spec(gr, plan)) if owned else None
+                                     weighted, _fused_spec(gr, plan), gm, gr.quant) if owned else None
                 mods = (TableWiseInputDist(f"{name}_input_dist", [r.form for r, _ in pieces], owners, weighted, rank,
                                            world, p_names, p_rows),
                         TableWiseLookup(group, world),
@@ -307,13 +331,14 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     shapes.append((r, n, r.dim))
                     sharded_params[r.param] = tp.sharding
                 mods = (RowWiseInputDist(f"{name}_input_dist", forms, blocks, weighted, rank, world, names, rows, bases),
-                        RowWiseLookup(_local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan)), world),
+                        RowWiseLookup(_local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan), gm,
+                                                   gr.quant), world),
                         RowWiseOutputDist(f"{name}_output_dist", [r.dim for r in recs], gr.pooling))
             for suffix, mod in zip(("input_dist", "lookup", "output_dist"), mods):
                 gm.add_submodule(f"{name}_{suffix}", mod)
             with graph.inserting_before(anchor):
                 din = graph.call_module(f"{name}_input_dist", args)
-                look = graph.call_module(f"{name}_lookup", (din, local))
+                look = graph.call_module(f"{name}_lookup", (din, [] if gr.quant else local))  # quantized: no fp32
                 out = graph.call_module(f"{name}_output_dist", (look, din))
                 for n in (din, look, out):
                     n.meta[meta.ORIGIN] = [r.node.name for r in recs]
@@ -322,10 +347,12 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             for r in recs:
                 for n in r.nodes:
                     graph.erase_node(n)
-    # tables this rank does not hold leave the model
+    # tables this rank does not hold leave the model (quantized: the fp32 tables of every shard)
+    quantized = any(gr.quant for gr in ctx.groups)
     removed = 0
     for n in list(graph.nodes):
-        if n.op == "get_attr" and sharded_params.get(n.target) in ("table_wise", "column_wise") and not n.users:
+        kind = sharded_params.get(n.target)
+        if n.op == "get_attr" and kind and (quantized or kind in ("table_wise", "column_wise")) and not n.users:
             graph.erase_node(n)
             if not any(m.op == "get_attr" and m.target == n.target for m in graph.nodes):
                 _set_param(gm, n.target, None)

@@ -176,7 +176,13 @@ def _local_lookup(group: Optional[nn.Module], dist_out, weights: List[torch.Tens
     counts = lens.sum(1).tolist()
     vals = list(torch.split(values, counts))
     ws = list(torch.split(psw, counts)) if psw is not None else [None] * nfeat
-    return group(vals, [_exclusive_cumsum(ln) for ln in lens], ws, weights)
+    return _call(group, (vals, [_exclusive_cumsum(ln) for ln in lens], ws), weights)
+
+
+def _call(group: nn.Module, inputs: tuple, weights: List[torch.Tensor]):
+    """A local group's call: an fp32 group takes the rank's tables as its weights; a quantized
+    group (inference) holds its own and is given none."""
+    return group(*inputs, weights) if weights else group(*inputs)
 
 
 class TableWiseLookup(nn.Module):
@@ -358,7 +364,7 @@ class SequenceLookup(nn.Module):
         out = [values.new_zeros((0, d), dtype=torch.float32) for d in self.dims]  # nothing comes for the others
         if self.group is not None:
             n = len(self.held)
-            rows = self.group([parts[f] for f in self.held], [None] * n, [None] * n, weights)
+            rows = _call(self.group, ([parts[f] for f in self.held], [None] * n, [None] * n), weights)
             for f, r in zip(self.held, rows):
                 out[f] = r
         return out

@@ -1,0 +1,97 @@
+"""Quantized serving with a sharding plan (gloo, CPU): each rank's shards are quantized by
+fbgemm's IntNBit TBE and every rank gets the single-process quantized model's rows of the global
+batch, for pooled (table-wise, row-wise, column-wise fp16) and sequence features."""
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxrec
+
+from .test_sharding import LOCAL_B, Model, global_batch, local_batch, spawn
+from .test_sharding_sequence import SeqModel, batch_of, global_of
+
+
+def _worker(rank, world, init_file, which, pins, quantize):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        if which == "pooled":
+            model = Model()
+            batches = [global_batch(LOCAL_B * world, s) for s in range(3)]
+            local = [local_batch(x, rank, LOCAL_B) for x in batches]
+            b = LOCAL_B
+        else:
+            model = SeqModel()
+            local = [batch_of(rank, s, uneven=False) for s in range(3)]
+            batches = [global_of([batch_of(r, s, uneven=False) for r in range(world)]) for s in range(3)]
+            b = local[0][0].shape[0]
+        single = fxrec.transform(model, batches[0], mode="inference", quantize=quantize)
+        plan = fxrec.plan(model, local[0], world_size=world, memory_per_rank="1GB", pins=pins)
+        fast = fxrec.transform(model, local[0], mode="inference", quantize=quantize, plan=plan)
+        from fxrec.runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
+
+        groups = [m.group for _, m in fast.named_modules() if getattr(m, "group", None) is not None]
+        assert groups and all(isinstance(g, (QuantizedPooledGroup, QuantizedSequenceGroup)) for g in groups), groups
+        # the fp32 tables of the sharded tables are gone: each rank keeps its quantized shards only
+        sharded = {f"{t}.weight" for t, tp in plan.tables.items() if tp.sharding != "data_parallel"}
+        assert not sharded & {n for n, _ in fast.named_parameters()}, list(fast.named_parameters())
+        with torch.no_grad():
+            for x, lx in zip(batches, local):
+                want = single(*x)[rank * b:(rank + 1) * b]
+                torch.testing.assert_close(fast(*lx), want)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("quantize,pins", [
+    ("int8", {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0), "single": "row_wise"}),
+    ("int4", {"bags.0": "row_wise", "bags.1": ("table_wise", 0), "bags.2": "row_wise", "single": ("table_wise", 1)}),
+    ({"bags.2": "fp16", "single": "fp32", "*": "int8"},
+     {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": {"sharding": "column_wise", "ranks": [1, 0]},
+      "single": "data_parallel"}),
+], ids=["int8", "int4", "fp16_column_wise_and_fp32_data_parallel"])
+def test_quantized_sharded_serving_equals_single_process_quantized_serving(quantize, pins):
+    spawn(_worker, 2, "pooled", pins, quantize)
+
+
+def test_quantized_sharded_sequence_features_equal_single_process_quantized_serving():
+    spawn(_worker, 2, "sequence", {"hist": "row_wise", "cat": ("table_wise", 1), "bag": ("table_wise", 0)}, "int8")
+
+
+def _refusal_worker(rank, world, init_file, result_file, pins, quantize):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = Model()
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        try:
+            fxrec.transform(model, example, mode="inference", quantize=quantize, plan=plan)
+            msg = "no error"
+        except ValueError as e:
+            msg = str(e)
+        if rank == 0:
+            with open(result_file, "w") as fh:
+                fh.write(msg)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("pins,want", [
+    ({"bags.1": {"sharding": "column_wise", "ranks": [0, 1]}}, ["'bags.1'", "column_wise", "int8", "scale"]),
+    ({"single": "data_parallel", "bags.0": "row_wise"}, ["'single'", "data_parallel", "fp32"]),
+], ids=["int8_column_wise", "int8_data_parallel"])
+def test_what_a_plan_cannot_serve_quantized_is_refused_naming_the_table(tmp_path, pins, want):
+    result = tmp_path / "msg"
+    spawn(_refusal_worker, 2, str(result), pins, "int8")
+    msg = result.read_text()
+    assert all(w in msg for w in want), msg
