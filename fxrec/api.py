@@ -124,7 +124,8 @@ def transform(
       plan: a :class:`fxrec.ShardingPlan` (``fxrec.plan(...)``): rewrite the model for this rank of
         the initialised torch.distributed process group (gloo on CPU): table-wise and row-wise
         tables get input-dist / lookup / output-dist nodes with their collectives, data-parallel
-        tables and every other parameter stay whole with their gradients summed over ranks.
+        tables and every other parameter stay whole with their gradients summed over ranks (by
+        DDP's reducer, applied in place; sparse gradients by one all-reduce each).
         Every rank feeds its own local batch (the same size on every rank) and gets the rows of
         the single-process model for it; gradients are summed over ranks, so a loss that sums
         over the global batch (or divides by the global batch size) gives the single-process
@@ -216,7 +217,8 @@ def transform(
         # this rank's tensors: allocated, filled from the model (meta ones: initialised, and the
         # whole ones broadcast from rank 0)
         materialize(gm, model, gm.meta.get("fxrec_sharded_params", {}), gm.meta.get("fxrec_shard_layout", {}))
-        _sum_gradients_over_ranks(gm, plan)
+        if mode == "training":
+            _sum_gradients_over_ranks(gm, records)
         notes.append(_rank_note(plan, rank))
         plan_per_rank = [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
                          for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
@@ -290,14 +292,21 @@ def _check_plan(plan, optimizer, mode: str, quantize) -> int:
     return dist.get_rank()
 
 
-def _sum_gradients_over_ranks(gm: fx.GraphModule, plan) -> None:
-    """Every parameter that is not a table shard is whole on every rank: sum its gradient."""
-    from .runtime.collectives import all_reduce_grad
+def _sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:
+    """Every parameter that is not a table shard is whole on every rank: sum its gradient. DDP
+    (``replicate_whole``) does it for all of them but the tables with sparse gradients, which DDP's
+    communication hooks cannot take: those keep one all-reduce each (sparse on gloo, dense on NCCL)."""
+    from .runtime.collectives import all_reduce_grad, replicate_whole
 
     sharded = gm.meta.get("fxrec_sharded_params", {})
-    for name, p in gm.named_parameters():
-        if p.requires_grad and name not in sharded:
-            p.register_hook(all_reduce_grad(name))
+    params = dict(gm.named_parameters())
+    sparse = {r.param for r in records if r.sparse and r.param in params and r.param not in sharded}
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    unused = any(p.requires_grad and n not in used for n, p in params.items() if n not in sharded)
+    replicate_whole(gm, set(sharded) | sparse, unused)
+    for name in sparse:
+        if params[name].requires_grad:
+            params[name].register_hook(all_reduce_grad(name))
 
 
 def _rank_note(plan, rank: int) -> str:

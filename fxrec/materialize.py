@@ -57,8 +57,9 @@ def working_copy(model: nn.Module, args, every: bool = False) -> nn.Module:
 
 
 def _held(t: torch.Tensor) -> bool:
-    """Whether ``t`` has memory of its own (not a placeholder)."""
-    return t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+    """Whether ``t`` has memory of its own: not a placeholder (whose strides are 0; a shard cut from
+    one is a clone, with real strides)."""
+    return t.numel() == 0 or 0 not in t.stride()
 
 
 def _owner(root: nn.Module, fqn: str):

@@ -1,8 +1,9 @@
 """Collectives on torch.distributed with autograd, as the sharded graph calls them.
 
 Plain functions: ``all_to_all`` (variable splits; its backward is the all-to-all back),
-``reduce_scatter`` (sum, even chunks along dim 0; its backward is an all-gather) and
-``all_reduce_grad`` (a gradient hook that sums a parameter's gradient over ranks). They run on
+``reduce_scatter`` (sum, even chunks along dim 0; its backward is an all-gather),
+``replicate_whole`` (DDP's reducer for the parameters whole on every rank, summing) and
+``all_reduce_grad`` (a gradient hook that sums one parameter's sparse gradient over ranks). They run on
 whatever process group is initialised (gloo on CPU; written for NCCL on CUDA, not yet run there). A collective that fails —
 usually because another rank did not arrive within the process group's timeout — raises
 :class:`CollectiveError` naming the collective, the graph step that called it and this rank.
@@ -122,3 +123,48 @@ def all_reduce_grad(name: str):
         return g
 
     return hook
+
+
+def _sum_buckets(group, bucket):
+    """DDP communication hook: the bucket's gradients summed over ranks (DDP's own hook averages;
+    fxrec's sharded tables get summed gradients, so the dense parameters do too)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def replicate_whole(module: torch.nn.Module, leave: set, unused: bool) -> List[str]:
+    """Sum the gradients of ``module``'s trainable parameters over ranks with DDP's reducer
+    (buckets, overlapped with backward), in place: torch's composable ``replicate``, with a
+    communication hook that sums. ``leave``: names of parameters DDP must not touch (table shards,
+    and tables with sparse gradients, which DDP's hooks cannot take); DDP leaves whole modules,
+    so each module holding one must hold no other trainable parameter. ``unused``: some parameter
+    gets no gradient (DDP then looks for them every step). Returns the names DDP reduces ([]:
+    none, and DDP is not applied)."""
+    from torch.distributed._composable.replicate import replicate
+
+    params = dict(module.named_parameters())
+    kept = [n for n, p in params.items() if p.requires_grad and n not in leave]
+    if not kept:
+        return []
+    owners = {n.rpartition(".")[0] for n in leave if n in params}
+    for n in kept:  # DDP leaves a module's descendants with it
+        mod = n.rpartition(".")[0]
+        clash = [o for o in owners if o == "" or mod == o or mod.startswith(o + ".")]
+        if clash:
+            tables = sorted(t for t in leave if t in params and t.rpartition(".")[0] in clash)
+            raise ValueError(
+                f"fxrec: module '{clash[0] or '(the model itself)'}' holds the sharded or sparse table(s) {tables} "
+                f"and (itself or in a submodule) the parameter '{n}', whose gradient DDP sums over ranks; DDP takes "
+                "or leaves whole modules: put the tables in modules of their own (nn.Embedding / "
+                "nn.EmbeddingBag), or plan them data_parallel with dense gradients")
+    device = params[kept[0]].device
+    replicate(module, ignored_modules=[module.get_submodule(o) for o in owners], device_id=device,
+              find_unused_parameters=unused)
+    module.register_comm_hook(None, _sum_buckets)
+    # DDP's set-up (a broadcast of the parameters from rank 0) now, while every rank is here, not
+    # hidden in the first forward
+    try:
+        replicate.state(module).lazy_init()
+    except Exception as e:  # noqa: BLE001 - re-raised naming the step
+        raise _fail("DDP's set-up (broadcast of the parameters)", "fxrec.transform", e) from e
+    return kept

@@ -1,0 +1,113 @@
+"""The parameters whole on every rank of a sharded model (dense layers, data-parallel tables):
+their gradients are summed over ranks by DDP's reducer (torch's composable ``replicate``, with a
+summing communication hook), except tables with sparse gradients, which keep one all-reduce each
+(DDP's hooks cannot take sparse tensors). gloo, world size 2, against the plain model."""
+
+import copy
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fxrec
+
+from .test_sharding import LOCAL_B, global_batch, local_batch, spawn
+
+ROWS = (40, 64, 30, 50)
+
+
+class SparseModel(nn.Module):
+    """A row-wise table, a data-parallel table with sparse gradients, a dense table, an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(ROWS[0], 8, mode="sum"),
+                                   nn.EmbeddingBag(ROWS[1], 8, mode="sum", sparse=True),
+                                   nn.EmbeddingBag(ROWS[2], 8, mode="mean")])
+        self.single = nn.Embedding(ROWS[3], 8)
+        self.mlp = nn.Sequential(nn.Linear(35, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, dense, ids, offsets, single_ids):
+        parts = [b(i, o) for b, i, o in zip(self.bags, ids, offsets)] + [self.single(single_ids), dense]
+        return self.mlp(torch.cat(parts, 1)).squeeze(1)
+
+
+def _worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = SparseModel()
+        ref = copy.deepcopy(model)
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        pins = {"bags.0": "row_wise", "bags.1": "data_parallel", "bags.2": "data_parallel", "single": ("table_wise", 1)}
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        fast = fxrec.transform(model, example, plan=plan)
+        assert type(fast).__name__.startswith("DDP"), type(fast)  # DDP's reducer, in place
+        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(5):
+            x = global_batch(LOCAL_B * world, step + 1)
+            want = ref(*x)
+            got = fast(*local_batch(x, rank, LOCAL_B))
+            torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step}")
+            ref_opt.zero_grad()
+            want.sum().backward()
+            opt.zero_grad()
+            got.sum().backward()
+            assert fast.get_parameter("bags.1.weight").grad.is_sparse  # summed sparse, as the model makes it
+            ref_opt.step()
+            opt.step()
+        params = dict(fast.named_parameters())
+        for name in ("mlp.0.weight", "mlp.2.bias", "bags.1.weight", "bags.2.weight"):
+            torch.testing.assert_close(params[name].detach(), ref.get_parameter(name).detach(), msg=name)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_dense_and_data_parallel_gradients_are_summed_over_ranks_by_ddp_and_sparse_ones_by_hooks():
+    spawn(_worker, 2)
+
+
+class RootTable(nn.Module):
+    """A table held by the model itself, beside a dense parameter of the model itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(40, 8))
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, ids, offsets):
+        return (F.embedding_bag(ids, self.table, offsets, mode="sum") * self.scale).sum(1)
+
+
+def _clash_worker(rank, world, init_file, result_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = RootTable()
+        example = (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]))
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"table": "row_wise"})
+        try:
+            fxrec.transform(model, example, plan=plan)
+            msg = "no error"
+        except ValueError as e:
+            msg = str(e)
+        if rank == 0:
+            with open(result_file, "w") as fh:
+                fh.write(msg)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_module_holding_a_sharded_table_and_a_dense_parameter_is_refused_naming_both(tmp_path):
+    result = tmp_path / "msg"
+    spawn(_clash_worker, 2, str(result))
+    msg = result.read_text()
+    assert "['table']" in msg and "'scale'" in msg and "modules of their own" in msg, msg
