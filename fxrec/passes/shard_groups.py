@@ -36,7 +36,12 @@ After, on rank 0 of a plan with emb.0 table-wise on rank 1 and emb.1 row-wise::
     fxrec_shard_group_0_rw_input_dist = self.fxrec_shard_group_0_rw_input_dist([ids_1], [offsets_1], [None])
     fxrec_shard_group_0_rw_lookup = self.fxrec_shard_group_0_rw_lookup(fxrec_shard_group_0_rw_input_dist, [emb_1_weight])
     fxrec_shard_group_0_rw_output_dist = self.fxrec_shard_group_0_rw_output_dist(fxrec_shard_group_0_rw_lookup, ...)
-    cat = torch.ops.aten.cat.default([fxrec_shard_group_0_tw_output_dist, fxrec_shard_group_0_rw_output_dist], 1)
+    getitem = fxrec_shard_group_0_tw_output_dist[0]
+    getitem_1 = fxrec_shard_group_0_rw_output_dist[0]
+    cat = torch.ops.aten.cat.default([getitem, getitem_1], 1)
+
+Each output dist gives one tensor per lookup (not column slices of one: the backward of k slices
+of a ``[B, k * D]`` tensor would make k zero tensors of its whole size).
 
 Column-wise tables run as table-wise pieces: each column shard is a table on its rank (rank r's
 parameter is its columns, under the table's own name), looked up table-wise, and a lookup's
@@ -47,8 +52,8 @@ Table-row-wise tables run on the row-wise path with their row blocks over one ho
 hierarchical exchange inside a host first is not done).
 
 Not handled (InputError naming the table): two column shards of one table on one rank, unpooled
-(sequence) lookups of a planned table, bags with ``padding_idx`` or ``include_last_offset``,
-tables the plan does not name.
+lookups of a column-wise table, bags with ``padding_idx`` or ``include_last_offset``, tables the
+plan does not name.
 """
 
 from __future__ import annotations
@@ -315,7 +320,8 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 mods = (TableWiseInputDist(f"{name}_input_dist", [r.form for r, _ in pieces], owners, weighted, rank,
                                            world, p_names, p_rows),
                         TableWiseLookup(group, world),
-                        TableWiseOutputDist(f"{name}_output_dist", [sh.num_cols for _, sh in pieces], owners, rank, world))
+                        TableWiseOutputDist(f"{name}_output_dist", [sh.num_cols for _, sh in pieces], owners, rank, world,
+                                            [len(plan.tables[r.table].shards) for r in recs]))
             else:
                 blocks, bases = [], []
                 local, table_of, shapes = [], [], []
@@ -343,7 +349,9 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 for n in (din, look, out):
                     n.meta[meta.ORIGIN] = [r.node.name for r in recs]
                 din.meta[meta.DECISION] = _with_local(decision, gr, mods[1].group, short)
-                hand_outputs(graph, out, recs, pooled=kind != "sequence")
+                # one output per lookup (not column slices of one tensor: the backward of k slices
+                # of a [B, k * D] tensor makes k zero tensors of its whole size)
+                hand_outputs(graph, out, recs, pooled=False)
             for r in recs:
                 for n in r.nodes:
                     graph.erase_node(n)

@@ -8,11 +8,11 @@ Table-wise (a table lives whole on its owner rank):
   * :class:`TableWiseInputDist` sends each owner the ids of its features for this rank's batch
     (all-to-all of the counts, then of lengths, values and weights) and orders what arrives as
     one global batch per owned feature (source rank major): ``W * B`` bags.
-  * :class:`TableWiseLookup` pools them on the owned tables: one ``[W * B, D]`` per feature, by
+  * :class:`TableWiseLookup` pools them on the owned tables: ``[W * B, sum of owned dims]``, by
     one call of the rank's group module (:class:`~fxrec.runtime.group.EmbeddingGroup`, on the
     kernel the rule gives: native on CPU, fbgemm on CUDA).
   * :class:`TableWiseOutputDist` sends every source rank its ``B`` rows back (all-to-all; in
-    backward the gradients go the other way) and lays them out as ``[B, sum of dims]``.
+    backward the gradients go the other way): one ``[B, dim]`` per lookup.
 Row-wise (rows ``[r * block, (r + 1) * block)`` of a table live on rank r; table-row-wise: the
 same over the ranks of one host, the others holding no rows and adding zeros to the sums):
   * :class:`RowWiseInputDist` bucketizes every id to the rank holding its row (local row =
@@ -21,7 +21,8 @@ same over the ranks of one host, the others holding no rows and adding zeros to 
   * :class:`RowWiseLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``,
     by one call of the rank's group module.
   * :class:`RowWiseOutputDist` adds the partial sums of all ranks and gives each rank its own
-    ``B`` rows (reduce-scatter; all-gather in backward); mean pooling divides by the bag's length.
+    ``B`` rows (reduce-scatter; all-gather in backward), one ``[B, dim]`` per lookup; mean
+    pooling divides by the bag's length.
 Unpooled (sequence) features, of table-wise, row-wise and table-row-wise tables alike:
   * :class:`SequenceInputDist` sends every id to the rank of its row's block (a table-wise table
     is one block on its owner; fbgemm's bucketize remembers where each id went).
@@ -186,49 +187,54 @@ def _call(group: nn.Module, inputs: tuple, weights: List[torch.Tensor]):
 
 
 class TableWiseLookup(nn.Module):
-    """Pool the received bags on this rank's tables: one ``[W * B, dim]`` per owned feature, all
-    looked up by one call of ``group`` (an :class:`~fxrec.runtime.group.EmbeddingGroup` of the
-    tables and column shards this rank owns, on its kernel; None when it owns none)."""
+    """Pool the received bags on this rank's tables: ``[W * B, sum of owned dims]`` (the owned
+    features side by side, rows by source rank), looked up by one call of ``group`` (an
+    :class:`~fxrec.runtime.group.EmbeddingGroup` of the tables and column shards this rank owns,
+    on its kernel; None when it owns none)."""
 
     def __init__(self, group: Optional[nn.Module], world: int):
         super().__init__()
         self.group, self.world = group, world
 
-    def forward(self, dist_out, weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    def forward(self, dist_out, weights: List[torch.Tensor]) -> Optional[torch.Tensor]:
         if self.group is None:
-            return []
-        out = _local_lookup(self.group, dist_out, weights, self.world)
-        return list(torch.split(out, self.group.dims, 1))
+            return None
+        return _local_lookup(self.group, dist_out, weights, self.world)
 
 
 class TableWiseOutputDist(nn.Module):
-    """Give every rank its rows of the pooled features back: ``[B, sum of dims]``."""
+    """Give every rank its rows of the pooled features back: one ``[B, dim]`` per lookup (a
+    column-wise lookup's pieces side by side). Each owner sends source rank s its rows
+    ``[s * B, (s + 1) * B)`` as they are (no copy); the receiver splits them by feature."""
 
     _fxrec_collective = True
 
-    def __init__(self, name: str, dims: List[int], owners: List[int], rank: int, world: int):
+    def __init__(self, name: str, dims: List[int], owners: List[int], rank: int, world: int,
+                 pieces_per_output: Optional[List[int]] = None):
         super().__init__()
         self.name, self.dims, self.owners, self.rank, self.world = name, list(dims), list(owners), rank, world
-        order = sorted(range(len(dims)), key=lambda i: (owners[i], i))
-        self.recv_order = order  # group feature index of each received block, in arrival order
         self.width_of = [sum(dims[i] for i in range(len(dims)) if owners[i] == r) for r in range(world)]
+        self.owned = [[i for i in range(len(dims)) if owners[i] == r] for r in range(world)]  # pieces, in order
+        self.pieces_per_output = list(pieces_per_output or [1] * len(dims))
 
-    def forward(self, looked: List[torch.Tensor], dist_out) -> torch.Tensor:
+    def forward(self, looked: Optional[torch.Tensor], dist_out) -> List[torch.Tensor]:
         batch = dist_out[3]
-        parts = []
-        for s in range(self.world):
-            for out in looked:
-                parts.append(out[s * batch:(s + 1) * batch].reshape(-1))
-        send = torch.cat(parts) if parts else torch.zeros(0, device=dist_out[1].device)
+        send = looked.reshape(-1) if looked is not None else torch.zeros(0, device=dist_out[1].device)
         if torch.is_grad_enabled() and not send.requires_grad:
             send = send.detach().requires_grad_()  # every rank joins the backward all-to-all
         mine = self.width_of[self.rank] * batch
         recv = all_to_all(send, [w * batch for w in self.width_of], [mine] * self.world, self.name)
-        blocks = list(torch.split(recv, [self.dims[i] * batch for i in self.recv_order]))
-        cols = [None] * len(self.dims)
-        for i, blk in zip(self.recv_order, blocks):
-            cols[i] = blk.view(batch, self.dims[i])
-        return torch.cat(cols, 1)
+        cols: List[Optional[torch.Tensor]] = [None] * len(self.dims)
+        for r, blk in enumerate(torch.split(recv, [w * batch for w in self.width_of])):
+            if self.owned[r]:
+                parts = torch.split(blk.view(batch, self.width_of[r]), [self.dims[i] for i in self.owned[r]], 1)
+                for i, part in zip(self.owned[r], parts):
+                    cols[i] = part
+        outs, at = [], 0
+        for k in self.pieces_per_output:
+            outs.append(cols[at] if k == 1 else torch.cat(cols[at:at + k], 1))
+            at += k
+        return outs
 
 
 class RowWiseInputDist(nn.Module):
@@ -289,7 +295,8 @@ class RowWiseLookup(nn.Module):
 
 
 class RowWiseOutputDist(nn.Module):
-    """Sum the partial sums over ranks and keep this rank's ``B`` rows (reduce-scatter)."""
+    """Sum the partial sums over ranks and keep this rank's ``B`` rows (reduce-scatter): one
+    ``[B, dim]`` per lookup."""
 
     _fxrec_collective = True
 
@@ -297,7 +304,7 @@ class RowWiseOutputDist(nn.Module):
         super().__init__()
         self.name, self.dims, self.pooling = name, list(dims), pooling
 
-    def forward(self, partial: torch.Tensor, dist_out) -> torch.Tensor:
+    def forward(self, partial: torch.Tensor, dist_out) -> List[torch.Tensor]:
         if torch.is_grad_enabled() and not partial.requires_grad:
             partial = partial.detach().requires_grad_()  # every rank joins the backward all-gather
         out = reduce_scatter(partial, self.name)
@@ -305,7 +312,7 @@ class RowWiseOutputDist(nn.Module):
             local_lengths = dist_out[4]  # [features, B]: this rank's bag lengths before bucketizing
             scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), torch.tensor(self.dims, device=out.device), dim=0)
             out = out * scale.t()
-        return out
+        return list(torch.split(out, self.dims, 1))
 
 
 class SequenceInputDist(nn.Module):
