@@ -89,15 +89,15 @@ def group_inputs(gr: meta.GroupRecord, index: Dict[str, int], value) -> tuple:
 
 def hand_outputs(graph: fx.Graph, call: fx.Node, recs: Sequence[meta.LookupRecord], pooled: bool = True) -> None:
     """Give each lookup's users its part of ``call``'s output (inserted at the graph's current
-    insertion point): a column slice of a pooled ``[B, sum of dims]`` output, else item i of a
-    list; the parts carry the original output's ``val`` and name it as their origin."""
-    col = 0
+    insertion point): item i of one ``split_with_sizes`` of a pooled ``[B, sum of dims]`` output
+    by columns (not one slice each: the backward of k slices of a tensor makes k zero tensors of
+    its whole size, a split's one ``cat``), else item i of a list; the parts carry the original
+    output's ``val`` and name it as their origin."""
+    if pooled:
+        call = graph.call_function(torch.ops.aten.split_with_sizes.default, (call, [r.dim for r in recs], 1))
+        call.meta[meta.ORIGIN] = [r.output.name for r in recs]
     for i, rec in enumerate(recs):
-        if pooled:
-            out = graph.call_function(torch.ops.aten.slice.Tensor, (call, 1, col, col + rec.dim))
-            col += rec.dim
-        else:
-            out = graph.call_function(operator.getitem, (call, i))
+        out = graph.call_function(operator.getitem, (call, i))
         out.meta[meta.ORIGIN] = [rec.output.name]
         if "val" in rec.output.meta:
             out.meta["val"] = rec.output.meta["val"]

@@ -13,7 +13,7 @@
 6. choose_kernels    — each group's kernels by the rule table (or autotune=True's measurement),
                        before lowering: lower_groups builds each group with its kernels.
 7. lower_groups      — rewrites only what was grouped and chosen; after it those lookups are gone.
-8. fold_concat       — needs the group's slice nodes that lower_groups emitted.
+8. fold_concat       — needs the group's column split that lower_groups emitted.
 9. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
 
 With a sharding plan: annotate_lookups → merge_lookups → assign_optimizers → group_lookups →

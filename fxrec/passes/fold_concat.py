@@ -2,17 +2,18 @@
 
 Before (gm.code)::
 
-    slice_1 = torch.ops.aten.slice.Tensor(fxrec_group_0, 1, 0, 8)
-    slice_2 = torch.ops.aten.slice.Tensor(fxrec_group_0, 1, 8, 16)
-    cat = torch.ops.aten.cat.default([dense, slice_1, slice_2], 1)
+    split_with_sizes = torch.ops.aten.split_with_sizes.default(fxrec_group_0, [8, 8], 1)
+    getitem = split_with_sizes[0]
+    getitem_1 = split_with_sizes[1]
+    cat = torch.ops.aten.cat.default([dense, getitem, getitem_1], 1)
 
 After::
 
     cat = torch.ops.aten.cat.default([dense, fxrec_group_0], 1)
 
-A run of consecutive arguments that are adjacent column slices of one group output becomes
+A run of consecutive arguments that are adjacent column parts of one group output becomes
 that output when the run covers all its columns (a cat of nothing else disappears entirely),
-or one wider slice when it covers part of them. Slices left without users are removed.
+or one slice when it covers part of them. Parts (and splits) left without users are removed.
 
 ``torch.stack(..., dim=1)`` of [B, D] tensors (DLRM's interaction input) is folded the same way
 when a run covers a whole group whose tables all have dim D: the group output is reshaped to
@@ -24,6 +25,7 @@ stack.
 
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Tuple
 
 import torch
@@ -36,21 +38,20 @@ aten = torch.ops.aten
 
 
 def _group_slice(n) -> Optional[Tuple[fx.Node, int, int]]:
-    if (
-        isinstance(n, fx.Node)
-        and n.op == "call_function"
-        and n.target is aten.slice.Tensor
-        and len(n.args) == 4
-        and n.args[1] == 1
-        and isinstance(n.args[0], fx.Node)
-        and n.args[0].op == "call_module"
-        # a column slice that lower_groups / shard_groups handed a lookup's user (both carry the
-        # lookups they replace as their origin), not a slice the user wrote
-        and meta.ORIGIN in n.meta
-        and meta.ORIGIN in n.args[0].meta
-    ):
-        return n.args[0], int(n.args[2]), int(n.args[3])
-    return None
+    """(group output, first column, end column) of item i of the column split that
+    lower_groups / shard_groups handed a lookup's user (both carry the lookups they replace as
+    their origin), not of a split the user wrote; None for anything else."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target is operator.getitem
+            and meta.ORIGIN in n.meta and isinstance(n.args[0], fx.Node)):
+        return None
+    split, i = n.args
+    if not (split.op == "call_function" and split.target is aten.split_with_sizes.default and len(split.args) == 3
+            and split.args[2] == 1 and isinstance(split.args[0], fx.Node) and split.args[0].op == "call_module"
+            and meta.ORIGIN in split.meta and meta.ORIGIN in split.args[0].meta):
+        return None
+    sizes = split.args[1]
+    start = sum(sizes[:i])
+    return split.args[0], start, start + sizes[i]
 
 
 def _width(gm: fx.GraphModule, group: fx.Node) -> int:
@@ -95,8 +96,11 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     removed = 0
     for n in reversed(list(graph.nodes)):
         if _group_slice(n) is not None and not n.users:
+            split = n.args[0]
             graph.erase_node(n)
             removed += 1
+            if not split.users:  # every column went to a folded cat
+                graph.erase_node(split)
     return PassResult(gm, folded > 0 or removed > 0, {"cats_folded": folded, "slices_removed": removed})
 
 

@@ -12,11 +12,12 @@ After::
 
     fxrec_group_0 = self.fxrec_group_0([ids_0, ids_1], [offs_0, offs_1], [None, None],
                                        [bags_0_weight, bags_1_weight])
-    slice_1 = torch.ops.aten.slice.Tensor(fxrec_group_0, 1, 0, 8)
-    slice_2 = torch.ops.aten.slice.Tensor(fxrec_group_0, 1, 8, 16)
-    cat = torch.ops.aten.cat.default([slice_1, slice_2, linear], 1)
+    split_with_sizes = torch.ops.aten.split_with_sizes.default(fxrec_group_0, [8, 8], 1)
+    getitem = split_with_sizes[0]
+    getitem_1 = split_with_sizes[1]
+    cat = torch.ops.aten.cat.default([getitem, getitem_1, linear], 1)
 
-(fold_concat then turns the two slices in the cat back into ``fxrec_group_0``.) The weights
+(fold_concat then turns the two parts in the cat back into ``fxrec_group_0``.) The weights
 stay the user's parameters, passed in from their original ``get_attr`` nodes, so
 ``state_dict()`` keeps its keys and gradients land on the original parameters. Sequence groups
 return one tensor per feature, taken with ``getitem``.

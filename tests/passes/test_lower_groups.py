@@ -17,14 +17,16 @@ def lowered(model, inputs):
     return gm, ctx
 
 
-def test_replaces_lookups_by_one_group_call_and_column_slices():
+def test_replaces_lookups_by_one_group_call_and_one_column_split():
     model, inputs = M.BagList(), M.bag_inputs()
     gm, _ = lowered(model, inputs)
     assert not embedding_ops(gm)
     (call,) = group_calls(gm)
     assert gm.get_submodule(call.target).pooling == "sum"
-    slices = [n for n in call.users if n.target is aten.slice.Tensor]
-    assert sorted(tuple(n.args[1:]) for n in slices) == [(1, 0, 8), (1, 8, 16), (1, 16, 24)]
+    # one split by columns, one part per lookup (k slices would make k whole-width zero gradients)
+    (split,) = call.users
+    assert split.target is aten.split_with_sizes.default and split.args[1:] == ([8, 8, 8], 1)
+    assert sorted(n.args[1] for n in split.users) == [0, 1, 2]
     assert call.meta[meta.ORIGIN] == ["embedding_bag", "embedding_bag_1", "embedding_bag_2"]
     assert_matches(model, gm, inputs, M.bag_inputs(seed=5, batch=3))
 
