@@ -13,6 +13,9 @@ written under one plan loads under any other plan and world size, and into the p
     fxrec.checkpoint.load_into_model(model, "ckpt/step_100")  # one process, no process group
     fxrec.checkpoint.save_model(model, "ckpt/init")           # loads into a sharded model with load()
 
+    fxrec.checkpoint.save(fast, "ckpt/step_100", optimizer=opt)   # with the optimizer's state
+    fxrec.checkpoint.load(fast2, "ckpt/step_100", optimizer=fast2.make_optimizer(torch.optim.Adam))
+
 What a rank holds comes from ``fast.meta["fxrec_shard_layout"]`` (written by the shard pass):
 ``{param_fqn: ((rows, dim), [(row_offset, num_rows, col_offset, num_cols, local_col_offset), ...])}``;
 piece ``i`` is ``param[:num_rows, local_col_offset:local_col_offset + num_cols]`` of this rank's
@@ -26,9 +29,19 @@ The states of fused embedding optimizers (Adagrad's, row-wise Adagrad's) are par
 entries ``<table fqn>.fxrec_fused.<state>``: Adagrad's shaped and cut like its table, row-wise
 Adagrad's as a ``[rows, 1]`` column cut by the table's rows, so they reshard with the weights.
 They are optional both ways: a checkpoint without them loads into a fused model (its states are
-left as they are), and one with them loads into a model without (they are skipped). The states
-of optimizers fxrec does not fuse (torch.optim's, in ``opt.step()``) and of the dense optimizer
-are not part of these checkpoints.
+left as they are), and one with them loads into a model without (they are skipped).
+
+The optimizer that ``opt.step()`` runs (``fast.make_optimizer(...)``: the dense optimizer and the
+torch.optim fallbacks of tables fxrec does not fuse; or any torch.optim optimizer) is saved with
+``optimizer=opt`` and loaded with ``optimizer=opt`` (a fresh one, built for the loading model),
+keyed by parameter name (:mod:`fxrec.checkpoint_optim`): a state of its parameter's shape (Adam's
+``exp_avg``) is the entry ``<param fqn>.fxrec_optim.<state>``, cut like the parameter by the same
+pieces and planner (a per-row ``[rows]`` state as a ``[rows, 1]`` column, like row-wise Adagrad's);
+other states (Adam's ``step``) are written once; the param groups' hyperparameters (``lr``, ...),
+the kinds of the states and non-tensor states are plain JSON in ``fxrec_optimizer.json``, restored
+on load (as torch.optim's ``load_state_dict`` does: a scheduler resumes with its own state_dict).
+Optional both ways too: with ``optimizer=`` and a checkpoint without its state, ``strict=True``
+raises naming what is missing.
 
 Safe and all-or-nothing: :func:`save` / :func:`save_model` write into ``<path>.fxrec-partial`` and
 rename it to ``path`` when every file is written, with ``fxrec_checksums.json`` (the SHA-256 and size
@@ -48,7 +61,7 @@ import os
 import pickle
 import shutil
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +71,8 @@ __all__ = ["save", "load", "save_model", "load_into_model", "verify", "add_check
 LAYOUT_KEY = "fxrec_shard_layout"
 #: Marks a fused optimizer's state entry: ``<table fqn>.fxrec_fused.<state name>``.
 FUSED_TAG = ".fxrec_fused."
+#: Marks a state entry of the optimizer given as ``optimizer=``: ``<param fqn>.fxrec_optim.<state name>``.
+OPTIM_TAG = ".fxrec_optim."
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 # fqn -> (global shape, [(chunk offsets, chunk sizes, local view), ...])
@@ -338,6 +353,19 @@ def _fused_states(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _state_cut(fqn: str, layout: dict, per_row: bool):
+    """The layout of an optimizer state kept beside the table ``fqn``: cut like the table (a state
+    of the table's shape), or (``per_row``) a ``[rows, 1]`` column cut by the table's rows. The one
+    rule for fused states and for those of ``optimizer=``."""
+    (rows, dim), pieces = layout[fqn]
+    if not per_row:
+        return (rows, dim), pieces
+    if any(n and cols and (col, cols) != (0, dim) for _, n, col, cols, _ in pieces):
+        raise CheckpointError(f"fxrec.checkpoint: table '{fqn}' is split by columns here, so a per-row optimizer "
+                              "state (one value for the whole row) cannot be cut like it")
+    return (rows, 1), [(ro, n, 0, 1, 0) for ro, n, _, _, _ in pieces]
+
+
 def _split_states(states: Dict[str, torch.Tensor], layout: dict) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
     """(layout of the states of sharded tables, cut as their tables' rows (and columns); those
     states by entry; the states of whole tables, by entry)."""
@@ -347,11 +375,8 @@ def _split_states(states: Dict[str, torch.Tensor], layout: dict) -> Tuple[dict, 
         if fqn not in layout:
             whole[key] = t
             continue
-        (rows, dim), pieces = layout[fqn]
-        if t.shape[1] != dim or dim == 1:  # row-wise: one column, cut by rows (never column-wise)
-            state_layout[key] = ((rows, 1), [(ro, n, 0, 1, 0) for ro, n, _, _, _ in pieces])
-        else:
-            state_layout[key] = ((rows, dim), pieces)
+        dim = layout[fqn][0][1]
+        state_layout[key] = _state_cut(fqn, layout, per_row=t.shape[1] != dim or dim == 1)
         sharded[key] = t
     return state_layout, sharded, whole
 
@@ -404,10 +429,12 @@ def _fmt(shape) -> str:
     return " x ".join(str(int(s)) for s in shape) if len(shape) == 2 else str(tuple(int(s) for s in shape))
 
 
-def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, strict: bool) -> set:
+def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, strict: bool,
+                optimizer_problems: Sequence[str] = ()) -> set:
     """Raise CheckpointError naming every entry the checkpoint has with another shape and (strict)
-    every entry it lacks or has and the model does not; return the checkpoint's keys. Reads only
-    the checkpoint's metadata file, so every rank raises the same error before any collective."""
+    every entry it lacks or has and the model does not, and ``optimizer_problems``; return the
+    checkpoint's keys. Reads only the checkpoint's metadata file, so every rank raises the same
+    error before any collective (with optimizer problems, which differ by rank: see load)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"fxrec.checkpoint: no checkpoint directory at {path!s}")
     md = _read_metadata(path).state_dict_metadata
@@ -416,7 +443,7 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
         what = "table" if key in tables else "entry"
         got = md.get(key)
         if got is None:
-            if strict and FUSED_TAG not in key:  # optimizer states are optional
+            if strict and FUSED_TAG not in key:  # fused optimizer states are optional
                 problems.append(f"the checkpoint has no {what} '{key}' (the model's is "
                                 f"{_fmt(shape) if shape is not None else 'not a tensor'})")
         elif shape is not None:
@@ -425,12 +452,19 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
             elif tuple(got.size) != tuple(shape):
                 problems.append(f"{what} '{key}' is {_fmt(got.size)} in the checkpoint and {_fmt(shape)} in the model")
     if strict:
-        extra = sorted(k for k in set(md) - set(expected) if FUSED_TAG not in k)
+        extra = sorted(k for k in set(md) - set(expected) if not _is_optimizer_entry(k))
         if extra:
             problems.append(f"the checkpoint has entries the model does not: {extra} (strict=False ignores them)")
+    problems += list(optimizer_problems)
     if problems:
-        raise CheckpointError(f"fxrec.checkpoint: {path!s} does not fit the model: " + "; ".join(problems))
+        what = "the model and its optimizer" if optimizer_problems else "the model"
+        raise CheckpointError(f"fxrec.checkpoint: {path!s} does not fit {what}: " + "; ".join(problems))
     return set(md)
+
+
+def _is_optimizer_entry(key: str) -> bool:
+    """An optimizer state entry (fused, or of ``optimizer=``): checked apart from the model's."""
+    return FUSED_TAG in key or OPTIM_TAG in key
 
 
 def _expected(whole: Dict[str, torch.Tensor], layout: dict) -> Dict[str, Optional[torch.Size]]:
@@ -447,7 +481,8 @@ def _check_collective(fn_name: str, layout: dict) -> None:
 
 
 # --------------------------------------------------------------------------- API
-def save(fast: torch.nn.Module, path, *, process_group=None) -> None:
+def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimizer] = None,
+         process_group=None) -> None:
     """Write a model sharded with ``fxrec.transform(..., plan=...)`` to the DCP directory ``path``.
 
     Collective: every rank of the process group calls it, with the same ``path`` (a directory all
@@ -457,26 +492,42 @@ def save(fast: torch.nn.Module, path, *, process_group=None) -> None:
     into the single-process model. ::
 
         fast = fxrec.transform(model, local_example, plan=plan)
+        opt = fast.make_optimizer(torch.optim.Adam, lr=1e-3)
         ...train...
-        fxrec.checkpoint.save(fast, f"ckpt/step_{step}")     # on every rank
+        fxrec.checkpoint.save(fast, f"ckpt/step_{step}", optimizer=opt)     # on every rank
+
+    ``optimizer``: also write the state of the optimizer that ``opt.step()`` runs (the one
+    ``fast.make_optimizer`` returns, or any ``torch.optim`` optimizer over the model's parameters),
+    keyed by parameter name, its per-element states cut like the parameters (see the module doc).
+    The ranks must agree on what they keep once (e.g. Adam's ``step`` of a sharded table), else
+    :class:`CheckpointError` on every rank, before anything is written.
     """
     path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
     _check_collective("save", layout)
     if not (dist.is_available() and dist.is_initialized()):
-        return save_model(fast, path)  # an unsharded model in a single process
+        return save_model(fast, path, optimizer=optimizer)  # an unsharded model in a single process
     state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
+    whole = {**_whole_state(fast, layout), **whole_states}
+    saved = None
+    if optimizer is not None:  # collective: the ranks' parts gathered, the same on every rank
+        from . import checkpoint_optim
+
+        saved = checkpoint_optim.collect(fast, optimizer, layout, distributed=True, process_group=process_group)
+        pieces.update(saved.pieces(fast))
+        whole.update(saved.whole)
     rank = dist.get_rank(process_group)
     tmp = str(path) + _PARTIAL
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that did not finish
     dist.barrier(group=process_group)
-    _dcp().save({**_whole_state(fast, layout), **whole_states}, checkpoint_id=tmp, planner=_planners()[0](pieces),
-                process_group=process_group)
+    _dcp().save(whole, checkpoint_id=tmp, planner=_planners()[0](pieces), process_group=process_group)
     error = [None]
     if rank == 0:  # DCP's save returns on every rank after rank 0 wrote the metadata
         try:
+            if saved is not None:
+                saved.write(tmp)
             _commit(tmp, str(path))
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             error[0] = f"{type(e).__name__}: {e}"
@@ -486,7 +537,8 @@ def save(fast: torch.nn.Module, path, *, process_group=None) -> None:
         raise CheckpointError(f"fxrec.checkpoint.save: rank 0 could not finish {path!s}: {error[0]}")
 
 
-def load(fast: torch.nn.Module, path, *, strict: bool = True, process_group=None) -> None:
+def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optional[torch.optim.Optimizer] = None,
+         process_group=None) -> None:
     """Fill a sharded model's parameters and buffers in place from the DCP checkpoint at ``path``.
 
     Collective: every rank calls it. The checkpoint may come from :func:`save` under any plan and
@@ -497,30 +549,57 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, process_group=None
     (``strict=False`` leaves the former as they are and ignores the latter). ::
 
         fast = fxrec.transform(model, local_example, plan=new_plan)   # another plan / world size
-        fxrec.checkpoint.load(fast, "ckpt/step_100")                 # on every rank
+        opt = fast.make_optimizer(torch.optim.Adam, lr=1e-3)
+        fxrec.checkpoint.load(fast, "ckpt/step_100", optimizer=opt)  # on every rank
+
+    ``optimizer``: also fill the state of this optimizer (built for ``fast``, before its first
+    step) from the checkpoint's, by parameter name, each rank reading the rows its parameters
+    hold, and restore its param groups' hyperparameters (``lr``, ...) as saved, so that an LR
+    scheduler whose own ``state_dict`` is restored goes on where it was. With ``strict=True`` a
+    checkpoint saved without it, or without the state of one of its parameters, raises
+    :class:`CheckpointError` naming them (``strict=False`` leaves those as they are); a state of
+    another shape always does, naming the parameter, the state and both shapes.
     """
     path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
     _check_collective("load", layout)
-    if not (dist.is_available() and dist.is_initialized()):
-        return load_into_model(fast, path, strict=strict)  # an unsharded model in a single process
+    if not (dist.is_available() and dist.is_initialized()):  # an unsharded model in a single process
+        return load_into_model(fast, path, strict=strict, optimizer=optimizer)
     state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
     whole = {**_whole_state(fast, layout), **whole_states}
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     _agree(lambda: verify(path, part=(rank, world)), process_group)  # each rank hashes its share
-    keys = _check_fits(path, _expected(whole, {**layout, **state_layout}), _table_names(fast, layout), strict)
+    def fits():
+        return _fits(fast, optimizer, path, _expected(whole, {**layout, **state_layout}), _table_names(fast, layout),
+                     layout, strict)
+
+    if optimizer is None:
+        keys, opt_load = fits()
+    else:  # what each rank's optimizer holds differs: every rank raises when one does
+        found = []
+        _agree(lambda: found.append(fits()), process_group,
+               other="another rank found that the checkpoint does not fit its model or optimizer (its error says "
+                     "why); nothing was loaded")
+        keys, opt_load = found[0]
     pieces = {k: v for k, v in pieces.items() if k in keys}  # strict=False: tables it lacks stay as they are
     staged_pieces = {k: (size, [(o, n, torch.empty_like(v)) for o, n, v in views]) for k, (size, views) in pieces.items()}
-    staged = _load_staged(whole, keys, path, _planners()[1](staged_pieces), no_dist=False, process_group=process_group)
+    read = whole
+    if opt_load is not None:  # read with the model's entries, into fresh tensors of their own
+        staged_pieces.update(opt_load.pieces(fast))
+        read = {**whole, **opt_load.whole}
+        keys = keys | set(opt_load.whole)
+    staged = _load_staged(read, keys, path, _planners()[1](staged_pieces), no_dist=False, process_group=process_group)
     with torch.no_grad():  # every rank read everything: now the model changes
         for k, (_, views) in pieces.items():
             for (_, _, view), (_, _, new) in zip(views, staged_pieces[k][1]):
                 view.copy_(new)
     _copy_back(fast, whole, staged)
+    if opt_load is not None:
+        opt_load.apply(staged)
 
 
-def save_model(model: torch.nn.Module, path) -> None:
+def save_model(model: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Write a single-process model (full tables; a plain model or ``fxrec.transform`` without a
     plan) to the DCP directory ``path``, in the format :func:`load` reads into a sharded model.
 
@@ -529,6 +608,9 @@ def save_model(model: torch.nn.Module, path) -> None:
         fxrec.checkpoint.save_model(model, "ckpt/init")
         # later, on every rank of a sharded run:
         fxrec.checkpoint.load(fxrec.transform(model, local_example, plan=plan), "ckpt/init")
+
+    ``optimizer``: also write its state, as :func:`save` does (``fast.make_optimizer(...)``'s, or
+    any ``torch.optim`` optimizer over the model's parameters); :func:`load` reshards it.
     """
     path = os.path.normpath(os.fspath(path))
     layout = _layout(model)
@@ -541,12 +623,21 @@ def save_model(model: torch.nn.Module, path) -> None:
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         dcp = _dcp()
         states = _fused_states(model)  # first: it may bind the tables to their TBE (new storage)
+        saved = None
+        if optimizer is not None:
+            from . import checkpoint_optim
+
+            saved = checkpoint_optim.collect(model, optimizer, {}, distributed=False)
+            states.update(saved.whole)
         dcp.save({**model.state_dict(), **states}, checkpoint_id=tmp,
                  planner=dcp.DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    if saved is not None:
+        saved.write(tmp)
     _commit(tmp, str(path))
 
 
-def load_into_model(model: torch.nn.Module, path, *, strict: bool = True) -> None:
+def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Load a checkpoint written by :func:`save` (any plan, any world size) or :func:`save_model`
     into a single-process model with full tables, in place. Needs no process group. ::
 
@@ -557,7 +648,8 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True) -> Non
     Raises :class:`CheckpointError` naming each table or entry the checkpoint has with another
     shape (both shapes given), and with ``strict=True`` (default) each one it lacks and those the
     model does not have; and naming the file when one is damaged or missing (the model is then
-    left as it was).
+    left as it was). ``optimizer``: also fill this optimizer's state and hyperparameters from the
+    checkpoint's, as :func:`load` does (the same errors).
     """
     path = os.path.normpath(os.fspath(path))
     layout = _layout(model)
@@ -567,22 +659,43 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True) -> Non
     states = _fused_states(model)  # first: it may bind the tables to their TBE (new storage)
     state = {**model.state_dict(), **states}
     verify(path)
-    keys = _check_fits(path, _expected(state, {}), _table_names(model, {}), strict)
+    keys, opt_load = _fits(model, optimizer, path, _expected(state, {}), _table_names(model, {}), {}, strict)
+    read = state
+    if opt_load is not None:  # every state whole: one process holds whole parameters
+        read = {**state, **opt_load.whole}
+        keys = keys | set(opt_load.whole)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         planner = _planners()[2](flatten_state_dict=False, allow_partial_load=not strict)
-        staged = _load_staged(state, keys, path, planner, no_dist=True, process_group=None)
+        staged = _load_staged(read, keys, path, planner, no_dist=True, process_group=None)
     _copy_back(model, state, staged)
+    if opt_load is not None:
+        opt_load.apply(staged)
 
 
 # --------------------------------------------------------------------------- helpers
+def _fits(module, optimizer, path, expected, tables, layout, strict):
+    """Check the checkpoint against the model and (given) the optimizer, raising one
+    CheckpointError naming every problem of both; return (the checkpoint's keys, the planned
+    optimizer load or None)."""
+    problems: List[str] = []
+    opt_load = None
+    if optimizer is not None:
+        from . import checkpoint_optim
+
+        opt_load = checkpoint_optim.plan_load(module, optimizer, path, layout, strict, problems)
+    return _check_fits(path, expected, tables, strict, problems), opt_load
+
+
 def _is_partial(shape, pieces) -> bool:
     return not (len(pieces) == 1 and tuple(pieces[0][:4]) == (0, shape[0], 0, shape[1]))
 
 
-def _agree(check, process_group) -> None:
+def _agree(check, process_group, other: str = "another rank found the checkpoint damaged or missing (its error "
+                                                  "names the file); nothing was loaded") -> None:
     """Run ``check`` on every rank; when it raises on any rank, raise on every rank (the others
-    would otherwise wait in DCP's collectives for the one that left)."""
+    would otherwise wait in DCP's collectives for the one that left): its own error on that rank,
+    ``CheckpointError(other)`` on the others."""
     error: Optional[BaseException] = None
     try:
         check()
@@ -595,8 +708,7 @@ def _agree(check, process_group) -> None:
     if error is not None:
         raise error
     if int(flag.item()):
-        raise CheckpointError("fxrec.checkpoint: another rank found the checkpoint damaged or missing (its error "
-                              "names the file); nothing was loaded")
+        raise CheckpointError(f"fxrec.checkpoint: {other}")
 
 
 def _load_staged(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no_dist: bool,

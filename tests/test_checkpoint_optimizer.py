@@ -1,0 +1,327 @@
+"""fxrec.checkpoint with optimizer=: the state of the optimizer that opt.step() runs (dense Adam,
+torch.optim fallbacks of tables, fused groups' lr) is saved by parameter name and resumes training
+as if it had never stopped: in one process bit for bit, from world size 2 to world size 4 under
+another plan and into one process as the uninterrupted single-process run (to float rounding)."""
+
+import copy
+import os
+import shutil
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fxrec
+from fxrec.checkpoint import CheckpointError
+from fxrec.optim import RowWiseAdagradTorch
+from tests.test_sharding import _CKPT_G, Model, _held_part, _train_fused, global_batch, local_batch, spawn
+
+# Every kind of optimizer state: torch.optim Adam on three tables (fxrec never fuses Adam on CPU),
+# Adagrad with lr_decay (not fused: its step matters) on one, and bags.1 with no fxrec optimizer,
+# so that it trains with the dense optimizer (torch.optim.Adam) with the dense layer.
+TABLE_OPT = {"bags.0": fxrec.optim.Adam(lr=0.05), "bags.2": fxrec.optim.Adam(lr=0.05),
+             "single": fxrec.optim.Adagrad(lr=0.1, lr_decay=0.01)}
+PLAN_A = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": "data_parallel", "single": "row_wise"}
+PLAN_B = {"bags.0": "row_wise", "bags.1": ("table_wise", 3), "bags.2": "row_wise", "single": ("table_wise", 2)}
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def single_process(model, table_opt=TABLE_OPT):
+    fast = fxrec.transform(copy.deepcopy(model), global_batch(_CKPT_G, 0), optimizer=table_opt)
+    return fast, fast.make_optimizer(torch.optim.Adam, lr=0.01)
+
+
+def sharded(model, world, rank, pins):
+    example = local_batch(global_batch(_CKPT_G, 0), rank, _CKPT_G // world)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+    fast = fxrec.transform(copy.deepcopy(model), example, plan=plan, optimizer=TABLE_OPT)
+    return fast, fast.make_optimizer(torch.optim.Adam, lr=0.01), plan
+
+
+def model(seed):
+    torch.manual_seed(seed)
+    return Model()
+
+
+def states(module, optimizers):
+    """{param fqn: {state name: value}} of the torch optimizers (by the test's own bookkeeping)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {names[id(p)]: dict(st) for o in optimizers for p, st in o.state.items()}
+
+
+def subs(opt):
+    return ([opt.dense] if opt.dense is not None else []) + opt.fallbacks
+
+
+def assert_same(a, b, what):
+    assert a.keys() == b.keys(), (what, sorted(a), sorted(b))
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_same(a[k], b[k], f"{what} {k}")
+        else:
+            assert torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])), f"{what} {k}"
+
+
+def assert_holds(fast, opt_states, ref, ref_states, plan, rank, what):
+    """fast's parameters and optimizer states are this rank's parts of the single-process ones."""
+    params = dict(fast.named_parameters())
+    for name, want in ref.state_dict().items():
+        tp = plan.tables.get(name.rsplit(".", 1)[0])
+        if name in params:
+            torch.testing.assert_close(params[name].detach(), _held_part(want, tp, rank), **TOL, msg=f"{what}: {name}")
+    for name, st in opt_states.items():
+        tp = plan.tables.get(name.rsplit(".", 1)[0])
+        assert st.keys() == ref_states[name].keys(), (what, name, st.keys())
+        for k, v in st.items():
+            want = ref_states[name][k]
+            want = want if v.dim() == 0 else _held_part(want, tp, rank)
+            torch.testing.assert_close(v, want, **TOL, msg=f"{what}: state {k} of {name}")
+
+
+# --------------------------------------------------------------------------- one process
+def test_single_process_resume_equals_uninterrupted_training_bit_for_bit(tmp_path):
+    """A fused table (Adagrad), torch.optim fallbacks (Adam, SGD with momentum), the dense Adam
+    and an LR scheduler: 3 steps, save, load into another model's transform, 3 more steps: the
+    same parameters, states and learning rates as 6 uninterrupted steps."""
+    table_opt = {"bags.0": fxrec.optim.Adagrad(lr=0.1), "bags.1": fxrec.optim.Adam(lr=0.05),
+                 "single": fxrec.optim.SGD(lr=0.1, momentum=0.9)}
+
+    def make(m):
+        fast, opt = single_process(m, table_opt)
+        return fast, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    def run(fast, opt, sched, first, steps):
+        for step in range(first, first + steps):
+            _train_fused(1, 1)(fast, opt, step)
+            sched.step()
+
+    ref, ref_opt, ref_sched = make(model(0))
+    run(ref, ref_opt, ref_sched, 0, 6)
+
+    a, a_opt, a_sched = make(model(0))
+    assert a_opt.fused and a_opt.fallbacks and a_opt.dense is not None, a_opt
+    run(a, a_opt, a_sched, 0, 3)
+    fxrec.checkpoint.save_model(a, tmp_path / "ckpt", optimizer=a_opt)
+    sched_state = a_sched.state_dict()
+
+    b, b_opt, b_sched = make(model(1))  # other initial values, fresh optimizer state and lr
+    fxrec.checkpoint.load_into_model(b, tmp_path / "ckpt", optimizer=b_opt)
+    b_sched.load_state_dict(sched_state)
+    assert [g["lr"] for g in b_opt.param_groups] == [g["lr"] for g in a_opt.param_groups]
+    run(b, b_opt, b_sched, 3, 3)
+    assert_same(b.state_dict(), ref.state_dict(), "parameters")
+    assert_same(states(b, subs(b_opt)), states(ref, subs(ref_opt)), "optimizer state")
+    assert [g["lr"] for g in b_opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+
+    # the test sees a missing state: without optimizer= the same checkpoint resumes differently
+    c, c_opt, c_sched = make(model(1))
+    fxrec.checkpoint.load_into_model(c, tmp_path / "ckpt")
+    c_sched.load_state_dict(sched_state)
+    run(c, c_opt, c_sched, 3, 3)
+    assert not torch.equal(c.state_dict()["top.weight"], ref.state_dict()["top.weight"])
+
+
+class Small(nn.Module):
+    def __init__(self, rows=10, out=4):
+        super().__init__()
+        self.emb = nn.Embedding(rows, 3)
+        self.lin = nn.Linear(3, out)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids)).sum()
+
+
+def _steps(m, opts, first, n):
+    for s in range(first, first + n):
+        ids = torch.randint(0, m.emb.num_embeddings, (6,), generator=torch.Generator().manual_seed(s))
+        for o in opts:
+            o.zero_grad()
+        m(ids).backward()
+        for o in opts:
+            o.step()
+
+
+def test_a_plain_torch_optimizer_with_two_groups_and_a_per_row_state(tmp_path):
+    """Any torch.optim optimizer over a plain model: two param groups keep their own (saved)
+    hyperparameters; RowWiseAdagradTorch's [rows] state round-trips."""
+    def make(seed, lrs):
+        torch.manual_seed(seed)
+        m = Small()
+        sgd = torch.optim.SGD([{"params": m.lin.parameters(), "lr": lrs[0], "momentum": 0.9},
+                               {"params": [m.emb.weight], "lr": lrs[1]}])
+        return m, sgd
+
+    ref, ref_opt = make(0, (0.1, 0.2))
+    _steps(ref, [ref_opt], 0, 6)
+    a, a_opt = make(0, (0.1, 0.2))
+    _steps(a, [a_opt], 0, 3)
+    fxrec.checkpoint.save_model(a, tmp_path / "sgd", optimizer=a_opt)
+    b, b_opt = make(1, (0.5, 0.5))  # the checkpoint's learning rates win, as with torch's load_state_dict
+    fxrec.checkpoint.load_into_model(b, tmp_path / "sgd", optimizer=b_opt)
+    assert [g["lr"] for g in b_opt.param_groups] == [0.1, 0.2]
+    _steps(b, [b_opt], 3, 3)
+    assert_same(b.state_dict(), ref.state_dict(), "sgd parameters")
+    assert_same(states(b, [b_opt]), states(ref, [ref_opt]), "sgd state")
+
+    ref, a = Small(), Small()
+    a.load_state_dict(ref.state_dict())
+    ref_rw, a_rw = RowWiseAdagradTorch([ref.emb.weight], lr=0.3), RowWiseAdagradTorch([a.emb.weight], lr=0.3)
+    _steps(ref, [ref_rw], 0, 4)
+    _steps(a, [a_rw], 0, 2)
+    assert a_rw.state[a.emb.weight]["sum"].shape == (10,)
+    fxrec.checkpoint.save_model(a, tmp_path / "rw", optimizer=a_rw)
+    b = Small()
+    b_rw = RowWiseAdagradTorch([b.emb.weight], lr=0.3)
+    fxrec.checkpoint.load_into_model(b, tmp_path / "rw", optimizer=b_rw)
+    _steps(b, [b_rw], 2, 2)
+    assert_same(b.state_dict(), ref.state_dict(), "row-wise parameters")
+    assert_same(states(b, [b_rw]), states(ref, [ref_rw]), "row-wise state")
+
+
+def test_optimizer_state_is_optional_both_ways_and_errors_name_what_does_not_fit(tmp_path):
+    torch.manual_seed(0)
+    m = Small()
+    adam = torch.optim.Adam(m.parameters(), lr=0.1)
+    _steps(m, [adam], 0, 2)
+    saved = copy.deepcopy(m.state_dict())
+    fxrec.checkpoint.save_model(m, tmp_path / "plain")
+    fxrec.checkpoint.save_model(m, tmp_path / "with", optimizer=adam)
+    lin_only = torch.optim.Adam(m.lin.parameters(), lr=0.1)
+    _steps(m, [lin_only], 2, 1)
+    fxrec.checkpoint.save_model(m, tmp_path / "lin_only", optimizer=lin_only)
+
+    # a checkpoint without optimizer state: strict names it, strict=False loads the model alone
+    b = Small()
+    b_adam = torch.optim.Adam(b.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        fxrec.checkpoint.load_into_model(b, tmp_path / "plain", optimizer=b_adam)
+    fxrec.checkpoint.load_into_model(b, tmp_path / "plain", optimizer=b_adam, strict=False)
+    assert not b_adam.state
+    assert_same(b.state_dict(), saved, "model loaded without optimizer state")
+    # one with it loads without optimizer=
+    fxrec.checkpoint.load_into_model(b, tmp_path / "with")
+    assert not b_adam.state
+    # an optimizer holding a parameter the checkpoint has no state for: named
+    with pytest.raises(CheckpointError, match=r"no optimizer state for parameters \['emb.weight'\]"):
+        fxrec.checkpoint.load_into_model(b, tmp_path / "lin_only", optimizer=b_adam)
+    fxrec.checkpoint.load_into_model(b, tmp_path / "lin_only", optimizer=b_adam, strict=False)
+    assert set(states(b, [b_adam])) == {"lin.weight", "lin.bias"}
+
+    # a state of another shape: the parameter, the state and both shapes
+    wide = Small(out=5)
+    with pytest.raises(CheckpointError) as err:
+        fxrec.checkpoint.load_into_model(wide, tmp_path / "with", optimizer=torch.optim.Adam(wide.parameters()))
+    msg = str(err.value)  # the model's entries and the optimizer's states, in one error
+    assert "optimizer state 'exp_avg' of parameter 'lin.weight' is 4 x 3 in the checkpoint and 5 x 3 in the model" \
+        in msg, msg
+    assert "optimizer state 'exp_avg_sq' of parameter 'lin.bias' is (4,) in the checkpoint and (5,)" in msg, msg
+    assert "entry 'lin.weight' is 4 x 3 in the checkpoint and 5 x 3 in the model" in msg, msg
+
+    # the optimizer's record is plain JSON: anything but what a save writes is refused, naming the file
+    odd = tmp_path / "odd"
+    shutil.copytree(tmp_path / "with", odd)
+    file = odd / "fxrec_optimizer.json"
+    file.write_text(file.read_text().replace('"lr": 0.1', '"lr": {"tensor": [0.1], "dtype": "Size"}'))
+    fxrec.checkpoint.add_checksums(odd)
+    with pytest.raises(CheckpointError, match="fxrec_optimizer.json cannot be read"):
+        fxrec.checkpoint.load_into_model(b, odd, optimizer=b_adam)
+
+
+# --------------------------------------------------------------------------- world 2 -> world 4
+def _world_2(rank, world, init_file, root):
+    """Plan A: 3 steps, save; the uninterrupted run goes on 3 steps. A fresh model loads it and
+    its 3 steps equal those bit for bit. It then loads the one-process checkpoint and trains 3
+    steps like the single-process model. Last, one RowWiseAdagradTorch step (per-row states of
+    sharded tables), saved."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        run = _train_fused(3, world, rank)
+        fast, opt, plan = sharded(model(0), world, rank, PLAN_A)
+        assert len(opt.fallbacks) == 2 and not opt.fused, opt  # Adam and Adagrad on this rank's tables
+        run(fast, opt, 0)
+        fxrec.checkpoint.save(fast, os.path.join(root, "a"), optimizer=opt)
+        run(fast, opt, 3)
+
+        fast2, opt2, _ = sharded(model(1), world, rank, PLAN_A)
+        fxrec.checkpoint.load(fast2, os.path.join(root, "a"), optimizer=opt2)
+        run(fast2, opt2, 3)
+        assert_same(fast2.state_dict(), fast.state_dict(), f"rank {rank}: parameters after resuming")
+        assert_same(states(fast2, subs(opt2)), states(fast, subs(opt)), f"rank {rank}: optimizer state")
+
+        fxrec.checkpoint.load(fast2, os.path.join(root, "single"), optimizer=opt2)  # one process -> world 2
+        run(fast2, opt2, 3)
+        ref, ref_opt = single_process(model(0))
+        _train_fused(6, 1)(ref, ref_opt, 0)
+        assert_holds(fast2, states(fast2, subs(opt2)), ref, states(ref, subs(ref_opt)), plan, rank, "one process -> 2")
+
+        tables = [p for n, p in fast2.named_parameters() if not n.startswith("top.")]
+        rw = RowWiseAdagradTorch(tables, lr=0.2)
+        _train_fused(1, world, rank)(fast2, rw, 6)
+        fxrec.checkpoint.save(fast2, os.path.join(root, "rw"), optimizer=rw)
+
+        if rank == 1:  # the ranks holding parts of a table must agree on its hyperparameters
+            rw.param_groups[0]["lr"] = 0.3
+        with pytest.raises(CheckpointError, match="ranks 0 and 1 hold different optimizer records"):
+            fxrec.checkpoint.save(fast2, os.path.join(root, "bad"), optimizer=rw)
+        assert not os.path.exists(os.path.join(root, "bad"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _world_4(rank, world, init_file, root):
+    """Plan B (every table moves): load, 3 steps: the single-process model's 6 steps. Then the
+    row-wise Adagrad checkpoint: its per-row states cut by plan B's rows."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        fast, opt, plan = sharded(model(2), world, rank, PLAN_B)
+        fxrec.checkpoint.load(fast, os.path.join(root, "a"), optimizer=opt)
+        _train_fused(3, world, rank)(fast, opt, 3)
+        ref, ref_opt = single_process(model(0))
+        _train_fused(6, 1)(ref, ref_opt, 0)
+        assert_holds(fast, states(fast, subs(opt)), ref, states(ref, subs(ref_opt)), plan, rank, "world 2 -> 4")
+
+        ref_tables = [p for n, p in ref.named_parameters() if not n.startswith("top.")]
+        ref_rw = RowWiseAdagradTorch(ref_tables, lr=0.2)
+        _train_fused(1, 1)(ref, ref_rw, 6)
+        rw = RowWiseAdagradTorch([p for n, p in fast.named_parameters() if not n.startswith("top.")], lr=0.2)
+        fxrec.checkpoint.load(fast, os.path.join(root, "rw"), optimizer=rw)
+        held = states(fast, [rw])
+        assert held and all(st["sum"].dim() == 1 for st in held.values()), held
+        assert_holds(fast, held, ref, states(ref, [ref_rw]), plan, rank, "per-row states, world 2 -> 4")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_sharded_optimizer_state_resumes_at_world_4_under_another_plan_and_in_one_process(tmp_path):
+    """Dense Adam and torch.optim Adam / Adagrad on table-wise, row-wise and data-parallel tables
+    at world size 2; resumed at world size 4 where every table changes its sharding, and in one
+    process: 3 more steps equal 6 uninterrupted single-process steps (parameters and every
+    optimizer state). At world size 2 under the same plan the resumed run is bit for bit the
+    uninterrupted one, and a one-process checkpoint resumes there too."""
+    one, one_opt = single_process(model(0))
+    _train_fused(3, 1)(one, one_opt, 0)
+    fxrec.checkpoint.save_model(one, tmp_path / "single", optimizer=one_opt)
+
+    spawn(_world_2, 2, str(tmp_path))
+    spawn(_world_4, 4, str(tmp_path))
+
+    ref, ref_opt = single_process(model(0))
+    _train_fused(6, 1)(ref, ref_opt, 0)
+    back, back_opt = single_process(model(3))
+    fxrec.checkpoint.load_into_model(back, tmp_path / "a", optimizer=back_opt)  # world 2 -> one process
+    _train_fused(3, 1)(back, back_opt, 3)
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], want, **TOL, msg=name)
+    got, want = states(back, subs(back_opt)), states(ref, subs(ref_opt))
+    assert got.keys() == want.keys()
+    for name in got:
+        for k in got[name]:
+            torch.testing.assert_close(got[name][k], want[name][k], **TOL, msg=f"{k} of {name}")
