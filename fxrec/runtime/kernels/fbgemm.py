@@ -54,7 +54,8 @@ def require_fbgemm() -> None:
         raise ImportError(
             "fxrec needs fbgemm_gpu built for the installed torch "
             f"(torch {torch.__version__}): install 'fbgemm-gpu-cpu==1.8.0' for torch 2.13 "
-            "on CPU-only machines, 'fbgemm-gpu==1.6.0' for torch 2.11 with CUDA. "
+            "on CPU-only machines, 'fbgemm-gpu==1.6.0' for torch 2.11 with CUDA "
+            "(pip install -e '.[cpu]' or '.[cuda]' pins both). "
             f"Import failed with: {_IMPORT_ERROR!r}"
         ) from _IMPORT_ERROR
 
@@ -375,6 +376,8 @@ class FbgemmKernel(Kernel):
         return None
 
     def available(self, device):
+        if device == "cuda":
+            require_fbgemm()  # on a GPU fbgemm is the kernel: a broken install is an error, not a fallback
         return None if fbgemm_available() else f"fbgemm_gpu does not import ({_IMPORT_ERROR!r})"
 
     def run(self, group, ids_list, offsets_list, psw_list, params, training):
