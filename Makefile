@@ -6,7 +6,7 @@ VENV    := .venv
 PYBIN   := $(VENV)/bin/python
 STAMP   := $(VENV)/.fxrec-installed
 
-.PHONY: demo test bench bench-transform clean
+.PHONY: demo test test-gpu bench bench-transform clean
 
 # Graphviz's `dot` (fxrec.viz, `fxrec draw`, transform(dump_dir=...)) is a system package: installed
 # here when missing if we are root with apt-get (CI: a fresh Debian machine), else we say how.
@@ -30,6 +30,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PYBIN) -m pytest -q tests
+
+# The GPU suite (tests marked requires_cuda), on a machine with torch 2.11 + CUDA and fbgemm-gpu
+# 1.6.0 already importable (pip install -e '.[cuda,test]'; on the lent GPU machines see
+# ../shared/gpu/README.md): no venv is made here. Fails, rather than skips, without a GPU.
+GPU_PY ?= python3
+test-gpu:
+	FXREC_REQUIRE_CUDA=1 $(GPU_PY) -m pytest -q -m requires_cuda tests
 
 bench: $(STAMP)
 	$(PYBIN) benchmarks/bench_lookups.py
