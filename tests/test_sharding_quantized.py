@@ -15,35 +15,57 @@ from .test_sharding import LOCAL_B, Model, global_batch, local_batch, spawn
 from .test_sharding_sequence import SeqModel, batch_of, global_of
 
 
-def _worker(rank, world, init_file, which, pins, quantize):
+class _Fp16Model(Model):
+    """The pooled model's lookups only, summed (output_dtype="fp16": the rows stay fp16)."""
+
+    def forward(self, dense, ids, offsets, single_ids):
+        parts = [b(i, o) for b, i, o in zip(self.bags, ids, offsets)] + [self.single(single_ids)]
+        return torch.cat(parts, 1).sum(1)
+
+
+class _Fp16SeqModel(SeqModel):
+    """The sequence model's lookups only, unpooled rows flattened and summed."""
+
+    def forward(self, target, hist, cats, bag_ids, bag_offsets):
+        parts = [self.hist(target), self.hist(hist).flatten(1), self.cat(cats).flatten(1), self.bag(bag_ids, bag_offsets)]
+        return torch.cat(parts, 1).sum(1)
+
+
+def _worker(rank, world, init_file, which, pins, quantize, output_dtype="fp32"):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
         torch.manual_seed(0)
         if which == "pooled":
-            model = Model()
+            model = Model() if output_dtype == "fp32" else _Fp16Model()
             batches = [global_batch(LOCAL_B * world, s) for s in range(3)]
             local = [local_batch(x, rank, LOCAL_B) for x in batches]
             b = LOCAL_B
         else:
-            model = SeqModel()
+            model = SeqModel() if output_dtype == "fp32" else _Fp16SeqModel()
             local = [batch_of(rank, s, uneven=False) for s in range(3)]
             batches = [global_of([batch_of(r, s, uneven=False) for r in range(world)]) for s in range(3)]
             b = local[0][0].shape[0]
-        single = fxrec.transform(model, batches[0], mode="inference", quantize=quantize)
+        kw = dict(mode="inference", quantize=quantize, output_dtype=output_dtype)
+        single = fxrec.transform(model, batches[0], **kw)
         plan = fxrec.plan(model, local[0], world_size=world, memory_per_rank="1GB", pins=pins)
-        fast = fxrec.transform(model, local[0], mode="inference", quantize=quantize, plan=plan)
+        fast = fxrec.transform(model, local[0], plan=plan, **kw)
         from fxrec.runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 
         groups = [m.group for _, m in fast.named_modules() if getattr(m, "group", None) is not None]
-        assert groups and all(isinstance(g, (QuantizedPooledGroup, QuantizedSequenceGroup)) for g in groups), groups
+        assert all(isinstance(g, (QuantizedPooledGroup, QuantizedSequenceGroup)) for g in groups), groups
+        holds = any(sh.rank == rank and sh.num_rows for tp in plan.tables.values() if tp.sharding != "data_parallel"
+                    for sh in tp.shards)
+        assert bool(groups) == holds, (groups, rank)
         # the fp32 tables of the sharded tables are gone: each rank keeps its quantized shards only
         sharded = {f"{t}.weight" for t, tp in plan.tables.items() if tp.sharding != "data_parallel"}
         assert not sharded & {n for n, _ in fast.named_parameters()}, list(fast.named_parameters())
         with torch.no_grad():
             for x, lx in zip(batches, local):
                 want = single(*x)[rank * b:(rank + 1) * b]
-                torch.testing.assert_close(fast(*lx), want)
+                got = fast(*lx)
+                tol = dict(rtol=2e-3, atol=2e-3) if output_dtype == "fp16" else {}  # fp16 partial sums
+                torch.testing.assert_close(got, want, **tol)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -63,6 +85,14 @@ def test_quantized_sharded_serving_equals_single_process_quantized_serving(quant
 
 def test_quantized_sharded_sequence_features_equal_single_process_quantized_serving():
     spawn(_worker, 2, "sequence", {"hist": "row_wise", "cat": ("table_wise", 1), "bag": ("table_wise", 0)}, "int8")
+
+
+def test_fp16_outputs_when_a_rank_owns_no_table_wise_table():
+    """Rank 0 owns no table-wise table and no sequence table: it still sends (no) rows in fp16."""
+    spawn(_worker, 2, "pooled", {"bags.0": ("table_wise", 1), "bags.1": ("table_wise", 1), "bags.2": "row_wise",
+                                 "single": ("table_wise", 1)}, "int8", "fp16")
+    spawn(_worker, 2, "sequence", {"hist": ("table_wise", 1), "cat": ("table_wise", 1), "bag": ("table_wise", 1)},
+          "int8", "fp16")
 
 
 def _refusal_worker(rank, world, init_file, result_file, pins, quantize):

@@ -106,6 +106,11 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
     return tp.sharding
 
 
+def _out_dtype(ctx: PassContext, gr: meta.GroupRecord) -> torch.dtype:
+    """The dtype of the rows a group's lookups give (every rank must send the same)."""
+    return torch.float16 if gr.quant and ctx.config.output_dtype == "fp16" else torch.float32
+
+
 def _check_quantized(gr: meta.GroupRecord, kinds: dict) -> None:
     """What a plan can serve quantized: row-wise quantization keeps a scale and bias per row,
     which a column shard cannot compute (so integer dtypes are not column-wise); data-parallel
@@ -240,7 +245,7 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
     group = _local_group(ctx, pieces, table_of, "none", False, _fused_spec(gr, plan), gm, gr.quant) if held else None
     mods = (SequenceInputDist(f"{name}_input_dist", blocks, bases, rank, world, [r.feature for r in recs],
                               [r.num_rows for r in recs]),
-            SequenceLookup(group, held, [r.dim for r in recs]),
+            SequenceLookup(group, held, [r.dim for r in recs], _out_dtype(ctx, gr)),
             SequenceOutputDist(f"{name}_output_dist", [r.dim for r in recs], rank, world))
     return mods, local
 
@@ -321,7 +326,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                            world, p_names, p_rows),
                         TableWiseLookup(group, world),
                         TableWiseOutputDist(f"{name}_output_dist", [sh.num_cols for _, sh in pieces], owners, rank, world,
-                                            [len(plan.tables[r.table].shards) for r in recs]))
+                                            [len(plan.tables[r.table].shards) for r in recs], _out_dtype(ctx, gr)))
             else:
                 blocks, bases = [], []
                 local, table_of, shapes = [], [], []

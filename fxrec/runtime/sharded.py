@@ -210,8 +210,9 @@ class TableWiseOutputDist(nn.Module):
     _fxrec_collective = True
 
     def __init__(self, name: str, dims: List[int], owners: List[int], rank: int, world: int,
-                 pieces_per_output: Optional[List[int]] = None):
+                 pieces_per_output: Optional[List[int]] = None, dtype: torch.dtype = torch.float32):
         super().__init__()
+        self.dtype = dtype  # of the rows sent (a rank that owns nothing sends none of it)
         self.name, self.dims, self.owners, self.rank, self.world = name, list(dims), list(owners), rank, world
         self.width_of = [sum(dims[i] for i in range(len(dims)) if owners[i] == r) for r in range(world)]
         self.owned = [[i for i in range(len(dims)) if owners[i] == r] for r in range(world)]  # pieces, in order
@@ -219,7 +220,7 @@ class TableWiseOutputDist(nn.Module):
 
     def forward(self, looked: Optional[torch.Tensor], dist_out) -> List[torch.Tensor]:
         batch = dist_out[3]
-        send = looked.reshape(-1) if looked is not None else torch.zeros(0, device=dist_out[1].device)
+        send = looked.reshape(-1) if looked is not None else torch.zeros(0, dtype=self.dtype, device=dist_out[1].device)
         if torch.is_grad_enabled() and not send.requires_grad:
             send = send.detach().requires_grad_()  # every rank joins the backward all-to-all
         mine = self.width_of[self.rank] * batch
@@ -361,14 +362,14 @@ class SequenceLookup(nn.Module):
     (an unpooled :class:`~fxrec.runtime.group.EmbeddingGroup` of the tables and row blocks this
     rank holds, features ``held`` of the dist's; None when it holds none)."""
 
-    def __init__(self, group: Optional[nn.Module], held: List[int], dims: List[int]):
+    def __init__(self, group: Optional[nn.Module], held: List[int], dims: List[int], dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.group, self.held, self.dims = group, list(held), list(dims)
+        self.group, self.held, self.dims, self.dtype = group, list(held), list(dims), dtype
 
     def forward(self, dist_out, weights: List[torch.Tensor]) -> List[torch.Tensor]:
         values, per_feature = dist_out[0], dist_out[1]
         parts = list(torch.split(values, per_feature))
-        out = [values.new_zeros((0, d), dtype=torch.float32) for d in self.dims]  # nothing comes for the others
+        out = [values.new_zeros((0, d), dtype=self.dtype) for d in self.dims]  # nothing comes for the others
         if self.group is not None:
             n = len(self.held)
             rows = _call(self.group, ([parts[f] for f in self.held], [None] * n, [None] * n), weights)
