@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import tempfile
+import time
 from datetime import timedelta
 
 import pytest
@@ -193,22 +194,29 @@ def test_plan_needs_an_initialised_process_group():
 def _late_worker(rank, world, init_file, result_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=4))
-    try:
-        torch.manual_seed(0)
-        model = Model()
-        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"bags.0": "row_wise"})
-        fast = fxrec.transform(model, example, plan=plan)
-        if rank == 1:
-            return  # this rank never reaches the step
+    torch.manual_seed(0)
+    model = Model()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"bags.0": "row_wise"})
+    fast = fxrec.transform(model, example, plan=plan)
+    if rank == 1:
+        # This rank never reaches the step, but stays alive (so rank 0 sees a timeout, not a closed
+        # connection) until rank 0 has written what it caught.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(result_file) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    else:
+        text = "no error"
         try:
             fast(*example)
         except fxrec.CollectiveError as e:
-            with open(result_file, "w") as fh:
-                fh.write(str(e))
-    finally:
-        if rank == 0:
-            dist.destroy_process_group()
+            text = str(e)
+        with open(result_file + ".part", "w") as fh:
+            fh.write(text)
+        os.replace(result_file + ".part", result_file)
+    # A process group with a timed-out collective cannot be torn down cleanly (gloo may abort in
+    # its destructor): leave without running destructors.
+    os._exit(0)
 
 
 def test_a_rank_that_does_not_arrive_fails_the_others_with_a_timeout_error(tmp_path):
@@ -334,16 +342,12 @@ def test_fused_optimizers_on_a_mixed_plan_match_the_single_process_fused_model(o
     spawn(_fused_worker, 2, pins, opt_name, 6, backend)
 
 
-def _refusal_worker(rank, world, init_file, result_file):
+def _error_worker(rank, world, init_file, result_file, attempt, args):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        model = Model()
-        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
-                          pins={"bags.1": {"sharding": "column_wise", "ranks": [0, 1]}})
         try:
-            fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+            attempt(rank, world, *args)
             msg = "no error"
         except ValueError as e:
             msg = str(e)
@@ -356,10 +360,24 @@ def _refusal_worker(rank, world, init_file, result_file):
     os._exit(0)
 
 
-def test_rowwise_adagrad_on_a_column_wise_table_is_refused_naming_it(tmp_path):
+def error_of(tmp_path, world, attempt, *args) -> str:
+    """The message of the ValueError that ``attempt(rank, world, *args)`` (a module-level function)
+    raises on rank 0 of ``world`` processes, or "no error"."""
     result = tmp_path / "msg"
-    spawn(_refusal_worker, 2, str(result))
-    msg = result.read_text()
+    spawn(_error_worker, world, str(result), attempt, args)
+    return result.read_text()
+
+
+def _rowwise_on_column_wise(rank, world):
+    model = Model()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
+                      pins={"bags.1": {"sharding": "column_wise", "ranks": [0, 1]}})
+    fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+
+
+def test_rowwise_adagrad_on_a_column_wise_table_is_refused_naming_it(tmp_path):
+    msg = error_of(tmp_path, 2, _rowwise_on_column_wise)
     assert "['bags.1']" in msg and "column_wise" in msg and "row-wise Adagrad" in msg, msg
 
 
