@@ -26,7 +26,7 @@ class RowWiseAdagradReference(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                s = self.state[p].setdefault("sum", torch.zeros(p.shape[0]))
+                s = self.state[p].setdefault("sum", torch.zeros(p.shape[0], device=p.device))
                 g = p.grad.to_dense()
                 touched = g.abs().sum(1) > 0
                 s[touched] += (g[touched] ** 2).mean(1)

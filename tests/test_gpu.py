@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_map
 
 import fxrec
 from tests import models as M
+from tests.test_fused_optimizers import RowWiseAdagradReference
 
 pytestmark = pytest.mark.requires_cuda
 ROWS = (40, 30, 20)
@@ -52,31 +53,12 @@ def test_forward_and_gradients_equal_the_plain_model_on_fbgemm(name):
             torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-5, msg=n)
 
 
-class _RowWiseAdagrad(torch.optim.Optimizer):
-    """Row-wise Adagrad written out: sum[r] += mean(g[r]^2); w[r] -= lr g[r] / (sqrt(sum[r]) + eps)."""
-
-    def __init__(self, params, lr, eps=1e-8):
-        super().__init__(params, dict(lr=lr, eps=eps))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                s = self.state[p].setdefault("sum", torch.zeros(p.shape[0], device=p.device))
-                g = p.grad.to_dense()
-                touched = g.abs().sum(1) > 0
-                s[touched] += (g[touched] ** 2).mean(1)
-                p[touched] -= group["lr"] * g[touched] / (s[touched].sqrt() + group["eps"]).unsqueeze(1)
-
-
 @pytest.mark.parametrize("opt_name", ["sgd", "adagrad", "rowwise_adagrad"])
 def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
     fused, torch_opt = {
         "sgd": (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
         "adagrad": (fxrec.optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
-        "rowwise_adagrad": (fxrec.optim.RowWiseAdagrad(lr=0.1), lambda p: _RowWiseAdagrad(p, lr=0.1)),
+        "rowwise_adagrad": (fxrec.optim.RowWiseAdagrad(lr=0.1), lambda p: RowWiseAdagradReference(p, lr=0.1)),
     }[opt_name]
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=fused)

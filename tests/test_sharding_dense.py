@@ -14,7 +14,7 @@ from torch import nn
 
 import fxrec
 
-from .test_sharding import LOCAL_B, global_batch, local_batch, spawn
+from .test_sharding import LOCAL_B, error_of, global_batch, local_batch, spawn
 
 ROWS = (40, 64, 30, 50)
 
@@ -85,29 +85,13 @@ class RootTable(nn.Module):
         return (F.embedding_bag(ids, self.table, offsets, mode="sum") * self.scale).sum(1)
 
 
-def _clash_worker(rank, world, init_file, result_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        model = RootTable()
-        example = (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]))
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"table": "row_wise"})
-        try:
-            fxrec.transform(model, example, plan=plan)
-            msg = "no error"
-        except ValueError as e:
-            msg = str(e)
-        if rank == 0:
-            with open(result_file, "w") as fh:
-                fh.write(msg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
+def _transform_root_table(rank, world):
+    model = RootTable()
+    example = (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]))
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"table": "row_wise"})
+    fxrec.transform(model, example, plan=plan)
 
 
 def test_a_module_holding_a_sharded_table_and_a_dense_parameter_is_refused_naming_both(tmp_path):
-    result = tmp_path / "msg"
-    spawn(_clash_worker, 2, str(result))
-    msg = result.read_text()
+    msg = error_of(tmp_path, 2, _transform_root_table)
     assert "['table']" in msg and "'scale'" in msg and "modules of their own" in msg, msg

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import fxrec
 
-from .test_sharding import LOCAL_B, Model, global_batch, local_batch, spawn
+from .test_sharding import LOCAL_B, Model, error_of, global_batch, local_batch, spawn
 from .test_sharding_sequence import SeqModel, batch_of, global_of
 
 
@@ -95,25 +95,11 @@ def test_fp16_outputs_when_a_rank_owns_no_table_wise_table():
           "int8", "fp16")
 
 
-def _refusal_worker(rank, world, init_file, result_file, pins, quantize):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        model = Model()
-        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
-        try:
-            fxrec.transform(model, example, mode="inference", quantize=quantize, plan=plan)
-            msg = "no error"
-        except ValueError as e:
-            msg = str(e)
-        if rank == 0:
-            with open(result_file, "w") as fh:
-                fh.write(msg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
+def _serve_quantized(rank, world, pins, quantize):
+    model = Model()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+    fxrec.transform(model, example, mode="inference", quantize=quantize, plan=plan)
 
 
 @pytest.mark.parametrize("pins,want", [
@@ -121,7 +107,5 @@ def _refusal_worker(rank, world, init_file, result_file, pins, quantize):
     ({"single": "data_parallel", "bags.0": "row_wise"}, ["'single'", "data_parallel", "fp32"]),
 ], ids=["int8_column_wise", "int8_data_parallel"])
 def test_what_a_plan_cannot_serve_quantized_is_refused_naming_the_table(tmp_path, pins, want):
-    result = tmp_path / "msg"
-    spawn(_refusal_worker, 2, str(result), pins, "int8")
-    msg = result.read_text()
+    msg = error_of(tmp_path, 2, _serve_quantized, pins, "int8")
     assert all(w in msg for w in want), msg

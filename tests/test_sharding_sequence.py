@@ -14,7 +14,7 @@ from torch import nn
 
 import fxrec
 
-from .test_sharding import _FUSED, _held_part, spawn
+from .test_sharding import _FUSED, _held_part, error_of, spawn
 
 ROWS = {"hist": 40, "cat": 30, "bag": 50}
 B = 3
@@ -154,33 +154,17 @@ def test_the_planner_does_not_shard_unpooled_tables_by_columns():
     assert wide.tables["hist"].sharding == "column_wise", wide.tables["hist"]  # what the rule excludes above
 
 
-def _refusal_worker(rank, world, init_file, result_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        from fxrec.planner import TableSpec
+def _column_wise_unpooled(rank, world):
+    from fxrec.planner import TableSpec
 
-        # a plan made from table specs that say (wrongly) the history table is pooled
-        plan = fxrec.plan(tables=[TableSpec("hist", 40, 8), TableSpec("cat", 30, 7), TableSpec("bag", 50, 8)],
-                          world_size=world, memory_per_rank="1GB",
-                          pins={"hist": {"sharding": "column_wise", "ranks": [0, 1]}, "cat": ("table_wise", 0),
-                                "bag": ("table_wise", 1)})
-        try:
-            fxrec.transform(SeqModel(), batch_of(rank, 0), plan=plan)
-            msg = "no error"
-        except ValueError as e:
-            msg = str(e)
-        if rank == 0:
-            with open(result_file, "w") as fh:
-                fh.write(msg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
+    # a plan made from table specs that say (wrongly) the history table is pooled
+    plan = fxrec.plan(tables=[TableSpec("hist", 40, 8), TableSpec("cat", 30, 7), TableSpec("bag", 50, 8)],
+                      world_size=world, memory_per_rank="1GB",
+                      pins={"hist": {"sharding": "column_wise", "ranks": [0, 1]}, "cat": ("table_wise", 0),
+                            "bag": ("table_wise", 1)})
+    fxrec.transform(SeqModel(), batch_of(rank, 0), plan=plan)
 
 
 def test_a_column_wise_plan_of_an_unpooled_table_is_refused_naming_it(tmp_path):
-    result = tmp_path / "msg"
-    spawn(_refusal_worker, 2, str(result))
-    msg = result.read_text()
+    msg = error_of(tmp_path, 2, _column_wise_unpooled)
     assert "'hist'" in msg and "unpooled" in msg and "column_wise" in msg, msg

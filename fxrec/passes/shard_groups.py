@@ -71,8 +71,8 @@ from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from ..runtime.sharded import (
-    RowWiseInputDist, RowWiseLookup, RowWiseOutputDist, SequenceInputDist, SequenceLookup, SequenceOutputDist,
-    TableWiseInputDist, TableWiseLookup, TableWiseOutputDist,
+    PooledLookup, RowWiseInputDist, RowWiseOutputDist, SequenceInputDist, SequenceLookup, SequenceOutputDist,
+    TableWiseInputDist, TableWiseOutputDist,
 )
 from ..runtime.specs import FeatureSpec, GroupSpec, TableSpec
 from .choose_kernels import kernel_order, pick
@@ -324,7 +324,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                      weighted, _fused_spec(gr, plan), gm, gr.quant) if owned else None
                 mods = (TableWiseInputDist(f"{name}_input_dist", [r.form for r, _ in pieces], owners, weighted, rank,
                                            world, p_names, p_rows),
-                        TableWiseLookup(group, world),
+                        PooledLookup(group, world),
                         TableWiseOutputDist(f"{name}_output_dist", [sh.num_cols for _, sh in pieces], owners, rank, world,
                                             [len(plan.tables[r.table].shards) for r in recs], _out_dtype(ctx, gr)))
             else:
@@ -342,7 +342,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     shapes.append((r, n, r.dim))
                     sharded_params[r.param] = tp.sharding
                 mods = (RowWiseInputDist(f"{name}_input_dist", forms, blocks, weighted, rank, world, names, rows, bases),
-                        RowWiseLookup(_local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan), gm,
+                        PooledLookup(_local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan), gm,
                                                    gr.quant), world),
                         RowWiseOutputDist(f"{name}_output_dist", [r.dim for r in recs], gr.pooling))
             for suffix, mod in zip(("input_dist", "lookup", "output_dist"), mods):

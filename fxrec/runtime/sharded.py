@@ -8,7 +8,7 @@ Table-wise (a table lives whole on its owner rank):
   * :class:`TableWiseInputDist` sends each owner the ids of its features for this rank's batch
     (all-to-all of the counts, then of lengths, values and weights) and orders what arrives as
     one global batch per owned feature (source rank major): ``W * B`` bags.
-  * :class:`TableWiseLookup` pools them on the owned tables: ``[W * B, sum of owned dims]``, by
+  * :class:`PooledLookup` pools them on the owned tables: ``[W * B, sum of owned dims]``, by
     one call of the rank's group module (:class:`~fxrec.runtime.group.EmbeddingGroup`, on the
     kernel the rule gives: native on CPU, fbgemm on CUDA).
   * :class:`TableWiseOutputDist` sends every source rank its ``B`` rows back (all-to-all; in
@@ -18,7 +18,7 @@ same over the ranks of one host, the others holding no rows and adding zeros to 
   * :class:`RowWiseInputDist` bucketizes every id to the rank holding its row (local row =
     id - r * block; fbgemm's ``block_bucketize_sparse_features``) and sends each rank its ids,
     bag by bag.
-  * :class:`RowWiseLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``,
+  * :class:`PooledLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``,
     by one call of the rank's group module.
   * :class:`RowWiseOutputDist` adds the partial sums of all ranks and gives each rank its own
     ``B`` rows (reduce-scatter; all-gather in backward), one ``[B, dim]`` per lookup; mean
@@ -168,29 +168,17 @@ class TableWiseInputDist(nn.Module):
         return lengths, values, weights, batch
 
 
-def _local_lookup(group: Optional[nn.Module], dist_out, weights: List[torch.Tensor], world: int) -> torch.Tensor:
-    """The received bags (``W * B`` per feature, features one after the other) looked up by this
-    rank's group module: one kernel call for every local table and shard, ``[W * B, sum of dims]``."""
-    lengths, values, psw, batch = dist_out[:4]
-    nfeat = len(group.features)
-    lens = lengths.view(nfeat, world * batch)
-    counts = lens.sum(1).tolist()
-    vals = list(torch.split(values, counts))
-    ws = list(torch.split(psw, counts)) if psw is not None else [None] * nfeat
-    return _call(group, (vals, [_exclusive_cumsum(ln) for ln in lens], ws), weights)
-
-
 def _call(group: nn.Module, inputs: tuple, weights: List[torch.Tensor]):
     """A local group's call: an fp32 group takes the rank's tables as its weights; a quantized
     group (inference) holds its own and is given none."""
     return group(*inputs, weights) if weights else group(*inputs)
 
 
-class TableWiseLookup(nn.Module):
-    """Pool the received bags on this rank's tables: ``[W * B, sum of owned dims]`` (the owned
-    features side by side, rows by source rank), looked up by one call of ``group`` (an
-    :class:`~fxrec.runtime.group.EmbeddingGroup` of the tables and column shards this rank owns,
-    on its kernel; None when it owns none)."""
+class PooledLookup(nn.Module):
+    """The received bags (``W * B`` per feature, features one after the other, bags source-major)
+    pooled by one call of ``group``: an :class:`~fxrec.runtime.group.EmbeddingGroup` of the tables
+    and column shards this rank owns (table-wise; None when it owns none), or of its row blocks,
+    pooled by sum (row-wise: partial sums), on its kernel. ``[W * B, sum of its dims]``."""
 
     def __init__(self, group: Optional[nn.Module], world: int):
         super().__init__()
@@ -199,7 +187,13 @@ class TableWiseLookup(nn.Module):
     def forward(self, dist_out, weights: List[torch.Tensor]) -> Optional[torch.Tensor]:
         if self.group is None:
             return None
-        return _local_lookup(self.group, dist_out, weights, self.world)
+        lengths, values, psw, batch = dist_out[:4]
+        nfeat = len(self.group.features)
+        lens = lengths.view(nfeat, self.world * batch)
+        counts = lens.sum(1).tolist()
+        ws = list(torch.split(psw, counts)) if psw is not None else [None] * nfeat
+        return _call(self.group, (list(torch.split(values, counts)), [_exclusive_cumsum(ln) for ln in lens], ws),
+                     weights)
 
 
 class TableWiseOutputDist(nn.Module):
@@ -280,19 +274,6 @@ class RowWiseInputDist(nn.Module):
         w = all_to_all(send_weights, recv, per_dest, f"{self.name} (weights)") if self.weighted else None
         lengths, vals, w = _regroup(lengths, vals, w, self.world, nfeat, batch)
         return lengths, vals, w, batch, torch.stack([p[0] for p in pairs])
-
-
-class RowWiseLookup(nn.Module):
-    """Partial sums of the rows this rank holds: ``[W * B, sum of dims]`` (bags source-major),
-    by one call of ``group`` (an :class:`~fxrec.runtime.group.EmbeddingGroup` of this rank's
-    row blocks, pooled by sum, on its kernel)."""
-
-    def __init__(self, group: nn.Module, world: int):
-        super().__init__()
-        self.group, self.world = group, world
-
-    def forward(self, dist_out, weights: List[torch.Tensor]) -> torch.Tensor:
-        return _local_lookup(self.group, dist_out, weights, self.world)
 
 
 class RowWiseOutputDist(nn.Module):

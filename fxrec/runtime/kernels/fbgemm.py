@@ -10,11 +10,10 @@ not a multiple of 4 is stored with zero columns up to the next one (:func:`tbe_d
 group's tables all at the widest): its parameter is the view of its real columns
 (``[rows, dim]``, row stride the stored width), the TBE's output loses the padding columns
 before anyone sees it (:func:`real_columns`), so they get no gradient and no update (SGD and
-Adagrad leave a zero column zero). Row-wise Adagrad would average the squared gradient over the
-stored width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`). Without a fused
-optimizer the gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`); with one,
-fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE
-(:func:`make_inference_tbe`, :mod:`fxrec.runtime.quantized`).
+Adagrad leave a zero column zero). Row-wise Adagrad would average the squared gradient over the stored
+width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`).
+Without a fused optimizer the gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`);
+with one, fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE (:mod:`.quantized`).
 """
 
 from __future__ import annotations
@@ -121,9 +120,8 @@ def make_inference_tbe(
     weights: Sequence[torch.Tensor],
     output_dtype: str = "fp32",
 ) -> "torch.nn.Module":
-    """fbgemm's IntNBitTableBatchedEmbeddingBagsCodegen holding ``weights`` quantized row-wise
-    to each table's dtype (fp32, fp16, int8, int4, int2; integer types get an fp16 scale and
-    bias per row, as fbgemm's quantize_embs lays them out)."""
+    """fbgemm's IntNBitTableBatchedEmbeddingBagsCodegen holding ``weights`` quantized row-wise to each table's
+    dtype (fp32, fp16, int8, int4, int2; integers with an fp16 scale and bias per row: fbgemm's quantize_embs)."""
     require_fbgemm()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -172,12 +170,11 @@ def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: tor
 
 def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
                    weights: Optional[torch.Tensor], sequence: bool = False):
-    """fbgemm's ``block_bucketize_sparse_features`` (CPU and CUDA): bags given feature-major by
-    ``lengths`` ``[F * B]`` and their ``ids``, each id sent to bucket ``id // blocks[f]`` as the local
-    row ``id - bucket * blocks[f]``. Ids must be below ``world * blocks[f]`` (the planner's blocks
-    are ``ceil(rows / ranks)``; fbgemm hashes larger ids another way). Returns ``(lengths [world * F * B],
-    ids, weights, where)`` ordered by bucket, then feature, then bag, ids of a bag in their order;
-    with ``sequence=True``, ``where[i]`` is the position id ``i`` went to (else None)."""
+    """fbgemm's ``block_bucketize_sparse_features`` (CPU and CUDA): bags given feature-major by ``lengths``
+    ``[F * B]`` and their ``ids``, each id sent to bucket ``id // blocks[f]`` as the local row ``id - bucket *
+    blocks[f]`` (ids below ``world * blocks[f]``: fbgemm hashes larger ones). Returns ``(lengths [world * F * B],
+    ids, weights, where)`` by bucket, feature, bag, a bag's ids in order; ``where[i]``: where id ``i`` went
+    (``sequence=True``; else None)."""
     require_fbgemm()
     new_lengths, new_ids, new_weights, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
         lengths, ids, False, sequence, blocks, world, weights)
@@ -199,8 +196,7 @@ def tbe_flat_weights(tbe: "SplitTableBatchedEmbeddingBagsCodegen") -> torch.Tens
 
 
 def operator_libraries() -> List[str]:
-    """Paths of fbgemm_gpu's operator libraries, in the order fbgemm_gpu loads them (for a C++
-    program that must load them before a model that calls fbgemm's operators)."""
+    """Paths of fbgemm_gpu's operator libraries in its load order (for a C++ program to load first)."""
     require_fbgemm()
     import os
 
