@@ -89,6 +89,28 @@ def test_quantized_groups_built_on_the_gpu_equal_those_built_on_cpu():
         torch.testing.assert_close(on_gpu(*cuda(x)).cpu(), on_cpu(*x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_groups_built_on_cpu_and_moved_pack_their_rows_for_cuda(dtype):
+    """int8 at dim 24: 28-byte rows on CPU, which CUDA's 16-byte loads cannot read; moved, the
+    rows are packed again at 16 bytes and read what the CPU model reads; moved back, the CPU
+    packing returns byte for byte. A TorchScript module made on CPU and moved is refused."""
+    model = M.BagList(rows=ROWS, dim=24).eval()
+    x = M.bag_inputs(rows=ROWS, seed=3)
+    fast = fxrec.transform(model, x, mode="inference", quantize=dtype)
+    with torch.no_grad():
+        want = fast(*x)
+    cpu_bytes = [g.q_weights.clone() for g in groups(fast)]
+    scripted = fxrec.export.torchscript(fast)
+    fast.cuda()
+    assert all(g.q_ints["row_alignment"] == 16 and g.q_weights.is_cuda for g in groups(fast))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*cuda(x)).cpu(), want, rtol=0, atol=0)
+    fast.cpu()
+    assert all(torch.equal(g.q_weights, b) for g, b in zip(groups(fast), cpu_bytes))
+    with pytest.raises(RuntimeError, match="packed for CPU"):
+        scripted.cuda()(*cuda(x))
+
+
 def test_autotune_times_the_gpu_kernels_with_cuda_events(tmp_path, monkeypatch):
     monkeypatch.setenv("FXREC_CACHE", str(tmp_path))
     model = M.BagList(rows=ROWS).cuda()

@@ -25,7 +25,7 @@ import fnmatch
 import torch.fx as fx
 
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
-from ..runtime.kernels.fbgemm import QUANT_DTYPES
+from ..runtime.kernels.fbgemm_nbit import QUANT_DTYPES
 from ..runtime.specs import pad_dim
 
 AUTO_MIN_BYTES = 64 * 1024

@@ -24,7 +24,7 @@ import torch
 
 from .group import EmbeddingGroup, group_forward
 from .kernels import FBGEMM
-from .kernels import fbgemm as _fbgemm
+from .kernels import fbgemm_nbit as _nbit
 from .packing import pack_pooled, pack_sequence, unpack_sequence
 from .specs import FeatureSpec, GroupSpec, TableSpec, real_columns_index, stored_widths
 
@@ -37,21 +37,21 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
     torch.export cannot trace, and its Python forward adds nothing when fxrec checks the ids.
     """
     for t, dt in zip(group.tables, dtypes):
-        if dt not in _fbgemm.QUANT_DTYPES:
-            raise ValueError(f"fxrec: table '{t.name}': dtype must be one of {_fbgemm.QUANT_DTYPES}, got {dt!r}")
+        if dt not in _nbit.QUANT_DTYPES:
+            raise ValueError(f"fxrec: table '{t.name}': dtype must be one of {_nbit.QUANT_DTYPES}, got {dt!r}")
     group.dtypes = list(dtypes)
     group.output_dtype = output_dtype
     stored = stored_dims(group.tables, dtypes, group.pooling)
     padded = [w if d == t.dim else torch.cat([w, w[:, :1].expand(-1, d - t.dim)], 1)
               for w, t, d in zip(weights, group.tables, stored)]
-    tbe = _fbgemm.make_inference_tbe(
-        [(t.num_rows, d, dt) for t, d, dt in zip(group.tables, stored, dtypes)],
+    group.q_packed = [(t.num_rows, d, dt) for t, d, dt in zip(group.tables, stored, dtypes)]
+    tbe = _nbit.make_inference_tbe(
+        group.q_packed,
         [f.table for f in group.features], group.pooling, weights[0].device, padded, output_dtype,
     )
     cols = real_columns_index(group.tables, group.features, stored) if group.pooling != "none" else []
     group.register_buffer("q_columns", torch.tensor(cols, dtype=torch.long, device=weights[0].device),
                           persistent=False)  # derived from the specs: not part of state_dict()
-    group.table_nbytes = table_bytes(tbe)
     group.register_buffer("q_weights", tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev)
     for name in ("weights_uvm", "weights_placements", "weights_offsets", "weights_tys", "D_offsets",
                  "lxu_cache_weights"):
@@ -67,7 +67,7 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
 def stored_dims(tables: Sequence[TableSpec], dtypes: Sequence[str], pooling: str) -> List[int]:
     """Per table, the width it is stored with: its dim rounded up to what its dtype needs (in a
     sequence group the widest)."""
-    return stored_widths(tables, pooling, [_fbgemm.quant_align(dt) for dt in dtypes])
+    return stored_widths(tables, pooling, [_nbit.quant_align(dt) for dt in dtypes])
 
 
 def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[t
     dropped)."""
     bufs = [group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets,
             group.q_weights_tys, group.q_D_offsets, group.q_lxu_cache_weights, group.q_lxu_cache_locations]
-    out = _fbgemm.int_nbit_lookup(group.q_ints, bufs, indices, offsets, psw)
+    out = _nbit.int_nbit_lookup(group.q_ints, bufs, indices, offsets, psw)
     return out.index_select(1, group.q_columns) if group.q_columns.numel() else out
 
 
@@ -84,13 +84,21 @@ class _Quantized:
     def spec(self) -> GroupSpec:
         return GroupSpec(tuple(self.tables), tuple(self.features), self.pooling, quantized=True)
 
+    @property
+    def table_nbytes(self) -> List[int]:
+        """Bytes each table takes as packed now (rows x stored row, scale and bias included)."""
+        return _nbit.packed_bytes(self.q_packed, self.q_ints["row_alignment"])
 
-def table_bytes(tbe: torch.nn.Module) -> List[int]:
-    """Bytes each table takes in the quantized TBE (rows x stored row width, scale/bias included)."""
-    out = []
-    for w, _ in tbe.split_embedding_weights(split_scale_shifts=False):
-        out.append(int(w.shape[0]) * int(w.stride(0)) * w.element_size() if w.numel() else 0)
-    return out
+    def _apply(self, fn, *args, **kwargs):
+        """As nn.Module's, then, where the rows moved to a device that needs another row
+        alignment (CPU <-> CUDA), the rows packed again for it (see :mod:`.kernels.fbgemm_nbit`)."""
+        out = super()._apply(fn, *args, **kwargs)
+        device = self.q_weights.device
+        if device.type in ("cpu", "cuda") and _nbit.row_alignment(device) != self.q_ints["row_alignment"]:
+            self.q_weights, self.q_weights_placements, self.q_weights_offsets = _nbit.relayout(
+                self.q_packed, self.q_weights, self.q_weights_offsets, self.q_ints["row_alignment"], device)
+            self.q_ints = {**self.q_ints, "row_alignment": _nbit.row_alignment(device)}
+        return out
 
 
 class QuantizedPooledGroup(_Quantized, EmbeddingGroup):

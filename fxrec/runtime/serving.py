@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .kernels.fbgemm import int_nbit_lookup
+from .kernels.fbgemm_nbit import int_nbit_lookup
 from .kernels.reference import lookup_each
 from .packing import FORM_CODES, pack_bags, pack_rows, unpack_rows
 

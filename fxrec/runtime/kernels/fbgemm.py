@@ -1,4 +1,5 @@
-"""The ``fbgemm`` kernel: fbgemm_gpu's table-batched embedding (TBE). The one import of fbgemm_gpu.
+"""The ``fbgemm`` kernel: fbgemm_gpu's table-batched embedding (TBE). With :mod:`.fbgemm_nbit` (its
+quantized half) the only import of fbgemm_gpu.
 
 Everything else in fxrec asks this module for fbgemm's TBE and its enums, so that a missing or
 mismatched install fails once, with a message that says what to install.
@@ -13,7 +14,7 @@ before anyone sees it (:func:`real_columns`), so they get no gradient and no upd
 Adagrad leave a zero column zero). Row-wise Adagrad would average the squared gradient over the stored
 width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`).
 Without a fused optimizer the gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`);
-with one, fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE (:mod:`.quantized`).
+with one, fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE (:mod:`.fbgemm_nbit`).
 """
 
 from __future__ import annotations
@@ -109,65 +110,6 @@ def make_training_tbe(
     return tbe
 
 
-QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
-
-
-def make_inference_tbe(
-    rows_dims_dtypes: Sequence[Tuple[int, int, str]],
-    feature_table_map: List[int],
-    pooling: str,
-    device: torch.device,
-    weights: Sequence[torch.Tensor],
-    output_dtype: str = "fp32",
-) -> "torch.nn.Module":
-    """fbgemm's IntNBitTableBatchedEmbeddingBagsCodegen holding ``weights`` quantized row-wise to each table's
-    dtype (fp32, fp16, int8, int4, int2; integers with an fp16 scale and bias per row: fbgemm's quantize_embs)."""
-    require_fbgemm()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from fbgemm_gpu.split_embedding_configs import SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
-            IntNBitTableBatchedEmbeddingBagsCodegen,
-        )
-        from fbgemm_gpu.tbe.utils.quantize import quantize_embs
-
-        types = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8,
-                 "int4": SparseType.INT4, "int2": SparseType.INT2}
-        location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
-        mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
-        tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-            [("", int(r), int(d), types[t], location) for r, d, t in rows_dims_dtypes],
-            feature_table_map=list(feature_table_map),
-            pooling_mode=mode,
-            device=device,
-            output_dtype=types[output_dtype],
-            bounds_check_mode=BoundsCheckMode.NONE,
-        )
-        tbe.initialize_weights()
-        tbe.assign_embedding_weights(
-            [quantize_embs(w.detach().float().to(device), types[t]) for w, (_, _, t) in zip(weights, rows_dims_dtypes)]
-        )
-    return tbe
-
-
-def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: torch.Tensor,
-                    offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
-    """fbgemm's quantized TBE lookup on a group's buffers: ``weights`` are, in order, the
-    quantized rows, uvm rows, placements, offsets, types, D offsets, cache weights and cache
-    locations (the ``q_*`` buffers); ``q`` its ints. A typed function TorchScript compiles: the
-    eager quantized groups and their serving twins call it alike."""
-    return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-        dev_weights=weights[0], uvm_weights=weights[1], weights_placements=weights[2], weights_offsets=weights[3],
-        weights_tys=weights[4], D_offsets=weights[5], total_D=q["total_D"],
-        max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
-        max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
-        indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
-        output_dtype=q["output_dtype"], lxu_cache_weights=weights[6], lxu_cache_locations=weights[7],
-        row_alignment=q["row_alignment"], max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
-        fp8_exponent_bias=q["fp8_exponent_bias"],
-    )
-
-
 def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
                    weights: Optional[torch.Tensor], sequence: bool = False):
     """fbgemm's ``block_bucketize_sparse_features`` (CPU and CUDA): bags given feature-major by ``lengths``
@@ -179,15 +121,6 @@ def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tenso
     new_lengths, new_ids, new_weights, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
         lengths, ids, False, sequence, blocks, world, weights)
     return new_lengths, new_ids, new_weights, where
-
-
-def quant_align(dtype: str) -> int:
-    """The dim a table must be a multiple of to be stored in ``dtype``."""
-    require_fbgemm()
-    from fbgemm_gpu.split_embedding_configs import SparseType
-
-    return {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8,
-            "int4": SparseType.INT4, "int2": SparseType.INT2}[dtype].align_size()
 
 
 def tbe_flat_weights(tbe: "SplitTableBatchedEmbeddingBagsCodegen") -> torch.Tensor:
