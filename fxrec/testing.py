@@ -54,3 +54,77 @@ def assert_matches(reference: torch.nn.Module, transformed: torch.nn.Module, *in
     for inputs in inputs_list:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         compare_models(reference, transformed, args, {}, rtol=rtol, atol=atol)
+
+
+class HostSyncs:
+    """Host synchronisations seen inside a ``with`` block (:func:`host_syncs`): ``events`` is a list
+    of ``(what, where)``; ``where`` is the innermost frame in fxrec's own code (``file:line``), or
+    ``"outside fxrec"`` (torch's or fbgemm's own Python, e.g. fbgemm's reads of its CPU-resident
+    step counter, which do not wait for a device)."""
+
+    def __init__(self):
+        self.events: List[tuple] = []
+
+    def in_fxrec(self) -> List[tuple]:
+        return [e for e in self.events if e[1] != "outside fxrec"]
+
+
+# What makes the host wait for a device: reading a value (item, bool(), int(), tolist), ops whose
+# output size depends on values (nonzero, boolean-mask indexing, masked_select, unique,
+# repeat_interleave without output_size), and a tensor made from Python numbers (a copy from
+# pageable host memory on CUDA).
+_SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+             "aten::unique_consecutive", "aten::repeat_interleave.Tensor")
+
+
+def host_syncs():
+    """A context manager that records every host-synchronising operation run inside it, on any
+    device (on CPU the same operations run, they just cost nothing): it counts what a CUDA step
+    would wait on. See :class:`HostSyncs`."""
+    import contextlib
+    import os
+    import traceback
+    from unittest import mock
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    record = HostSyncs()
+
+    def where() -> str:
+        for f in reversed(traceback.extract_stack()[:-2]):
+            if f.filename.startswith(here) and not f.filename.endswith("testing.py"):
+                return f"{os.path.relpath(f.filename, os.path.dirname(here))}:{f.lineno}"
+            if f"{os.sep}fbgemm_gpu{os.sep}" in f.filename:  # fbgemm's own Python, called by fxrec or not
+                break
+        return "outside fxrec"
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name + (f".{func._overloadname}" if func._overloadname == "Tensor" else "")
+            boolean_index = name.startswith("aten::index") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
+                if isinstance(args[1] if len(args) > 1 else None, (list, tuple)))
+            sized = name == "aten::repeat_interleave.Tensor" and (kwargs or {}).get("output_size") is not None
+            if (name in _SYNC_OPS and not sized) or boolean_index:
+                record.events.append((name if not boolean_index else "boolean-mask indexing", where()))
+            return func(*args, **(kwargs or {}))
+
+    tolist, tensor = torch.Tensor.tolist, torch.tensor
+
+    def counted_tolist(self):
+        record.events.append(("Tensor.tolist", where()))
+        return tolist(self)
+
+    def counted_tensor(data, *args, **kwargs):
+        if not isinstance(data, torch.Tensor):
+            record.events.append(("torch.tensor(python values)", where()))
+        return tensor(data, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def run():
+        with mock.patch.object(torch.Tensor, "tolist", counted_tolist), mock.patch.object(torch, "tensor", counted_tensor):
+            with Mode():
+                yield record
+
+    return run()

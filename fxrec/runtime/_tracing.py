@@ -16,3 +16,29 @@ def exporting() -> bool:
 def compiling() -> bool:
     is_compiling = getattr(torch.compiler, "is_compiling", None)
     return bool(is_compiling and is_compiling())
+
+
+_SYNC_FREE = [False]
+
+
+def reads_values(device: torch.device) -> bool:
+    """Whether a group may read tensor values on the host for its checks: on CPU, where that
+    costs nothing, unless :func:`sync_free` is on; never on other devices (reading a CUDA tensor's
+    value makes the host wait for the device) nor while exporting."""
+    return device.type == "cpu" and not _SYNC_FREE[0] and not exporting()
+
+
+class sync_free:
+    """Within ``with sync_free():`` the groups run on CPU exactly as on CUDA: no tensor value is
+    read on the host in a call (checks run on the device and report later; see
+    :mod:`fxrec.runtime.checks`). What tests use to prove the CUDA path free of host
+    synchronisations on a machine without a GPU (with :func:`fxrec.testing.host_syncs`)."""
+
+    def __enter__(self):
+        self._before = _SYNC_FREE[0]
+        _SYNC_FREE[0] = True
+        return self
+
+    def __exit__(self, *exc):
+        _SYNC_FREE[0] = self._before
+        return False

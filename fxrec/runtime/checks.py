@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import torch
 
-from ._tracing import exporting
+from ._tracing import exporting, reads_values
 from .specs import FeatureSpec
 
 
@@ -118,10 +118,14 @@ class InputChecks:
             start += d
         return cols
 
-    def _validate_packed(self, indices, offsets, ids_list, offsets_list) -> None:
+    def _validate_packed(self, indices, offsets, ids_list, offsets_list, psw=None) -> None:
         """Cheap checks on the packed input (a few ops for the whole group); on failure, the
-        per-feature checks find the feature and raise a message that names it."""
+        per-feature checks find the feature and raise a message that names it. Where values may
+        not be read (CUDA), the device's check instead (:meth:`_check_on_device`)."""
         if exporting():
+            return
+        if not reads_values(indices.device):
+            self._check_on_device(indices, offsets, psw, ids_list, offsets_list)
             return
         ok = True
         if indices.numel():
@@ -137,6 +141,34 @@ class InputChecks:
         if not ok:
             self._check_inputs(ids_list, offsets_list)
             raise ValueError(f"fxrec: invalid ids or offsets for tables {[t.name for t in self.tables]}")
+
+    def _check_on_device(self, indices, offsets, psw, ids_list, offsets_list) -> None:
+        """Bounds checks without reading a value on the host: fbgemm's ``bounds_check_indices``
+        on the packed input, on its device, sends every id outside its table to row 0 (and fixes
+        offsets out of range) and counts them; the count reaches the host later (see
+        :class:`DeviceBoundsCheck`), and a count that grew raises the named error then."""
+        state = self.__dict__.get("_device_bounds")
+        if state is None or state.counter.device != indices.device:
+            state = self._device_bounds = DeviceBoundsCheck([self.tables[f.table].num_rows for f in self.features],
+                                                            indices.device)
+        self._raise_reported(state)
+        state.check(indices, offsets, psw, ids_list, offsets_list)
+        self._raise_reported(state)
+
+    def _raise_reported(self, state: "DeviceBoundsCheck") -> None:
+        reported = state.reported()
+        if reported is None:
+            return
+        count, ids_list, offsets_list = reported
+        if offsets_list is None:  # unpooled lookups: ids only
+            for f, ids in zip(self.features, ids_list):
+                self._check_ids(f, ids)
+        else:
+            self._check_inputs(ids_list, offsets_list)  # raises, naming the feature, if those inputs are still bad
+        raise ValueError(
+            f"fxrec: fbgemm's bounds check on {state.counter.device} found {count} ids or offsets outside the tables "
+            f"{[t.name for t in self.tables]} in a recent call (the ids read row 0 instead); the inputs of the last "
+            "call no longer show them (changed in place?)")
 
     def _check_inputs(self, ids_list, offsets_list) -> None:
         self._check_count(ids_list)
@@ -156,3 +188,47 @@ class InputChecks:
                     f"fxrec: feature '{f.name}' expects 1-D ids, got shape {tuple(ids.shape)}"
                 )
 
+
+
+class DeviceBoundsCheck:
+    """A group's bounds check on its device, and what the host has heard of it.
+
+    ``check`` runs fbgemm's bounds check (warning mode: bad ids go to row 0 and are counted in
+    ``counter``, on the device; nothing waits) and starts the count's way to the host: on CUDA a
+    non-blocking copy into pinned memory and an event; on CPU the count is in host memory when
+    the check returns. ``reported`` reads the host copy only once it is there (``event.query()``
+    does not wait) and returns ``(count, ids, offsets)`` of the last call checked when the count
+    grew: on CUDA a bad batch raises at the group's next call, on CPU in the same call.
+    """
+
+    def __init__(self, rows_per_feature, device: torch.device):
+        from .kernels.fbgemm import bounds_check
+
+        self._bounds_check = bounds_check
+        self.rows = torch.tensor(rows_per_feature, dtype=torch.int64).to(device)  # once per device
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self.cuda)
+        self.event = None
+        self.inputs = None
+        self.seen = 0
+
+    def check(self, indices, offsets, psw, ids_list, offsets_list) -> None:
+        self._bounds_check(self.rows, indices, offsets, self.counter, psw)
+        if self.cuda:
+            self.host.copy_(self.counter, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = self.counter
+        self.inputs = (ids_list, offsets_list)
+
+    def reported(self):
+        if self.inputs is None or (self.event is not None and not self.event.query()):
+            return None
+        # host memory, written by a copy that has completed (or by the CPU op): no wait
+        count = int(self.host.numpy()[0])
+        if count <= self.seen:
+            return None
+        self.seen = count
+        return (count,) + self.inputs

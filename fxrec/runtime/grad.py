@@ -27,15 +27,16 @@ class LookupWithGrads(torch.autograd.Function):
 
     ``forward()`` computes the output without autograd (for fbgemm's TBE: so its fused-update
     backward is never built); ``indices`` / ``offsets`` / ``psw`` are the packed input
-    (:mod:`fxrec.runtime.packing`), which backward reads.
+    (:mod:`fxrec.runtime.packing`), which backward reads, and ``layout`` its bags per feature and
+    each feature's bounds in ``indices`` (host ints, so backward reads no value to slice them).
     """
 
     @staticmethod
-    def forward(ctx, group, forward, batch, indices, offsets, psw, *params):
+    def forward(ctx, group, forward, layout, indices, offsets, psw, *params):
         with torch.no_grad():
             out = forward()
         ctx.group = group
-        ctx.batch = batch
+        ctx.batch, ctx.bounds = layout
         if group.fused_active:  # a fused call here is the reference kernel's: this backward updates
             # backward updates these in place, so they are not saved (a second forward before
             # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
@@ -53,12 +54,11 @@ class LookupWithGrads(torch.autograd.Function):
         if ctx.params is not None:
             params = list(ctx.params)
         batch = ctx.batch
-        nfeat = len(group.features)
         n = indices.numel()
         dev = indices.device
         lengths = offsets.diff()
         # Features are packed feature-major, so feature i owns indices bounds[i]:bounds[i+1].
-        bounds = offsets[torch.arange(0, nfeat + 1, device=dev) * batch].tolist()
+        bounds = ctx.bounds
 
         # Per-index scale: the sample weight, 1/len for mean pooling, 0 for a padding row.
         scale: Optional[torch.Tensor] = psw

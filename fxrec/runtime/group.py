@@ -156,6 +156,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_bound"] = None
+        state.pop("_device_bounds", None)  # the device check's count, event and last inputs: rebuilt on use
         # the link to an optimizer (its learning-rate hook) stays with the original
         state.pop("_fxrec_lr_hook", None)
         state["_forward_pre_hooks"] = type(self._forward_pre_hooks)(

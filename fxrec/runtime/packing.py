@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._tracing import exporting
+from ._tracing import exporting, reads_values
 
 #: FeatureSpec.form as the integer the scriptable packing takes.
 FORM_CODES = {"bag": 0, "pooled_seq": 1, "single": 2, "seq": 3}
@@ -30,8 +30,9 @@ NOT_PACKABLE = -1
 def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_list: List[Optional[Tensor]],
               where: List[str], forms: List[int], pads: List[int], ilos: List[bool], mean: bool,
               any_weighted: bool, strict: bool, empty_means: bool, tracing: bool
-              ) -> Tuple[int, Tensor, Tensor, Optional[Tensor]]:
-    """``(batch, indices, offsets, per-sample weights)`` of a pooled group's inputs.
+              ) -> Tuple[int, Tensor, Tensor, Optional[Tensor], List[int]]:
+    """``(batch, indices, offsets, per-sample weights, bounds)`` of a pooled group's inputs; feature
+    ``f``'s ids are ``indices[bounds[f]:bounds[f + 1]]`` (known on the host: no value is read for them).
 
     ``batch`` is :data:`NOT_PACKABLE` where only PyTorch's own kernels reproduce the input (then
     the tensors are empty), 0 for an empty batch. ``where[i]`` names feature i in errors.
@@ -45,6 +46,10 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     flat_ids: List[Tensor] = []
     weights: List[Tensor] = []
     batch = -1
+    base = 0
+    firsts: List[Tensor] = []  # each bag feature's offsets[0] (checked at the end)
+    bag_features: List[int] = []
+    bounds: List[int] = [0]
     dev = ids_list[0].device
     nothing = torch.empty(0, dtype=torch.long, device=dev)
     for i in range(len(ids_list)):
@@ -56,6 +61,9 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             given = offsets_list[i]
             assert given is not None
             off = given.long()
+            if not tracing and off.numel() > 0:
+                firsts.append(off[:1])
+                bag_features.append(i)
             ilo = ilos[i]
             pad = pads[i]
             n = flat.numel()
@@ -80,7 +88,7 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
                             + " with include_last_offset=True and mean pooling, where PyTorch's mean divides the "
                             "last bag by the ids up to the end of the tensor; fused optimizers and quantized tables "
                             "do not reproduce that: pass only the ids up to offsets[-1]")
-                    return -1, nothing, nothing, None
+                    return -1, nothing, nothing, None, [0]
                 if not ilo:
                     off = torch.cat([off, off.new_full([1], n)])
                 elif (pad >= 0 or tracing) and off.numel() > 0:
@@ -108,7 +116,7 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             length = ids.shape[1]
             flat = ids.reshape(-1)
             if length == 0 and mean and not empty_means:
-                return -1, nothing, nothing, None  # PyTorch's mean of no rows is NaN
+                return -1, nothing, nothing, None, [0]  # PyTorch's mean of no rows is NaN
             if length > 0:
                 start = torch.arange(0, b * length, length, device=dev)
             else:
@@ -120,33 +128,28 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
         if batch < 0:
             batch = b
         elif b != batch:
-            return -1, nothing, nothing, None  # one TBE call needs one batch size
+            return -1, nothing, nothing, None, [0]  # one TBE call needs one batch size
         flat_ids.append(flat.long())
-        starts.append(start)
+        starts.append(start + base if base else start)  # where the bags start in the packed ids
+        base += flat.numel()
+        bounds.append(base)
         if any_weighted:
             if psw is None:
                 psw = torch.ones(flat.numel(), dtype=torch.float32, device=dev)
             weights.append(psw.reshape(-1)[: flat.numel()].float())
     if batch <= 0:
-        return 0, nothing, nothing, None  # an empty batch
+        return 0, nothing, nothing, None, [0]  # an empty batch
     indices = torch.cat(flat_ids)
-    bases: List[int] = [0]
-    for x in flat_ids[:-1]:
-        bases.append(bases[-1] + x.numel())
-    nfeat = len(flat_ids)
-    all_starts = torch.cat(starts).view(nfeat, batch)
-    if not tracing:
-        firsts = all_starts[:, 0]
-        if bool((firsts != 0).any()):
-            bad = int(torch.nonzero(firsts)[0, 0])
-            raise ValueError("fxrec: offsets of " + where[bad] + " must start at 0, got " + str(int(firsts[bad])))
-    base = torch.tensor(bases, dtype=torch.long, device=dev).unsqueeze(1)
-    offsets = torch.cat([(all_starts + base).reshape(-1), torch.full([1], indices.numel(), dtype=torch.long,
-                                                                      device=dev)])
+    if not tracing and len(firsts) > 0:
+        first = torch.cat(firsts)
+        if bool((first != 0).any()):
+            bad = bag_features[int(torch.nonzero(first)[0, 0])]
+            raise ValueError("fxrec: offsets of " + where[bad] + " must start at 0, got " + str(int(first[bag_features.index(bad)])))
+    offsets = torch.cat(starts + [torch.full([1], indices.numel(), dtype=torch.long, device=dev)])
     psw_all: Optional[Tensor] = None
     if any_weighted:
         psw_all = torch.cat(weights)
-    return batch, indices, offsets, psw_all
+    return batch, indices, offsets, psw_all, bounds
 
 
 def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:
@@ -155,8 +158,10 @@ def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:
     counts: List[int] = [ids.numel() for ids in ids_list]
     bmax = max(counts)
     dev = ids_list[0].device
-    counts_t = torch.tensor(counts, device=dev)
-    lengths = (torch.arange(bmax, device=dev) < counts_t.unsqueeze(1)).long().reshape(-1)
+    lengths = torch.zeros(len(counts), bmax, dtype=torch.long, device=dev)
+    for f in range(len(counts)):  # (no tensor made from the Python counts: that is a copy the device waits for)
+        lengths[f, :counts[f]] = 1
+    lengths = lengths.reshape(-1)
     indices = torch.cat([ids.reshape(-1).long() for ids in ids_list])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), lengths.cumsum(0)])
     return indices, offsets, bmax
@@ -188,21 +193,29 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
             group._check_ids(f, ids)  # raises, naming the feature
         if f.form == "bag" and (off is None or off.dtype not in (torch.int64, torch.int32)):
             group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
-    batch, indices, offsets, psw = pack_bags(
+    batch, indices, offsets, psw, bounds = pack_bags(
         ids_list, offsets_list, psw_list, group._where, group._forms, group._pads, group._ilos,
-        group.pooling == "mean", group._any_weighted, strict, empty_means, exporting())
-    return None if batch <= 0 else (indices, offsets, psw, batch)
+        group.pooling == "mean", group._any_weighted, strict, empty_means, not reads_values(ids_list[0].device))
+    return None if batch <= 0 else (indices, offsets, psw, batch, bounds)
 
 
 def pack_sequence(group, ids_list):
-    """:func:`pack_rows` for an eager group module, with its ids checked (naming the feature)."""
+    """:func:`pack_rows` for an eager group module, with its ids checked (naming the feature):
+    ``(indices, offsets, bags per feature, bounds)`` (see :func:`pack_bags` for ``bounds``)."""
     indices, offsets, bmax = pack_rows(ids_list)
-    if not exporting():
+    bounds = [0]
+    for ids in ids_list:
+        bounds.append(bounds[-1] + ids.numel())
+    if exporting():
+        return indices, offsets, bmax, bounds
+    if not reads_values(indices.device):
+        group._check_on_device(indices, offsets, None, ids_list, None)
+    else:
         lo, hi = torch.aminmax(indices)
         if int(lo) < 0 or int(hi) >= group._min_rows:
             for f, ids in zip(group.features, ids_list):
                 group._check_ids(f, ids)
-    return indices, offsets, bmax
+    return indices, offsets, bmax, bounds
 
 
 def unpack_sequence(group, out, ids_list) -> List[torch.Tensor]:

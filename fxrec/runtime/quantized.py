@@ -122,8 +122,8 @@ class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
                 f"fxrec: the features of the quantized group of tables {[t.name for t in self.tables]} "
                 "have different batch sizes; one TBE needs one"
             )
-        indices, offsets, psw, _ = packed
-        self._validate_packed(indices, offsets, ids_list, offsets_list)
+        indices, offsets, psw, _, _ = packed
+        self._validate_packed(indices, offsets, ids_list, offsets_list, psw)
         out = _lookup(self, indices, offsets, psw)
         nan_cols = self._empty_mean_columns(ids_list)
         if nan_cols:  # a mean of no rows, as PyTorch gives it
@@ -152,5 +152,5 @@ class QuantizedSequenceGroup(_Quantized, EmbeddingGroup):
         if max(ids.numel() for ids in ids_list) == 0:
             dt = torch.float16 if self.output_dtype == "fp16" else torch.float32
             return [torch.zeros(tuple(ids.shape) + (d,), dtype=dt, device=ids.device) for ids, d in zip(ids_list, self.dims)]
-        indices, offsets, _ = pack_sequence(self, ids_list)
+        indices, offsets, _, _ = pack_sequence(self, ids_list)
         return unpack_sequence(self, _lookup(self, indices, offsets, None), ids_list)

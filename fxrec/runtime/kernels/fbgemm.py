@@ -231,9 +231,11 @@ def real_columns(group, out: torch.Tensor) -> torch.Tensor:
     return out if idx is False else out.index_select(1, idx)
 
 
-def run_tbe(group, tbe, batch, indices, offsets, psw, params, training: bool):
-    """The TBE on a packed input: with the fused optimizer in training (fbgemm's backward updates
-    the tables), else through LookupWithGrads (PyTorch's gradients); padding columns dropped."""
+def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):
+    """The TBE on a packed input (``layout``: bags per feature and each feature's bounds in
+    ``indices``, see :func:`fxrec.runtime.packing.pack_bags`): with the fused optimizer in training
+    (fbgemm's backward updates the tables), else through LookupWithGrads (PyTorch's gradients);
+    padding columns dropped."""
     from ..grad import LookupWithGrads
 
     if training and group.fused_active:
@@ -255,7 +257,7 @@ def run_tbe(group, tbe, batch, indices, offsets, psw, params, training: bool):
                                                per_sample_weights=None if psw is None else psw.clone()))
         return real_columns(group, tbe(indices, offsets, per_sample_weights=psw))
 
-    return LookupWithGrads.apply(group, forward, batch, indices, offsets, psw, *params)
+    return LookupWithGrads.apply(group, forward, layout, indices, offsets, psw, *params)
 
 
 def states_refusal(group, device: str, mode: str, optimizer: Optional[str]) -> Optional[str]:
@@ -319,15 +321,26 @@ class FbgemmKernel(Kernel):
             packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=fused)
             if packed is None:
                 return None
-            indices, offsets, psw, batch = packed
-            group._validate_packed(indices, offsets, ids_list, offsets_list)
-            return run_tbe(group, ensure_bound(group, params), batch, indices, offsets, psw, params, training)
+            indices, offsets, psw, batch, bounds = packed
+            group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
+            return run_tbe(group, ensure_bound(group, params), (batch, bounds), indices, offsets, psw, params, training)
         if max(ids.numel() for ids in ids_list) == 0:
             return None
         tbe = ensure_bound(group, params)
-        indices, offsets, bmax = pack_sequence(group, ids_list)
-        out = run_tbe(group, tbe, bmax, indices, offsets, None, params, training)
+        indices, offsets, bmax, bounds = pack_sequence(group, ids_list)
+        out = run_tbe(group, tbe, (bmax, bounds), indices, offsets, None, params, training)
         return unpack_sequence(group, out, ids_list)
 
 
 KERNEL = FbgemmKernel()
+
+
+def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                 counter: torch.Tensor, psw: Optional[torch.Tensor]) -> None:
+    """fbgemm's ``bounds_check_indices`` in warning mode on packed input (``F * B + 1`` offsets,
+    ``rows_per_feature`` [F] int64): on the input's device, without waiting, ids outside their
+    feature's table become 0 and offsets out of range are fixed, in place; ``counter`` [1] int64
+    grows by how many were."""
+    require_fbgemm()
+    torch.ops.fbgemm.bounds_check_indices(rows_per_feature, indices, offsets, BoundsCheckMode.WARNING.value,
+                                          counter, psw)

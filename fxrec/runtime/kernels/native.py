@@ -368,13 +368,13 @@ class NativeKernel(Kernel):
         packed = pack_pooled(group, ids_list, offsets_list, psw_list)
         if packed is None:
             return None
-        indices, offsets, psw, batch = packed
-        group._validate_packed(indices, offsets, ids_list, offsets_list)
+        indices, offsets, psw, batch, bounds = packed
+        group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
 
         def forward():
             return native_forward(group, call, ids_list, offsets_list, reuse=False)
 
-        return LookupWithGrads.apply(group, forward, batch, indices, offsets, psw, *params)
+        return LookupWithGrads.apply(group, forward, (batch, bounds), indices, offsets, psw, *params)
 
 
 KERNEL = NativeKernel()

@@ -99,7 +99,7 @@ def _fused(group, ids_list, offsets_list, psw_list, params):
     if group.pooling == "none":
         if max(ids.numel() for ids in ids_list) == 0:
             return None
-        indices, offsets, bmax = pack_sequence(group, ids_list)
+        indices, offsets, bmax, bounds = pack_sequence(group, ids_list)
 
         width = max(group.dims)
 
@@ -107,18 +107,18 @@ def _fused(group, ids_list, offsets_list, psw_list, params):
             rows = [params[f.table][ids.reshape(-1)] for f, ids in zip(group.features, ids_list)]
             return torch.cat([r if d == width else F.pad(r, (0, width - d)) for r, d in zip(rows, group.dims)])
 
-        out = LookupWithGrads.apply(group, forward, bmax, indices, offsets, None, *params)
+        out = LookupWithGrads.apply(group, forward, (bmax, bounds), indices, offsets, None, *params)
         return unpack_sequence(group, out, ids_list)
     packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=True)
     if packed is None:
         return None
-    indices, offsets, psw, batch = packed
-    group._validate_packed(indices, offsets, ids_list, offsets_list)
+    indices, offsets, psw, batch, bounds = packed
+    group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
 
     def forward():
         return lookups(group, ids_list, offsets_list, psw_list, params)
 
-    return LookupWithGrads.apply(group, forward, batch, indices, offsets, psw, *params)
+    return LookupWithGrads.apply(group, forward, (batch, bounds), indices, offsets, psw, *params)
 
 
 class ReferenceKernel(Kernel):

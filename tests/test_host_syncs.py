@@ -1,0 +1,117 @@
+"""The CUDA path waits for the device nowhere in fxrec's code (issue 15, proved on CPU).
+
+Under :class:`fxrec.runtime._tracing.sync_free` the groups run on CPU exactly as they do on CUDA
+(no tensor value read on the host: checks on the device, reported later), and
+:func:`fxrec.testing.host_syncs` records every operation that would make a CUDA host wait (value
+reads, value-sized outputs, tensors made from Python numbers). A training step and a quantized
+inference call on ``backend="fbgemm"`` must record none in fxrec's code, and still give the plain
+model's numbers; bad ids must still raise the error that names the feature.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import fxrec
+from fxrec.runtime._tracing import sync_free
+from fxrec.testing import host_syncs
+from tests import models as M
+
+CASES = {
+    "bags": (M.BagList, M.bag_inputs),
+    "fields": (M.FieldDict, M.field_inputs),
+    "fm": (M.OffsetFM, M.fm_inputs),
+    "shared": (M.SharedTables, M.shared_inputs),
+}
+OPTIMIZERS = {
+    "none": lambda: None,  # PyTorch's gradients (fxrec's backward)
+    "sgd": lambda: fxrec.optim.SGD(lr=0.1),
+    "adagrad": lambda: fxrec.optim.Adagrad(lr=0.1),
+    "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.1),
+}
+
+
+def _step(model, x):
+    out = model(*x)
+    out.sum().backward()
+    return out.detach()
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_training_step_on_fbgemm_reads_no_value_on_the_host(case, opt):
+    make, inputs = CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    plain = copy.deepcopy(model)
+    fast = fxrec.transform(model, inputs(), optimizer=OPTIMIZERS[opt](), backend="fbgemm")
+    with sync_free():
+        _step(fast, inputs(seed=1))  # first call: builds the TBE and the device check
+        x = inputs(seed=2)
+        with host_syncs() as syncs:
+            got = _step(fast, x)
+    assert syncs.in_fxrec() == [], syncs.in_fxrec()
+    # the same numbers (outputs, updated tables, gradients) as ordinary calls of a twin transformed alike
+    twin = fxrec.transform(plain, inputs(), optimizer=OPTIMIZERS[opt](), backend="fbgemm")
+    _step(twin, inputs(seed=1))
+    torch.testing.assert_close(got, _step(twin, x), rtol=0, atol=0)
+    torch.testing.assert_close(fast.state_dict(), twin.state_dict(), rtol=0, atol=0)
+    grads = lambda m: {n: p.grad for n, p in m.named_parameters() if p.grad is not None}  # noqa: E731
+    assert grads(fast).keys() == grads(twin).keys() and (grads(fast) or opt != "none")
+    torch.testing.assert_close(grads(fast), grads(twin), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["sequence"])
+def test_a_quantized_inference_call_reads_no_value_on_the_host(case):
+    make, inputs = dict(CASES, sequence=(M.SequenceMean, M.seq_inputs))[case]
+    model = make().eval()
+    fast = fxrec.transform(model, inputs(), mode="inference", quantize="int8")
+    x = inputs(seed=3)
+    with torch.no_grad():
+        want = fast(*x)
+        with sync_free():
+            fast(*x)
+            with host_syncs() as syncs:
+                got = fast(*x)
+    assert syncs.in_fxrec() == [], syncs.in_fxrec()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_count_sees_what_an_ordinary_cpu_call_reads():
+    """Without sync_free the CPU groups check ids by reading them (free on CPU): the count sees it,
+    so a zero above is not the count failing to look."""
+    model = M.BagList()
+    fast = fxrec.transform(model, M.bag_inputs(), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+    with host_syncs() as syncs:
+        _step(fast, M.bag_inputs(seed=1))
+    kinds = {what for what, _ in syncs.in_fxrec()}
+    assert "aten::_local_scalar_dense" in kinds, syncs.events
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_bad_ids_checked_on_the_device_still_raise_the_error_naming_the_feature(quantized):
+    model = M.BagList(rows=(50, 80, 30))
+    x = M.bag_inputs(rows=(50, 80, 30))
+    if quantized:
+        fast = fxrec.transform(model.eval(), x, mode="inference", quantize="int8")
+    else:
+        fast = fxrec.transform(model, x, optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+    dense, ids, offsets = x
+    bad = [t.clone() for t in ids]
+    bad[1][0] = 80  # table bags.1 has 80 rows
+    with sync_free():
+        fast(*x)
+        with pytest.raises((ValueError, IndexError), match=r"id 80 in table 'bags\.1'"):
+            fast(dense, bad, offsets)
+        fast(*x)  # the next good batch runs
+
+
+def test_bad_ids_of_a_sequence_feature_checked_on_the_device_name_it():
+    model = M.SequenceMean().eval()
+    x = M.seq_inputs()
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8")
+    hist = x[0].clone()
+    hist[0, 0] = 50
+    with sync_free(), pytest.raises(IndexError, match=r"id 50 in table 'hist'"):
+        fast(hist, *x[1:])
