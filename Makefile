@@ -6,7 +6,7 @@ VENV    := .venv
 PYBIN   := $(VENV)/bin/python
 STAMP   := $(VENV)/.fxrec-installed
 
-.PHONY: demo test test-gpu bench bench-transform clean
+.PHONY: demo test test-gpu bench bench-gpu bench-transform clean
 
 # Graphviz's `dot` (fxrec.viz, `fxrec draw`, transform(dump_dir=...)) is a system package: installed
 # here when missing if we are root with apt-get (CI: a fresh Debian machine), else we say how.
@@ -37,6 +37,10 @@ test: $(STAMP)
 GPU_PY ?= python3
 test-gpu:
 	FXREC_REQUIRE_CUDA=1 $(GPU_PY) -m pytest -q -m requires_cuda tests
+
+# The GPU benchmark (benchmarks/bench_gpu.py -> benchmarks/results/gpu.json), same interpreter as test-gpu.
+bench-gpu:
+	$(GPU_PY) benchmarks/bench_gpu.py
 
 bench: $(STAMP)
 	$(PYBIN) benchmarks/bench_lookups.py

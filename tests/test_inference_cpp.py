@@ -31,9 +31,10 @@ def infer_binary(tmp_path_factory):
     return out
 
 
-def run_cpp(binary, model_path, inputs, tmp_path):
+def run_cpp(binary, model_path, inputs, tmp_path, device=None):
     torch.save(tuple(inputs), tmp_path / "inputs.pt")
-    r = subprocess.run([binary, str(model_path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"),
+    where = ["--device", device] if device else []
+    r = subprocess.run([binary, *where, str(model_path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"),
                         *fxrec.export.fbgemm_libraries()], capture_output=True, text=True)
     return r, (torch.load(tmp_path / "out.pt") if r.returncode == 0 else None)
 
@@ -91,3 +92,34 @@ def test_aoti_package_in_cpp_matches_python(infer_binary, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         with torch.no_grad():
             torch.testing.assert_close(out[0], fast(*x), rtol=1e-5, atol=1e-5)
+
+
+def test_cpp_runs_on_the_device_it_is_given(infer_binary, tmp_path):
+    """``--device cpu`` loads the model and moves the inputs there (the path --device cuda takes);
+    an unknown device is an error that names it."""
+    model = M.BagList().eval()
+    fast = fxrec.transform(model, M.bag_inputs(), mode="inference", quantize="int8")
+    fxrec.export.torchscript(fast, tmp_path / "model.pt")
+    x = M.bag_inputs(seed=4)
+    r, out = run_cpp(infer_binary, tmp_path / "model.pt", x, tmp_path, device="cpu")
+    assert r.returncode == 0, r.stderr
+    with torch.no_grad():
+        torch.testing.assert_close(out, fast(*x), rtol=0, atol=0)
+    r, _ = run_cpp(infer_binary, tmp_path / "model.pt", x, tmp_path, device="tpu:7")
+    assert r.returncode == 1 and "tpu:7" in r.stderr, r.stderr
+
+
+@pytest.mark.requires_cuda
+def test_cpp_serves_on_cuda_what_was_scripted_on_cuda_and_refuses_a_cpu_packing(infer_binary, tmp_path):
+    model = M.BagList(dim=24).eval()
+    fast = fxrec.transform(model, M.bag_inputs(), mode="inference", quantize="int8")
+    x = M.bag_inputs(seed=4)
+    with torch.no_grad():
+        want = fast(*x)
+    fxrec.export.torchscript(fast, tmp_path / "cpu.pt")
+    fxrec.export.torchscript(fast.cuda(), tmp_path / "cuda.pt")
+    r, out = run_cpp(infer_binary, tmp_path / "cuda.pt", x, tmp_path, device="cuda")
+    assert r.returncode == 0, r.stderr
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    r, _ = run_cpp(infer_binary, tmp_path / "cpu.pt", x, tmp_path, device="cuda")
+    assert r.returncode == 1 and "packed for CPU" in r.stderr, r.stderr

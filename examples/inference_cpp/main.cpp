@@ -1,7 +1,13 @@
 // Serve a model transformed by fxrec from C++ (libtorch), both ways C++ servers load PyTorch models:
 //
-//   fxrec_infer MODEL.pt  INPUTS.pt OUTPUTS.pt [LIB.so ...]   TorchScript (fxrec.export.torchscript)
-//   fxrec_infer MODEL.pt2 INPUTS.pt OUTPUTS.pt [LIB.so ...]   AOTInductor package (fxrec.export.aoti)
+//   fxrec_infer [--device DEV] MODEL.pt  INPUTS.pt OUTPUTS.pt [LIB.so ...]   TorchScript (fxrec.export.torchscript)
+//   fxrec_infer [--device DEV] MODEL.pt2 INPUTS.pt OUTPUTS.pt [LIB.so ...]   AOTInductor package (fxrec.export.aoti)
+//
+// --device (default cpu; e.g. cuda, cuda:1): where the model runs. A TorchScript model is loaded
+// onto it, the inputs are moved to it, and the outputs are written from the CPU. Script (or
+// compile) the model on the device it will serve on: fxrec packs quantized rows for a device,
+// and refuses a CPU packing on CUDA. An AOTInductor package runs where it was compiled for; its
+// inputs go to DEV.
 //
 // LIB.so: fbgemm_gpu's operator libraries, loaded first (in the order given) so that the
 // model's fbgemm operators resolve; fxrec.export.fbgemm_libraries() lists them.
@@ -62,6 +68,34 @@ static c10::IValue typed(const c10::IValue& v) {
   return v;
 }
 
+// ``v`` with every tensor in it moved to ``device`` (containers keep their types).
+static c10::IValue to_device(const c10::IValue& v, const c10::Device& device) {
+  if (v.isTensor()) return v.toTensor().to(device);
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(t.to(device));
+    return out;
+  }
+  if (v.isList()) {
+    auto items = v.toList();
+    c10::impl::GenericList out(items.elementType());
+    for (const c10::IValue& x : items) out.push_back(to_device(x, device));
+    return out;
+  }
+  if (v.isGenericDict()) {
+    auto dict = v.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), dict.valueType());
+    for (const auto& kv : dict) out.insert(kv.key(), to_device(kv.value(), device));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elems;
+    for (const c10::IValue& x : v.toTupleRef().elements()) elems.push_back(to_device(x, device));
+    return c10::ivalue::Tuple::create(std::move(elems));
+  }
+  return v;
+}
+
 // The tensors of an input, in pytree order.
 static void flatten(const c10::IValue& v, std::vector<at::Tensor>& out) {
   if (v.isTensor()) {
@@ -82,8 +116,15 @@ static bool ends_with(const std::string& s, const std::string& tail) {
 }
 
 int main(int argc, char** argv) {
+  std::string device_name = "cpu";
+  if (argc >= 3 && std::string(argv[1]) == "--device") {
+    device_name = argv[2];
+    argv[2] = argv[0];
+    argv += 2;
+    argc -= 2;
+  }
   if (argc < 4) {
-    std::cerr << "usage: " << argv[0] << " MODEL.pt INPUTS.pt OUTPUTS.pt [LIB.so ...]\n";
+    std::cerr << "usage: " << argv[0] << " [--device DEV] MODEL.pt INPUTS.pt OUTPUTS.pt [LIB.so ...]\n";
     return 2;
   }
   for (int i = 4; i < argc; ++i) {
@@ -93,8 +134,11 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    const c10::Device device(device_name);
     c10::IValue inputs = torch::pickle_load(read_file(argv[2]));
     if (!inputs.isTuple()) throw std::runtime_error("INPUTS.pt must hold a tuple of the model's arguments");
+    inputs = to_device(inputs, device);
+    const c10::Device cpu(c10::kCPU);
     if (ends_with(argv[1], ".pt2")) {
       torch::inductor::AOTIModelPackageLoader loader(argv[1]);
       std::vector<at::Tensor> flat;
@@ -104,12 +148,13 @@ int main(int argc, char** argv) {
         c10::InferenceMode guard;
         outs = loader.run(flat);
       }
-      std::vector<c10::IValue> elems(outs.begin(), outs.end());
+      std::vector<c10::IValue> elems;
+      for (const at::Tensor& t : outs) elems.push_back(t.to(cpu));
       std::vector<char> bytes = torch::pickle_save(c10::ivalue::Tuple::create(std::move(elems)));
       std::ofstream(argv[3], std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
       return 0;
     }
-    torch::jit::script::Module model = torch::jit::load(argv[1]);
+    torch::jit::script::Module model = torch::jit::load(argv[1], device);
     model.eval();
     std::vector<c10::IValue> args;
     for (const c10::IValue& x : inputs.toTupleRef().elements()) args.push_back(typed(x));
@@ -118,7 +163,7 @@ int main(int argc, char** argv) {
       c10::InferenceMode guard;
       out = model.forward(args);
     }
-    std::vector<char> bytes = torch::pickle_save(out);
+    std::vector<char> bytes = torch::pickle_save(to_device(out, cpu));
     std::ofstream(argv[3], std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   } catch (const std::exception& e) {
     std::cerr << "fxrec_infer: " << e.what() << "\n";

@@ -1,0 +1,36 @@
+"""benchmarks/bench_gpu.py (``make bench-gpu``) runs end to end: on CPU, on a shape scaled down, it
+checks each fxrec variant against the plain model and writes its JSON (the GPU figures come from
+the same code with --device cuda)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(os.path.dirname(HERE), "benchmarks", "bench_gpu.py")
+
+
+def test_the_gpu_benchmark_runs_on_cpu_scaled_down_and_writes_its_figures(tmp_path):
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--scale", "2000", "--rounds", "2",
+                        "--shapes", "onehot26", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    shape = result["shapes"]["onehot26"]
+    assert shape["config"]["rows"] == 500 and result["machine"]["device"] == "cpu"
+    assert set(shape["forward_ms"]) == {"plain", "fxrec", "fxrec_int8"}
+    assert set(shape["train_step_ms"]) == {"plain_sgd_sparse_grads", "fxrec_fused_sgd"}
+    assert all(v > 0 for v in list(shape["forward_ms"].values()) + list(shape["train_step_ms"].values()))
+    assert 0 < shape["int8_max_abs_error"] < 0.1
+    assert shape["transform_peak_bytes_over_tables"] is None  # measured on CUDA only
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="there is a GPU here")
+def test_without_a_gpu_the_benchmark_says_so():
+    r = subprocess.run([sys.executable, SCRIPT, "--device", "cuda", "--out", os.devnull], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "no CUDA device" in r.stderr
