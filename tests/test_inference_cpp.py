@@ -106,7 +106,7 @@ def test_cpp_runs_on_the_device_it_is_given(infer_binary, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(out, fast(*x), rtol=0, atol=0)
     r, _ = run_cpp(infer_binary, tmp_path / "model.pt", x, tmp_path, device="tpu:7")
-    assert r.returncode == 1 and "tpu:7" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--device tpu:7 is not a device" in r.stderr, r.stderr
 
 
 @pytest.mark.requires_cuda

@@ -133,8 +133,14 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  c10::Device device(c10::kCPU);
   try {
-    const c10::Device device(device_name);
+    device = c10::Device(device_name);
+  } catch (const c10::Error& e) {
+    std::cerr << "fxrec_infer: --device " << device_name << " is not a device: " << e.what_without_backtrace() << "\n";
+    return 2;
+  }
+  try {
     c10::IValue inputs = torch::pickle_load(read_file(argv[2]));
     if (!inputs.isTuple()) throw std::runtime_error("INPUTS.pt must hold a tuple of the model's arguments");
     inputs = to_device(inputs, device);
