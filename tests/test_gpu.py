@@ -118,3 +118,71 @@ def test_autotune_times_the_gpu_kernels_with_cuda_events(tmp_path, monkeypatch):
     x = cuda(M.bag_inputs(rows=ROWS, seed=1))
     torch.testing.assert_close(fast(*x), model(*x), rtol=1e-5, atol=1e-5)
     assert all(g.decided_by == "autotune (measured)" and g.timings_ms for g in fast.report.groups), fast.report.groups
+
+
+def test_a_training_step_and_a_quantized_call_never_wait_for_the_gpu():
+    """The GPU counterpart of tests/test_host_syncs.py: CUDA's sync debug mode raises on any
+    operation that makes the host wait."""
+    model = M.BagList(rows=ROWS).cuda()
+    fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS)), optimizer=fxrec.optim.SGD(lr=0.1))
+    served = fxrec.transform(copy.deepcopy(model).eval(), cuda(M.bag_inputs(rows=ROWS)), mode="inference",
+                             quantize="int8")
+    x = cuda(M.bag_inputs(rows=ROWS, seed=5))
+    fast(*x).sum().backward()  # first calls build the TBEs and the device checks
+    with torch.no_grad():
+        served(*x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast(*x).sum().backward()
+        with torch.no_grad():
+            served(*x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_bad_ids_on_the_gpu_raise_the_named_error_at_the_next_call():
+    model = M.BagList(rows=ROWS).cuda()
+    fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS)), optimizer=fxrec.optim.SGD(lr=0.1))
+    dense, ids, offsets = cuda(M.bag_inputs(rows=ROWS, seed=6))
+    bad = [t.clone() for t in ids]
+    bad[0][0] = ROWS[0]
+    fast(dense, bad, offsets)  # runs (the bad id reads row 0); the count reaches the host later
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match=rf"id {ROWS[0]} in table 'bags\.0'"):
+        fast(dense, ids, offsets)
+
+
+def test_quantized_inference_replays_as_a_cuda_graph():
+    model = M.BagList(rows=ROWS).cuda().eval()
+    x = cuda(M.bag_inputs(rows=ROWS, seed=7, empty_bags=False))
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8")
+    dense, ids, offsets = x
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fast(*x)  # warm-up off the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fast(dense, ids, offsets)
+        # new values in the same tensors (a graph replays on fixed addresses and sizes)
+        dense.copy_(torch.rand_like(dense))
+        for t, rows in zip(ids, ROWS):
+            t.copy_(torch.randint_like(t, 0, rows))
+        graph.replay()
+        torch.testing.assert_close(out, fast(dense, ids, offsets), rtol=0, atol=0)
+        torch.testing.assert_close(out.float(), model(dense, ids, offsets), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dim", [2048, 2052])
+def test_dims_up_to_fbgemms_cuda_limit_run_on_the_tbe_and_wider_ones_on_the_reference(dim):
+    model = M.BagList(rows=(20, 30), dim=dim).cuda()
+    x = cuda(M.bag_inputs(rows=(20, 30)))
+    fast = fxrec.transform(model, x)
+    kernel = {g.kernel_train for g in fast.report.groups}
+    assert kernel == ({"fbgemm"} if dim == 2048 else {"reference"}), fast.report.groups
+    out = fast(*x)
+    torch.testing.assert_close(out, model(*x), rtol=1e-5, atol=1e-5)
+    out.sum().backward()

@@ -198,7 +198,8 @@ class DeviceBoundsCheck:
     non-blocking copy into pinned memory and an event; on CPU the count is in host memory when
     the check returns. ``reported`` reads the host copy only once it is there (``event.query()``
     does not wait) and returns ``(count, ids, offsets)`` of the last call checked when the count
-    grew: on CUDA a bad batch raises at the group's next call, on CPU in the same call.
+    grew: on CUDA a bad batch raises at the group's next call, on CPU in the same call. Calls
+    captured in a CUDA graph count on the device; the first call outside the graph reports.
     """
 
     def __init__(self, rows_per_feature, device: torch.device):
@@ -215,6 +216,10 @@ class DeviceBoundsCheck:
 
     def check(self, indices, offsets, psw, ids_list, offsets_list) -> None:
         self._bounds_check(self.rows, indices, offsets, self.counter, psw)
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            # inside a CUDA graph: the check (and count) is captured, the host copy is not; the
+            # count replays add is read at the next call outside the graph
+            return
         if self.cuda:
             self.host.copy_(self.counter, non_blocking=True)
             self.event = torch.cuda.Event()
