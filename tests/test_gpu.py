@@ -186,3 +186,21 @@ def test_dims_up_to_fbgemms_cuda_limit_run_on_the_tbe_and_wider_ones_on_the_refe
     out = fast(*x)
     torch.testing.assert_close(out, model(*x), rtol=1e-5, atol=1e-5)
     out.sum().backward()
+
+
+def test_transform_on_the_gpu_needs_at_most_one_more_copy_of_the_tables():
+    """Peak device memory of transform beyond the model: one copy of the tables (the transformed
+    model's own; the user's stays) and a little for the example batch, not the 6-8x of timing
+    runs; with a fused optimizer the states come on top (SGD has none)."""
+    rows, dim = (200_000, 100_000, 50_000), 64
+    model = M.BagList(rows=rows, dim=dim).cuda()
+    x = cuda(M.bag_inputs(rows=rows, batch=256))
+    table_bytes = sum(rows) * dim * 4
+    for kw in ({}, {"optimizer": fxrec.optim.SGD(lr=0.1)}):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fast = fxrec.transform(model, x, **kw)
+        peak = torch.cuda.max_memory_allocated() - before
+        assert peak <= 1.25 * table_bytes, (kw, peak / table_bytes)
+        del fast
