@@ -303,3 +303,45 @@ def test_fbgemm_bucketize_of_a_sequence_says_where_each_id_went():
     # by destination, then feature, then the ids' own order
     order = sorted(range(flat.numel()), key=lambda i: (int(dest[i]), int(feat[i]), i))
     assert where.tolist() == [order.index(i) for i in range(flat.numel())]
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_fbgemm_dense_backward_gives_pytorchs_gradients(pooling):
+    """The CUDA backward without a fused optimizer (fbgemm's dense TBE operator on the bound
+    TBE's weights), run here on CPU: the gradients PyTorch gives, a table stored padded (dim 6 in
+    8 columns) and a bag's padding ids included."""
+    from fxrec.runtime.kernels import fbgemm
+    from fxrec.runtime.packing import pack_pooled
+
+    tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 6)]
+    group = EmbeddingGroup(tables, FEATURES, pooling, "fbgemm", "fbgemm")
+    base = [torch.randn(t.num_rows, t.dim, generator=torch.Generator().manual_seed(7)) for t in tables]
+    ids, offs, psw = inputs()
+    params = [p.clone().requires_grad_() for p in base]
+    kernels.get("fbgemm").run(group, ids, offs, psw, params, training=True)  # binds the TBE
+    indices, offsets, packed_psw, _, _ = pack_pooled(group, ids, offs, psw)
+    cot = torch.randn(4, 22, generator=torch.Generator().manual_seed(3))
+    got = fbgemm.dense_grads(group, cot, indices, offsets, packed_psw)
+    theirs = [p.clone().requires_grad_() for p in base]
+    (plain(theirs, ids, offs, pooling) * cot).sum().backward()
+    for g, p, t in zip(got, theirs, tables):
+        assert g.shape == (t.num_rows, t.dim)
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fbgemm_dense_backward_weighs_each_id_by_its_sample_weight():
+    from fxrec.runtime.kernels import fbgemm
+    from fxrec.runtime.packing import pack_pooled
+
+    tables = [TableSpec("a", 40, 4)]
+    group = EmbeddingGroup(tables, [FeatureSpec("w", 0, "bag", weighted=True)], "sum", "fbgemm", "fbgemm")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 4, generator=g)
+    ids, offs, w = torch.randint(0, 40, (9,), generator=g), torch.tensor([0, 2, 2, 7]), torch.rand(9, generator=g)
+    kernels.get("fbgemm").run(group, [ids], [offs], [w], [weight.clone().requires_grad_()], training=True)
+    indices, offsets, packed_psw, _, _ = pack_pooled(group, [ids], [offs], [w])
+    cot = torch.randn(4, 4, generator=g)
+    (got,) = fbgemm.dense_grads(group, cot, indices, offsets, packed_psw)
+    theirs = weight.clone().requires_grad_()
+    (F.embedding_bag(ids, theirs, offs, mode="sum", per_sample_weights=w) * cot).sum().backward()
+    torch.testing.assert_close(got, theirs.grad, rtol=1e-5, atol=1e-6)
