@@ -115,3 +115,26 @@ def test_bad_ids_of_a_sequence_feature_checked_on_the_device_name_it():
     hist[0, 0] = 50
     with sync_free(), pytest.raises(IndexError, match=r"id 50 in table 'hist'"):
         fast(hist, *x[1:])
+
+
+def test_a_torchscript_serving_call_reads_values_a_constant_number_of_times():
+    """The TorchScript serving modules cannot defer a report (no events in TorchScript): they
+    check every feature on the device into one flag and read it once (the packing reads one
+    more on CPU only), however many features the group has; the errors still name the feature."""
+    counts = {}
+    for rows in ((50, 80, 30), (50, 80, 30, 20, 60, 70)):
+        model = M.BagList(rows=rows).eval()
+        fast = fxrec.transform(model, M.bag_inputs(rows=rows), mode="inference", quantize="int8")
+        scripted = fxrec.export.torchscript(fast)
+        x = M.bag_inputs(rows=rows, seed=1)
+        scripted(*x)
+        with host_syncs() as syncs:
+            out = scripted(*x)
+        counts[len(rows)] = len(syncs.events)
+        torch.testing.assert_close(out, fast(*x), rtol=0, atol=0)
+        dense, ids, offsets = x
+        bad = [t.clone() for t in ids]
+        bad[2][0] = 30
+        with pytest.raises(Exception, match=r"feature 'ids_2' \(table 'bags\.2'\) looks up id 30"):
+            scripted(dense, bad, offsets)
+    assert counts[3] == counts[6] <= 2, counts

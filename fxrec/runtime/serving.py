@@ -75,15 +75,36 @@ class _ServingGroup(nn.Module):
             self.register_buffer(name, src.clone(), persistent=name not in ("q_lxu_cache_locations", "q_columns"))
 
     def _check(self, ids_list: List[Tensor], offsets_list: List[Tensor]) -> None:
+        """Counts, dtypes and shapes (no value read), then every id and offset of every feature
+        checked on its device into one flag, read once (one host wait a call on CUDA, where the
+        per-feature reads made several a feature); when it is false, :meth:`_name_bad_input`
+        raises the error that names the feature."""
         if len(ids_list) != len(self.names):
             raise ValueError("fxrec: group of tables " + str(self.table_names) + " expects "
                              + str(len(self.names)) + " id tensors, got " + str(len(ids_list)))
+        ok: Optional[Tensor] = None
         for i in range(len(self.names)):
             ids = ids_list[i]
             where = "feature '" + self.names[i] + "' (table '" + self.table_names[i] + "')"
             if ids.dtype != torch.int64 and ids.dtype != torch.int32:
                 raise TypeError("fxrec: " + where + " got ids of dtype " + str(ids.dtype)
                                 + "; embedding ids must be int64 or int32")
+            good = ((ids >= 0) & (ids < self.rows[i])).all()
+            k = self.off_index[i]
+            if k >= 0:
+                off = offsets_list[k]
+                if off.dim() != 1 or (off.dtype != torch.int64 and off.dtype != torch.int32):
+                    raise TypeError("fxrec: " + where + " needs 1-D integer offsets")
+                if off.numel() > 0:
+                    good = good & (off[0] == 0) & (off[-1] <= ids.numel()) & (off[1:] >= off[:-1]).all()
+            ok = good if ok is None else ok & good
+        if ok is not None and not bool(ok):
+            self._name_bad_input(ids_list, offsets_list)
+
+    def _name_bad_input(self, ids_list: List[Tensor], offsets_list: List[Tensor]) -> None:
+        for i in range(len(self.names)):
+            ids = ids_list[i]
+            where = "feature '" + self.names[i] + "' (table '" + self.table_names[i] + "')"
             if ids.numel() > 0:
                 lo = int(ids.min())
                 hi = int(ids.max())
@@ -94,8 +115,6 @@ class _ServingGroup(nn.Module):
             k = self.off_index[i]
             if k >= 0:
                 off = offsets_list[k]
-                if off.dim() != 1 or (off.dtype != torch.int64 and off.dtype != torch.int32):
-                    raise TypeError("fxrec: " + where + " needs 1-D integer offsets")
                 if off.numel() > 0:
                     ok = int(off[0]) == 0 and int(off[-1]) <= ids.numel()
                     if off.numel() > 1:
@@ -103,6 +122,7 @@ class _ServingGroup(nn.Module):
                     if not ok:
                         raise ValueError("fxrec: offsets of " + where + " do not match its " + str(ids.numel())
                                          + " ids: they must start at 0, never decrease and end at most there")
+        raise ValueError("fxrec: invalid ids or offsets for tables " + str(self.table_names))
 
     def _per_feature(self, offsets_list: List[Tensor], psw_list: List[Tensor]
                      ) -> Tuple[List[Optional[Tensor]], List[Optional[Tensor]]]:
@@ -152,7 +172,8 @@ class ServingPooledGroup(_ServingGroup):
                     nan_cols.append(c)
             col += self.dims[i]
         batch, indices, offsets, psw, _ = pack_bags(ids_list, offs, psws, self.where, self.forms, self.pads, self.ilos,
-                                                 self.mode == 1, self.any_weighted, True, True, False)
+                                                 self.mode == 1, self.any_weighted, True, True,
+                                                 ids_list[0].device.type != "cpu")  # no value read off the CPU
         if batch < 0:
             raise ValueError("fxrec: the features of the group of tables " + str(self.table_names)
                              + " have different batch sizes")
