@@ -349,7 +349,7 @@ def _error_worker(rank, world, init_file, result_file, attempt, args):
         try:
             attempt(rank, world, *args)
             msg = "no error"
-        except ValueError as e:
+        except (ValueError, IndexError) as e:
             msg = str(e)
         if rank == 0:
             with open(result_file, "w") as fh:
@@ -361,8 +361,8 @@ def _error_worker(rank, world, init_file, result_file, attempt, args):
 
 
 def error_of(tmp_path, world, attempt, *args) -> str:
-    """The message of the ValueError that ``attempt(rank, world, *args)`` (a module-level function)
-    raises on rank 0 of ``world`` processes, or "no error"."""
+    """The message of the ValueError (or IndexError) that ``attempt(rank, world, *args)`` (a
+    module-level function) raises on rank 0 of ``world`` processes, or "no error"."""
     result = tmp_path / "msg"
     spawn(_error_worker, world, str(result), attempt, args)
     return result.read_text()
@@ -374,6 +374,23 @@ def _rowwise_on_column_wise(rank, world):
     plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
                       pins={"bags.1": {"sharding": "column_wise", "ranks": [0, 1]}})
     fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+
+
+def _ids_out_of_range(rank, world):
+    model = Model()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
+                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "table_wise"})
+    fast = fxrec.transform(model, example, plan=plan)
+    dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
+    single = single.clone()
+    single[1] = ROWS[3] + 2  # every rank feeds one id past the end of table 'single'
+    fast(dense, ids, offsets, single)
+
+
+def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):
+    msg = error_of(tmp_path, 2, _ids_out_of_range)
+    assert "feature 'single_ids'" in msg and f"looks up id {ROWS[3] + 2} in a table of {ROWS[3]} rows" in msg, msg
 
 
 def test_rowwise_adagrad_on_a_column_wise_table_is_refused_naming_it(tmp_path):

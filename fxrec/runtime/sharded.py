@@ -88,7 +88,12 @@ def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torc
 
 def _check_ids(pairs, names: List[str], rows: List[int], order: List[int]) -> None:
     """Ids out of range fail here, on the rank that was fed them, naming the feature (on another
-    rank they would fail far from their cause, and this rank would wait for it)."""
+    rank they would fail far from their cause, and this rank would wait for it). Every feature is
+    checked on its device into one flag, read once; the loop that names the feature runs only
+    when it is false."""
+    flags = [((vals < 0) | (vals >= rows[i])).any() for i, (_, vals) in zip(order, pairs) if vals.numel()]
+    if not flags or not bool(torch.stack(flags).any()):
+        return
     for i, (_, vals) in zip(order, pairs):
         if vals.numel():
             lo, hi = (int(x) for x in torch.aminmax(vals))
