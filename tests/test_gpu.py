@@ -204,3 +204,55 @@ def test_transform_on_the_gpu_needs_at_most_one_more_copy_of_the_tables():
         peak = torch.cuda.max_memory_allocated() - before
         assert peak <= 1.25 * table_bytes, (kw, peak / table_bytes)
         del fast
+
+
+def _nccl_worker(rank, world, init_file, result_dir):
+    """Rank ``rank`` of a mixed plan on NCCL, on cuda:rank, with fused SGD: four steps against the
+    single-process model on the same GPU."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests import test_sharding as S
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    to = lambda x: tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, x)  # noqa: E731
+    try:
+        torch.manual_seed(0)
+        model = S.Model()
+        ref = copy.deepcopy(model).to(dev)
+        example = S.local_batch(S.global_batch(S.LOCAL_B * world, 0), rank, S.LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
+                          pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "data_parallel"})
+        fast = fxrec.transform(model.to(dev), to(example), plan=plan, optimizer=fxrec.optim.SGD(lr=0.05))
+        opt = torch.optim.SGD([p for p in fast.parameters() if p.requires_grad], lr=0.05)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        lo, hi = rank * S.LOCAL_B, (rank + 1) * S.LOCAL_B
+        for step in range(4):
+            x = S.global_batch(S.LOCAL_B * world, step + 1)
+            want = ref(*to(x))
+            got = fast(*to(S.local_batch(x, rank, S.LOCAL_B)))
+            torch.testing.assert_close(got, want[lo:hi], rtol=1e-4, atol=1e-5, msg=f"step {step}")
+            ref_opt.zero_grad()
+            want.sum().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            got.sum().backward()
+            opt.step()
+        dist.barrier()
+        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
+            fh.write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_mixed_plan_trains_on_two_gpus_over_nccl_as_one_process_does(tmp_path):
+    from tests.test_sharding import spawn
+
+    spawn(_nccl_worker, 2, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
