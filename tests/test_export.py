@@ -10,8 +10,9 @@ ROWS = (500, 800, 300)
 
 
 @pytest.mark.parametrize("kw", [dict(backend="fbgemm"), dict(mode="inference", quantize="int8"),
-                                dict(mode="inference", quantize={"bags.0": "int4", "*": "fp16"})],
-                         ids=["fp32", "int8", "mixed"])
+                                dict(mode="inference", quantize={"bags.0": "int4", "*": "fp16"}),
+                                dict(mode="inference", quantize="fp32")],
+                         ids=["fp32", "int8", "mixed", "fp32_tbe"])
 def test_exported_program_saves_loads_and_matches(kw, tmp_path):
     model = M.BagList(rows=ROWS, dim=16).eval()
     fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), **kw)
@@ -22,8 +23,9 @@ def test_exported_program_saves_loads_and_matches(kw, tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(loaded(*x), fast(*x))
     ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-    if "quantize" in kw:
+    if "quantize" in kw:  # fbgemm's inference TBE in the program (quantize="fp32": exact fp32 rows)
         assert any("int_nbit_split_embedding_codegen_lookup_function" in o for o in ops)
+        assert not any("embedding_bag" in o and "fbgemm" not in o for o in ops), ops
     else:
         assert any("embedding_bag" in o for o in ops)
 
