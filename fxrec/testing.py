@@ -102,9 +102,9 @@ def host_syncs():
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func._schema.name + (f".{func._overloadname}" if func._overloadname == "Tensor" else "")
-            boolean_index = name.startswith("aten::index") and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
-                if isinstance(args[1] if len(args) > 1 else None, (list, tuple)))
+            indices = args[1] if name.startswith("aten::index") and len(args) > 1 else None
+            boolean_index = isinstance(indices, (list, tuple)) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
             sized = name == "aten::repeat_interleave.Tensor" and (kwargs or {}).get("output_size") is not None
             if (name in _SYNC_OPS and not sized) or boolean_index:
                 record.events.append((name if not boolean_index else "boolean-mask indexing", where()))

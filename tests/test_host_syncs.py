@@ -138,3 +138,53 @@ def test_a_torchscript_serving_call_reads_values_a_constant_number_of_times():
         with pytest.raises(Exception, match=r"feature 'ids_2' \(table 'bags\.2'\) looks up id 30"):
             scripted(dense, bad, offsets)
     assert counts[3] == counts[6] <= 2, counts
+
+
+def test_every_bad_batch_is_reported_not_only_the_first():
+    """fbgemm's bounds check zeroes its count each call: the group keeps its own total."""
+    model = M.BagList(rows=(50, 80, 30), dim=6)  # dim 6: stored padded (the count also sees index_select)
+    x = M.bag_inputs(rows=(50, 80, 30))
+    fast = fxrec.transform(model, x, optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+    dense, ids, offsets = x
+    bad = [t.clone() for t in ids]
+    bad[1][0] = 80
+    with sync_free():
+        for _ in range(3):
+            with pytest.raises(IndexError, match=r"id 80 in table 'bags\.1'"):
+                fast(dense, bad, offsets)
+            fast(*x)
+        with host_syncs() as syncs:
+            fast(*x)
+    assert syncs.in_fxrec() == [], syncs.in_fxrec()
+
+
+def test_offsets_that_do_not_start_at_zero_are_named_without_reading_them():
+    model = M.BagList(rows=(50, 80, 30))
+    x = M.bag_inputs(rows=(50, 80, 30), empty_bags=False)
+    fast = fxrec.transform(model, x, optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+    dense, ids, offsets = x
+    shifted = [o.clone() for o in offsets]
+    shifted[2] = shifted[2] + 1
+    with sync_free(), pytest.raises(ValueError, match=r"offsets of feature '.*2'.*start at 0"):
+        fast(dense, ids, shifted)
+
+
+def test_include_last_offset_bags_with_ids_after_the_last_offset_give_pytorchs_answer():
+    """Such bags are valid PyTorch input: the trailing ids are dropped, which needs offsets[-1] on
+    the host (one documented wait), not a device assert."""
+    bag = torch.nn.EmbeddingBag(40, 4, mode="sum", include_last_offset=True)
+
+    class Last(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = bag
+
+        def forward(self, ids, offsets):
+            return self.bag(ids, offsets)
+
+    model = Last()
+    ids, offsets = torch.randint(0, 40, (9,)), torch.tensor([0, 2, 5, 7])  # ids 7, 8 follow offsets[-1]
+    fast = fxrec.transform(model, (ids, offsets), optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+    with sync_free():
+        got = fast(ids, offsets)
+    torch.testing.assert_close(got, model(ids, offsets), rtol=1e-6, atol=1e-6)

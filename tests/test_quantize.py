@@ -176,10 +176,11 @@ def _quantized_groups(fast):
     return [m for m in fast.modules() if isinstance(m, (QuantizedPooledGroup, QuantizedSequenceGroup))]
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4", "fp16"])
-def test_rows_packed_again_at_cudas_alignment_are_fbgemms_own_packing_and_read_the_same(dtype):
+@pytest.mark.parametrize("case", ["int8", "int4", "fp16", "int8_shared"])
+def test_rows_packed_again_at_cudas_alignment_are_fbgemms_own_packing_and_read_the_same(case):
     """What a move to CUDA does to the rows, done on CPU: packed again at 16 bytes, they are byte
-    for byte what fbgemm's IntNBit TBE packs at row alignment 16, every row starts on a 16-byte
+    for byte what fbgemm's IntNBit TBE packs at row alignment 16 (offsets and placements per
+    feature, a table looked up by two features included), every row starts on a 16-byte
     boundary, and fbgemm's lookup told the new alignment gives the same outputs."""
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -188,25 +189,33 @@ def test_rows_packed_again_at_cudas_alignment_are_fbgemms_own_packing_and_read_t
 
     from fxrec.runtime.kernels import fbgemm_nbit
 
-    model = M.BagList(rows=ROWS, dim=24).eval()  # int8 rows of 28 bytes, int4 of 16, fp16 of 48
-    inputs = M.bag_inputs(rows=ROWS, max_len=4)
+    dtype = case.split("_")[0]
+    if case.endswith("shared"):  # features -> tables [0, 0, 1]
+        model, inputs = M.SharedTables(dim=24).eval(), M.shared_inputs()
+    else:  # int8 rows of 28 bytes, int4 of 16, fp16 of 48
+        model, inputs = M.BagList(rows=ROWS, dim=24).eval(), M.bag_inputs(rows=ROWS, max_len=4)
     fast = fxrec.transform(model, inputs, mode="inference", quantize=dtype)
     (group,) = _quantized_groups(fast)
-    assert group.q_ints["row_alignment"] == 1
+    ftm = [f.table for f in group.features]
+    assert group.q_ints["row_alignment"] == 1 and (ftm == [0, 0, 1]) == case.endswith("shared")
     with torch.no_grad():
         before = fast(*inputs)
-    weights, placements, offsets = fbgemm_nbit.relayout(group.q_packed, group.q_weights, group.q_weights_offsets,
-                                                        1, torch.device("cpu"), new_alignment=16)
+    weights, placements, offsets = fbgemm_nbit.relayout(group.q_packed, ftm, group.q_weights,
+                                                        group.q_weights_offsets, 1, torch.device("cpu"),
+                                                        new_alignment=16)
 
     ty = {"int8": SparseType.INT8, "int4": SparseType.INT4, "fp16": SparseType.FP16}[dtype]
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-        [("", r, d, ty, EmbeddingLocation.HOST) for r, d, _ in group.q_packed], device="cpu", row_alignment=16)
+        [("", r, d, ty, EmbeddingLocation.HOST) for r, d, _ in group.q_packed], feature_table_map=ftm,
+        device="cpu", row_alignment=16)
     tbe.initialize_weights()
-    tbe.assign_embedding_weights([quantize_embs(b.weight.detach(), ty) for b in model.bags])
+    params = dict(model.named_parameters())
+    tbe.assign_embedding_weights([quantize_embs(params[t.name + ".weight"].detach(), ty) for t in group.tables])
     assert torch.equal(weights, tbe.weights_host) and torch.equal(offsets, tbe.weights_offsets)
     assert torch.equal(placements, tbe.weights_placements)
     row_bytes = fbgemm_nbit.packed_bytes(group.q_packed, 16)
-    for (rows, _, _), start, nbytes in zip(group.q_packed, offsets.tolist(), row_bytes):
+    for (rows, _, _), start, nbytes in zip(group.q_packed, [offsets[ftm.index(t)] for t in range(len(row_bytes))],
+                                           row_bytes):
         assert start % 16 == 0 and (nbytes // rows) % 16 == 0
     # int8 rows (28 bytes) grow to 32; int4 (16) and fp16 (48) rows are already whole 16-byte lines
     assert (sum(row_bytes) > sum(fbgemm_nbit.packed_bytes(group.q_packed, 1))) == (dtype == "int8")
@@ -215,9 +224,10 @@ def test_rows_packed_again_at_cudas_alignment_are_fbgemms_own_packing_and_read_t
     group.q_ints = {**group.q_ints, "row_alignment": 16}
     with torch.no_grad():
         assert torch.equal(fast(*inputs), before)
-    back = fbgemm_nbit.relayout(group.q_packed, weights, offsets, 16, torch.device("cpu"))
+    back = fbgemm_nbit.relayout(group.q_packed, ftm, weights, offsets, 16, torch.device("cpu"))
     (fresh,) = _quantized_groups(fxrec.transform(model, inputs, mode="inference", quantize=dtype))
     assert torch.equal(back[0], fresh.q_weights) and torch.equal(back[2], fresh.q_weights_offsets)
+    assert torch.equal(back[1], fresh.q_weights_placements)
 
 
 def test_a_move_within_one_kind_of_device_keeps_the_packing():

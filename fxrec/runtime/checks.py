@@ -152,7 +152,11 @@ class InputChecks:
             state = self._device_bounds = DeviceBoundsCheck([self.tables[f.table].num_rows for f in self.features],
                                                             indices.device)
         self._raise_reported(state)
-        state.check(indices, offsets, psw, ids_list, offsets_list)
+        firsts = None  # bags whose offsets do not start at 0 (packing does not read them here)
+        if offsets_list is not None:
+            starts = [offsets_list[i][:1] for i in self._bag_features if offsets_list[i].numel() > 0]
+            firsts = torch.cat(starts).ne(0).sum() if starts else None
+        state.check(indices, offsets, psw, ids_list, offsets_list, firsts)
         self._raise_reported(state)
 
     def _raise_reported(self, state: "DeviceBoundsCheck") -> None:
@@ -207,15 +211,20 @@ class DeviceBoundsCheck:
 
         self._bounds_check = bounds_check
         self.rows = torch.tensor(rows_per_feature, dtype=torch.int64).to(device)  # once per device
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # every problem so far
+        self.scratch = torch.zeros(1, dtype=torch.int64, device=device)  # fbgemm zeroes it each call
         self.cuda = device.type == "cuda"
         self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self.cuda)
         self.event = None
         self.inputs = None
         self.seen = 0
 
-    def check(self, indices, offsets, psw, ids_list, offsets_list) -> None:
-        self._bounds_check(self.rows, indices, offsets, self.counter, psw)
+    def check(self, indices, offsets, psw, ids_list, offsets_list, more=None) -> None:
+        """``more``: a count of other problems found on the device (0-dim), added in."""
+        self._bounds_check(self.rows, indices, offsets, self.scratch, psw)
+        self.counter.add_(self.scratch)
+        if more is not None:
+            self.counter.add_(more)
         if self.cuda and torch.cuda.is_current_stream_capturing():
             # inside a CUDA graph: the check (and count) is captured, the host copy is not; the
             # count replays add is read at the next call outside the graph
@@ -229,7 +238,9 @@ class DeviceBoundsCheck:
         self.inputs = (ids_list, offsets_list)
 
     def reported(self):
-        if self.inputs is None or (self.event is not None and not self.event.query()):
+        if self.inputs is None or (self.cuda and torch.cuda.is_current_stream_capturing()):
+            return None  # (an event may not be queried while a CUDA graph is captured)
+        if self.event is not None and not self.event.query():
             return None
         # host memory, written by a copy that has completed (or by the CPU op): no wait
         count = int(self.host.numpy()[0])

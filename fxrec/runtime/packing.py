@@ -47,8 +47,6 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     weights: List[Tensor] = []
     batch = -1
     base = 0
-    firsts: List[Tensor] = []  # each bag feature's offsets[0] (checked at the end)
-    bag_features: List[int] = []
     bounds: List[int] = [0]
     dev = ids_list[0].device
     nothing = torch.empty(0, dtype=torch.long, device=dev)
@@ -61,9 +59,6 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             given = offsets_list[i]
             assert given is not None
             off = given.long()
-            if not tracing and off.numel() > 0:
-                firsts.append(off[:1])
-                bag_features.append(i)
             ilo = ilos[i]
             pad = pads[i]
             n = flat.numel()
@@ -140,11 +135,6 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     if batch <= 0:
         return 0, nothing, nothing, None, [0]  # an empty batch
     indices = torch.cat(flat_ids)
-    if not tracing and len(firsts) > 0:
-        first = torch.cat(firsts)
-        if bool((first != 0).any()):
-            bad = bag_features[int(torch.nonzero(first)[0, 0])]
-            raise ValueError("fxrec: offsets of " + where[bad] + " must start at 0, got " + str(int(first[bag_features.index(bad)])))
     offsets = torch.cat(starts + [torch.full([1], indices.numel(), dtype=torch.long, device=dev)])
     psw_all: Optional[Tensor] = None
     if any_weighted:
@@ -195,7 +185,13 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
             group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
     batch, indices, offsets, psw, bounds = pack_bags(
         ids_list, offsets_list, psw_list, group._where, group._forms, group._pads, group._ilos,
-        group.pooling == "mean", group._any_weighted, strict, empty_means, not reads_values(ids_list[0].device))
+        group.pooling == "mean", group._any_weighted, strict, empty_means, exporting())
+    if batch > 0 and reads_values(indices.device):
+        # bags whose offsets do not start at 0 (where values may not be read, the device check counts them)
+        firsts = [(i, offsets_list[i]) for i in group._bag_features if offsets_list[i].numel() > 0]
+        if firsts and bool(torch.cat([off[:1] for _, off in firsts]).ne(0).any()):
+            i, off = next((i, off) for i, off in firsts if int(off[0]) != 0)
+            raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(off[0])))
     return None if batch <= 0 else (indices, offsets, psw, batch, bounds)
 
 

@@ -96,7 +96,8 @@ class _Quantized:
         device = self.q_weights.device
         if device.type in ("cpu", "cuda") and _nbit.row_alignment(device) != self.q_ints["row_alignment"]:
             self.q_weights, self.q_weights_placements, self.q_weights_offsets = _nbit.relayout(
-                self.q_packed, self.q_weights, self.q_weights_offsets, self.q_ints["row_alignment"], device)
+                self.q_packed, [f.table for f in self.features], self.q_weights, self.q_weights_offsets,
+                self.q_ints["row_alignment"], device)
             self.q_ints = {**self.q_ints, "row_alignment": _nbit.row_alignment(device)}
         return out
 

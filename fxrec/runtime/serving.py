@@ -173,7 +173,7 @@ class ServingPooledGroup(_ServingGroup):
             col += self.dims[i]
         batch, indices, offsets, psw, _ = pack_bags(ids_list, offs, psws, self.where, self.forms, self.pads, self.ilos,
                                                  self.mode == 1, self.any_weighted, True, True,
-                                                 ids_list[0].device.type != "cpu")  # no value read off the CPU
+                                                 False)
         if batch < 0:
             raise ValueError("fxrec: the features of the group of tables " + str(self.table_names)
                              + " have different batch sizes")

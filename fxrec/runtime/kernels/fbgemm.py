@@ -340,7 +340,7 @@ def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets:
     """fbgemm's ``bounds_check_indices`` in warning mode on packed input (``F * B + 1`` offsets,
     ``rows_per_feature`` [F] int64): on the input's device, without waiting, ids outside their
     feature's table become 0 and offsets out of range are fixed, in place; ``counter`` [1] int64
-    grows by how many were."""
+    is set to how many were (fbgemm zeroes it first)."""
     require_fbgemm()
     torch.ops.fbgemm.bounds_check_indices(rows_per_feature, indices, offsets, BoundsCheckMode.WARNING.value,
                                           counter, psw)

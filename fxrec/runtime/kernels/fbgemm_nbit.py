@@ -82,12 +82,14 @@ def make_inference_tbe(
     return tbe
 
 
-def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], weights: torch.Tensor, offsets: torch.Tensor,
-             alignment: int, device: torch.device, new_alignment: Optional[int] = None):
-    """The packed rows ``weights`` (uint8; table ``t`` from byte ``offsets[t]``, rows at
-    ``alignment``) packed again for ``device``: at ``new_alignment`` (default: the device's), in
-    the placement and table offsets fbgemm's IntNBit TBE gives that device. Returns ``(weights,
-    placements, offsets)`` on ``device``; each row's bytes are copied unchanged, the padding is zero.
+def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
+             weights: torch.Tensor, offsets: torch.Tensor, alignment: int, device: torch.device,
+             new_alignment: Optional[int] = None):
+    """The packed rows ``weights`` (uint8, rows at ``alignment``; ``offsets`` per feature, as
+    fbgemm keeps them: the byte where the feature's table starts) packed again for ``device``: at
+    ``new_alignment`` (default: the device's), in the placements and table offsets fbgemm's
+    IntNBit TBE gives that device. Returns ``(weights, placements, offsets)`` on ``device``, the
+    last two per feature; each row's bytes are copied unchanged, the padding is zero.
     """
     require_fbgemm()
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
@@ -103,13 +105,17 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], weights: torch.Te
     size = state.host_size if torch.device(device).type == "cpu" else state.dev_size
     out = torch.zeros(size, dtype=torch.uint8, device=device)
     source = weights.to(device)
-    for (rows, dim, dtype), old, new in zip(rows_dims_dtypes, offsets.tolist(), state.offsets):
+    per_feature = offsets.tolist()
+    old_starts = [per_feature[list(feature_table_map).index(t)] for t in range(len(rows_dims_dtypes))]
+    for (rows, dim, dtype), old, new in zip(rows_dims_dtypes, old_starts, state.offsets):
         used = unpadded_row_size_in_bytes(dim, types[dtype])
         was = rounded_row_size_in_bytes(dim, types[dtype], alignment)
         now = rounded_row_size_in_bytes(dim, types[dtype], new_alignment)
         out[new:new + rows * now].view(rows, now)[:, :used] = source[old:old + rows * was].view(rows, was)[:, :used]
-    placements = torch.tensor([p.value for p in state.placements], dtype=torch.int32, device=device)
-    return out, placements, torch.tensor(state.offsets, dtype=torch.int64, device=device)
+    placements = torch.tensor([state.placements[t].value for t in feature_table_map], dtype=torch.int32,
+                              device=device)
+    return out, placements, torch.tensor([state.offsets[t] for t in feature_table_map], dtype=torch.int64,
+                                         device=device)
 
 
 def packed_bytes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], alignment: int) -> List[int]:
