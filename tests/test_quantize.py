@@ -238,3 +238,29 @@ def test_a_move_within_one_kind_of_device_keeps_the_packing():
     fast.to("cpu").float()
     assert group.q_weights is packed and group.q_ints["row_alignment"] == 1
     assert [q.bytes_stored for q in fast.report.quantization] == [r * 20 for r in ROWS]  # 16 + fp16 scale, bias
+
+
+@pytest.mark.parametrize("rows", [ROWS, (1, 2, 3)], ids=["tables", "tiny_tables"])
+def test_a_state_dict_saved_packed_for_cuda_loads_into_a_cpu_model(rows):
+    """The rows of a quantized state_dict are packed for the device they were on; it carries
+    that packing's alignment, and a model on another device packs them again as they load. Tiny
+    tables (both packings round to the same bytes) would otherwise load and be misread."""
+    from fxrec.runtime.kernels import fbgemm_nbit
+
+    model = M.BagList(rows=rows, dim=24).eval()
+    x = M.bag_inputs(rows=rows)
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8")
+    with torch.no_grad():
+        want = fast(*x)
+    state = fast.state_dict()
+    (group,) = _quantized_groups(fast)
+    name = next(n for n, m in fast.named_modules() if m is group)
+    w, p, o = fbgemm_nbit.relayout(group.q_packed, [f.table for f in group.features], state[f"{name}.q_weights"],
+                                   state[f"{name}.q_weights_offsets"], 1, torch.device("cpu"), new_alignment=16)
+    assert not torch.equal(w, state[f"{name}.q_weights"])  # another packing of the same rows
+    state.update({f"{name}.q_weights": w, f"{name}.q_weights_placements": p, f"{name}.q_weights_offsets": o,
+                  f"{name}.q_row_alignment": torch.tensor(16)})
+    fresh = fxrec.transform(M.BagList(rows=rows, dim=24).eval(), x, mode="inference", quantize="int8")
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)

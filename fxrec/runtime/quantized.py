@@ -62,6 +62,8 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
         "total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
         "output_dtype", "row_alignment", "max_float8_D", "fp8_exponent_bits", "fp8_exponent_bias",
         "pooling_mode")}
+    # saved with the rows, so that a state_dict loads into a model packed for another device
+    group.register_buffer("q_row_alignment", torch.tensor(group.q_ints["row_alignment"], dtype=torch.int64))
 
 
 def stored_dims(tables: Sequence[TableSpec], dtypes: Sequence[str], pooling: str) -> List[int]:
@@ -99,7 +101,23 @@ class _Quantized:
                 self.q_packed, [f.table for f in self.features], self.q_weights, self.q_weights_offsets,
                 self.q_ints["row_alignment"], device)
             self.q_ints = {**self.q_ints, "row_alignment": _nbit.row_alignment(device)}
+            self.q_row_alignment = torch.tensor(self.q_ints["row_alignment"], dtype=torch.int64, device=device)
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Rows saved packed for another device (their ``q_row_alignment``) are packed again for
+        this one's before they load; a state_dict without it (saved before fxrec kept it) loads
+        as it is."""
+        key = prefix + "q_row_alignment"
+        mine = self.q_ints["row_alignment"]
+        if key in state_dict and prefix + "q_weights" in state_dict and int(state_dict[key]) != mine:
+            w, p, o = _nbit.relayout(self.q_packed, [f.table for f in self.features], state_dict[prefix + "q_weights"],
+                                     state_dict[prefix + "q_weights_offsets"], int(state_dict[key]),
+                                     self.q_weights.device)
+            state_dict[prefix + "q_weights"], state_dict[prefix + "q_weights_placements"] = w, p
+            state_dict[prefix + "q_weights_offsets"] = o
+        state_dict[key] = torch.tensor(mine, dtype=torch.int64)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
