@@ -730,13 +730,19 @@ def _load_staged(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no
     return staged
 
 
+# A quantized group's packed rows and their layout: loaded through its load_state_dict, which packs
+# them again when they were saved for another device (fxrec.runtime.quantized).
+_PACKED_ROWS = ("q_weights", "q_weights_offsets", "q_weights_placements", "q_row_alignment")
+
+
 def _copy_back(module: torch.nn.Module, state: Dict[str, torch.Tensor], staged: Dict[str, object]) -> None:
     """The staged tensors into the state dict's tensors (which share storage with the module's);
-    non-tensor entries (``get_extra_state``) through ``load_state_dict``."""
+    non-tensor entries (``get_extra_state``) and quantized rows through ``load_state_dict``."""
+    through = {k: v for k, v in staged.items()
+               if not isinstance(v, torch.Tensor) or k.rsplit(".", 1)[-1] in _PACKED_ROWS}
     with torch.no_grad():
         for k, v in staged.items():
-            if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
+            if k not in through and isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
                 state[k].copy_(v)
-    extra = {k: v for k, v in staged.items() if not isinstance(v, torch.Tensor)}
-    if extra:
-        module.load_state_dict(extra, strict=False)
+    if through:
+        module.load_state_dict(through, strict=False)

@@ -264,3 +264,32 @@ def test_a_state_dict_saved_packed_for_cuda_loads_into_a_cpu_model(rows):
     fresh.load_state_dict(state)
     with torch.no_grad():
         torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_rows_packed_for_cuda_loads_into_a_cpu_model(tmp_path):
+    """fxrec.checkpoint copies tensors in place; quantized rows go through the group's own load,
+    which packs them again for this device (tiny tables: both packings have the same size, so
+    nothing else would notice)."""
+    from fxrec.runtime.kernels import fbgemm_nbit
+
+    rows = (1, 2, 3)
+    x = M.bag_inputs(rows=rows)
+    fast = fxrec.transform(M.BagList(rows=rows, dim=24).eval(), x, mode="inference", quantize="int8")
+    with torch.no_grad():
+        want = fast(*x)
+    (group,) = _quantized_groups(fast)
+    # the model's rows packed as on CUDA (CPU's lookup honours the alignment it is told)
+    group.q_weights, group.q_weights_placements, group.q_weights_offsets = fbgemm_nbit.relayout(
+        group.q_packed, [f.table for f in group.features], group.q_weights, group.q_weights_offsets, 1,
+        torch.device("cpu"), new_alignment=16)
+    group.q_ints = {**group.q_ints, "row_alignment": 16}
+    group.q_row_alignment = torch.tensor(16)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+    fxrec.checkpoint.save_model(fast, tmp_path / "ckpt")
+    fresh = fxrec.transform(M.BagList(rows=rows, dim=24).eval(), x, mode="inference", quantize="int8")
+    fxrec.checkpoint.load_into_model(fresh, tmp_path / "ckpt")
+    (loaded,) = _quantized_groups(fresh)
+    assert loaded.q_ints["row_alignment"] == 1 and int(loaded.q_row_alignment) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
