@@ -13,10 +13,13 @@ and follows ``train()`` / ``eval()`` (:mod:`fxrec.modes`).
 
 Capture time. With every size dynamic, torch.export's cost grows with the number of size symbols
 (one per dynamic input dim): each new symbol goes through sympy's reasoning in the operations that
-touch it, about 10 ms a symbol, so a model with 256 ids and 256 offsets tensors took 7.5 s to
-capture against 1.6 s with fixed sizes. Two things bring that to 4.5 s: :func:`export_dynamic`
-leaves out work done per traced tensor whose results fxrec never reads (:func:`_lean_tracing`), and
-:func:`capture` does not have torch build the guard function that fxrec replaces (:func:`_unlifted`).
+touch it, so a model with 256 ids and 256 offsets tensors took 7.5 s to capture against 1.6 s with
+fixed sizes. Three things bring that to about 2.6 s, none changing the captured program (tests
+compare it with torch's own): :func:`export_dynamic` leaves out work done per traced tensor whose
+results fxrec never reads (:func:`_lean_tracing`), embedding bags are traced as one operator whose
+sizes are computed directly instead of through aten's meta function and then put back as aten's
+(:mod:`fxrec.capture_bags`; 2.2 s of the 4.5 s left before it), and :func:`capture` does not have
+torch build the guard function that fxrec replaces (:func:`_unlifted`).
 The symbols themselves stay: each ids tensor keeps its own (features take different numbers of
 ids in one call), and the offsets' batch symbols become one where the model ties them (the
 ``torch.cat`` of the pooled outputs). Declaring that tie up front with one shared ``Dim`` saves
@@ -42,6 +45,7 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.printers import PythonPrinter
 
+from .capture_bags import opaque_bags, restore_aten
 from .codegen import StructuredCodeGen, leaf_paths, supported
 from .graph_module import MODES_KEY, TransformedModule, adopt
 from .modes import TrainingReads, bind_modes
@@ -79,17 +83,22 @@ def _dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
-def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], lean_bags: bool = False):
     """torch.export, non-strict, every dim dynamic (see :func:`_dynamic_shapes`). Sizes are captured
     size-obliviously (torch's ``backed_size_oblivious``): without it, export takes every dynamic size
     to be 2 or more, so a model captured on a batch of 3 refuses a batch of 1. Where that capture
-    fails, the ordinary one is tried (the report then names the sizes the model accepts)."""
+    fails, the ordinary one is tried (the report then names the sizes the model accepts).
+    ``lean_bags``: embedding bags are traced as :mod:`fxrec.capture_bags` describes (same program,
+    less time)."""
     dynamic = _dynamic_shapes(model, args, kwargs)
 
     def run():
-        with _lean_tracing():
-            return torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
-                                       dynamic_shapes=dynamic)
+        with _lean_tracing(), (opaque_bags() if lean_bags else contextlib.nullcontext()):
+            ep = torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
+                                     dynamic_shapes=dynamic)
+            if lean_bags and restore_aten(ep.graph_module.graph):
+                ep.graph_module.recompile()
+        return ep
 
     config = torch.fx.experimental._config
     if hasattr(config, "backed_size_oblivious"):
@@ -188,20 +197,20 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     reads = TrainingReads(model)
     try:
         with reads:
-            ep = export_dynamic(model, args, kwargs)
+            ep = export_dynamic(model, args, kwargs, lean_bags=True)
     except Exception as e:
         raise _capture_error(model, e) from e
     gm = _unlifted(ep)
     _install_input_guards(gm, ep)
     _structured_forward(gm)
-    adopt(gm)
+    adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
 
     def recapture() -> fx.GraphModule:  # every module in the other mode than its own
         flags = {m: m.training for m in model.modules()}
         for m, f in flags.items():
             m.training = not f
         try:
-            return _unlifted(export_dynamic(model, args, kwargs))
+            return _unlifted(export_dynamic(model, args, kwargs, lean_bags=True))
         finally:
             for m, f in flags.items():
                 m.training = f
@@ -219,7 +228,8 @@ def input_guards(gm: torch.nn.Module) -> Optional[InputGuards]:
 def _install_input_guards(gm: fx.GraphModule, ep) -> None:
     """Put :class:`InputGuards` where export's guard function (``_guards_fn``) goes, built from the
     same facts: the placeholders' symbolic shapes, the range of each size, and export's other guards.
-    (:func:`_unlifted` asks torch not to build its own; one it builds anyway is removed.)"""
+    (:func:`_unlifted` asks torch not to build its own; one it builds anyway is removed.) The caller
+    recompiles ``gm``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
         return
@@ -277,7 +287,6 @@ def _install_input_guards(gm: fx.GraphModule, ep) -> None:
     gm.add_submodule(GUARDS_NAME, guards)
     with gm.graph.inserting_after(placeholders[-1]):
         gm.graph.call_module(GUARDS_NAME, tuple(placeholders))  # the whole model's: no nn_module_stack
-    gm.recompile()
 
 
 def accepted_sizes(gm: torch.nn.Module) -> List[str]:
@@ -309,7 +318,8 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
 def _structured_forward(gm: fx.GraphModule) -> None:
     """Give ``gm`` a ``forward`` that takes the model's own arguments and reads the tensors out of
     them by index (see :mod:`fxrec.codegen`), instead of export's per-call pytree flatten and
-    structure check; list lengths are still checked, with a message that names the input."""
+    structure check; list lengths are still checked, with a message that names the input. The caller
+    recompiles ``gm``."""
     info = getattr(gm.graph._codegen, "pytree_info", None)
     if info is None or info.in_spec is None or not supported(info.in_spec) or not supported(info.out_spec):
         return  # namedtuples, OrderedDicts, ...: export's own pytree forward stays
@@ -318,4 +328,3 @@ def _structured_forward(gm: fx.GraphModule) -> None:
     gm.graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.orig_args, none_leaves=none_leaves)
     if hasattr(gm, "validate_inputs"):
         gm.validate_inputs = False  # the generated forward checks what it reads
-    gm.recompile()

@@ -287,6 +287,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     flags: Dict[str, int] = {}
     graph = gm.graph
     flag_nodes: Dict[str, fx.Node] = {}
+    erased = False
 
     def flag_of(node: fx.Node) -> fx.Node:
         path = _module_path(node)
@@ -326,7 +327,9 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
         for add in _counter_adds(gm):  # counters of batch norms replaced above
             if not add.users:
                 graph.erase_node(add)
-    gm.recompile()
+                erased = True
+    if flag_nodes or erased:  # the graph changed
+        gm.recompile()
     for path in flags:
         gm.get_submodule(path).training = model.get_submodule(path).training
     gm.training = model.training

@@ -15,6 +15,8 @@ import fxrec
 from fxrec import capture as C
 from fxrec.testing import assert_matches, captured
 
+from . import models
+
 TABLES = 5
 
 
@@ -167,3 +169,120 @@ def test_train_eval_capture_in_the_other_mode_still_works():
     fast.eval()
     model.eval()
     torch.testing.assert_close(fast(*example), model(*example))
+
+
+class BagForms(nn.Module):
+    """Every way into ``torch.embedding_bag`` that capture records opaquely, and two it must not:
+    a direct call that reads ``bag_size`` and a bag with ``max_norm`` (renormalised in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = nn.EmbeddingBag(30, 4, mode="mean")
+        self.max = nn.EmbeddingBag(30, 4, mode="max")
+        self.weighted = nn.EmbeddingBag(30, 4, mode="sum")
+        self.last = nn.EmbeddingBag(30, 4, mode="sum", include_last_offset=True)
+        self.padded = nn.EmbeddingBag(30, 4, mode="sum", padding_idx=2)
+        self.frozen = nn.EmbeddingBag(30, 4, mode="sum")
+        self.frozen.weight.requires_grad_(False)
+        self.normed = nn.EmbeddingBag(30, 4, mode="sum", max_norm=1.0)
+        self.raw = nn.Parameter(torch.randn(30, 4))
+
+    def forward(self, ids, offsets, psw, ids2d):
+        direct = torch.embedding_bag(self.raw, ids, offsets, False, 0, False, None, False, None)
+        return torch.cat([
+            self.mean(ids, offsets), self.max(ids, offsets), self.weighted(ids, offsets, per_sample_weights=psw),
+            self.last(ids, torch.cat([offsets, offsets.new_full((1,), ids.size(0))])),
+            self.padded(ids2d), self.frozen(ids, offsets), self.normed(ids, offsets),
+            nn.functional.embedding_bag(ids, self.raw, offsets, mode="sum"),
+            direct[0] * direct[2].unsqueeze(1).float(),
+        ], 1)
+
+
+def bag_form_inputs(batch=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 30, (3 * batch,), generator=g)
+    return (ids, torch.arange(0, 3 * batch, 3), torch.rand(3 * batch, generator=g),
+            torch.randint(0, 30, (batch, 3), generator=g))
+
+
+def _node_records(ep):
+    def val(v):
+        if isinstance(v, torch.Tensor):
+            return (str(v), tuple(str(s) for s in v.stride()), v.dtype, v.device)
+        if isinstance(v, (tuple, list)):
+            return tuple(val(x) for x in v)
+        return v
+
+    return [(n.name, n.op, str(n.target), str(n.args), val(n.meta.get("val")), sorted(n.meta),
+             str(n.meta.get("nn_module_stack")), n.meta.get("torch_fn"))
+            for n in ep.graph.nodes]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (BagForms(), bag_form_inputs()),
+    lambda: (Bags(), one_hot(8)),
+    lambda: (models.BagList(), models.bag_inputs()),
+    lambda: (models.WeightedBags(), models.weighted_inputs()),
+    lambda: (models.SharedTables(), models.shared_inputs()),
+    lambda: (models.NotLowerable(), models.not_lowerable_inputs()),
+    lambda: (models.FieldDict(), models.field_inputs()),
+], ids=["bag_forms", "bags", "bag_list", "weighted", "shared", "not_lowerable", "field_dict"])
+def test_bags_captured_opaquely_give_torchs_own_graph(make, monkeypatch):
+    """fxrec/capture_bags.py: the graph, every node's fake value (sizes, strides, dtype), metadata
+    keys, names and module stack, and the input checks are what torch's own capture gives."""
+    model, example = make()
+    lean = C.export_dynamic(model, example, {}, lean_bags=True)
+    plain = C.export_dynamic(model, example, {})
+    assert lean.graph_module.code == plain.graph_module.code
+    assert _node_records(lean) == _node_records(plain)
+    assert str(lean.range_constraints) == str(plain.range_constraints)
+    assert "fxrec_capture" not in lean.graph_module.code
+    gm = captured(model, example)
+    monkeypatch.setattr(C, "opaque_bags", contextlib.nullcontext)
+    reference = captured(model, example)
+    assert gm.code == reference.code
+    for attr in ("shapes", "ranges", "conditions"):
+        assert getattr(C.input_guards(gm), attr) == getattr(C.input_guards(reference), attr)
+    torch.testing.assert_close(gm(*example), model(*example))
+
+
+def test_bags_are_recorded_opaquely_only_inside_the_capture_and_in_its_thread():
+    from fxrec import capture_bags
+
+    original = torch.embedding_bag
+    seen = {}
+
+    def other_thread():
+        seen["other"] = torch.embedding_bag is original or _calls_aten()
+
+    def _calls_aten():
+        ep = torch.export.export(Bags(2), one_hot(4, tables=2), strict=False)
+        return "fxrec_capture" not in ep.graph_module.code and "aten.embedding_bag" in ep.graph_module.code
+
+    with capture_bags.opaque_bags():
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        # eager calls in the capturing thread are torch's own numbers
+        bags = Bags(2)
+        ids, offsets = one_hot(4, tables=2)
+        out = bags(ids, offsets)
+    assert seen["other"]
+    assert torch.embedding_bag is original
+    torch.testing.assert_close(out, Bags.forward(bags, ids, offsets))
+
+
+def test_a_bad_bag_input_is_still_a_capture_error_naming_the_line():
+    class FloatIds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(10, 4, mode="sum")
+
+        def forward(self, ids, offsets, psw):
+            return self.bag(ids, offsets, per_sample_weights=psw)
+
+    ids, offsets = torch.randint(0, 10, (6,)), torch.arange(0, 6, 2)
+    with pytest.raises(C.CaptureError, match="per_sample_weights .* same shape as the input"):
+        captured(FloatIds(), (ids, offsets, torch.rand(5)))
+    with pytest.raises(C.CaptureError, match="long or int"):
+        captured(FloatIds(), (ids.float(), offsets, torch.rand(6)))

@@ -1,0 +1,180 @@
+"""Embedding bags captured as one opaque operator, put back as aten's own after capture.
+
+Why. With a size symbol per input, tracing aten's ``embedding_bag`` costs about 8 ms a call on
+fake tensors: its meta function and the checks around it compare fresh symbols through sympy. On
+the 256-table benchmark model that was 2.2 s of a 4.5 s capture. While :func:`opaque_bags` is
+active in a thread, ``torch.embedding_bag`` (what ``F.embedding_bag`` and ``nn.EmbeddingBag`` call
+after their Python-level argument handling, which runs unchanged) records
+``fxrec_capture::embedding_bag`` instead: the same schema as ``aten::embedding_bag.padding_idx``,
+whose fake function computes the four output sizes directly and keeps the checks that can fail on
+a model's inputs (dtypes, per-sample weights, ``include_last_offset``), so capture errors and the
+captured input guards stay what they were. :func:`restore_aten` then puts
+``aten.embedding_bag.padding_idx`` back on those nodes, with their arguments, names and metadata:
+the graph is the one torch's own capture gives (tests compare the two).
+
+Only calls with ``F.embedding_bag``'s positional form are recorded this way; any other call of
+``torch.embedding_bag`` (and every call in another thread, or outside :func:`opaque_bags`) is
+torch's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import sys
+import threading
+from typing import List, Optional
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+from torch.fx.experimental import proxy_tensor
+
+_MODE_SUM, _MODE_MEAN, _MODE_MAX = 0, 1, 2
+
+
+# Defined with torch.library's lower-level API rather than ``custom_op``: that one wraps every call
+# in an autograd.Function, a tenth of the capture time here; capture never differentiates this op.
+_LIB = torch.library.Library("fxrec_capture", "DEF")
+_LIB.define("embedding_bag(Tensor weight, Tensor indices, Tensor offsets, bool scale_grad_by_freq, int mode, "
+            "bool sparse, Tensor? per_sample_weights, bool include_last_offset, int? padding_idx) -> Tensor")
+
+
+@torch.library.impl(_LIB, "embedding_bag", "CompositeExplicitAutograd")
+def _bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset,
+         padding_idx):
+    """Eager form (only reached if a recorded node is run before :func:`restore_aten`): aten's."""
+    return torch.ops.aten.embedding_bag.padding_idx(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+                                                    per_sample_weights, include_last_offset, padding_idx)[0].clone()
+
+
+@torch.library.register_fake("fxrec_capture::embedding_bag", lib=_LIB)
+def _bag_fake(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset,
+              padding_idx):
+    """The pooled output's size as aten's meta function gives it (torch/_meta_registrations.py,
+    ``meta_embedding_bag``), with the checks a model's inputs can fail."""
+    torch._check(indices.dtype in (torch.long, torch.int),
+                 lambda: f"expected indices to be long or int, got {indices.dtype}")
+    torch._check(offsets.dtype in (torch.long, torch.int),
+                 lambda: f"expected offsets to be long or int, got {offsets.dtype}")
+    torch._check(weight.dtype.is_floating_point, lambda: f"expected weight to be floating point type, got {weight.dtype}")
+    torch._check(weight.dim() == 2, lambda: f"embedding_bag: weight must be 2-D, got {weight.dim()}-D")
+    torch._check(indices.dim() == 1 and offsets.dim() == 1,
+                 lambda: f"embedding_bag: expected 1-D indices and offsets, got {indices.dim()}-D and {offsets.dim()}-D")
+    num_bags = offsets.size(0)
+    if include_last_offset:
+        torch._check(num_bags >= 1, lambda: "include_last_offset: numBags should be at least 1")
+        num_bags = num_bags - 1
+    if per_sample_weights is not None:
+        torch._check(mode == _MODE_SUM, lambda: "embedding_bag: per_sample_weights only supported with mode='sum'")
+        torch._check(per_sample_weights.dim() == 1,
+                     lambda: f"expected per_sample_weights to be 1D tensor, got {per_sample_weights.dim()}D")
+        torch._check(per_sample_weights.numel() == indices.numel(),
+                     lambda: f"expected per_sample_weights.numel() ({per_sample_weights.numel()}) to be the same "
+                     f"as indices.numel() ({indices.numel()})")
+    return weight.new_empty(num_bags, weight.size(1))
+
+
+def _other_outputs(output, weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx,
+                   made: dict):
+    """aten's offset2bag, bag_size and max_indices for these arguments, as fake tensors of the sizes
+    its meta functions give (``meta_embedding_bag``, and ``_embedding_bag_forward_only``'s for a
+    weight that does not require grad): they go in the restored node's ``meta["val"]``. Nothing
+    reads them, so one fake tensor serves every node with the same sizes, dtype and device
+    (``made``): making one costs as much as a traced operator."""
+    num_bags, dim = output.size(0), output.size(1)
+
+    def empty(like, *sizes):
+        key = (like.dtype, like.device, tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in sizes))
+        if key not in made:
+            with output.fake_mode:
+                made[key] = like.new_empty(sizes)
+        return made[key]
+
+    if offsets.device.type != "cpu":
+        return (empty(indices, indices.size(0)), empty(indices, offsets.size(0)),
+                empty(indices, num_bags, dim) if mode == _MODE_MAX else empty(indices, 0))
+    pad = -1 if padding_idx is None else padding_idx
+    fast_sum = (weight.dtype in (torch.float, torch.half) and weight.stride(1) == 1 and pad < 0
+                and (per_sample_weights is None or per_sample_weights.stride(0) == 1))
+    offset2bag = empty(offsets, indices.size(0) if mode in (_MODE_MEAN, _MODE_MAX) or not fast_sum else 0)
+    bag_size = empty(offsets, num_bags if weight.requires_grad else offsets.size(0))
+    max_indices = empty(offsets, num_bags, dim) if mode == _MODE_MAX else empty(offsets, num_bags)
+    return offset2bag, bag_size, max_indices
+
+
+_FUNCTIONAL_BAG = torch.nn.functional.embedding_bag.__code__
+_ACTIVE = threading.local()  # .depth: how many opaque_bags() this thread is inside
+_LOCK = threading.Lock()
+_USERS = [0]  # threads inside opaque_bags(); torch.embedding_bag is wrapped while any is
+_ORIGINAL: List = []  # torch's own torch.embedding_bag while wrapped
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def embedding_bag(*args, **kwargs):
+        # only F.embedding_bag's own call, which keeps the pooled output and drops the other three
+        if getattr(_ACTIVE, "depth", 0) and len(args) == 9 and not kwargs \
+                and sys._getframe(1).f_code is _FUNCTIONAL_BAG:
+            return torch.ops.fxrec_capture.embedding_bag.default(*args), None, None, None
+        return original(*args, **kwargs)
+
+    return embedding_bag
+
+
+@contextlib.contextmanager
+def opaque_bags():
+    """Within, this thread's ``torch.embedding_bag`` calls record the opaque operator (module doc)."""
+    with _LOCK:
+        if _USERS[0] == 0:
+            _ORIGINAL.append(torch.embedding_bag)
+            torch.embedding_bag = _wrap(torch.embedding_bag)
+        _USERS[0] += 1
+    _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _ACTIVE.depth -= 1
+        with _LOCK:
+            _USERS[0] -= 1
+            if _USERS[0] == 0:
+                torch.embedding_bag = _ORIGINAL.pop()
+
+
+def restore_aten(graph: fx.Graph) -> int:
+    """Make every node that recorded the opaque operator aten's ``embedding_bag.padding_idx`` (same
+    arguments: the schemas match) followed by ``getitem`` 0 to 3, as torch's own capture records it
+    (the pooled output, then offset2bag, bag_size and max_indices, which nothing uses); the number of
+    nodes changed."""
+    opaque = torch.ops.fxrec_capture.embedding_bag.default
+    # what torch's tracer records as each tensor's "tensor_meta" (fxrec's capture may have wrapped it)
+    tensor_meta = getattr(proxy_tensor, "_extract_tensor_metadata", None)
+    changed, made = 0, {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not opaque:
+            continue
+        items = []
+        for k in range(4):
+            with graph.inserting_after(items[-1] if items else node):
+                items.append(graph.call_function(operator.getitem, (node, k)))
+        node.replace_all_uses_with(items[0], delete_user_cb=lambda user: user not in items)
+        node.target = torch.ops.aten.embedding_bag.padding_idx
+        for key in ("eager_input_vals", "tensor_meta"):  # a custom op's records; aten's node has neither
+            node.meta.pop(key, None)
+        weight, indices, offsets, _, mode, _, per_sample_weights, include_last_offset, padding_idx = (
+            a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
+        output = node.meta.get("val")
+        vals = [output]
+        if isinstance(output, torch.Tensor) and hasattr(output, "fake_mode"):
+            vals += _other_outputs(output, weight, indices, offsets, mode, per_sample_weights, include_last_offset,
+                                   padding_idx, made)
+            node.meta["val"] = tuple(vals)
+        for item, val in zip(items, vals + [None] * 4):
+            item.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            if val is not None:
+                item.meta["val"] = val
+                if tensor_meta is not None:
+                    item.meta["tensor_meta"] = tensor_meta(val)
+        changed += 1
+    return changed
