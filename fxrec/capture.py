@@ -96,8 +96,11 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
         with _lean_tracing(), (opaque_bags() if lean_bags else contextlib.nullcontext()):
             ep = torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
                                      dynamic_shapes=dynamic)
-            if lean_bags and restore_aten(ep.graph_module.graph):
-                ep.graph_module.recompile()
+            if lean_bags:
+                renamed = restore_aten(ep.graph_module)
+                for spec in ep.graph_signature.output_specs:  # an output that was a bag's now is its getitem
+                    if getattr(spec.arg, "name", None) in renamed:
+                        spec.arg.name = renamed[spec.arg.name]
         return ep
 
     config = torch.fx.experimental._config

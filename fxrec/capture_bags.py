@@ -6,15 +6,19 @@ the 256-table benchmark model that was 2.2 s of a 4.5 s capture. While :func:`op
 active in a thread, ``torch.embedding_bag`` (what ``F.embedding_bag`` and ``nn.EmbeddingBag`` call
 after their Python-level argument handling, which runs unchanged) records
 ``fxrec_capture::embedding_bag`` instead: the same schema as ``aten::embedding_bag.padding_idx``,
-whose fake function computes the four output sizes directly and keeps the checks that can fail on
-a model's inputs (dtypes, per-sample weights, ``include_last_offset``), so capture errors and the
-captured input guards stay what they were. :func:`restore_aten` then puts
-``aten.embedding_bag.padding_idx`` back on those nodes, with their arguments, names and metadata:
-the graph is the one torch's own capture gives (tests compare the two).
+whose fake function computes the pooled output's size directly and keeps what aten checks and
+evaluates on a model's inputs (dtypes, ``padding_idx`` range, per-sample weights,
+``include_last_offset``, the strides aten tests), so capture errors and the captured input guards
+stay what they were; the output requires grad where aten's would. :func:`restore_aten` then puts
+``aten.embedding_bag.padding_idx`` and its four ``getitem`` nodes back, in every graph module
+(``torch.no_grad()`` blocks and ``torch.cond`` branches have their own), with the values and
+metadata torch records: the program is the one torch's own capture gives (tests compare the two)
+but for the numbering of ``getitem`` nodes, and an exported program's signature is renamed to match.
 
 Only calls with ``F.embedding_bag``'s positional form are recorded this way; any other call of
 ``torch.embedding_bag`` (and every call in another thread, or outside :func:`opaque_bags`) is
-torch's own.
+torch's own. While any thread captures, ``torch.embedding_bag`` is a Python function, which other
+threads see (``torch.jit.script`` of code calling it fails until the capture ends).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import functools
 import operator
 import sys
 import threading
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.fx as fx
@@ -34,14 +38,6 @@ from torch.fx.experimental import proxy_tensor
 _MODE_SUM, _MODE_MEAN, _MODE_MAX = 0, 1, 2
 
 
-# Defined with torch.library's lower-level API rather than ``custom_op``: that one wraps every call
-# in an autograd.Function, a tenth of the capture time here; capture never differentiates this op.
-_LIB = torch.library.Library("fxrec_capture", "DEF")
-_LIB.define("embedding_bag(Tensor weight, Tensor indices, Tensor offsets, bool scale_grad_by_freq, int mode, "
-            "bool sparse, Tensor? per_sample_weights, bool include_last_offset, int? padding_idx) -> Tensor")
-
-
-@torch.library.impl(_LIB, "embedding_bag", "CompositeExplicitAutograd")
 def _bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset,
          padding_idx):
     """Eager form (only reached if a recorded node is run before :func:`restore_aten`): aten's."""
@@ -49,7 +45,6 @@ def _bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_
                                                     per_sample_weights, include_last_offset, padding_idx)[0].clone()
 
 
-@torch.library.register_fake("fxrec_capture::embedding_bag", lib=_LIB)
 def _bag_fake(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset,
               padding_idx):
     """The pooled output's size as aten's meta function gives it (torch/_meta_registrations.py,
@@ -62,6 +57,17 @@ def _bag_fake(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sa
     torch._check(weight.dim() == 2, lambda: f"embedding_bag: weight must be 2-D, got {weight.dim()}-D")
     torch._check(indices.dim() == 1 and offsets.dim() == 1,
                  lambda: f"embedding_bag: expected 1-D indices and offsets, got {indices.dim()}-D and {offsets.dim()}-D")
+    rows = weight.size(0)
+    if padding_idx is not None:  # aten's composite checks it (F.embedding_bag does not)
+        torch._check(-rows <= padding_idx < rows, lambda: f"padding_idx must be within the number of embeddings, "
+                     f"-{rows} through {rows - 1}, but got {padding_idx}")
+    # what aten's composite and meta function evaluate on the inputs' sizes and strides, so that the
+    # same conditions on them are recorded (inputs with strides that are not 1 make some)
+    for t in (offsets, indices):  # aten calls .contiguous(): the same test, without the op, and
+        if not (type(t.stride(0)) is int and t.stride(0) == 1):  # free where the stride is a plain 1
+            bool(t.is_contiguous())
+    if offsets.device.type == "cpu":
+        _fast_sum(weight, per_sample_weights, padding_idx)
     num_bags = offsets.size(0)
     if include_last_offset:
         torch._check(num_bags >= 1, lambda: "include_last_offset: numBags should be at least 1")
@@ -74,6 +80,14 @@ def _bag_fake(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sa
                      lambda: f"expected per_sample_weights.numel() ({per_sample_weights.numel()}) to be the same "
                      f"as indices.numel() ({indices.numel()})")
     return weight.new_empty(num_bags, weight.size(1))
+
+
+def _fast_sum(weight, per_sample_weights, padding_idx) -> bool:
+    """aten's CPU test for its index-select sum (``is_fast_path`` in ``meta_embedding_bag``), in its
+    order; aten has made a negative ``padding_idx`` a row number (and None -1) by then."""
+    pad = -1 if padding_idx is None else padding_idx % weight.size(0)
+    return bool(weight.dtype in (torch.float, torch.half) and weight.stride(1) == 1 and pad < 0
+                and (per_sample_weights is None or per_sample_weights.stride(0) == 1))
 
 
 def _other_outputs(output, weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx,
@@ -95,15 +109,32 @@ def _other_outputs(output, weight, indices, offsets, mode, per_sample_weights, i
     if offsets.device.type != "cpu":
         return (empty(indices, indices.size(0)), empty(indices, offsets.size(0)),
                 empty(indices, num_bags, dim) if mode == _MODE_MAX else empty(indices, 0))
-    pad = -1 if padding_idx is None else padding_idx
-    fast_sum = (weight.dtype in (torch.float, torch.half) and weight.stride(1) == 1 and pad < 0
-                and (per_sample_weights is None or per_sample_weights.stride(0) == 1))
+    fast_sum = _fast_sum(weight, per_sample_weights, padding_idx)
     offset2bag = empty(offsets, indices.size(0) if mode in (_MODE_MEAN, _MODE_MAX) or not fast_sum else 0)
     bag_size = empty(offsets, num_bags if weight.requires_grad else offsets.size(0))
     max_indices = empty(offsets, num_bags, dim) if mode == _MODE_MAX else empty(offsets, num_bags)
     return offset2bag, bag_size, max_indices
 
 
+def _define() -> None:
+    """The operator, once per process (importing this module again keeps the first definition)."""
+    try:
+        torch.ops.fxrec_capture.embedding_bag.default
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    # torch.library's lower-level API rather than ``custom_op``: that one wraps every call in an
+    # autograd.Function, a tenth of the capture time here; capture never differentiates this op
+    global _LIB
+    _LIB = torch.library.Library("fxrec_capture", "DEF")
+    _LIB.define("embedding_bag(Tensor weight, Tensor indices, Tensor offsets, bool scale_grad_by_freq, int mode, "
+                "bool sparse, Tensor? per_sample_weights, bool include_last_offset, int? padding_idx) -> Tensor")
+    torch.library.impl(_LIB, "embedding_bag", "CompositeExplicitAutograd")(_bag)
+    torch.library.register_fake("fxrec_capture::embedding_bag", _bag_fake, lib=_LIB)
+
+
+_LIB = None
+_define()
 _FUNCTIONAL_BAG = torch.nn.functional.embedding_bag.__code__
 _ACTIVE = threading.local()  # .depth: how many opaque_bags() this thread is inside
 _LOCK = threading.Lock()
@@ -117,7 +148,14 @@ def _wrap(original):
         # only F.embedding_bag's own call, which keeps the pooled output and drops the other three
         if getattr(_ACTIVE, "depth", 0) and len(args) == 9 and not kwargs \
                 and sys._getframe(1).f_code is _FUNCTIONAL_BAG:
-            return torch.ops.fxrec_capture.embedding_bag.default(*args), None, None, None
+            pooled = torch.ops.fxrec_capture.embedding_bag.default(*args)
+            weight, per_sample_weights = args[0], args[6]
+            if torch.is_grad_enabled() and (weight.requires_grad or (per_sample_weights is not None
+                                                                     and per_sample_weights.requires_grad)):
+                # as aten's output would (the operator has no autograd formula: capture never
+                # differentiates it), so that the model's code and what follows see it as torch does
+                pooled.requires_grad_(True)
+            return pooled, None, None, None
         return original(*args, **kwargs)
 
     return embedding_bag
@@ -142,15 +180,31 @@ def opaque_bags():
                 torch.embedding_bag = _ORIGINAL.pop()
 
 
-def restore_aten(graph: fx.Graph) -> int:
-    """Make every node that recorded the opaque operator aten's ``embedding_bag.padding_idx`` (same
-    arguments: the schemas match) followed by ``getitem`` 0 to 3, as torch's own capture records it
-    (the pooled output, then offset2bag, bag_size and max_indices, which nothing uses); the number of
-    nodes changed."""
+def restore_aten(root: fx.GraphModule) -> Dict[str, str]:
+    """In ``root`` and every graph module under it (the bodies of ``torch.no_grad()`` blocks,
+    ``torch.cond`` branches, ...): make every node that recorded the opaque operator aten's
+    ``embedding_bag.padding_idx`` (same arguments: the schemas match) followed by ``getitem`` 0 to 3,
+    as torch's own capture records it (the pooled output, then offset2bag, bag_size and
+    max_indices, which nothing uses), and recompile what changed. Returns, for ``root``'s graph,
+    each such node's name -> the name of the getitem that now holds its pooled output (an exported
+    program's signature names its outputs)."""
+    renamed: Dict[str, str] = {}
+    made: dict = {}
+    for gm in list(root.modules()):
+        if isinstance(gm, fx.GraphModule):
+            moved = _restore_graph(gm.graph, made)
+            if moved:
+                gm.recompile()
+            if gm is root:
+                renamed = moved
+    return renamed
+
+
+def _restore_graph(graph: fx.Graph, made: dict) -> Dict[str, str]:
     opaque = torch.ops.fxrec_capture.embedding_bag.default
     # what torch's tracer records as each tensor's "tensor_meta" (fxrec's capture may have wrapped it)
     tensor_meta = getattr(proxy_tensor, "_extract_tensor_metadata", None)
-    changed, made = 0, {}
+    moved: Dict[str, str] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not opaque:
             continue
@@ -160,8 +214,12 @@ def restore_aten(graph: fx.Graph) -> int:
                 items.append(graph.call_function(operator.getitem, (node, k)))
         node.replace_all_uses_with(items[0], delete_user_cb=lambda user: user not in items)
         node.target = torch.ops.aten.embedding_bag.padding_idx
-        for key in ("eager_input_vals", "tensor_meta"):  # a custom op's records; aten's node has neither
-            node.meta.pop(key, None)
+        # a custom operator's records, which aten's node has not: "eager_input_vals" wherever this
+        # node's meta dict is (torch's passes may share it, with the node a higher-order op's
+        # output becomes), "tensor_meta" of the single output it had here only
+        node.meta.pop("eager_input_vals", None)
+        node.meta = dict(node.meta)
+        node.meta.pop("tensor_meta", None)
         weight, indices, offsets, _, mode, _, per_sample_weights, include_last_offset, padding_idx = (
             a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
         output = node.meta.get("val")
@@ -170,11 +228,23 @@ def restore_aten(graph: fx.Graph) -> int:
             vals += _other_outputs(output, weight, indices, offsets, mode, per_sample_weights, include_last_offset,
                                    padding_idx, made)
             node.meta["val"] = tuple(vals)
-        for item, val in zip(items, vals + [None] * 4):
-            item.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        # torch's pooled output requires grad where its weight (or sample weights) does (the
+        # recorded value, taken before the wrapper marked it, does not say so); under no_grad torch's
+        # does not, which this metadata, read by nothing in fxrec, then overstates
+        def grad_of(arg):
+            record = arg.meta.get("tensor_meta") if isinstance(arg, fx.Node) else None
+            if record is not None and hasattr(record, "requires_grad"):
+                return bool(record.requires_grad)
+            val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+            return isinstance(val, torch.Tensor) and val.requires_grad
+
+        grads = grad_of(node.args[0]) or grad_of(node.args[6])
+        for k, (item, val) in enumerate(zip(items, vals + [None] * 4)):
+            item.meta.update({key: v for key, v in node.meta.items() if key != "val"})
             if val is not None:
                 item.meta["val"] = val
                 if tensor_meta is not None:
-                    item.meta["tensor_meta"] = tensor_meta(val)
-        changed += 1
-    return changed
+                    record = tensor_meta(val)
+                    item.meta["tensor_meta"] = record._replace(requires_grad=True) if k == 0 and grads else record
+        moved[node.name] = items[0].name
+    return moved

@@ -4,6 +4,7 @@ input checks, torch's settings outside the capture."""
 
 import contextlib
 import copy
+import re
 import threading
 from typing import List
 
@@ -286,3 +287,80 @@ def test_a_bad_bag_input_is_still_a_capture_error_naming_the_line():
         captured(FloatIds(), (ids, offsets, torch.rand(5)))
     with pytest.raises(C.CaptureError, match="long or int"):
         captured(FloatIds(), (ids.float(), offsets, torch.rand(6)))
+
+
+class InsideBlocks(nn.Module):
+    """Bags whose graphs torch.export nests: in a ``torch.no_grad()`` block of forward, and one
+    whose pooled output is returned as it is (the exported program's signature names it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.EmbeddingBag(30, 4, mode="sum")
+        self.live = nn.EmbeddingBag(30, 4, mode="mean")
+
+    def forward(self, ids, offsets):
+        with torch.no_grad():
+            fixed = self.frozen(ids, offsets) * 2
+        return {"live": self.live(ids, offsets), "fixed": fixed}
+
+
+def test_bags_in_nested_graphs_and_returned_as_outputs_are_put_back():
+    import io
+
+    model, example = InsideBlocks(), (torch.randint(0, 30, (12,)), torch.arange(0, 12, 3))
+    lean = C.export_dynamic(model, example, {}, lean_bags=True)
+    plain = C.export_dynamic(model, example, {})
+    def codes(ep):  # getitems are numbered in the order they were made: the opaque bags' come last
+        return [re.sub(r"getitem(_\d+)?", "getitem", m.code) for m in ep.graph_module.modules()
+                if isinstance(m, torch.fx.GraphModule)]
+
+    assert len(codes(lean)) > 1 and not any("fxrec_capture" in c for c in codes(lean))
+    assert codes(lean) == codes(plain)
+    assert [(s.kind, re.sub(r"getitem(_\d+)?", "getitem", s.arg.name)) for s in lean.graph_signature.output_specs] \
+        == [(s.kind, re.sub(r"getitem(_\d+)?", "getitem", s.arg.name)) for s in plain.graph_signature.output_specs]
+    lean.validate()
+    torch.export.save(lean, io.BytesIO())  # a program without fxrec's operator: it saves (and loads anywhere)
+    gm = captured(model, example)
+    assert "fxrec_capture" not in str([m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule)])
+    for key, want in model(*example).items():
+        torch.testing.assert_close(gm(*example)[key], want)
+
+
+class Strided(nn.Module):
+    """Ids and offsets that are views with strides other than 1, and a negative padding_idx."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.weight = nn.Parameter(torch.randn(30, 4))
+
+    def forward(self, x, offsets, psw):
+        return torch.cat([self.bag(x[:, 0], offsets[::2]),
+                          nn.functional.embedding_bag(x[:, 1], self.weight, offsets[::2], mode="sum",
+                                                      per_sample_weights=psw[:, 1], padding_idx=-1)], 1)
+
+
+def test_strided_inputs_and_negative_padding_give_torchs_guards_and_values(monkeypatch):
+    model = Strided()
+    example = (torch.randint(0, 30, (12, 3)), torch.arange(0, 12, 3).repeat_interleave(2), torch.rand(12, 3))
+    lean = C.export_dynamic(model, example, {}, lean_bags=True)
+    plain = C.export_dynamic(model, example, {})
+    assert _node_records(lean) == _node_records(plain)
+    gm = captured(model, example)
+    monkeypatch.setattr(C, "opaque_bags", contextlib.nullcontext)
+    reference = captured(model, example)
+    for attr in ("shapes", "ranges", "conditions"):
+        assert getattr(C.input_guards(gm), attr) == getattr(C.input_guards(reference), attr)
+
+
+def test_a_padding_idx_outside_the_table_is_a_capture_error():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(30, 4))
+
+        def forward(self, ids, offsets):
+            return nn.functional.embedding_bag(ids, self.weight, offsets, mode="sum", padding_idx=30)
+
+    with pytest.raises(C.CaptureError, match="padding_idx must be within the number of embeddings"):
+        captured(Functional(), (torch.randint(0, 30, (6,)), torch.arange(0, 6, 2)))
