@@ -301,6 +301,27 @@ def odd_even_inputs(batch, seed=0):
     return torch.randint(0, 30, (2 * batch,), generator=g), torch.arange(0, 2 * batch, 2), torch.randn(batch, 4, generator=g)
 
 
+def test_fxrec_tells_torch_export_from_torch_compile():
+    """fxrec skips its value-reading checks and runs export's forms only under torch.export; torch
+    2.11's torch.compile answers torch.compiler.is_exporting() with True (fxrec reads the flag)."""
+    from fxrec.runtime._tracing import exporting
+
+    seen = {}
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen[tag] = exporting()
+            return x + 1
+
+    tag = "compile"
+    torch.compile(Probe(), backend="eager")(torch.ones(3))
+    tag = "export"
+    torch.export.export(Probe(), (torch.ones(3),), strict=False)
+    tag = "eager"
+    Probe()(torch.ones(3))
+    assert seen == {"compile": False, "export": True, "eager": False}
+
+
 def test_torch_compile_keeps_the_input_checks():
     model = OddEven()
     fast = fxrec.transform(model, odd_even_inputs(6), backend="native")

@@ -9,6 +9,11 @@ import torch
 def exporting() -> bool:
     """Inside torch.export tracing: checks that read tensor values (data-dependent) are skipped,
     and fp32 groups run their plain lookups, which export as ATen ops."""
+    # the flag itself, not is_exporting(): torch 2.11's torch.compile folds that call to True (2.13
+    # reads the flag), so fxrec would skip its input checks and run export's forms under it
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    if isinstance(flag, bool):
+        return flag
     is_exporting = getattr(torch.compiler, "is_exporting", None)
     return bool(is_exporting and is_exporting())
 

@@ -157,7 +157,7 @@ def assert_inputs_before_users(gm):
     for n in gm.graph.nodes:
         for x in n.all_input_nodes:
             assert order[x] < order[n], f"{n.name} reads {x.name}, defined after it"
-    assert next(reversed(gm.graph.nodes)).op == "output"
+    assert list(gm.graph.nodes)[-1].op == "output"
 
 
 def assert_groups_have_a_place(gm, ctx):
