@@ -543,23 +543,3 @@ def test_fused_sgd_still_updates_when_fbgemm_cannot_take_a_call(monkeypatch):
     assert all(p.grad is None for n, p in fast.named_parameters() if n.startswith("bags"))
     for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
-
-
-@pytest.mark.parametrize("case", ["sgd", "adagrad", "rowwise_adagrad"])
-def test_sum_bags_with_a_padding_idx_train_as_torch_and_leave_the_padding_row(case):
-    """Sum-pooled bags weight their padding ids 0 in the packing (fxrec/runtime/packing.py,
-    padding_as_weights) instead of dropping them: 20 steps of each fused optimizer on fbgemm equal
-    torch.optim on the plain model, and the padding rows stay exactly as they were."""
-    from tests.test_host_syncs import PaddedSums, padded_inputs
-
-    opt_cfg, torch_opt, _ = CASES[case]
-    torch.manual_seed(0)
-    ref, fast, _ = train_both(PaddedSums, lambda s: padded_inputs(seed=s), opt_cfg, torch_opt)
-    assert fast.report.groups[0].fused == opt_cfg.fused_spec().kind and fast.report.groups[0].kernel_train == "fbgemm"
-    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
-    torch.manual_seed(0)
-    first = PaddedSums()
-    assert torch.equal(fast.get_parameter("tags.weight")[0], first.tags.weight[0])
-    assert torch.equal(fast.get_parameter("hist.weight")[59], first.hist.weight[59])
-    assert not torch.equal(fast.get_parameter("tags.weight"), first.tags.weight)  # (it did train)

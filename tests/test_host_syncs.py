@@ -18,34 +18,7 @@ from fxrec.runtime._tracing import sync_free
 from fxrec.testing import host_syncs
 from tests import models as M
 
-class PaddedSums(torch.nn.Module):
-    """Sum-pooled bags with a padding_idx: 1-D ids with offsets (empty bags and bags of padding
-    only included) and padded 2-D histories; their padding ids weigh 0 in the packing (no host wait)."""
-
-    def __init__(self):
-        super().__init__()
-        self.tags = torch.nn.EmbeddingBag(40, 8, mode="sum", padding_idx=0)
-        self.hist = torch.nn.EmbeddingBag(60, 8, mode="sum", padding_idx=59)
-
-    def forward(self, tags, tag_offsets, hist):
-        return torch.cat([self.tags(tags, tag_offsets), self.hist(hist)], 1)
-
-
-def padded_inputs(batch=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 4, (batch,), generator=g)
-    lengths[0], lengths[1] = 0, 2
-    tags = torch.randint(0, 40, (int(lengths.sum()),), generator=g)
-    tags[tags < 12] = 0  # many padding ids
-    tags[:2] = 0  # the second bag: padding only
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
-    hist = torch.randint(0, 60, (batch, 5), generator=g)
-    hist[:, 3:] = 59
-    return tags, offsets, hist
-
-
 CASES = {
-    "padded": (PaddedSums, padded_inputs),
     "bags": (M.BagList, M.bag_inputs),
     "fields": (M.FieldDict, M.field_inputs),
     "fm": (M.OffsetFM, M.fm_inputs),

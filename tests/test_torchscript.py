@@ -5,7 +5,6 @@ import torch
 
 import fxrec
 from tests import models as M
-from tests.test_host_syncs import PaddedSums, padded_inputs
 
 ROWS = (500, 800, 300)
 
@@ -22,9 +21,6 @@ CASES = {
     "weighted_fp32": (M.WeightedBags, lambda s, b=4: M.weighted_inputs(batch=b, seed=s), dict(backend="fbgemm")),
     "field_dict": (M.FieldDict, lambda s, b=7: M.field_inputs(batch=b, seed=s), dict(mode="inference", quantize="int8")),
     "shared_tables": (M.SharedTables, lambda s, b=4: M.shared_inputs(batch=b, seed=s), dict(mode="inference", quantize="int4")),
-    # sum bags with a padding_idx: padding ids weighted 0 in the shared packing
-    "padded_sums_int8": (PaddedSums, lambda s: padded_inputs(seed=s), dict(mode="inference", quantize="int8")),
-    "padded_sums_fp32": (PaddedSums, lambda s: padded_inputs(seed=s), dict(backend="fbgemm")),
 }
 
 

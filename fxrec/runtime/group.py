@@ -27,7 +27,7 @@ from ._tracing import exporting
 from .checks import InputChecks
 from .kernels import REFERENCE
 from .output_buffer import ReusedOutput
-from .packing import FORM_CODES, padding_as_weights
+from .packing import FORM_CODES
 from .specs import FUSED_STATE_NAMES, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
 
 
@@ -94,8 +94,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         self._forms = [FORM_CODES[f.form] for f in self.features]
         self._pads = [-1 if f.padding_idx is None else int(f.padding_idx) for f in self.features]
         self._ilos = [bool(f.include_last_offset) for f in self.features]
-        self._any_weighted = any(f.weighted for f in self.features) or padding_as_weights(
-            self._forms, self._pads, pooling == "mean")
+        self._any_weighted = any(f.weighted for f in self.features)
         self._table_of = [f.table for f in self.features]
         self._sparse = [bool(t.sparse) for t in self.tables]
         self._min_rows = min(t.num_rows for t in self.tables)

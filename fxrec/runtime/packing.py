@@ -93,13 +93,7 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
                     flat = flat[: int(off[-1])]
                 else:
                     flat = flat[:0]
-                if pad >= 0 and not mean and any_weighted:
-                    # a sum: padding ids stay where they are with weight 0 (dropping them makes a
-                    # size that depends on the ids' values, which the host waits for; see
-                    # padding_as_weights)
-                    keep = (flat != pad).float()
-                    psw = keep if psw is None else psw.reshape(-1)[: keep.numel()].float() * keep
-                elif pad >= 0:
+                if pad >= 0:
                     if not tracing and bool((off > flat.numel()).any()):
                         raise ValueError("fxrec: offsets of " + where[i] + " do not match its " + str(flat.numel())
                                          + " ids: offsets must start at 0, never decrease and end at most there")
@@ -146,21 +140,6 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     if any_weighted:
         psw_all = torch.cat(weights)
     return batch, indices, offsets, psw_all, bounds
-
-
-def padding_as_weights(forms: List[int], pads: List[int], mean: bool) -> bool:
-    """Whether :func:`pack_bags` gives a group's padding ids weight 0 rather than dropping them,
-    which the group's packing must then weight (``any_weighted``): sum-pooled bags with a
-    ``padding_idx``. The sums are PyTorch's to the bit (each padding id adds +0.0 in its place; a
-    padding row gets a zero gradient, which leaves it unchanged under every fused optimizer fbgemm
-    has). A mean keeps dropping them: its divisor counts only the other ids, and fbgemm's TBE takes
-    per-sample weights only for sums."""
-    if mean:
-        return False
-    for i in range(len(forms)):
-        if forms[i] == 0 and pads[i] >= 0:
-            return True
-    return False
 
 
 def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:

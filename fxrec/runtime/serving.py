@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .kernels.fbgemm_nbit import int_nbit_lookup
 from .kernels.reference import lookup_each
-from .packing import FORM_CODES, pack_bags, pack_rows, padding_as_weights, unpack_rows
+from .packing import FORM_CODES, pack_bags, pack_rows, unpack_rows
 
 # TorchScript reads no module globals: the forms are written as these literals in the methods
 _Q_INTS = ("total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
@@ -63,8 +63,7 @@ class _ServingGroup(nn.Module):
         self.dims: List[int] = [group.tables[f.table].dim for f in group.features]
         self.off_index: List[int] = off_index
         self.psw_index: List[int] = psw_index
-        self.any_weighted: bool = any(i >= 0 for i in psw_index) or padding_as_weights(self.forms, self.pads,
-                                                                                      group.pooling == "mean")
+        self.any_weighted: bool = any(i >= 0 for i in psw_index)
         self.mode: int = {"sum": 0, "mean": 1, "none": 0}[group.pooling]
         self.pooling: str = group.pooling
         self.no_sparse: List[bool] = [False for _ in group.tables]  # serving makes no gradients
