@@ -200,6 +200,17 @@ def restore_aten(root: fx.GraphModule) -> Dict[str, str]:
     return renamed
 
 
+def _requires_grad(arg) -> bool:
+    """Whether the traced value of a node argument required grad (its tensor_meta says, else its value)."""
+    if not isinstance(arg, fx.Node):
+        return False
+    record = arg.meta.get("tensor_meta")
+    if record is not None and hasattr(record, "requires_grad"):
+        return bool(record.requires_grad)
+    val = arg.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.requires_grad
+
+
 def _restore_graph(graph: fx.Graph, made: dict) -> Dict[str, str]:
     opaque = torch.ops.fxrec_capture.embedding_bag.default
     # what torch's tracer records as each tensor's "tensor_meta" (fxrec's capture may have wrapped it)
@@ -231,14 +242,7 @@ def _restore_graph(graph: fx.Graph, made: dict) -> Dict[str, str]:
         # torch's pooled output requires grad where its weight (or sample weights) does (the
         # recorded value, taken before the wrapper marked it, does not say so); under no_grad torch's
         # does not, which this metadata, read by nothing in fxrec, then overstates
-        def grad_of(arg):
-            record = arg.meta.get("tensor_meta") if isinstance(arg, fx.Node) else None
-            if record is not None and hasattr(record, "requires_grad"):
-                return bool(record.requires_grad)
-            val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
-            return isinstance(val, torch.Tensor) and val.requires_grad
-
-        grads = grad_of(node.args[0]) or grad_of(node.args[6])
+        grads = _requires_grad(node.args[0]) or _requires_grad(node.args[6])
         for k, (item, val) in enumerate(zip(items, vals + [None] * 4)):
             item.meta.update({key: v for key, v in node.meta.items() if key != "val"})
             if val is not None:
