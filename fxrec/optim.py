@@ -3,15 +3,17 @@
 Pass one to ``fxrec.transform(model, inputs, optimizer=...)`` (or a dict from table name or
 glob pattern to optimizer, for a per-table choice). Each takes the keyword arguments of its
 ``torch.optim`` namesake, with the same meaning and defaults; ``RowWiseAdagrad`` is fbgemm's
-row-wise Adagrad (one accumulator per row: ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``).
+row-wise Adagrad (one accumulator per row: ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``);
+``LazyAdam`` is fbgemm's Adam (see the class).
 
 Where fbgemm's kernel implements the optimizer's arithmetic, the update runs inside
 ``backward`` ("fused": no gradient is made), once per backward call (two backward calls per
 step, or gradient accumulation, differ from torch.optim for the stateful optimizers). Otherwise the table gets PyTorch's gradient and the torch.optim
-namesake (or :class:`RowWiseAdagradTorch`) updates it in ``opt.step()`` ("fallback"); the
-report says which path every table takes. The CPU build of fbgemm fuses SGD, Adagrad and
-row-wise Adagrad only; Adam always takes the fallback (fbgemm's Adam updates only the rows in
-the batch, which is not torch.optim.Adam's arithmetic).
+namesake (or :class:`RowWiseAdagradTorch`, :class:`LazyAdamTorch`) updates it in ``opt.step()``
+("fallback"); the report says which path every table takes. The CPU build of fbgemm fuses SGD,
+Adagrad and row-wise Adagrad only; its CUDA build also ``LazyAdam``. ``Adam`` always takes the
+fallback: it is torch.optim.Adam, which updates every row at every step, and fbgemm's Adam
+updates only the rows in the batch (that is ``LazyAdam``, an explicit choice).
 
 Then ``fast.make_optimizer(torch.optim.Adam, lr=1e-3)`` gives one optimizer for the model:
 dense parameters with the given class, embedding tables with theirs.
@@ -113,13 +115,99 @@ class Adam(EmbeddingOptimizer):
     amsgrad: bool = False
 
     def fused_unsupported_reason(self) -> str:
-        return "fxrec does not fuse Adam: fbgemm's Adam (CUDA only) updates only the rows in the batch"
+        return ("torch.optim.Adam updates every row at every step, fbgemm's Adam only the rows in the batch "
+                "(fxrec.optim.LazyAdam fuses that on CUDA)")
 
     def torch_optimizer(self, params, sparse=False):
         if sparse:
             return torch.optim.SparseAdam(params, lr=self.lr, betas=self.betas, eps=self.eps)
         return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps,
                                 weight_decay=self.weight_decay, amsgrad=self.amsgrad)
+
+
+@dataclass(frozen=True)
+class LazyAdam(EmbeddingOptimizer):
+    """fbgemm's Adam (``EmbOptimType.ADAM``, fused on CUDA only): Adam on the rows in the batch.
+
+    At the group's ``t``-th training step (one count for the group, as fbgemm's ``iter``), each
+    row looked up in the batch, with ``g`` its gradient summed over the batch::
+
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        w = w - lr * ((m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps) + weight_decay * w)
+
+    That is torch.optim.Adam's arithmetic (torch.optim.AdamW's decoupled weight decay), applied
+    to those rows only: rows not in the batch, and their ``m`` and ``v``, stay as they are (as
+    ``torch.optim.SparseAdam``, whose ``eps`` is added before the bias correction instead).
+    When every row is looked up at every step it is torch.optim.AdamW (torch.optim.Adam with
+    ``weight_decay=0``). Where fbgemm cannot fuse it (CPU, or what the report names), the tables
+    get PyTorch's gradients and :class:`LazyAdamTorch` applies the same update in ``opt.step()``.
+    """
+
+    lr: float = 1e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        b1, b2 = self.betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"fxrec: LazyAdam betas must be in [0, 1), got {self.betas}")
+        if self.eps < 0 or self.weight_decay < 0 or self.lr < 0:
+            raise ValueError(f"fxrec: LazyAdam lr, eps and weight_decay must be >= 0, got {self}")
+
+    def fused_spec(self):
+        return FusedSpec("adam", self.lr, self.eps, float(self.betas[0]), float(self.betas[1]), self.weight_decay)
+
+    def torch_optimizer(self, params, sparse=False):
+        return LazyAdamTorch(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+class LazyAdamTorch(torch.optim.Optimizer):
+    """:class:`LazyAdam`'s update as a torch optimizer, in ``step()``: on the rows of a sparse
+    gradient (a table made with ``sparse=True``: exactly the rows in the batch), or of a dense
+    gradient its rows that are not all zero (a row looked up with an exactly zero gradient is
+    then left alone, where the fused update would move it). The step count is per parameter,
+    one per ``step()`` that finds a gradient."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = int(state["step"].item())
+                g = p.grad
+                if g.is_sparse and g.sparse_dim() != 1:  # not an embedding's (row-sparse) gradient
+                    g = g.to_dense()
+                if g.is_sparse:
+                    g = g.coalesce()
+                    rows, vals = g.indices()[0], g.values()
+                else:
+                    rows = torch.nonzero(g.abs().sum(1)).squeeze(1)
+                    vals = g[rows]
+                m = state["exp_avg"][rows].mul_(b1).add_(vals, alpha=1 - b1)
+                v = state["exp_avg_sq"][rows].mul_(b2).addcmul_(vals, vals, value=1 - b2)
+                w = p[rows]
+                upd = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_().add_(eps))
+                if wd:
+                    upd.add_(w, alpha=wd)
+                state["exp_avg"].index_copy_(0, rows, m)
+                state["exp_avg_sq"].index_copy_(0, rows, v)
+                p.index_copy_(0, rows, w.sub_(upd, alpha=lr))
+        return loss
 
 
 class RowWiseAdagradTorch(torch.optim.Optimizer):

@@ -80,6 +80,50 @@ def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)
 
 
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_fused_lazy_adam_matches_the_written_out_update_and_resumes_exactly(wd):
+    from tests.test_lazy_adam import LazyAdamReference
+
+    cfg = fxrec.optim.LazyAdam(lr=0.01, weight_decay=wd)
+    model = M.BagList(rows=ROWS).cuda()
+    fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=cfg)
+    assert all(g.fused is not None and g.fused.kind == "adam" and g.kernel_train == "fbgemm" for g in groups(fast))
+    ref = copy.deepcopy(model)
+    tables = set(fast.meta["fxrec_table_optimizers"])
+    ref_opts = [LazyAdamReference([p for n, p in ref.named_parameters() if n in tables], lr=0.01, weight_decay=wd),
+                torch.optim.SGD([p for n, p in ref.named_parameters() if n not in tables], lr=0.01)]
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.01)
+
+    def step(m, opts, seed):
+        for o in opts:
+            o.zero_grad()
+        m(*cuda(M.bag_inputs(rows=ROWS, seed=seed))).sin().sum().backward()
+        for o in opts:
+            o.step()
+
+    for s in range(5):
+        step(ref, ref_opts, s + 1)
+        step(fast, [opt], s + 1)
+    saved = copy.deepcopy({"model": fast.state_dict(), "opt": opt.state_dict()})
+    assert saved["opt"]["fused_step"] and set(saved["opt"]["fused_step"].values()) == {5}
+    assert any(k.endswith(".exp_avg_sq") for k in saved["opt"]["fused"])
+    twin = copy.deepcopy(fast)  # carries the moments and the step count
+    twin_opt = twin.make_optimizer(torch.optim.SGD, lr=0.01)
+    resumed = fxrec.transform(M.BagList(rows=ROWS).cuda(), cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=cfg)
+    resumed_opt = resumed.make_optimizer(torch.optim.SGD, lr=0.01)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    for s in range(5, 10):
+        step(ref, ref_opts, s + 1)
+        for m, o in ((fast, opt), (twin, twin_opt), (resumed, resumed_opt)):
+            step(m, [o], s + 1)
+    for (n, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)
+    for other in (twin, resumed):
+        for (n, a), (_, b) in zip(fast.state_dict().items(), other.state_dict().items()):
+            assert torch.equal(a, b), n
+
+
 def test_quantized_groups_built_on_the_gpu_equal_those_built_on_cpu():
     model = M.BagList(rows=ROWS)
     x = M.bag_inputs(rows=ROWS, seed=3)

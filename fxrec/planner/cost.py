@@ -79,7 +79,7 @@ SHARD_OVERHEAD_MS = 0.002
 
 def optimizer_kind(optimizer) -> str:
     """The state kind of an optimizer: None, one of :data:`OPTIMIZER_STATE`'s names, or an
-    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam)."""
+    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam, LazyAdam)."""
     if optimizer is None:
         return "none"
     if isinstance(optimizer, str):
@@ -96,7 +96,7 @@ def optimizer_kind(optimizer) -> str:
         return "rowwise_adagrad"
     if isinstance(optimizer, optim.Adagrad):
         return "adagrad"
-    if isinstance(optimizer, optim.Adam):
+    if isinstance(optimizer, (optim.Adam, optim.LazyAdam)):
         return "adam"
     raise ValueError(
         f"fxrec.plan: cannot size the state of optimizer {optimizer!r}; pass one of {sorted(OPTIMIZER_STATE)} "

@@ -28,7 +28,7 @@ from .checks import InputChecks
 from .kernels import REFERENCE
 from .output_buffer import ReusedOutput
 from .packing import FORM_CODES
-from .specs import FUSED_STATE_NAMES, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
+from .specs import FUSED_STATE_NAMES, STEPPED, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
 
 
 def group_forward(forward):
@@ -109,6 +109,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         # Off while fxrec verifies the group: gradients instead of updates.
         self.fused_enabled = True
         self._carry_states: Optional[List[List[torch.Tensor]]] = None
+        self._carry_step = 0  # a fused Adam's step count, until a TBE holds it
 
     @property
     def spec(self) -> GroupSpec:
@@ -146,6 +147,21 @@ class EmbeddingGroup(InputChecks, nn.Module):
         return [dict(zip(names, [s[:, : t.dim] if s.dim() == 2 and s.shape[1] != t.dim else s for s in per_table]))
                 for t, per_table in zip(self.tables, states)]
 
+    def fused_step(self, params: Sequence[torch.Tensor]) -> Optional[int]:
+        """The step count of a fused optimizer that keeps one (Adam: fbgemm's ``iter``), else None."""
+        if self.fused is None or self.fused.kind not in STEPPED:
+            return None
+        from .kernels.fbgemm import ensure_bound, tbe_step
+
+        return tbe_step(ensure_bound(self, params))
+
+    def set_fused_step(self, params: Sequence[torch.Tensor], step: int) -> None:
+        if self.fused is None or self.fused.kind not in STEPPED:
+            raise RuntimeError(f"fxrec: tables {[t.name for t in self.tables]} have no fused optimizer with a step count")
+        from .kernels.fbgemm import ensure_bound, set_tbe_step
+
+        set_tbe_step(ensure_bound(self, params), step)
+
     def extra_repr(self) -> str:
         names = ", ".join(t.name for t in self.tables)
         return (f"pooling={self.pooling}, tables=[{names}], features={len(self.features)}, "
@@ -164,6 +180,10 @@ class EmbeddingGroup(InputChecks, nn.Module):
         if self._bound is not None and self._bound.optimizer != "none":
             # the fused optimizer's states travel with the copy (its TBE is rebuilt)
             state["_carry_states"] = [[x.detach().clone() for x in t] for t in self._bound.tbe.split_optimizer_states()]
+            if self._bound.optimizer in STEPPED:
+                from .kernels.fbgemm import tbe_step
+
+                state["_carry_step"] = tbe_step(self._bound.tbe)
         return state
 
     def fused_unusable(self, why: str):

@@ -97,7 +97,28 @@ class CombinedOptimizer(torch.optim.Optimizer):
             "fallback": [o.state_dict() for o in self.fallbacks],
             "fused": fused_state,
             "fused_lr": {g["fxrec_fused"]: g["lr"] for g in self.fused_groups},
+            "fused_step": self.fused_steps(),
         }
+
+    def fused_steps(self) -> Dict[str, int]:
+        """The step count of each fused group whose optimizer keeps one (Adam), by group name."""
+        steps = {}
+        for name, mod, params, _ in self.fused:
+            step = mod.fused_step(params)
+            if step is not None:
+                steps[name] = step
+        return steps
+
+    def set_fused_steps(self, steps: Dict[str, int], only_given: bool = False) -> None:
+        """Set the step counts of the fused groups that keep one; a missing one is an error
+        unless ``only_given``."""
+        for name, mod, params, _ in self.fused:
+            if mod.fused_step(params) is not None:
+                if name not in steps and only_given:
+                    continue
+                if name not in steps:
+                    raise KeyError(f"fxrec: the step count of fused group '{name}' is missing from the checkpoint")
+                mod.set_fused_step(params, int(steps[name]))
 
     def load_state_dict(self, state_dict: Dict) -> None:
         if (state_dict.get("dense") is None) != (self.dense is None) or len(state_dict["fallback"]) != len(self.fallbacks):
@@ -116,6 +137,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                         if key not in saved:
                             raise KeyError(f"fxrec: optimizer state '{key}' is missing from the checkpoint")
                         v.copy_(saved[key])
+        self.set_fused_steps(state_dict.get("fused_step", {}))
         for g in self.fused_groups:
             if g["fxrec_fused"] in state_dict.get("fused_lr", {}):
                 g["lr"] = state_dict["fused_lr"][g["fxrec_fused"]]

@@ -73,16 +73,24 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class FusedSpec:
-    """An optimizer applied inside backward: ``sgd``, ``adagrad`` or ``rowwise_adagrad``, with its
-    learning rate and eps. Which code applies it is the group's training kernel's business."""
+    """An optimizer applied inside backward: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam``
+    (:class:`fxrec.optim.LazyAdam`: fbgemm's Adam, CUDA only), with its learning rate, eps and
+    (Adam) betas and decoupled weight decay. Which code applies it is the group's training
+    kernel's business."""
 
     kind: str
     lr: float
     eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
 
 
 # Names of the fused optimizer's states per table, in split_optimizer_states() order.
-FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",)}
+FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
+
+#: Fused optimizers that also keep a step count (one per group: fbgemm's ``iter``, for bias correction).
+STEPPED = ("adam",)
 
 
 @dataclass(frozen=True)

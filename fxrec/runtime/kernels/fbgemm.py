@@ -2,17 +2,15 @@
 quantized half) the only import of fbgemm_gpu.
 
 Everything else in fxrec asks this module for fbgemm's TBE and its enums, so that a missing or
-mismatched install fails once, with a message that says what to install.
-
-In a group on this kernel the user's weight parameters are views into the TBE's single flat
+mismatched install fails once, with a message that says what to install. In a group on this kernel the user's weight parameters are views into the TBE's single flat
 weight buffer (:func:`ensure_bound`), so the kernel reads exactly the user's weights, and an
 optimizer step or ``load_state_dict`` on them is what the kernel sees next. A table whose dim is
 not a multiple of 4 is stored with zero columns up to the next one (:func:`tbe_dims`; a sequence
 group's tables all at the widest): its parameter is the view of its real columns
 (``[rows, dim]``, row stride the stored width), the TBE's output loses the padding columns
-before anyone sees it (:func:`real_columns`), so they get no gradient and no update (SGD and
-Adagrad leave a zero column zero). Row-wise Adagrad would average the squared gradient over the stored
-width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`).
+before anyone sees it (:func:`real_columns`), so they get no gradient and no update (SGD, Adagrad
+and Adam leave a zero column zero). Row-wise Adagrad would average the squared gradient over the
+stored width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`).
 Without a fused optimizer the gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`);
 with one, fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE (:mod:`.fbgemm_nbit`).
 """
@@ -25,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..specs import DIM_ALIGNMENT, real_columns_index, stored_widths
+from ..specs import DIM_ALIGNMENT, STEPPED, FusedSpec, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
 
 _IMPORT_ERROR: Optional[BaseException] = None
@@ -64,50 +62,58 @@ def fbgemm_available() -> bool:
     return _IMPORT_ERROR is None
 
 
-POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
-
-
 def make_training_tbe(
     rows_dims: Sequence[Tuple[int, int]],
     feature_table_map: List[int],
     pooling: str,
     device: torch.device,
-    optimizer: str = "none",
-    learning_rate: float = 0.0,
-    eps: float = 1e-8,
+    fused: Optional[FusedSpec] = None,
 ) -> "SplitTableBatchedEmbeddingBagsCodegen":
     """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device`.
 
-    ``optimizer="none"``: the module is used for its forward kernel only (fxrec computes
-    PyTorch's gradients itself), so fbgemm gets exact SGD with learning rate zero, which never
-    runs. Otherwise ``"sgd"``, ``"adagrad"`` or ``"rowwise_adagrad"``: the update fbgemm fuses
-    into its backward, with ``learning_rate`` and ``eps``.
+    ``fused=None``: the module is used for its forward kernel only (fxrec computes PyTorch's
+    gradients itself), so fbgemm gets exact SGD with learning rate zero, which never runs.
+    Otherwise the update fbgemm fuses into its backward: ``sgd``, ``adagrad``,
+    ``rowwise_adagrad`` (CPU and CUDA) or ``adam`` (fbgemm's CUDA build only), with the spec's
+    learning rate, eps, betas and weight decay.
     """
     require_fbgemm()
     on_cpu = device.type == "cpu"
+    kind = fused.kind if fused is not None else "none"
+    if on_cpu and kind not in FbgemmKernel.CPU_OPTIMIZERS + ("none",):
+        raise ValueError(f"fxrec: fbgemm's CPU build has no fused {kind}; it runs on CUDA only")
     location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
     compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
     mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
-    kinds = {
-        "none": EmbOptimType.EXACT_SGD,
-        "sgd": EmbOptimType.EXACT_SGD,
-        "adagrad": EmbOptimType.EXACT_ADAGRAD,
-        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    }
+    kinds = {"none": EmbOptimType.EXACT_SGD, "sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
+             "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM}
+    args = dict(learning_rate=0.0) if fused is None else dict(learning_rate=float(fused.lr), eps=float(fused.eps))
+    if kind == "adam":  # fbgemm's Adam reads weight_decay itself (decoupled, as the docs of LazyAdam say)
+        args.update(beta1=float(fused.beta1), beta2=float(fused.beta2), weight_decay=float(fused.weight_decay))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(int(r), int(d), location, compute) for r, d in rows_dims],
             feature_table_map=list(feature_table_map),
-            optimizer=kinds[optimizer],
-            learning_rate=0.0 if optimizer == "none" else float(learning_rate),
-            eps=float(eps),
+            optimizer=kinds[kind],
+            **args,
             pooling_mode=mode,
             device=device if not on_cpu else None,
             # fxrec validates ids itself, with messages that name the table and feature.
             bounds_check_mode=BoundsCheckMode.NONE,
         )
     return tbe
+
+
+def tbe_step(tbe) -> int:
+    """A fused Adam's step count: fbgemm's ``iter``, one per training forward (reads a device value)."""
+    return int(tbe.iter.item())
+
+
+def set_tbe_step(tbe, step: int) -> None:
+    """``iter`` and the host copy fbgemm's forward counts with (it reads ``iter`` only while 0)."""
+    tbe.iter.fill_(int(step))
+    tbe.iter_cpu = torch.full((1,), int(step), dtype=torch.int64)
 
 
 def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
@@ -143,9 +149,7 @@ class Bound:
     """fbgemm TBE whose flat weight buffer the group's parameters are views of."""
 
     def __init__(self, tbe: nn.Module, ptrs: List[int], optimizer: str):
-        self.tbe = tbe
-        self.ptrs = ptrs
-        self.optimizer = optimizer
+        self.tbe, self.ptrs, self.optimizer = tbe, ptrs, optimizer
 
 
 def tbe_optimizer(group) -> str:
@@ -187,15 +191,17 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
             )
     opt = tbe_optimizer(group)
     fused = group.fused if opt != "none" else None
+    if opt in STEPPED and params[0].device.type != "cuda":
+        group.fused_unusable(f"fbgemm's fused {opt} runs on CUDA only and the tables are on {params[0].device}")
     tbe = make_training_tbe(
         [(t.num_rows, d) for t, d in zip(group.tables, tbe_dims(group))], [f.table for f in group.features],
-        group.pooling,
-        params[0].device, optimizer=opt, learning_rate=fused.lr if fused else 0.0, eps=fused.eps if fused else 1e-8,
+        group.pooling, params[0].device, fused,
     )
     views = tbe.split_embedding_weights()
     old = group._bound
-    old_states = old.tbe.split_optimizer_states() if old is not None and fused and old.optimizer == opt \
-        else group._carry_states
+    same = old is not None and fused is not None and old.optimizer == opt
+    old_states = old.tbe.split_optimizer_states() if same else group._carry_states
+    step = (tbe_step(old.tbe) if same else getattr(group, "_carry_step", 0)) if opt in STEPPED else None
     with torch.no_grad():
         for t, p, v in zip(group.tables, params, views):
             if v.shape[1] != t.dim:
@@ -207,7 +213,10 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
             for new_t, old_t in zip(tbe.split_optimizer_states(), old_states):
                 for n, o in zip(new_t, old_t):
                     n.copy_(o)
+        if step:
+            set_tbe_step(tbe, step)
     group._carry_states = None
+    group._carry_step = 0
     group._bound = Bound(tbe, [p.data_ptr() for p in params], opt)
     return group._bound
 
@@ -276,11 +285,12 @@ CUDA_MAX_DIM = 2048
 
 class FbgemmKernel(Kernel):
     """fbgemm's TBE: one kernel call for every feature of the group; fused SGD, Adagrad and
-    row-wise Adagrad in its backward (the three its CPU build trains with; the CUDA build the same
-    three as fxrec offers them). Quantized tables: IntNBit."""
+    row-wise Adagrad in its backward (the three its CPU build trains with), and on CUDA Adam
+    (:class:`fxrec.optim.LazyAdam`). Quantized tables: IntNBit."""
 
     name = FBGEMM
-    OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+    CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+    CUDA_OPTIMIZERS = CPU_OPTIMIZERS + ("adam",)
 
     def supports(self, group, device, mode, optimizer, *, states_only: bool = False):
         """``states_only``: whether a TBE of this group can keep the fused optimizer's states
@@ -295,8 +305,10 @@ class FbgemmKernel(Kernel):
             return None if mode == "inference" else "quantized tables are for inference"
         if any(t.dtype != "float32" for t in group.tables):
             return "fxrec gives fbgemm float32 tables only"
-        if optimizer is not None and optimizer not in self.OPTIMIZERS:
-            return f"fbgemm has no fused {optimizer} here"
+        if optimizer is not None and optimizer not in (self.CUDA_OPTIMIZERS if device == "cuda" else self.CPU_OPTIMIZERS):
+            if optimizer in self.CUDA_OPTIMIZERS:
+                return f"fbgemm fuses {optimizer} on CUDA only (its CPU build trains with SGD and the Adagrads)"
+            return f"fbgemm has no fused {optimizer}"
         padded = [t.name for t, w in zip(group.tables, stored) if w != t.dim]
         if optimizer == "rowwise_adagrad" and padded and not states_only:
             return (f"tables {padded} are stored padded to a multiple of 4 columns, and fbgemm's row-wise Adagrad "

@@ -141,6 +141,12 @@ class ReferenceKernel(Kernel):
             # (the other kernels hand such inputs here)
             group._check_devices(ids_list, offsets_list, psw_list, params, ValueError("device mismatch"))
         if training and group.fused_active:
+            if group.fused.kind not in self.OPTIMIZERS:  # fbgemm's alone (Adam) and it handed this call back
+                if any(ids.numel() for ids in ids_list):
+                    group.fused_unusable(f"only fbgemm's kernel fuses {group.fused.kind}, and it cannot take this call "
+                                         "(features with different batch sizes, or tables not float32 on one device)")
+                with torch.no_grad():  # empty batch: nothing to update
+                    return lookups(group, ids_list, offsets_list, psw_list, params)
             if group.fused.kind != "sgd":
                 from .fbgemm import ensure_bound, usable
 

@@ -1,0 +1,228 @@
+"""fxrec.optim.LazyAdam: fbgemm's Adam (fused on CUDA only), its torch.optim form on CPU, and the
+decisions fxrec makes for it. The fused CUDA path is in tests/test_gpu.py."""
+
+import inspect
+
+import pytest
+import torch
+
+import fxrec
+from fxrec.optim import LazyAdam, LazyAdamTorch
+from tests import models as M
+from tests.test_fused_optimizers import ROWS, train_both
+
+
+class LazyAdamReference(torch.optim.Optimizer):
+    """fbgemm's Adam (its CUDA template, fbgemm_gpu/codegen/genscript/optimizers.py, v1.6.0) written
+    out on dense gradients, independently of fxrec: at step t, for each row r with a non-zero
+    gradient g: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+    w -= lr * ((m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w). Other rows untouched."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                st["t"] += 1
+                t = st["t"]
+                g = p.grad.to_dense()
+                for r in torch.nonzero(g.abs().sum(1)).flatten().tolist():
+                    st["m"][r] = b1 * st["m"][r] + (1 - b1) * g[r]
+                    st["v"][r] = b2 * st["v"][r] + (1 - b2) * g[r] * g[r]
+                    m_hat = st["m"][r] / (1 - b1 ** t)
+                    v_hat = st["v"][r] / (1 - b2 ** t)
+                    p[r] -= group["lr"] * (m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p[r])
+
+
+def _grads(shape, steps, seed, zero_rows=()):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        x = torch.randn(shape, generator=g)
+        for r in zero_rows:
+            if s % 2 == 0:
+                x[r] = 0.0
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense_grads", "sparse_grads"])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_when_every_row_is_in_every_batch_lazy_adam_is_torch_adamw(sparse, wd):
+    w0 = torch.randn(12, 8)
+    a, b = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    lazy = LazyAdamTorch([a], lr=0.01, weight_decay=wd)
+    adamw = torch.optim.AdamW([b], lr=0.01, weight_decay=wd)
+    for g in _grads((12, 8), 6, seed=1):
+        a.grad = g.to_sparse(1) if sparse else g.clone()
+        b.grad = g.clone()
+        lazy.step()
+        adamw.step()
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(lazy.state[a]["exp_avg_sq"], adamw.state[b]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+
+
+def test_rows_outside_the_batch_and_their_state_stay_exactly_as_they_were():
+    """Rows 0-4 are in every batch: they follow torch.optim.Adam on those rows alone; rows 5-9 never are."""
+    w0 = torch.randn(10, 4)
+    a = w0.clone().requires_grad_()
+    sub = w0[:5].clone().requires_grad_()
+    lazy, adam = LazyAdamTorch([a], lr=0.05), torch.optim.Adam([sub], lr=0.05)
+    for g in _grads((5, 4), 5, seed=2):
+        a.grad = torch.sparse_coo_tensor(torch.arange(5).unsqueeze(0), g, (10, 4))
+        sub.grad = g.clone()
+        lazy.step()
+        adam.step()
+    assert torch.equal(a.detach()[5:], w0[5:])
+    assert not lazy.state[a]["exp_avg"][5:].any() and not lazy.state[a]["exp_avg_sq"][5:].any()
+    torch.testing.assert_close(a.detach()[:5], sub.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_row_in_the_batch_with_a_zero_gradient_moves_with_sparse_gradients():
+    """The sparse gradient names the rows looked up: a zero-gradient row still decays its moments
+    and moves by them (fbgemm's update), which is torch.optim.Adam's step for it."""
+    w0 = torch.randn(6, 4)
+    a, b = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    lazy, adam = LazyAdamTorch([a], lr=0.05), torch.optim.Adam([b], lr=0.05)
+    for g in _grads((6, 4), 6, seed=3, zero_rows=(1, 4)):
+        a.grad = torch.sparse_coo_tensor(torch.arange(6).unsqueeze(0), g, (6, 4))
+        b.grad = g.clone()
+        lazy.step()
+        adam.step()
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_lazy_adam_on_cpu_trains_through_torch_optim_as_the_reference_does():
+    cfg = LazyAdam(lr=0.01, weight_decay=0.01)
+    ref, fast, opt = train_both(lambda: M.BagList(rows=ROWS), lambda s: M.bag_inputs(rows=ROWS, seed=s), cfg,
+                                lambda p: LazyAdamReference(p, lr=0.01, weight_decay=0.01), steps=8, backend="auto")
+    assert all("torch.optim in opt.step()" in g.optimizer for g in fast.report.groups)
+    assert any(isinstance(o, LazyAdamTorch) for o in opt.fallbacks)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_fxrec_checkpoint_carries_lazy_adam_state_to_another_model(tmp_path):
+    model = M.BagList(rows=ROWS)
+    example = M.bag_inputs(rows=ROWS)
+    cfg = LazyAdam(lr=0.02)
+
+    def run(m, o, steps):
+        for s in steps:
+            o.zero_grad()
+            m(*M.bag_inputs(rows=ROWS, seed=s)).sin().sum().backward()
+            o.step()
+
+    a = fxrec.transform(model, example, optimizer=cfg)
+    opt_a = a.make_optimizer(torch.optim.Adam, lr=1e-3)
+    run(a, opt_a, range(4))
+    fxrec.checkpoint.save(a, tmp_path / "ck", optimizer=opt_a)
+    run(a, opt_a, range(4, 8))
+    b = fxrec.transform(M.BagList(rows=ROWS), example, optimizer=cfg)
+    opt_b = b.make_optimizer(torch.optim.Adam, lr=1e-3)
+    fxrec.checkpoint.load(b, tmp_path / "ck", optimizer=opt_b)
+    run(b, opt_b, range(4, 8))
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k
+
+
+class Unpooled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.items = torch.nn.Embedding(30, 8)
+        self.users = torch.nn.Embedding(20, 8)
+
+    def forward(self, items, users):
+        return self.items(items) * self.users(users).unsqueeze(1)
+
+
+def _lookup_models():
+    return {
+        "bags": (lambda: M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS)),
+        "fields": (M.FieldDict, M.field_inputs()),
+        "shared": (M.SharedTables, M.shared_inputs()),
+        "sequence": (Unpooled, (torch.randint(0, 30, (4, 5)), torch.randint(0, 20, (4,)))),
+        "weighted": (M.WeightedBags, M.weighted_inputs()),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_lookup_models()))
+def test_explain_for_cuda_fuses_lazy_adam_into_fbgemm_on_every_group(name):
+    model_fn, inputs = _lookup_models()[name]
+    r = fxrec.explain(model_fn(), inputs, device="cuda", optimizer=LazyAdam(lr=0.01))
+    assert r.groups
+    for g in r.groups:
+        assert (g.kernel_train, g.fused) == ("fbgemm", "adam"), g.why
+        assert "fused adam inside backward by fbgemm" in g.why and "fused into backward" in g.optimizer
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torch_adam_is_never_fused_and_lazy_adam_is_not_on_cpu(device):
+    model_fn, inputs = _lookup_models()["bags"]
+    for cfg in (fxrec.optim.Adam(lr=0.01), LazyAdam(lr=0.01)):
+        r = fxrec.explain(model_fn(), inputs, device=device, optimizer=cfg)
+        fused = device == "cuda" and isinstance(cfg, LazyAdam)
+        for g in r.groups:
+            assert (g.fused == "adam") == fused, g.why
+            if not fused:
+                assert "torch.optim in opt.step()" in g.optimizer
+                assert ("CUDA only" if isinstance(cfg, LazyAdam) else "LazyAdam") in g.why
+
+
+def test_a_padding_row_keeps_lazy_adam_out_of_fbgemm_on_cuda():
+    """fbgemm's fused update would train an nn.Embedding padding row; PyTorch gives it no gradient."""
+    class Padded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8, padding_idx=0)
+
+        def forward(self, ids):
+            return self.emb(ids).sum(1)
+
+    r = fxrec.explain(Padded(), (torch.randint(0, 20, (4, 3)),), device="cuda", optimizer=LazyAdam())
+    (g,) = r.groups
+    assert g.fused == "" and "padding row" in g.why and "torch.optim in opt.step()" in g.optimizer
+
+
+def test_fbgemm_takes_the_adam_arguments_fxrec_passes_and_its_cpu_build_is_refused_by_name():
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    from fxrec.runtime.kernels.fbgemm import make_training_tbe
+    from fxrec.runtime.specs import FusedSpec
+
+    params = inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters
+    assert {"beta1", "beta2", "weight_decay", "eps", "learning_rate"} <= set(params)
+    with pytest.raises(ValueError, match="CPU build has no fused adam"):
+        make_training_tbe([(10, 4)], [0], "sum", torch.device("cpu"), FusedSpec("adam", 0.01))
+
+
+def test_a_group_fused_with_adam_on_cuda_and_moved_to_cpu_says_why_it_cannot_train():
+    from fxrec.runtime.group import EmbeddingGroup
+    from fxrec.runtime.specs import FeatureSpec, FusedSpec, TableSpec
+
+    g = EmbeddingGroup([TableSpec("t", 10, 4)], [FeatureSpec("f", 0, "bag")], "sum", "fbgemm", "fbgemm",
+                       fused=FusedSpec("adam", 0.01))
+    w = torch.nn.Parameter(torch.randn(10, 4))
+    with pytest.raises(RuntimeError, match=r"tables \['t'\].*fused adam runs on CUDA only"):
+        g([torch.tensor([1, 2, 3])], [torch.tensor([0, 2])], [None], [w])
+
+
+@pytest.mark.parametrize("bad", [dict(betas=(1.0, 0.999)), dict(betas=(0.9, -0.1)), dict(eps=-1.0), dict(lr=-1.0)])
+def test_bad_lazy_adam_arguments_are_refused(bad):
+    with pytest.raises(ValueError, match="LazyAdam"):
+        LazyAdam(**bad)
+
+
+def test_the_planner_sizes_lazy_adam_state_as_two_moments_a_weight():
+    from fxrec.planner.cost import optimizer_kind, optimizer_state_bytes
+
+    assert optimizer_kind(LazyAdam()) == "adam"
+    assert optimizer_state_bytes("adam", 100, 16) == 100 * 16 * 8
