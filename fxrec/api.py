@@ -71,6 +71,8 @@ def transform(
     plan=None,
     autotune: bool = False,
     copy_model: bool = True,
+    hbm_budget=None,
+    cache_load_factor: float = 0.2,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -135,6 +137,13 @@ def transform(
         tables stay fp32). A model built on
         the ``meta`` device needs a plan: each rank allocates only what it holds, initialised by
         the modules' own ``reset_parameters()`` (:mod:`fxrec.materialize`).
+      hbm_budget: CUDA: the GPU memory the embedding tables (and their fused optimizer states)
+        may take, in bytes or as ``"40GB"``. Tables beyond it go to unified memory (host RAM the
+        GPU reads over the bus), largest first, with an HBM cache of ``cache_load_factor`` of
+        their rows where fbgemm alone writes them (fused optimizers, inference); the report says
+        where each table is (docs/gpu.md). None (default): every table in GPU memory.
+      cache_load_factor: with ``hbm_budget``: the HBM cache of the cached tables, as a share of
+        their rows (fbgemm's ``cache_load_factor``, default 0.2).
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -150,6 +159,7 @@ def transform(
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     rank = _check_plan(plan, optimizer, mode, quantize)
+    hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     on_meta = meta_names(model)
@@ -186,7 +196,8 @@ def transform(
     ctx = PassContext(
         config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds, optimizer=optimizer,
                       mode=mode, quantize=quantize, output_dtype=output_dtype,
-                      reuse_outputs=reuse_outputs, plan=plan, rank=rank, autotune=autotune),
+                      reuse_outputs=reuse_outputs, plan=plan, rank=rank, autotune=autotune,
+                      hbm_budget=hbm_budget, cache_load_factor=float(cache_load_factor)),
         report=report, example_args=args, example_kwargs=kwargs, logger=log,
     )
     if check_passes:
@@ -380,12 +391,15 @@ def explain(
     mode: str = "training",
     quantize=None,
     plan=None,
+    hbm_budget=None,
+    cache_load_factor: float = 0.2,
 ) -> Report:
     """The report :func:`transform` would give, for ``device`` ("cpu" or "cuda"; default: where
     the model's tables are), without building any kernel, moving or copying any table, or needing
     that device: which lookups are found and grouped, and each group's kernels, fused optimizer,
-    dtypes and placement on that device. With ``plan=``, how the plan shards each group (no
-    process group needed). ``print()`` it, or ``.to_json()``.
+    dtypes and placement on that device (with ``hbm_budget=``, which tables go to unified memory:
+    see :func:`transform`). With ``plan=``, how the plan shards each group (no process group
+    needed). ``print()`` it, or ``.to_json()``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
@@ -396,12 +410,14 @@ def explain(
         raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
+    hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
     gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs)
     ctx = PassContext(
         config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
-                      device=device or _tables_device(model)),
+                      device=device or _tables_device(model), hbm_budget=hbm_budget,
+                      cache_load_factor=float(cache_load_factor)),
         report=Report(), example_args=args, example_kwargs=kwargs, logger=logging.getLogger("fxrec"),
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)
@@ -416,6 +432,23 @@ def explain(
     notes.append(f"explained for device {ctx.config.device}: nothing was built; transform on that device gives "
                  "these decisions")
     return build_report(gm, ctx.report.passes, ctx.report.pass_runs, notes)
+
+
+def _check_placement(hbm_budget, cache_load_factor, plan) -> Optional[int]:
+    """``hbm_budget`` in bytes (None stays None); errors for what cannot be placed."""
+    if isinstance(cache_load_factor, bool) or not isinstance(cache_load_factor, (int, float)) \
+            or not 0 < cache_load_factor <= 1:
+        raise ValueError(f"fxrec: cache_load_factor must be a number in (0, 1], got {cache_load_factor!r}")
+    if hbm_budget is None:
+        return None
+    if plan is not None:
+        raise ValueError("fxrec: with a plan, the planner places the tables (memory_per_rank=); hbm_budget is for one GPU")
+    from .planner.specs import parse_bytes
+
+    budget = parse_bytes(hbm_budget, "hbm_budget")
+    if budget <= 0:
+        raise ValueError(f"fxrec: hbm_budget must be positive, got {hbm_budget!r}")
+    return budget
 
 
 def _tables_device(model: torch.nn.Module) -> str:

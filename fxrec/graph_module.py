@@ -12,7 +12,10 @@ checks cannot be traced symbolically). :class:`TransformedModule`:
 * ``pickle`` / ``torch.save`` / ``copy.deepcopy`` keep the class, the graph, the report and the
   fused optimizer states: the graph is pickled node by node (ATen operators by name; node
   metadata that holds fake tensors becomes meta-device tensors of the example sizes);
-* ``make_optimizer(...)`` is :func:`fxrec.make_optimizer` on this model.
+* ``make_optimizer(...)`` is :func:`fxrec.make_optimizer` on this model;
+* tables fbgemm caches in GPU memory (``hbm_budget=``, placement ``managed_caching``): their cached
+  rows are written back before ``state_dict()``, a copy or a pickle reads the parameters, and the
+  cache is emptied after ``load_state_dict()`` writes them (:func:`sync_caches`).
 """
 
 from __future__ import annotations
@@ -41,10 +44,22 @@ class TransformedModule(fx.GraphModule):
 
         return make_optimizer(self, dense_optimizer, **kwargs)
 
+    def state_dict(self, *args, **kwargs):
+        sync_caches(self)
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        sync_caches(self)  # rows the load leaves alone keep their cached updates
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        sync_caches(self, drop=True)
+        return out
+
     def __deepcopy__(self, memo):
+        sync_caches(self)
         return adopt(super().__deepcopy__(memo))
 
     def __reduce__(self):
+        sync_caches(self)
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_PICKLED}
         state["meta"] = _picklable_graph_meta(self.meta)
         return (_rebuild, (state, _encode_graph(self.graph)))
@@ -53,6 +68,16 @@ class TransformedModule(fx.GraphModule):
         import copy
 
         return copy.deepcopy(self)
+
+
+def sync_caches(module: torch.nn.Module, drop: bool = False) -> None:
+    """Write the HBM caches of every group of ``module`` back to its tables' parameters (and,
+    with ``drop``, empty them: after the parameters were written by something else). Nothing
+    for groups without cached tables. Call it before reading a cached table's parameter directly."""
+    for m in module.modules():
+        sync = getattr(m, "sync_cache", None)
+        if callable(sync) and m is not module:
+            sync(drop=drop)
 
 
 _NOT_PICKLED = {"_graph", "_code", "_lineno_map", "_prologue_start", "shape_env", "range_constraints", "meta"}

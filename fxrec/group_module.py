@@ -36,7 +36,8 @@ def _specs(gr: meta.GroupRecord) -> Tuple[List[TableSpec], List[FeatureSpec], Di
         if rec.param not in index:
             index[rec.param] = len(tables)
             tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse or sparse_grads,
-                                    rec.dtype.replace("torch.", "") or "float32"))
+                                    rec.dtype.replace("torch.", "") or "float32",
+                                    gr.placements.get(rec.param, "device")))
         features.append(
             FeatureSpec(
                 name=rec.feature, table=index[rec.param], form=rec.form, padding_idx=rec.padding_idx,
@@ -70,6 +71,7 @@ def build_group_module(
     mod = EmbeddingGroup(tables, features, gr.pooling, gr.kernel_train, gr.kernel_eval,
                          gr.fused if with_optimizer else None)
     mod.reuse_output = reuse_output
+    mod.cache_load_factor = gr.cache_load_factor
     return mod, index
 
 

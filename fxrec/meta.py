@@ -87,6 +87,9 @@ class GroupRecord:
     fused: object = None  # runtime.specs.FusedSpec when the optimizer runs inside backward
     quant: dict = field(default_factory=dict)  # param -> dtype, for inference on quantized tables
     decision: Optional["GroupDecision"] = None
+    # Set by place_tables (CUDA with an HBM budget): param -> fxrec.runtime.specs.PLACEMENTS entry
+    placements: dict = field(default_factory=dict)
+    cache_load_factor: float = 0.2  # of its managed_caching tables: HBM cache rows / their rows
 
     @property
     def pooling(self) -> str:
@@ -128,7 +131,7 @@ class GroupDecision:
     fused_by: str = ""
     optimizer: str = ""  # the table optimizer and where it runs, as text
     dtypes: Tuple[str, ...] = ()  # per table, as stored
-    placement: str = "host"  # host (CPU memory) | device (accelerator memory)
+    placement: str = "host"  # host (CPU memory) | device (accelerator memory) | how place_tables split it
     lowered: bool = True
     timings_ms: Tuple[Tuple[str, float], ...] = ()
     # tables stored wider than their dim (a kernel's alignment): (table, dim, stored width, extra bytes)

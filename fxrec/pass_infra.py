@@ -32,6 +32,8 @@ class Config:
     output_dtype: str = "fp32"  # of quantized lookups: fp32 | fp16
     reuse_outputs: bool = True  # CPU inference of pooled groups: keep and reuse the output buffer
     plan: Any = None  # a fxrec.planner.ShardingPlan: shard the groups for this rank
+    hbm_budget: Optional[int] = None  # CUDA: bytes of GPU memory the tables may take (place_tables)
+    cache_load_factor: float = 0.2  # CUDA: HBM cache of a managed_caching table, as a share of its rows
     rank: int = 0
 
 

@@ -12,9 +12,12 @@
                        (quantized groups are not timed) and lower_groups (which builds them).
 6. choose_kernels    — each group's kernels by the rule table (or autotune=True's measurement),
                        before lowering: lower_groups builds each group with its kernels.
-7. lower_groups      — rewrites only what was grouped and chosen; after it those lookups are gone.
-8. fold_concat       — needs the group's column split that lower_groups emitted.
-9. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
+7. place_tables      — CUDA with hbm_budget= only: which tables leave GPU memory depends on the
+                       kernels (only fbgemm's TBE holds unified memory), and lower_groups builds
+                       each group with its tables' places.
+8. lower_groups      — rewrites only what was grouped and chosen; after it those lookups are gone.
+9. fold_concat       — needs the group's column split that lower_groups emitted.
+10. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
 
 With a sharding plan: annotate_lookups → merge_lookups → assign_optimizers → group_lookups →
 (quantize_tables) → shard_groups → fold_concat. quantize_tables comes before shard_groups, which
@@ -24,8 +27,8 @@ rank must run the same graph shape (its collectives pair up across ranks), so no
 by timing.
 
 fxrec.explain runs the passes that decide, and none that build: annotate_lookups →
-merge_lookups → assign_optimizers → group_lookups → (quantize_tables) → choose_kernels, for the
-device asked (merge_lookups and group_lookups change only the captured copy's graph).
+merge_lookups → assign_optimizers → group_lookups → (quantize_tables) → choose_kernels →
+(place_tables), for the device asked (merge_lookups and group_lookups change only the captured copy's graph).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .passes.group_lookups import group_lookups
 from .passes.lower_groups import lower_groups
 from .passes.measure_quantization import measure_quantization
 from .passes.merge_lookups import merge_lookups
+from .passes.place_tables import place_tables
 from .passes.quantize_tables import quantize_tables
 from .passes.shard_groups import shard_groups
 
@@ -54,7 +58,10 @@ def default_pipeline(config: Config) -> List[CompilerPass]:
     passes = [annotate_lookups, merge_lookups, assign_optimizers, group_lookups]
     if config.quantize is not None:
         passes.append(quantize_tables)
-    passes += [choose_kernels, lower_groups, fold_concat]
+    passes.append(choose_kernels)
+    if config.hbm_budget is not None:
+        passes.append(place_tables)
+    passes += [lower_groups, fold_concat]
     if config.quantize is not None:
         passes.append(measure_quantization)
     return passes
@@ -67,4 +74,4 @@ def explain_pipeline(config: Config) -> List[CompilerPass]:
         return passes  # the plan decides; fxrec.explain describes it
     if config.quantize is not None:
         passes.append(quantize_tables)
-    return passes + [choose_kernels]
+    return passes + [choose_kernels] + ([place_tables] if config.hbm_budget is not None else [])

@@ -216,6 +216,8 @@ class Report:
                 lines.append(f"    why: {g.why}")
                 if g.optimizer:
                     lines.append(f"    optimizer {g.optimizer}")
+                if g.placement not in ("", "host", "device"):
+                    lines.append(f"    placement: {g.placement}")
                 if g.padding:
                     lines.append("    padded: " + ", ".join(f"{t} dim {d} stored as {w} (+{_bytes(b)})"
                                                        for t, d, w, b in g.padding))

@@ -124,6 +124,61 @@ def test_fused_lazy_adam_matches_the_written_out_update_and_resumes_exactly(wd):
             assert torch.equal(a, b), n
 
 
+class TwoBags(torch.nn.Module):
+    """A 100k x 64 table (25.6 MB) and a small one: hbm_budget="20MB" sends the big one to unified memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.EmbeddingBag(100_000, 64, mode="sum")
+        self.small = torch.nn.EmbeddingBag(1000, 16, mode="sum")
+        self.top = torch.nn.Linear(80, 1)
+
+    def forward(self, a, b):
+        return self.top(torch.cat([self.big(a), self.small(b)], 1))
+
+
+def two_bag_inputs(seed, batch=512):
+    g = torch.Generator().manual_seed(seed)
+    return cuda((torch.randint(0, 100_000, (batch, 4), generator=g), torch.randint(0, 1000, (batch, 2), generator=g)))
+
+
+@pytest.mark.parametrize("opt", [fxrec.optim.RowWiseAdagrad(lr=0.05), fxrec.optim.LazyAdam(lr=0.01), None],
+                         ids=["rowwise_adagrad", "lazy_adam", "torch_optim"])
+def test_a_table_in_unified_memory_trains_as_in_gpu_memory(opt):
+    model = TwoBags().cuda()
+    on_device = fxrec.transform(model, two_bag_inputs(0), optimizer=opt)
+    on_uvm = fxrec.transform(model, two_bag_inputs(0), optimizer=opt, hbm_budget="20MB")
+    (g,) = on_uvm.report.groups
+    assert ("big: managed_caching" if opt is not None else "big: managed)") in g.placement, g.placement
+    pairs = [(m, m.make_optimizer(torch.optim.SGD, lr=0.01)) for m in (on_device, on_uvm)]
+    for step in range(6):
+        for m, o in pairs:
+            o.zero_grad()
+            m(*two_bag_inputs(step + 1)).sin().sum().backward()
+            o.step()
+        if step == 2:  # state_dict writes the cache back first
+            for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    twin = copy.deepcopy(on_uvm)
+    for (k, a), (_, b) in zip(on_device.state_dict().items(), twin.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    new = {k: v + 0.25 for k, v in on_device.state_dict().items()}
+    for m in (on_device, on_uvm):  # load_state_dict empties the cache: the next call reads the new rows
+        m.load_state_dict(new)
+    x = two_bag_inputs(99)
+    torch.testing.assert_close(on_uvm(*x), on_device(*x), rtol=1e-5, atol=1e-5)
+
+
+def test_inference_with_a_cached_table_serves_the_plain_models_outputs():
+    model = TwoBags().cuda().eval()
+    fast = fxrec.transform(model, two_bag_inputs(0), mode="inference", hbm_budget="20MB")
+    assert "big: managed_caching" in fast.report.groups[0].placement
+    with torch.no_grad():
+        for seed in range(3):
+            x = two_bag_inputs(seed)
+            torch.testing.assert_close(fast(*x), model(*x), rtol=1e-5, atol=1e-5)
+
+
 def test_quantized_groups_built_on_the_gpu_equal_those_built_on_cpu():
     model = M.BagList(rows=ROWS)
     x = M.bag_inputs(rows=ROWS, seed=3)

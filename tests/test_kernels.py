@@ -310,7 +310,7 @@ def test_fbgemm_dense_backward_gives_pytorchs_gradients(pooling):
     """The CUDA backward without a fused optimizer (fbgemm's dense TBE operator on the bound
     TBE's weights), run here on CPU: the gradients PyTorch gives, a table stored padded (dim 6 in
     8 columns) and a bag's padding ids included."""
-    from fxrec.runtime.kernels import fbgemm
+    from fxrec.runtime.kernels import fbgemm, fbgemm_dense
     from fxrec.runtime.packing import pack_pooled
 
     tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 6)]
@@ -321,7 +321,7 @@ def test_fbgemm_dense_backward_gives_pytorchs_gradients(pooling):
     kernels.get("fbgemm").run(group, ids, offs, psw, params, training=True)  # binds the TBE
     indices, offsets, packed_psw, _, _ = pack_pooled(group, ids, offs, psw)
     cot = torch.randn(4, 22, generator=torch.Generator().manual_seed(3))
-    got = fbgemm.dense_grads(group, cot, indices, offsets, packed_psw)
+    got = fbgemm_dense.dense_grads(group, cot, indices, offsets, packed_psw)
     theirs = [p.clone().requires_grad_() for p in base]
     (plain(theirs, ids, offs, pooling) * cot).sum().backward()
     for g, p, t in zip(got, theirs, tables):
@@ -330,7 +330,7 @@ def test_fbgemm_dense_backward_gives_pytorchs_gradients(pooling):
 
 
 def test_fbgemm_dense_backward_weighs_each_id_by_its_sample_weight():
-    from fxrec.runtime.kernels import fbgemm
+    from fxrec.runtime.kernels import fbgemm, fbgemm_dense
     from fxrec.runtime.packing import pack_pooled
 
     tables = [TableSpec("a", 40, 4)]
@@ -341,7 +341,7 @@ def test_fbgemm_dense_backward_weighs_each_id_by_its_sample_weight():
     kernels.get("fbgemm").run(group, [ids], [offs], [w], [weight.clone().requires_grad_()], training=True)
     indices, offsets, packed_psw, _, _ = pack_pooled(group, [ids], [offs], [w])
     cot = torch.randn(4, 4, generator=g)
-    (got,) = fbgemm.dense_grads(group, cot, indices, offsets, packed_psw)
+    (got,) = fbgemm_dense.dense_grads(group, cot, indices, offsets, packed_psw)
     theirs = weight.clone().requires_grad_()
     (F.embedding_bag(ids, theirs, offs, mode="sum", per_sample_weights=w) * cot).sum().backward()
     torch.testing.assert_close(got, theirs.grad, rtol=1e-5, atol=1e-6)

@@ -12,7 +12,7 @@ one averaged over the table's dim, to those rows and their states (kept in the g
 fbgemm TBE, as for the other kernels). ``unique`` waits for the device on CUDA: this path runs
 only where fbgemm's kernel cannot compute the update exactly. Dense gradients of a pooled group
 come from its kernel where it has a backward of its own: fxrec's native kernel on CPU, fbgemm's
-dense TBE operator on CUDA (:func:`fxrec.runtime.kernels.fbgemm.dense_grads`).
+dense TBE operator on CUDA (:func:`fxrec.runtime.kernels.fbgemm_dense.dense_grads`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from .kernels import fbgemm, native
+from .kernels import fbgemm_dense, native
 
 
 class LookupWithGrads(torch.autograd.Function):
@@ -136,8 +136,8 @@ class LookupWithGrads(torch.autograd.Function):
         need = ctx.needs_input_grad[6:]
         if sgd_lr is None and native.dense_grads_by_kernel(group, grad_out, need):
             grads = native.dense_grads(group, grad_out, indices, offsets, scale, bounds, batch)
-        elif fused is None and fbgemm.dense_grads_by_kernel(group, grad_out, need):
-            grads = fbgemm.dense_grads(group, grad_out, indices, offsets, psw)
+        elif fused is None and fbgemm_dense.dense_grads_by_kernel(group, grad_out, need):
+            grads = fbgemm_dense.dense_grads(group, grad_out, indices, offsets, psw)
         for t, (spec, p) in enumerate(zip(group.tables, params)):
             if not need[t] or grads[t] is not None:
                 continue

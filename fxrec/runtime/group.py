@@ -104,6 +104,8 @@ class EmbeddingGroup(InputChecks, nn.Module):
         self._bound = None  # kernels.fbgemm.Bound: the TBE the parameters are views of, once bound
         # Inference of pooled groups on CPU: reuse the output buffer between calls.
         self.reuse_output = True
+        # CUDA, tables placed managed_caching: the HBM cache's rows as a share of theirs (fbgemm's)
+        self.cache_load_factor = 0.2
         self._out = ReusedOutput()
         self.fused = fused
         # Off while fxrec verifies the group: gradients instead of updates.
@@ -177,6 +179,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         state.pop("_fxrec_lr_hook", None)
         state["_forward_pre_hooks"] = type(self._forward_pre_hooks)(
             (k, h) for k, h in self._forward_pre_hooks.items() if not getattr(h, "fxrec_optimizer_link", False))
+        self.sync_cache()  # a copy of the parameters must see the cached rows
         if self._bound is not None and self._bound.optimizer != "none":
             # the fused optimizer's states travel with the copy (its TBE is rebuilt)
             state["_carry_states"] = [[x.detach().clone() for x in t] for t in self._bound.tbe.split_optimizer_states()]
@@ -218,5 +221,16 @@ class EmbeddingGroup(InputChecks, nn.Module):
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
         if out is None:  # an input the chosen kernel does not take: PyTorch's own answer (and update)
+            self.sync_cache(drop=True)  # it reads (and updates) the parameters themselves
             out = kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training)
         return out
+
+    def sync_cache(self, drop: bool = False) -> None:
+        """Tables placed ``managed_caching`` on CUDA: fbgemm keeps their freshest rows in its HBM
+        cache (a fused update writes there), so their parameters (the unified-memory rows) are
+        current only after this writes the cache back; ``drop`` also empties it, for after the
+        parameters are written by anything but the kernel. Nothing for other groups."""
+        if self._bound is not None and any(t.placement == "managed_caching" for t in self.tables):
+            from .kernels.fbgemm import sync_cache
+
+            sync_cache(self._bound.tbe, drop)

@@ -62,6 +62,12 @@ class FeatureSpec:
     weighted: bool = False
 
 
+#: Where a table's rows live on a GPU (fbgemm's EmbeddingLocation): ``device`` (HBM), ``managed``
+#: (unified memory in host RAM, read over the bus) or ``managed_caching`` (unified memory with a
+#: cache of rows in HBM). On CPU every table is in host memory, whatever its placement says.
+PLACEMENTS = ("device", "managed", "managed_caching")
+
+
 @dataclass(frozen=True)
 class TableSpec:
     name: str
@@ -69,6 +75,7 @@ class TableSpec:
     dim: int
     sparse: bool = False
     dtype: str = "float32"  # of the weight as the model holds it
+    placement: str = "device"  # one of PLACEMENTS (fbgemm's TBE on CUDA; place_tables decides)
 
 
 @dataclass(frozen=True)

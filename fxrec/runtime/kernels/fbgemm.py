@@ -18,7 +18,7 @@ with one, fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TB
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -68,6 +68,8 @@ def make_training_tbe(
     pooling: str,
     device: torch.device,
     fused: Optional[FusedSpec] = None,
+    placements: Optional[Sequence[str]] = None,
+    cache_load_factor: float = 0.2,
 ) -> "SplitTableBatchedEmbeddingBagsCodegen":
     """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device`.
 
@@ -75,14 +77,19 @@ def make_training_tbe(
     gradients itself), so fbgemm gets exact SGD with learning rate zero, which never runs.
     Otherwise the update fbgemm fuses into its backward: ``sgd``, ``adagrad``,
     ``rowwise_adagrad`` (CPU and CUDA) or ``adam`` (fbgemm's CUDA build only), with the spec's
-    learning rate, eps, betas and weight decay.
+    learning rate, eps, betas and weight decay. ``placements``: per table, where its rows live on
+    CUDA (:data:`fxrec.runtime.specs.PLACEMENTS`; default all ``device``), with an HBM cache of
+    ``cache_load_factor`` of the ``managed_caching`` tables' rows; on CPU every table is host memory.
     """
     require_fbgemm()
     on_cpu = device.type == "cpu"
     kind = fused.kind if fused is not None else "none"
+    placements = list(placements or ["device"] * len(rows_dims))
     if on_cpu and kind not in FbgemmKernel.CPU_OPTIMIZERS + ("none",):
         raise ValueError(f"fxrec: fbgemm's CPU build has no fused {kind}; it runs on CUDA only")
-    location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
+    where = {"device": EmbeddingLocation.DEVICE, "managed": EmbeddingLocation.MANAGED,
+             "managed_caching": EmbeddingLocation.MANAGED_CACHING}
+    locations = [EmbeddingLocation.HOST if on_cpu else where[p] for p in placements]
     compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
     mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
     kinds = {"none": EmbOptimType.EXACT_SGD, "sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
@@ -93,16 +100,25 @@ def make_training_tbe(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(int(r), int(d), location, compute) for r, d in rows_dims],
+            [(int(r), int(d), loc, compute) for (r, d), loc in zip(rows_dims, locations)],
             feature_table_map=list(feature_table_map),
             optimizer=kinds[kind],
             **args,
             pooling_mode=mode,
+            cache_load_factor=float(cache_load_factor),
             device=device if not on_cpu else None,
             # fxrec validates ids itself, with messages that name the table and feature.
             bounds_check_mode=BoundsCheckMode.NONE,
         )
     return tbe
+
+
+def sync_cache(tbe, drop: bool) -> None:
+    """fbgemm's ``flush`` (cached rows written back to their unified memory) and, with ``drop``,
+    ``reset_cache_states`` (the cache emptied: the next lookups read the rows again)."""
+    tbe.flush()
+    if drop:
+        tbe.reset_cache_states()
 
 
 def tbe_step(tbe) -> int:
@@ -195,7 +211,8 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
         group.fused_unusable(f"fbgemm's fused {opt} runs on CUDA only and the tables are on {params[0].device}")
     tbe = make_training_tbe(
         [(t.num_rows, d) for t, d in zip(group.tables, tbe_dims(group))], [f.table for f in group.features],
-        group.pooling, params[0].device, fused,
+        group.pooling, params[0].device, fused, [t.placement for t in group.tables],
+        getattr(group, "cache_load_factor", 0.2),
     )
     views = tbe.split_embedding_weights()
     old = group._bound
@@ -356,44 +373,3 @@ def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets:
     require_fbgemm()
     torch.ops.fbgemm.bounds_check_indices(rows_per_feature, indices, offsets, BoundsCheckMode.WARNING.value,
                                           counter, psw)
-
-
-def dense_grads_by_kernel(group, grad_out: torch.Tensor, need) -> bool:
-    """Dense gradients of a pooled group bound to a TBE on CUDA, every table wanting one: fbgemm's
-    dense TBE backward (TorchRec's dense kernel; one launch for every table) instead of a gather
-    and an ``index_add_`` per table. Not for nn.Embedding padding rows (they get no gradient in
-    PyTorch; fbgemm would give them one) nor sparse tables (COO gradients)."""
-    return (
-        group.pooling != "none" and grad_out.device.type == "cuda" and grad_out.dtype == torch.float32
-        and all(need[t] and not spec.sparse for t, spec in enumerate(group.tables))
-        and not group.padded_rows and group._bound is not None
-        and tbe_flat_weights(group._bound.tbe).device == grad_out.device
-        and not torch.is_grad_enabled()  # backward(create_graph=True) needs differentiable PyTorch ops
-    )
-
-
-def dense_grads(group, grad_out: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-                psw: Optional[torch.Tensor]) -> List[torch.Tensor]:
-    """Per table, the dense ``[rows, dim]`` gradient of the group's pooled lookups on the packed
-    input, by fbgemm's dense TBE operator on the bound TBE's weights and layout: its forward is
-    run again here with autograd, and its backward gives the gradient of the whole flat buffer,
-    of which each table's is a view (its real columns)."""
-    tbe = group._bound.tbe
-    flat = tbe_flat_weights(tbe).detach().requires_grad_()  # the same storage, a leaf here
-    cols = real_columns_index(group.tables, group.features, tbe_dims(group))
-    if cols:  # the output had its padding columns dropped: they get a zero gradient
-        stored = grad_out.new_zeros(grad_out.shape[0], int(tbe.total_D))
-        stored[:, cols] = grad_out
-        grad_out = stored
-    with torch.enable_grad():
-        out = torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
-            dev_weights=flat, weights_offsets=tbe.weights_offsets, D_offsets=tbe.D_offsets, total_D=tbe.total_D,
-            max_D=tbe.max_D, hash_size_cumsum=tbe.hash_size_cumsum, total_hash_size_bits=tbe.total_hash_size_bits,
-            indices=indices, offsets=offsets, pooling_mode=tbe.pooling_mode,
-            indice_weights=None if psw is None else psw.detach(), feature_requires_grad=None)
-        (flat_grad,) = torch.autograd.grad(out, flat, grad_out)
-    grads = []
-    for t, view in zip(group.tables, tbe.split_embedding_weights()):
-        g = flat_grad.as_strided(view.shape, view.stride(), view.storage_offset() - flat.storage_offset())
-        grads.append(g if view.shape[1] == t.dim else g[:, : t.dim])
-    return grads

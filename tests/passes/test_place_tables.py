@@ -1,0 +1,206 @@
+"""place_tables: which tables leave GPU memory under ``hbm_budget=`` (decided for CUDA on any
+machine with fxrec.explain), and what it must leave alone. The GPU runs are in tests/test_gpu.py."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fxrec
+from fxrec.pass_infra import PassError
+
+MB = 10**6
+
+
+class ThreeTables(nn.Module):
+    """1M x 128, 200k x 64 and 1000 x 16 bags, built on the meta device (nothing allocated)."""
+
+    def __init__(self, wide_dim: int = 16):
+        super().__init__()
+        self.big = nn.EmbeddingBag(1_000_000, 128, mode="sum")
+        self.mid = nn.EmbeddingBag(200_000, 64, mode="sum")
+        self.small = nn.EmbeddingBag(1000, wide_dim, mode="sum")
+        self.top = nn.Linear(128 + 64 + wide_dim, 1)
+
+    def forward(self, a, b, c):
+        return self.top(torch.cat([self.big(a), self.mid(b), self.small(c)], 1))
+
+
+def meta_model(**kw):
+    with torch.device("meta"):
+        return ThreeTables(**kw)
+
+
+INPUTS = tuple(torch.randint(0, 1000, (8, 3)) for _ in range(3))
+
+
+def placements(report):
+    """table -> placement, read from the report's text for each group."""
+    out = {}
+    for g in report.groups:
+        for t in g.tables:
+            out[t] = "device"
+        if "(" in g.placement:
+            for part in g.placement.split("(", 1)[1].split(";")[0].rstrip(")").split(", "):
+                t, where = part.split(": ")
+                out[t] = where
+    return out
+
+
+def cache_hbm(rows, width, lf=0.2):
+    """fbgemm's cache for ``rows`` cached rows: sets of 32 rows at the widest width (fp32) with two
+    int64 states each, and an int32 per cached table row (its index map)."""
+    slots = math.ceil(int(rows * lf) / 32) * 32
+    return slots * (width * 4 + 16) + rows * 4
+
+
+def test_without_a_budget_every_table_stays_in_gpu_memory():
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1))
+    assert {g.placement for g in r.groups} == {"device"}
+    assert not any(p.startswith("place_tables") for p in r.passes)
+
+
+def test_a_budget_the_tables_fit_moves_nothing():
+    need = (1_000_000 * 128 + 200_000 * 64 + 1000 * 16) * 4
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), hbm_budget=need)
+    assert set(placements(r).values()) == {"device"}
+    assert "tables_in_unified_memory=0" in r.passes[-1]
+
+
+@pytest.mark.parametrize("budget_mb,moved", [(300, {"big"}), (150, {"big", "mid"})])
+def test_the_largest_tables_leave_gpu_memory_first_until_the_rest_fits(budget_mb, moved):
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1),
+                      hbm_budget=f"{budget_mb}MB")
+    got = placements(r)
+    assert {t for t, p in got.items() if p != "device"} == moved
+    assert all(got[t] == "managed_caching" for t in moved)  # fused into fbgemm: fbgemm alone writes the rows
+    # what that placement takes, written out: the tables left on the device plus the cache of the moved ones
+    device = {"big": 1_000_000 * 128, "mid": 200_000 * 64, "small": 1000 * 16}
+    rows = {"big": 1_000_000, "mid": 200_000}
+    need = sum(4 * n for t, n in device.items() if t not in moved) + cache_hbm(sum(rows[t] for t in moved), 128)
+    assert need <= budget_mb * MB
+    assert f"tables_in_unified_memory={len(moved)}" in r.passes[-1]
+
+
+def test_optimizer_states_count_against_the_budget():
+    """Adam keeps two moments a weight: with them the mid table no longer fits beside the cache."""
+    sgd = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), hbm_budget="250MB")
+    adam = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.LazyAdam(), hbm_budget="250MB")
+    assert placements(sgd)["mid"] == "device" and placements(adam)["mid"] == "managed_caching"
+
+
+def test_training_without_a_fused_optimizer_reads_unified_memory_without_a_cache():
+    """torch.optim writes the parameters themselves: a cache of their rows would go stale."""
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", hbm_budget="300MB")
+    assert placements(r)["big"] == "managed"
+    (g,) = r.groups
+    assert "managed" in g.placement and "HBM cache" not in g.placement
+
+
+def test_inference_caches_the_rows_it_moves():
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", mode="inference", hbm_budget="300MB")
+    assert placements(r)["big"] == "managed_caching"
+
+
+def test_a_small_table_that_would_cost_more_cached_stays_in_gpu_memory():
+    """Cached at its group's widest width (128), a 1000 x 16 table takes more HBM than it saves."""
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), hbm_budget="132MB")
+    got = placements(r)
+    assert got["small"] == "device" and got["big"] == got["mid"] == "managed_caching"
+
+
+def test_the_decision_is_the_same_every_time():
+    runs = [fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), hbm_budget="150MB")
+            for _ in range(2)]
+    assert [g.placement for g in runs[0].groups] == [g.placement for g in runs[1].groups]
+
+
+class BigAndWide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.EmbeddingBag(1_000_000, 128, mode="sum")
+        self.wide = nn.EmbeddingBag(20_000, 2100, mode="mean")  # its own group: another pooling
+
+    def forward(self, a, b):
+        return torch.cat([self.big(a), self.wide(b)], 1)
+
+
+def test_tables_only_pytorch_can_hold_stay_in_gpu_memory_and_count():
+    """dims over 2048 run on the reference kernel (PyTorch's lookups): no unified memory there,
+    and its 168 MB stay in the budget: 300 MB leaves too little for the big table on the device."""
+    with torch.device("meta"):
+        model = BigAndWide()
+    r = fxrec.explain(model, INPUTS[:2], device="cuda", mode="inference", hbm_budget="300MB")
+    got = placements(r)
+    assert got == {"big": "managed_caching", "wide": "device"}
+    assert [g.kernel_eval for g in r.groups] == ["fbgemm", "reference"]
+
+
+def test_quantized_tables_stay_in_gpu_memory():
+    model = ThreeTables()
+    r = fxrec.explain(model, INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="600MB")
+    assert set(placements(r).values()) == {"device"}
+
+
+def test_a_budget_no_placement_meets_is_an_error_with_the_bytes():
+    with pytest.raises(PassError, match=r"need 1\d\d MB of GPU memory.*hbm_budget=10 MB"):
+        fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), hbm_budget="10MB")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(hbm_budget="lots"), "hbm_budget"),
+    (dict(hbm_budget=-5), "hbm_budget"),
+    (dict(hbm_budget="1GB", cache_load_factor=0), "cache_load_factor"),
+    (dict(hbm_budget="1GB", cache_load_factor=1.5), "cache_load_factor"),
+    (dict(hbm_budget="1GB", cache_load_factor=True), "cache_load_factor"),
+])
+def test_bad_placement_arguments_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        fxrec.explain(meta_model(), INPUTS, device="cuda", **kw)
+
+
+def test_a_budget_with_a_plan_is_refused():
+    plan = fxrec.plan(tables=[fxrec.planner.TableSpec("t", 10, 4)], world_size=2, memory_per_rank="1GB")
+    with pytest.raises(ValueError, match="with a plan, the planner places the tables"):
+        fxrec.explain(meta_model(), INPUTS, device="cuda", plan=plan, hbm_budget="1GB")
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(50, 8, mode="sum")
+        self.b = nn.EmbeddingBag(30, 4, mode="mean")
+
+    def forward(self, x, y):
+        return torch.cat([self.a(x), self.b(y)], 1)
+
+
+def test_on_cpu_a_budget_changes_nothing():
+    model = Small()
+    x, y = torch.randint(0, 50, (6, 3)), torch.randint(0, 30, (6, 2))
+    fast = fxrec.transform(model, (x, y), hbm_budget=1, optimizer=fxrec.optim.SGD(lr=0.1))
+    assert {g.placement for g in fast.report.groups} == {"host"}
+    torch.testing.assert_close(fast(x, y), model(x, y))
+
+
+def test_a_group_told_to_cache_on_cuda_runs_from_host_memory_on_cpu_and_syncs_as_a_no_op():
+    """The runtime half on CPU: a table placed managed_caching is plain host memory there; the
+    sync points (state_dict, load_state_dict, deepcopy) run fbgemm's flush and reset on it."""
+    from fxrec.runtime.group import EmbeddingGroup
+    from fxrec.runtime.specs import FeatureSpec, FusedSpec, TableSpec
+
+    g = EmbeddingGroup([TableSpec("t", 10, 4, placement="managed_caching")], [FeatureSpec("f", 0, "bag")], "sum",
+                       "fbgemm", "fbgemm", fused=FusedSpec("sgd", 0.5))
+    w0 = torch.randn(10, 4)
+    w = nn.Parameter(w0.clone())
+    ids, offs = torch.tensor([1, 2, 2]), torch.tensor([0, 1])
+    g([ids], [offs], [None], [w]).sum().backward()
+    g.sync_cache(drop=True)
+    want = w0.clone()
+    want[1] -= 0.5
+    want[2] -= 1.0
+    torch.testing.assert_close(w.detach(), want)
+    twin = copy.deepcopy(g)
+    assert twin.tables[0].placement == "managed_caching"
