@@ -240,6 +240,35 @@ def test_a_training_step_and_a_quantized_call_never_wait_for_the_gpu():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_sum_bags_with_padding_ids_train_fused_without_waiting_for_the_gpu():
+    """Their padding ids go to the table's extra zero row (fbgemm_padding), not through a mask."""
+    from tests.test_padding_bags import PaddedBags, inputs as padded_inputs
+
+    torch.manual_seed(0)
+    model = PaddedBags().cuda()
+    ref = copy.deepcopy(model)
+    fast = fxrec.transform(model, cuda(padded_inputs(0)), optimizer=fxrec.optim.SGD(lr=0.1))
+    ref_opt = torch.optim.SGD([ref.a.weight, ref.b.weight, ref.c.weight], lr=0.1)
+    dense = torch.optim.SGD(ref.top.parameters(), lr=0.01)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.01)
+    for s in range(4):
+        x = cuda(padded_inputs(s + 1))
+        for o in (ref_opt, dense, opt):
+            o.zero_grad()
+        ref(*x).sin().sum().backward()
+        if s == 3:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            fast(*x).sin().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for o in (ref_opt, dense, opt):
+            o.step()
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_bad_ids_on_the_gpu_raise_the_named_error_at_the_next_call():
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS)), optimizer=fxrec.optim.SGD(lr=0.1))

@@ -145,8 +145,9 @@ class EmbeddingGroup(InputChecks, nn.Module):
         from .kernels.fbgemm import ensure_bound
 
         states = ensure_bound(self, params).split_optimizer_states()
-        # a padded table's element-wise state: the view of its real columns, as its weight
-        return [dict(zip(names, [s[:, : t.dim] if s.dim() == 2 and s.shape[1] != t.dim else s for s in per_table]))
+        # a padded table's element-wise state: the view of its real rows and columns, as its weight
+        # (its TBE may hold an extra row, fxrec.runtime.kernels.fbgemm_padding)
+        return [dict(zip(names, [s[: t.num_rows, : t.dim] if s.dim() == 2 else s[: t.num_rows] for s in per_table]))
                 for t, per_table in zip(self.tables, states)]
 
     def fused_step(self, params: Sequence[torch.Tensor]) -> Optional[int]:

@@ -29,8 +29,8 @@ NOT_PACKABLE = -1
 
 def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_list: List[Optional[Tensor]],
               where: List[str], forms: List[int], pads: List[int], ilos: List[bool], mean: bool,
-              any_weighted: bool, strict: bool, empty_means: bool, tracing: bool
-              ) -> Tuple[int, Tensor, Tensor, Optional[Tensor], List[int]]:
+              any_weighted: bool, strict: bool, empty_means: bool, tracing: bool,
+              keep_pads: Optional[List[bool]] = None) -> Tuple[int, Tensor, Tensor, Optional[Tensor], List[int]]:
     """``(batch, indices, offsets, per-sample weights, bounds)`` of a pooled group's inputs; feature
     ``f``'s ids are ``indices[bounds[f]:bounds[f + 1]]`` (known on the host: no value is read for them).
 
@@ -41,6 +41,8 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     answer would be NOT_PACKABLE because of the input's values (a fused optimizer or a quantized
     table has no PyTorch kernel to fall back to). ``tracing``: torch.export is tracing (no value
     may be read: checks become ``_assert_async`` ops). Offsets must be given for bags.
+    ``keep_pads[i]``: bag i keeps its padding ids in place (the caller sends them to a zero row,
+    :mod:`fxrec.runtime.kernels.fbgemm_padding`) instead of dropping them, which reads values.
     """
     starts: List[Tensor] = []  # per feature: where each of its B bags starts
     flat_ids: List[Tensor] = []
@@ -93,7 +95,9 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
                     flat = flat[: int(off[-1])]
                 else:
                     flat = flat[:0]
-                if pad >= 0:
+                if pad >= 0 and keep_pads is not None and keep_pads[i]:
+                    pass  # offsets past the ids: the packed offsets stop increasing, which the checks see
+                elif pad >= 0:
                     if not tracing and bool((off > flat.numel()).any()):
                         raise ValueError("fxrec: offsets of " + where[i] + " do not match its " + str(flat.numel())
                                          + " ids: offsets must start at 0, never decrease and end at most there")
@@ -174,10 +178,12 @@ def unpack_rows(out: Tensor, ids_list: List[Tensor], dims: List[int]) -> List[Te
 
 
 # ------------------------------------------------------------------ the eager group's entry points
-def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = False, strict: bool = False):
+def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = False, strict: bool = False,
+                keep_padding: bool = False):
     """:func:`pack_bags` for an eager group module: ``(indices, offsets, psw, batch)``, or None
     where the group runs PyTorch's own kernels instead (an empty batch included). Checks dtypes
-    and that bags have offsets first, naming the feature."""
+    and that bags have offsets first, naming the feature. ``keep_padding``: the bags whose
+    tables have a zero row in the group's TBE keep their padding ids (fbgemm_padding)."""
     for f, ids, off in zip(group.features, ids_list, offsets_list):
         if ids.dtype not in (torch.int64, torch.int32):
             group._check_ids(f, ids)  # raises, naming the feature
@@ -185,7 +191,8 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
             group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
     batch, indices, offsets, psw, bounds = pack_bags(
         ids_list, offsets_list, psw_list, group._where, group._forms, group._pads, group._ilos,
-        group.pooling == "mean", group._any_weighted, strict, empty_means, exporting())
+        group.pooling == "mean", group._any_weighted, strict, empty_means, exporting(),
+        _kept_pads(group) if keep_padding else None)
     if batch > 0 and reads_values(indices.device):
         # bags whose offsets do not start at 0 (where values may not be read, the device check counts them)
         firsts = [(i, offsets_list[i]) for i in group._bag_features if offsets_list[i].numel() > 0]
@@ -193,6 +200,13 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
             i, off = next((i, off) for i, off in firsts if int(off[0]) != 0)
             raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(off[0])))
     return None if batch <= 0 else (indices, offsets, psw, batch, bounds)
+
+
+def _kept_pads(group) -> List[bool]:
+    from .kernels.fbgemm_padding import zero_row_tables
+
+    extra = zero_row_tables(group)
+    return [f.form == "bag" and f.padding_idx is not None and extra[f.table] for f in group.features]
 
 
 def pack_sequence(group, ids_list):

@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .fbgemm_padding import keeps_padding, send_padding_to_zero_rows, zero_row_tables
 from ..specs import DIM_ALIGNMENT, STEPPED, FusedSpec, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
 
@@ -164,8 +165,9 @@ def operator_libraries() -> List[str]:
 class Bound:
     """fbgemm TBE whose flat weight buffer the group's parameters are views of."""
 
-    def __init__(self, tbe: nn.Module, ptrs: List[int], optimizer: str):
+    def __init__(self, tbe: nn.Module, ptrs: List[int], optimizer: str, zero_rows: List[torch.Tensor]):
         self.tbe, self.ptrs, self.optimizer = tbe, ptrs, optimizer
+        self.zero_rows = zero_rows  # the extra rows padding ids are sent to (zero_row_tables)
 
 
 def tbe_optimizer(group) -> str:
@@ -209,8 +211,10 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
     fused = group.fused if opt != "none" else None
     if opt in STEPPED and params[0].device.type != "cuda":
         group.fused_unusable(f"fbgemm's fused {opt} runs on CUDA only and the tables are on {params[0].device}")
+    extra = zero_row_tables(group)
     tbe = make_training_tbe(
-        [(t.num_rows, d) for t, d in zip(group.tables, tbe_dims(group))], [f.table for f in group.features],
+        [(t.num_rows + e, d) for t, e, d in zip(group.tables, extra, tbe_dims(group))],
+        [f.table for f in group.features],
         group.pooling, params[0].device, fused, [t.placement for t in group.tables],
         getattr(group, "cache_load_factor", 0.2),
     )
@@ -219,8 +223,13 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
     same = old is not None and fused is not None and old.optimizer == opt
     old_states = old.tbe.split_optimizer_states() if same else group._carry_states
     step = (tbe_step(old.tbe) if same else getattr(group, "_carry_step", 0)) if opt in STEPPED else None
+    zero_rows = []
     with torch.no_grad():
-        for t, p, v in zip(group.tables, params, views):
+        for t, p, v, e in zip(group.tables, params, views, extra):
+            if e:
+                zero_rows.append(v[t.num_rows:])
+                v[t.num_rows:].zero_()
+                v = v[: t.num_rows]
             if v.shape[1] != t.dim:
                 v[:, t.dim:].zero_()
                 v = v[:, : t.dim]
@@ -229,12 +238,13 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
         if fused and old_states:
             for new_t, old_t in zip(tbe.split_optimizer_states(), old_states):
                 for n, o in zip(new_t, old_t):
-                    n.copy_(o)
+                    rows = min(n.shape[0], o.shape[0])  # an extra zero row's state need not travel
+                    n[:rows].copy_(o[:rows])
         if step:
             set_tbe_step(tbe, step)
     group._carry_states = None
     group._carry_step = 0
-    group._bound = Bound(tbe, [p.data_ptr() for p in params], opt)
+    group._bound = Bound(tbe, [p.data_ptr() for p in params], opt, zero_rows)
     return group._bound
 
 
@@ -347,12 +357,19 @@ class FbgemmKernel(Kernel):
             return None
         fused = training and group.fused_active
         if group.pooling != "none":
-            packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=fused)
+            keep = keeps_padding(group, training)
+            packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=fused, keep_padding=keep)
             if packed is None:
                 return None
             indices, offsets, psw, batch, bounds = packed
             group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
-            return run_tbe(group, ensure_bound(group, params), (batch, bounds), indices, offsets, psw, params, training)
+            tbe = ensure_bound(group, params)
+            if keep:
+                indices, psw = send_padding_to_zero_rows(group, indices, psw, bounds)
+                if group._bound.optimizer != "none":  # a fused update may have moved them
+                    for z in group._bound.zero_rows:
+                        z.zero_()
+            return run_tbe(group, tbe, (batch, bounds), indices, offsets, psw, params, training)
         if max(ids.numel() for ids in ids_list) == 0:
             return None
         tbe = ensure_bound(group, params)

@@ -50,5 +50,5 @@ def dense_grads(group, grad_out: torch.Tensor, indices: torch.Tensor, offsets: t
     grads = []
     for t, view in zip(group.tables, tbe.split_embedding_weights()):
         g = flat_grad.as_strided(view.shape, view.stride(), view.storage_offset() - flat.storage_offset())
-        grads.append(g if view.shape[1] == t.dim else g[:, : t.dim])
+        grads.append(g[: t.num_rows, : t.dim])  # its real rows (a zero row may follow) and columns
     return grads

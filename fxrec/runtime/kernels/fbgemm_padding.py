@@ -1,0 +1,57 @@
+"""Bags with a ``padding_idx`` on fbgemm's TBE without a wait for the device.
+
+PyTorch leaves a bag's padding ids out of it. Dropping them from the packed input makes a tensor
+whose size depends on the ids' values, which on CUDA waits for the device on every call. For
+sum-pooled bags fxrec sends them instead to one extra row at the end of their table in the TBE,
+kept at zero: the bag sums the same rows, the table's own rows get no gradient from them, and a
+fused update of the extra row (an inf gradient makes it inf or NaN) is undone by zeroing it
+before the next call that reads it. The user's parameter is the view of the table's own rows.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+
+def zero_row_tables(group) -> List[bool]:
+    """Per table, whether its TBE rows end with one extra row kept at zero, where the padding ids
+    of its sum-pooled bags are sent (:func:`send_padding_to_zero_rows`): the bag then sums the
+    same rows as PyTorch's, which leaves those ids out, and fbgemm's fused update of that row
+    touches no row of the table. Dropping the ids instead makes a tensor of data-dependent size:
+    a wait for the device on every call. Not for tables cached in HBM (the row is zeroed in
+    their unified memory, under the cache) nor for mean bags (the ids would count in the mean)."""
+    known = group.__dict__.get("_zero_row_tables")
+    if known is not None:
+        return known
+    mine = [False] * len(group.tables)
+    if group.pooling == "sum":
+        for f in group.features:
+            if f.form == "bag" and f.padding_idx is not None and group.tables[f.table].placement != "managed_caching":
+                mine[f.table] = True
+    if hasattr(group, "_bound"):  # a group module (its specs never change), not a GroupSpec
+        group._zero_row_tables = mine
+    return mine
+
+
+def send_padding_to_zero_rows(group, indices: torch.Tensor, psw: Optional[torch.Tensor], bounds: List[int]):
+    """The packed input with every padding id of a bag of a :func:`zero_row_tables` table sent to
+    its table's zero row (its per-sample weight set to 0, so an inf or NaN weight stays out of
+    the sum, as PyTorch leaves it out); the other ids as they were. On the device, no value
+    read. ``indices`` was packed with those ids kept (``pack_pooled(..., keep_padding=True)``)."""
+    extra = zero_row_tables(group)
+    for i, f in enumerate(group.features):  # (in place: both are fresh tensors of the packing)
+        if f.form == "bag" and f.padding_idx is not None and extra[f.table]:
+            seg = indices[bounds[i]: bounds[i + 1]]
+            pad = seg == f.padding_idx
+            seg.masked_fill_(pad, group.tables[f.table].num_rows)
+            if psw is not None:
+                psw[bounds[i]: bounds[i + 1]].masked_fill_(pad, 0.0)
+    return indices, psw
+
+
+def keeps_padding(group, training: bool) -> bool:
+    """Whether this call sends padding ids to the zero rows instead of dropping them: fbgemm's
+    fused training and inference (fxrec's own backward reads the packed ids as table rows)."""
+    return any(zero_row_tables(group)) and (not training or group.fused_active)
