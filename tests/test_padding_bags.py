@@ -157,18 +157,44 @@ def test_fp32_inference_on_fbgemm_with_padding_ids_reads_no_value_and_matches_th
     torch.testing.assert_close(got, want)
 
 
-def test_training_without_a_fused_optimizer_still_drops_the_padding_ids():
-    """fxrec's own backward reads the packed ids as rows of the table: there they are dropped
-    (one wait on CUDA), and the gradients are PyTorch's."""
+@pytest.mark.parametrize("create_graph", [False, True], ids=["fxrec_kernel_grads", "pytorch_op_grads"])
+def test_training_with_pytorchs_gradients_sends_padding_ids_to_the_zero_row_and_gives_pytorchs_gradients(create_graph):
+    """fxrec's backward gives the zero row's id no gradient: the tables' and the sample weights'
+    gradients are PyTorch's (from fxrec's C++ kernel, or from PyTorch ops when the gradient must
+    itself be differentiable), and the step reads no value on the host."""
     torch.manual_seed(0)
     model = PaddedBags()
-    fast = fxrec.transform(model, inputs(0), backend="fbgemm")
+    fast = fxrec.transform(copy.deepcopy(model), inputs(0), backend="fbgemm")
+    x = list(inputs(4))
+    weights = []
+    for m in (model, fast):
+        w = x[4].clone().requires_grad_()
+        m(*x[:4], w, x[5]).sin().sum().backward(create_graph=create_graph)
+        weights.append(w)
+    for (n, a), (_, b) in zip(model.named_parameters(), fast.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=n)
+    torch.testing.assert_close(weights[1].grad, weights[0].grad)
+    assert not fast.a.weight.grad[3].any() and not fast.b.weight.grad[0].any()
+    with sync_free():
+        fast(*x).sum().backward()
+        with host_syncs() as syncs:
+            fast(*inputs(5)).sum().backward()
+    assert syncs.in_fxrec() == [], syncs.in_fxrec()
+
+
+def test_sparse_gradients_still_leave_the_padding_ids_out():
+    """PyTorch's sparse gradient of a bag has no entry for its padding ids (a lazy optimizer
+    would move a row with a zero entry): those tables drop them, as before (one wait on CUDA)."""
+    torch.manual_seed(0)
+    model = PaddedBags()
+    model.a.sparse = True
+    fast = fxrec.transform(copy.deepcopy(model), inputs(0), backend="fbgemm")
     x = inputs(4)
     model(*x).sin().sum().backward()
     fast(*x).sin().sum().backward()
-    for (n, a), (_, b) in zip(model.named_parameters(), fast.named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, msg=n)
-    assert not model.a.weight.grad[3].any() and not fast.a.weight.grad[3].any()
+    want, got = model.a.weight.grad.coalesce(), fast.a.weight.grad.coalesce()
+    assert torch.equal(got.indices(), want.indices()) and 3 not in got.indices()
+    torch.testing.assert_close(got.values(), want.values())
 
 
 def test_mean_bags_and_cached_tables_keep_dropping_padding_ids():

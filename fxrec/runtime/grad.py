@@ -30,7 +30,9 @@ class LookupWithGrads(torch.autograd.Function):
     ``forward()`` computes the output without autograd (for fbgemm's TBE: so its fused-update
     backward is never built); ``indices`` / ``offsets`` / ``psw`` are the packed input
     (:mod:`fxrec.runtime.packing`), which backward reads, and ``layout`` its bags per feature and
-    each feature's bounds in ``indices`` (host ints, so backward reads no value to slice them).
+    each feature's bounds in ``indices`` (host ints, so backward reads no value to slice them),
+    and optionally whether the padding ids of some bags were sent to their table's zero row
+    (:mod:`fxrec.runtime.kernels.fbgemm_padding`: id ``num_rows``, which gets no gradient).
     """
 
     @staticmethod
@@ -38,7 +40,8 @@ class LookupWithGrads(torch.autograd.Function):
         with torch.no_grad():
             out = forward()
         ctx.group = group
-        ctx.batch, ctx.bounds = layout
+        ctx.batch, ctx.bounds = layout[0], layout[1]
+        ctx.zero_row = len(layout) > 2 and bool(layout[2])
         if group.fused_active:  # a fused call here is the reference kernel's: this backward updates
             # backward updates these in place, so they are not saved (a second forward before
             # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
@@ -70,13 +73,16 @@ class LookupWithGrads(torch.autograd.Function):
             )
             inv = (1.0 / lengths.clamp(min=1).to(grad_out.dtype))[bag]
             scale = inv if scale is None else scale * inv
+        # per feature, the id that gets no gradient: nn.Embedding's padding row, or the zero row
+        # a bag's padding ids were sent to; -1 for none
+        skip = no_grad_ids(group, ctx.zero_row)
         for i, f in enumerate(group.features):
-            if f.padding_idx is not None and f.form != "bag":
+            if skip[i] >= 0:
                 if scale is None:
                     scale = torch.ones(n, dtype=grad_out.dtype, device=dev)
                 s, e = bounds[i], bounds[i + 1]
                 scale = scale.clone() if scale is psw else scale
-                scale[s:e] = scale[s:e] * (indices[s:e] != f.padding_idx)
+                scale[s:e] = scale[s:e] * (indices[s:e] != skip[i])
 
         # fxrec's own fused SGD: no gradient is made, the rows are updated below. The -lr factor
         # goes on grad_out ([B, sum of dims]) before the rows are gathered, unless the
@@ -115,19 +121,27 @@ class LookupWithGrads(torch.autograd.Function):
             if scale is None:
                 return piece(i)
             rows = piece(i) * scale[bounds[i] : bounds[i + 1]].unsqueeze(1)
-            f = group.features[i]
-            if f.padding_idx is not None and f.form != "bag":
+            if skip[i] >= 0:
                 # exactly zero for the padding row, even where grad_out holds inf or NaN
-                pad = indices[bounds[i] : bounds[i + 1]] == f.padding_idx
+                pad = indices[bounds[i] : bounds[i + 1]] == skip[i]
                 rows = rows.masked_fill(pad.unsqueeze(1), 0.0)
             return rows
+
+        def table_ids(i: int) -> torch.Tensor:
+            """Feature i's ids as rows of its table (a zero row's id, whose gradient rows are
+            zero, as row 0)."""
+            ids = indices[bounds[i] : bounds[i + 1]]
+            f = group.features[i]
+            return ids.masked_fill(ids == skip[i], 0) if skip[i] == group.tables[f.table].num_rows else ids
 
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[5]:
             parts = []
             for i, f in enumerate(group.features):
-                s, e = bounds[i], bounds[i + 1]
-                parts.append((params[f.table].detach()[indices[s:e]] * piece(i)).sum(1))
+                part = (params[f.table].detach()[table_ids(i)] * piece(i)).sum(1)
+                if ctx.zero_row and skip[i] >= 0:  # a bag's padding ids: no gradient, as PyTorch's
+                    part = part.masked_fill(indices[bounds[i] : bounds[i + 1]] == skip[i], 0.0)
+                parts.append(part)
             grad_psw = torch.cat(parts)
 
         # The fused SGD update comes after the per-sample-weight gradient, which reads the
@@ -135,7 +149,7 @@ class LookupWithGrads(torch.autograd.Function):
         grads: List[Optional[torch.Tensor]] = [None] * len(params)
         need = ctx.needs_input_grad[6:]
         if sgd_lr is None and native.dense_grads_by_kernel(group, grad_out, need):
-            grads = native.dense_grads(group, grad_out, indices, offsets, scale, bounds, batch)
+            grads = native.dense_grads(group, grad_out, indices, offsets, scale, bounds, batch, skip)
         elif fused is None and fbgemm_dense.dense_grads_by_kernel(group, grad_out, need):
             grads = fbgemm_dense.dense_grads(group, grad_out, indices, offsets, psw)
         for t, (spec, p) in enumerate(zip(group.tables, params)):
@@ -143,10 +157,10 @@ class LookupWithGrads(torch.autograd.Function):
                 continue
             mine = group._features_of_table[t]
             if len(mine) == 1:  # one feature: no copy (the rows may be a view of grad_out)
-                ids_t = indices[bounds[mine[0]] : bounds[mine[0] + 1]]
+                ids_t = table_ids(mine[0])
                 rows_t = rows_of(mine[0])
             else:
-                ids_t = torch.cat([indices[bounds[i] : bounds[i + 1]] for i in mine])
+                ids_t = torch.cat([table_ids(i) for i in mine])
                 rows_t = torch.cat([rows_of(i) for i in mine])
             if sgd_lr is not None:
                 with torch.no_grad():
@@ -165,6 +179,24 @@ class LookupWithGrads(torch.autograd.Function):
                     spec.num_rows, spec.dim, dtype=p.dtype, device=p.device
                 ).index_add_(0, ids_t, rows_t)
         return (None, None, None, None, None, grad_psw, *grads)
+
+
+def no_grad_ids(group, zero_row: bool) -> List[int]:
+    """Per feature, the id its lookups give no gradient: nn.Embedding's padding row, or (when
+    ``zero_row``: this call's bags sent their padding ids to their table's zero row) that row,
+    ``num_rows``; -1 for none. (Bags that dropped their padding ids have none left.)"""
+    from .kernels.fbgemm_padding import zero_row_tables
+
+    extra = zero_row_tables(group) if zero_row else [False] * len(group.tables)
+    out = []
+    for f in group.features:
+        if f.padding_idx is not None and f.form != "bag":
+            out.append(int(f.padding_idx))
+        elif f.padding_idx is not None and extra[f.table]:
+            out.append(group.tables[f.table].num_rows)
+        else:
+            out.append(-1)
+    return out
 
 
 def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, fused) -> None:

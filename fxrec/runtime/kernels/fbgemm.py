@@ -369,7 +369,7 @@ class FbgemmKernel(Kernel):
                 if group._bound.optimizer != "none":  # a fused update may have moved them
                     for z in group._bound.zero_rows:
                         z.zero_()
-            return run_tbe(group, tbe, (batch, bounds), indices, offsets, psw, params, training)
+            return run_tbe(group, tbe, (batch, bounds, keep), indices, offsets, psw, params, training)
         if max(ids.numel() for ids in ids_list) == 0:
             return None
         tbe = ensure_bound(group, params)

@@ -21,7 +21,7 @@ def zero_row_tables(group) -> List[bool]:
     same rows as PyTorch's, which leaves those ids out, and fbgemm's fused update of that row
     touches no row of the table. Dropping the ids instead makes a tensor of data-dependent size:
     a wait for the device on every call. Not for tables cached in HBM (the row is zeroed in
-    their unified memory, under the cache) nor for mean bags (the ids would count in the mean)."""
+    their unified memory, under the cache) nor mean bags (the ids would count in the mean)."""
     known = group.__dict__.get("_zero_row_tables")
     if known is not None:
         return known
@@ -52,6 +52,12 @@ def send_padding_to_zero_rows(group, indices: torch.Tensor, psw: Optional[torch.
 
 
 def keeps_padding(group, training: bool) -> bool:
-    """Whether this call sends padding ids to the zero rows instead of dropping them: fbgemm's
-    fused training and inference (fxrec's own backward reads the packed ids as table rows)."""
-    return any(zero_row_tables(group)) and (not training or group.fused_active)
+    """Whether this fbgemm call of the group sends padding ids to zero rows instead of dropping
+    them: in inference, fused training, and training with PyTorch's gradients (fxrec's backward
+    then gives the zero row's id no gradient: grad.no_grad_ids) unless a table with a zero row
+    gets sparse gradients (PyTorch's leave the padding ids out of the sparse tensor altogether,
+    which a lazy optimizer can tell from a zero entry)."""
+    extra = zero_row_tables(group)
+    if not any(extra):
+        return False
+    return not training or group.fused_active or not any(t.sparse for t, e in zip(group.tables, extra) if e)

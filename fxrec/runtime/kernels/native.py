@@ -251,20 +251,21 @@ def dense_grads_by_kernel(group, grad_out: torch.Tensor, need) -> bool:
     )
 
 
-def dense_grads(group, grad_out, indices, offsets, scale, bounds, batch) -> List[torch.Tensor]:
+def dense_grads(group, grad_out, indices, offsets, scale, bounds, batch, skip) -> List[torch.Tensor]:
     """``zeros + sum of gradient rows`` per table, by fxrec's update kernel with lr = -1 on the
     packed input: each feature's slice of the ids, its bags, and the per-index scale (sample
-    weight, 1/len for mean). The padding row of ``nn.Embedding`` is skipped (no gradient);
-    bags had theirs removed when packed."""
+    weight, 1/len for mean). ``skip``: per feature the id that gets no gradient (the padding row
+    of ``nn.Embedding``, or the zero row a bag's padding ids were sent to), -1 for none; other
+    bags had their padding ids removed when packed."""
     grads = [torch.zeros(t.num_rows, t.dim, dtype=grad_out.dtype) for t in group.tables]
     nf = len(group.features)
     ids = [indices[bounds[i] : bounds[i + 1]] for i in range(nf)]
     offs = [offsets[i * batch : (i + 1) * batch] - bounds[i] for i in range(nf)]
     psw = [None if scale is None else scale[bounds[i] : bounds[i + 1]] for i in range(nf)]
-    pad = [-1 if f.padding_idx is None or f.form == "bag" else int(f.padding_idx) for f in group.features]
     zeros = [0] * nf
+    # form 0 ("bag"): the kernel skips the given id in a bag, before it checks its range
     ops().sgd_update(grads, grad_out.contiguous(), -1.0, [1] * len(grads), [f.table for f in group.features],
-                             ids, offs, psw, zeros, pad, zeros, 0)
+                             ids, offs, psw, zeros, list(skip), zeros, 0)
     return grads
 
 
