@@ -137,11 +137,12 @@ def transform(
         tables stay fp32). A model built on
         the ``meta`` device needs a plan: each rank allocates only what it holds, initialised by
         the modules' own ``reset_parameters()`` (:mod:`fxrec.materialize`).
-      hbm_budget: CUDA: the GPU memory the embedding tables (and their fused optimizer states)
-        may take, in bytes or as ``"40GB"``. Tables beyond it go to unified memory (host RAM the
-        GPU reads over the bus), largest first, with an HBM cache of ``cache_load_factor`` of
-        their rows where fbgemm alone writes them (fused optimizers, inference); the report says
-        where each table is (docs/gpu.md). None (default): every table in GPU memory.
+      hbm_budget: CUDA: the GPU memory the embedding tables (with their fused optimizer states, or
+        their dense gradients when training has no fused optimizer) may take, in bytes or as
+        ``"40GB"``. The largest tables beyond it that fbgemm alone reads and writes (inference,
+        fused optimizers) go to unified memory (host RAM the GPU reads over the bus) with an HBM
+        cache of ``cache_load_factor`` of their rows; the report says where each table is
+        (docs/gpu.md). None (default): every table in GPU memory.
       cache_load_factor: with ``hbm_budget``: the HBM cache of the cached tables, as a share of
         their rows (fbgemm's ``cache_load_factor``, default 0.2).
 

@@ -668,10 +668,10 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         planner = _planners()[2](flatten_state_dict=False, allow_partial_load=not strict)
         staged = _load_staged(read, keys, path, planner, no_dist=True, process_group=None)
-    _copy_back(model, state, staged)
     from .graph_module import sync_caches
 
-    sync_caches(model, drop=True)  # tables fbgemm caches in GPU memory: the cache holds the old rows
+    sync_caches(model, drop=True)  # tables fbgemm caches in GPU memory: empty the cache before the write
+    _copy_back(model, state, staged)
     if opt_load is not None:
         opt_load.apply(staged)
 

@@ -37,6 +37,9 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
     args = example_inputs if isinstance(example_inputs, tuple) else tuple(example_inputs) \
         if isinstance(example_inputs, list) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
+    from .graph_module import sync_caches
+
+    sync_caches(model)  # the exported program holds the parameters: with the cached rows written back
     with torch.no_grad():
         ep = export_dynamic(model, args, kwargs)
     if path is not None:

@@ -14,8 +14,9 @@ checks cannot be traced symbolically). :class:`TransformedModule`:
   metadata that holds fake tensors becomes meta-device tensors of the example sizes);
 * ``make_optimizer(...)`` is :func:`fxrec.make_optimizer` on this model;
 * tables fbgemm caches in GPU memory (``hbm_budget=``, placement ``managed_caching``): their cached
-  rows are written back before ``state_dict()``, a copy or a pickle reads the parameters, and the
-  cache is emptied after ``load_state_dict()`` writes them (:func:`sync_caches`).
+  rows are written back before ``state_dict()``, a copy, a pickle or ``.to()`` reads the
+  parameters, and written back and emptied before ``load_state_dict()`` (also one called on a
+  module that holds this one) writes them (:func:`sync_caches`).
 """
 
 from __future__ import annotations
@@ -48,11 +49,16 @@ class TransformedModule(fx.GraphModule):
         sync_caches(self)
         return super().state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        sync_caches(self)  # rows the load leaves alone keep their cached updates
-        out = super().load_state_dict(state_dict, strict=strict, assign=assign)
+    def _load_from_state_dict(self, *args, **kwargs):
+        # load_state_dict (this module's or a parent's) reaches this module before its children,
+        # whose parameters it writes: empty the caches first (their updates written back), so
+        # nothing cached is older than what is loaded
         sync_caches(self, drop=True)
-        return out
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        sync_caches(self, drop=True)  # .to() / .cuda() / .half() copy the parameters
+        return super()._apply(fn, *args, **kwargs)
 
     def __deepcopy__(self, memo):
         sync_caches(self)
@@ -72,8 +78,9 @@ class TransformedModule(fx.GraphModule):
 
 def sync_caches(module: torch.nn.Module, drop: bool = False) -> None:
     """Write the HBM caches of every group of ``module`` back to its tables' parameters (and,
-    with ``drop``, empty them: after the parameters were written by something else). Nothing
-    for groups without cached tables. Call it before reading a cached table's parameter directly."""
+    with ``drop``, then empty them). Nothing for groups without cached tables. Call it before
+    reading a cached table's parameter directly, and with ``drop=True`` before writing one (a
+    write back afterwards would put the cached rows over what was written)."""
     for m in module.modules():
         sync = getattr(m, "sync_cache", None)
         if callable(sync) and m is not module:

@@ -1,24 +1,27 @@
 """place_tables: on CUDA with ``hbm_budget=``, decide which tables live in GPU memory (HBM) and
 which in unified memory (host RAM the GPU reads over the bus), so that the tables fit the budget.
 
-The rule (no measurement): every table starts on the device. While the tables' HBM bytes
-(:func:`hbm_bytes`) exceed the budget, the next largest table that an fbgemm TBE holds (fp32
-groups on the fbgemm kernel; ties by name) moves to unified memory, unless that saves no HBM (a
-small table cached at its group's widest width):
+What is counted (:func:`hbm_bytes`), per table in HBM: its fp32 rows at their stored width (or
+its quantized rows as fbgemm packs them for CUDA), its fused optimizer's states, and in training
+without a fused optimizer its dense gradient (a table with sparse gradients: none). A table in
+unified memory costs its share of its group's HBM cache (``cache_load_factor`` of the cached
+rows, in sets of 32 rows at the group's widest cached width, two int64 states a cache row and an
+int32 a table row: fbgemm's) and a row-wise optimizer state, which fbgemm keeps in HBM. Not
+counted: torch.optim's own states, activations, per-batch workspaces.
 
-* ``managed_caching`` where only fbgemm's kernel writes its rows between the points where fxrec
-  writes its HBM cache back (a group trained with an optimizer fused into fbgemm's backward, or
-  one served in inference): its rows in unified memory, a cache of ``cache_load_factor`` of them
-  in HBM (fbgemm's LRU cache);
-* ``managed`` otherwise (training with PyTorch's gradients, whose torch.optim step writes the
-  parameters themselves: a cache would go stale): the rows read from unified memory directly.
+The rule (no measurement): every table starts in HBM. While the count exceeds the budget, the
+next largest table that may move (ties by name) goes to unified memory as ``managed_caching``
+(rows in unified memory, an LRU cache of them in HBM), unless that saves no HBM (a small table
+cached at its group's widest width). A table may move where fbgemm's kernel alone reads and
+writes its rows: an fp32 group on the fbgemm kernel in inference, or in training with an
+optimizer fused into fbgemm's backward (for training and inference). Training with PyTorch's
+gradients keeps its tables in HBM: their gradients and torch.optim's states are table-sized in
+HBM wherever the rows live. If the budget is not met, that is an error giving the bytes needed.
 
-If the budget is not met with every such table moved, that is an error giving the bytes needed.
 Before/After: the graph is unchanged; each GroupRecord gets ``placements`` (param -> placement)
 and ``cache_load_factor``, and its decision's ``placement`` says where its tables are.
 
-Not handled: quantized groups (IntNBit) and groups on other kernels stay in HBM and count
-against the budget; with a sharding plan the planner places the tables (``hbm_budget`` is refused).
+Not handled: with a sharding plan the planner places the tables (``hbm_budget`` is refused).
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ CACHE_WAYS = 32
 STATE_BYTES = {None: (0, 0), "sgd": (0, 0), "adagrad": (4, 0), "rowwise_adagrad": (0, 4), "adam": (8, 0)}
 
 
-def table_bytes(rows: int, width: int, fused) -> int:
-    """HBM bytes of an fp32 table held on the device, and its fused optimizer's states."""
+def table_bytes(rows: int, width: int, fused, gradient: bool = False) -> int:
+    """HBM bytes of an fp32 table held on the device, its fused optimizer's states and (``gradient``)
+    a dense gradient of it."""
     a, b = STATE_BYTES[fused.kind if fused is not None else None]
-    return rows * (width * (4 + a) + b)
+    return rows * (width * (4 + a + (4 if gradient else 0)) + b)
 
 
 def cache_bytes(caching: List[Tuple[int, int]], load_factor: float) -> int:
@@ -58,20 +62,33 @@ def cache_bytes(caching: List[Tuple[int, int]], load_factor: float) -> int:
     return slots * (max(w for _, w in caching) * 4 + 16) + rows * 4
 
 
-def hbm_bytes(groups, placements: Dict[str, str], load_factor: float) -> int:
+def hbm_bytes(groups, placements: Dict[str, str], load_factor: float, training: bool) -> int:
     """The HBM the groups' tables take with ``placements`` (param -> placement; absent: device)."""
     total = 0
     for gr in groups:
         caching = []
+        quant = _quantized_bytes(gr) if gr.quant else {}
         for p, rec in _tables(gr):
-            where = placements.get(p, "device")
             width = pad_dim(rec.dim)
-            if where == "device":
-                total += table_bytes(rec.num_rows, width, gr.fused)
-            elif where == "managed_caching":
+            if p in quant:
+                total += quant[p]
+            elif placements.get(p, "device") == "device":
+                grad = training and gr.fused is None and not rec.sparse
+                total += table_bytes(rec.num_rows, width, gr.fused, grad)
+            else:  # managed_caching: a row-wise state stays in HBM
                 caching.append((rec.num_rows, width))
+                total += rec.num_rows * STATE_BYTES[gr.fused.kind if gr.fused is not None else None][1]
         total += cache_bytes(caching, load_factor)
     return total
+
+
+def _quantized_bytes(gr) -> Dict[str, int]:
+    """Quantized tables' bytes as fbgemm's IntNBit packs them for CUDA (16-byte rows)."""
+    from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
+
+    tables = _tables(gr)
+    sizes = packed_bytes([(rec.num_rows, rec.dim, gr.quant[p]) for p, rec in tables], row_alignment("cuda"))
+    return {p: n for (p, _), n in zip(tables, sizes)}
 
 
 def _tables(gr):
@@ -81,12 +98,13 @@ def _tables(gr):
     return list(seen.items())
 
 
-def _movable(gr, training: bool) -> str:
-    """Where a table of ``gr`` goes when it leaves HBM: "" (it cannot), managed or managed_caching."""
-    kernel = gr.kernel_train if training else gr.kernel_eval
-    if not gr.lower or gr.quant or kernel != FBGEMM or any(r.dtype.replace("torch.", "") not in ("", "float32") for r in gr.lookups):
-        return ""
-    return "managed_caching" if (gr.fused is not None or not training) else "managed"
+def _movable(gr, training: bool) -> bool:
+    """Whether the tables of ``gr`` may leave HBM: fbgemm's kernel alone reads and writes them."""
+    if not gr.lower or gr.quant or any(r.dtype.replace("torch.", "") not in ("", "float32") for r in gr.lookups):
+        return False
+    if training:
+        return gr.fused is not None and gr.kernel_train == FBGEMM and gr.kernel_eval == FBGEMM
+    return gr.kernel_eval == FBGEMM
 
 
 def _fmt(n: int) -> str:
@@ -105,21 +123,23 @@ def place_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     placements: Dict[str, str] = {}
     candidates = sorted(((gr, p, rec) for gr in groups if _movable(gr, training) for p, rec in _tables(gr)),
                         key=lambda c: (-table_bytes(c[2].num_rows, pad_dim(c[2].dim), c[0].fused), c[2].table))
-    need = hbm_bytes(groups, placements, lf)
+    need = hbm_bytes(groups, placements, lf, training)
     for gr, p, rec in candidates:
         if need <= budget:
             break
-        placements[p] = _movable(gr, training)
-        moved = hbm_bytes(groups, placements, lf)
+        placements[p] = "managed_caching"
+        moved = hbm_bytes(groups, placements, lf, training)
         if moved < need:
             need = moved
         else:  # a small table cached at its group's widest width can cost more than it saves
             del placements[p]
     if need > budget:
         raise ValueError(
-            f"fxrec: the embedding tables need {_fmt(need)} of GPU memory even with every table fbgemm holds that "
-            f"saves memory there in unified memory (cache_load_factor={lf}), more than hbm_budget={_fmt(budget)}: "
-            "raise the budget, lower cache_load_factor, or shard the tables over GPUs with a plan")
+            f"fxrec: the embedding tables need {_fmt(need)} of GPU memory (weights, fused optimizer states, and "
+            f"dense gradients where training has no fused optimizer) with every table that may leave it, and saves "
+            f"memory doing so, in unified memory (cache_load_factor={lf}), more than hbm_budget={_fmt(budget)}: "
+            "raise the budget, lower cache_load_factor, fuse the optimizer (optimizer=), or shard the tables over "
+            "GPUs with a plan")
     moved = 0
     for gr in groups:
         gr.placements = {p: placements[p] for p, _ in _tables(gr) if p in placements}
@@ -133,4 +153,5 @@ def place_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         gr.decision = dataclasses.replace(gr.decision, placement=text)
         for r in gr.lookups:
             r.node.meta[meta.DECISION] = gr.decision
-    return PassResult(gm, False, {"hbm_budget": _fmt(budget), "tables_hbm": _fmt(need), "tables_in_unified_memory": moved})
+    return PassResult(gm, False, {"hbm_budget": _fmt(budget), "tables_hbm": _fmt(need), "tables_hbm_bytes": need,
+                                  "tables_in_unified_memory": moved})

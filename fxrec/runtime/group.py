@@ -222,14 +222,19 @@ class EmbeddingGroup(InputChecks, nn.Module):
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
         if out is None:  # an input the chosen kernel does not take: PyTorch's own answer (and update)
-            self.sync_cache(drop=True)  # it reads (and updates) the parameters themselves
+            if any(t.placement == "managed_caching" for t in self.tables) and any(i.numel() for i in ids_list):
+                raise ValueError(
+                    f"fxrec: tables {[t.name for t in self.tables if t.placement == 'managed_caching']} are cached in GPU "
+                    "memory by fbgemm's kernel, which cannot take this call (features with different batch sizes, "
+                    "or include_last_offset mean bags with ids after offsets[-1]); PyTorch's lookups would read "
+                    "and update them behind the cache")
             out = kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training)
         return out
 
     def sync_cache(self, drop: bool = False) -> None:
         """Tables placed ``managed_caching`` on CUDA: fbgemm keeps their freshest rows in its HBM
         cache (a fused update writes there), so their parameters (the unified-memory rows) are
-        current only after this writes the cache back; ``drop`` also empties it, for after the
+        current only after this writes the cache back; ``drop`` then empties it, for before the
         parameters are written by anything but the kernel. Nothing for other groups."""
         if self._bound is not None and any(t.placement == "managed_caching" for t in self.tables):
             from .kernels.fbgemm import sync_cache

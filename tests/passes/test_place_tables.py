@@ -69,6 +69,11 @@ def test_a_budget_the_tables_fit_moves_nothing():
     assert "tables_in_unified_memory=0" in r.passes[-1]
 
 
+def hbm_of(report) -> int:
+    (stats,) = [p for p in report.passes if p.startswith("place_tables")]
+    return int(stats.split("tables_hbm_bytes=")[1].split(",")[0].rstrip(")"))
+
+
 @pytest.mark.parametrize("budget_mb,moved", [(300, {"big"}), (150, {"big", "mid"})])
 def test_the_largest_tables_leave_gpu_memory_first_until_the_rest_fits(budget_mb, moved):
     r = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1),
@@ -80,8 +85,23 @@ def test_the_largest_tables_leave_gpu_memory_first_until_the_rest_fits(budget_mb
     device = {"big": 1_000_000 * 128, "mid": 200_000 * 64, "small": 1000 * 16}
     rows = {"big": 1_000_000, "mid": 200_000}
     need = sum(4 * n for t, n in device.items() if t not in moved) + cache_hbm(sum(rows[t] for t in moved), 128)
-    assert need <= budget_mb * MB
+    assert hbm_of(r) == need <= budget_mb * MB
     assert f"tables_in_unified_memory={len(moved)}" in r.passes[-1]
+
+
+def test_a_row_wise_state_stays_in_gpu_memory_when_its_table_leaves():
+    """fbgemm keeps row-wise optimizer states in HBM wherever the rows are."""
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.RowWiseAdagrad(), hbm_budget="150MB")
+    assert {t for t, p in placements(r).items() if p != "device"} == {"big", "mid"}
+    want = 1000 * (16 * 4 + 4) + cache_hbm(1_200_000, 128) + 1_200_000 * 4
+    assert hbm_of(r) == want
+
+
+def test_quantized_tables_count_as_fbgemm_packs_them_for_cuda():
+    """int8 rows: dim + 4 bytes of scale and bias, rounded up to 16 bytes (1M x 144 + 200k x 80 + 1000 x 32)."""
+    r = fxrec.explain(ThreeTables(), INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="200MB")
+    assert set(placements(r).values()) == {"device"}
+    assert hbm_of(r) == 1_000_000 * 144 + 200_000 * 80 + 1000 * 32
 
 
 def test_optimizer_states_count_against_the_budget():
@@ -91,12 +111,14 @@ def test_optimizer_states_count_against_the_budget():
     assert placements(sgd)["mid"] == "device" and placements(adam)["mid"] == "managed_caching"
 
 
-def test_training_without_a_fused_optimizer_reads_unified_memory_without_a_cache():
-    """torch.optim writes the parameters themselves: a cache of their rows would go stale."""
-    r = fxrec.explain(meta_model(), INPUTS, device="cuda", hbm_budget="300MB")
-    assert placements(r)["big"] == "managed"
-    (g,) = r.groups
-    assert "managed" in g.placement and "HBM cache" not in g.placement
+def test_training_with_pytorchs_gradients_keeps_its_tables_and_counts_their_gradients():
+    """torch.optim's update writes the parameters and their gradients are table-sized in HBM
+    wherever the rows live: such tables stay, and a budget they do not fit is an error."""
+    weights = (1_000_000 * 128 + 200_000 * 64 + 1000 * 16) * 4
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", hbm_budget=2 * weights)
+    assert set(placements(r).values()) == {"device"} and hbm_of(r) == 2 * weights
+    with pytest.raises(PassError, match="dense gradients where training has no fused optimizer"):
+        fxrec.explain(meta_model(), INPUTS, device="cuda", hbm_budget="300MB")
 
 
 def test_inference_caches_the_rows_it_moves():
@@ -104,11 +126,27 @@ def test_inference_caches_the_rows_it_moves():
     assert placements(r)["big"] == "managed_caching"
 
 
-def test_a_small_table_that_would_cost_more_cached_stays_in_gpu_memory():
-    """Cached at its group's widest width (128), a 1000 x 16 table takes more HBM than it saves."""
-    r = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), hbm_budget="132MB")
-    got = placements(r)
-    assert got["small"] == "device" and got["big"] == got["mid"] == "managed_caching"
+class SkipModel(nn.Module):
+    """``x`` (2000 x 16) shares a group with a 1M x 128 table, ``y`` (1000 x 32, as many bytes) is
+    alone in a mean group: cached, x would cost more than it saves (the group's cache rows are 128
+    wide), y less."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = nn.EmbeddingBag(1_000_000, 128, mode="sum")
+        self.x = nn.EmbeddingBag(2000, 16, mode="sum")
+        self.y = nn.EmbeddingBag(1000, 32, mode="mean")
+
+    def forward(self, a, b, c):
+        return torch.cat([self.big(a), self.x(b), self.y(c)], 1)
+
+
+def test_a_table_that_would_cost_more_cached_stays_and_the_next_one_moves():
+    with torch.device("meta"):
+        model = SkipModel()
+    r = fxrec.explain(model, INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), hbm_budget=109_800_000)
+    assert placements(r) == {"big": "managed_caching", "x": "device", "y": "managed_caching"}
+    assert hbm_of(r) == cache_hbm(1_000_000, 128) + 2000 * 16 * 4 + cache_hbm(1000, 32)
 
 
 def test_the_decision_is_the_same_every_time():
@@ -136,12 +174,6 @@ def test_tables_only_pytorch_can_hold_stay_in_gpu_memory_and_count():
     got = placements(r)
     assert got == {"big": "managed_caching", "wide": "device"}
     assert [g.kernel_eval for g in r.groups] == ["fbgemm", "reference"]
-
-
-def test_quantized_tables_stay_in_gpu_memory():
-    model = ThreeTables()
-    r = fxrec.explain(model, INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="600MB")
-    assert set(placements(r).values()) == {"device"}
 
 
 def test_a_budget_no_placement_meets_is_an_error_with_the_bytes():
