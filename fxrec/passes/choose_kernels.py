@@ -146,7 +146,7 @@ def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) ->
         from ..runtime.kernels.fbgemm import tbe_dims
 
         stored = tbe_dims(spec)
-        col_bytes = [8.0 if gr.fused is not None and gr.fused.kind == "adagrad" else 4.0] * len(stored)
+        col_bytes = [{"adagrad": 8.0, "adam": 12.0}.get(gr.fused.kind if gr.fused is not None else "", 4.0)] * len(stored)
     else:
         return ()
     return tuple((t.name, t.dim, w, int(t.num_rows * (w - t.dim) * b))

@@ -137,7 +137,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                         if key not in saved:
                             raise KeyError(f"fxrec: optimizer state '{key}' is missing from the checkpoint")
                         v.copy_(saved[key])
-        self.set_fused_steps(state_dict.get("fused_step", {}))
+        self.set_fused_steps(state_dict.get("fused_step", {}), only_given=True)
         for g in self.fused_groups:
             if g["fxrec_fused"] in state_dict.get("fused_lr", {}):
                 g["lr"] = state_dict["fused_lr"][g["fxrec_fused"]]

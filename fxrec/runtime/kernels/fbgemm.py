@@ -115,8 +115,7 @@ def make_training_tbe(
 
 
 def sync_cache(tbe, drop: bool) -> None:
-    """fbgemm's ``flush`` (cached rows written back to their unified memory) and, with ``drop``,
-    ``reset_cache_states`` (the cache emptied: the next lookups read the rows again)."""
+    """fbgemm's ``flush`` (cached rows written back) and, with ``drop``, ``reset_cache_states``."""
     tbe.flush()
     if drop:
         tbe.reset_cache_states()
@@ -284,6 +283,17 @@ def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):
         return real_columns(group, tbe(indices, offsets, per_sample_weights=psw))
 
     def forward():
+        if group._bound is not None and group._bound.optimizer in STEPPED:
+            # fbgemm counts a fused Adam's step at every forward: a call with no update keeps the count
+            step, host = tbe.iter.clone(), tbe.iter_cpu.clone()
+            try:
+                return plain_forward()
+            finally:
+                tbe.iter.copy_(step)
+                tbe.iter_cpu = host
+        return plain_forward()
+
+    def plain_forward():
         if torch.is_inference_mode_enabled():
             # fbgemm's training TBE registers its CPU forward behind autograd only, which
             # inference mode (and its tensors) skip: outside it, on ordinary copies of the
