@@ -189,15 +189,7 @@ class LazyAdamTorch(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 t = int(state["step"].item())
-                g = p.grad
-                if g.is_sparse and g.sparse_dim() != 1:  # not an embedding's (row-sparse) gradient
-                    g = g.to_dense()
-                if g.is_sparse:
-                    g = g.coalesce()
-                    rows, vals = g.indices()[0], g.values()
-                else:
-                    rows = torch.nonzero(g.abs().sum(1)).squeeze(1)
-                    vals = g[rows]
+                rows, vals = gradient_rows(p.grad)
                 m = state["exp_avg"][rows].mul_(b1).add_(vals, alpha=1 - b1)
                 v = state["exp_avg_sq"][rows].mul_(b2).addcmul_(vals, vals, value=1 - b2)
                 w = p[rows]
@@ -208,6 +200,18 @@ class LazyAdamTorch(torch.optim.Optimizer):
                 state["exp_avg_sq"].index_copy_(0, rows, v)
                 p.index_copy_(0, rows, w.sub_(upd, alpha=lr))
         return loss
+
+
+def gradient_rows(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rows, their gradient rows) of a table's gradient: a row-sparse gradient's rows after
+    coalescing (each row's lookups summed), or a dense gradient's rows that are not all zero."""
+    if g.is_sparse and g.sparse_dim() != 1:  # not an embedding's (row-sparse) gradient
+        g = g.to_dense()
+    if g.is_sparse:
+        g = g.coalesce()
+        return g.indices()[0], g.values()
+    rows = torch.nonzero(g.abs().sum(1)).squeeze(1)
+    return rows, g[rows]
 
 
 class RowWiseAdagradTorch(torch.optim.Optimizer):
@@ -226,13 +230,7 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
                 state = self.state[p]
                 if "sum" not in state:
                     state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
-                g = p.grad
-                if g.is_sparse:
-                    g = g.coalesce()
-                    rows, vals = g.indices()[0], g.values()
-                else:
-                    rows = torch.nonzero(g.abs().sum(1)).squeeze(1)
-                    vals = g[rows]
+                rows, vals = gradient_rows(p.grad)
                 s = state["sum"]
                 s.index_add_(0, rows, vals.pow(2).mean(1))
                 p.index_add_(0, rows, -group["lr"] * vals / (s[rows].sqrt() + group["eps"]).unsqueeze(1))

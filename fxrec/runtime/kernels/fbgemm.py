@@ -76,11 +76,9 @@ def make_training_tbe(
 
     ``fused=None``: the module is used for its forward kernel only (fxrec computes PyTorch's
     gradients itself), so fbgemm gets exact SGD with learning rate zero, which never runs.
-    Otherwise the update fbgemm fuses into its backward: ``sgd``, ``adagrad``,
-    ``rowwise_adagrad`` (CPU and CUDA) or ``adam`` (fbgemm's CUDA build only), with the spec's
-    learning rate, eps, betas and weight decay. ``placements``: per table, where its rows live on
-    CUDA (:data:`fxrec.runtime.specs.PLACEMENTS`; default all ``device``), with an HBM cache of
-    ``cache_load_factor`` of the ``managed_caching`` tables' rows; on CPU every table is host memory.
+    Otherwise the update fbgemm fuses into its backward (``adam`` on CUDA only), with the spec's
+    arguments. ``placements``: per table, where its rows live on CUDA (specs.PLACEMENTS; default
+    ``device``), with an HBM cache of ``cache_load_factor`` of the cached rows; on CPU, host memory.
     """
     require_fbgemm()
     on_cpu = device.type == "cpu"
@@ -122,7 +120,7 @@ def sync_cache(tbe, drop: bool) -> None:
 
 
 def tbe_step(tbe) -> int:
-    """A fused Adam's step count: fbgemm's ``iter``, one per training forward (reads a device value)."""
+    """A fused Adam's step count: fbgemm's ``iter`` (reads a device value)."""
     return int(tbe.iter.item())
 
 
@@ -282,9 +280,8 @@ def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):
             )
         return real_columns(group, tbe(indices, offsets, per_sample_weights=psw))
 
-    def forward():
+    def forward():  # fbgemm counts a fused Adam's step at every forward: a call with no update keeps it
         if group._bound is not None and group._bound.optimizer in STEPPED:
-            # fbgemm counts a fused Adam's step at every forward: a call with no update keeps the count
             step, host = tbe.iter.clone(), tbe.iter_cpu.clone()
             try:
                 return plain_forward()
