@@ -27,9 +27,14 @@ table lives on rank 3 only" or place column pieces at arbitrary offsets). Pieces
 ranks hold identically (data-parallel tables, dense parameters) are written once (DCP dedups).
 The states of fused embedding optimizers (Adagrad's, row-wise Adagrad's) are part of them, as
 entries ``<table fqn>.fxrec_fused.<state>``: Adagrad's shaped and cut like its table, row-wise
-Adagrad's as a ``[rows, 1]`` column cut by the table's rows, so they reshard with the weights.
-They are optional both ways: a checkpoint without them loads into a fused model (its states are
-left as they are), and one with them loads into a model without (they are skipped).
+Adagrad's as a ``[rows, 1]`` column cut by the table's rows, so they reshard with the weights;
+a fused Adam's step count (one per group) as ``<table fqn>.fxrec_fused.step`` for each of the
+group's tables, whole (the ranks that hold parts of a table must agree on it when saving, and the
+tables of one group on loading). They are optional both ways: a checkpoint without them loads
+into a fused model (its states are left as they are), and one with them loads into a model
+without (they are skipped); a checkpoint with another fused optimizer's states for a table (say
+Adagrad's ``sum`` where the model's Adam needs ``exp_avg``, ``exp_avg_sq`` and ``step``) is an
+error naming the table (``strict=False`` leaves that table's states as they are).
 
 The optimizer that ``opt.step()`` runs (``fast.make_optimizer(...)``: the dense optimizer and the
 torch.optim fallbacks of tables fxrec does not fuse; or any torch.optim optimizer) is saved with
@@ -71,6 +76,8 @@ __all__ = ["save", "load", "save_model", "load_into_model", "verify", "add_check
 LAYOUT_KEY = "fxrec_shard_layout"
 #: Marks a fused optimizer's state entry: ``<table fqn>.fxrec_fused.<state name>``.
 FUSED_TAG = ".fxrec_fused."
+#: A fused optimizer's step count (fbgemm's Adam): ``<table fqn>.fxrec_fused.step``, int64 ``[1]``.
+STEP_STATE = "step"
 #: Marks a state entry of the optimizer given as ``optimizer=``: ``<param fqn>.fxrec_optim.<state name>``.
 OPTIM_TAG = ".fxrec_optim."
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -338,19 +345,65 @@ def _fused_states(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     entry name (see the module doc): Adagrad's ``[rows, dim]``, row-wise Adagrad's ``[rows, 1]``.
     Call it before taking views of the parameters: a group not yet bound to its TBE binds here,
     and its parameters' storage moves."""
-    meta = getattr(module, "meta", None)
     out: Dict[str, torch.Tensor] = {}
-    if not isinstance(meta, dict):
-        return out
-    for name, fqns in meta.get("fxrec_fused_groups", []):
-        group = module.get_submodule(name)
-        if group.fused is None or group.fused.kind == "sgd":
-            continue
-        params = [module.get_parameter(f) for f in fqns]
+    for group, fqns, params in _fused_groups(module):
         for fqn, states in zip(fqns, group.optimizer_states(params)):
             for state, t in states.items():
                 out[f"{fqn}{FUSED_TAG}{state}"] = t if t.dim() == 2 else t.unsqueeze(1)
     return out
+
+
+def _fused_groups(module: torch.nn.Module):
+    """(group module, its tables' fqns, their parameters) of each group with a fused optimizer."""
+    meta = getattr(module, "meta", None)
+    for name, fqns in (meta.get("fxrec_fused_groups", []) if isinstance(meta, dict) else []):
+        group = module.get_submodule(name)
+        if group.fused is not None:
+            yield group, fqns, [module.get_parameter(f) for f in fqns]
+
+
+def _fused_steps(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The step entries of the groups whose fused optimizer counts steps (reads the device)."""
+    out = {}
+    for group, fqns, params in _fused_groups(module):
+        step = group.fused_step(params)
+        if step is not None:
+            out.update({f"{fqn}{FUSED_TAG}{STEP_STATE}": torch.tensor([step], dtype=torch.int64) for fqn in fqns})
+    return out
+
+
+def _steps_to_set(module: torch.nn.Module, staged: Dict[str, object]) -> list:
+    """(group, params, step) for each stepped group whose tables' entries were read, to give to
+    :func:`_set_steps`; CheckpointError when the tables of one group disagree."""
+    todo = []
+    for group, fqns, params in _fused_groups(module):
+        got = {f: int(staged[k][0]) for f in fqns for k in [f"{f}{FUSED_TAG}{STEP_STATE}"]
+               if isinstance(staged.get(k), torch.Tensor)}
+        if len(set(got.values())) > 1:
+            raise CheckpointError(f"fxrec.checkpoint: tables {sorted(got)} share one fused optimizer step count here, "
+                                  f"but the checkpoint has the steps {got}; nothing was loaded")
+        if got:
+            todo.append((group, params, next(iter(got.values()))))
+    return todo
+
+
+def _set_steps(todo: list) -> None:
+    for group, params, step in todo:
+        group.set_fused_step(params, step)
+
+
+def _agreed_steps(steps: Dict[str, torch.Tensor], process_group) -> None:
+    """Collective: CheckpointError on every rank when two ranks hold different steps for a table."""
+    gathered: List[Optional[dict]] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, {k: int(v[0]) for k, v in steps.items()}, group=process_group)
+    seen: Dict[str, Tuple[int, int]] = {}
+    for rank, mine in enumerate(gathered):
+        for k, v in sorted(mine.items()):
+            if k in seen and seen[k][1] != v:
+                raise CheckpointError(
+                    f"fxrec.checkpoint.save: ranks {seen[k][0]} and {rank} hold the fused optimizer step counts "
+                    f"{seen[k][1]} and {v} for table '{k.split(FUSED_TAG)[0]}'; nothing was written")
+            seen.setdefault(k, (rank, v))
 
 
 def _state_cut(fqn: str, layout: dict, per_row: bool):
@@ -455,11 +508,32 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
         extra = sorted(k for k in set(md) - set(expected) if not _is_optimizer_entry(k))
         if extra:
             problems.append(f"the checkpoint has entries the model does not: {extra} (strict=False ignores them)")
+    other = _other_fused_states(expected, md)
+    if strict:
+        problems += [f"table '{fqn}' has the fused optimizer states {there} in the checkpoint, another optimizer's than "
+                     f"the model's fused one, which keeps {here} (strict=False leaves them as they are)"
+                     for fqn, (there, here) in other.items()]
     problems += list(optimizer_problems)
     if problems:
         what = "the model and its optimizer" if optimizer_problems else "the model"
         raise CheckpointError(f"fxrec.checkpoint: {path!s} does not fit {what}: " + "; ".join(problems))
-    return set(md)
+    return {k for k in md if FUSED_TAG not in k or k.split(FUSED_TAG)[0] not in other}
+
+
+def _other_fused_states(expected, md) -> Dict[str, Tuple[List[str], List[str]]]:
+    """Tables whose fused states here and in the checkpoint are both there but not the same set
+    (another fused optimizer saved them): fqn -> (the checkpoint's state names, the model's)."""
+    def names(keys):
+        out: Dict[str, set] = {}
+        for k in keys:
+            if FUSED_TAG in k:
+                fqn, state = k.split(FUSED_TAG, 1)
+                out.setdefault(fqn, set()).add(state)
+        return out
+
+    here, there = names(expected), names(md)
+    return {fqn: (sorted(there[fqn]), sorted(states)) for fqn, states in here.items()
+            if fqn in there and there[fqn] != states}
 
 
 def _is_optimizer_entry(key: str) -> bool:
@@ -509,7 +583,9 @@ def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimiz
         return save_model(fast, path, optimizer=optimizer)  # an unsharded model in a single process
     state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
-    whole = {**_whole_state(fast, layout), **whole_states}
+    steps = _fused_steps(fast)
+    _agreed_steps(steps, process_group)
+    whole = {**_whole_state(fast, layout), **whole_states, **steps}
     saved = None
     if optimizer is not None:  # collective: the ranks' parts gathered, the same on every rank
         from . import checkpoint_optim
@@ -567,7 +643,7 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
         return load_into_model(fast, path, strict=strict, optimizer=optimizer)
     state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
-    whole = {**_whole_state(fast, layout), **whole_states}
+    whole = {**_whole_state(fast, layout), **whole_states, **_fused_steps(fast)}
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     _agree(lambda: verify(path, part=(rank, world)), process_group)  # each rank hashes its share
     def fits():
@@ -590,6 +666,11 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
         read = {**whole, **opt_load.whole}
         keys = keys | set(opt_load.whole)
     staged = _load_staged(read, keys, path, _planners()[1](staged_pieces), no_dist=False, process_group=process_group)
+    steps = []
+    _agree(lambda: steps.extend(_steps_to_set(fast, staged)), process_group,
+           other="another rank found the checkpoint's fused optimizer steps disagree (its error says where); "
+                 "nothing was loaded")
+    _set_steps(steps)
     with torch.no_grad():  # every rank read everything: now the model changes
         for k, (_, views) in pieces.items():
             for (_, _, view), (_, _, new) in zip(views, staged_pieces[k][1]):
@@ -622,7 +703,7 @@ def save_model(model: torch.nn.Module, path, *, optimizer: Optional[torch.optim.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         dcp = _dcp()
-        states = _fused_states(model)  # first: it may bind the tables to their TBE (new storage)
+        states = {**_fused_states(model), **_fused_steps(model)}  # first: it may bind the tables to their TBE
         saved = None
         if optimizer is not None:
             from . import checkpoint_optim
@@ -656,7 +737,7 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.load_into_model: the model is sharded (transformed with plan=): "
                            "use fxrec.checkpoint.load on every rank")
-    states = _fused_states(model)  # first: it may bind the tables to their TBE (new storage)
+    states = {**_fused_states(model), **_fused_steps(model)}  # first: it may bind the tables to their TBE
     state = {**model.state_dict(), **states}
     verify(path)
     keys, opt_load = _fits(model, optimizer, path, _expected(state, {}), _table_names(model, {}), {}, strict)
@@ -670,6 +751,7 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
         staged = _load_staged(read, keys, path, planner, no_dist=True, process_group=None)
     from .graph_module import sync_caches
 
+    _set_steps(_steps_to_set(model, staged))  # first: the steps may not fit
     sync_caches(model, drop=True)  # tables fbgemm caches in GPU memory: empty the cache before the write
     _copy_back(model, state, staged)
     if opt_load is not None:

@@ -194,11 +194,8 @@ def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
                         if fqn in layout:  # kept once for a table the ranks hold parts of
                             out.agreed[entry] = t
                 out.records[fqn] = rec
-    steps = optimizer.fused_steps() if isinstance(optimizer, CombinedOptimizer) else {}
-    for group in fused:  # their states are the tables' fxrec_fused entries (and a fused Adam's step count)
+    for group in fused:  # their states (and a fused Adam's step count) are the tables' fxrec_fused entries
         hps = {"lr": _encode(group["lr"])}
-        if group["fxrec_fused"] in steps:
-            hps["step"] = steps[group["fxrec_fused"]]
         for fqn in group["tables"]:
             out.records[fqn] = {"group": hps, "states": {}, "values": {}, "fused": True}
     return out
@@ -298,7 +295,6 @@ class Load:
     cut_tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
     targets: List[_Target] = field(default_factory=list)
     fused_lr: List[Tuple[dict, object]] = field(default_factory=list)
-    fused_step: Dict[str, int] = field(default_factory=dict)  # fused group name -> step count (Adam)
 
     def pieces(self, module: torch.nn.Module):
         return _pieces_of(module, self.cut, self.cut_tensors)
@@ -330,7 +326,6 @@ class Load:
             for group, lr in self.fused_lr:
                 group["lr"] = lr
             self.optimizer._sync_fused_lr()
-            self.optimizer.set_fused_steps(self.fused_step, only_given=True)
 
 
 def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, strict: bool,
@@ -414,8 +409,6 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
         lr = _group_hyperparameters(hps, strict, problems)
         if lr and "lr" in lr:
             out.fused_lr.append((g, lr["lr"]))
-        if lr and "step" in lr:
-            out.fused_step[g["fxrec_fused"]] = int(lr["step"])
     if missing and strict:
         problems.append(f"the checkpoint has no optimizer state for parameters {sorted(missing)} (strict=False "
                         "leaves theirs as it is)")

@@ -114,6 +114,9 @@ class Adam(EmbeddingOptimizer):
     weight_decay: float = 0.0
     amsgrad: bool = False
 
+    def __post_init__(self):
+        _betas_tuple(self, "Adam")
+
     def fused_unsupported_reason(self) -> str:
         return ("torch.optim.Adam updates every row at every step, fbgemm's Adam only the rows in the batch "
                 "(fxrec.optim.LazyAdam fuses that on CUDA)")
@@ -150,7 +153,7 @@ class LazyAdam(EmbeddingOptimizer):
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        b1, b2 = self.betas
+        b1, b2 = _betas_tuple(self, "LazyAdam")
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"fxrec: LazyAdam betas must be in [0, 1), got {self.betas}")
         if self.eps < 0 or self.weight_decay < 0 or self.lr < 0:
@@ -235,6 +238,17 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
                 s.index_add_(0, rows, vals.pow(2).mean(1))
                 p.index_add_(0, rows, -group["lr"] * vals / (s[rows].sqrt() + group["eps"]).unsqueeze(1))
         return loss
+
+
+def _betas_tuple(opt, name: str) -> Tuple[float, float]:
+    """``betas`` as a tuple of two floats (a list, as torch.optim takes, would make the frozen
+    configuration unhashable)."""
+    try:
+        b1, b2 = (float(b) for b in opt.betas)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"fxrec: {name} betas must be two numbers, got {opt.betas!r}") from e
+    object.__setattr__(opt, "betas", (b1, b2))
+    return b1, b2
 
 
 OptimizerSpec = Union[EmbeddingOptimizer, Dict[str, EmbeddingOptimizer], None]

@@ -81,16 +81,20 @@ def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.01])
-def test_fused_lazy_adam_matches_the_written_out_update_and_resumes_exactly(wd):
+def test_fused_lazy_adam_matches_the_written_out_update_and_resumes_exactly(wd, tmp_path):
+    """None of lr, betas, eps is fbgemm's default, so one fxrec did not pass would show. Resumed
+    four ways: a deepcopy, state_dicts, an fxrec checkpoint without optimizer= (the step count is
+    a fused entry), and a trip to the CPU and back (the Adam states wait on the group there)."""
     from tests.test_lazy_adam import LazyAdamReference
 
-    cfg = fxrec.optim.LazyAdam(lr=0.01, weight_decay=wd)
+    hps = dict(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
+    cfg = fxrec.optim.LazyAdam(**hps)
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=cfg)
     assert all(g.fused is not None and g.fused.kind == "adam" and g.kernel_train == "fbgemm" for g in groups(fast))
     ref = copy.deepcopy(model)
     tables = set(fast.meta["fxrec_table_optimizers"])
-    ref_opts = [LazyAdamReference([p for n, p in ref.named_parameters() if n in tables], lr=0.01, weight_decay=wd),
+    ref_opts = [LazyAdamReference([p for n, p in ref.named_parameters() if n in tables], **hps),
                 torch.optim.SGD([p for n, p in ref.named_parameters() if n not in tables], lr=0.01)]
     opt = fast.make_optimizer(torch.optim.SGD, lr=0.01)
 
@@ -113,13 +117,23 @@ def test_fused_lazy_adam_matches_the_written_out_update_and_resumes_exactly(wd):
     resumed_opt = resumed.make_optimizer(torch.optim.SGD, lr=0.01)
     resumed.load_state_dict(saved["model"])
     resumed_opt.load_state_dict(saved["opt"])
+    fxrec.checkpoint.save_model(fast, tmp_path / "ck")
+    from_ckpt = fxrec.transform(M.BagList(rows=ROWS).cuda(), cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=cfg)
+    fxrec.checkpoint.load_into_model(from_ckpt, tmp_path / "ck")
+    from_ckpt_opt = from_ckpt.make_optimizer(torch.optim.SGD, lr=0.01)  # plain SGD: no state of its own
+    travelled = copy.deepcopy(fast).cpu()
+    with torch.no_grad():
+        travelled(*M.bag_inputs(rows=ROWS, seed=0))  # binds a forward-only TBE; the Adam states wait
+    travelled = travelled.cuda()
+    travelled_opt = travelled.make_optimizer(torch.optim.SGD, lr=0.01)
     for s in range(5, 10):
         step(ref, ref_opts, s + 1)
-        for m, o in ((fast, opt), (twin, twin_opt), (resumed, resumed_opt)):
+        for m, o in ((fast, opt), (twin, twin_opt), (resumed, resumed_opt), (from_ckpt, from_ckpt_opt),
+                     (travelled, travelled_opt)):
             step(m, [o], s + 1)
     for (n, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)
-    for other in (twin, resumed):
+    for other in (twin, resumed, from_ckpt, travelled):
         for (n, a), (_, b) in zip(fast.state_dict().items(), other.state_dict().items()):
             assert torch.equal(a, b), n
 

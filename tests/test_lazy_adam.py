@@ -1,6 +1,7 @@
 """fxrec.optim.LazyAdam: fbgemm's Adam (fused on CUDA only), its torch.optim form on CPU, and the
 decisions fxrec makes for it. The fused CUDA path is in tests/test_gpu.py."""
 
+import copy
 import inspect
 
 import pytest
@@ -226,3 +227,213 @@ def test_the_planner_sizes_lazy_adam_state_as_two_moments_a_weight():
 
     assert optimizer_kind(LazyAdam()) == "adam"
     assert optimizer_state_bytes("adam", 100, 16) == 100 * 16 * 8
+
+
+def test_betas_given_as_a_list_are_a_tuple_and_the_optimizer_stays_hashable():
+    cfg = LazyAdam(betas=[0.8, 0.95])
+    assert cfg.betas == (0.8, 0.95) and hash(cfg) == hash(LazyAdam(betas=(0.8, 0.95)))
+    assert fxrec.optim.Adam(betas=[0.5, 0.6]).betas == (0.5, 0.6)
+    with pytest.raises(ValueError, match="LazyAdam betas must be two numbers"):
+        LazyAdam(betas=(0.9,))
+
+
+# ------------------------------------------------- a LazyAdam model made on a GPU, then on the CPU
+# No GPU here: the kernels are decided as on CUDA (what transform decides for tables on a GPU),
+# and the model then runs on the CPU, where fbgemm has no Adam: as one trained on a GPU and
+# moved to the CPU to be evaluated or saved.
+@pytest.fixture
+def decided_for_cuda(monkeypatch):
+    from fxrec.passes import choose_kernels
+
+    monkeypatch.setattr(choose_kernels, "target_device", lambda ctx, tables_device: "cuda")
+
+
+def _made_for_cuda(cfg=LazyAdam(lr=0.01), rows=ROWS, **kw):
+    fast = fxrec.transform(M.BagList(rows=rows, **kw), M.bag_inputs(rows=rows), optimizer=cfg)
+    assert all((g.fused, g.kernel_train) == ("adam", "fbgemm") for g in fast.report.groups)
+    return fast
+
+
+def _adam_groups(fast):
+    from fxrec.runtime.group import EmbeddingGroup
+
+    out = []
+    for name, fqns in fast.meta["fxrec_fused_groups"]:
+        g = fast.get_submodule(name)
+        assert isinstance(g, EmbeddingGroup)
+        out.append((g, [fast.get_parameter(f) for f in fqns]))
+    return out
+
+
+def _fill_states(fast, step, seed):
+    """Distinct Adam moments and ``step`` in every group (as training on the GPU would leave)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for g, params in _adam_groups(fast):
+            for states in g.optimizer_states(params):
+                for t in states.values():
+                    t.copy_(torch.rand(t.shape, generator=gen))
+            g.set_fused_step(params, step)
+
+
+def _states(fast):
+    return [(g.fused_step(p), [{k: v.clone() for k, v in s.items()} for s in g.optimizer_states(p)])
+            for g, p in _adam_groups(fast)]
+
+
+def _assert_same_states(a, b):
+    assert len(a) == len(b)
+    for (step_a, tables_a), (step_b, tables_b) in zip(a, b):
+        assert step_a == step_b
+        for sa, sb in zip(tables_a, tables_b):
+            assert sa.keys() == sb.keys() == {"exp_avg", "exp_avg_sq"}
+            for k in sa:
+                assert torch.equal(sa[k], sb[k]), k
+
+
+def test_a_lazy_adam_model_on_the_cpu_serves_keeps_its_states_and_refuses_to_train(decided_for_cuda):
+    fast = _made_for_cuda()
+    plain = M.BagList(rows=ROWS)
+    plain.load_state_dict(fast.state_dict())
+    x = M.bag_inputs(rows=ROWS, seed=3)
+    with torch.no_grad():
+        assert torch.equal(fast(*x), plain(*x))
+    for (g, params), t in zip(_adam_groups(fast), [ROWS]):
+        assert g.fused_step(params) == 0
+        for s, rows in zip(g.optimizer_states(params), t):  # zeros of the table's shape until a GPU fills them
+            assert {k: tuple(v.shape) for k, v in s.items()} == {"exp_avg": (rows, 8), "exp_avg_sq": (rows, 8)}
+            assert all(not v.any() for v in s.values())
+    _fill_states(fast, 7, seed=0)
+    before = _states(fast)
+    twin = copy.deepcopy(fast)
+    _assert_same_states(_states(twin), before)
+    with pytest.raises(RuntimeError, match=r"tables \[.*\] train with a fused optimizer, but fbgemm's fused adam runs on "
+                                           r"CUDA only, not cpu"):
+        fast(*x).sum().backward()
+    _assert_same_states(_states(fast), before)
+
+
+def test_a_checkpoint_without_optimizer_carries_the_fused_adam_step(decided_for_cuda, tmp_path):
+    a = _made_for_cuda()
+    _fill_states(a, 7, seed=0)
+    fxrec.checkpoint.save_model(a, tmp_path / "ck")  # no optimizer=: the step is a fused entry of each table
+    from fxrec.checkpoint import _read_metadata
+
+    md = _read_metadata(str(tmp_path / "ck")).state_dict_metadata
+    steps = sorted(k for k in md if k.endswith(".fxrec_fused.step"))
+    assert steps == [f"bags.{i}.weight.fxrec_fused.step" for i in range(3)]
+    b = _made_for_cuda()
+    fxrec.checkpoint.load_into_model(b, tmp_path / "ck")
+    _assert_same_states(_states(b), _states(a))
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k
+
+
+def test_fused_states_of_another_optimizer_in_a_checkpoint_are_refused_by_table(decided_for_cuda, tmp_path):
+    """Adagrad's ``sum`` cannot stand for Adam's moments, nor Adam's for Adagrad's ``sum``: an error naming
+    the table, not a load that leaves the states as they were without a word."""
+    adagrad = fxrec.transform(M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.Adagrad(lr=0.1))
+    opt = adagrad.make_optimizer(torch.optim.SGD, lr=0.1)
+    adagrad(*M.bag_inputs(rows=ROWS, seed=1)).sum().backward()
+    opt.step()
+    fxrec.checkpoint.save_model(adagrad, tmp_path / "adagrad")
+    adam = _made_for_cuda()
+    _fill_states(adam, 3, seed=1)
+    before = _states(adam)
+    with pytest.raises(fxrec.checkpoint.CheckpointError,
+                       match=r"table 'bags.0.weight' has the fused optimizer states \['sum'\] in the checkpoint, another "
+                             r"optimizer's than the model's fused one, which keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        fxrec.checkpoint.load_into_model(adam, tmp_path / "adagrad")
+    _assert_same_states(_states(adam), before)
+    fxrec.checkpoint.load_into_model(adam, tmp_path / "adagrad", strict=False)  # the weights; the states stay
+    _assert_same_states(_states(adam), before)
+    assert torch.equal(adam.state_dict()["bags.0.weight"], adagrad.state_dict()["bags.0.weight"])
+    fxrec.checkpoint.save_model(adam, tmp_path / "adam")
+    with pytest.raises(fxrec.checkpoint.CheckpointError, match=r"table 'bags.0.weight' has the fused optimizer states "
+                                                               r"\['exp_avg', 'exp_avg_sq', 'step'\] in the checkpoint"):
+        fxrec.checkpoint.load_into_model(adagrad, tmp_path / "adam")
+
+
+class SumAndMean(torch.nn.Module):
+    """Two bags looked up by two groups (sum, mean) or, with ``mode="sum"`` for both, by one."""
+
+    def __init__(self, second="mean"):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(20, 8, mode="sum")
+        self.b = torch.nn.EmbeddingBag(30, 8, mode=second)
+
+    def forward(self, x, y):
+        return self.a(x) + self.b(y)
+
+
+def test_tables_of_one_group_with_different_steps_in_the_checkpoint_are_an_error(decided_for_cuda, tmp_path):
+    x = (torch.randint(0, 20, (4, 3)), torch.randint(0, 30, (4, 2)))
+    two = fxrec.transform(SumAndMean(), x, optimizer=LazyAdam())
+    (ga, pa), (gb, pb) = _adam_groups(two)
+    ga.set_fused_step(pa, 4)
+    gb.set_fused_step(pb, 5)
+    fxrec.checkpoint.save_model(two, tmp_path / "ck")
+    one = fxrec.transform(SumAndMean("sum"), x, optimizer=LazyAdam())
+    ((g, p),) = _adam_groups(one)
+    with pytest.raises(fxrec.checkpoint.CheckpointError, match=r"tables \['a.weight', 'b.weight'\] share one fused "
+                                                               r"optimizer step count here, but the checkpoint has "
+                                                               r"the steps \{'a.weight': 4, 'b.weight': 5\}"):
+        fxrec.checkpoint.load_into_model(one, tmp_path / "ck")
+    assert g.fused_step(p) == 0
+
+
+def test_a_step_with_no_ids_counts_as_fbgemm_counts_one():
+    """fbgemm's Adam forward adds one to ``iter`` (and its host copy, taken from ``iter`` while 0);
+    a step that never reaches it (no ids for the group) must count the same, so the ranks agree."""
+    from fxrec.runtime.kernels.fbgemm import make_training_tbe
+    from fxrec.runtime.kernels.fbgemm_states import count_tbe_step, set_tbe_step
+
+    tbe = make_training_tbe([(10, 4)], [0], "sum", torch.device("cpu"))
+    tbe.iter.fill_(5)  # loaded; the host copy still 0
+    count_tbe_step(tbe)
+    assert (int(tbe.iter), int(tbe.iter_cpu)) == (6, 6)
+    set_tbe_step(tbe, 2)
+    count_tbe_step(tbe)
+    assert (int(tbe.iter), int(tbe.iter_cpu)) == (3, 3)
+
+
+def _sharded_steps(rank, world, root):
+    """World 2, Adam decided as on CUDA (see decided_for_cuda): each rank's groups keep the step; a
+    checkpoint carries it to another plan, and ranks that disagree on a table's step cannot save."""
+    import os
+
+    from fxrec.passes import choose_kernels
+    from tests import test_checkpoint as C
+
+    choose_kernels.target_device = lambda ctx, tables_device: "cuda"  # this worker process only
+
+    def made(plan, seed):
+        torch.manual_seed(seed)
+        model = C.Model()
+        example = C.local_batch(C.global_batch(C.LOCAL_B * world, 0), rank, C.LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=plan)
+        return fxrec.transform(model, example, plan=plan, optimizer={"bags.*": LazyAdam(lr=0.01)})
+
+    a = made(C.PLAN_A, 0)
+    assert _adam_groups(a)
+    for g, p in _adam_groups(a):
+        g.set_fused_step(p, 6)
+    fxrec.checkpoint.save(a, os.path.join(root, "a"))
+    b = made(C.PLAN_B, 1)
+    fxrec.checkpoint.load(b, os.path.join(root, "a"))
+    steps = {t.name: g.fused_step(p) for g, p in _adam_groups(b) for t in g.tables}
+    # bags.2 was data-parallel under plan A (torch.optim, no fused step saved): its step stays as it was
+    assert steps == ({"bags.0": 6, "bags.2": 0} if rank == 0 else {"bags.1": 6, "bags.2": 0}), steps
+    if rank == 1:
+        for g, p in _adam_groups(a):
+            g.set_fused_step(p, 7)
+    with pytest.raises(fxrec.checkpoint.CheckpointError, match=r"ranks 0 and 1 hold the fused optimizer step counts 6 "
+                                                               r"and 7 for table 'bags.1.weight'; nothing was written"):
+        fxrec.checkpoint.save(a, os.path.join(root, "b"))
+    assert not os.path.exists(os.path.join(root, "b"))
+
+
+def test_sharded_checkpoints_carry_the_fused_adam_step_and_ranks_must_agree_on_it(tmp_path):
+    from tests import test_checkpoint as C
+
+    C.spawn(_sharded_steps, 2, tmp_path)

@@ -79,10 +79,13 @@ def pick(spec, device: str, mode: str, optimizer: Optional[str], order, on_this_
     return None, passed
 
 
+def target_device(ctx: PassContext, tables_device: str) -> str:
+    """The device the kernels are chosen for: explain's ``device=``, else where the tables are."""
+    return ctx.config.device or tables_device.split(":")[0]
+
+
 def _device(gr: meta.GroupRecord, ctx: PassContext) -> str:
-    if ctx.config.device is not None:
-        return ctx.config.device
-    return gr.lookups[0].device.split(":")[0]
+    return target_device(ctx, gr.lookups[0].device)
 
 
 def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:

@@ -75,6 +75,7 @@ from ..runtime.sharded import (
     TableWiseInputDist, TableWiseOutputDist,
 )
 from ..runtime.specs import FeatureSpec, GroupSpec, TableSpec
+from . import choose_kernels
 from .choose_kernels import kernel_order, pick
 
 SUPPORTED = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
@@ -145,7 +146,7 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
         qcls = QuantizedSequenceGroup if pooling == "none" else QuantizedPooledGroup
         return qcls(specs, features, pooling, [quant[first[t].param] for t in range(len(specs))],
                     [gm.get_parameter(first[t].param).detach() for t in range(len(specs))], ctx.config.output_dtype)
-    device = ctx.config.device or pieces[0][0].device.split(":")[0]
+    device = choose_kernels.target_device(ctx, pieces[0][0].device)
     spec = GroupSpec(tuple(specs), tuple(features), pooling)
     chosen = []
     for mode in ("training", "inference"):

@@ -143,8 +143,9 @@ class EmbeddingGroup(InputChecks, nn.Module):
         if not names:
             return [{} for _ in self.tables]
         from .kernels.fbgemm import ensure_bound
+        from .kernels.fbgemm_states import split_states
 
-        states = ensure_bound(self, params).split_optimizer_states()
+        states = split_states(self, ensure_bound(self, params))
         # a padded table's element-wise state: the view of its real rows and columns, as its weight
         # (its TBE may hold an extra row, fxrec.runtime.kernels.fbgemm_padding)
         return [dict(zip(names, [s[: t.num_rows, : t.dim] if s.dim() == 2 else s[: t.num_rows] for s in per_table]))
@@ -154,16 +155,18 @@ class EmbeddingGroup(InputChecks, nn.Module):
         """The step count of a fused optimizer that keeps one (Adam: fbgemm's ``iter``), else None."""
         if self.fused is None or self.fused.kind not in STEPPED:
             return None
-        from .kernels.fbgemm import ensure_bound, tbe_step
+        from .kernels.fbgemm import ensure_bound
+        from .kernels.fbgemm_states import group_step
 
-        return tbe_step(ensure_bound(self, params))
+        return group_step(self, ensure_bound(self, params))
 
     def set_fused_step(self, params: Sequence[torch.Tensor], step: int) -> None:
         if self.fused is None or self.fused.kind not in STEPPED:
             raise RuntimeError(f"fxrec: tables {[t.name for t in self.tables]} have no fused optimizer with a step count")
-        from .kernels.fbgemm import ensure_bound, set_tbe_step
+        from .kernels.fbgemm import ensure_bound
+        from .kernels.fbgemm_states import set_group_step
 
-        set_tbe_step(ensure_bound(self, params), step)
+        set_group_step(self, ensure_bound(self, params), step)
 
     def extra_repr(self) -> str:
         names = ", ".join(t.name for t in self.tables)
@@ -185,7 +188,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
             # the fused optimizer's states travel with the copy (its TBE is rebuilt)
             state["_carry_states"] = [[x.detach().clone() for x in t] for t in self._bound.tbe.split_optimizer_states()]
             if self._bound.optimizer in STEPPED:
-                from .kernels.fbgemm import tbe_step
+                from .kernels.fbgemm_states import tbe_step
 
                 state["_carry_step"] = tbe_step(self._bound.tbe)
         return state

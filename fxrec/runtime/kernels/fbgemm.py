@@ -1,18 +1,16 @@
 """The ``fbgemm`` kernel: fbgemm_gpu's table-batched embedding (TBE). With :mod:`.fbgemm_nbit` (its
 quantized half) the only import of fbgemm_gpu.
 
-Everything else in fxrec asks this module for fbgemm's TBE and its enums, so that a missing or
-mismatched install fails once, with a message that says what to install. In a group on this kernel the user's weight parameters are views into the TBE's single flat
-weight buffer (:func:`ensure_bound`), so the kernel reads exactly the user's weights, and an
-optimizer step or ``load_state_dict`` on them is what the kernel sees next. A table whose dim is
-not a multiple of 4 is stored with zero columns up to the next one (:func:`tbe_dims`; a sequence
-group's tables all at the widest): its parameter is the view of its real columns
-(``[rows, dim]``, row stride the stored width), the TBE's output loses the padding columns
-before anyone sees it (:func:`real_columns`), so they get no gradient and no update (SGD, Adagrad
-and Adam leave a zero column zero). Row-wise Adagrad would average the squared gradient over the
-stored width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`).
+A missing or mismatched install fails here once, saying what to install. A group's weight
+parameters are views into the TBE's flat weight buffer (:func:`ensure_bound`): the kernel reads
+the user's weights, and an optimizer step or ``load_state_dict`` on them is what it sees next. A
+table whose dim is not a multiple of 4 is stored with zero columns up to the next one
+(:func:`tbe_dims`; a sequence group's tables all at the widest): its parameter is the view of its
+real columns, and the TBE's output loses the padding columns (:func:`real_columns`), so they get
+no gradient and no update. Row-wise Adagrad would average the squared gradient over the stored
+width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`).
 Without a fused optimizer the gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`);
-with one, fbgemm's backward applies it. Quantized groups use fbgemm's IntNBit TBE (:mod:`.fbgemm_nbit`).
+with one, fbgemm's backward applies it (its states: :mod:`.fbgemm_states`).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import torch
 from torch import nn
 
 from .fbgemm_padding import keeps_padding, send_padding_to_zero_rows, zero_row_tables
+from .fbgemm_states import adam_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
 from ..specs import DIM_ALIGNMENT, STEPPED, FusedSpec, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
 
@@ -119,17 +118,6 @@ def sync_cache(tbe, drop: bool) -> None:
         tbe.reset_cache_states()
 
 
-def tbe_step(tbe) -> int:
-    """A fused Adam's step count: fbgemm's ``iter`` (reads a device value)."""
-    return int(tbe.iter.item())
-
-
-def set_tbe_step(tbe, step: int) -> None:
-    """``iter`` and the host copy fbgemm's forward counts with (it reads ``iter`` only while 0)."""
-    tbe.iter.fill_(int(step))
-    tbe.iter_cpu = torch.full((1,), int(step), dtype=torch.int64)
-
-
 def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
                    weights: Optional[torch.Tensor], sequence: bool = False):
     """fbgemm's ``block_bucketize_sparse_features`` (CPU and CUDA): bags given feature-major by ``lengths``
@@ -162,9 +150,11 @@ def operator_libraries() -> List[str]:
 class Bound:
     """fbgemm TBE whose flat weight buffer the group's parameters are views of."""
 
-    def __init__(self, tbe: nn.Module, ptrs: List[int], optimizer: str, zero_rows: List[torch.Tensor]):
+    def __init__(self, tbe: nn.Module, ptrs: List[int], optimizer: str, zero_rows: List[torch.Tensor],
+                 parked: bool = False):
         self.tbe, self.ptrs, self.optimizer = tbe, ptrs, optimizer
         self.zero_rows = zero_rows  # the extra rows padding ids are sent to (zero_row_tables)
+        self.parked = parked  # the fused states are on the group, not in this TBE (fbgemm_states)
 
 
 def tbe_optimizer(group) -> str:
@@ -205,19 +195,19 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
                 f"({t.num_rows}, {t.dim}) as when the model was transformed"
             )
     opt = tbe_optimizer(group)
-    fused = group.fused if opt != "none" else None
-    if opt in STEPPED and params[0].device.type != "cuda":
-        group.fused_unusable(f"fbgemm's fused {opt} runs on CUDA only and the tables are on {params[0].device}")
+    parked = parks(opt, params[0].device)  # a forward-only TBE; the states wait on the group
+    fused = group.fused if opt != "none" and not parked else None
     extra = zero_row_tables(group)
+    rows_dims = [(t.num_rows + e, d) for t, e, d in zip(group.tables, extra, tbe_dims(group))]
     tbe = make_training_tbe(
-        [(t.num_rows + e, d) for t, e, d in zip(group.tables, extra, tbe_dims(group))],
+        rows_dims,
         [f.table for f in group.features],
         group.pooling, params[0].device, fused, [t.placement for t in group.tables],
         getattr(group, "cache_load_factor", 0.2),
     )
     views = tbe.split_embedding_weights()
     old = group._bound
-    same = old is not None and fused is not None and old.optimizer == opt
+    same = old is not None and not old.parked and opt != "none" and old.optimizer == opt
     old_states = old.tbe.split_optimizer_states() if same else group._carry_states
     step = (tbe_step(old.tbe) if same else getattr(group, "_carry_step", 0)) if opt in STEPPED else None
     zero_rows = []
@@ -237,11 +227,14 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
                 for n, o in zip(new_t, old_t):
                     rows = min(n.shape[0], o.shape[0])  # an extra zero row's state need not travel
                     n[:rows].copy_(o[:rows])
-        if step:
+        if parked:
+            park(group, old_states, step, adam_shapes(rows_dims), params[0].device)
+        elif step:
             set_tbe_step(tbe, step)
-    group._carry_states = None
-    group._carry_step = 0
-    group._bound = Bound(tbe, [p.data_ptr() for p in params], opt, zero_rows)
+    if not parked:
+        group._carry_states = None
+        group._carry_step = 0
+    group._bound = Bound(tbe, [p.data_ptr() for p in params], "none" if parked else opt, zero_rows, parked)
     return group._bound
 
 
@@ -363,11 +356,13 @@ class FbgemmKernel(Kernel):
         if not usable(params):
             return None
         fused = training and group.fused_active
+        if fused and parks(tbe_optimizer(group), params[0].device):
+            group.fused_unusable(f"fbgemm's fused {group.fused.kind} runs on CUDA only, not {params[0].device}")
         if group.pooling != "none":
             keep = keeps_padding(group, training)
             packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=fused, keep_padding=keep)
-            if packed is None:
-                return None
+            if packed is None:  # an empty batch
+                return count_step(group, params, fused)
             indices, offsets, psw, batch, bounds = packed
             group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
             tbe = ensure_bound(group, params)
@@ -378,7 +373,7 @@ class FbgemmKernel(Kernel):
                         z.zero_()
             return run_tbe(group, tbe, (batch, bounds, keep), indices, offsets, psw, params, training)
         if max(ids.numel() for ids in ids_list) == 0:
-            return None
+            return count_step(group, params, fused)
         tbe = ensure_bound(group, params)
         indices, offsets, bmax, bounds = pack_sequence(group, ids_list)
         out = run_tbe(group, tbe, (bmax, bounds), indices, offsets, None, params, training)
@@ -386,6 +381,12 @@ class FbgemmKernel(Kernel):
 
 
 KERNEL = FbgemmKernel()
+
+
+def count_step(group, params, fused: bool) -> None:
+    """No TBE call (no ids): a fused Adam still counts the step."""
+    if fused and tbe_optimizer(group) in STEPPED:
+        count_tbe_step(ensure_bound(group, params))
 
 
 def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
