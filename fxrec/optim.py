@@ -4,14 +4,14 @@ Pass one to ``fxrec.transform(model, inputs, optimizer=...)`` (or a dict from ta
 glob pattern to optimizer, for a per-table choice). Each takes the keyword arguments of its
 ``torch.optim`` namesake, with the same meaning and defaults; ``RowWiseAdagrad`` is fbgemm's
 row-wise Adagrad (one accumulator per row: ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``);
-``LazyAdam`` is fbgemm's Adam (see the class).
+``LazyAdam`` and ``LazyLamb`` are fbgemm's Adam and LAMB (see the classes).
 
 Where fbgemm's kernel implements the optimizer's arithmetic, the update runs inside
 ``backward`` ("fused": no gradient is made), once per backward call (two backward calls per
 step, or gradient accumulation, differ from torch.optim for the stateful optimizers). Otherwise the table gets PyTorch's gradient and the torch.optim
-namesake (or :class:`RowWiseAdagradTorch`, :class:`LazyAdamTorch`) updates it in ``opt.step()``
+namesake (or :class:`RowWiseAdagradTorch`, :class:`LazyAdamTorch`, :class:`LazyLambTorch`) updates it in ``opt.step()``
 ("fallback"); the report says which path every table takes. The CPU build of fbgemm fuses SGD,
-Adagrad and row-wise Adagrad only; its CUDA build also ``LazyAdam``. ``Adam`` always takes the
+Adagrad and row-wise Adagrad only; its CUDA build also ``LazyAdam`` and ``LazyLamb``. ``Adam`` always takes the
 fallback: it is torch.optim.Adam, which updates every row at every step, and fbgemm's Adam
 updates only the rows in the batch (that is ``LazyAdam``, an explicit choice).
 
@@ -129,7 +129,33 @@ class Adam(EmbeddingOptimizer):
 
 
 @dataclass(frozen=True)
-class LazyAdam(EmbeddingOptimizer):
+class _LazyMoments(EmbeddingOptimizer):
+    """The arguments and checks of :class:`LazyAdam` and :class:`LazyLamb`."""
+
+    lr: float = 1e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    kind = ""  # the FusedSpec kind
+
+    def __post_init__(self):
+        name = type(self).__name__
+        b1, b2 = _betas_tuple(self, name)
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"fxrec: {name} betas must be in [0, 1), got {self.betas}")
+        if self.eps < 0 or self.weight_decay < 0 or self.lr < 0:
+            raise ValueError(f"fxrec: {name} lr, eps and weight_decay must be >= 0, got {self}")
+
+    def fused_spec(self):
+        return FusedSpec(self.kind, self.lr, self.eps, self.betas[0], self.betas[1], self.weight_decay)
+
+    def torch_optimizer(self, params, sparse=False):
+        cls = LazyLambTorch if self.kind == "lamb" else LazyAdamTorch
+        return cls(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class LazyAdam(_LazyMoments):
     """fbgemm's Adam (``EmbOptimType.ADAM``, fused on CUDA only): Adam on the rows in the batch.
 
     At the group's ``t``-th training step (one count for the group, as fbgemm's ``iter``), each
@@ -147,23 +173,28 @@ class LazyAdam(EmbeddingOptimizer):
     get PyTorch's gradients and :class:`LazyAdamTorch` applies the same update in ``opt.step()``.
     """
 
-    lr: float = 1e-3
-    betas: Tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    kind = "adam"
 
-    def __post_init__(self):
-        b1, b2 = _betas_tuple(self, "LazyAdam")
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"fxrec: LazyAdam betas must be in [0, 1), got {self.betas}")
-        if self.eps < 0 or self.weight_decay < 0 or self.lr < 0:
-            raise ValueError(f"fxrec: LazyAdam lr, eps and weight_decay must be >= 0, got {self}")
 
-    def fused_spec(self):
-        return FusedSpec("adam", self.lr, self.eps, float(self.betas[0]), float(self.betas[1]), self.weight_decay)
+@dataclass(frozen=True)
+class LazyLamb(_LazyMoments):
+    """fbgemm's LAMB (``EmbOptimType.LAMB``, fused on CUDA only): LAMB on the rows in the batch,
+    each row its own layer (its own trust ratio).
 
-    def torch_optimizer(self, params, sparse=False):
-        return LazyAdamTorch(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+    At the group's ``t``-th training step, each row looked up in the batch, with ``g`` its
+    gradient summed over the batch, ``m`` and ``v`` as in :class:`LazyAdam`, and::
+
+        r = (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps) + weight_decay * w
+        w = w - lr * (norm(w) / norm(r)) * r        # norms over the row
+
+    Rows not in the batch, and their ``m`` and ``v``, stay as they are. As in fbgemm, there is no
+    clamp of the trust ratio: a row of zeros never moves (ratio 0), and a row whose ``r`` is all
+    zero (a zero gradient at the first step, no weight decay) becomes NaN. There is no
+    torch.optim LAMB; where fbgemm cannot fuse it (CPU, or what the report names), the tables get
+    PyTorch's gradients and :class:`LazyLambTorch` applies this update in ``opt.step()``.
+    """
+
+    kind = "lamb"
 
 
 class LazyAdamTorch(torch.optim.Optimizer):
@@ -201,8 +232,20 @@ class LazyAdamTorch(torch.optim.Optimizer):
                     upd.add_(w, alpha=wd)
                 state["exp_avg"].index_copy_(0, rows, m)
                 state["exp_avg_sq"].index_copy_(0, rows, v)
-                p.index_copy_(0, rows, w.sub_(upd, alpha=lr))
+                p.index_copy_(0, rows, w.sub_(self._direction(w, upd), alpha=lr))
         return loss
+
+    def _direction(self, w: torch.Tensor, upd: torch.Tensor) -> torch.Tensor:
+        """What ``lr`` multiplies, for the rows ``w`` (before the update) and their Adam step ``upd``."""
+        return upd
+
+
+class LazyLambTorch(LazyAdamTorch):
+    """:class:`LazyLamb`'s update as a torch optimizer: :class:`LazyAdamTorch`'s rows, moments and
+    step count, each row's step scaled by its trust ratio ``norm(w) / norm(r)``."""
+
+    def _direction(self, w, upd):
+        return upd.mul_((w.norm(dim=1) / upd.norm(dim=1)).unsqueeze(1))
 
 
 def gradient_rows(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

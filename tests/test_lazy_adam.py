@@ -1,5 +1,5 @@
-"""fxrec.optim.LazyAdam: fbgemm's Adam (fused on CUDA only), its torch.optim form on CPU, and the
-decisions fxrec makes for it. The fused CUDA path is in tests/test_gpu.py."""
+"""fxrec.optim.LazyAdam and LazyLamb: fbgemm's Adam and LAMB (fused on CUDA only), their torch.optim
+forms on CPU, and the decisions fxrec makes for them. The fused CUDA path is in tests/test_gpu.py."""
 
 import copy
 import inspect
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fxrec
-from fxrec.optim import LazyAdam, LazyAdamTorch
+from fxrec.optim import LazyAdam, LazyAdamTorch, LazyLamb, LazyLambTorch
 from tests import models as M
 from tests.test_fused_optimizers import ROWS, train_both
 
@@ -40,7 +40,19 @@ class LazyAdamReference(torch.optim.Optimizer):
                     st["v"][r] = b2 * st["v"][r] + (1 - b2) * g[r] * g[r]
                     m_hat = st["m"][r] / (1 - b1 ** t)
                     v_hat = st["v"][r] / (1 - b2 ** t)
-                    p[r] -= group["lr"] * (m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p[r])
+                    upd = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p[r]
+                    p[r] -= group["lr"] * self.ratio(p[r], upd) * upd
+
+    def ratio(self, w, upd) -> float:
+        return 1.0
+
+
+class LazyLambReference(LazyAdamReference):
+    """fbgemm's LAMB (the same template's ``lamb()``): Adam's ``upd`` (it calls it r_t + wd * w),
+    scaled per row by |w| / |upd|, the norms over the row, w before the update."""
+
+    def ratio(self, w, upd) -> float:
+        return float(w.pow(2).sum().sqrt()) / float(upd.pow(2).sum().sqrt())
 
 
 def _grads(shape, steps, seed, zero_rows=()):
@@ -156,13 +168,14 @@ def _lookup_models():
 
 
 @pytest.mark.parametrize("name", sorted(_lookup_models()))
-def test_explain_for_cuda_fuses_lazy_adam_into_fbgemm_on_every_group(name):
+@pytest.mark.parametrize("cfg", [LazyAdam(lr=0.01), LazyLamb(lr=0.01)], ids=["adam", "lamb"])
+def test_explain_for_cuda_fuses_lazy_adam_and_lamb_into_fbgemm_on_every_group(name, cfg):
     model_fn, inputs = _lookup_models()[name]
-    r = fxrec.explain(model_fn(), inputs, device="cuda", optimizer=LazyAdam(lr=0.01))
+    r = fxrec.explain(model_fn(), inputs, device="cuda", optimizer=cfg)
     assert r.groups
     for g in r.groups:
-        assert (g.kernel_train, g.fused) == ("fbgemm", "adam"), g.why
-        assert "fused adam inside backward by fbgemm" in g.why and "fused into backward" in g.optimizer
+        assert (g.kernel_train, g.fused) == ("fbgemm", cfg.kind), g.why
+        assert f"fused {cfg.kind} inside backward by fbgemm" in g.why and "fused into backward" in g.optimizer
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -250,7 +263,7 @@ def decided_for_cuda(monkeypatch):
 
 def _made_for_cuda(cfg=LazyAdam(lr=0.01), rows=ROWS, **kw):
     fast = fxrec.transform(M.BagList(rows=rows, **kw), M.bag_inputs(rows=rows), optimizer=cfg)
-    assert all((g.fused, g.kernel_train) == ("adam", "fbgemm") for g in fast.report.groups)
+    assert all((g.fused, g.kernel_train) == (cfg.kind, "fbgemm") for g in fast.report.groups)
     return fast
 
 
@@ -437,3 +450,57 @@ def test_sharded_checkpoints_carry_the_fused_adam_step_and_ranks_must_agree_on_i
     from tests import test_checkpoint as C
 
     C.spawn(_sharded_steps, 2, tmp_path)
+
+
+# ---------------------------------------------------------------------------------- LazyLamb
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense_grads", "sparse_grads"])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_lazy_lamb_torch_is_fbgemms_lamb_written_out(sparse, wd):
+    """Rows 0-2 are never in the batch: they and their moments stay; the others follow the reference."""
+    w0 = torch.randn(10, 8)
+    a, b = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    lamb = LazyLambTorch([a], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
+    ref = LazyLambReference([b], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
+    for g in _grads((10, 8), 6, seed=4):
+        g[:3] = 0.0
+        a.grad = torch.sparse_coo_tensor(torch.arange(3, 10).unsqueeze(0), g[3:], (10, 8)) if sparse else g.clone()
+        b.grad = g.clone()
+        lamb.step()
+        ref.step()
+    assert torch.equal(a.detach()[:3], w0[:3]) and not lamb.state[a]["exp_avg"][:3].any()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(a.detach()[3:], w0[3:])
+
+
+def test_lazy_lamb_on_cpu_trains_through_torch_optim_as_the_reference_does():
+    cfg = LazyLamb(lr=0.01, weight_decay=0.01)
+    ref, fast, opt = train_both(lambda: M.BagList(rows=ROWS), lambda s: M.bag_inputs(rows=ROWS, seed=s), cfg,
+                                lambda p: LazyLambReference(p, lr=0.01, weight_decay=0.01), steps=8, backend="auto")
+    assert all("torch.optim in opt.step()" in g.optimizer and "CUDA only" in g.why for g in fast.report.groups)
+    assert any(isinstance(o, LazyLambTorch) for o in opt.fallbacks)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_fbgemm_takes_lamb_on_cuda_only_and_fxrec_sizes_its_two_moments():
+    from fxrec.planner.cost import optimizer_kind, optimizer_state_bytes
+    from fxrec.runtime.kernels.fbgemm import make_training_tbe
+    from fxrec.runtime.specs import FusedSpec
+
+    with pytest.raises(ValueError, match="CPU build has no fused lamb"):
+        make_training_tbe([(10, 4)], [0], "sum", torch.device("cpu"), FusedSpec("lamb", 0.01))
+    assert optimizer_kind(LazyLamb()) == "lamb" and optimizer_state_bytes("lamb", 100, 16) == 100 * 16 * 8
+    with pytest.raises(ValueError, match="LazyLamb betas must be in"):
+        LazyLamb(betas=(0.9, 1.0))
+
+
+def test_a_lazy_lamb_model_made_for_cuda_keeps_its_moments_and_step_through_a_checkpoint(decided_for_cuda, tmp_path):
+    a = _made_for_cuda(LazyLamb(lr=0.01))
+    assert {g.fused for g in a.report.groups} == {"lamb"}
+    _fill_states(a, 5, seed=2)
+    with pytest.raises(RuntimeError, match="fused lamb runs on CUDA only, not cpu"):
+        a(*M.bag_inputs(rows=ROWS, seed=1)).sum().backward()
+    fxrec.checkpoint.save_model(a, tmp_path / "ck")
+    b = _made_for_cuda(LazyLamb(lr=0.01))
+    fxrec.checkpoint.load_into_model(b, tmp_path / "ck")
+    _assert_same_states(_states(b), _states(a))

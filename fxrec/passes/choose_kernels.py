@@ -149,7 +149,7 @@ def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) ->
         from ..runtime.kernels.fbgemm import tbe_dims
 
         stored = tbe_dims(spec)
-        col_bytes = [{"adagrad": 8.0, "adam": 12.0}.get(gr.fused.kind if gr.fused is not None else "", 4.0)] * len(stored)
+        col_bytes = [{"adagrad": 8.0, "adam": 12.0, "lamb": 12.0}.get(gr.fused.kind if gr.fused is not None else "", 4.0)] * len(stored)
     else:
         return ()
     return tuple((t.name, t.dim, w, int(t.num_rows * (w - t.dim) * b))

@@ -59,7 +59,7 @@ from .specs import (
 
 #: Optimizer state as (bytes per row, bytes per row and column), fp32: SGD has none, SGD with
 #: momentum a buffer like the weights, Adagrad a sum per element, row-wise Adagrad one float per
-#: row, Adam two moments per element.
+#: row, Adam and LAMB two moments per element.
 OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
     "none": (0, 0),
     "sgd": (0, 0),
@@ -67,6 +67,7 @@ OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
     "adagrad": (0, 4),
     "rowwise_adagrad": (4, 0),
     "adam": (0, 8),
+    "lamb": (0, 8),
 }
 #: The optimizers transform(plan=..., optimizer=...) applies inside backward on sharded tables.
 FUSED_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -79,7 +80,7 @@ SHARD_OVERHEAD_MS = 0.002
 
 def optimizer_kind(optimizer) -> str:
     """The state kind of an optimizer: None, one of :data:`OPTIMIZER_STATE`'s names, or an
-    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam, LazyAdam)."""
+    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam, LazyAdam, LazyLamb)."""
     if optimizer is None:
         return "none"
     if isinstance(optimizer, str):
@@ -98,6 +99,8 @@ def optimizer_kind(optimizer) -> str:
         return "adagrad"
     if isinstance(optimizer, (optim.Adam, optim.LazyAdam)):
         return "adam"
+    if isinstance(optimizer, optim.LazyLamb):
+        return "lamb"
     raise ValueError(
         f"fxrec.plan: cannot size the state of optimizer {optimizer!r}; pass one of {sorted(OPTIMIZER_STATE)} "
         "or an fxrec.optim optimizer"

@@ -80,9 +80,9 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class FusedSpec:
-    """An optimizer applied inside backward: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam``
-    (:class:`fxrec.optim.LazyAdam`: fbgemm's Adam, CUDA only), with its learning rate, eps and
-    (Adam) betas and decoupled weight decay. Which code applies it is the group's training
+    """An optimizer applied inside backward: ``sgd``, ``adagrad``, ``rowwise_adagrad``, ``adam`` or
+    ``lamb`` (:class:`fxrec.optim.LazyAdam`, :class:`fxrec.optim.LazyLamb`: fbgemm's, CUDA only),
+    with its learning rate, eps and (Adam, LAMB) betas and decoupled weight decay. Which code applies it is the group's training
     kernel's business."""
 
     kind: str
@@ -94,10 +94,11 @@ class FusedSpec:
 
 
 # Names of the fused optimizer's states per table, in split_optimizer_states() order.
-FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
+FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq"),
+                     "lamb": ("exp_avg", "exp_avg_sq")}
 
 #: Fused optimizers that also keep a step count (one per group: fbgemm's ``iter``, for bias correction).
-STEPPED = ("adam",)
+STEPPED = ("adam", "lamb")
 
 
 @dataclass(frozen=True)

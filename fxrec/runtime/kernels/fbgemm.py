@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .fbgemm_padding import keeps_padding, send_padding_to_zero_rows, zero_row_tables
-from .fbgemm_states import adam_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
+from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
 from ..specs import DIM_ALIGNMENT, STEPPED, FusedSpec, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
 
@@ -91,9 +91,9 @@ def make_training_tbe(
     compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
     mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
     kinds = {"none": EmbOptimType.EXACT_SGD, "sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
-             "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM}
+             "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM, "lamb": EmbOptimType.LAMB}
     args = dict(learning_rate=0.0) if fused is None else dict(learning_rate=float(fused.lr), eps=float(fused.eps))
-    if kind == "adam":  # fbgemm's Adam reads weight_decay itself (decoupled, as the docs of LazyAdam say)
+    if kind in STEPPED:  # fbgemm's Adam and LAMB read weight_decay themselves (decoupled: see LazyAdam)
         args.update(beta1=float(fused.beta1), beta2=float(fused.beta2), weight_decay=float(fused.weight_decay))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -228,7 +228,7 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
                     rows = min(n.shape[0], o.shape[0])  # an extra zero row's state need not travel
                     n[:rows].copy_(o[:rows])
         if parked:
-            park(group, old_states, step, adam_shapes(rows_dims), params[0].device)
+            park(group, old_states, step, moment_shapes(rows_dims), params[0].device)
         elif step:
             set_tbe_step(tbe, step)
     if not parked:
@@ -311,13 +311,12 @@ CUDA_MAX_DIM = 2048
 
 
 class FbgemmKernel(Kernel):
-    """fbgemm's TBE: one kernel call for every feature of the group; fused SGD, Adagrad and
-    row-wise Adagrad in its backward (the three its CPU build trains with), and on CUDA Adam
-    (:class:`fxrec.optim.LazyAdam`). Quantized tables: IntNBit."""
+    """fbgemm's TBE: one kernel call for every feature of the group; fused SGD, Adagrad and row-wise
+    Adagrad in its backward (its CPU build's three), on CUDA also Adam and LAMB (``fxrec.optim.Lazy*``)."""
 
     name = FBGEMM
     CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
-    CUDA_OPTIMIZERS = CPU_OPTIMIZERS + ("adam",)
+    CUDA_OPTIMIZERS = CPU_OPTIMIZERS + ("adam", "lamb")
 
     def supports(self, group, device, mode, optimizer, *, states_only: bool = False):
         """``states_only``: whether a TBE of this group can keep the fused optimizer's states
