@@ -486,8 +486,8 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
                 optimizer_problems: Sequence[str] = ()) -> set:
     """Raise CheckpointError naming every entry the checkpoint has with another shape and (strict)
     every entry it lacks or has and the model does not, and ``optimizer_problems``; return the
-    checkpoint's keys. Reads only the checkpoint's metadata file, so every rank raises the same
-    error before any collective (with optimizer problems, which differ by rank: see load)."""
+    checkpoint's keys. Reads only the checkpoint's metadata file, before any collective; what a
+    rank holds (its tables' fused states, its optimizer) differs by rank: see load."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"fxrec.checkpoint: no checkpoint directory at {path!s}")
     md = _read_metadata(path).state_dict_metadata
@@ -521,8 +521,9 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
 
 
 def _other_fused_states(expected, md) -> Dict[str, Tuple[List[str], List[str]]]:
-    """Tables whose fused states here and in the checkpoint are both there but not the same set
-    (another fused optimizer saved them): fqn -> (the checkpoint's state names, the model's)."""
+    """Tables with fused states here and in the checkpoint where the checkpoint has one the model's
+    optimizer does not keep (another fused optimizer saved them): fqn -> (the checkpoint's state
+    names, the model's). Fewer (no step count) is not another optimizer: those load."""
     def names(keys):
         out: Dict[str, set] = {}
         for k in keys:
@@ -533,7 +534,7 @@ def _other_fused_states(expected, md) -> Dict[str, Tuple[List[str], List[str]]]:
 
     here, there = names(expected), names(md)
     return {fqn: (sorted(there[fqn]), sorted(states)) for fqn, states in here.items()
-            if fqn in there and there[fqn] != states}
+            if fqn in there and there[fqn] - states}
 
 
 def _is_optimizer_entry(key: str) -> bool:
@@ -650,14 +651,11 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
         return _fits(fast, optimizer, path, _expected(whole, {**layout, **state_layout}), _table_names(fast, layout),
                      layout, strict)
 
-    if optimizer is None:
-        keys, opt_load = fits()
-    else:  # what each rank's optimizer holds differs: every rank raises when one does
-        found = []
-        _agree(lambda: found.append(fits()), process_group,
-               other="another rank found that the checkpoint does not fit its model or optimizer (its error says "
-                     "why); nothing was loaded")
-        keys, opt_load = found[0]
+    found = []  # what each rank holds differs (its fused states, its optimizer): every rank raises when one does
+    _agree(lambda: found.append(fits()), process_group,
+           other="another rank found that the checkpoint does not fit its model or optimizer (its error says "
+                 "why); nothing was loaded")
+    keys, opt_load = found[0]
     pieces = {k: v for k, v in pieces.items() if k in keys}  # strict=False: tables it lacks stay as they are
     staged_pieces = {k: (size, [(o, n, torch.empty_like(v)) for o, n, v in views]) for k, (size, views) in pieces.items()}
     read = whole

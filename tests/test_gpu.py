@@ -140,6 +140,36 @@ def test_fused_lazy_adam_and_lamb_match_the_written_out_update_and_resume_exactl
             assert torch.equal(a, b), n
 
 
+def test_a_fused_adam_group_counts_a_step_without_ids_and_keeps_its_state_through_cpu_and_back():
+    """The live model (not a copy) to the CPU and back keeps moments and step; a training call whose
+    batch has no ids counts one step, as a call with ids does (so the ranks of a plan agree)."""
+    from fxrec.runtime.group import EmbeddingGroup
+    from fxrec.runtime.specs import FeatureSpec, FusedSpec, TableSpec
+
+    g = EmbeddingGroup([TableSpec("t", 50, 8)], [FeatureSpec("f", 0, "seq")], "none", "fbgemm", "fbgemm",
+                       fused=FusedSpec("adam", 0.01)).cuda()
+    w = torch.nn.Parameter(torch.randn(50, 8, device="cuda"))
+    ids = torch.randint(0, 50, (6, 3), device="cuda")
+    g([ids], [None], [None], [w]).sum().backward()
+    assert g.fused_step([w]) == 1
+    g([ids[:0]], [None], [None], [w])  # no ids: fbgemm's forward is not called
+    assert g.fused_step([w]) == 2
+    before = [{k: v.clone() for k, v in s.items()} for s in g.optimizer_states([w])]
+    w.data = w.data.cpu()
+    with torch.no_grad():
+        g([ids.cpu()], [None], [None], [w])
+    assert g.fused_step([w]) == 2
+    w.data = w.data.cuda()
+    g([ids], [None], [None], [w]).sum().backward()
+    assert g.fused_step([w]) == 3
+    after = g.optimizer_states([w])[0]
+    assert not torch.equal(after["exp_avg"], before[0]["exp_avg"])
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[ids.cpu().flatten()] = False
+    for k in ("exp_avg", "exp_avg_sq"):  # rows outside the batch kept their moments through the trip
+        assert torch.equal(after[k][untouched.cuda()], before[0][k][untouched.cuda()]), k
+
+
 class TwoBags(torch.nn.Module):
     """A 100k x 64 table (25.6 MB) and a small one: hbm_budget="20MB" sends the big one to unified memory."""
 

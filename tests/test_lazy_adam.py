@@ -367,6 +367,22 @@ def test_fused_states_of_another_optimizer_in_a_checkpoint_are_refused_by_table(
         fxrec.checkpoint.load_into_model(adagrad, tmp_path / "adam")
 
 
+def test_moments_saved_without_a_step_count_load_and_the_step_stays(decided_for_cuda, tmp_path, monkeypatch):
+    """Fewer fused states than the model keeps (a checkpoint written before the step was an entry)
+    is not another optimizer's: the moments load, the step stays as it was."""
+    a = _made_for_cuda()
+    _fill_states(a, 9, seed=3)
+    with monkeypatch.context() as m:
+        m.setattr(fxrec.checkpoint, "_fused_steps", lambda module: {})  # as fxrec wrote them before
+        fxrec.checkpoint.save_model(a, tmp_path / "ck")
+    b = _made_for_cuda()
+    _fill_states(b, 4, seed=5)
+    fxrec.checkpoint.load_into_model(b, tmp_path / "ck")
+    (step_a, tables_a), (step_b, tables_b) = _states(a)[0], _states(b)[0]
+    assert (step_a, step_b) == (9, 4)
+    _assert_same_states([(0, tables_a)], [(0, tables_b)])
+
+
 class SumAndMean(torch.nn.Module):
     """Two bags looked up by two groups (sum, mean) or, with ``mode="sum"`` for both, by one."""
 
@@ -444,6 +460,17 @@ def _sharded_steps(rank, world, root):
                                                                r"and 7 for table 'bags.1.weight'; nothing was written"):
         fxrec.checkpoint.save(a, os.path.join(root, "b"))
     assert not os.path.exists(os.path.join(root, "b"))
+    # bags.0 fused with Adagrad now, on rank 0 only (plan B): rank 0 finds Adam's states where it
+    # keeps Adagrad's, rank 1 finds nothing wrong; both raise, neither waits in DCP's read
+    torch.manual_seed(2)
+    model = C.Model()
+    example = C.local_batch(C.global_batch(C.LOCAL_B * world, 0), rank, C.LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=C.PLAN_B)
+    mixed = fxrec.transform(model, example, plan=plan,
+                            optimizer={"bags.0": fxrec.optim.Adagrad(lr=0.1), "bags.*": LazyAdam(lr=0.01)})
+    why = r"table 'bags.0.weight' has the fused optimizer states" if rank == 0 else r"another rank found"
+    with pytest.raises(fxrec.checkpoint.CheckpointError, match=why):
+        fxrec.checkpoint.load(mixed, os.path.join(root, "a"))
 
 
 def test_sharded_checkpoints_carry_the_fused_adam_step_and_ranks_must_agree_on_it(tmp_path):

@@ -360,8 +360,8 @@ class FbgemmKernel(Kernel):
         if group.pooling != "none":
             keep = keeps_padding(group, training)
             packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=fused, keep_padding=keep)
-            if packed is None:  # an empty batch
-                return count_step(group, params, fused)
+            if packed is None:  # an empty batch (counts a step), or what PyTorch's kernels must run
+                return count_step(group, params, fused and all(i.numel() == 0 for i in ids_list))
             indices, offsets, psw, batch, bounds = packed
             group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
             tbe = ensure_bound(group, params)

@@ -31,8 +31,8 @@ def set_tbe_step(tbe, step: int) -> None:
 
 def count_tbe_step(tbe) -> None:
     """Count one training step that did not reach fbgemm's forward (no ids, empty batch), as its
-    forward would have, without reading the device: the group's count stays one per step, the
-    same on every rank."""
+    forward would have: the group's count stays one per step, the same on every rank. Reads the
+    device only while the host copy is 0 (the first count after a bind), as fbgemm does."""
     if int(tbe.iter_cpu.item()) == 0:  # the host copy: fbgemm takes ``iter`` while it is 0
         tbe.iter_cpu = tbe.iter.detach().cpu().clone()
     tbe.iter_cpu.add_(1)
@@ -50,7 +50,7 @@ def park(group, old_states, step: int, shapes: Sequence[Sequence[tuple]], device
     if old_states:
         group._carry_states = [[s.detach().to(device, copy=True) for s in t] for t in old_states]
     else:
-        group._carry_states = [[torch.zeros(s, device=device) for s in t] for t in shapes]
+        group._carry_states = [[torch.zeros(s, dtype=torch.float32, device=device) for s in t] for t in shapes]
     group._carry_step = int(step or 0)
 
 
