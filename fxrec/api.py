@@ -73,6 +73,7 @@ def transform(
     copy_model: bool = True,
     hbm_budget=None,
     cache_load_factor: float = 0.2,
+    weights_precision=None,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -145,6 +146,12 @@ def transform(
         (docs/gpu.md). None (default): every table in GPU memory.
       cache_load_factor: with ``hbm_budget``: the HBM cache of the cached tables, as a share of
         their rows (fbgemm's ``cache_load_factor``, default 0.2).
+      weights_precision: training with an optimizer fused into fbgemm's backward: ``"fp16"``
+        (``"bf16"``: CUDA only) stores the fp32 tables in the TBE at that precision (half the
+        memory and bandwidth; their parameters become views of those rows; the lookups still give
+        fp32; the update is computed in fp32 and rounded, stochastically on CUDA), or a dict from
+        table name / glob pattern to ``"fp32"``, ``"fp16"``, ``"bf16"``. Tables fbgemm cannot run so
+        are an error (docs/optimizers.md). None (default): as the model holds them.
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -198,7 +205,8 @@ def transform(
         config=Config(backend=backend, check_numerics=check_passes, timing_rounds=timing_rounds, optimizer=optimizer,
                       mode=mode, quantize=quantize, output_dtype=output_dtype,
                       reuse_outputs=reuse_outputs, plan=plan, rank=rank, autotune=autotune,
-                      hbm_budget=hbm_budget, cache_load_factor=float(cache_load_factor)),
+                      hbm_budget=hbm_budget, cache_load_factor=float(cache_load_factor),
+                      weights_precision=weights_precision),
         report=report, example_args=args, example_kwargs=kwargs, logger=log,
     )
     if check_passes:
@@ -222,6 +230,7 @@ def transform(
                     table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
     gm.meta["fxrec_table_optimizers"] = table_opts
     gm.meta["fxrec_fused_groups"] = _fused_groups(gm)
+    _store_lower_precision(gm)
     notes = _modes_notes(gm) + accepted_sizes(gm)
     plan_per_rank = []
     if plan is not None:
@@ -269,6 +278,17 @@ def _name_guarded_inputs(gm: fx.GraphModule, records) -> None:
         for what, node in (("ids", r.ids), ("offsets", r.offsets), ("per-sample weights", r.per_sample_weights)):
             if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in index:
                 guards.roles.setdefault(index[node.name], f"{what} of feature '{r.feature}', table '{r.table}'")
+
+
+def _store_lower_precision(gm: fx.GraphModule) -> None:
+    """Tables stored in fp16/bf16 (weights_precision=) go into their TBE now, so the model holds
+    them so (its parameters views of those rows) from the start, not from the first call."""
+    from .runtime.kernels.fbgemm import ensure_bound
+
+    for name, fqns in gm.meta["fxrec_fused_groups"]:
+        group = gm.get_submodule(name)
+        if group.tables and group.tables[0].weights:
+            ensure_bound(group, [gm.get_parameter(f) for f in fqns])
 
 
 def _fused_groups(gm: fx.GraphModule) -> list:
@@ -394,12 +414,13 @@ def explain(
     plan=None,
     hbm_budget=None,
     cache_load_factor: float = 0.2,
+    weights_precision=None,
 ) -> Report:
     """The report :func:`transform` would give, for ``device`` ("cpu" or "cuda"; default: where
     the model's tables are), without building any kernel, moving or copying any table, or needing
     that device: which lookups are found and grouped, and each group's kernels, fused optimizer,
-    dtypes and placement on that device (with ``hbm_budget=``, which tables go to unified memory:
-    see :func:`transform`). With ``plan=``, how the plan shards each group (no process group
+    dtypes (``weights_precision=``: the precision each table is stored in) and placement on that
+    device (with ``hbm_budget=``, which tables go to unified memory: see :func:`transform`). With ``plan=``, how the plan shards each group (no process group
     needed). ``print()`` it, or ``.to_json()``.
     """
     if backend not in BACKENDS:
@@ -418,7 +439,7 @@ def explain(
     ctx = PassContext(
         config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
                       device=device or _tables_device(model), hbm_budget=hbm_budget,
-                      cache_load_factor=float(cache_load_factor)),
+                      cache_load_factor=float(cache_load_factor), weights_precision=weights_precision),
         report=Report(), example_args=args, example_kwargs=kwargs, logger=logging.getLogger("fxrec"),
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)

@@ -37,7 +37,7 @@ def _specs(gr: meta.GroupRecord) -> Tuple[List[TableSpec], List[FeatureSpec], Di
             index[rec.param] = len(tables)
             tables.append(TableSpec(rec.table, rec.num_rows, rec.dim, rec.sparse or sparse_grads,
                                     rec.dtype.replace("torch.", "") or "float32",
-                                    gr.placements.get(rec.param, "device")))
+                                    gr.placements.get(rec.param, "device"), rec.weights))
         features.append(
             FeatureSpec(
                 name=rec.feature, table=index[rec.param], form=rec.form, padding_idx=rec.padding_idx,

@@ -61,6 +61,7 @@ class LookupRecord:
     source: str = ""
     reason: str = ""
     optimizer: object = None  # the table's fxrec.optim optimizer, if the user gave one
+    weights: str = ""  # the precision weights_precision= stores the table in ("fp16", "bf16"), or ""
 
 
     @property

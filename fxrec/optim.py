@@ -21,7 +21,6 @@ dense parameters with the given class, embedding tables with theirs.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple, Union
 
@@ -302,8 +301,10 @@ def resolve(spec: OptimizerSpec, table: str, param: str) -> Optional[EmbeddingOp
     first key that equals or glob-matches the table name (or its parameter name) wins."""
     if spec is None or isinstance(spec, EmbeddingOptimizer):
         return spec
+    from .pass_infra import names_table
+
     for pattern, opt in spec.items():
-        if pattern in (table, param) or fnmatch.fnmatchcase(table, pattern) or fnmatch.fnmatchcase(param, pattern):
+        if names_table(pattern, table, param):
             return opt
     return None
 

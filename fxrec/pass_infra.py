@@ -3,6 +3,7 @@ the PassManager that runs one ordered list (see fxrec/pipeline.py for the list i
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch.fx as fx
 
 from .report import PassRun, Report
+
+
+def names_table(key: str, table: str, param: str) -> bool:
+    """Whether a key of a per-table dict (``optimizer=``, ``quantize=``, ``weights_precision=``)
+    names the table: its name (``"bags.0"``), its parameter's (``"bags.0.weight"``), or a glob
+    pattern matching either (``"bags.*"``)."""
+    return key in (table, param) or fnmatch.fnmatchcase(table, key) or fnmatch.fnmatchcase(param, key)
 
 
 @dataclass
@@ -27,6 +35,8 @@ class Config:
     # fxrec.optim optimizer, or dict from table name/pattern to one (None: plain gradients).
     optimizer: Any = None
     mode: str = "training"  # training | inference
+    # None, "fp32", "fp16", "bf16", or dict pattern -> one of those: tables stored so in fbgemm's TBE
+    weights_precision: Any = None
     # inference: None, a dtype for every table ("int8", ...), "auto", or dict pattern -> dtype
     quantize: Any = None
     output_dtype: str = "fp32"  # of quantized lookups: fp32 | fp16

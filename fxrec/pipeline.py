@@ -5,6 +5,7 @@
                        anything counts, groups or assigns them: every later pass sees one lookup
                        per distinct (table, inputs), and no dead one holds a table in a group.
 3. assign_optimizers — the table's optimizer is part of the group key, so it comes before grouping.
+   assign_precisions — so is the precision weights_precision= stores it in (training only).
 4. group_lookups     — needs all records at once (keys, shared tables, data dependences); it
                        reorders the graph so every group has a place to stand, so it comes before
                        every pass that places a group's call (lower_groups, shard_groups).
@@ -19,7 +20,8 @@
 9. fold_concat       — needs the group's column split that lower_groups emitted.
 10. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
 
-With a sharding plan: annotate_lookups → merge_lookups → assign_optimizers → group_lookups →
+With a sharding plan: annotate_lookups → merge_lookups → assign_optimizers → (assign_precisions,
+which refuses a plan) → group_lookups →
 (quantize_tables) → shard_groups → fold_concat. quantize_tables comes before shard_groups, which
 builds each rank's quantized groups from its shards; measure_quantization does not run (the
 quantized lookups of one rank are not a model the example inputs can run alone). shard_groups takes the place of choose_kernels and lower_groups: every
@@ -27,7 +29,7 @@ rank must run the same graph shape (its collectives pair up across ranks), so no
 by timing.
 
 fxrec.explain runs the passes that decide, and none that build: annotate_lookups →
-merge_lookups → assign_optimizers → group_lookups → (quantize_tables) → choose_kernels →
+merge_lookups → assign_optimizers → (assign_precisions) → group_lookups → (quantize_tables) → choose_kernels →
 (place_tables), for the device asked (merge_lookups and group_lookups change only the captured copy's graph).
 """
 
@@ -37,6 +39,7 @@ from typing import List
 
 from .pass_infra import CompilerPass, Config
 from .passes.annotate_lookups import annotate_lookups
+from .passes.assign_precisions import assign_precisions
 from .passes.assign_optimizers import assign_optimizers
 from .passes.choose_kernels import choose_kernels
 from .passes.fold_concat import fold_concat
@@ -49,13 +52,19 @@ from .passes.quantize_tables import quantize_tables
 from .passes.shard_groups import shard_groups
 
 
+def _deciding(config: Config) -> List[CompilerPass]:
+    """The passes every pipeline starts with, up to grouping."""
+    precisions = [assign_precisions] if config.weights_precision is not None else []
+    return [annotate_lookups, merge_lookups, assign_optimizers, *precisions, group_lookups]
+
+
 def default_pipeline(config: Config) -> List[CompilerPass]:
     if config.plan is not None:
         # sharded: every rank runs the same graph shape, so nothing is chosen by timing here;
         # shard_groups replaces choose_kernels + lower_groups, fold_concat still applies
         quant = [quantize_tables] if config.quantize is not None else []
-        return [annotate_lookups, merge_lookups, assign_optimizers, group_lookups, *quant, shard_groups, fold_concat]
-    passes = [annotate_lookups, merge_lookups, assign_optimizers, group_lookups]
+        return [*_deciding(config), *quant, shard_groups, fold_concat]
+    passes = _deciding(config)
     if config.quantize is not None:
         passes.append(quantize_tables)
     passes.append(choose_kernels)
@@ -69,7 +78,7 @@ def default_pipeline(config: Config) -> List[CompilerPass]:
 
 def explain_pipeline(config: Config) -> List[CompilerPass]:
     """The deciding passes only (fxrec.explain): nothing is lowered, built or allocated."""
-    passes = [annotate_lookups, merge_lookups, assign_optimizers, group_lookups]
+    passes = _deciding(config)
     if config.plan is not None:
         return passes  # the plan decides; fxrec.explain describes it
     if config.quantize is not None:

@@ -216,6 +216,9 @@ class Report:
                 lines.append(f"    why: {g.why}")
                 if g.optimizer:
                     lines.append(f"    optimizer {g.optimizer}")
+                stored = sorted({d for d in g.dtypes if d in ("fp16", "bf16")})
+                if stored and g.fused:  # weights_precision= (trained; quantized tables have their own section)
+                    lines.append(f"    weights stored in {', '.join(stored)} in fbgemm's TBE (weights_precision=)")
                 if g.placement not in ("", "host", "device"):
                     lines.append(f"    placement: {g.placement}")
                 if g.padding:

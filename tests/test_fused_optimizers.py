@@ -533,7 +533,7 @@ def test_fused_sgd_still_updates_when_fbgemm_cannot_take_a_call(monkeypatch):
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
-    monkeypatch.setattr(fbgemm_kernel, "usable", lambda params: False)
+    monkeypatch.setattr(fbgemm_kernel, "usable", lambda params, group=None: False)
     for step in range(3):
         x = M.bag_inputs(rows=ROWS, seed=step + 1)
         for m, o in ((ref, ref_opt), (fast, opt)):

@@ -170,6 +170,26 @@ def test_a_fused_adam_group_counts_a_step_without_ids_and_keeps_its_state_throug
         assert torch.equal(after[k][untouched.cuda()], before[0][k][untouched.cuda()]), k
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad"])
+def test_tables_stored_in_fp16_and_bf16_train_as_the_plain_model_rounded(precision, opt_name):
+    """Lock step as on CPU (tests/test_weights_precision.py): each fused step within one step of
+    the precision of PyTorch's fp32 update (fbgemm rounds stochastically on CUDA: either neighbour)."""
+    from tests.test_weights_precision import OPTIMIZERS, train_in_lock_step
+
+    cfg, torch_opt = OPTIMIZERS[opt_name]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    torch.manual_seed(0)
+    model = M.BagList(rows=ROWS).cuda()
+    plain = copy.deepcopy(model)
+    fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS)), optimizer=cfg, weights_precision=precision)
+    (group,) = groups(fast)
+    assert group._bound.tbe.weights_dev.dtype == dtype
+    moved = train_in_lock_step(plain, fast, torch_opt, lambda s: cuda(M.bag_inputs(rows=ROWS, seed=s)), steps=6,
+                               dtype=dtype, exact_lookups=False)
+    assert moved >= 6
+
+
 class TwoBags(torch.nn.Module):
     """A 100k x 64 table (25.6 MB) and a small one: hbm_budget="20MB" sends the big one to unified memory."""
 

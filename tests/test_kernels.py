@@ -256,7 +256,7 @@ def test_fbgemm_bucketize_sends_each_id_to_its_row_block_in_bag_order():
     """The row-wise input dist's bucketing (fbgemm's block_bucketize_sparse_features), against the
     rule written out: bucket id // block (blocks cover every row, as the planner cuts them), local
     row id - bucket * block, lengths by (bucket, feature, bag), a bag's ids and weights in their order."""
-    from fxrec.runtime.kernels.fbgemm import bucketize_rows
+    from fxrec.runtime.kernels.fbgemm_ops import bucketize_rows
 
     g = torch.Generator().manual_seed(4)
     world, batch, blocks = 3, 5, [4, 7]
@@ -285,7 +285,7 @@ def test_fbgemm_bucketize_of_a_sequence_says_where_each_id_went():
     """The sequence input dist's bucketing: one bag per feature (all its ids), ids shifted by a
     base of blocks (table-wise: a block of the whole table on its owner); ``where[i]`` is the
     position id ``i`` took, and holds its local row."""
-    from fxrec.runtime.kernels.fbgemm import bucketize_rows
+    from fxrec.runtime.kernels.fbgemm_ops import bucketize_rows
 
     g = torch.Generator().manual_seed(5)
     world, rows, blocks, bases = 3, [9, 20, 7], [9, 7, 3], [2, 0, 0]  # table-wise on 2, row-wise, row-wise

@@ -26,7 +26,7 @@ import torch.fx as fx
 from .. import meta
 from ..report import LookupEntry
 from ..group_module import group_spec, uses_outside_group
-from ..pass_infra import PassContext, PassResult, compiler_pass
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime import kernels
 from ..runtime.kernels import FBGEMM, NATIVE, REFERENCE
 
@@ -110,11 +110,15 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
     if training:
         kind = fused.kind if fused is not None else None
         k_train, passed_train = pick(spec, device, "training", kind, kernel_order(device, "training", backend, kind), here)
+        if spec.weights:
+            _check_stored(spec, outside, k_train, passed_train)
         if k_train is None and fused is not None:
             why.append(f"optimizer: no kernel fuses {fused.kind} here ({'; '.join(passed_train)}), so torch.optim "
                        "in opt.step()")
             fused = None
             k_train, passed_train = pick(spec, device, "training", None, kernel_order(device, "training", backend), here)
+    if spec.weights:
+        _check_stored(spec, "", k_eval, passed_eval)
     k_train, k_eval = k_train or REFERENCE, k_eval or REFERENCE
     gr.kernel_train, gr.kernel_eval = k_train, k_eval
     gr.fused = fused if training else None
@@ -129,7 +133,8 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
         group=gr.name, pooling=gr.pooling, lookups=tuple(LookupEntry.of(r, gr.name) for r in gr.lookups),
         device=device, kernel_train=k_train if training else k_eval, kernel_eval=k_eval, decided_by=by, why=text,
         fused=gr.fused.kind if gr.fused else "", fused_by=k_train if gr.fused else "",
-        optimizer=_optimizer_text(gr), dtypes=tuple(gr.quant.get(p, t.dtype) for p, t in zip(gr.tables, spec.tables)),
+        optimizer=_optimizer_text(gr),
+        dtypes=tuple(gr.quant.get(p) or t.weights or t.dtype for p, t in zip(gr.tables, spec.tables)),
         placement="device" if device == "cuda" else "host",
         padding=_padding(gr, spec, k_train if training else None, k_eval),
     )
@@ -149,7 +154,8 @@ def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) ->
         from ..runtime.kernels.fbgemm import tbe_dims
 
         stored = tbe_dims(spec)
-        col_bytes = [{"adagrad": 8.0, "adam": 12.0, "lamb": 12.0}.get(gr.fused.kind if gr.fused is not None else "", 4.0)] * len(stored)
+        state = {"adagrad": 4.0, "adam": 8.0, "lamb": 8.0}.get(gr.fused.kind if gr.fused is not None else "", 0.0)
+        col_bytes = [state + (2.0 if spec.weights else 4.0)] * len(stored)
     else:
         return ()
     return tuple((t.name, t.dim, w, int(t.num_rows * (w - t.dim) * b))
@@ -166,13 +172,27 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         tuned = Autotuner(gm, ctx)
     for gr in ctx.groups:
         decision = decide(gr, ctx)
-        if tuned is not None and not gr.quant:
+        if tuned is not None and not gr.quant and not any(r.weights for r in gr.lookups):  # those have one kernel
             decision = tuned.tune(gr, decision)
         gr.decision = decision
         for r in gr.lookups:
             r.node.meta[meta.DECISION] = decision
         stats[gr.kernel_train if ctx.config.mode == "training" else gr.kernel_eval] += 1
     return PassResult(gm, False, {"groups": len(ctx.groups), **{k: v for k, v in stats.items() if v}})
+
+
+def _check_stored(spec, outside: str, kernel: Optional[str], passed: List[str]) -> None:
+    """Tables ``weights_precision=`` stores at a lower precision exist only in fbgemm's TBE: an
+    InputError naming them unless fbgemm runs the group (in training: with its fused optimizer)
+    and nothing else reads the tables."""
+    names = [t.name for t in spec.tables]
+    if outside:
+        raise InputError(f"fxrec: weights_precision={spec.weights!r} for tables {names}, but table '{outside}' is "
+                         "also used outside its lookups, which would read its rows at that precision")
+    if kernel != FBGEMM:
+        why = "; ".join(p for p in passed if p.startswith(f"not {FBGEMM}")) or f"the {kernel} kernel was chosen"
+        raise InputError(f"fxrec: weights_precision={spec.weights!r} for tables {names}, which only fbgemm's TBE "
+                         f"stores, and fbgemm cannot run them here ({why})")
 
 
 def _optimizer_text(gr: meta.GroupRecord) -> str:

@@ -69,7 +69,8 @@ def group_key(rec: meta.LookupRecord) -> tuple:
     pooling (one TBE pools one way), weighted or not, dtype and device (one weight buffer),
     sparse gradient or not (one gradient layout), for unpooled lookups the dim as stored
     (:func:`fxrec.runtime.specs.pad_dim`: fbgemm's sequence TBE has one dim for all its tables),
-    and the optimizer (one TBE runs one).
+    the optimizer (one TBE runs one) and the precision ``weights_precision=`` stores it in (one
+    weight buffer).
     """
     return (
         rec.pooling,
@@ -79,6 +80,7 @@ def group_key(rec: meta.LookupRecord) -> tuple:
         rec.sparse,
         pad_dim(rec.dim) if rec.pooling == "none" else None,
         rec.optimizer,
+        rec.weights,
     )
 
 
@@ -211,7 +213,7 @@ def _reads(x: meta.LookupRecord, y: Optional[meta.LookupRecord], data: bool) -> 
     return f"feature '{x.feature}' must run after '{y.feature}': in-place writes or random numbers order them"
 
 
-_FIELDS = ("pooling", "weighted", "dtype", "device", "sparse", "dim", "optimizer")
+_FIELDS = ("pooling", "weighted", "dtype", "device", "sparse", "dim", "optimizer", "weights")
 
 
 def _kind_text(key: tuple, field: str) -> str:
@@ -226,6 +228,8 @@ def _kind_text(key: tuple, field: str) -> str:
         return f"of stored dim {k['dim']}"
     if field == "optimizer":
         return f"optimizer {k['optimizer'].describe()}" if k["optimizer"] is not None else "no optimizer"
+    if field == "weights":
+        return f"stored in {k['weights']}" if k["weights"] else "stored as the model holds it"
     return f"{field} {k[field]}"
 
 
@@ -245,7 +249,7 @@ def key_difference(mine: tuple, theirs: tuple) -> str:
             out.append(f"optimizer differs ({_kind_text(mine, f)} vs {_kind_text(theirs, f)})")
         elif f == "dim":
             out.append(f"stored dims differ ({mine[5]} vs {theirs[5]})")
-        elif f in ("pooling", "weighted"):
+        elif f in ("pooling", "weighted", "weights"):
             out.append(f"{_kind_text(mine, f)} vs {_kind_text(theirs, f)}")
         else:
             out.append(f"{f} {mine[_FIELDS.index(f)]} vs {theirs[_FIELDS.index(f)]}")

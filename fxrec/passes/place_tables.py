@@ -1,12 +1,12 @@
 """place_tables: on CUDA with ``hbm_budget=``, decide which tables live in GPU memory (HBM) and
 which in unified memory (host RAM the GPU reads over the bus), so that the tables fit the budget.
 
-What is counted (:func:`hbm_bytes`), per table in HBM: its fp32 rows at their stored width (or
-its quantized rows as fbgemm packs them for CUDA), its fused optimizer's states, and in training
+What is counted (:func:`hbm_bytes`), per table in HBM: its rows at their stored width, fp32 or as
+``weights_precision=`` stores them (or its quantized rows as fbgemm packs them for CUDA), its fused optimizer's states, and in training
 without a fused optimizer its dense gradient (a table with sparse gradients: none). A table in
 unified memory costs its share of its group's HBM cache (``cache_load_factor`` of the cached
-rows, in sets of 32 rows at the group's widest cached width, two int64 states a cache row and an
-int32 a table row: fbgemm's) and a row-wise optimizer state, which fbgemm keeps in HBM. Not
+rows, in sets of 32 rows at the group's widest cached width and its precision, two int64 states a
+cache row and an int32 a table row: fbgemm's) and a row-wise optimizer state, which fbgemm keeps in HBM. Not
 counted: torch.optim's own states, activations, per-batch workspaces.
 
 The rule (no measurement): every table starts in HBM. While the count exceeds the budget, the
@@ -44,22 +44,23 @@ CACHE_WAYS = 32
 STATE_BYTES = {None: (0, 0), "sgd": (0, 0), "adagrad": (4, 0), "rowwise_adagrad": (0, 4), "adam": (8, 0), "lamb": (8, 0)}
 
 
-def table_bytes(rows: int, width: int, fused, gradient: bool = False) -> int:
-    """HBM bytes of an fp32 table held on the device, its fused optimizer's states and (``gradient``)
-    a dense gradient of it."""
+def table_bytes(rows: int, width: int, fused, gradient: bool = False, weight_bytes: int = 4) -> int:
+    """HBM bytes of a table held on the device (``weight_bytes`` an element: 4 fp32, 2 fp16/bf16),
+    its fused optimizer's states (fp32) and (``gradient``) a dense fp32 gradient of it."""
     a, b = STATE_BYTES[fused.kind if fused is not None else None]
-    return rows * (width * (4 + a + (4 if gradient else 0)) + b)
+    return rows * (width * (weight_bytes + a + (4 if gradient else 0)) + b)
 
 
-def cache_bytes(caching: List[Tuple[int, int]], load_factor: float) -> int:
+def cache_bytes(caching: List[Tuple[int, int]], load_factor: float, weight_bytes: int = 4) -> int:
     """HBM bytes of one TBE's cache for its ``managed_caching`` tables (``(rows, stored width)``):
-    ``load_factor`` of their rows (rounded up to whole sets) at the widest width, fp32, with two
-    int64 states a cache row, and an int32 a table row (fbgemm's cache index map)."""
+    ``load_factor`` of their rows (rounded up to whole sets) at the widest width, in the tables'
+    precision (``weight_bytes`` an element), with two int64 states a cache row, and an int32 a
+    table row (fbgemm's cache index map)."""
     if not caching:
         return 0
     rows = sum(r for r, _ in caching)
     slots = max(1, math.ceil(int(rows * load_factor) / CACHE_WAYS)) * CACHE_WAYS
-    return slots * (max(w for _, w in caching) * 4 + 16) + rows * 4
+    return slots * (max(w for _, w in caching) * weight_bytes + 16) + rows * 4
 
 
 def hbm_bytes(groups, placements: Dict[str, str], load_factor: float, training: bool) -> int:
@@ -68,17 +69,18 @@ def hbm_bytes(groups, placements: Dict[str, str], load_factor: float, training: 
     for gr in groups:
         caching = []
         quant = _quantized_bytes(gr) if gr.quant else {}
+        wb = 2 if gr.lookups and gr.lookups[0].weights else 4  # weights_precision: one per group
         for p, rec in _tables(gr):
             width = pad_dim(rec.dim)
             if p in quant:
                 total += quant[p]
             elif placements.get(p, "device") == "device":
                 grad = training and gr.fused is None and not rec.sparse
-                total += table_bytes(rec.num_rows, width, gr.fused, grad)
+                total += table_bytes(rec.num_rows, width, gr.fused, grad, wb)
             else:  # managed_caching: a row-wise state stays in HBM
                 caching.append((rec.num_rows, width))
                 total += rec.num_rows * STATE_BYTES[gr.fused.kind if gr.fused is not None else None][1]
-        total += cache_bytes(caching, load_factor)
+        total += cache_bytes(caching, load_factor, wb)
     return total
 
 
@@ -122,7 +124,8 @@ def place_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     training = ctx.config.mode == "training"
     placements: Dict[str, str] = {}
     candidates = sorted(((gr, p, rec) for gr in groups if _movable(gr, training) for p, rec in _tables(gr)),
-                        key=lambda c: (-table_bytes(c[2].num_rows, pad_dim(c[2].dim), c[0].fused), c[2].table))
+                        key=lambda c: (-table_bytes(c[2].num_rows, pad_dim(c[2].dim), c[0].fused,
+                                                          weight_bytes=2 if c[2].weights else 4), c[2].table))
     need = hbm_bytes(groups, placements, lf, training)
     for gr, p, rec in candidates:
         if need <= budget:

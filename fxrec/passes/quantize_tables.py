@@ -20,11 +20,9 @@ Not handled: quantizing for training (mode must be "inference").
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch.fx as fx
 
-from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass, names_table
 from ..runtime.kernels.fbgemm_nbit import QUANT_DTYPES
 from ..runtime.specs import pad_dim
 
@@ -40,7 +38,7 @@ def dtype_for(spec, table: str, param: str, rows: int, dim: int):
             return "int8" if rows * dim * 4 >= AUTO_MIN_BYTES and saves else "fp32"
         return spec
     for pattern, dt in spec.items():
-        if pattern in (table, param) or fnmatch.fnmatchcase(table, pattern) or fnmatch.fnmatchcase(param, pattern):
+        if names_table(pattern, table, param):
             return dtype_for(dt, table, param, rows, dim)
     return "fp32"
 

@@ -207,7 +207,7 @@ class DeviceBoundsCheck:
     """
 
     def __init__(self, rows_per_feature, device: torch.device):
-        from .kernels.fbgemm import bounds_check
+        from .kernels.fbgemm_ops import bounds_check
 
         self._bounds_check = bounds_check
         self.rows = torch.tensor(rows_per_feature, dtype=torch.int64).to(device)  # once per device

@@ -219,20 +219,28 @@ class EmbeddingGroup(InputChecks, nn.Module):
             for f, ids in zip(self.features, ids_list):
                 if ids.dtype not in (torch.int64, torch.int32):
                     self._check_ids(f, ids)  # raises, naming the feature
-        if exporting():  # the form torch.export traces: PyTorch's own ops
-            return self.lookups(ids_list, offsets_list, psw_list, params)
+        if exporting():  # the form torch.export traces: PyTorch's own ops (on fp32 rows, as fbgemm reads them)
+            return self.lookups(ids_list, offsets_list, psw_list, [self._fp32(p) for p in params])
         training = self._training(params, psw_list)
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
         if out is None:  # an input the chosen kernel does not take: PyTorch's own answer (and update)
-            if any(t.placement == "managed_caching" for t in self.tables) and any(i.numel() for i in ids_list):
+            held = [t.name for t in self.tables if t.placement == "managed_caching" or t.weights]
+            if held and any(i.numel() for i in ids_list):
+                how = f"stored in {self.tables[0].weights}" if self.tables[0].weights else "cached in GPU memory"
                 raise ValueError(
-                    f"fxrec: tables {[t.name for t in self.tables if t.placement == 'managed_caching']} are cached in GPU "
-                    "memory by fbgemm's kernel, which cannot take this call (features with different batch sizes, "
-                    "or include_last_offset mean bags with ids after offsets[-1]); PyTorch's lookups would read "
-                    "and update them behind the cache")
-            out = kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training)
+                    f"fxrec: tables {held} are {how} by fbgemm's kernel, which cannot take this call (features with "
+                    "different batch sizes, or include_last_offset mean bags with ids after offsets[-1]); PyTorch's "
+                    "lookups would read and update them behind it")
+            out = self._fp32(kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training))
         return out
+
+    def _fp32(self, x):
+        """Tables stored at a lower precision (weights_precision=): fbgemm's kernel gives fp32, so
+        PyTorch's lookups of them (their rows or their output ``x``) are made fp32 too."""
+        if not (self.tables and self.tables[0].weights):
+            return x
+        return x.float() if isinstance(x, torch.Tensor) else type(x)(o.float() for o in x)
 
     def sync_cache(self, drop: bool = False) -> None:
         """Tables placed ``managed_caching`` on CUDA: fbgemm keeps their freshest rows in its HBM

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .collectives import all_gather_ints, all_to_all, reduce_scatter
-from .kernels.fbgemm import bucketize_rows
+from .kernels.fbgemm_ops import bucketize_rows
 
 _MODES = {"sum": 0, "mean": 1}
 

@@ -74,8 +74,9 @@ class TableSpec:
     num_rows: int
     dim: int
     sparse: bool = False
-    dtype: str = "float32"  # of the weight as the model holds it
+    dtype: str = "float32"  # of the weight as the model held it when captured
     placement: str = "device"  # one of PLACEMENTS (fbgemm's TBE on CUDA; place_tables decides)
+    weights: str = ""  # a WEIGHTS_PRECISIONS key: stored so by weights_precision=; "" as the model holds it
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,10 @@ class FusedSpec:
 FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq"),
                      "lamb": ("exp_avg", "exp_avg_sq")}
 
+#: ``weights_precision=``: an fp32 table stored in fbgemm's TBE at a lower precision (its parameter
+#: becomes a view of those rows); the lookups still give fp32.
+WEIGHTS_PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}
+
 #: Fused optimizers that also keep a step count (one per group: fbgemm's ``iter``, for bias correction).
 STEPPED = ("adam", "lamb")
 
@@ -113,6 +118,12 @@ class GroupSpec:
     @property
     def pooled(self) -> bool:
         return self.pooling != "none"
+
+    @property
+    def weights(self) -> str:
+        """The precision (WEIGHTS_PRECISIONS) its tables are stored in by ``weights_precision=``,
+        or "" (as the model holds them). One per group: it is part of the group key."""
+        return self.tables[0].weights if self.tables else ""
 
     @property
     def padded_rows(self) -> Tuple[str, ...]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from .fbgemm_padding import keeps_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
-from ..specs import DIM_ALIGNMENT, STEPPED, FusedSpec, real_columns_index, stored_widths
+from ..specs import DIM_ALIGNMENT, STEPPED, WEIGHTS_PRECISIONS, FusedSpec, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
 
 _IMPORT_ERROR: Optional[BaseException] = None
@@ -32,7 +32,7 @@ try:  # fbgemm prints version-table warnings at import on some torch releases; t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode,
             EmbeddingLocation,
@@ -70,8 +70,10 @@ def make_training_tbe(
     fused: Optional[FusedSpec] = None,
     placements: Optional[Sequence[str]] = None,
     cache_load_factor: float = 0.2,
+    weights: str = "",
 ) -> "SplitTableBatchedEmbeddingBagsCodegen":
-    """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device`.
+    """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device` (stored
+    in ``weights``, "fp16" or "bf16", where given: fbgemm's ``weights_precision``; outputs fp32).
 
     ``fused=None``: the module is used for its forward kernel only (fxrec computes PyTorch's
     gradients itself), so fbgemm gets exact SGD with learning rate zero, which never runs.
@@ -104,6 +106,8 @@ def make_training_tbe(
             **args,
             pooling_mode=mode,
             cache_load_factor=float(cache_load_factor),
+            weights_precision={"fp16": SparseType.FP16, "bf16": SparseType.BF16}.get(weights, SparseType.FP32),
+            output_dtype=SparseType.FP32,
             device=device if not on_cpu else None,
             # fxrec validates ids itself, with messages that name the table and feature.
             bounds_check_mode=BoundsCheckMode.NONE,
@@ -116,19 +120,6 @@ def sync_cache(tbe, drop: bool) -> None:
     tbe.flush()
     if drop:
         tbe.reset_cache_states()
-
-
-def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
-                   weights: Optional[torch.Tensor], sequence: bool = False):
-    """fbgemm's ``block_bucketize_sparse_features`` (CPU and CUDA): bags given feature-major by ``lengths``
-    ``[F * B]`` and their ``ids``, each id sent to bucket ``id // blocks[f]`` as the local row ``id - bucket *
-    blocks[f]`` (ids below ``world * blocks[f]``: fbgemm hashes larger ones). Returns ``(lengths [world * F * B],
-    ids, weights, where)`` by bucket, feature, bag, a bag's ids in order; ``where[i]``: where id ``i`` went
-    (``sequence=True``; else None)."""
-    require_fbgemm()
-    new_lengths, new_ids, new_weights, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
-        lengths, ids, False, sequence, blocks, world, weights)
-    return new_lengths, new_ids, new_weights, where
 
 
 def tbe_flat_weights(tbe: "SplitTableBatchedEmbeddingBagsCodegen") -> torch.Tensor:
@@ -166,11 +157,19 @@ def tbe_optimizer(group) -> str:
     return "none"
 
 
-def usable(params: Sequence[torch.Tensor]) -> bool:
+def usable(params: Sequence[torch.Tensor], group=None) -> bool:
+    """Whether fbgemm can hold ``params`` (fp32, or as ``group``'s weights_precision stores them)."""
     if not fbgemm_available() or not params:
         return False
     dev = params[0].device
-    return all(p.dtype == torch.float32 and p.device == dev and p.dim() == 2 for p in params)
+    ok = (torch.float32, stored_dtype(group))
+    return all(p.dtype in ok and p.device == dev and p.dim() == 2 for p in params)
+
+
+def stored_dtype(group) -> torch.dtype:
+    """The dtype of the group's rows in its TBE (and so of its parameters once bound)."""
+    w = group.tables[0].weights if group is not None and group.tables else ""
+    return getattr(torch, WEIGHTS_PRECISIONS[w]) if w else torch.float32
 
 
 def ensure_bound(group, params: Sequence[torch.Tensor]) -> nn.Module:
@@ -203,7 +202,7 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
         rows_dims,
         [f.table for f in group.features],
         group.pooling, params[0].device, fused, [t.placement for t in group.tables],
-        getattr(group, "cache_load_factor", 0.2),
+        getattr(group, "cache_load_factor", 0.2), group.tables[0].weights,
     )
     views = tbe.split_embedding_weights()
     old = group._bound
@@ -331,6 +330,9 @@ class FbgemmKernel(Kernel):
             return None if mode == "inference" else "quantized tables are for inference"
         if any(t.dtype != "float32" for t in group.tables):
             return "fxrec gives fbgemm float32 tables only"
+        if group.weights and ((mode == "training" and optimizer is None) or (group.weights, device) == ("bf16", "cpu")):
+            return (f"tables stored in {group.weights} train only with an optimizer fused into fbgemm's backward"
+                    if device == "cuda" or group.weights == "fp16" else "fbgemm's CPU build stores fp16, not bf16")
         if optimizer is not None and optimizer not in (self.CUDA_OPTIMIZERS if device == "cuda" else self.CPU_OPTIMIZERS):
             if optimizer in self.CUDA_OPTIMIZERS:
                 return f"fbgemm fuses {optimizer} on CUDA only (its CPU build trains with SGD and the Adagrads)"
@@ -352,7 +354,7 @@ class FbgemmKernel(Kernel):
     def run(self, group, ids_list, offsets_list, psw_list, params, training):
         from ..packing import pack_pooled, pack_sequence, unpack_sequence
 
-        if not usable(params):
+        if not usable(params, group):
             return None
         fused = training and group.fused_active
         if fused and parks(tbe_optimizer(group), params[0].device):
@@ -386,14 +388,3 @@ def count_step(group, params, fused: bool) -> None:
     """No TBE call (no ids): a fused Adam still counts the step."""
     if fused and tbe_optimizer(group) in STEPPED:
         count_tbe_step(ensure_bound(group, params))
-
-
-def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-                 counter: torch.Tensor, psw: Optional[torch.Tensor]) -> None:
-    """fbgemm's ``bounds_check_indices`` in warning mode on packed input (``F * B + 1`` offsets,
-    ``rows_per_feature`` [F] int64): on the input's device, without waiting, ids outside their
-    feature's table become 0 and offsets out of range are fixed, in place; ``counter`` [1] int64
-    is set to how many were (fbgemm zeroes it first)."""
-    require_fbgemm()
-    torch.ops.fbgemm.bounds_check_indices(rows_per_feature, indices, offsets, BoundsCheckMode.WARNING.value,
-                                          counter, psw)

@@ -337,7 +337,7 @@ class NativeKernel(Kernel):
             return "fxrec's native kernels pool (sum or mean); sequence lookups are not theirs"
         if group.quantized:
             return "quantized tables are fbgemm's IntNBit"
-        if any(t.dtype != "float32" for t in group.tables):
+        if any(t.dtype != "float32" for t in group.tables) or group.weights:
             return "fxrec's native kernels take float32 tables"
         if optimizer is not None and optimizer not in self.OPTIMIZERS:
             return f"fxrec's native kernels have no fused {optimizer}"

@@ -129,6 +129,8 @@ class ReferenceKernel(Kernel):
     def supports(self, group, device, mode, optimizer):
         if group.quantized:
             return "quantized tables are fbgemm's IntNBit"
+        if group.weights:
+            return f"tables stored in {group.weights} (weights_precision=) are fbgemm's TBE's"
         if optimizer is not None and optimizer not in self.OPTIMIZERS:
             return f"fxrec fuses {', '.join(self.OPTIMIZERS)} onto PyTorch's lookups, not {optimizer}"
         from .fbgemm import states_refusal
@@ -150,7 +152,7 @@ class ReferenceKernel(Kernel):
             if group.fused.kind != "sgd":
                 from .fbgemm import ensure_bound, usable
 
-                if not usable(params):
+                if not usable(params, group):
                     group.fused_unusable("its states live in fbgemm's TBE, which cannot hold these tables (fbgemm "
                                          "missing, or tables not float32 on one device)")
                 ensure_bound(group, params)  # the states; the parameters become views of the TBE

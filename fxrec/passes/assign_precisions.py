@@ -1,0 +1,80 @@
+"""assign_precisions: give every lookup the precision ``weights_precision=`` stores its table in.
+
+``transform(..., optimizer=..., weights_precision="fp16")`` stores every fp32 table in fbgemm's
+TBE in fp16 (``"bf16"``: bfloat16, CUDA only): half the memory and bandwidth, for rows rounded to
+that precision (on CUDA fbgemm's fused update rounds stochastically). The lookups still give
+fp32. A dict maps table names, parameter names or glob patterns to ``"fp32"``, ``"fp16"`` or
+``"bf16"``, the first matching key winning; tables no key names stay fp32. The precision becomes
+part of the group key: one TBE stores one precision.
+
+Before/After: the graph is unchanged; ``LookupRecord.weights`` is set ("" for fp32).
+
+Not handled, each an error naming what was asked: inference (serve with ``quantize="fp16"``, the
+inference TBE's fp16 rows), a sharding plan, a table that is not fp32, a dict key that names no
+table. Which groups fbgemm can then run is ``choose_kernels``' rule; a group it cannot run
+stored so is an error there, never a silent fp32 table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from .. import meta
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass, names_table
+from ..runtime.specs import WEIGHTS_PRECISIONS
+
+CHOICES = ("fp32",) + tuple(WEIGHTS_PRECISIONS)
+
+
+def check_weights_precision(spec, mode: str, plan) -> None:
+    """Errors for a ``weights_precision=`` that no table could be given."""
+    if spec is None:
+        return
+    values = [spec] if isinstance(spec, str) else list(spec.values()) if isinstance(spec, dict) else None
+    if values is None or any(v not in CHOICES for v in values):
+        raise InputError(f"fxrec: weights_precision must be one of {CHOICES} or a dict of them, got {spec!r}")
+    if mode != "training":
+        raise InputError("fxrec: weights_precision= is for training; to serve tables in fp16 use "
+                         "mode='inference', quantize='fp16' (fbgemm's inference TBE)")
+    if plan is not None:
+        raise InputError("fxrec: weights_precision= does not yet work with a sharding plan (plan=)")
+
+
+def precision_for(spec, table: str, param: str) -> str:
+    if isinstance(spec, str):
+        return spec
+    return next((v for k, v in spec.items() if names_table(k, table, param)), "fp32")
+
+
+@compiler_pass(needs=(meta.LOOKUP,), provides=("precisions",))
+def assign_precisions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    spec = ctx.config.weights_precision
+    check_weights_precision(spec, ctx.config.mode, ctx.config.plan)
+    if spec is None:
+        return PassResult(gm, False, {})
+    used, counts = set(), {}
+    for node in gm.graph.nodes:
+        rec = node.meta.get(meta.LOOKUP)
+        if rec is None:
+            continue
+        if isinstance(spec, dict):
+            used.update(k for k in spec if names_table(k, rec.table, rec.param))
+        want = precision_for(spec, rec.table, rec.param)
+        if want == "fp32":
+            continue
+        if rec.dtype.replace("torch.", "") != "float32":
+            raise InputError(f"fxrec: weights_precision={want!r} for table '{rec.table}', which is "
+                             f"{rec.dtype.replace('torch.', '')}: it stores fp32 tables at a lower precision")
+        if not rec.lowerable:
+            raise InputError(f"fxrec: weights_precision={want!r} for table '{rec.table}', but its lookup of "
+                             f"{rec.feature} stays as written ({rec.reason}) and would read its rows at that precision")
+        node.meta[meta.LOOKUP] = dataclasses.replace(rec, weights=want)
+        counts[want] = counts.get(want, 0) + 1
+    if isinstance(spec, dict):
+        unused = [k for k in spec if k not in used]
+        if unused:
+            tables = sorted({n.meta[meta.LOOKUP].table for n in gm.graph.nodes if meta.LOOKUP in n.meta})
+            raise InputError(f"fxrec: weights_precision keys {unused} match no embedding table; the tables are {tables}")
+    return PassResult(gm, False, {f"lookups_{k}": v for k, v in sorted(counts.items())})

@@ -1,0 +1,35 @@
+"""fbgemm's sparse operators that fxrec calls outside a TBE: the bucketing of ids by row block
+(row-wise shards, :mod:`fxrec.runtime.sharded`) and the bounds check on the device
+(:mod:`fxrec.runtime.checks`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .fbgemm import BoundsCheckMode, require_fbgemm
+
+
+def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
+                   weights: Optional[torch.Tensor], sequence: bool = False):
+    """fbgemm's ``block_bucketize_sparse_features`` (CPU and CUDA): bags given feature-major by ``lengths``
+    ``[F * B]`` and their ``ids``, each id sent to bucket ``id // blocks[f]`` as the local row ``id - bucket *
+    blocks[f]`` (ids below ``world * blocks[f]``: fbgemm hashes larger ones). Returns ``(lengths [world * F * B],
+    ids, weights, where)`` by bucket, feature, bag, a bag's ids in order; ``where[i]``: where id ``i`` went
+    (``sequence=True``; else None)."""
+    require_fbgemm()
+    new_lengths, new_ids, new_weights, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, ids, False, sequence, blocks, world, weights)
+    return new_lengths, new_ids, new_weights, where
+
+
+def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                 counter: torch.Tensor, psw: Optional[torch.Tensor]) -> None:
+    """fbgemm's ``bounds_check_indices`` in warning mode on packed input (``F * B + 1`` offsets,
+    ``rows_per_feature`` [F] int64): on the input's device, without waiting, ids outside their
+    feature's table become 0 and offsets out of range are fixed, in place; ``counter`` [1] int64
+    is set to how many were (fbgemm zeroes it first)."""
+    require_fbgemm()
+    torch.ops.fbgemm.bounds_check_indices(rows_per_feature, indices, offsets, BoundsCheckMode.WARNING.value,
+                                          counter, psw)

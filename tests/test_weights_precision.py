@@ -1,0 +1,226 @@
+"""transform(..., weights_precision="fp16"): fp32 tables stored in fp16 in fbgemm's TBE, trained by
+an optimizer fused into its backward. The reference is the plain PyTorch model with the same
+weights rounded to fp16: fbgemm reads fp16 rows into fp32 sums, and rounds each fused update
+(computed in fp32) to the nearest fp16 on CPU (stochastically on CUDA: tests/test_gpu.py)."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import fxrec
+from fxrec.pass_infra import InputError
+from tests import models as M
+from tests.test_fused_optimizers import RowWiseAdagradReference
+
+ROWS = (40, 30, 20)
+OPTIMIZERS = {
+    "sgd": (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    "adagrad": (fxrec.optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
+    "rowwise_adagrad": (fxrec.optim.RowWiseAdagrad(lr=0.1), lambda p: RowWiseAdagradReference(p, lr=0.1)),
+}
+
+
+def fp16_model(cfg=fxrec.optim.SGD(lr=0.1), seed=0, **kw):
+    torch.manual_seed(seed)
+    model = M.BagList(rows=ROWS)
+    plain = copy.deepcopy(model)
+    fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=cfg, weights_precision="fp16", **kw)
+    return plain, fast
+
+
+def tables(module):
+    return {n: p for n, p in module.named_parameters() if n.startswith("bags.")}
+
+
+def within_one_fp16_step(a: torch.Tensor, b: torch.Tensor, old: torch.Tensor, mantissa_bits: int = 10) -> bool:
+    """|a - b| at most one fp16 spacing at the largest magnitude of the old row, the new ones and
+    the step: fbgemm's CPU update of fp16 rows rounds in fp16 on the way (measured: a result near a
+    rounding midpoint may go the other way, and one that cancels most of the old value carries the
+    old value's rounding), where PyTorch's rounds its fp32 result once."""
+    a, b, old = a.float(), b.float(), old.float()
+    big = torch.stack([a.abs(), b.abs(), old.abs(), (b - old).abs()]).amax(0).clamp_min(2.0 ** -14)
+    spacing = 2.0 ** (torch.floor(torch.log2(big)) - mantissa_bits)  # bf16: 7
+    return bool(((a - b).abs() <= spacing).all())
+
+
+def train_in_lock_step(plain, fast, torch_opt, inputs, steps=8, dtype=torch.float16, exact_lookups=True) -> int:
+    """Before each step the plain model takes fxrec's current rows (as fp32); both step on the same
+    batch (``inputs(step)``); the lookups agree (exactly on CPU), every updated row is within one
+    step of ``dtype`` of PyTorch's update rounded to it, the dense layer as torch.optim's. Returns
+    how many table updates moved a row."""
+    tables = {n: p for n, p in plain.named_parameters() if n.startswith("bags.")}
+    ref_opt = torch_opt(list(tables.values()))
+    dense_ref = torch.optim.SGD(plain.dense.parameters(), lr=0.1)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    moved = 0
+    for step in range(steps):
+        x = inputs(step + 1)
+        with torch.no_grad():
+            for n, p in tables.items():
+                p.copy_(fast.get_parameter(n).float())
+        before = {n: fast.get_parameter(n).detach().clone() for n in tables}
+        for o in (ref_opt, dense_ref, opt):
+            o.zero_grad()
+        out_ref, out = plain(*x), fast(*x)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, out_ref, rtol=0 if exact_lookups else 1e-5, atol=0 if exact_lookups else 1e-6)
+        out_ref.sin().sum().backward()
+        out.sin().sum().backward()
+        for o in (ref_opt, dense_ref, opt):
+            o.step()
+        for n, p in tables.items():
+            got = fast.get_parameter(n)
+            assert got.dtype == dtype, n
+            assert within_one_fp16_step(got, p.detach().to(dtype), before[n], 10 if dtype == torch.float16 else 7), \
+                (step, n)
+            moved += int((got != before[n]).any())
+    for (n, a), (_, b) in zip(plain.dense.named_parameters(), fast.dense.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=n)
+    return moved
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_each_fused_step_is_the_plain_models_step_rounded_to_fp16(name):
+    """Lock step (train_in_lock_step) over 8 steps: the lookups agree exactly, and every updated
+    row is within one fp16 step of PyTorch's update rounded to fp16 (the optimizer states, fp32,
+    follow their own updates)."""
+    cfg, torch_opt = OPTIMIZERS[name]
+    plain, fast = fp16_model(cfg)
+    assert train_in_lock_step(plain, fast, torch_opt, lambda s: M.bag_inputs(rows=ROWS, seed=s)) >= 8
+
+
+def test_the_tables_are_fp16_rows_of_fbgemms_tbe_from_the_start():
+    plain, fast = fp16_model()
+    assert {n: v.dtype for n, v in fast.state_dict().items() if n.startswith("bags.")} == \
+        {f"bags.{i}.weight": torch.float16 for i in range(3)}
+    for n, p in tables(fast).items():  # the rounded weights the model had
+        assert torch.equal(p, tables(plain)[n].detach().half()), n
+    (group,) = [m for m in fast.modules() if type(m).__name__ == "EmbeddingGroup"]
+    tbe = group._bound.tbe
+    assert tbe.weights_host.dtype == torch.float16
+    assert tbe.weights_host.numel() == sum(r * 8 for r in ROWS)  # dim 8: no padding, 2 bytes a value
+    base = tbe.weights_host.data_ptr()
+    for p in tables(fast).values():  # views of the TBE's rows
+        assert base <= p.data_ptr() < base + tbe.weights_host.numel() * 2
+    assert "weights stored in fp16 in fbgemm's TBE" in str(fast.report)
+    assert [g.dtypes for g in fast.report.groups] == [["fp16"] * 3]
+
+
+def test_a_dict_stores_only_the_tables_it_names_and_they_form_their_own_group():
+    torch.manual_seed(0)
+    fast = fxrec.transform(M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.SGD(lr=0.1),
+                           weights_precision={"bags.1": "fp16", "*": "fp32"})
+    assert {n: p.dtype for n, p in tables(fast).items()} == {
+        "bags.0.weight": torch.float32, "bags.1.weight": torch.float16, "bags.2.weight": torch.float32}
+    assert sorted(tuple(g.dtypes) for g in fast.report.groups) == [("float32", "float32"), ("fp16",)]
+
+
+def test_copies_checkpoints_and_export_keep_the_fp16_rows():
+    _, fast = fp16_model(fxrec.optim.RowWiseAdagrad(lr=0.1))
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    fast(*M.bag_inputs(rows=ROWS, seed=1)).sum().backward()
+    opt.step()
+    x = M.bag_inputs(rows=ROWS, seed=2)
+    with torch.no_grad():
+        want = fast(*x)
+    for other in (copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(fast.state_dict().values(),
+                                                                           other.state_dict().values()))
+        with torch.no_grad():
+            assert torch.equal(other(*x), want)
+    ep = fxrec.export.program(fast, x)
+    assert torch.equal(ep.module()(*x), want)
+
+
+def test_checkpoints_load_between_fp16_and_fp32_tables(tmp_path):
+    plain, fast = fp16_model(fxrec.optim.RowWiseAdagrad(lr=0.1))
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    fast(*M.bag_inputs(rows=ROWS, seed=1)).sum().backward()
+    opt.step()
+    fxrec.checkpoint.save_model(fast, tmp_path / "fp16")
+    _, again = fp16_model(fxrec.optim.RowWiseAdagrad(lr=0.1), seed=5)
+    fxrec.checkpoint.load_into_model(again, tmp_path / "fp16")
+    for a, b in zip(fast.state_dict().values(), again.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    into_plain = M.BagList(rows=ROWS)  # fp32 tables get the fp16 values exactly
+    fxrec.checkpoint.load_into_model(into_plain, tmp_path / "fp16", strict=False)
+    for n, p in tables(into_plain).items():
+        assert p.dtype == torch.float32 and torch.equal(p, fast.get_parameter(n).float()), n
+    fxrec.checkpoint.save_model(plain, tmp_path / "fp32")  # fp32 into fp16: rounded to nearest
+    fxrec.checkpoint.load_into_model(again, tmp_path / "fp32", strict=False)
+    for n, p in tables(again).items():
+        assert p.dtype == torch.float16 and torch.equal(p, tables(plain)[n].detach().half()), n
+
+
+def test_explain_for_cuda_stores_bf16_and_counts_two_bytes_a_value_against_the_budget():
+    model = M.BagList(rows=(1000, 2000, 3000), dim=16)
+    inputs = M.bag_inputs(rows=(1000, 2000, 3000))
+    cfg = fxrec.optim.RowWiseAdagrad(lr=0.1)
+    r = fxrec.explain(model, inputs, device="cuda", optimizer=cfg, weights_precision="bf16", hbm_budget="1GB")
+    (g,) = r.groups
+    assert (g.kernel_train, g.kernel_eval, g.fused, g.dtypes) == ("fbgemm", "fbgemm", "rowwise_adagrad", ["bf16"] * 3)
+    (stats,) = [p for p in r.passes if p.startswith("place_tables")]
+    hbm = int(stats.split("tables_hbm_bytes=")[1].split(",")[0].rstrip(")"))
+    assert hbm == 6000 * 16 * 2 + 6000 * 4  # bf16 rows, one fp32 row-wise state a row
+    r32 = fxrec.explain(model, inputs, device="cuda", optimizer=cfg, hbm_budget="1GB")
+    (stats,) = [p for p in r32.passes if p.startswith("place_tables")]
+    assert int(stats.split("tables_hbm_bytes=")[1].split(",")[0].rstrip(")")) == 6000 * 16 * 4 + 6000 * 4
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(30, 8, mode="sum")
+
+    def forward(self, ids, offsets):
+        return self.emb(ids, offsets) @ self.emb.weight.t()  # the table also scores the rows
+
+
+@pytest.mark.parametrize("case,kw,match", [
+    ("no optimizer", {}, r"weights_precision='fp16' for tables \['bags.0', 'bags.1', 'bags.2'\], which only fbgemm's TBE "
+                         r"stores, and fbgemm cannot run them here \(not fbgemm: tables stored in fp16 train only with an "
+                         r"optimizer fused into fbgemm's backward\)"),
+    ("bf16 on cpu", dict(optimizer=fxrec.optim.SGD(lr=0.1), weights_precision="bf16"),
+     r"fbgemm's CPU build stores fp16, not bf16"),
+    ("adam on cpu", dict(optimizer=fxrec.optim.LazyAdam()), r"fbgemm fuses adam on CUDA only"),
+    ("inference", dict(mode="inference"), r"weights_precision= is for training; to serve tables in fp16 use "
+                                           r"mode='inference', quantize='fp16'"),
+    ("unknown", dict(weights_precision="int8"), r"weights_precision must be one of \('fp32', 'fp16', 'bf16'\)"),
+    ("unused key", dict(optimizer=fxrec.optim.SGD(lr=0.1), weights_precision={"bags.9": "fp16"}),
+     r"weights_precision keys \['bags.9'\] match no embedding table"),
+])
+def test_what_cannot_be_stored_lower_is_an_error_naming_the_tables(case, kw, match):
+    kw = {"weights_precision": "fp16", **kw}
+    with pytest.raises(InputError, match=match):
+        fxrec.transform(M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS), **kw)
+
+
+def test_a_table_read_outside_its_lookups_or_left_as_written_is_not_stored_lower():
+    with pytest.raises(InputError, match=r"table 'emb' is also used outside its lookups"):
+        fxrec.transform(Tied(), (torch.randint(0, 30, (6,)), torch.tensor([0, 2, 4])),
+                        optimizer=fxrec.optim.SGD(lr=0.1), weights_precision="fp16")
+    with pytest.raises(InputError, match=r"table 'maxbag', but its lookup of .* stays as written"):
+        fxrec.transform(M.NotLowerable(), M.not_lowerable_inputs(), optimizer=fxrec.optim.SGD(lr=0.1),
+                        weights_precision={"maxbag": "fp16", "ok": "fp16"})
+    half = torch.nn.EmbeddingBag(10, 8, mode="sum").half()
+
+    class Half(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = half
+
+        def forward(self, ids, offsets):
+            return self.h(ids, offsets)
+
+    with pytest.raises(InputError, match=r"weights_precision='fp16' for table 'h', which is float16"):
+        fxrec.transform(Half(), (torch.tensor([1, 2]), torch.tensor([0, 1])), optimizer=fxrec.optim.SGD(lr=0.1),
+                        weights_precision="fp16")
+
+
+def test_a_sharding_plan_is_refused():
+    from fxrec.passes.assign_precisions import check_weights_precision
+
+    with pytest.raises(InputError, match=r"weights_precision= does not yet work with a sharding plan"):
+        check_weights_precision("fp16", "training", plan=object())
