@@ -4,14 +4,15 @@ Pass one to ``fxrec.transform(model, inputs, optimizer=...)`` (or a dict from ta
 glob pattern to optimizer, for a per-table choice). Each takes the keyword arguments of its
 ``torch.optim`` namesake, with the same meaning and defaults; ``RowWiseAdagrad`` is fbgemm's
 row-wise Adagrad (one accumulator per row: ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``);
-``LazyAdam`` and ``LazyLamb`` are fbgemm's Adam and LAMB (see the classes).
+``LazyAdam``, ``PartialRowWiseAdam`` and ``LazyLamb`` are fbgemm's Adam, partial row-wise Adam and
+LAMB (see the classes).
 
 Where fbgemm's kernel implements the optimizer's arithmetic, the update runs inside
 ``backward`` ("fused": no gradient is made), once per backward call (two backward calls per
 step, or gradient accumulation, differ from torch.optim for the stateful optimizers). Otherwise the table gets PyTorch's gradient and the torch.optim
-namesake (or :class:`RowWiseAdagradTorch`, :class:`LazyAdamTorch`, :class:`LazyLambTorch`) updates it in ``opt.step()``
+namesake (or :class:`RowWiseAdagradTorch`, :class:`LazyAdamTorch`, ...) updates it in ``opt.step()``
 ("fallback"); the report says which path every table takes. The CPU build of fbgemm fuses SGD,
-Adagrad and row-wise Adagrad only; its CUDA build also ``LazyAdam`` and ``LazyLamb``. ``Adam`` always takes the
+Adagrad and row-wise Adagrad only; its CUDA build also the ``Lazy*`` and ``PartialRowWiseAdam``. ``Adam`` always takes the
 fallback: it is torch.optim.Adam, which updates every row at every step, and fbgemm's Adam
 updates only the rows in the batch (that is ``LazyAdam``, an explicit choice).
 
@@ -129,7 +130,7 @@ class Adam(EmbeddingOptimizer):
 
 @dataclass(frozen=True)
 class _LazyMoments(EmbeddingOptimizer):
-    """The arguments and checks of :class:`LazyAdam` and :class:`LazyLamb`."""
+    """The arguments and checks of :class:`LazyAdam`, :class:`LazyLamb` and :class:`PartialRowWiseAdam`."""
 
     lr: float = 1e-3
     betas: Tuple[float, float] = (0.9, 0.999)
@@ -149,7 +150,7 @@ class _LazyMoments(EmbeddingOptimizer):
         return FusedSpec(self.kind, self.lr, self.eps, self.betas[0], self.betas[1], self.weight_decay)
 
     def torch_optimizer(self, params, sparse=False):
-        cls = LazyLambTorch if self.kind == "lamb" else LazyAdamTorch
+        cls = {"lamb": LazyLambTorch, "partial_rowwise_adam": PartialRowWiseAdamTorch}.get(self.kind, LazyAdamTorch)
         return cls(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
 
@@ -196,12 +197,31 @@ class LazyLamb(_LazyMoments):
     kind = "lamb"
 
 
+@dataclass(frozen=True)
+class PartialRowWiseAdam(_LazyMoments):
+    """fbgemm's partial row-wise Adam (``EmbOptimType.PARTIAL_ROWWISE_ADAM``, fused on CUDA only):
+    :class:`LazyAdam` with one second moment a row instead of one a value (half of Adam's state)::
+
+        m = beta1 * m + (1 - beta1) * g                     # per value, as LazyAdam
+        v = beta2 * v + (1 - beta2) * mean(g * g)           # per row, the mean over the row
+        w = w - lr * ((m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps) + weight_decay * w)
+
+    On the rows in the batch only. fbgemm averages over the row as it stores it, so a table whose
+    dim is not a multiple of 4 (stored padded) is not fused (the report says so) and takes the
+    fallback, :class:`PartialRowWiseAdamTorch`, as on CPU.
+    """
+
+    kind = "partial_rowwise_adam"
+
+
 class LazyAdamTorch(torch.optim.Optimizer):
     """:class:`LazyAdam`'s update as a torch optimizer, in ``step()``: on the rows of a sparse
     gradient (a table made with ``sparse=True``: exactly the rows in the batch), or of a dense
     gradient its rows that are not all zero (a row looked up with an exactly zero gradient is
     then left alone, where the fused update would move it). The step count is per parameter,
     one per ``step()`` that finds a gradient."""
+
+    ELEMENT_WISE = True  # the second moment: one per element (False: one per row, the mean over the row)
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
@@ -219,14 +239,16 @@ class LazyAdamTorch(torch.optim.Optimizer):
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p if self.ELEMENT_WISE else p[:, 0])
                 state["step"] += 1
                 t = int(state["step"].item())
                 rows, vals = gradient_rows(p.grad)
                 m = state["exp_avg"][rows].mul_(b1).add_(vals, alpha=1 - b1)
-                v = state["exp_avg_sq"][rows].mul_(b2).addcmul_(vals, vals, value=1 - b2)
+                g2 = vals * vals if self.ELEMENT_WISE else (vals * vals).mean(1)
+                v = state["exp_avg_sq"][rows].mul_(b2).add_(g2, alpha=1 - b2)
                 w = p[rows]
-                upd = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_().add_(eps))
+                denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
+                upd = (m / (1 - b1 ** t)) / (denom if self.ELEMENT_WISE else denom.unsqueeze(1))
                 if wd:
                     upd.add_(w, alpha=wd)
                 state["exp_avg"].index_copy_(0, rows, m)
@@ -245,6 +267,13 @@ class LazyLambTorch(LazyAdamTorch):
 
     def _direction(self, w, upd):
         return upd.mul_((w.norm(dim=1) / upd.norm(dim=1)).unsqueeze(1))
+
+
+class PartialRowWiseAdamTorch(LazyAdamTorch):
+    """:class:`PartialRowWiseAdam`'s update as a torch optimizer: :class:`LazyAdamTorch` with one
+    second moment a row (``exp_avg_sq`` of shape ``[rows]``: the mean of the row's squared gradient)."""
+
+    ELEMENT_WISE = False
 
 
 def gradient_rows(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fxrec
-from fxrec.optim import LazyAdam, LazyAdamTorch, LazyLamb, LazyLambTorch
+from fxrec.optim import (LazyAdam, LazyAdamTorch, LazyLamb, LazyLambTorch, PartialRowWiseAdam,
+                         PartialRowWiseAdamTorch)
 from tests import models as M
 from tests.test_fused_optimizers import ROWS, train_both
 
@@ -37,7 +38,7 @@ class LazyAdamReference(torch.optim.Optimizer):
                 g = p.grad.to_dense()
                 for r in torch.nonzero(g.abs().sum(1)).flatten().tolist():
                     st["m"][r] = b1 * st["m"][r] + (1 - b1) * g[r]
-                    st["v"][r] = b2 * st["v"][r] + (1 - b2) * g[r] * g[r]
+                    st["v"][r] = b2 * st["v"][r] + (1 - b2) * self.second_moment(st["v"][r], g[r])
                     m_hat = st["m"][r] / (1 - b1 ** t)
                     v_hat = st["v"][r] / (1 - b2 ** t)
                     upd = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p[r]
@@ -45,6 +46,17 @@ class LazyAdamReference(torch.optim.Optimizer):
 
     def ratio(self, w, upd) -> float:
         return 1.0
+
+    def second_moment(self, v, g):
+        return g * g
+
+
+class PartialRowWiseAdamReference(LazyAdamReference):
+    """fbgemm's partial row-wise Adam (the same template's ``partial_rowwise_adam()``): ``v`` one a row,
+    ``beta2 * v + (1 - beta2) * mean(g^2 over the row)``, the rest as Adam's."""
+
+    def second_moment(self, v, g):
+        return v * 0 + g.pow(2).mean()
 
 
 class LazyLambReference(LazyAdamReference):
@@ -482,19 +494,24 @@ def test_sharded_checkpoints_carry_the_fused_adam_step_and_ranks_must_agree_on_i
 # ---------------------------------------------------------------------------------- LazyLamb
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense_grads", "sparse_grads"])
 @pytest.mark.parametrize("wd", [0.0, 0.01])
-def test_lazy_lamb_torch_is_fbgemms_lamb_written_out(sparse, wd):
+@pytest.mark.parametrize("kind", ["lamb", "partial_rowwise_adam"])
+def test_lazy_lamb_and_partial_rowwise_adam_torch_are_fbgemms_updates_written_out(kind, sparse, wd):
     """Rows 0-2 are never in the batch: they and their moments stay; the others follow the reference."""
+    cls, ref_cls = {"lamb": (LazyLambTorch, LazyLambReference),
+                    "partial_rowwise_adam": (PartialRowWiseAdamTorch, PartialRowWiseAdamReference)}[kind]
     w0 = torch.randn(10, 8)
     a, b = w0.clone().requires_grad_(), w0.clone().requires_grad_()
-    lamb = LazyLambTorch([a], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
-    ref = LazyLambReference([b], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
+    hps = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
+    opt, ref = cls([a], **hps), ref_cls([b], **hps)
     for g in _grads((10, 8), 6, seed=4):
         g[:3] = 0.0
         a.grad = torch.sparse_coo_tensor(torch.arange(3, 10).unsqueeze(0), g[3:], (10, 8)) if sparse else g.clone()
         b.grad = g.clone()
-        lamb.step()
+        opt.step()
         ref.step()
-    assert torch.equal(a.detach()[:3], w0[:3]) and not lamb.state[a]["exp_avg"][:3].any()
+    assert tuple(opt.state[a]["exp_avg_sq"].shape) == ((10,) if kind == "partial_rowwise_adam" else (10, 8))
+    assert torch.equal(a.detach()[:3], w0[:3]) and not opt.state[a]["exp_avg"][:3].any()
+    assert not opt.state[a]["exp_avg_sq"][:3].any()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(a.detach()[3:], w0[3:])
 
@@ -529,5 +546,35 @@ def test_a_lazy_lamb_model_made_for_cuda_keeps_its_moments_and_step_through_a_ch
         a(*M.bag_inputs(rows=ROWS, seed=1)).sum().backward()
     fxrec.checkpoint.save_model(a, tmp_path / "ck")
     b = _made_for_cuda(LazyLamb(lr=0.01))
+    fxrec.checkpoint.load_into_model(b, tmp_path / "ck")
+    _assert_same_states(_states(b), _states(a))
+
+
+# ------------------------------------------------------------------------- PartialRowWiseAdam
+def test_partial_rowwise_adam_trains_through_transform_and_fuses_on_cuda_except_padded_tables():
+    cfg = PartialRowWiseAdam(lr=0.01)
+    ref, fast, opt = train_both(lambda: M.BagList(rows=ROWS), lambda s: M.bag_inputs(rows=ROWS, seed=s), cfg,
+                                lambda p: PartialRowWiseAdamReference(p, lr=0.01), steps=8, backend="auto")
+    assert any(isinstance(o, PartialRowWiseAdamTorch) for o in opt.fallbacks)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    r = fxrec.explain(M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS), device="cuda", optimizer=cfg)
+    assert [(g.kernel_train, g.fused) for g in r.groups] == [("fbgemm", "partial_rowwise_adam")]
+    r = fxrec.explain(M.BagList(rows=ROWS, dim=6), M.bag_inputs(rows=ROWS), device="cuda", optimizer=cfg)
+    (g,) = r.groups
+    assert g.fused == "" and "stored padded to a multiple of 4 columns" in g.why, g.why
+    from fxrec.planner.cost import optimizer_kind, optimizer_state_bytes
+
+    assert optimizer_kind(cfg) == "partial_rowwise_adam"
+    assert optimizer_state_bytes("partial_rowwise_adam", 100, 16) == 100 * 16 * 4 + 100 * 4
+
+
+def test_a_partial_rowwise_adam_model_made_for_cuda_checkpoints_its_row_moments(decided_for_cuda, tmp_path):
+    a = _made_for_cuda(PartialRowWiseAdam(lr=0.01))
+    states = _states(a)
+    assert [tuple(t.shape) for t in states[0][1][0].values()] == [(ROWS[0], 8), (ROWS[0],)]
+    _fill_states(a, 4, seed=6)
+    fxrec.checkpoint.save_model(a, tmp_path / "ck")
+    b = _made_for_cuda(PartialRowWiseAdam(lr=0.01))
     fxrec.checkpoint.load_into_model(b, tmp_path / "ck")
     _assert_same_states(_states(b), _states(a))

@@ -154,7 +154,7 @@ def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) ->
         from ..runtime.kernels.fbgemm import tbe_dims
 
         stored = tbe_dims(spec)
-        state = {"adagrad": 4.0, "adam": 8.0, "lamb": 8.0}.get(gr.fused.kind if gr.fused is not None else "", 0.0)
+        state = {"adagrad": 4.0, "adam": 8.0, "lamb": 8.0, "partial_rowwise_adam": 4.0}.get(gr.fused.kind if gr.fused is not None else "", 0.0)
         col_bytes = [state + (2.0 if spec.weights else 4.0)] * len(stored)
     else:
         return ()

@@ -41,7 +41,8 @@ from ..runtime.specs import pad_dim
 #: multiples of it.
 CACHE_WAYS = 32
 #: Optimizer state bytes per stored element (a) and per row (b) of a table, by fused optimizer.
-STATE_BYTES = {None: (0, 0), "sgd": (0, 0), "adagrad": (4, 0), "rowwise_adagrad": (0, 4), "adam": (8, 0), "lamb": (8, 0)}
+STATE_BYTES = {None: (0, 0), "sgd": (0, 0), "adagrad": (4, 0), "rowwise_adagrad": (0, 4), "adam": (8, 0), "lamb": (8, 0),
+               "partial_rowwise_adam": (4, 4)}
 
 
 def table_bytes(rows: int, width: int, fused, gradient: bool = False, weight_bytes: int = 4) -> int:

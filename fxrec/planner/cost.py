@@ -59,7 +59,7 @@ from .specs import (
 
 #: Optimizer state as (bytes per row, bytes per row and column), fp32: SGD has none, SGD with
 #: momentum a buffer like the weights, Adagrad a sum per element, row-wise Adagrad one float per
-#: row, Adam and LAMB two moments per element.
+#: row, Adam and LAMB two moments per element, partial row-wise Adam one per element and one per row.
 OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
     "none": (0, 0),
     "sgd": (0, 0),
@@ -68,6 +68,7 @@ OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
     "rowwise_adagrad": (4, 0),
     "adam": (0, 8),
     "lamb": (0, 8),
+    "partial_rowwise_adam": (4, 4),
 }
 #: The optimizers transform(plan=..., optimizer=...) applies inside backward on sharded tables.
 FUSED_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -101,6 +102,8 @@ def optimizer_kind(optimizer) -> str:
         return "adam"
     if isinstance(optimizer, optim.LazyLamb):
         return "lamb"
+    if isinstance(optimizer, optim.PartialRowWiseAdam):
+        return "partial_rowwise_adam"
     raise ValueError(
         f"fxrec.plan: cannot size the state of optimizer {optimizer!r}; pass one of {sorted(OPTIMIZER_STATE)} "
         "or an fxrec.optim optimizer"

@@ -96,14 +96,17 @@ class FusedSpec:
 
 # Names of the fused optimizer's states per table, in split_optimizer_states() order.
 FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq"),
-                     "lamb": ("exp_avg", "exp_avg_sq")}
+                     "lamb": ("exp_avg", "exp_avg_sq"), "partial_rowwise_adam": ("exp_avg", "exp_avg_sq")}
 
 #: ``weights_precision=``: an fp32 table stored in fbgemm's TBE at a lower precision (its parameter
 #: becomes a view of those rows); the lookups still give fp32.
 WEIGHTS_PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}
 
 #: Fused optimizers that also keep a step count (one per group: fbgemm's ``iter``, for bias correction).
-STEPPED = ("adam", "lamb")
+STEPPED = ("adam", "lamb", "partial_rowwise_adam")
+
+#: Fused optimizers with a per-row state that averages over the row (as fbgemm stores it: padded).
+ROW_MEAN = ("rowwise_adagrad", "partial_rowwise_adam")
 
 
 @dataclass(frozen=True)

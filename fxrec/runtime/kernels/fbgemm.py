@@ -23,7 +23,7 @@ from torch import nn
 
 from .fbgemm_padding import keeps_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
-from ..specs import DIM_ALIGNMENT, STEPPED, WEIGHTS_PRECISIONS, FusedSpec, real_columns_index, stored_widths
+from ..specs import DIM_ALIGNMENT, ROW_MEAN, STEPPED, WEIGHTS_PRECISIONS, FusedSpec, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
 
 _IMPORT_ERROR: Optional[BaseException] = None
@@ -93,7 +93,8 @@ def make_training_tbe(
     compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
     mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
     kinds = {"none": EmbOptimType.EXACT_SGD, "sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
-             "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM, "lamb": EmbOptimType.LAMB}
+             "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM, "lamb": EmbOptimType.LAMB,
+             "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM}
     args = dict(learning_rate=0.0) if fused is None else dict(learning_rate=float(fused.lr), eps=float(fused.eps))
     if kind in STEPPED:  # fbgemm's Adam and LAMB read weight_decay themselves (decoupled: see LazyAdam)
         args.update(beta1=float(fused.beta1), beta2=float(fused.beta2), weight_decay=float(fused.weight_decay))
@@ -227,7 +228,7 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
                     rows = min(n.shape[0], o.shape[0])  # an extra zero row's state need not travel
                     n[:rows].copy_(o[:rows])
         if parked:
-            park(group, old_states, step, moment_shapes(rows_dims), params[0].device)
+            park(group, old_states, step, moment_shapes(opt, rows_dims), params[0].device)
         elif step:
             set_tbe_step(tbe, step)
     if not parked:
@@ -311,11 +312,11 @@ CUDA_MAX_DIM = 2048
 
 class FbgemmKernel(Kernel):
     """fbgemm's TBE: one kernel call for every feature of the group; fused SGD, Adagrad and row-wise
-    Adagrad in its backward (its CPU build's three), on CUDA also Adam and LAMB (``fxrec.optim.Lazy*``)."""
+    Adagrad in its backward (its CPU build's three), on CUDA also Adam, LAMB and partial row-wise Adam."""
 
     name = FBGEMM
     CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
-    CUDA_OPTIMIZERS = CPU_OPTIMIZERS + ("adam", "lamb")
+    CUDA_OPTIMIZERS = CPU_OPTIMIZERS + STEPPED
 
     def supports(self, group, device, mode, optimizer, *, states_only: bool = False):
         """``states_only``: whether a TBE of this group can keep the fused optimizer's states
@@ -338,8 +339,8 @@ class FbgemmKernel(Kernel):
                 return f"fbgemm fuses {optimizer} on CUDA only (its CPU build trains with SGD and the Adagrads)"
             return f"fbgemm has no fused {optimizer}"
         padded = [t.name for t, w in zip(group.tables, stored) if w != t.dim]
-        if optimizer == "rowwise_adagrad" and padded and not states_only:
-            return (f"tables {padded} are stored padded to a multiple of 4 columns, and fbgemm's row-wise Adagrad "
+        if optimizer in ROW_MEAN and padded and not states_only:
+            return (f"tables {padded} are stored padded to a multiple of 4 columns, and fbgemm's {optimizer} "
                     "would average the squared gradient over the padded row, not the table's dim")
         if optimizer is not None and group.padded_rows and not states_only:
             return (f"nn.Embedding {list(group.padded_rows)} has a padding row, which fbgemm's fused {optimizer} "
