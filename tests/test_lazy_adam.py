@@ -578,3 +578,22 @@ def test_a_partial_rowwise_adam_model_made_for_cuda_checkpoints_its_row_moments(
     b = _made_for_cuda(PartialRowWiseAdam(lr=0.01))
     fxrec.checkpoint.load_into_model(b, tmp_path / "ck")
     _assert_same_states(_states(b), _states(a))
+
+
+def _column_wise_row_means(rank, world, root):
+    from tests import test_checkpoint as C
+
+    torch.manual_seed(0)
+    model = C.Model()
+    example = C.local_batch(C.global_batch(C.LOCAL_B * world, 0), rank, C.LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"bags.1": "column_wise"})
+    for cfg in (fxrec.optim.RowWiseAdagrad(lr=0.1), PartialRowWiseAdam(lr=0.1)):
+        with pytest.raises(fxrec.pass_infra.InputError, match=rf"tables \['bags.1'\] are planned column_wise and train "
+                                                              rf"with {cfg.fused_spec().kind}, whose per-row state"):
+            fxrec.transform(model, example, plan=plan, optimizer={"bags.1": cfg})
+
+
+def test_a_per_row_mean_optimizer_is_refused_on_a_column_wise_table(tmp_path):
+    from tests import test_checkpoint as C
+
+    C.spawn(_column_wise_row_means, 2, tmp_path)

@@ -74,7 +74,7 @@ from ..runtime.sharded import (
     PooledLookup, RowWiseInputDist, RowWiseOutputDist, SequenceInputDist, SequenceLookup, SequenceOutputDist,
     TableWiseInputDist, TableWiseOutputDist,
 )
-from ..runtime.specs import FeatureSpec, GroupSpec, TableSpec
+from ..runtime.specs import ROW_MEAN, FeatureSpec, GroupSpec, TableSpec
 from . import choose_kernels
 from .choose_kernels import kernel_order, pick
 
@@ -173,15 +173,15 @@ def _with_local(decision: meta.GroupDecision, gr: meta.GroupRecord, group, short
 
 def _fused_spec(gr: meta.GroupRecord, plan):
     """The group's fused optimizer, if its optimizer can be fused (a group has one). Row-wise
-    Adagrad keeps one state per row, the mean of the squared gradient over the whole row: a
-    column shard sees only its columns, so it is refused on column-wise tables."""
+    Adagrad and partial row-wise Adam keep one state per row, the mean of the squared gradient over
+    the whole row: a column shard sees only its columns, so they are refused on column-wise tables."""
     opt = gr.optimizer
     spec = opt.fused_spec() if opt is not None else None
-    if spec is not None and spec.kind == "rowwise_adagrad":
+    if spec is not None and spec.kind in ROW_MEAN:
         cols = [r.table for r in gr.lookups if plan.tables[r.table].sharding == "column_wise"]
         if cols:
-            raise InputError(f"fxrec: tables {sorted(set(cols))} are planned column_wise and train with row-wise "
-                             "Adagrad, whose per-row state averages over the whole row, which no column shard holds; "
+            raise InputError(f"fxrec: tables {sorted(set(cols))} are planned column_wise and train with {spec.kind}, "
+                             "whose per-row state averages over the whole row, which no column shard holds; "
                              "plan them table_wise or row_wise, or use another optimizer")
     return spec
 
