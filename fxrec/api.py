@@ -14,6 +14,7 @@ from .capture import accepted_sizes, capture, input_guards
 from .graph_module import MODES_KEY
 from .materialize import materialize, meta_names, working_copy
 from .optim import check_spec as check_optimizer_spec
+from .passes.assign_precisions import check_weights_precision
 from .runtime.optimizer import CombinedOptimizer
 from .runtime.group import EmbeddingGroup
 from .runtime.kernels import KERNEL_NAMES
@@ -162,6 +163,7 @@ def transform(
     check_optimizer_spec(optimizer)
     if mode not in ("training", "inference"):
         raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
+    check_weights_precision(weights_precision, mode, plan, compares=verify or check_passes)
     if output_dtype not in ("fp32", "fp16"):
         raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
     if mode == "inference" and optimizer is not None:

@@ -191,7 +191,9 @@ class LazyLamb(_LazyMoments):
     clamp of the trust ratio: a row of zeros never moves (ratio 0), and a row whose ``r`` is all
     zero (a zero gradient at the first step, no weight decay) becomes NaN. There is no
     torch.optim LAMB; where fbgemm cannot fuse it (CPU, or what the report names), the tables get
-    PyTorch's gradients and :class:`LazyLambTorch` applies this update in ``opt.step()``.
+    PyTorch's gradients and :class:`LazyLambTorch` applies this update in ``opt.step()`` (on a dense
+    gradient to the rows that are not all zero, as :class:`LazyAdamTorch`: a looked-up row with an
+    exactly zero gradient is left alone there, where fbgemm's fused update moves it).
     """
 
     kind = "lamb"

@@ -28,18 +28,25 @@ from ..runtime.specs import WEIGHTS_PRECISIONS
 CHOICES = ("fp32",) + tuple(WEIGHTS_PRECISIONS)
 
 
-def check_weights_precision(spec, mode: str, plan) -> None:
-    """Errors for a ``weights_precision=`` that no table could be given."""
+def check_weights_precision(spec, mode: str, plan, compares: bool = False) -> None:
+    """Errors for a ``weights_precision=`` that no table could be given (``compares``: verify=
+    or check_passes=, which compare with the fp32 model)."""
     if spec is None:
         return
     values = [spec] if isinstance(spec, str) else list(spec.values()) if isinstance(spec, dict) else None
     if values is None or any(v not in CHOICES for v in values):
         raise InputError(f"fxrec: weights_precision must be one of {CHOICES} or a dict of them, got {spec!r}")
+    if all(v == "fp32" for v in values):
+        return  # nothing stored lower
     if mode != "training":
         raise InputError("fxrec: weights_precision= is for training; to serve tables in fp16 use "
                          "mode='inference', quantize='fp16' (fbgemm's inference TBE)")
     if plan is not None:
         raise InputError("fxrec: weights_precision= does not yet work with a sharding plan (plan=)")
+    if compares:
+        raise InputError("fxrec: verify= and check_passes= compare with the model's fp32 tables, which "
+                         "weights_precision= rounds: transform without them (tests/test_weights_precision.py "
+                         "compares with the plain model on rounded weights instead)")
 
 
 def precision_for(spec, table: str, param: str) -> str:

@@ -104,6 +104,8 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         elif n.op == "call_module":
             mod = gm.get_submodule(n.target)
             if isinstance(mod, EmbeddingGroup):
+                if mod.stored_lower():
+                    raise InputError(mod.stored_lower())
                 ids, offsets, psws = n.args[0], n.args[1], n.args[2]
                 weights = list(n.args[3]) if len(n.args) > 3 else []
                 serving, kept_offs, kept_psw = _serving_module(mod, offsets, psws)

@@ -219,8 +219,10 @@ class EmbeddingGroup(InputChecks, nn.Module):
             for f, ids in zip(self.features, ids_list):
                 if ids.dtype not in (torch.int64, torch.int32):
                     self._check_ids(f, ids)  # raises, naming the feature
-        if exporting():  # the form torch.export traces: PyTorch's own ops (on fp32 rows, as fbgemm reads them)
-            return self.lookups(ids_list, offsets_list, psw_list, [self._fp32(p) for p in params])
+        if exporting():  # the form torch.export traces: PyTorch's own ops
+            if self.stored_lower():
+                raise RuntimeError(self.stored_lower())
+            return self.lookups(ids_list, offsets_list, psw_list, params)
         training = self._training(params, psw_list)
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
@@ -235,12 +237,23 @@ class EmbeddingGroup(InputChecks, nn.Module):
             out = self._fp32(kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training))
         return out
 
-    def _fp32(self, x):
+    def _fp32(self, out):
         """Tables stored at a lower precision (weights_precision=): fbgemm's kernel gives fp32, so
-        PyTorch's lookups of them (their rows or their output ``x``) are made fp32 too."""
+        PyTorch's lookups of them (an empty batch) are made fp32 too."""
         if not (self.tables and self.tables[0].weights):
-            return x
-        return x.float() if isinstance(x, torch.Tensor) else type(x)(o.float() for o in x)
+            return out
+        return out.float() if isinstance(out, torch.Tensor) else type(out)(o.float() for o in out)
+
+    def stored_lower(self) -> str:
+        """Why a group whose tables are stored in fp16/bf16 by fbgemm's training TBE cannot be
+        exported or scripted for serving (PyTorch's lookups would read and pool them at that
+        precision, or convert every table on every call), and what to do instead; "" otherwise."""
+        if not (self.tables and self.tables[0].weights):
+            return ""
+        return (f"fxrec: tables {[t.name for t in self.tables]} are stored in {self.tables[0].weights} by fbgemm's "
+                "training TBE (weights_precision=), which torch.export and TorchScript do not take; to serve them, "
+                "load the weights into the plain model (fxrec.checkpoint.load_into_model gives the values exactly) "
+                "and transform it with mode='inference', quantize='fp16'")
 
     def sync_cache(self, drop: bool = False) -> None:
         """Tables placed ``managed_caching`` on CUDA: fbgemm keeps their freshest rows in its HBM

@@ -358,6 +358,9 @@ class FbgemmKernel(Kernel):
         if not usable(params, group):
             return None
         fused = training and group.fused_active
+        if group.tables[0].weights == "bf16" and params[0].device.type == "cpu":
+            raise RuntimeError(f"fxrec: tables {[t.name for t in group.tables]} are stored in bf16, which fbgemm's CPU "
+                               "build cannot read: run them on CUDA (saving and loading work on the CPU)")
         if fused and parks(tbe_optimizer(group), params[0].device):
             group.fused_unusable(f"fbgemm's fused {group.fused.kind} runs on CUDA only, not {params[0].device}")
         if group.pooling != "none":
