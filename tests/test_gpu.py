@@ -173,13 +173,15 @@ def test_a_fused_adam_group_counts_a_step_without_ids_and_keeps_its_state_throug
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad", "lazy_adam"])
 def test_tables_stored_in_fp16_and_bf16_train_as_the_plain_model_rounded(precision, opt_name):
     """Lock step as on CPU (tests/test_weights_precision.py): each fused step within one step of
     the precision of PyTorch's fp32 update (fbgemm rounds stochastically on CUDA: either neighbour)."""
+    from tests.test_lazy_adam import LazyAdamReference
     from tests.test_weights_precision import OPTIMIZERS, train_in_lock_step
 
-    cfg, torch_opt = OPTIMIZERS[opt_name]
+    cfg, torch_opt = {**OPTIMIZERS, "lazy_adam": (fxrec.optim.LazyAdam(lr=0.01),
+                                                  lambda p: LazyAdamReference(p, lr=0.01))}[opt_name]
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     torch.manual_seed(0)
     model = M.BagList(rows=ROWS).cuda()
