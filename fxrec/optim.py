@@ -4,15 +4,15 @@ Pass one to ``fxrec.transform(model, inputs, optimizer=...)`` (or a dict from ta
 glob pattern to optimizer, for a per-table choice). Each takes the keyword arguments of its
 ``torch.optim`` namesake, with the same meaning and defaults; ``RowWiseAdagrad`` is fbgemm's
 row-wise Adagrad (one accumulator per row: ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``);
-``LazyAdam``, ``PartialRowWiseAdam`` and ``LazyLamb`` are fbgemm's Adam, partial row-wise Adam and
-LAMB (see the classes).
+``LazyAdam``, ``PartialRowWiseAdam``, ``LazyLamb`` and ``PartialRowWiseLamb`` are fbgemm's Adam,
+partial row-wise Adam, LAMB and partial row-wise LAMB (see the classes).
 
 Where fbgemm's kernel implements the optimizer's arithmetic, the update runs inside
 ``backward`` ("fused": no gradient is made), once per backward call (two backward calls per
 step, or gradient accumulation, differ from torch.optim for the stateful optimizers). Otherwise the table gets PyTorch's gradient and the torch.optim
 namesake (or :class:`RowWiseAdagradTorch`, :class:`LazyAdamTorch`, ...) updates it in ``opt.step()``
 ("fallback"); the report says which path every table takes. The CPU build of fbgemm fuses SGD,
-Adagrad and row-wise Adagrad only; its CUDA build also the ``Lazy*`` and ``PartialRowWiseAdam``. ``Adam`` always takes the
+Adagrad and row-wise Adagrad only; its CUDA build also the ``Lazy*`` and ``PartialRowWise*``. ``Adam`` always takes the
 fallback: it is torch.optim.Adam, which updates every row at every step, and fbgemm's Adam
 updates only the rows in the batch (that is ``LazyAdam``, an explicit choice).
 
@@ -130,7 +130,7 @@ class Adam(EmbeddingOptimizer):
 
 @dataclass(frozen=True)
 class _LazyMoments(EmbeddingOptimizer):
-    """The arguments and checks of :class:`LazyAdam`, :class:`LazyLamb` and :class:`PartialRowWiseAdam`."""
+    """The arguments and checks of :class:`LazyAdam`, :class:`LazyLamb` and their partial row-wise forms."""
 
     lr: float = 1e-3
     betas: Tuple[float, float] = (0.9, 0.999)
@@ -150,7 +150,8 @@ class _LazyMoments(EmbeddingOptimizer):
         return FusedSpec(self.kind, self.lr, self.eps, self.betas[0], self.betas[1], self.weight_decay)
 
     def torch_optimizer(self, params, sparse=False):
-        cls = {"lamb": LazyLambTorch, "partial_rowwise_adam": PartialRowWiseAdamTorch}.get(self.kind, LazyAdamTorch)
+        cls = {"lamb": LazyLambTorch, "partial_rowwise_adam": PartialRowWiseAdamTorch,
+               "partial_rowwise_lamb": PartialRowWiseLambTorch}.get(self.kind, LazyAdamTorch)
         return cls(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
 
@@ -216,6 +217,17 @@ class PartialRowWiseAdam(_LazyMoments):
     kind = "partial_rowwise_adam"
 
 
+@dataclass(frozen=True)
+class PartialRowWiseLamb(_LazyMoments):
+    """fbgemm's partial row-wise LAMB (``EmbOptimType.PARTIAL_ROWWISE_LAMB``, fused on CUDA only):
+    :class:`LazyLamb` with :class:`PartialRowWiseAdam`'s second moment (one a row, the mean of the
+    row's squared gradient). Not fused on padded tables, for the same reason; the fallback is
+    :class:`PartialRowWiseLambTorch`.
+    """
+
+    kind = "partial_rowwise_lamb"
+
+
 class LazyAdamTorch(torch.optim.Optimizer):
     """:class:`LazyAdam`'s update as a torch optimizer, in ``step()``: on the rows of a sparse
     gradient (a table made with ``sparse=True``: exactly the rows in the batch), or of a dense
@@ -274,6 +286,13 @@ class LazyLambTorch(LazyAdamTorch):
 class PartialRowWiseAdamTorch(LazyAdamTorch):
     """:class:`PartialRowWiseAdam`'s update as a torch optimizer: :class:`LazyAdamTorch` with one
     second moment a row (``exp_avg_sq`` of shape ``[rows]``: the mean of the row's squared gradient)."""
+
+    ELEMENT_WISE = False
+
+
+class PartialRowWiseLambTorch(LazyLambTorch):
+    """:class:`PartialRowWiseLamb`'s update as a torch optimizer: :class:`LazyLambTorch` with one
+    second moment a row, as :class:`PartialRowWiseAdamTorch`."""
 
     ELEMENT_WISE = False
 

@@ -81,18 +81,21 @@ def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.01])
-@pytest.mark.parametrize("kind", ["adam", "lamb", "partial_rowwise_adam"])
+@pytest.mark.parametrize("kind", ["adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb"])
 def test_fused_adam_lamb_and_partial_rowwise_adam_match_the_written_out_update_and_resume_exactly(kind, wd, tmp_path):
     """None of lr, betas, eps is fbgemm's default, so one fxrec did not pass would show. Resumed
     four ways: a deepcopy, state_dicts, an fxrec checkpoint without optimizer= (the step count is
     a fused entry), and a trip to the CPU and back (the Adam states wait on the group there)."""
-    from tests.test_lazy_adam import LazyAdamReference, LazyLambReference, PartialRowWiseAdamReference
+    from tests.test_lazy_adam import (LazyAdamReference, LazyLambReference, PartialRowWiseAdamReference,
+                                      PartialRowWiseLambReference)
 
     hps = dict(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
     cfg = {"adam": fxrec.optim.LazyAdam, "lamb": fxrec.optim.LazyLamb,
-           "partial_rowwise_adam": fxrec.optim.PartialRowWiseAdam}[kind](**hps)
+           "partial_rowwise_adam": fxrec.optim.PartialRowWiseAdam,
+           "partial_rowwise_lamb": fxrec.optim.PartialRowWiseLamb}[kind](**hps)
     reference = {"adam": LazyAdamReference, "lamb": LazyLambReference,
-                 "partial_rowwise_adam": PartialRowWiseAdamReference}[kind]
+                 "partial_rowwise_adam": PartialRowWiseAdamReference,
+                 "partial_rowwise_lamb": PartialRowWiseLambReference}[kind]
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=cfg)
     assert all(g.fused is not None and g.fused.kind == kind and g.kernel_train == "fbgemm" for g in groups(fast))

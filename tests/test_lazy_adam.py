@@ -9,7 +9,7 @@ import torch
 
 import fxrec
 from fxrec.optim import (LazyAdam, LazyAdamTorch, LazyLamb, LazyLambTorch, PartialRowWiseAdam,
-                         PartialRowWiseAdamTorch)
+                         PartialRowWiseAdamTorch, PartialRowWiseLamb, PartialRowWiseLambTorch)
 from tests import models as M
 from tests.test_fused_optimizers import ROWS, train_both
 
@@ -65,6 +65,12 @@ class LazyLambReference(LazyAdamReference):
 
     def ratio(self, w, upd) -> float:
         return float(w.pow(2).sum().sqrt()) / float(upd.pow(2).sum().sqrt())
+
+
+class PartialRowWiseLambReference(LazyLambReference):
+    """fbgemm's partial row-wise LAMB (``partial_rowwise_lamb()``): LAMB with the row-wise ``v``."""
+
+    second_moment = PartialRowWiseAdamReference.second_moment
 
 
 def _grads(shape, steps, seed, zero_rows=()):
@@ -180,7 +186,8 @@ def _lookup_models():
 
 
 @pytest.mark.parametrize("name", sorted(_lookup_models()))
-@pytest.mark.parametrize("cfg", [LazyAdam(lr=0.01), LazyLamb(lr=0.01)], ids=["adam", "lamb"])
+@pytest.mark.parametrize("cfg", [LazyAdam(lr=0.01), LazyLamb(lr=0.01), PartialRowWiseAdam(lr=0.01),
+                                 PartialRowWiseLamb(lr=0.01)], ids=lambda c: c.kind)
 def test_explain_for_cuda_fuses_lazy_adam_and_lamb_into_fbgemm_on_every_group(name, cfg):
     model_fn, inputs = _lookup_models()[name]
     r = fxrec.explain(model_fn(), inputs, device="cuda", optimizer=cfg)
@@ -494,11 +501,12 @@ def test_sharded_checkpoints_carry_the_fused_adam_step_and_ranks_must_agree_on_i
 # ---------------------------------------------------------------------------------- LazyLamb
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense_grads", "sparse_grads"])
 @pytest.mark.parametrize("wd", [0.0, 0.01])
-@pytest.mark.parametrize("kind", ["lamb", "partial_rowwise_adam"])
-def test_lazy_lamb_and_partial_rowwise_adam_torch_are_fbgemms_updates_written_out(kind, sparse, wd):
+@pytest.mark.parametrize("kind", ["lamb", "partial_rowwise_adam", "partial_rowwise_lamb"])
+def test_lazy_lamb_and_the_partial_rowwise_forms_are_fbgemms_updates_written_out(kind, sparse, wd):
     """Rows 0-2 are never in the batch: they and their moments stay; the others follow the reference."""
     cls, ref_cls = {"lamb": (LazyLambTorch, LazyLambReference),
-                    "partial_rowwise_adam": (PartialRowWiseAdamTorch, PartialRowWiseAdamReference)}[kind]
+                    "partial_rowwise_adam": (PartialRowWiseAdamTorch, PartialRowWiseAdamReference),
+                    "partial_rowwise_lamb": (PartialRowWiseLambTorch, PartialRowWiseLambReference)}[kind]
     w0 = torch.randn(10, 8)
     a, b = w0.clone().requires_grad_(), w0.clone().requires_grad_()
     hps = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
@@ -509,7 +517,7 @@ def test_lazy_lamb_and_partial_rowwise_adam_torch_are_fbgemms_updates_written_ou
         b.grad = g.clone()
         opt.step()
         ref.step()
-    assert tuple(opt.state[a]["exp_avg_sq"].shape) == ((10,) if kind == "partial_rowwise_adam" else (10, 8))
+    assert tuple(opt.state[a]["exp_avg_sq"].shape) == ((10,) if kind.startswith("partial") else (10, 8))
     assert torch.equal(a.detach()[:3], w0[:3]) and not opt.state[a]["exp_avg"][:3].any()
     assert not opt.state[a]["exp_avg_sq"][:3].any()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -560,13 +568,14 @@ def test_partial_rowwise_adam_trains_through_transform_and_fuses_on_cuda_except_
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
     r = fxrec.explain(M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS), device="cuda", optimizer=cfg)
     assert [(g.kernel_train, g.fused) for g in r.groups] == [("fbgemm", "partial_rowwise_adam")]
-    r = fxrec.explain(M.BagList(rows=ROWS, dim=6), M.bag_inputs(rows=ROWS), device="cuda", optimizer=cfg)
-    (g,) = r.groups
-    assert g.fused == "" and "stored padded to a multiple of 4 columns" in g.why, g.why
     from fxrec.planner.cost import optimizer_kind, optimizer_state_bytes
 
-    assert optimizer_kind(cfg) == "partial_rowwise_adam"
-    assert optimizer_state_bytes("partial_rowwise_adam", 100, 16) == 100 * 16 * 4 + 100 * 4
+    for c in (cfg, PartialRowWiseLamb(lr=0.01)):  # fbgemm averages over the padded width: not fused
+        r = fxrec.explain(M.BagList(rows=ROWS, dim=6), M.bag_inputs(rows=ROWS), device="cuda", optimizer=c)
+        (g,) = r.groups
+        assert g.fused == "" and "stored padded to a multiple of 4 columns" in g.why, g.why
+        assert optimizer_kind(c) == c.kind
+        assert optimizer_state_bytes(c.kind, 100, 16) == 100 * 16 * 4 + 100 * 4
 
 
 def test_a_partial_rowwise_adam_model_made_for_cuda_checkpoints_its_row_moments(decided_for_cuda, tmp_path):

@@ -29,6 +29,7 @@ from ..group_module import group_spec, uses_outside_group
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime import kernels
 from ..runtime.kernels import FBGEMM, NATIVE, REFERENCE
+from ..runtime.specs import FUSED_STATE_BYTES
 
 #: (device, mode, fused optimizer) -> kernels in order of preference; ``None`` as the optimizer is
 #: the line for every optimizer without one of its own. Figures: benchmarks/results/cpu.json and
@@ -154,7 +155,7 @@ def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) ->
         from ..runtime.kernels.fbgemm import tbe_dims
 
         stored = tbe_dims(spec)
-        state = {"adagrad": 4.0, "adam": 8.0, "lamb": 8.0, "partial_rowwise_adam": 4.0}.get(gr.fused.kind if gr.fused is not None else "", 0.0)
+        state = FUSED_STATE_BYTES[gr.fused.kind][1] if gr.fused is not None else 0  # per padded value
         col_bytes = [state + (2.0 if spec.weights else 4.0)] * len(stored)
     else:
         return ()

@@ -35,20 +35,17 @@ import torch.fx as fx
 from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..runtime.kernels import FBGEMM
-from ..runtime.specs import pad_dim
+from ..runtime.specs import FUSED_STATE_BYTES, pad_dim
 
 #: fbgemm's cache is set-associative with this many ways (DEFAULT_ASSOC on CUDA): its rows come in
 #: multiples of it.
 CACHE_WAYS = 32
-#: Optimizer state bytes per stored element (a) and per row (b) of a table, by fused optimizer.
-STATE_BYTES = {None: (0, 0), "sgd": (0, 0), "adagrad": (4, 0), "rowwise_adagrad": (0, 4), "adam": (8, 0), "lamb": (8, 0),
-               "partial_rowwise_adam": (4, 4)}
 
 
 def table_bytes(rows: int, width: int, fused, gradient: bool = False, weight_bytes: int = 4) -> int:
     """HBM bytes of a table held on the device (``weight_bytes`` an element: 4 fp32, 2 fp16/bf16),
     its fused optimizer's states (fp32) and (``gradient``) a dense fp32 gradient of it."""
-    a, b = STATE_BYTES[fused.kind if fused is not None else None]
+    b, a = FUSED_STATE_BYTES[fused.kind] if fused is not None else (0, 0)
     return rows * (width * (weight_bytes + a + (4 if gradient else 0)) + b)
 
 
@@ -80,7 +77,7 @@ def hbm_bytes(groups, placements: Dict[str, str], load_factor: float, training: 
                 total += table_bytes(rec.num_rows, width, gr.fused, grad, wb)
             else:  # managed_caching: a row-wise state stays in HBM
                 caching.append((rec.num_rows, width))
-                total += rec.num_rows * STATE_BYTES[gr.fused.kind if gr.fused is not None else None][1]
+                total += rec.num_rows * (FUSED_STATE_BYTES[gr.fused.kind][0] if gr.fused is not None else 0)
         total += cache_bytes(caching, load_factor, wb)
     return total
 

@@ -180,7 +180,8 @@ def _fused_spec(gr: meta.GroupRecord, plan):
     if spec is not None and spec.kind in ROW_MEAN:
         cols = [r.table for r in gr.lookups if plan.tables[r.table].sharding == "column_wise"]
         if cols:
-            name = {"rowwise_adagrad": "row-wise Adagrad", "partial_rowwise_adam": "partial row-wise Adam"}[spec.kind]
+            name = {"rowwise_adagrad": "row-wise Adagrad", "partial_rowwise_adam": "partial row-wise Adam",
+                    "partial_rowwise_lamb": "partial row-wise LAMB"}[spec.kind]
             raise InputError(f"fxrec: tables {sorted(set(cols))} are planned column_wise and train with {name}, "
                              "whose per-row state averages over the whole row, which no column shard holds; "
                              "plan them table_wise or row_wise, or use another optimizer")

@@ -53,23 +53,14 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
+from ..runtime.specs import FUSED_STATE_BYTES
 from .specs import (
     COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, TableSpec, Topology,
 )
 
-#: Optimizer state as (bytes per row, bytes per row and column), fp32: SGD has none, SGD with
-#: momentum a buffer like the weights, Adagrad a sum per element, row-wise Adagrad one float per
-#: row, Adam and LAMB two moments per element, partial row-wise Adam one per element and one per row.
-OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {
-    "none": (0, 0),
-    "sgd": (0, 0),
-    "sgd_momentum": (0, 4),
-    "adagrad": (0, 4),
-    "rowwise_adagrad": (4, 0),
-    "adam": (0, 8),
-    "lamb": (0, 8),
-    "partial_rowwise_adam": (4, 4),
-}
+#: Optimizer state as (bytes per row, bytes per row and column), fp32: none, SGD with momentum a
+#: buffer like the weights, and the fused optimizers' (:data:`fxrec.runtime.specs.FUSED_STATE_BYTES`).
+OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {"none": (0, 0), "sgd_momentum": (0, 4), **FUSED_STATE_BYTES}
 #: The optimizers transform(plan=..., optimizer=...) applies inside backward on sharded tables.
 FUSED_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
 _OPTIMIZER_ALIASES = {"row_wise_adagrad": "rowwise_adagrad", "rowwiseadagrad": "rowwise_adagrad", "": "none"}
@@ -81,7 +72,7 @@ SHARD_OVERHEAD_MS = 0.002
 
 def optimizer_kind(optimizer) -> str:
     """The state kind of an optimizer: None, one of :data:`OPTIMIZER_STATE`'s names, or an
-    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam, LazyAdam, LazyLamb)."""
+    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam, LazyAdam, LazyLamb, PartialRowWise*)."""
     if optimizer is None:
         return "none"
     if isinstance(optimizer, str):
@@ -102,8 +93,8 @@ def optimizer_kind(optimizer) -> str:
         return "adam"
     if isinstance(optimizer, optim.LazyLamb):
         return "lamb"
-    if isinstance(optimizer, optim.PartialRowWiseAdam):
-        return "partial_rowwise_adam"
+    if isinstance(optimizer, (optim.PartialRowWiseAdam, optim.PartialRowWiseLamb)):
+        return optimizer.kind
     raise ValueError(
         f"fxrec.plan: cannot size the state of optimizer {optimizer!r}; pass one of {sorted(OPTIMIZER_STATE)} "
         "or an fxrec.optim optimizer"

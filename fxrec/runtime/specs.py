@@ -96,17 +96,24 @@ class FusedSpec:
 
 # Names of the fused optimizer's states per table, in split_optimizer_states() order.
 FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq"),
-                     "lamb": ("exp_avg", "exp_avg_sq"), "partial_rowwise_adam": ("exp_avg", "exp_avg_sq")}
+                     "lamb": ("exp_avg", "exp_avg_sq"), "partial_rowwise_adam": ("exp_avg", "exp_avg_sq"),
+                     "partial_rowwise_lamb": ("exp_avg", "exp_avg_sq")}
 
 #: ``weights_precision=``: an fp32 table stored in fbgemm's TBE at a lower precision (its parameter
 #: becomes a view of those rows); the lookups still give fp32.
 WEIGHTS_PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}
 
+#: Bytes of a fused optimizer's fp32 states as (per row, per value of the row): Adagrad a sum a
+#: value, row-wise Adagrad one a row, Adam and LAMB two moments a value, their partial row-wise
+#: forms one a value and one a row. The one table the planner, place_tables and the report use.
+FUSED_STATE_BYTES = {"sgd": (0, 0), "adagrad": (0, 4), "rowwise_adagrad": (4, 0), "adam": (0, 8), "lamb": (0, 8),
+                     "partial_rowwise_adam": (4, 4), "partial_rowwise_lamb": (4, 4)}
+
 #: Fused optimizers that also keep a step count (one per group: fbgemm's ``iter``, for bias correction).
-STEPPED = ("adam", "lamb", "partial_rowwise_adam")
+STEPPED = ("adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb")
 
 #: Fused optimizers with a per-row state that averages over the row (as fbgemm stores it: padded).
-ROW_MEAN = ("rowwise_adagrad", "partial_rowwise_adam")
+ROW_MEAN = ("rowwise_adagrad", "partial_rowwise_adam", "partial_rowwise_lamb")
 
 
 @dataclass(frozen=True)

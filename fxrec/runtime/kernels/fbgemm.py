@@ -94,7 +94,8 @@ def make_training_tbe(
     mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
     kinds = {"none": EmbOptimType.EXACT_SGD, "sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
              "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM, "lamb": EmbOptimType.LAMB,
-             "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM}
+             "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM,
+             "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB}
     args = dict(learning_rate=0.0) if fused is None else dict(learning_rate=float(fused.lr), eps=float(fused.eps))
     if kind in STEPPED:  # fbgemm's Adam and LAMB read weight_decay themselves (decoupled: see LazyAdam)
         args.update(beta1=float(fused.beta1), beta2=float(fused.beta2), weight_decay=float(fused.weight_decay))
@@ -312,7 +313,7 @@ CUDA_MAX_DIM = 2048
 
 class FbgemmKernel(Kernel):
     """fbgemm's TBE: one kernel call for every feature of the group; fused SGD, Adagrad and row-wise
-    Adagrad in its backward (its CPU build's three), on CUDA also Adam, LAMB and partial row-wise Adam."""
+    Adagrad in its backward (its CPU build's three), on CUDA also Adam, LAMB and their partial row-wise forms."""
 
     name = FBGEMM
     CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")

@@ -1,8 +1,8 @@
 """A fused optimizer's states and step count, where they live: in the group's fbgemm TBE, or
 parked beside it when the tables are on a device whose fbgemm cannot run that optimizer.
 
-fbgemm's Adam, LAMB and partial row-wise Adam (``fxrec.optim.LazyAdam``, ``LazyLamb``,
-``PartialRowWiseAdam``) run on CUDA only. A group trained with one and then moved to the CPU (to evaluate, to save) binds a
+fbgemm's Adam, LAMB and their partial row-wise forms (``fxrec.optim.LazyAdam``, ``LazyLamb``,
+``PartialRowWiseAdam``, ``PartialRowWiseLamb``) run on CUDA only. A group trained with one and then moved to the CPU (to evaluate, to save) binds a
 forward-only TBE there and keeps the moments and the step count on the group, on the tables' device (``group._carry_states``,
 ``group._carry_step``): the checkpoint and ``state_dict`` read and write them as ever, a training
 step on that device is an error naming the tables, and the next binding on CUDA takes them into
@@ -56,8 +56,8 @@ def park(group, old_states, step: int, shapes: Sequence[Sequence[tuple]], device
 
 def moment_shapes(opt: str, rows_dims: Sequence[tuple]) -> List[List[tuple]]:
     """fbgemm's states of each table for ``opt`` (``momentum1``, ``momentum2``): each like the table
-    (Adam, LAMB), or ``momentum2`` one a row (partial row-wise Adam)."""
-    rowwise = opt == "partial_rowwise_adam"
+    (Adam, LAMB), or ``momentum2`` one a row (their partial row-wise forms)."""
+    rowwise = opt in ("partial_rowwise_adam", "partial_rowwise_lamb")
     return [[(int(r), int(d)), (int(r),) if rowwise else (int(r), int(d))] for r, d in rows_dims]
 
 
