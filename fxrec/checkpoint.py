@@ -419,17 +419,20 @@ def _state_cut(fqn: str, layout: dict, per_row: bool):
     return (rows, 1), [(ro, n, 0, 1, 0) for ro, n, _, _, _ in pieces]
 
 
-def _split_states(states: Dict[str, torch.Tensor], layout: dict) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
+def _split_states(states: Dict[str, torch.Tensor], layout: dict,
+                  module: torch.nn.Module) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
     """(layout of the states of sharded tables, cut as their tables' rows (and columns); those
-    states by entry; the states of whole tables, by entry)."""
+    states by entry; the states of whole tables, by entry). A state is per-row where it is
+    narrower than this rank's part of its table (on a column shard an element-wise state is as
+    wide as the shard, not the table)."""
     state_layout, sharded, whole = {}, {}, {}
     for key, t in states.items():
         fqn = key.split(FUSED_TAG)[0]
         if fqn not in layout:
             whole[key] = t
             continue
-        dim = layout[fqn][0][1]
-        state_layout[key] = _state_cut(fqn, layout, per_row=t.shape[1] != dim or dim == 1)
+        dim, local = layout[fqn][0][1], module.get_parameter(fqn).shape[1]
+        state_layout[key] = _state_cut(fqn, layout, per_row=t.shape[1] != local or dim == 1)
         sharded[key] = t
     return state_layout, sharded, whole
 
@@ -582,7 +585,7 @@ def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimiz
     _check_collective("save", layout)
     if not (dist.is_available() and dist.is_initialized()):
         return save_model(fast, path, optimizer=optimizer)  # an unsharded model in a single process
-    state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout)
+    state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout, fast)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
     steps = _fused_steps(fast)
     _agreed_steps(steps, process_group)
@@ -642,7 +645,7 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
     _check_collective("load", layout)
     if not (dist.is_available() and dist.is_initialized()):  # an unsharded model in a single process
         return load_into_model(fast, path, strict=strict, optimizer=optimizer)
-    state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout)
+    state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout, fast)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
     whole = {**_whole_state(fast, layout), **whole_states, **_fused_steps(fast)}
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)

@@ -466,3 +466,44 @@ def test_a_trailing_slash_and_a_checkpoint_an_older_fxrec_wrote(tmp_path):
     fxrec.checkpoint.load_into_model(loaded, f"{tmp_path}/plain/")
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def _column_wise_fused_states(rank, world, root):
+    """Fused Adagrad on a column-wise table: each rank's sum is as wide as its columns (element-wise,
+    not per-row); saved, it loads back under the plan and into the single-process model, column for
+    column."""
+    from fxrec.checkpoint import _fused_states
+
+    pins = {"bags.0": ("table_wise", 0), "bags.1": "column_wise", "bags.2": ("table_wise", 1),
+            "tiny": ("table_wise", 0), "single": ("table_wise", 1)}
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+
+    def made(seed):
+        torch.manual_seed(seed)
+        model = Model()
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        return fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.Adagrad(lr=0.1))
+
+    fast = made(0)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        fast(*local_batch(global_batch(LOCAL_B * world, step + 1), rank, LOCAL_B)).sum().backward()
+        opt.step()
+    fxrec.checkpoint.save(fast, os.path.join(root, "cw"))
+    mine = {k: v.clone() for k, v in _fused_states(fast).items()}
+    assert "bags.1.weight.fxrec_fused.sum" in mine and mine["bags.1.weight.fxrec_fused.sum"].any()
+    again = made(1)
+    fxrec.checkpoint.load(again, os.path.join(root, "cw"))
+    theirs = _fused_states(again)
+    assert sorted(theirs) == sorted(mine) and all(torch.equal(theirs[k], v) for k, v in mine.items())
+    torch.manual_seed(2)
+    single = fxrec.transform(Model(), global_batch(LOCAL_B * world, 0), optimizer=fxrec.optim.Adagrad(lr=0.1))
+    fxrec.checkpoint.load_into_model(single, os.path.join(root, "cw"))
+    whole = _fused_states(single)["bags.1.weight.fxrec_fused.sum"]
+    for ro, nr, co, nc, lc in fast.meta["fxrec_shard_layout"]["bags.1.weight"][1]:
+        assert torch.equal(whole[ro:ro + nr, co:co + nc], mine["bags.1.weight.fxrec_fused.sum"][:nr, lc:lc + nc])
+
+
+def test_fused_states_of_a_column_wise_table_save_and_load(tmp_path):
+    spawn(_column_wise_fused_states, 2, tmp_path)

@@ -608,3 +608,17 @@ def test_a_per_row_mean_optimizer_on_a_column_wise_table_and_weights_precision_w
     from tests import test_checkpoint as C
 
     C.spawn(_column_wise_row_means, 2, tmp_path)
+
+
+def test_an_optimizer_state_dict_of_other_state_shapes_is_refused_before_anything_loads(decided_for_cuda):
+    """PartialRowWiseAdam's exp_avg_sq is one a row; LazyAdam's the table's shape: same names, and a
+    table as wide as it is long would take the one for the other without a word."""
+    rows = (8, 8, 8)  # rows == dim: [rows] broadcasts into [rows, dim]
+    a = _made_for_cuda(PartialRowWiseAdam(lr=0.01), rows=rows)
+    b = _made_for_cuda(LazyAdam(lr=0.01), rows=rows)
+    _fill_states(a, 3, seed=7)
+    before = _states(b)
+    with pytest.raises(ValueError, match=r"optimizer state 'bags.0.weight.exp_avg_sq' is \(8,\) in the state dict "
+                                         r"and \(8, 8\) here"):
+        b.make_optimizer(torch.optim.SGD, lr=0.1).load_state_dict(a.make_optimizer(torch.optim.SGD, lr=0.1).state_dict())
+    _assert_same_states(_states(b), before)

@@ -144,7 +144,8 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
 def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) -> tuple:
     """The tables the group will store wider than their dim, and the bytes that costs: quantized
     tables at their dtype's alignment; fp32 tables wherever an fbgemm TBE holds them (the fbgemm
-    kernel, or the Adagrads' states); element-wise Adagrad pads its state as well."""
+    kernel, or the Adagrads' states); their element-wise states (Adagrad's, the Adam and LAMB
+    moments) are padded as well."""
     if gr.quant:
         from ..runtime.quantized import stored_dims
 

@@ -173,8 +173,9 @@ def _with_local(decision: meta.GroupDecision, gr: meta.GroupRecord, group, short
 
 def _fused_spec(gr: meta.GroupRecord, plan):
     """The group's fused optimizer, if its optimizer can be fused (a group has one). Row-wise
-    Adagrad and partial row-wise Adam keep one state per row, the mean of the squared gradient over
-    the whole row: a column shard sees only its columns, so they are refused on column-wise tables."""
+    Adagrad and partial row-wise Adam and LAMB keep one state per row, the mean of the squared
+    gradient over the whole row: a column shard sees only its columns, so they are refused on
+    column-wise tables."""
     opt = gr.optimizer
     spec = opt.fused_spec() if opt is not None else None
     if spec is not None and spec.kind in ROW_MEAN:

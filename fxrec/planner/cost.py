@@ -61,7 +61,9 @@ from .specs import (
 #: Optimizer state as (bytes per row, bytes per row and column), fp32: none, SGD with momentum a
 #: buffer like the weights, and the fused optimizers' (:data:`fxrec.runtime.specs.FUSED_STATE_BYTES`).
 OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {"none": (0, 0), "sgd_momentum": (0, 4), **FUSED_STATE_BYTES}
-#: The optimizers transform(plan=..., optimizer=...) applies inside backward on sharded tables.
+#: The optimizers transform(plan=..., optimizer=...) applies inside backward on sharded tables on
+#: any device (no gradient to count). fbgemm also fuses the Adam and LAMB kinds, on CUDA only; the
+#: planner does not know the device and counts their gradient (high, not low).
 FUSED_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
 _OPTIMIZER_ALIASES = {"row_wise_adagrad": "rowwise_adagrad", "rowwiseadagrad": "rowwise_adagrad", "": "none"}
 

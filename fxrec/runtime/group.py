@@ -251,7 +251,8 @@ class EmbeddingGroup(InputChecks, nn.Module):
         if not (self.tables and self.tables[0].weights):
             return ""
         return (f"fxrec: tables {[t.name for t in self.tables]} are stored in {self.tables[0].weights} by fbgemm's "
-                "training TBE (weights_precision=), which torch.export and TorchScript do not take; to serve them, "
+                "training TBE (weights_precision=), which torch.export (fxrec.export, or transforming a model that "
+                "contains this one) and TorchScript do not take; to serve them, "
                 "load the weights into the plain model (fxrec.checkpoint.load_into_model gives the values exactly) "
                 "and transform it with mode='inference', quantize='fp16'")
 

@@ -123,20 +123,23 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict) -> None:
         if (state_dict.get("dense") is None) != (self.dense is None) or len(state_dict["fallback"]) != len(self.fallbacks):
             raise ValueError("fxrec: this optimizer state was saved from an optimizer of another shape")
+        saved = state_dict["fused"]
+        fused = [(f"{fqn}.{k}", v) for _, mod, params, names in self.fused
+                 for fqn, states in zip(names, mod.optimizer_states(params)) for k, v in states.items()]
+        for key, v in fused:  # all checked before anything is loaded
+            if key not in saved:
+                raise KeyError(f"fxrec: optimizer state '{key}' is missing from the checkpoint")
+            if tuple(saved[key].shape) != tuple(v.shape):  # e.g. a partial row-wise Adam's [rows]
+                raise ValueError(f"fxrec: optimizer state '{key}' is {tuple(saved[key].shape)} in the state dict and "
+                                 f"{tuple(v.shape)} here (another fused optimizer's?); nothing was loaded")
         if self.dense is not None:
             self.dense.load_state_dict(state_dict["dense"])
         for o, sd in zip(self.fallbacks, state_dict["fallback"]):
             o.load_state_dict(sd)
         self._collect_groups()
-        saved = state_dict["fused"]
         with torch.no_grad():
-            for name, mod, params, names in self.fused:
-                for fqn, states in zip(names, mod.optimizer_states(params)):
-                    for k, v in states.items():
-                        key = f"{fqn}.{k}"
-                        if key not in saved:
-                            raise KeyError(f"fxrec: optimizer state '{key}' is missing from the checkpoint")
-                        v.copy_(saved[key])
+            for key, v in fused:
+                v.copy_(saved[key])
         self.set_fused_steps(state_dict.get("fused_step", {}), only_given=True)
         for g in self.fused_groups:
             if g["fxrec_fused"] in state_dict.get("fused_lr", {}):
