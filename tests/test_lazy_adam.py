@@ -254,11 +254,19 @@ def test_bad_lazy_adam_arguments_are_refused(bad):
         LazyAdam(**bad)
 
 
-def test_the_planner_sizes_lazy_adam_state_as_two_moments_a_weight():
-    from fxrec.planner.cost import optimizer_kind, optimizer_state_bytes
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("cfg,state", [(fxrec.optim.Adam(), 8 * 16), (LazyAdam(), 8 * 16), (LazyLamb(), 8 * 16),
+                                       (PartialRowWiseAdam(), 4 * 16 + 4), (PartialRowWiseLamb(), 4 * 16 + 4)],
+                         ids=["torch_adam", "lazy_adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb"])
+def test_the_planner_sizes_the_adam_and_lamb_kinds_and_their_gradient_where_they_make_one(cfg, state, device):
+    """A row-wise shard's bytes: weights, state (per row), and the shard's dense gradient where the
+    runtime makes one: torch.optim.Adam always, the lazy kinds on CPU (fbgemm fuses them on CUDA only)."""
+    from fxrec.planner import TableSpec
 
-    assert optimizer_kind(LazyAdam()) == "adam"
-    assert optimizer_state_bytes("adam", 100, 16) == 100 * 16 * 8
+    plan = fxrec.plan(tables=[TableSpec("t", 1000, 16)], world_size=2, device=device, memory_per_rank="1GB",
+                      optimizer=cfg, pins={"t": "row_wise"})
+    grad = 16 * 4 if device == "cpu" or isinstance(cfg, fxrec.optim.Adam) else 0
+    assert [s.bytes for s in plan["t"].shards] == [500 * (16 * 4 + state + grad)] * 2
 
 
 def test_betas_given_as_a_list_are_a_tuple_and_the_optimizer_stays_hashable():

@@ -13,9 +13,10 @@ the host), ``inter`` (to other hosts), all GB/s.
 Memory (bytes) of a shard of r rows and c columns::
 
     r * c * e  +  r * s(c)  (+ r * c * e: the shard's dense gradient, for data-parallel tables, and
-                             for sharded ones whose optimizer fxrec does not fuse: "none",
-                             "sgd_momentum", "adam"; SGD, Adagrad and row-wise Adagrad are
-                             applied inside backward and make no gradient)
+                             for sharded ones whose optimizer is not fused: "none", "sgd_momentum",
+                             "adam" (torch.optim.Adam), and on CPU the lazy Adam and LAMB kinds;
+                             SGD, Adagrad and row-wise Adagrad are applied inside backward, and on
+                             CUDA the lazy Adam and LAMB kinds too: no gradient)
 
 Cost (ms per step) = lookup + communication + a fixed overhead, charged to the rank that holds
 the shard::
@@ -60,11 +61,13 @@ from .specs import (
 
 #: Optimizer state as (bytes per row, bytes per row and column), fp32: none, SGD with momentum a
 #: buffer like the weights, and the fused optimizers' (:data:`fxrec.runtime.specs.FUSED_STATE_BYTES`).
-OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {"none": (0, 0), "sgd_momentum": (0, 4), **FUSED_STATE_BYTES}
-#: The optimizers transform(plan=..., optimizer=...) applies inside backward on sharded tables on
-#: any device (no gradient to count). fbgemm also fuses the Adam and LAMB kinds, on CUDA only; the
-#: planner does not know the device and counts their gradient (high, not low).
+#: "adam" is torch.optim.Adam (a dense gradient); "lazy_adam" fxrec.optim.LazyAdam (fbgemm's Adam).
+OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {"none": (0, 0), "sgd_momentum": (0, 4), **FUSED_STATE_BYTES,
+                                               "lazy_adam": FUSED_STATE_BYTES["adam"]}
+#: Kinds transform(plan=..., optimizer=...) applies inside backward on sharded tables (no gradient):
+#: SGD and the Adagrads on every device, the lazy Adam and LAMB kinds on CUDA (fbgemm's CUDA build).
 FUSED_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
+CUDA_FUSED_KINDS = FUSED_KINDS + ("lazy_adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb")
 _OPTIMIZER_ALIASES = {"row_wise_adagrad": "rowwise_adagrad", "rowwiseadagrad": "rowwise_adagrad", "": "none"}
 
 ID_BYTES = 8  # int64 ids
@@ -91,11 +94,11 @@ def optimizer_kind(optimizer) -> str:
         return "rowwise_adagrad"
     if isinstance(optimizer, optim.Adagrad):
         return "adagrad"
-    if isinstance(optimizer, (optim.Adam, optim.LazyAdam)):
+    if isinstance(optimizer, optim.Adam):
         return "adam"
-    if isinstance(optimizer, optim.LazyLamb):
-        return "lamb"
-    if isinstance(optimizer, (optim.PartialRowWiseAdam, optim.PartialRowWiseLamb)):
+    if isinstance(optimizer, optim.LazyAdam):
+        return "lazy_adam"
+    if isinstance(optimizer, (optim.LazyLamb, optim.PartialRowWiseAdam, optim.PartialRowWiseLamb)):
         return optimizer.kind
     raise ValueError(
         f"fxrec.plan: cannot size the state of optimizer {optimizer!r}; pass one of {sorted(OPTIMIZER_STATE)} "
@@ -136,7 +139,8 @@ class CostModel:
         """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
         a, b = OPTIMIZER_STATE[opt]
         n = rows * cols * spec.element_bytes + rows * (a + b * cols)
-        if sharding == DATA_PARALLEL or opt not in FUSED_KINDS:
+        fused = CUDA_FUSED_KINDS if self.topology.device == "cuda" else FUSED_KINDS
+        if sharding == DATA_PARALLEL or opt not in fused:
             n += rows * cols * spec.element_bytes  # the dense gradient (a data-parallel shard is the whole table)
         return n
 
