@@ -340,72 +340,6 @@ def _layout(module: torch.nn.Module) -> dict:
     return dict(meta.get(LAYOUT_KEY, {})) if isinstance(meta, dict) else {}
 
 
-def _fused_states(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """Every fused optimizer state of ``module`` as a 2-D tensor sharing the state's storage, by
-    entry name (see the module doc): Adagrad's ``[rows, dim]``, row-wise Adagrad's ``[rows, 1]``.
-    Call it before taking views of the parameters: a group not yet bound to its TBE binds here,
-    and its parameters' storage moves."""
-    out: Dict[str, torch.Tensor] = {}
-    for group, fqns, params in _fused_groups(module):
-        for fqn, states in zip(fqns, group.optimizer_states(params)):
-            for state, t in states.items():
-                out[f"{fqn}{FUSED_TAG}{state}"] = t if t.dim() == 2 else t.unsqueeze(1)
-    return out
-
-
-def _fused_groups(module: torch.nn.Module):
-    """(group module, its tables' fqns, their parameters) of each group with a fused optimizer."""
-    meta = getattr(module, "meta", None)
-    for name, fqns in (meta.get("fxrec_fused_groups", []) if isinstance(meta, dict) else []):
-        group = module.get_submodule(name)
-        if group.fused is not None:
-            yield group, fqns, [module.get_parameter(f) for f in fqns]
-
-
-def _fused_steps(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The step entries of the groups whose fused optimizer counts steps (reads the device)."""
-    out = {}
-    for group, fqns, params in _fused_groups(module):
-        step = group.fused_step(params)
-        if step is not None:
-            out.update({f"{fqn}{FUSED_TAG}{STEP_STATE}": torch.tensor([step], dtype=torch.int64) for fqn in fqns})
-    return out
-
-
-def _steps_to_set(module: torch.nn.Module, staged: Dict[str, object]) -> list:
-    """(group, params, step) for each stepped group whose tables' entries were read, to give to
-    :func:`_set_steps`; CheckpointError when the tables of one group disagree."""
-    todo = []
-    for group, fqns, params in _fused_groups(module):
-        got = {f: int(staged[k][0]) for f in fqns for k in [f"{f}{FUSED_TAG}{STEP_STATE}"]
-               if isinstance(staged.get(k), torch.Tensor)}
-        if len(set(got.values())) > 1:
-            raise CheckpointError(f"fxrec.checkpoint: tables {sorted(got)} share one fused optimizer step count here, "
-                                  f"but the checkpoint has the steps {got}; nothing was loaded")
-        if got:
-            todo.append((group, params, next(iter(got.values()))))
-    return todo
-
-
-def _set_steps(todo: list) -> None:
-    for group, params, step in todo:
-        group.set_fused_step(params, step)
-
-
-def _agreed_steps(steps: Dict[str, torch.Tensor], process_group) -> None:
-    """Collective: CheckpointError on every rank when two ranks hold different steps for a table."""
-    gathered: List[Optional[dict]] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, {k: int(v[0]) for k, v in steps.items()}, group=process_group)
-    seen: Dict[str, Tuple[int, int]] = {}
-    for rank, mine in enumerate(gathered):
-        for k, v in sorted(mine.items()):
-            if k in seen and seen[k][1] != v:
-                raise CheckpointError(
-                    f"fxrec.checkpoint.save: ranks {seen[k][0]} and {rank} hold the fused optimizer step counts "
-                    f"{seen[k][1]} and {v} for table '{k.split(FUSED_TAG)[0]}'; nothing was written")
-            seen.setdefault(k, (rank, v))
-
-
 def _state_cut(fqn: str, layout: dict, per_row: bool):
     """The layout of an optimizer state kept beside the table ``fqn``: cut like the table (a state
     of the table's shape), or (``per_row``) a ``[rows, 1]`` column cut by the table's rows. The one
@@ -417,24 +351,6 @@ def _state_cut(fqn: str, layout: dict, per_row: bool):
         raise CheckpointError(f"fxrec.checkpoint: table '{fqn}' is split by columns here, so a per-row optimizer "
                               "state (one value for the whole row) cannot be cut like it")
     return (rows, 1), [(ro, n, 0, 1, 0) for ro, n, _, _, _ in pieces]
-
-
-def _split_states(states: Dict[str, torch.Tensor], layout: dict,
-                  module: torch.nn.Module) -> Tuple[dict, Dict[str, torch.Tensor], dict]:
-    """(layout of the states of sharded tables, cut as their tables' rows (and columns); those
-    states by entry; the states of whole tables, by entry). A state is per-row where it is
-    narrower than this rank's part of its table (on a column shard an element-wise state is as
-    wide as the shard, not the table)."""
-    state_layout, sharded, whole = {}, {}, {}
-    for key, t in states.items():
-        fqn = key.split(FUSED_TAG)[0]
-        if fqn not in layout:
-            whole[key] = t
-            continue
-        dim, local = layout[fqn][0][1], module.get_parameter(fqn).shape[1]
-        state_layout[key] = _state_cut(fqn, layout, per_row=t.shape[1] != local or dim == 1)
-        sharded[key] = t
-    return state_layout, sharded, whole
 
 
 def _pieces_of(module: torch.nn.Module, layout: dict, tensors: Optional[Dict[str, torch.Tensor]] = None) -> _Pieces:
@@ -511,7 +427,7 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
         extra = sorted(k for k in set(md) - set(expected) if not _is_optimizer_entry(k))
         if extra:
             problems.append(f"the checkpoint has entries the model does not: {extra} (strict=False ignores them)")
-    other = _other_fused_states(expected, md)
+    other = _fused.other_states(expected, md)
     if strict:
         problems += [f"table '{fqn}' has the fused optimizer states {there} in the checkpoint, another optimizer's than "
                      f"the model's fused one, which keeps {here} (strict=False leaves them as they are)"
@@ -521,23 +437,6 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
         what = "the model and its optimizer" if optimizer_problems else "the model"
         raise CheckpointError(f"fxrec.checkpoint: {path!s} does not fit {what}: " + "; ".join(problems))
     return {k for k in md if FUSED_TAG not in k or k.split(FUSED_TAG)[0] not in other}
-
-
-def _other_fused_states(expected, md) -> Dict[str, Tuple[List[str], List[str]]]:
-    """Tables with fused states here and in the checkpoint where the checkpoint has one the model's
-    optimizer does not keep (another fused optimizer saved them): fqn -> (the checkpoint's state
-    names, the model's). Fewer (no step count) is not another optimizer: those load."""
-    def names(keys):
-        out: Dict[str, set] = {}
-        for k in keys:
-            if FUSED_TAG in k:
-                fqn, state = k.split(FUSED_TAG, 1)
-                out.setdefault(fqn, set()).add(state)
-        return out
-
-    here, there = names(expected), names(md)
-    return {fqn: (sorted(there[fqn]), sorted(states)) for fqn, states in here.items()
-            if fqn in there and there[fqn] - states}
 
 
 def _is_optimizer_entry(key: str) -> bool:
@@ -585,10 +484,10 @@ def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimiz
     _check_collective("save", layout)
     if not (dist.is_available() and dist.is_initialized()):
         return save_model(fast, path, optimizer=optimizer)  # an unsharded model in a single process
-    state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout, fast)
+    state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
-    steps = _fused_steps(fast)
-    _agreed_steps(steps, process_group)
+    steps = _fused.steps(fast)
+    _fused.agreed_steps(steps, process_group)
     whole = {**_whole_state(fast, layout), **whole_states, **steps}
     saved = None
     if optimizer is not None:  # collective: the ranks' parts gathered, the same on every rank
@@ -645,9 +544,9 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
     _check_collective("load", layout)
     if not (dist.is_available() and dist.is_initialized()):  # an unsharded model in a single process
         return load_into_model(fast, path, strict=strict, optimizer=optimizer)
-    state_layout, sharded_states, whole_states = _split_states(_fused_states(fast), layout, fast)
+    state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
-    whole = {**_whole_state(fast, layout), **whole_states, **_fused_steps(fast)}
+    whole = {**_whole_state(fast, layout), **whole_states, **_fused.steps(fast)}
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     _agree(lambda: verify(path, part=(rank, world)), process_group)  # each rank hashes its share
     def fits():
@@ -668,10 +567,10 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
         keys = keys | set(opt_load.whole)
     staged = _load_staged(read, keys, path, _planners()[1](staged_pieces), no_dist=False, process_group=process_group)
     steps = []
-    _agree(lambda: steps.extend(_steps_to_set(fast, staged)), process_group,
+    _agree(lambda: steps.extend(_fused.steps_to_set(fast, staged)), process_group,
            other="another rank found the checkpoint's fused optimizer steps disagree (its error says where); "
                  "nothing was loaded")
-    _set_steps(steps)
+    _fused.set_steps(steps)
     with torch.no_grad():  # every rank read everything: now the model changes
         for k, (_, views) in pieces.items():
             for (_, _, view), (_, _, new) in zip(views, staged_pieces[k][1]):
@@ -704,7 +603,7 @@ def save_model(model: torch.nn.Module, path, *, optimizer: Optional[torch.optim.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         dcp = _dcp()
-        states = {**_fused_states(model), **_fused_steps(model)}  # first: it may bind the tables to their TBE
+        states = {**_fused.states(model), **_fused.steps(model)}  # first: it may bind the tables to their TBE
         saved = None
         if optimizer is not None:
             from . import checkpoint_optim
@@ -738,7 +637,7 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.load_into_model: the model is sharded (transformed with plan=): "
                            "use fxrec.checkpoint.load on every rank")
-    states = {**_fused_states(model), **_fused_steps(model)}  # first: it may bind the tables to their TBE
+    states = {**_fused.states(model), **_fused.steps(model)}  # first: it may bind the tables to their TBE
     state = {**model.state_dict(), **states}
     verify(path)
     keys, opt_load = _fits(model, optimizer, path, _expected(state, {}), _table_names(model, {}), {}, strict)
@@ -752,7 +651,7 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
         staged = _load_staged(read, keys, path, planner, no_dist=True, process_group=None)
     from .graph_module import sync_caches
 
-    _set_steps(_steps_to_set(model, staged))  # first: the steps may not fit
+    _fused.set_steps(_fused.steps_to_set(model, staged))  # first: the steps may not fit
     sync_caches(model, drop=True)  # tables fbgemm caches in GPU memory: empty the cache before the write
     _copy_back(model, state, staged)
     if opt_load is not None:
@@ -832,3 +731,7 @@ def _copy_back(module: torch.nn.Module, state: Dict[str, torch.Tensor], staged: 
                 state[k].copy_(v)
     if through:
         module.load_state_dict(through, strict=False)
+
+
+# the fused optimizers' states (a module of their own; it reads this one's names at call time)
+from . import checkpoint_fused as _fused  # noqa: E402

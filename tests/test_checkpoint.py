@@ -472,7 +472,7 @@ def _column_wise_fused_states(rank, world, root):
     """Fused Adagrad on a column-wise table: each rank's sum is as wide as its columns (element-wise,
     not per-row); saved, it loads back under the plan and into the single-process model, column for
     column."""
-    from fxrec.checkpoint import _fused_states
+    from fxrec.checkpoint_fused import states as _fused_states
 
     pins = {"bags.0": ("table_wise", 0), "bags.1": "column_wise", "bags.2": ("table_wise", 1),
             "tiny": ("table_wise", 0), "single": ("table_wise", 1)}

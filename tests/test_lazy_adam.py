@@ -400,7 +400,7 @@ def test_moments_saved_without_a_step_count_load_and_the_step_stays(decided_for_
     a = _made_for_cuda()
     _fill_states(a, 9, seed=3)
     with monkeypatch.context() as m:
-        m.setattr(fxrec.checkpoint, "_fused_steps", lambda module: {})  # as fxrec wrote them before
+        m.setattr(fxrec.checkpoint_fused, "steps", lambda module: {})  # as fxrec wrote them before
         fxrec.checkpoint.save_model(a, tmp_path / "ck")
     b = _made_for_cuda()
     _fill_states(b, 4, seed=5)
