@@ -289,7 +289,7 @@ def _store_lower_precision(gm: fx.GraphModule) -> None:
 
     for name, fqns in gm.meta["fxrec_fused_groups"]:
         group = gm.get_submodule(name)
-        if group.tables and group.tables[0].weights:
+        if group.weights:
             ensure_bound(group, [gm.get_parameter(f) for f in fqns])
 
 

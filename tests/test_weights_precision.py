@@ -34,7 +34,7 @@ def tables(module):
     return {n: p for n, p in module.named_parameters() if n.startswith("bags.")}
 
 
-def within_one_fp16_step(a: torch.Tensor, b: torch.Tensor, old: torch.Tensor, mantissa_bits: int = 10) -> bool:
+def within_one_rounding_step(a: torch.Tensor, b: torch.Tensor, old: torch.Tensor, mantissa_bits: int = 10) -> bool:
     """|a - b| at most one fp16 spacing at the largest magnitude of the old row, the new ones and
     the step: fbgemm's CPU update of fp16 rows rounds in fp16 on the way (measured: a result near a
     rounding midpoint may go the other way, and one that cancels most of the old value carries the
@@ -76,7 +76,7 @@ def train_in_lock_step(plain, fast, torch_opt, inputs, steps=8, dtype=torch.floa
             assert got.dtype == dtype, n
             if exact_updates:
                 assert torch.equal(got, p.detach().to(dtype)), (step, n)
-            assert within_one_fp16_step(got, p.detach().to(dtype), before[n], 10 if dtype == torch.float16 else 7), \
+            assert within_one_rounding_step(got, p.detach().to(dtype), before[n], 10 if dtype == torch.float16 else 7), \
                 (step, n)
             moved += int((got != before[n]).any())
     for (n, a), (_, b) in zip(plain.dense.named_parameters(), fast.dense.named_parameters()):

@@ -118,6 +118,11 @@ class EmbeddingGroup(InputChecks, nn.Module):
         return GroupSpec(tuple(self.tables), tuple(self.features), self.pooling)
 
     @property
+    def weights(self) -> str:
+        """The precision weights_precision= stores the tables in ("fp16", "bf16"), or "" (fp32)."""
+        return self.tables[0].weights if self.tables else ""
+
+    @property
     def fused_active(self) -> bool:
         """Training updates the tables inside backward (no gradients reach the parameters)."""
         return self.fused is not None and self.fused_enabled
@@ -229,7 +234,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         if out is None:  # an input the chosen kernel does not take: PyTorch's own answer (and update)
             held = [t.name for t in self.tables if t.placement == "managed_caching" or t.weights]
             if held and any(i.numel() for i in ids_list):
-                how = f"stored in {self.tables[0].weights}" if self.tables[0].weights else "cached in GPU memory"
+                how = f"stored in {self.weights}" if self.weights else "cached in GPU memory"
                 raise ValueError(
                     f"fxrec: tables {held} are {how} by fbgemm's kernel, which cannot take this call (features with "
                     "different batch sizes, or include_last_offset mean bags with ids after offsets[-1]); PyTorch's "
@@ -240,7 +245,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
     def _fp32(self, out):
         """Tables stored at a lower precision (weights_precision=): fbgemm's kernel gives fp32, so
         PyTorch's lookups of them (an empty batch) are made fp32 too."""
-        if not (self.tables and self.tables[0].weights):
+        if not self.weights:
             return out
         return out.float() if isinstance(out, torch.Tensor) else type(out)(o.float() for o in out)
 
@@ -248,9 +253,9 @@ class EmbeddingGroup(InputChecks, nn.Module):
         """Why a group whose tables are stored in fp16/bf16 by fbgemm's training TBE cannot be
         exported or scripted for serving (PyTorch's lookups would read and pool them at that
         precision, or convert every table on every call), and what to do instead; "" otherwise."""
-        if not (self.tables and self.tables[0].weights):
+        if not self.weights:
             return ""
-        return (f"fxrec: tables {[t.name for t in self.tables]} are stored in {self.tables[0].weights} by fbgemm's "
+        return (f"fxrec: tables {[t.name for t in self.tables]} are stored in {self.weights} by fbgemm's "
                 "training TBE (weights_precision=), which torch.export (fxrec.export, or transforming a model that "
                 "contains this one) and TorchScript do not take; to serve them, "
                 "load the weights into the plain model (fxrec.checkpoint.load_into_model gives the values exactly) "

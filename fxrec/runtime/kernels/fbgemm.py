@@ -170,7 +170,7 @@ def usable(params: Sequence[torch.Tensor], group=None) -> bool:
 
 def stored_dtype(group) -> torch.dtype:
     """The dtype of the group's rows in its TBE (and so of its parameters once bound)."""
-    w = group.tables[0].weights if group is not None and group.tables else ""
+    w = group.weights if group is not None else ""
     return getattr(torch, WEIGHTS_PRECISIONS[w]) if w else torch.float32
 
 
@@ -204,7 +204,7 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
         rows_dims,
         [f.table for f in group.features],
         group.pooling, params[0].device, fused, [t.placement for t in group.tables],
-        getattr(group, "cache_load_factor", 0.2), group.tables[0].weights,
+        getattr(group, "cache_load_factor", 0.2), group.weights,
     )
     views = tbe.split_embedding_weights()
     old = group._bound
@@ -359,7 +359,7 @@ class FbgemmKernel(Kernel):
         if not usable(params, group):
             return None
         fused = training and group.fused_active
-        if group.tables[0].weights == "bf16" and params[0].device.type == "cpu":
+        if group.weights == "bf16" and params[0].device.type == "cpu":
             raise RuntimeError(f"fxrec: tables {[t.name for t in group.tables]} are stored in bf16, which fbgemm's CPU "
                                "build cannot read: run them on CUDA (saving and loading work on the CPU)")
         if fused and parks(tbe_optimizer(group), params[0].device):
