@@ -1,30 +1,42 @@
-"""The plain model vs fxrec on a GPU, on the shapes of the anchor figures. Writes JSON.
+"""The plain model, fbgemm's TBE written by hand, and fxrec on a GPU, on the shapes of the anchor
+figures. Writes JSON.
 
     make bench-gpu                  # GPU_PY=python3: torch 2.11 + CUDA and fbgemm-gpu 1.6.0 importable
-    python3 benchmarks/bench_gpu.py [--out FILE] [--rounds 20] [--shapes onehot26,multihot64,small512]
+    python3 benchmarks/bench_gpu.py [--out FILE] [--rounds 20] [--shapes onehot26,multihot64,small512] [--no-compile]
     python3 benchmarks/bench_gpu.py --device cpu --scale 1000 --rounds 2 --out /tmp/x.json   # a smoke run
 
-Shapes, variants and method follow ../shared/gpu/README.md's anchors (measured with fbgemm's TBE
-directly), so the figures compare: the plain model is a ModuleList of nn.EmbeddingBag(mode="sum")
-looked up in a loop then torch.cat; its training step is forward, backward (sparse gradients:
-tables made with sparse=True) and torch.optim.SGD. fxrec's model is ``fxrec.transform`` of the same
-tables with default arguments (forward), with ``optimizer=fxrec.optim.SGD`` (fused into backward),
-and with ``mode="inference", quantize="int8"``. Each variant runs in turn, ``--rounds`` times, in
-one process, timed with CUDA events (perf_counter on CPU); medians are reported. Outputs are
-checked against the plain model before timing; the transform's wall time and its peak device
-memory beyond the plain model (``torch.cuda.max_memory_allocated``) are recorded too.
+Shapes, variants and method follow ../shared/gpu/README.md's anchors, so the figures compare:
+- ``plain``: a ModuleList of nn.EmbeddingBag(mode="sum") looked up in a loop then torch.cat; its
+  training step is forward, backward (sparse gradients: tables made with sparse=True) and
+  torch.optim.SGD (or torch.optim.Adagrad, the nearest torch has to row-wise Adagrad);
+  ``plain_cuda_graph`` replays its forward as a CUDA graph, ``plain_compiled`` is torch.compile of
+  it (skipped with --no-compile: compiling 512 tables takes minutes);
+- ``tbe``: one SplitTableBatchedEmbeddingBagsCodegen over the same tables, written by hand against
+  fbgemm's API and fed ids and offsets already packed the way it wants them (what fxrec does for
+  the user is the difference);
+- ``fxrec``: ``fxrec.transform`` of the plain model with default arguments (forward), with
+  ``optimizer=fxrec.optim.SGD`` / ``RowWiseAdagrad`` (fused into backward), and with
+  ``mode="inference", quantize="int8"``; it is fed the model's own inputs (lists of id tensors).
+Each variant runs in turn, ``--rounds`` times, in one process, timed with CUDA events
+(perf_counter on CPU); medians are reported, of one call (the host's work for it counts in full)
+and of ``--queue`` calls queued back to back, as a training loop runs them (``*_queued``). Outputs are checked against the plain model before
+timing; a device-to-device copy is timed in the same run (the bandwidth the multi-hot forward is
+compared with), and the transform's wall time and its peak device memory beyond the plain model
+(``torch.cuda.max_memory_allocated``) are recorded. The JSON is written after every shape.
 ``--scale N`` divides every shape's rows by N (smoke runs on small machines).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -37,6 +49,7 @@ SHAPES = {  # ../shared/gpu/README.md's anchor configurations
     "multihot64": dict(tables=64, rows=500_000, dim=128, batch=8192, ids_per_bag=32),
     "small512": dict(tables=512, rows=10_000, dim=64, batch=2048, ids_per_bag=4),
 }
+LR = 0.01
 
 
 class PlainBags(nn.Module):
@@ -54,6 +67,35 @@ def inputs(cfg, device, seed):
     ids = [torch.randint(0, cfg["rows"], (n,), generator=g).to(device) for _ in range(cfg["tables"])]
     offsets = [torch.arange(0, n, cfg["ids_per_bag"]).to(device) for _ in range(cfg["tables"])]
     return ids, offsets
+
+
+def packed(ids, offsets):
+    """fbgemm's TBE input: every table's ids in one tensor, and T*B+1 offsets into it."""
+    starts = [0]
+    for i in ids[:-1]:
+        starts.append(starts[-1] + i.numel())
+    flat_offsets = torch.cat([o + s for o, s in zip(offsets, starts)] + [offsets[0].new_tensor([starts[-1] + ids[-1].numel()])])
+    return torch.cat(ids), flat_offsets
+
+
+def hand_written_tbe(plain, cfg, device, optimizer):
+    """fbgemm's training TBE over ``plain``'s tables (its rows copied in), fused ``optimizer``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
+                                                                            SplitTableBatchedEmbeddingBagsCodegen)
+    on_cpu = device.type == "cpu"
+    where = (EmbeddingLocation.HOST, ComputeDevice.CPU) if on_cpu else (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+    kind = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optimizer]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen([(cfg["rows"], cfg["dim"], *where)] * cfg["tables"], optimizer=kind,
+                                                learning_rate=LR, eps=1e-8, pooling_mode=PoolingMode.SUM,
+                                                device=None if on_cpu else device)
+    with torch.no_grad():
+        for w, bag in zip(tbe.split_embedding_weights(), plain.bags):
+            w.copy_(bag.weight)
+    return tbe
 
 
 class Timer:
@@ -75,13 +117,17 @@ class Timer:
         return (time.perf_counter() - t) * 1e3
 
 
-def medians(fns, rounds, timer):
+def medians(fns, rounds, timer, queue=1):
+    """Median ms of one call of each of ``fns``, run in turn ``rounds`` times after one warm-up
+    each. ``queue`` > 1: each timing covers that many calls queued back to back (nothing waits
+    between them, as in a training loop), divided by ``queue``: the host's work for one call then
+    overlaps the device's for the one before."""
     times = {k: [] for k in fns}
-    for f in fns.values():  # warm-up
+    for f in fns.values():
         f()
     for _ in range(rounds):
         for k, f in fns.items():
-            times[k].append(timer(f))
+            times[k].append(timer(lambda: [f() for _ in range(queue)]) / queue)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -93,65 +139,136 @@ def _peak_during(fn, device):
         before = torch.cuda.memory_allocated()
     t = time.perf_counter()
     out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t
     peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
     return out, seconds, peak
 
 
-def bench_shape(name, cfg, rounds, device):
+def free(device):
+    """Give back the memory of models just deleted (a GraphModule is freed by the cycle collector)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device, timer, rounds):
+    """Bytes read + written per second by a 2 GiB device-to-device copy (the forward's yardstick)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 29, device=device)
+    dst = torch.empty_like(src)
+    ms = medians({"copy": lambda: dst.copy_(src)}, rounds, timer)["copy"]
+    del src, dst
+    return 2 * (1 << 31) / (ms / 1e3)
+
+
+def train_steps(models, batch, flat, cot, plain, plain_opt):
+    """Training-step closures: the plain model with ``plain_opt``; fused ones (fxrec's, the hand TBE)."""
+
+    def plain_step():
+        plain_opt.zero_grad(set_to_none=True)
+        (plain(*batch) * cot).sum().backward()
+        plain_opt.step()
+
+    steps = {"plain": plain_step}
+    for name, (m, x) in models.items():
+        steps[name] = (lambda m=m, x=x: (m(*x) * cot).sum().backward())
+    return steps
+
+
+def bench_shape(name, cfg, rounds, device, compile_plain, queue):
+    """One shape. Memory: the plain model and at most two more copies of its tables at a time
+    (plus torch.optim.Adagrad's state when it trains), so multihot64 fits an 80 GB GPU."""
     timer = Timer(device)
     torch.manual_seed(0)
-    plain = PlainBags(cfg["tables"], cfg["rows"], cfg["dim"], sparse=True).to(device)
+    with torch.device(device):  # the tables are made and initialised where they live
+        plain = PlainBags(cfg["tables"], cfg["rows"], cfg["dim"], sparse=True)
     table_bytes = cfg["tables"] * cfg["rows"] * cfg["dim"] * 4
     example = inputs(cfg, device, seed=0)
     batch = inputs(cfg, device, seed=1)
-    # forward variants first, then the fused one: at most the plain model and two copies at a time
-    fast, t_fwd, peak_fwd = _peak_during(lambda: fxrec.transform(plain, example), device)
-    plain.eval()
-    int8, t_q, peak_q = _peak_during(lambda: fxrec.transform(plain, example, mode="inference", quantize="int8"),
-                                     device)
-    plain.train()
+    flat = packed(*batch)
     with torch.no_grad():
         ref = plain(*batch)
-        torch.testing.assert_close(fast(*batch), ref, msg=f"{name}: fxrec differs from plain")
-        q_err = float((int8(*batch).float() - ref).abs().max())
+    transform_s, peaks = {}, {}
 
-    def fwd(m):
+    def transformed(key, **kw):
+        """fxrec's model, checked against the plain one (its first call moves the rows into the TBE)."""
+        m, transform_s[key], peaks[key] = _peak_during(lambda: fxrec.transform(plain, example, **kw), device)
+        with torch.no_grad():
+            out = m(*batch)
+        if key != "int8":
+            torch.testing.assert_close(out, plain(*batch), msg=f"{name}: fxrec ({key}) differs from plain")
+        return m, out
+
+    fast, _ = transformed("forward")
+    plain.eval()
+    int8, q_out = transformed("int8", mode="inference", quantize="int8")
+    plain.train()
+    q_err = float((q_out.float() - ref).abs().max())
+    tbe = hand_written_tbe(plain, cfg, device, "sgd")
+    with torch.no_grad():
+        torch.testing.assert_close(tbe(*flat), ref, msg=f"{name}: the hand-written TBE differs from plain")
+
+    def fwd(m, x):
         def run():
             with torch.no_grad():
-                m(*batch)
+                m(*x)
         return run
 
-    forward = medians({"plain": fwd(plain), "fxrec": fwd(fast), "fxrec_int8": fwd(int8)}, rounds, timer)
+    fns = {"plain": fwd(plain, batch), "tbe": fwd(tbe, flat), "fxrec": fwd(fast, batch), "fxrec_int8": fwd(int8, batch)}
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad():
+            fwd(plain, batch)()  # warm-up off the capture (eager already ran above)
+            with torch.cuda.graph(graph):
+                plain(*batch)
+        fns["plain_cuda_graph"] = graph.replay
+    if compile_plain:
+        compiled = torch.compile(plain)
+        fns["plain_compiled"] = fwd(compiled, batch)
+    forward = medians(fns, rounds, timer)
+    forward_queued = medians(fns, max(1, rounds // 2), timer, queue) if queue > 1 else None
     choice = fast.report.groups[0]
-    del fast, int8
-    fused, t_sgd, peak_sgd = _peak_during(lambda: fxrec.transform(plain, example, optimizer=fxrec.optim.SGD(lr=0.01)),
-                                          device)
-    with torch.no_grad():
-        torch.testing.assert_close(fused(*batch), ref, msg=f"{name}: fxrec (fused SGD) differs from plain")
-    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    kernel = {"train": choice.kernel_train, "inference": choice.kernel_eval, "why": choice.why}
+    del fast, int8, fns, choice, tbe
+    if device.type == "cuda":
+        del graph
+    free(device)
     cot = torch.randn_like(ref)
-
-    def plain_step():
-        opt.zero_grad(set_to_none=True)
-        (plain(*batch) * cot).sum().backward()
-        opt.step()
-
-    def fused_step():
-        (fused(*batch) * cot).sum().backward()
-
-    train = medians({"plain_sgd_sparse_grads": plain_step, "fxrec_fused_sgd": fused_step}, rounds, timer)
+    train, train_queued = {}, {}
+    for opt_name, fused_cfg, plain_opt_class in (
+            ("sgd", fxrec.optim.SGD(lr=LR), torch.optim.SGD),
+            ("rowwise_adagrad", fxrec.optim.RowWiseAdagrad(lr=LR, eps=1e-8), torch.optim.Adagrad)):
+        fused, _ = transformed(opt_name, optimizer=fused_cfg)
+        tbe = hand_written_tbe(plain, cfg, device, opt_name)
+        plain_opt = plain_opt_class(plain.parameters(), lr=LR)  # Adagrad's state: a table-sized sum
+        steps = train_steps({"tbe": (tbe, flat), "fxrec": (fused, batch)}, batch, flat, cot, plain, plain_opt)
+        train[opt_name] = medians(steps, rounds, timer)
+        if queue > 1:
+            train_queued[opt_name] = medians(steps, max(1, rounds // 2), timer, queue)
+        del fused, tbe, plain_opt, steps
+        free(device)
+    fwd_bytes = cfg["tables"] * cfg["batch"] * cfg["ids_per_bag"] * cfg["dim"] * 4
     return {
         "config": cfg,
         "forward_ms": forward,
         "train_step_ms": train,
+        "forward_ms_queued": forward_queued,
+        "train_step_ms_queued": train_queued or None,
         "forward_speedup_vs_plain": {k: forward["plain"] / v for k, v in forward.items() if k != "plain"},
-        "train_speedup_vs_plain": train["plain_sgd_sparse_grads"] / train["fxrec_fused_sgd"],
+        "train_speedup_vs_plain": {o: {k: t["plain"] / v for k, v in t.items() if k != "plain"} for o, t in train.items()},
+        "fxrec_over_tbe": {"forward": forward["fxrec"] / forward["tbe"],
+                           **{f"train_{o}": t["fxrec"] / t["tbe"] for o, t in train.items()}},
+        "fxrec_over_tbe_queued": None if not train_queued else {
+            "forward": forward_queued["fxrec"] / forward_queued["tbe"],
+            **{f"train_{o}": t["fxrec"] / t["tbe"] for o, t in train_queued.items()}},
+        "forward_rows_read_bytes_per_s": {k: fwd_bytes / (forward[k] / 1e3) for k in ("tbe", "fxrec")},
         "int8_max_abs_error": q_err,
-        "kernel": {"train": choice.kernel_train, "inference": choice.kernel_eval, "why": choice.why},
-        "transform_seconds": {"forward": t_fwd, "fused_sgd": t_sgd, "int8": t_q},
-        "transform_peak_bytes_over_tables": None if peak_fwd is None else {
-            "forward": peak_fwd / table_bytes, "fused_sgd": peak_sgd / table_bytes, "int8": peak_q / table_bytes},
+        "kernel": kernel,
+        "transform_seconds": transform_s,
+        "transform_peak_bytes_over_tables": None if device.type != "cuda" else {k: v / table_bytes for k, v in peaks.items()},
     }
 
 
@@ -162,33 +279,42 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--scale", type=int, default=1, help="divide every shape's rows by this")
+    ap.add_argument("--queue", type=int, default=10, help="also time this many calls queued back to back (1: not)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="leave out torch.compile of the plain model")
     a = ap.parse_args()
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_gpu: no CUDA device here (--device cpu --scale 1000 runs a smoke test)")
     import fbgemm_gpu  # noqa: F401
 
+    timer = Timer(device)
+    bandwidth = copy_bandwidth(device, timer, a.rounds)
     result = {
-        "what": "plain nn.EmbeddingBag loop + cat vs fxrec.transform: forward, int8 forward, training step "
-                "(plain: sparse gradients + torch.optim.SGD; fxrec: fused SGD); medians of alternating runs in one process",
+        "what": "plain nn.EmbeddingBag loop + cat, fbgemm's TBE by hand, and fxrec.transform: forward, int8 forward, "
+                "training step (plain: sparse gradients + torch.optim.SGD / Adagrad; TBE and fxrec: fused SGD / "
+                "row-wise Adagrad); medians of alternating runs in one process",
         "command": "python3 " + " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "device": str(device),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
                      "fbgemm_gpu": getattr(sys.modules["fbgemm_gpu"], "__version__", "?"), "fxrec": fxrec.__version__},
         "rounds": a.rounds,
+        "queue": a.queue,
         "scale": a.scale,
+        "copy_bytes_per_s": bandwidth,
         "shapes": {},
     }
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     for name in a.shapes.split(","):
         cfg = dict(SHAPES[name], rows=max(1, SHAPES[name]["rows"] // a.scale))
-        result["shapes"][name] = r = bench_shape(name, cfg, a.rounds, device)
+        result["shapes"][name] = r = bench_shape(name, cfg, a.rounds, device, a.compile, a.queue)
+        if bandwidth:
+            r["forward_read_fraction_of_copy"] = {k: v / bandwidth for k, v in r["forward_rows_read_bytes_per_s"].items()}
         print(f"{name}: forward {r['forward_ms']}, train {r['train_step_ms']}", flush=True)
+        with open(a.out, "w") as fh:  # after every shape: a run cut short keeps what it measured
+            json.dump(result, fh, indent=2)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(result, fh, indent=2)
     print("wrote", a.out)
 
 

@@ -17,14 +17,19 @@ SCRIPT = os.path.join(os.path.dirname(HERE), "benchmarks", "bench_gpu.py")
 def test_the_gpu_benchmark_runs_on_cpu_scaled_down_and_writes_its_figures(tmp_path):
     out = tmp_path / "gpu.json"
     r = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--scale", "2000", "--rounds", "2",
-                        "--shapes", "onehot26", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                        "--shapes", "onehot26", "--no-compile", "--queue", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     shape = result["shapes"]["onehot26"]
     assert shape["config"]["rows"] == 500 and result["machine"]["device"] == "cpu"
-    assert set(shape["forward_ms"]) == {"plain", "fxrec", "fxrec_int8"}
-    assert set(shape["train_step_ms"]) == {"plain_sgd_sparse_grads", "fxrec_fused_sgd"}
-    assert all(v > 0 for v in list(shape["forward_ms"].values()) + list(shape["train_step_ms"].values()))
+    assert set(shape["forward_ms"]) == {"plain", "tbe", "fxrec", "fxrec_int8"}  # no CUDA graph, not compiled
+    assert set(shape["train_step_ms"]) == {"sgd", "rowwise_adagrad"}
+    assert all(set(t) == {"plain", "tbe", "fxrec"} for t in shape["train_step_ms"].values())
+    times = list(shape["forward_ms"].values()) + [v for t in shape["train_step_ms"].values() for v in t.values()]
+    assert all(v > 0 for v in times)
+    assert set(shape["forward_ms_queued"]) == set(shape["forward_ms"]) and set(shape["train_step_ms_queued"]) == {
+        "sgd", "rowwise_adagrad"}
+    assert result["copy_bytes_per_s"] is None and "forward_read_fraction_of_copy" not in shape  # CUDA only
     assert 0 < shape["int8_max_abs_error"] < 0.1
     assert shape["transform_peak_bytes_over_tables"] is None  # measured on CUDA only
 
