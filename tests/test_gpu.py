@@ -155,7 +155,7 @@ def test_a_fused_adam_group_counts_a_step_without_ids_and_keeps_its_state_throug
                        fused=FusedSpec("adam", 0.01)).cuda()
     w = torch.nn.Parameter(torch.randn(50, 8, device="cuda"))
     ids = torch.randint(0, 50, (6, 3), device="cuda")
-    g([ids], [None], [None], [w]).sum().backward()
+    g([ids], [None], [None], [w])[0].sum().backward()  # one output per feature
     assert g.fused_step([w]) == 1
     g([ids[:0]], [None], [None], [w])  # no ids: fbgemm's forward is not called
     assert g.fused_step([w]) == 2
@@ -165,7 +165,7 @@ def test_a_fused_adam_group_counts_a_step_without_ids_and_keeps_its_state_throug
         g([ids.cpu()], [None], [None], [w])
     assert g.fused_step([w]) == 2
     w.data = w.data.cuda()
-    g([ids], [None], [None], [w]).sum().backward()
+    g([ids], [None], [None], [w])[0].sum().backward()
     assert g.fused_step([w]) == 3
     after = g.optimizer_states([w])[0]
     assert not torch.equal(after["exp_avg"], before[0]["exp_avg"])
@@ -175,16 +175,20 @@ def test_a_fused_adam_group_counts_a_step_without_ids_and_keeps_its_state_throug
         assert torch.equal(after[k][untouched.cuda()], before[0][k][untouched.cuda()]), k
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad", "lazy_adam"])
-def test_tables_stored_in_fp16_and_bf16_train_as_the_plain_model_rounded(precision, opt_name):
+@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad", "lamb", "partial_rowwise_adam"])
+def test_tables_stored_in_fp16_train_as_the_plain_model_rounded(opt_name):
     """Lock step as on CPU (tests/test_weights_precision.py): each fused step within one step of
-    the precision of PyTorch's fp32 update (fbgemm rounds stochastically on CUDA: either neighbour)."""
-    from tests.test_lazy_adam import LazyAdamReference
+    the precision of PyTorch's fp32 update (fbgemm rounds stochastically on CUDA: either neighbour).
+    fbgemm's Adam is refused on such tables (its kernel fails there), and bf16 everywhere (fbgemm-gpu
+    1.6.0's forward has no bf16 rows): tests/test_weights_precision.py."""
+    precision = "fp16"
+    from tests.test_lazy_adam import LazyLambReference, PartialRowWiseAdamReference
     from tests.test_weights_precision import OPTIMIZERS, train_in_lock_step
 
-    cfg, torch_opt = {**OPTIMIZERS, "lazy_adam": (fxrec.optim.LazyAdam(lr=0.01),
-                                                  lambda p: LazyAdamReference(p, lr=0.01))}[opt_name]
+    cfg, torch_opt = {**OPTIMIZERS,
+                      "lamb": (fxrec.optim.LazyLamb(lr=0.01), lambda p: LazyLambReference(p, lr=0.01)),
+                      "partial_rowwise_adam": (fxrec.optim.PartialRowWiseAdam(lr=0.01),
+                                               lambda p: PartialRowWiseAdamReference(p, lr=0.01))}[opt_name]
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     torch.manual_seed(0)
     model = M.BagList(rows=ROWS).cuda()
@@ -267,13 +271,23 @@ def test_inference_with_a_cached_table_serves_the_plain_models_outputs():
         torch.testing.assert_close(fast(*x), model(*x), rtol=1e-5, atol=1e-5)
 
 
+# fbgemm's CUDA kernel dequantizes int8/int4 rows in half precision (hfma2 in its vecn.cuh), its
+# CPU kernel in fp32: the same packed rows give outputs that differ by fp16 rounding of each value.
+FP16_ROUNDING = dict(rtol=2e-3, atol=5e-3)
+
+
 def test_quantized_groups_built_on_the_gpu_equal_those_built_on_cpu():
+    """The same rows, byte for byte (the GPU's packing moved to the CPU is the CPU's packing)."""
     model = M.BagList(rows=ROWS)
     x = M.bag_inputs(rows=ROWS, seed=3)
     on_cpu = fxrec.transform(model, x, mode="inference", quantize="int8")
     on_gpu = fxrec.transform(copy.deepcopy(model).cuda(), cuda(x), mode="inference", quantize="int8")
     with torch.no_grad():
-        torch.testing.assert_close(on_gpu(*cuda(x)).cpu(), on_cpu(*x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(on_gpu(*cuda(x)).cpu(), on_cpu(*x), **FP16_ROUNDING)
+    on_gpu.cpu()
+    assert all(torch.equal(a.q_weights, b.q_weights) for a, b in zip(groups(on_gpu), groups(on_cpu)))
+    with torch.no_grad():
+        torch.testing.assert_close(on_gpu(*x), on_cpu(*x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -291,10 +305,12 @@ def test_quantized_groups_built_on_cpu_and_moved_pack_their_rows_for_cuda(dtype)
     fast.cuda()
     assert all(g.q_ints["row_alignment"] == 16 and g.q_weights.is_cuda for g in groups(fast))
     with torch.no_grad():
-        torch.testing.assert_close(fast(*cuda(x)).cpu(), want, rtol=0, atol=0)
+        torch.testing.assert_close(fast(*cuda(x)).cpu(), want, **FP16_ROUNDING)
     fast.cpu()
     assert all(torch.equal(g.q_weights, b) for g, b in zip(groups(fast), cpu_bytes))
-    with pytest.raises(RuntimeError, match="packed for CPU"):
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+    with pytest.raises((RuntimeError, torch.jit.Error), match="packed for CPU"):  # raised inside TorchScript
         scripted.cuda()(*cuda(x))
 
 
@@ -363,9 +379,11 @@ def test_bad_ids_on_the_gpu_raise_the_named_error_at_the_next_call():
     dense, ids, offsets = cuda(M.bag_inputs(rows=ROWS, seed=6))
     bad = [t.clone() for t in ids]
     bad[0][0] = ROWS[0]
-    fast(dense, bad, offsets)  # runs (the bad id reads row 0); the count reaches the host later
-    torch.cuda.synchronize()
     with pytest.raises(IndexError, match=rf"id {ROWS[0]} in table 'bags\.0'"):
+        # the bad id reads row 0; the count reaches the host when the device has run the check,
+        # which on a small batch can be before this call returns, else at the next call
+        fast(dense, bad, offsets)
+        torch.cuda.synchronize()
         fast(dense, ids, offsets)
 
 
@@ -392,13 +410,15 @@ def test_quantized_inference_replays_as_a_cuda_graph():
         torch.testing.assert_close(out.float(), model(dense, ids, offsets), rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("dim", [2048, 2052])
-def test_dims_up_to_fbgemms_cuda_limit_run_on_the_tbe_and_wider_ones_on_the_reference(dim):
+@pytest.mark.parametrize("dim", [1024, 1028, 2048])
+def test_dims_up_to_1024_run_on_the_tbe_and_wider_ones_on_the_reference(dim):
+    """fbgemm-gpu 1.6.0 gave wrong outputs for two 2048-wide tables (its "TBE v2" forward, which
+    takes dims over 1024): fxrec's limit is 1024."""
     model = M.BagList(rows=(20, 30), dim=dim).cuda()
     x = cuda(M.bag_inputs(rows=(20, 30)))
     fast = fxrec.transform(model, x)
     kernel = {g.kernel_train for g in fast.report.groups}
-    assert kernel == ({"fbgemm"} if dim == 2048 else {"reference"}), fast.report.groups
+    assert kernel == ({"fbgemm"} if dim <= 1024 else {"reference"}), fast.report.groups
     out = fast(*x)
     torch.testing.assert_close(out, model(*x), rtol=1e-5, atol=1e-5)
     out.sum().backward()

@@ -114,12 +114,12 @@ def test_cpp_serves_on_cuda_what_was_scripted_on_cuda_and_refuses_a_cpu_packing(
     model = M.BagList(dim=24).eval()
     fast = fxrec.transform(model, M.bag_inputs(), mode="inference", quantize="int8")
     x = M.bag_inputs(seed=4)
-    with torch.no_grad():
-        want = fast(*x)
     fxrec.export.torchscript(fast, tmp_path / "cpu.pt")
     fxrec.export.torchscript(fast.cuda(), tmp_path / "cuda.pt")
+    with torch.no_grad():  # on CUDA (fbgemm dequantizes in half precision there: not the CPU's figures)
+        want = fast(*[[t.cuda() for t in v] if isinstance(v, list) else v.cuda() for v in x]).cpu()
     r, out = run_cpp(infer_binary, tmp_path / "cuda.pt", x, tmp_path, device="cuda")
     assert r.returncode == 0, r.stderr
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
     r, _ = run_cpp(infer_binary, tmp_path / "cpu.pt", x, tmp_path, device="cuda")
     assert r.returncode == 1 and "packed for CPU" in r.stderr, r.stderr

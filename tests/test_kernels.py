@@ -60,13 +60,13 @@ def test_fbgemm_supports_what_its_kernels_take():
     seq_mixed = GroupSpec((TableSpec("a", 50, 7), TableSpec("b", 50, 8)),
                           (FeatureSpec("fa", 0, "seq"), FeatureSpec("fb", 1, "seq")), "none")
     assert "['a']" in fb.supports(seq_mixed, "cpu", "training", "rowwise_adagrad")
-    edge = GroupSpec((TableSpec("a", 50, 2047),), (FeatureSpec("fa", 0, "bag"),), "sum")
-    assert "2048" not in (fb.supports(edge, "cuda", "inference", None) or "")  # 2048 once padded
-    over = GroupSpec((TableSpec("a", 50, 2049),), (FeatureSpec("fa", 0, "bag"),), "sum")
-    assert "2048" in fb.supports(over, "cuda", "inference", None)
+    edge = GroupSpec((TableSpec("a", 50, 1023),), (FeatureSpec("fa", 0, "bag"),), "sum")
+    assert "1024" not in (fb.supports(edge, "cuda", "inference", None) or "")  # 1024 once padded
+    over = GroupSpec((TableSpec("a", 50, 1025),), (FeatureSpec("fa", 0, "bag"),), "sum")
+    assert "up to 1024" in fb.supports(over, "cuda", "inference", None)
     wide = GroupSpec((TableSpec("a", 50, 4096),), (FeatureSpec("fa", 0, "bag"),), "sum")
     assert fb.supports(wide, "cpu", "inference", None) is None
-    assert "2048" in fb.supports(wide, "cuda", "inference", None)
+    assert "up to 1024" in fb.supports(wide, "cuda", "inference", None)
     assert "padding row" in fb.supports(PADDED_SEQ, "cuda", "training", "adagrad")
     assert fb.supports(PADDED_SEQ, "cuda", "training", None) is None  # gradients are PyTorch's there
     assert fb.supports(QUANT, "cuda", "inference", None) is None

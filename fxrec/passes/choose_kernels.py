@@ -37,7 +37,7 @@ from ..runtime.specs import FUSED_STATE_BYTES
 #: and the in-process alternating timings autotune makes (ms per call or step).
 RULES = {
     # fbgemm's TBE is written for GPUs (one launch for every table, fused optimizers in its
-    # backward); the reference runs what fbgemm cannot (other dtypes, dims over 2048).
+    # backward); the reference runs what fbgemm cannot (other dtypes, dims over 1024).
     ("cuda", "training", None): (FBGEMM, REFERENCE),
     ("cuda", "inference", None): (FBGEMM, REFERENCE),
     # CPU, pooled groups: fxrec's native kernel is the fastest forward on all three shapes

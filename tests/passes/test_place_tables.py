@@ -166,7 +166,7 @@ class BigAndWide(nn.Module):
 
 
 def test_tables_only_pytorch_can_hold_stay_in_gpu_memory_and_count():
-    """dims over 2048 run on the reference kernel (PyTorch's lookups): no unified memory there,
+    """dims over 1024 run on the reference kernel (PyTorch's lookups): no unified memory there,
     and its 168 MB stay in the budget: 300 MB leaves too little for the big table on the device."""
     with torch.device("meta"):
         model = BigAndWide()

@@ -109,6 +109,8 @@ def make_training_tbe(
             pooling_mode=mode,
             cache_load_factor=float(cache_load_factor),
             weights_precision={"fp16": SparseType.FP16, "bf16": SparseType.BF16}.get(weights, SparseType.FP32),
+            # fbgemm's HBM cache of unified-memory rows is fp32 or fp16 (it asserts on bf16, even empty)
+            cache_precision=SparseType.FP16 if weights == "fp16" else SparseType.FP32,
             output_dtype=SparseType.FP32,
             device=device if not on_cpu else None,
             # fxrec validates ids itself, with messages that name the table and feature.
@@ -307,8 +309,11 @@ def states_refusal(group, device: str, mode: str, optimizer: Optional[str]) -> O
     return None if why is None else f"a fused {optimizer} keeps its states in fbgemm's TBE, and {why}"
 
 
-# fbgemm's CUDA kernels handle embedding dims up to this (fbgemm_gpu's max_D for its kernels).
-CUDA_MAX_DIM = 2048
+# fbgemm's CUDA TBE takes dims up to 2048, but above 1024 (its legacy_max_embedding_dim) its pooled
+# forward hands over to the experimental "TBE v2" kernel. On an H100 (fbgemm-gpu 1.6.0) that gave
+# wrong sums for dims 1028, 1152 and 2048, one table or two, fbgemm called by hand without fxrec
+# (max error 4.6 to 9.7 on N(0, 1) rows; dim 1024 exact): wider tables go to PyTorch's lookups.
+CUDA_MAX_DIM = 1024
 
 
 class FbgemmKernel(Kernel):
@@ -332,13 +337,20 @@ class FbgemmKernel(Kernel):
             return None if mode == "inference" else "quantized tables are for inference"
         if any(t.dtype != "float32" for t in group.tables):
             return "fxrec gives fbgemm float32 tables only"
-        if group.weights and ((mode == "training" and optimizer is None) or (group.weights, device) == ("bf16", "cpu")):
-            return (f"tables stored in {group.weights} train only with an optimizer fused into fbgemm's backward"
-                    if device == "cuda" or group.weights == "fp16" else "fbgemm's CPU build stores fp16, not bf16")
+        if group.weights == "bf16":  # seen on an H100: "batched_embedding_forward_kernel_2" not implemented for 'BFloat16'
+            return ("fbgemm's CPU build stores fp16, not bf16" if device == "cpu" else
+                    "fbgemm-gpu 1.6.0's CUDA forward has no bf16 rows (fp16 works)")
+        if group.weights and mode == "training" and optimizer is None:
+            return f"tables stored in {group.weights} train only with an optimizer fused into fbgemm's backward"
         if optimizer is not None and optimizer not in (self.CUDA_OPTIMIZERS if device == "cuda" else self.CPU_OPTIMIZERS):
             if optimizer in self.CUDA_OPTIMIZERS:
                 return f"fbgemm fuses {optimizer} on CUDA only (its CPU build trains with SGD and the Adagrads)"
             return f"fbgemm has no fused {optimizer}"
+        if group.weights and optimizer == "adam" and not states_only:
+            # fbgemm-gpu 1.6.0 passes Adam's absent row counter as an empty tensor of the weights' type,
+            # and its kernel wants fp32: "Expected tensor 'row_counter_dev' to have scalar type Float"
+            return (f"fbgemm's fused Adam fails on tables stored in {group.weights} (its kernel reads a row counter "
+                    "of the weights' type); PartialRowWiseAdam and LazyLamb train them")
         padded = [t.name for t, w in zip(group.tables, stored) if w != t.dim]
         if optimizer in ROW_MEAN and padded and not states_only:
             return (f"tables {padded} are stored padded to a multiple of 4 columns, and fbgemm's {optimizer} "

@@ -20,7 +20,7 @@ def dense_grads_by_kernel(group, grad_out: torch.Tensor, need) -> bool:
     return (
         group.pooling != "none" and grad_out.device.type == "cuda" and grad_out.dtype == torch.float32
         and all(need[t] and not spec.sparse for t, spec in enumerate(group.tables))
-        and not group.padded_rows and group._bound is not None
+        and not group.spec.padded_rows and group._bound is not None
         and all(spec.placement == "device" for spec in group.tables)  # the operator reads HBM rows only
         and tbe_flat_weights(group._bound.tbe).device == grad_out.device
         and not torch.is_grad_enabled()  # backward(create_graph=True) needs differentiable PyTorch ops
