@@ -11,6 +11,7 @@ from typing import List, Optional
 import torch
 
 from ._tracing import exporting, reads_values
+from .packing import first_offsets
 from .specs import FeatureSpec
 
 
@@ -154,8 +155,8 @@ class InputChecks:
         self._raise_reported(state)
         firsts = None  # bags whose offsets do not start at 0 (packing does not read them here)
         if offsets_list is not None:
-            starts = [offsets_list[i][:1] for i in self._bag_features if offsets_list[i].numel() > 0]
-            firsts = torch.cat(starts).ne(0).sum() if starts else None
+            first = first_offsets(offsets_list, self._bag_features)
+            firsts = None if first is None else first.ne(0).sum()
         state.check(indices, offsets, psw, ids_list, offsets_list, firsts)
         self._raise_reported(state)
 

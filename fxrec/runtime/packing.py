@@ -44,7 +44,8 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     ``keep_pads[i]``: bag i keeps its padding ids in place (the caller sends them to a zero row,
     :mod:`fxrec.runtime.kernels.fbgemm_padding`) instead of dropping them, which reads values.
     """
-    starts: List[Tensor] = []  # per feature: where each of its B bags starts
+    starts: List[Tensor] = []  # per feature: where each of its B bags starts in its own ids
+    bases: List[int] = []  # per feature: where its ids start in the packed ids
     flat_ids: List[Tensor] = []
     weights: List[Tensor] = []
     batch = -1
@@ -52,15 +53,17 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     bounds: List[int] = [0]
     dev = ids_list[0].device
     nothing = torch.empty(0, dtype=torch.long, device=dev)
+    ranges: List[Tensor] = []  # arange(0, b * length, length) for the lengths seen: one per group, not per feature
+    range_lengths: List[int] = []
     for i in range(len(ids_list)):
         ids = ids_list[i]
         psw = psw_list[i]
         form = forms[i]
         if form == 0:  # bag
-            flat = ids.reshape(-1)
+            flat = ids if ids.dim() == 1 else ids.reshape(-1)
             given = offsets_list[i]
             assert given is not None
-            off = given.long()
+            off = given if given.dtype == torch.long else given.long()
             ilo = ilos[i]
             pad = pads[i]
             n = flat.numel()
@@ -116,20 +119,18 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             flat = ids.reshape(-1)
             if length == 0 and mean and not empty_means:
                 return -1, nothing, nothing, None, [0]  # PyTorch's mean of no rows is NaN
-            if length > 0:
-                start = torch.arange(0, b * length, length, device=dev)
-            else:
-                start = torch.zeros(b, dtype=torch.long, device=dev)
+            start = _range(ranges, range_lengths, b, length, dev)
         else:  # one id per sample
             b = ids.shape[0]
             flat = ids
-            start = torch.arange(b, device=dev)
+            start = _range(ranges, range_lengths, b, 1, dev)
         if batch < 0:
             batch = b
         elif b != batch:
             return -1, nothing, nothing, None, [0]  # one TBE call needs one batch size
-        flat_ids.append(flat.long())
-        starts.append(start + base if base else start)  # where the bags start in the packed ids
+        flat_ids.append(flat)
+        starts.append(start)
+        bases.append(base)
         base += flat.numel()
         bounds.append(base)
         if any_weighted:
@@ -138,12 +139,48 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             weights.append(psw.reshape(-1)[: flat.numel()].float())
     if batch <= 0:
         return 0, nothing, nothing, None, [0]  # an empty batch
-    indices = torch.cat(flat_ids)
-    offsets = torch.cat(starts + [torch.full([1], indices.numel(), dtype=torch.long, device=dev)])
+    indices = torch.cat(flat_ids).long()  # int32 and int64 ids together make int64
+    offsets = torch.cat(_shifted(starts, bases, tracing) + [torch.full([1], indices.numel(), dtype=torch.long, device=dev)])
     psw_all: Optional[Tensor] = None
     if any_weighted:
         psw_all = torch.cat(weights)
     return batch, indices, offsets, psw_all, bounds
+
+
+def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: torch.device) -> Tensor:
+    """``arange(0, b * length, length)`` (zeros for length 0), made once per length and call."""
+    for k in range(len(lengths)):
+        if lengths[k] == length and ranges[k].numel() == b:
+            return ranges[k]
+    r = torch.arange(0, b * length, length, device=dev) if length > 0 else torch.zeros(b, dtype=torch.long, device=dev)
+    ranges.append(r)
+    lengths.append(length)
+    return r
+
+
+def _shifted(starts: List[Tensor], bases: List[int], tracing: bool) -> List[Tensor]:
+    """``starts[f] + bases[f]`` for every feature: one multi-tensor kernel (torch._foreach_add), not
+    a kernel launch per feature. TorchScript takes no list of ints there, and AOTInductor no
+    foreach op with one (torch.export is ``tracing``; Inductor fuses the adds): one by one."""
+    if torch.jit.is_scripting() or tracing:
+        return [s + b for s, b in zip(starts, bases)]
+    return list(torch._foreach_add(starts, bases))
+
+
+def first_offsets(offsets_list: List[Optional[Tensor]], bag_features: List[int]) -> Optional[Tensor]:
+    """The first offset of each bag feature that has bags, as one tensor (None if none has): one
+    ``cat`` where they all have as many offsets, not a slice per feature."""
+    offs: List[Tensor] = []
+    for i in bag_features:
+        o = offsets_list[i]
+        if o is not None and o.numel() > 0:
+            offs.append(o)
+    if len(offs) == 0:
+        return None
+    n = offs[0].numel()
+    if all(o.numel() == n for o in offs):
+        return torch.cat(offs).view(len(offs), n)[:, 0]
+    return torch.cat([o[:1] for o in offs])
 
 
 def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:
@@ -195,9 +232,10 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
         _kept_pads(group) if keep_padding else None)
     if batch > 0 and reads_values(indices.device):
         # bags whose offsets do not start at 0 (where values may not be read, the device check counts them)
-        firsts = [(i, offsets_list[i]) for i in group._bag_features if offsets_list[i].numel() > 0]
-        if firsts and bool(torch.cat([off[:1] for _, off in firsts]).ne(0).any()):
-            i, off = next((i, off) for i, off in firsts if int(off[0]) != 0)
+        firsts = first_offsets(offsets_list, group._bag_features)
+        if firsts is not None and bool(firsts.ne(0).any()):
+            i, off = next((i, offsets_list[i]) for i in group._bag_features
+                          if offsets_list[i].numel() > 0 and int(offsets_list[i][0]) != 0)
             raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(off[0])))
     return None if batch <= 0 else (indices, offsets, psw, batch, bounds)
 

@@ -165,6 +165,9 @@ def usable(params: Sequence[torch.Tensor], group=None) -> bool:
     """Whether fbgemm can hold ``params`` (fp32, or as ``group``'s weights_precision stores them)."""
     if not fbgemm_available() or not params:
         return False
+    bound = getattr(group, "_bound", None)
+    if bound is not None and bound.ptrs == [p.data_ptr() for p in params]:
+        return True  # still the views of the group's TBE
     dev = params[0].device
     ok = (torch.float32, stored_dtype(group))
     return all(p.dtype in ok and p.device == dev and p.dim() == 2 for p in params)
