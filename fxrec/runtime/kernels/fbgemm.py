@@ -299,6 +299,8 @@ def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):
                                                per_sample_weights=None if psw is None else psw.clone()))
         return real_columns(group, tbe(indices, offsets, per_sample_weights=psw))
 
+    if not training:  # nothing wants a gradient: no autograd function over every parameter
+        return forward()
     return LookupWithGrads.apply(group, forward, layout, indices, offsets, psw, *params)
 
 
