@@ -1,7 +1,7 @@
 """assign_precisions: give every lookup the precision ``weights_precision=`` stores its table in.
 
 ``transform(..., optimizer=..., weights_precision="fp16")`` stores every fp32 table in fbgemm's
-TBE in fp16 (``"bf16"``: bfloat16, CUDA only): half the memory and bandwidth, for rows rounded to
+TBE in fp16 (``"bf16"`` is accepted here and refused by choose_kernels: no fbgemm build fxrec runs has bf16 rows): half the memory and bandwidth, for rows rounded to
 that precision (on CUDA fbgemm's fused update rounds stochastically). The lookups still give
 fp32. A dict maps table names, parameter names or glob patterns to ``"fp32"``, ``"fp16"`` or
 ``"bf16"``, the first matching key winning; tables no key names stay fp32. The precision becomes
