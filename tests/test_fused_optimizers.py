@@ -487,6 +487,29 @@ def test_fbgemm_fused_kernel_refuses_a_frozen_table_by_name():
         fast(*M.bag_inputs(rows=ROWS, seed=1)).sum().backward()
 
 
+@pytest.mark.parametrize("opt", [fxrec.optim.SGD(lr=0.1), None], ids=["fused_sgd", "no_optimizer"])
+def test_every_table_frozen_leaves_them_alone_and_trains_the_dense_layer(opt):
+    """Fine-tuning the dense layers over frozen tables: fbgemm's TBE still looks them up, its
+    backward never runs (it would apply the fused update), and the output needs a gradient only
+    through the dense layer, as in PyTorch."""
+    model = M.BagList(rows=ROWS)
+    fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=opt, backend="fbgemm")
+    tables = [f"bags.{i}.weight" for i in range(len(ROWS))]
+    for n in tables:
+        fast.get_parameter(n).requires_grad_(False)
+        model.get_parameter(n).requires_grad_(False)
+    before = {n: fast.get_parameter(n).detach().clone() for n in tables}
+    x = M.bag_inputs(rows=ROWS, seed=2)
+    fast(*x).sum().backward()
+    model(*x).sum().backward()
+    assert all(torch.equal(fast.get_parameter(n), before[n]) for n in tables)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(fast.get_parameter(n).grad, p.grad, msg=n)
+    # the group's own output needs no gradient when no table does
+    assert not fast.fxrec_group_0(x[1], x[2], [None] * len(ROWS), [fast.get_parameter(n) for n in tables]).requires_grad
+
+
 class _PaddedBesideLastOffset(torch.nn.Module):
     """A bag the native kernel hands to another kernel on every call (include_last_offset with a
     padding_idx) in one group with nn.Embedding's padding row."""

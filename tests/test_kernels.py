@@ -67,6 +67,11 @@ def test_fbgemm_supports_what_its_kernels_take():
     wide = GroupSpec((TableSpec("a", 50, 4096),), (FeatureSpec("fa", 0, "bag"),), "sum")
     assert fb.supports(wide, "cpu", "inference", None) is None
     assert "up to 1024" in fb.supports(wide, "cuda", "inference", None)
+    # quantized groups: fbgemm's inference kernels (no "TBE v2"), up to fbgemm's 2048
+    quant_wide = GroupSpec((TableSpec("a", 50, 1536),), (FeatureSpec("fa", 0, "bag"),), "sum", quantized=True)
+    assert fb.supports(quant_wide, "cuda", "inference", None) is None
+    quant_over = GroupSpec((TableSpec("a", 50, 2052),), (FeatureSpec("fa", 0, "bag"),), "sum", quantized=True)
+    assert "up to 2048" in fb.supports(quant_over, "cuda", "inference", None)
     assert "padding row" in fb.supports(PADDED_SEQ, "cuda", "training", "adagrad")
     assert fb.supports(PADDED_SEQ, "cuda", "training", None) is None  # gradients are PyTorch's there
     assert fb.supports(QUANT, "cuda", "inference", None) is None

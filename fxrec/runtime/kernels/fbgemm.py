@@ -300,7 +300,8 @@ def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):
         return real_columns(group, tbe(indices, offsets, per_sample_weights=psw))
 
     if not training:  # nothing wants a gradient: no autograd function over every parameter
-        return forward()
+        with torch.no_grad():  # (frozen tables with grad on: fbgemm's own backward would update them)
+            return forward()
     return LookupWithGrads.apply(group, forward, layout, indices, offsets, psw, *params)
 
 
@@ -319,6 +320,8 @@ def states_refusal(group, device: str, mode: str, optimizer: Optional[str]) -> O
 # wrong sums for dims 1028, 1152 and 2048, one table or two, fbgemm called by hand without fxrec
 # (max error 4.6 to 9.7 on N(0, 1) rows; dim 1024 exact): wider tables go to PyTorch's lookups.
 CUDA_MAX_DIM = 1024
+# fbgemm's max_D, for its inference (IntNBit) kernels, which do not use "TBE v2" (not run above 1024 on a GPU).
+CUDA_MAX_DIM_QUANTIZED = 2048
 
 
 class FbgemmKernel(Kernel):
@@ -336,8 +339,9 @@ class FbgemmKernel(Kernel):
         if device not in ("cpu", "cuda"):
             return f"fbgemm runs on cpu and cuda, not {device}"
         stored = tbe_dims(group)
-        if device == "cuda" and max(stored) > CUDA_MAX_DIM:
-            return f"fbgemm's CUDA kernels take dims up to {CUDA_MAX_DIM}"
+        limit = CUDA_MAX_DIM_QUANTIZED if group.quantized else CUDA_MAX_DIM
+        if device == "cuda" and max(stored) > limit:
+            return f"fbgemm's CUDA kernels take dims up to {limit}" + ("" if group.quantized else " correctly")
         if group.quantized:
             return None if mode == "inference" else "quantized tables are for inference"
         if any(t.dtype != "float32" for t in group.tables):
