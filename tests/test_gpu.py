@@ -492,3 +492,36 @@ def test_a_mixed_plan_trains_on_two_gpus_over_nccl_as_one_process_does(tmp_path)
 
     spawn(_nccl_worker, 2, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
+
+
+@pytest.mark.parametrize("dim", [1024, 1028, 2048])
+def test_fbgemms_own_tbe_is_exact_up_to_1024_and_wrong_above_which_is_why_fxrec_stops_there(dim):
+    """fbgemm's TBE called by hand, without fxrec (one table, sum bags of 3 ids), against PyTorch's
+    embedding_bag. fbgemm-gpu 1.6.0 on an H100: exact at 1024, off by 4.6 to 9.7 above (its "TBE v2"
+    forward). When this fails above 1024, fbgemm got fixed: raise CUDA_MAX_DIM in
+    fxrec/runtime/kernels/fbgemm.py."""
+    import warnings
+
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
+                                                                        SplitTableBatchedEmbeddingBagsCodegen)
+
+    from fxrec.runtime.kernels.fbgemm import CUDA_MAX_DIM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tbe = SplitTableBatchedEmbeddingBagsCodegen([(20, dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)],
+                                                    optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.0,
+                                                    pooling_mode=PoolingMode.SUM, device=torch.device("cuda"))
+    (w,) = tbe.split_embedding_weights()
+    with torch.no_grad():
+        w.normal_()
+    ids = torch.randint(0, 20, (27,), device="cuda")
+    offsets = torch.arange(0, 28, 3, device="cuda")
+    want = torch.nn.functional.embedding_bag(ids, w, offsets[:-1], mode="sum")
+    err = float((tbe(ids, offsets) - want).abs().max())
+    if dim <= CUDA_MAX_DIM:
+        assert err < 1e-4, err
+    else:
+        assert err > 1e-2, f"fbgemm's TBE is now right at dim {dim} (error {err}): fxrec's CUDA_MAX_DIM can go up"
