@@ -164,7 +164,7 @@ def copy_bandwidth(device, timer, rounds):
     return 2 * (1 << 31) / (ms / 1e3)
 
 
-def train_steps(models, batch, flat, cot, plain, plain_opt):
+def train_steps(models, batch, cot, plain, plain_opt):
     """Training-step closures: the plain model with ``plain_opt``; fused ones (fxrec's, the hand TBE)."""
 
     def plain_step():
@@ -244,7 +244,7 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         fused, _ = transformed(opt_name, optimizer=fused_cfg)
         tbe = hand_written_tbe(plain, cfg, device, opt_name)
         plain_opt = plain_opt_class(plain.parameters(), lr=LR)  # Adagrad's state: a table-sized sum
-        steps = train_steps({"tbe": (tbe, flat), "fxrec": (fused, batch)}, batch, flat, cot, plain, plain_opt)
+        steps = train_steps({"tbe": (tbe, flat), "fxrec": (fused, batch)}, batch, cot, plain, plain_opt)
         train[opt_name] = medians(steps, rounds, timer)
         if queue > 1:
             train_queued[opt_name] = medians(steps, max(1, rounds // 2), timer, queue)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fxrec.passes.choose_kernels import kernel_order, pick
-from fxrec.runtime.kernels import fbgemm
+from fxrec.runtime.kernels import fbgemm_tbe
 from fxrec.runtime.specs import FeatureSpec, GroupSpec, TableSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def test_each_extra_resolves_the_torch_its_fbgemm_is_built_for(tmp_path, extra, 
 
 
 def test_a_broken_fbgemm_is_an_error_on_cuda_and_a_named_fallback_on_cpu(monkeypatch):
-    monkeypatch.setattr(fbgemm, "_IMPORT_ERROR", ImportError("undefined symbol: _ZN3c10 (built for another torch)"))
+    monkeypatch.setattr(fbgemm_tbe, "_IMPORT_ERROR", ImportError("undefined symbol: _ZN3c10 (built for another torch)"))
     with pytest.raises(ImportError, match=r"fbgemm-gpu==1\.6\.0' for torch 2\.11.*undefined symbol"):
         pick(SPEC, "cuda", "training", None, kernel_order("cuda", "training", "auto"), True)
     # on CPU the rule's next kernel runs the group, and the decision says why fbgemm was passed over

@@ -228,7 +228,7 @@ def test_a_padding_row_keeps_lazy_adam_out_of_fbgemm_on_cuda():
 def test_fbgemm_takes_the_adam_arguments_fxrec_passes_and_its_cpu_build_is_refused_by_name():
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    from fxrec.runtime.kernels.fbgemm import make_training_tbe
+    from fxrec.runtime.kernels.fbgemm_tbe import make_training_tbe
     from fxrec.runtime.specs import FusedSpec
 
     params = inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters
@@ -441,7 +441,7 @@ def test_tables_of_one_group_with_different_steps_in_the_checkpoint_are_an_error
 def test_a_step_with_no_ids_counts_as_fbgemm_counts_one():
     """fbgemm's Adam forward adds one to ``iter`` (and its host copy, taken from ``iter`` while 0);
     a step that never reaches it (no ids for the group) must count the same, so the ranks agree."""
-    from fxrec.runtime.kernels.fbgemm import make_training_tbe
+    from fxrec.runtime.kernels.fbgemm_tbe import make_training_tbe
     from fxrec.runtime.kernels.fbgemm_states import count_tbe_step, set_tbe_step
 
     tbe = make_training_tbe([(10, 4)], [0], "sum", torch.device("cpu"))
@@ -544,7 +544,7 @@ def test_lazy_lamb_on_cpu_trains_through_torch_optim_as_the_reference_does():
 
 def test_fbgemm_takes_lamb_on_cuda_only_and_fxrec_sizes_its_two_moments():
     from fxrec.planner.cost import optimizer_kind, optimizer_state_bytes
-    from fxrec.runtime.kernels.fbgemm import make_training_tbe
+    from fxrec.runtime.kernels.fbgemm_tbe import make_training_tbe
     from fxrec.runtime.specs import FusedSpec
 
     with pytest.raises(ValueError, match="CPU build has no fused lamb"):

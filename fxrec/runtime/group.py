@@ -267,6 +267,6 @@ class EmbeddingGroup(InputChecks, nn.Module):
         current only after this writes the cache back; ``drop`` then empties it, for before the
         parameters are written by anything but the kernel. Nothing for other groups."""
         if self._bound is not None and any(t.placement == "managed_caching" for t in self.tables):
-            from .kernels.fbgemm import sync_cache
+            from .kernels.fbgemm_tbe import sync_cache
 
             sync_cache(self._bound.tbe, drop)

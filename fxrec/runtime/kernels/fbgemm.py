@@ -1,7 +1,6 @@
-"""The ``fbgemm`` kernel: fbgemm_gpu's table-batched embedding (TBE). With :mod:`.fbgemm_nbit` (its
-quantized half) the only import of fbgemm_gpu.
-
-A missing or mismatched install fails here once, saying what to install. A group's weight
+"""The ``fbgemm`` kernel: fbgemm_gpu's table-batched embedding (TBE), built by :mod:`.fbgemm_tbe`
+(where fbgemm_gpu is imported: a missing or mismatched install fails there once, saying what to
+install); :mod:`.fbgemm_nbit` is its quantized half. A group's weight
 parameters are views into the TBE's flat weight buffer (:func:`ensure_bound`): the kernel reads
 the user's weights, and an optimizer step or ``load_state_dict`` on them is what it sees next. A
 table whose dim is not a multiple of 4 is stored with zero columns up to the next one
@@ -15,126 +14,24 @@ with one, fbgemm's backward applies it (its states: :mod:`.fbgemm_states`).
 
 from __future__ import annotations
 
-import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .fbgemm_padding import keeps_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
-from ..specs import DIM_ALIGNMENT, ROW_MEAN, STEPPED, WEIGHTS_PRECISIONS, FusedSpec, real_columns_index, stored_widths
+from ..specs import DIM_ALIGNMENT, ROW_MEAN, STEPPED, WEIGHTS_PRECISIONS, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
-
-_IMPORT_ERROR: Optional[BaseException] = None
-
-try:  # fbgemm prints version-table warnings at import on some torch releases; they are harmless
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            BoundsCheckMode,
-            EmbeddingLocation,
-            PoolingMode,
-        )
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice,
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-except Exception as e:  # pragma: no cover - exercised only on broken installs
-    _IMPORT_ERROR = e
-
-
-def require_fbgemm() -> None:
-    """Raise a clear error when fbgemm_gpu cannot be used with the installed torch."""
-    if _IMPORT_ERROR is not None:
-        raise ImportError(
-            "fxrec needs fbgemm_gpu built for the installed torch "
-            f"(torch {torch.__version__}): install 'fbgemm-gpu-cpu==1.8.0' for torch 2.13 "
-            "on CPU-only machines, 'fbgemm-gpu==1.6.0' for torch 2.11 with CUDA "
-            "(pip install -e '.[cpu]' or '.[cuda]' pins both). "
-            f"Import failed with: {_IMPORT_ERROR!r}"
-        ) from _IMPORT_ERROR
-
-
-def fbgemm_available() -> bool:
-    return _IMPORT_ERROR is None
-
-
-def make_training_tbe(
-    rows_dims: Sequence[Tuple[int, int]],
-    feature_table_map: List[int],
-    pooling: str,
-    device: torch.device,
-    fused: Optional[FusedSpec] = None,
-    placements: Optional[Sequence[str]] = None,
-    cache_load_factor: float = 0.2,
-    weights: str = "",
-) -> "SplitTableBatchedEmbeddingBagsCodegen":
-    """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device` (stored
-    in ``weights``, "fp16" or "bf16", where given: fbgemm's ``weights_precision``; outputs fp32).
-
-    ``fused=None``: the module is used for its forward kernel only (fxrec computes PyTorch's
-    gradients itself), so fbgemm gets exact SGD with learning rate zero, which never runs.
-    Otherwise the update fbgemm fuses into its backward (``adam`` on CUDA only), with the spec's
-    arguments. ``placements``: per table, where its rows live on CUDA (specs.PLACEMENTS; default
-    ``device``), with an HBM cache of ``cache_load_factor`` of the cached rows; on CPU, host memory.
-    """
-    require_fbgemm()
-    on_cpu = device.type == "cpu"
-    kind = fused.kind if fused is not None else "none"
-    placements = list(placements or ["device"] * len(rows_dims))
-    if on_cpu and kind not in FbgemmKernel.CPU_OPTIMIZERS + ("none",):
-        raise ValueError(f"fxrec: fbgemm's CPU build has no fused {kind}; it runs on CUDA only")
-    where = {"device": EmbeddingLocation.DEVICE, "managed": EmbeddingLocation.MANAGED,
-             "managed_caching": EmbeddingLocation.MANAGED_CACHING}
-    locations = [EmbeddingLocation.HOST if on_cpu else where[p] for p in placements]
-    compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
-    mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
-    kinds = {"none": EmbOptimType.EXACT_SGD, "sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
-             "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM, "lamb": EmbOptimType.LAMB,
-             "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM,
-             "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB}
-    args = dict(learning_rate=0.0) if fused is None else dict(learning_rate=float(fused.lr), eps=float(fused.eps))
-    if kind in STEPPED:  # fbgemm's Adam and LAMB read weight_decay themselves (decoupled: see LazyAdam)
-        args.update(beta1=float(fused.beta1), beta2=float(fused.beta2), weight_decay=float(fused.weight_decay))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(int(r), int(d), loc, compute) for (r, d), loc in zip(rows_dims, locations)],
-            feature_table_map=list(feature_table_map),
-            optimizer=kinds[kind],
-            **args,
-            pooling_mode=mode,
-            cache_load_factor=float(cache_load_factor),
-            weights_precision={"fp16": SparseType.FP16, "bf16": SparseType.BF16}.get(weights, SparseType.FP32),
-            # fbgemm's HBM cache of unified-memory rows is fp32 or fp16 (it asserts on bf16, even empty)
-            cache_precision=SparseType.FP16 if weights == "fp16" else SparseType.FP32,
-            output_dtype=SparseType.FP32,
-            device=device if not on_cpu else None,
-            # fxrec validates ids itself, with messages that name the table and feature.
-            bounds_check_mode=BoundsCheckMode.NONE,
-        )
-    return tbe
-
-
-def sync_cache(tbe, drop: bool) -> None:
-    """fbgemm's ``flush`` (cached rows written back) and, with ``drop``, ``reset_cache_states``."""
-    tbe.flush()
-    if drop:
-        tbe.reset_cache_states()
-
-
-def tbe_flat_weights(tbe: "SplitTableBatchedEmbeddingBagsCodegen") -> torch.Tensor:
-    """The single flat fp32 storage that holds every table of `tbe`."""
-    return tbe.weights_host if tbe.weights_host.numel() > 0 else tbe.weights_dev
+from .fbgemm_tbe import CPU_OPTIMIZERS, fbgemm_available, import_error, make_training_tbe, require_fbgemm
 
 
 def operator_libraries() -> List[str]:
     """Paths of fbgemm_gpu's operator libraries in its load order (for a C++ program to load first)."""
     require_fbgemm()
     import os
+
+    import fbgemm_gpu
 
     here = os.path.dirname(fbgemm_gpu.__file__)
     names = getattr(fbgemm_gpu, "fbgemm_gpu_libraries", None) or []
@@ -165,9 +62,6 @@ def usable(params: Sequence[torch.Tensor], group=None) -> bool:
     """Whether fbgemm can hold ``params`` (fp32, or as ``group``'s weights_precision stores them)."""
     if not fbgemm_available() or not params:
         return False
-    bound = getattr(group, "_bound", None)
-    if bound is not None and bound.ptrs == [p.data_ptr() for p in params]:
-        return True  # still the views of the group's TBE
     dev = params[0].device
     ok = (torch.float32, stored_dtype(group))
     return all(p.dtype in ok and p.device == dev and p.dim() == 2 for p in params)
@@ -179,11 +73,15 @@ def stored_dtype(group) -> torch.dtype:
     return getattr(torch, WEIGHTS_PRECISIONS[w]) if w else torch.float32
 
 
+def bound_tbe(group, params: Sequence[torch.Tensor]) -> Optional[nn.Module]:
+    """The group's TBE while ``params`` are still its views (then fbgemm holds them), else None."""
+    b = getattr(group, "_bound", None)
+    return b.tbe if b is not None and b.ptrs == [p.data_ptr() for p in params] else None
+
+
 def ensure_bound(group, params: Sequence[torch.Tensor]) -> nn.Module:
-    b = group._bound
-    if b is None or b.ptrs != [p.data_ptr() for p in params]:
-        b = _bind(group, params)
-    return b.tbe
+    tbe = bound_tbe(group, params)
+    return tbe if tbe is not None else _bind(group, params).tbe
 
 
 def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
@@ -329,7 +227,7 @@ class FbgemmKernel(Kernel):
     Adagrad in its backward (its CPU build's three), on CUDA also Adam, LAMB and their partial row-wise forms."""
 
     name = FBGEMM
-    CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+    CPU_OPTIMIZERS = CPU_OPTIMIZERS
     CUDA_OPTIMIZERS = CPU_OPTIMIZERS + STEPPED
 
     def supports(self, group, device, mode, optimizer, *, states_only: bool = False):
@@ -372,17 +270,15 @@ class FbgemmKernel(Kernel):
     def available(self, device):
         if device == "cuda":
             require_fbgemm()  # on a GPU fbgemm is the kernel: a broken install is an error, not a fallback
-        return None if fbgemm_available() else f"fbgemm_gpu does not import ({_IMPORT_ERROR!r})"
+        return None if fbgemm_available() else f"fbgemm_gpu does not import ({import_error()!r})"
 
     def run(self, group, ids_list, offsets_list, psw_list, params, training):
         from ..packing import pack_pooled, pack_sequence, unpack_sequence
 
-        if not usable(params, group):
+        tbe = bound_tbe(group, params)  # (one look at the parameters a call)
+        if tbe is None and not usable(params, group):
             return None
         fused = training and group.fused_active
-        if group.weights == "bf16" and params[0].device.type == "cpu":
-            raise RuntimeError(f"fxrec: tables {[t.name for t in group.tables]} are stored in bf16, which fbgemm's CPU "
-                               "build cannot read: run them on CUDA (saving and loading work on the CPU)")
         if fused and parks(tbe_optimizer(group), params[0].device):
             group.fused_unusable(f"fbgemm's fused {group.fused.kind} runs on CUDA only, not {params[0].device}")
         if group.pooling != "none":
@@ -392,7 +288,7 @@ class FbgemmKernel(Kernel):
                 return count_step(group, params, fused and all(i.numel() == 0 for i in ids_list))
             indices, offsets, psw, batch, bounds = packed
             group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
-            tbe = ensure_bound(group, params)
+            tbe = tbe if tbe is not None else ensure_bound(group, params)
             if keep:
                 indices, psw = send_padding_to_zero_rows(group, indices, psw, bounds)
                 if group._bound.optimizer != "none":  # a fused update may have moved them
@@ -401,7 +297,7 @@ class FbgemmKernel(Kernel):
             return run_tbe(group, tbe, (batch, bounds, keep), indices, offsets, psw, params, training)
         if max(ids.numel() for ids in ids_list) == 0:
             return count_step(group, params, fused)
-        tbe = ensure_bound(group, params)
+        tbe = tbe if tbe is not None else ensure_bound(group, params)
         indices, offsets, bmax, bounds = pack_sequence(group, ids_list)
         out = run_tbe(group, tbe, (bmax, bounds), indices, offsets, None, params, training)
         return unpack_sequence(group, out, ids_list)

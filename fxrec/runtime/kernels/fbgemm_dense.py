@@ -9,7 +9,8 @@ from typing import List, Optional
 import torch
 
 from ..specs import real_columns_index
-from .fbgemm import tbe_dims, tbe_flat_weights
+from .fbgemm import tbe_dims
+from .fbgemm_tbe import tbe_flat_weights
 
 
 def dense_grads_by_kernel(group, grad_out: torch.Tensor, need) -> bool:

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .fbgemm import require_fbgemm
+from .fbgemm_tbe import require_fbgemm
 
 QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
 

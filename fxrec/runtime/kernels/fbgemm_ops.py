@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .fbgemm import BoundsCheckMode, require_fbgemm
+from .fbgemm_tbe import BoundsCheckMode, require_fbgemm
 
 
 def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
