@@ -72,7 +72,7 @@ class HostSyncs:
 # What makes the host wait for a device: reading a value (item, bool(), int(), tolist), ops whose
 # output size depends on values (nonzero, boolean-mask indexing, masked_select, unique,
 # repeat_interleave without output_size), and a tensor made from Python numbers (a copy from
-# pageable host memory on CUDA).
+# pageable host memory on CUDA) unless it is made in pinned memory where there is a GPU.
 _SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
              "aten::unique_consecutive", "aten::repeat_interleave.Tensor")
 
@@ -117,7 +117,9 @@ def host_syncs():
         return tolist(self)
 
     def counted_tensor(data, *args, **kwargs):
-        if not isinstance(data, torch.Tensor):
+        # made with pin_memory= given: the caller pins it where there is a GPU and copies it with
+        # non_blocking=True, which does not wait (fxrec.runtime.packing._base_column)
+        if not isinstance(data, torch.Tensor) and "pin_memory" not in kwargs:
             record.events.append(("torch.tensor(python values)", where()))
         return tensor(data, *args, **kwargs)
 

@@ -526,3 +526,29 @@ def test_fbgemms_own_tbe_is_exact_up_to_1024_and_wrong_above_which_is_why_fxrec_
         assert err < 1e-4, err
     else:
         assert err > 1e-2, f"fbgemm's TBE is now right at dim {dim} (error {err}): fxrec's CUDA_MAX_DIM can go up"
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_torchscript_torch_export_and_aoti_round_trips_on_the_gpu_serve_the_models_outputs(quantize, tmp_path):
+    """A model transformed on the GPU for inference, exported three ways on the GPU, serves the
+    transformed model's outputs there, at the example's batch size and another (the exported
+    forms take any batch). fp32 groups export as PyTorch's lookups, whose sums may round in
+    another order than fbgemm's; quantized groups export as fbgemm's own operator."""
+    model = M.BagList(rows=ROWS).cuda().eval()
+    x = cuda(M.bag_inputs(rows=ROWS, seed=5, empty_bags=False))
+    fast = fxrec.transform(model, x, mode="inference", quantize=quantize)
+    close = dict(rtol=1e-5, atol=1e-5) if quantize is None else dict(rtol=0, atol=0)
+    program = fxrec.export.program(fast, x).module()
+    scripted = fxrec.export.torchscript(fast)
+    package = torch._inductor.aoti_load_package(fxrec.export.aoti(fast, x, tmp_path / "model.pt2"))
+    for seed, batch in ((5, 6), (11, 9)):
+        y = cuda(M.bag_inputs(rows=ROWS, seed=seed, batch=batch, empty_bags=False))
+        with torch.no_grad():
+            want = fast(*y)
+            assert want.is_cuda
+            quantization = dict(rtol=1e-5, atol=1e-5) if quantize is None else dict(rtol=0.05, atol=0.05)
+            torch.testing.assert_close(want, model(*y), **quantization)
+            for name, served in (("torch.export", program(*y)), ("TorchScript", scripted(*y)), ("AOTInductor", package(*y))):
+                served = served[0] if isinstance(served, (list, tuple)) else served
+                assert served.is_cuda, name
+                torch.testing.assert_close(served, want, **close, msg=lambda m, name=name: f"{name}: {m}")

@@ -11,7 +11,6 @@ from typing import List, Optional
 import torch
 
 from ._tracing import exporting, reads_values
-from .packing import first_offsets
 from .specs import FeatureSpec
 
 
@@ -119,14 +118,16 @@ class InputChecks:
             start += d
         return cols
 
-    def _validate_packed(self, indices, offsets, ids_list, offsets_list, psw=None) -> None:
+    def _validate_packed(self, indices, offsets, ids_list, offsets_list, psw=None, firsts=None) -> None:
         """Cheap checks on the packed input (a few ops for the whole group); on failure, the
         per-feature checks find the feature and raise a message that names it. Where values may
-        not be read (CUDA), the device's check instead (:meth:`_check_on_device`)."""
+        not be read (CUDA), the device's check instead (:meth:`_check_on_device`). ``firsts``:
+        where each feature's first bag starts in its own ids (pack_bags'; must be 0)."""
         if exporting():
             return
         if not reads_values(indices.device):
-            self._check_on_device(indices, offsets, psw, ids_list, offsets_list)
+            self._check_on_device(indices, offsets, psw, ids_list, offsets_list,
+                                  None if firsts is None else firsts.ne(0).sum())
             return
         ok = True
         if indices.numel():
@@ -143,21 +144,18 @@ class InputChecks:
             self._check_inputs(ids_list, offsets_list)
             raise ValueError(f"fxrec: invalid ids or offsets for tables {[t.name for t in self.tables]}")
 
-    def _check_on_device(self, indices, offsets, psw, ids_list, offsets_list) -> None:
+    def _check_on_device(self, indices, offsets, psw, ids_list, offsets_list, bad_firsts=None) -> None:
         """Bounds checks without reading a value on the host: fbgemm's ``bounds_check_indices``
         on the packed input, on its device, sends every id outside its table to row 0 (and fixes
         offsets out of range) and counts them; the count reaches the host later (see
-        :class:`DeviceBoundsCheck`), and a count that grew raises the named error then."""
+        :class:`DeviceBoundsCheck`), and a count that grew raises the named error then.
+        ``bad_firsts``: how many features' offsets do not start at 0 (0-dim, on the device)."""
         state = self.__dict__.get("_device_bounds")
         if state is None or state.counter.device != indices.device:
             state = self._device_bounds = DeviceBoundsCheck([self.tables[f.table].num_rows for f in self.features],
                                                             indices.device)
         self._raise_reported(state)
-        firsts = None  # bags whose offsets do not start at 0 (packing does not read them here)
-        if offsets_list is not None:
-            first = first_offsets(offsets_list, self._bag_features)
-            firsts = None if first is None else first.ne(0).sum()
-        state.check(indices, offsets, psw, ids_list, offsets_list, firsts)
+        state.check(indices, offsets, psw, ids_list, offsets_list, bad_firsts)
         self._raise_reported(state)
 
     def _raise_reported(self, state: "DeviceBoundsCheck") -> None:

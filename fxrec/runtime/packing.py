@@ -30,9 +30,12 @@ NOT_PACKABLE = -1
 def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_list: List[Optional[Tensor]],
               where: List[str], forms: List[int], pads: List[int], ilos: List[bool], mean: bool,
               any_weighted: bool, strict: bool, empty_means: bool, tracing: bool,
-              keep_pads: Optional[List[bool]] = None) -> Tuple[int, Tensor, Tensor, Optional[Tensor], List[int]]:
-    """``(batch, indices, offsets, per-sample weights, bounds)`` of a pooled group's inputs; feature
-    ``f``'s ids are ``indices[bounds[f]:bounds[f + 1]]`` (known on the host: no value is read for them).
+              keep_pads: Optional[List[bool]] = None
+              ) -> Tuple[int, Tensor, Tensor, Optional[Tensor], List[int], Optional[Tensor]]:
+    """``(batch, indices, offsets, per-sample weights, bounds, firsts)`` of a pooled group's inputs;
+    feature ``f``'s ids are ``indices[bounds[f]:bounds[f + 1]]`` (known on the host: no value is
+    read for them); ``firsts[f]`` is where its first bag starts in its own ids (0 unless its
+    offsets are wrong: the caller checks, :func:`pack_pooled`), None when ``tracing``.
 
     ``batch`` is :data:`NOT_PACKABLE` where only PyTorch's own kernels reproduce the input (then
     the tensors are empty), 0 for an empty batch. ``where[i]`` names feature i in errors.
@@ -88,7 +91,7 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
                             + " with include_last_offset=True and mean pooling, where PyTorch's mean divides the "
                             "last bag by the ids up to the end of the tensor; fused optimizers and quantized tables "
                             "do not reproduce that: pass only the ids up to offsets[-1]")
-                    return -1, nothing, nothing, None, [0]
+                    return -1, nothing, nothing, None, [0], None
                 if not ilo:
                     off = torch.cat([off, off.new_full([1], n)])
                 elif (pad >= 0 or tracing) and off.numel() > 0:
@@ -101,7 +104,8 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
                 if pad >= 0 and keep_pads is not None and keep_pads[i]:
                     pass  # offsets past the ids: the packed offsets stop increasing, which the checks see
                 elif pad >= 0:
-                    if not tracing and bool((off > flat.numel()).any()):
+                    if not tracing and (bool((off > flat.numel()).any()) or int(off[0]) != 0):
+                        # (checked here: the offsets are renumbered below, and firsts would not see it)
                         raise ValueError("fxrec: offsets of " + where[i] + " do not match its " + str(flat.numel())
                                          + " ids: offsets must start at 0, never decrease and end at most there")
                     keep = flat != pad
@@ -118,7 +122,7 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             length = ids.shape[1]
             flat = ids.reshape(-1)
             if length == 0 and mean and not empty_means:
-                return -1, nothing, nothing, None, [0]  # PyTorch's mean of no rows is NaN
+                return -1, nothing, nothing, None, [0], None  # PyTorch's mean of no rows is NaN
             start = _range(ranges, range_lengths, b, length, dev)
         else:  # one id per sample
             b = ids.shape[0]
@@ -127,24 +131,51 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
         if batch < 0:
             batch = b
         elif b != batch:
-            return -1, nothing, nothing, None, [0]  # one TBE call needs one batch size
+            return -1, nothing, nothing, None, [0], None  # one TBE call needs one batch size
+        n = flat.numel()
         flat_ids.append(flat)
         starts.append(start)
         bases.append(base)
-        base += flat.numel()
+        base += n
         bounds.append(base)
         if any_weighted:
             if psw is None:
-                psw = torch.ones(flat.numel(), dtype=torch.float32, device=dev)
-            weights.append(psw.reshape(-1)[: flat.numel()].float())
+                psw = torch.ones(n, dtype=torch.float32, device=dev)
+            weights.append(psw.reshape(-1)[:n].float())
     if batch <= 0:
-        return 0, nothing, nothing, None, [0]  # an empty batch
+        return 0, nothing, nothing, None, [0], None  # an empty batch
     indices = torch.cat(flat_ids).long()  # int32 and int64 ids together make int64
-    offsets = torch.cat(_shifted(starts, bases, tracing) + [torch.full([1], indices.numel(), dtype=torch.long, device=dev)])
     psw_all: Optional[Tensor] = None
     if any_weighted:
         psw_all = torch.cat(weights)
-    return batch, indices, offsets, psw_all, bounds
+    if torch.jit.is_scripting() or tracing:
+        return batch, indices, _offsets_one_by_one(starts, bases, base), psw_all, bounds, None
+    offsets, firsts = _offsets_at_once(starts, bases, base, batch)
+    return batch, indices, offsets, psw_all, bounds, firsts
+
+
+def _offsets_one_by_one(starts: List[Tensor], bases: List[int], total: int) -> Tensor:
+    """The packed offsets with one add per feature (see :func:`_offsets_at_once` for where)."""
+    end = torch.full([1], total, dtype=torch.long, device=starts[0].device)
+    return torch.cat([s + b for s, b in zip(starts, bases)] + [end])
+
+
+@torch.jit.unused
+def _offsets_at_once(starts: List[Tensor], bases: List[int], total: int, batch: int) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(offsets, firsts)``: every feature's bag starts moved by where its ids start in the packed
+    ids, in one add for the group, and each feature's first start as it was given. The ids'
+    starts go to the device as one small copy from pinned host memory, which the host does not
+    wait for (from ordinary host memory it would wait for the device's queue to drain; the
+    caching host allocator keeps the pinned block until the copy has run). Not inside a CUDA
+    graph (a replay would read the pinned block again, by then someone else's), nor in
+    torch.export (the ints are symbolic there), nor in TorchScript: those add one by one."""
+    dev = starts[0].device
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _offsets_one_by_one(starts, bases, total), torch.cat([s[:1] for s in starts])  # (host time: once)
+    unshifted = torch.cat(starts).view(len(starts), batch)
+    pinned = torch.tensor(bases + [total], dtype=torch.long, pin_memory=dev.type == "cuda")
+    shift = pinned.to(dev, non_blocking=True).view(-1, 1)
+    return torch.cat([(unshifted + shift[:-1]).view(-1), shift[-1]]), unshifted[:, 0]
 
 
 def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: torch.device) -> Tensor:
@@ -156,31 +187,6 @@ def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: t
     ranges.append(r)
     lengths.append(length)
     return r
-
-
-def _shifted(starts: List[Tensor], bases: List[int], tracing: bool) -> List[Tensor]:
-    """``starts[f] + bases[f]`` for every feature: one multi-tensor kernel (torch._foreach_add), not
-    a kernel launch per feature. TorchScript takes no list of ints there, and AOTInductor no
-    foreach op with one (torch.export is ``tracing``; Inductor fuses the adds): one by one."""
-    if torch.jit.is_scripting() or tracing:
-        return [s + b for s, b in zip(starts, bases)]
-    return list(torch._foreach_add(starts, bases))
-
-
-def first_offsets(offsets_list: List[Optional[Tensor]], bag_features: List[int]) -> Optional[Tensor]:
-    """The first offset of each bag feature that has bags, as one tensor (None if none has): one
-    ``cat`` where they all have as many offsets, not a slice per feature."""
-    offs: List[Tensor] = []
-    for i in bag_features:
-        o = offsets_list[i]
-        if o is not None and o.numel() > 0:
-            offs.append(o)
-    if len(offs) == 0:
-        return None
-    n = offs[0].numel()
-    if all(o.numel() == n for o in offs):
-        return torch.cat(offs).view(len(offs), n)[:, 0]
-    return torch.cat([o[:1] for o in offs])
 
 
 def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:
@@ -217,27 +223,30 @@ def unpack_rows(out: Tensor, ids_list: List[Tensor], dims: List[int]) -> List[Te
 # ------------------------------------------------------------------ the eager group's entry points
 def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = False, strict: bool = False,
                 keep_padding: bool = False):
-    """:func:`pack_bags` for an eager group module: ``(indices, offsets, psw, batch)``, or None
-    where the group runs PyTorch's own kernels instead (an empty batch included). Checks dtypes
-    and that bags have offsets first, naming the feature. ``keep_padding``: the bags whose
-    tables have a zero row in the group's TBE keep their padding ids (fbgemm_padding)."""
-    for f, ids, off in zip(group.features, ids_list, offsets_list):
-        if ids.dtype not in (torch.int64, torch.int32):
-            group._check_ids(f, ids)  # raises, naming the feature
-        if f.form == "bag" and (off is None or off.dtype not in (torch.int64, torch.int32)):
-            group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
-    batch, indices, offsets, psw, bounds = pack_bags(
+    """:func:`pack_bags` for an eager group module, with its inputs checked (naming the feature, see
+    :meth:`fxrec.runtime.checks.InputChecks._validate_packed`): ``(indices, offsets, psw, batch,
+    bounds)``, or None where the group runs PyTorch's own kernels instead (an empty batch
+    included). ``keep_padding``: the bags whose tables have a zero row in the group's TBE keep
+    their padding ids (fbgemm_padding)."""
+    ints = (torch.int64, torch.int32)
+    if any(ids.dtype not in ints for ids in ids_list) or any(
+            offsets_list[i] is None or offsets_list[i].dtype not in ints for i in group._bag_features):
+        for f, ids, off in zip(group.features, ids_list, offsets_list):
+            if ids.dtype not in ints:
+                group._check_ids(f, ids)  # raises, naming the feature
+            if f.form == "bag" and (off is None or off.dtype not in ints):
+                group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
+    batch, indices, offsets, psw, bounds, firsts = pack_bags(
         ids_list, offsets_list, psw_list, group._where, group._forms, group._pads, group._ilos,
         group.pooling == "mean", group._any_weighted, strict, empty_means, exporting(),
         _kept_pads(group) if keep_padding else None)
-    if batch > 0 and reads_values(indices.device):
-        # bags whose offsets do not start at 0 (where values may not be read, the device check counts them)
-        firsts = first_offsets(offsets_list, group._bag_features)
-        if firsts is not None and bool(firsts.ne(0).any()):
-            i, off = next((i, offsets_list[i]) for i in group._bag_features
-                          if offsets_list[i].numel() > 0 and int(offsets_list[i][0]) != 0)
-            raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(off[0])))
-    return None if batch <= 0 else (indices, offsets, psw, batch, bounds)
+    if batch <= 0:
+        return None
+    if firsts is not None and reads_values(indices.device) and bool(firsts.ne(0).any()):
+        i = next(i for i in group._bag_features if int(offsets_list[i][0]) != 0)
+        raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(offsets_list[i][0])))
+    group._validate_packed(indices, offsets, ids_list, offsets_list, psw, firsts)
+    return indices, offsets, psw, batch, bounds
 
 
 def _kept_pads(group) -> List[bool]:

@@ -142,7 +142,6 @@ class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
                 "have different batch sizes; one TBE needs one"
             )
         indices, offsets, psw, _, _ = packed
-        self._validate_packed(indices, offsets, ids_list, offsets_list, psw)
         out = _lookup(self, indices, offsets, psw)
         nan_cols = self._empty_mean_columns(ids_list)
         if nan_cols:  # a mean of no rows, as PyTorch gives it

@@ -171,7 +171,7 @@ class ServingPooledGroup(_ServingGroup):
                 for c in range(col, col + self.dims[i]):
                     nan_cols.append(c)
             col += self.dims[i]
-        batch, indices, offsets, psw, _ = pack_bags(ids_list, offs, psws, self.where, self.forms, self.pads, self.ilos,
+        batch, indices, offsets, psw, _, _ = pack_bags(ids_list, offs, psws, self.where, self.forms, self.pads, self.ilos,
                                                  self.mode == 1, self.any_weighted, True, True,
                                                  False)
         if batch < 0:

@@ -287,7 +287,6 @@ class FbgemmKernel(Kernel):
             if packed is None:  # an empty batch (counts a step), or what PyTorch's kernels must run
                 return count_step(group, params, fused and all(i.numel() == 0 for i in ids_list))
             indices, offsets, psw, batch, bounds = packed
-            group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
             tbe = tbe if tbe is not None else ensure_bound(group, params)
             if keep:
                 indices, psw = send_padding_to_zero_rows(group, indices, psw, bounds)

@@ -370,7 +370,6 @@ class NativeKernel(Kernel):
         if packed is None:
             return None
         indices, offsets, psw, batch, bounds = packed
-        group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
 
         def forward():
             return native_forward(group, call, ids_list, offsets_list, reuse=False)

@@ -113,7 +113,6 @@ def _fused(group, ids_list, offsets_list, psw_list, params):
     if packed is None:
         return None
     indices, offsets, psw, batch, bounds = packed
-    group._validate_packed(indices, offsets, ids_list, offsets_list, psw)
 
     def forward():
         return lookups(group, ids_list, offsets_list, psw_list, params)
