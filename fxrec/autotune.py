@@ -121,7 +121,8 @@ class Autotuner:
         timings = {f"fwd_{k}": v for k, v in t_eval.items()}
         best_train, why = best_eval, "measured forward " + _text(t_eval)
         if training:
-            t_train = self._time(gr, value, _supporting(spec, device, "training", kind), train=True)
+            decay = gr.fused.weight_decay_mode if gr.fused is not None else ""
+            t_train = self._time(gr, value, _supporting(spec, device, "training", kind, decay), train=True)
             best_train = _fastest(t_train, decision.kernel_train)
             timings.update({f"train_{k}": v for k, v in t_train.items()})
             why += "; forward+backward " + _text(t_train)
@@ -174,10 +175,10 @@ def _timed(run, device: torch.device) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def _supporting(spec, device: str, mode: str, optimizer: Optional[str]) -> List[str]:
+def _supporting(spec, device: str, mode: str, optimizer: Optional[str], decay: str = "") -> List[str]:
     out = []
     for name in kernels.KERNEL_NAMES:
-        k, _ = pick(spec, device, mode, optimizer, (name,), True)
+        k, _ = pick(spec, device, mode, optimizer, (name,), True, decay)
         if k is not None:
             out.append(k)
     return out

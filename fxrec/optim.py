@@ -94,16 +94,41 @@ class Adagrad(EmbeddingOptimizer):
                                    initial_accumulator_value=self.initial_accumulator_value, eps=self.eps)
 
 
+#: RowWiseAdagrad's weight_decay_mode values (fbgemm's WeightDecayMode.L2 and .DECOUPLE).
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+
+
 @dataclass(frozen=True)
 class RowWiseAdagrad(EmbeddingOptimizer):
+    """fbgemm's row-wise Adagrad, on the rows in the batch: per row, with ``g`` its gradient
+    (summed over its lookups) and ``D`` its width,
+
+    * ``weight_decay_mode="l2"`` (TorchRec's default): ``g += weight_decay * w``, then
+      ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``;
+    * ``weight_decay_mode="decoupled"``: ``sum += mean(g**2)``,
+      ``w = (1 - lr * weight_decay) * w - lr * g / (sqrt(sum) + eps)``.
+
+    As the update itself, the decay reaches only the rows looked up in the batch."""
+
     lr: float = 1e-2
     eps: float = 1e-8
+    weight_decay: float = 0.0
+    weight_decay_mode: str = "l2"
+
+    def __post_init__(self):
+        if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
+            raise ValueError(f"fxrec: RowWiseAdagrad weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, "
+                             f"got {self.weight_decay_mode!r}")
+        if not self.weight_decay >= 0 or not self.lr >= 0 or not self.eps >= 0:
+            raise ValueError(f"fxrec: RowWiseAdagrad lr, eps and weight_decay must be >= 0, got {self}")
 
     def fused_spec(self):
-        return FusedSpec("rowwise_adagrad", self.lr, self.eps)
+        return FusedSpec("rowwise_adagrad", self.lr, self.eps, weight_decay=float(self.weight_decay),
+                         weight_decay_mode=self.weight_decay_mode if self.weight_decay else "")
 
     def torch_optimizer(self, params, sparse=False):
-        return RowWiseAdagradTorch(params, lr=self.lr, eps=self.eps)
+        return RowWiseAdagradTorch(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
+                                   weight_decay_mode=self.weight_decay_mode)
 
 
 @dataclass(frozen=True)
@@ -310,10 +335,14 @@ def gradient_rows(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 class RowWiseAdagradTorch(torch.optim.Optimizer):
-    """fbgemm's row-wise Adagrad as a torch optimizer (dense or sparse gradients)."""
+    """fbgemm's row-wise Adagrad as a torch optimizer (dense or sparse gradients), weight decay
+    included (:class:`RowWiseAdagrad`): the rows with a gradient are the rows updated."""
 
-    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8):
-        super().__init__(params, dict(lr=lr, eps=eps))
+    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8, weight_decay: float = 0.0,
+                 weight_decay_mode: str = "l2"):
+        if weight_decay_mode not in WEIGHT_DECAY_MODES:
+            raise ValueError(f"fxrec: weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, got {weight_decay_mode!r}")
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay, weight_decay_mode=weight_decay_mode))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -327,8 +356,16 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
                     state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
                 rows, vals = gradient_rows(p.grad)
                 s = state["sum"]
-                s.index_add_(0, rows, vals.pow(2).mean(1))
-                p.index_add_(0, rows, -group["lr"] * vals / (s[rows].sqrt() + group["eps"]).unsqueeze(1))
+                lr, wd, mode = group["lr"], group.get("weight_decay", 0.0), group.get("weight_decay_mode", "l2")
+                w = p[rows]
+                decayed = vals + wd * w if wd and mode == "l2" else vals
+                s.index_add_(0, rows, decayed.pow(2).mean(1))
+                mult = (lr / (s[rows].sqrt() + group["eps"])).unsqueeze(1)
+                if wd:  # fbgemm's form: w = (1 - c) * w - mult * g
+                    keep = 1 - (mult * wd if mode == "l2" else lr * wd)
+                    p.index_copy_(0, rows, keep * w - mult * vals)
+                else:
+                    p.index_add_(0, rows, -mult * vals)
         return loss
 
 

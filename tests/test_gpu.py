@@ -54,12 +54,17 @@ def test_forward_and_gradients_equal_the_plain_model_on_fbgemm(name):
             torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adagrad", "rowwise_adagrad", "rowwise_adagrad_l2", "rowwise_adagrad_decoupled"])
 def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
+    """(Row-wise Adagrad's weight decay: fbgemm's CUDA kernel applies it, its CPU kernel does not.)"""
     fused, torch_opt = {
         "sgd": (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
         "adagrad": (fxrec.optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
         "rowwise_adagrad": (fxrec.optim.RowWiseAdagrad(lr=0.1), lambda p: RowWiseAdagradReference(p, lr=0.1)),
+        "rowwise_adagrad_l2": (fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.5),
+                               lambda p: RowWiseAdagradReference(p, lr=0.1, weight_decay=0.5, mode="l2")),
+        "rowwise_adagrad_decoupled": (fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.5, weight_decay_mode="decoupled"),
+                                      lambda p: RowWiseAdagradReference(p, lr=0.1, weight_decay=0.5, mode="decoupled")),
     }[opt_name]
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=fused)

@@ -465,8 +465,12 @@ struct RowSlots {
 // coalesce does, then:
 //   exact:    state[r] += g*g;             W[r] -= lr * (g / (sqrt(state[r]) + eps))
 //   row-wise: state[r] += mean(g*g);       W[r] -= (lr / (sqrt(state[r]) + eps)) * g
+// Row-wise with weight decay (decay_mode as fbgemm's WeightDecayMode: 1 L2, 2 decoupled), as
+// fbgemm writes it: L2 adds wd * W[r] to g in the sum of squares and c = mult * wd; decoupled
+// c = lr * wd; then W[r] = (1 - c) * W[r] - mult * g.
 void adagrad_update(
     at::TensorList weights, at::TensorList states, at::Tensor grad_out, double lr, double eps, int64_t rowwise,
+    double weight_decay, int64_t decay_mode,
     at::IntArrayRef update_table, at::IntArrayRef table_of_feature, at::TensorList ids,
     const c10::List<std::optional<at::Tensor>>& offsets, const c10::List<std::optional<at::Tensor>>& psw,
     at::IntArrayRef include_last, at::IntArrayRef padding_idx, at::IntArrayRef form, int64_t mean) {
@@ -499,7 +503,9 @@ void adagrad_update(
       s_stride[t] = D;
     }
   }
-  const float flr = static_cast<float>(lr), feps = static_cast<float>(eps);
+  TORCH_CHECK(decay_mode >= 0 && decay_mode <= 2 && (decay_mode == 0 || rowwise),
+              "fxrec kernel: weight decay mode ", decay_mode, " (row-wise Adagrad takes 0, 1 or 2)");
+  const float flr = static_cast<float>(lr), feps = static_cast<float>(eps), fwd = static_cast<float>(weight_decay);
   ErrorFlag err;
   at::parallel_for(0, nt * u.parts, 1, [&](int64_t begin, int64_t end) {
     RowSlots slots;             // row -> its place in `uniq` (open addressing, sized by the batch)
@@ -535,7 +541,17 @@ void adagrad_update(
         const int64_t id = uniq[k];
         const float* acc = grads.data() + k * D;
         float* w = W + id * ws;
-        if (rowwise) {
+        if (rowwise && decay_mode != 0) {
+          float sq = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            const float g = decay_mode == 1 ? acc[d] + fwd * w[d] : acc[d];
+            sq += g * g;
+          }
+          S[id] += sq / static_cast<float>(D);
+          const float mult = flr / (std::sqrt(S[id]) + feps);
+          const float keep = 1.f - (decay_mode == 1 ? mult * fwd : flr * fwd);
+          for (int64_t d = 0; d < D; ++d) w[d] = keep * w[d] - mult * acc[d];
+        } else if (rowwise) {
           f8 sq8 = f8{};
           int64_t d = 0;
           for (; d + 8 <= D; d += 8) {
@@ -575,7 +591,7 @@ TORCH_LIBRARY(fxrec, m) {
       "int[] form, int mean) -> ()");
   m.def(
       "adagrad_update(Tensor(a!)[] weights, Tensor(b!)[] states, Tensor grad_out, float lr, float eps, int rowwise, "
-      "int[] update_table, int[] table_of_feature, Tensor[] ids, Tensor?[] offsets, Tensor?[] per_sample_weights, "
+      "float weight_decay, int decay_mode, int[] update_table, int[] table_of_feature, Tensor[] ids, Tensor?[] offsets, Tensor?[] per_sample_weights, "
       "int[] include_last_offset, int[] padding_idx, int[] form, int mean) -> ()");
 }
 

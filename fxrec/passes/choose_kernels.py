@@ -64,14 +64,14 @@ def kernel_order(device: str, mode: str, backend: str, optimizer: Optional[str] 
     return order
 
 
-def pick(spec, device: str, mode: str, optimizer: Optional[str], order, on_this_machine: bool
+def pick(spec, device: str, mode: str, optimizer: Optional[str], order, on_this_machine: bool, decay: str = ""
          ) -> Tuple[Optional[str], List[str]]:
     """The first kernel of ``order`` that supports the group (and is there, ``on_this_machine``),
     and why each one before it was passed over."""
     passed = []
     for name in order:
         k = kernels.get(name)
-        why = k.supports(spec, device, mode, optimizer)
+        why = k.supports(spec, device, mode, optimizer, decay=decay)
         if why is None and on_this_machine:
             why = k.available(device)
         if why is None:
@@ -110,7 +110,8 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
     k_train, passed_train = k_eval, []
     if training:
         kind = fused.kind if fused is not None else None
-        k_train, passed_train = pick(spec, device, "training", kind, kernel_order(device, "training", backend, kind), here)
+        k_train, passed_train = pick(spec, device, "training", kind, kernel_order(device, "training", backend, kind), here,
+                                     fused.weight_decay_mode if fused is not None else "")
         if spec.weights:
             _check_stored(spec, outside, k_train, passed_train)
         if k_train is None and fused is not None:

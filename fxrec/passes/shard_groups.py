@@ -151,7 +151,8 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
     chosen = []
     for mode in ("training", "inference"):
         kind = fused.kind if fused is not None and mode == "training" else None
-        k, _ = pick(spec, device, mode, kind, kernel_order(device, mode, ctx.config.backend, kind), True)
+        k, _ = pick(spec, device, mode, kind, kernel_order(device, mode, ctx.config.backend, kind), True,
+                    fused.weight_decay_mode if kind is not None else "")
         if k is None and kind is not None:
             fused = None  # no kernel fuses it here: torch.optim on the shards in opt.step()
             k, _ = pick(spec, device, mode, None, kernel_order(device, mode, ctx.config.backend), True)

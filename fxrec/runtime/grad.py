@@ -203,13 +203,22 @@ def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, r
     """Adagrad (``fused.kind == "adagrad"``: torch.optim.Adagrad's arithmetic) or row-wise
     Adagrad on the rows ``ids`` looked up with gradient rows ``rows``: each row's gradient summed
     over its lookups first, then ``state += g*g`` (row-wise: the mean of ``g*g`` over the row),
-    ``weight -= lr * g / (sqrt(state) + eps)``. In place, on ``weight`` and ``state``."""
+    ``weight -= lr * g / (sqrt(state) + eps)``, row-wise with the weight decay of
+    :class:`fxrec.optim.RowWiseAdagrad`. In place, on ``weight`` and ``state``."""
     uniq, inv = torch.unique(ids, return_inverse=True)
     g = rows.new_zeros(uniq.numel(), rows.shape[1]).index_add_(0, inv, rows)
     if fused.kind == "rowwise_adagrad":
-        s = state.index_select(0, uniq) + (g * g).mean(1)
+        wd, mode = fused.weight_decay, fused.weight_decay_mode
+        w = weight.index_select(0, uniq) if mode else None
+        decayed = g + wd * w if mode == "l2" else g
+        s = state.index_select(0, uniq) + (decayed * decayed).mean(1)
         state.index_copy_(0, uniq, s)
-        weight.index_add_(0, uniq, g * (-fused.lr / (s.sqrt() + fused.eps)).unsqueeze(1))
+        mult = (fused.lr / (s.sqrt() + fused.eps)).unsqueeze(1)
+        if mode:  # fbgemm's form: w = (1 - c) * w - mult * g
+            keep = 1 - (mult * wd if mode == "l2" else fused.lr * wd)
+            weight.index_copy_(0, uniq, keep * w - mult * g)
+        else:
+            weight.index_add_(0, uniq, g * -mult)
     else:
         s = state.index_select(0, uniq).addcmul_(g, g)
         state.index_copy_(0, uniq, s)

@@ -83,7 +83,8 @@ class TableSpec:
 class FusedSpec:
     """An optimizer applied inside backward: ``sgd``, ``adagrad``, ``rowwise_adagrad``, ``adam`` or
     ``lamb`` (:class:`fxrec.optim.LazyAdam`, :class:`fxrec.optim.LazyLamb`: fbgemm's, CUDA only),
-    with its learning rate, eps and (Adam, LAMB) betas and decoupled weight decay. Which code applies it is the group's training
+    with its learning rate, eps, (Adam, LAMB) betas and decoupled weight decay, and (row-wise Adagrad)
+    weight decay in ``weight_decay_mode``. Which code applies it is the group's training
     kernel's business."""
 
     kind: str
@@ -92,6 +93,9 @@ class FusedSpec:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0
+    #: row-wise Adagrad's: "l2" (the decay is added to the gradient, and so to the sum of squares)
+    #: or "decoupled" (``w *= 1 - lr * weight_decay``); "" without weight decay
+    weight_decay_mode: str = ""
 
 
 # Names of the fused optimizer's states per table, in split_optimizer_states() order.

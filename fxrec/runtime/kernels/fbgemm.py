@@ -230,7 +230,7 @@ class FbgemmKernel(Kernel):
     CPU_OPTIMIZERS = CPU_OPTIMIZERS
     CUDA_OPTIMIZERS = CPU_OPTIMIZERS + STEPPED
 
-    def supports(self, group, device, mode, optimizer, *, states_only: bool = False):
+    def supports(self, group, device, mode, optimizer, *, decay: str = "", states_only: bool = False):
         """``states_only``: whether a TBE of this group can keep the fused optimizer's states
         for a kernel that applies the update itself (fxrec's native and reference kernels, which
         average a row-wise Adagrad over the table's real dim and leave a padding row alone)."""
@@ -253,6 +253,10 @@ class FbgemmKernel(Kernel):
             if optimizer in self.CUDA_OPTIMIZERS:
                 return f"fbgemm fuses {optimizer} on CUDA only (its CPU build trains with SGD and the Adagrads)"
             return f"fbgemm has no fused {optimizer}"
+        if decay and device == "cpu" and not states_only:
+            # fbgemm-gpu-cpu 1.8.0 takes weight_decay and weight_decay_mode and updates the rows
+            # exactly as without them (checked by hand: tests/test_fused_optimizers.py)
+            return f"fbgemm's CPU build ignores {optimizer}'s weight decay (its CUDA build applies it)"
         if group.weights and optimizer == "adam" and not states_only:
             # fbgemm-gpu 1.6.0 passes Adam's absent row counter as an empty tensor of the weights' type,
             # and its kernel wants fp32: "Expected tensor 'row_counter_dev' to have scalar type Float"

@@ -29,6 +29,7 @@ try:  # fbgemm prints version-table warnings at import on some torch releases; t
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice,
             SplitTableBatchedEmbeddingBagsCodegen,
+            WeightDecayMode,
         )
 except Exception as e:  # pragma: no cover - exercised only on broken installs
     _IMPORT_ERROR = e
@@ -92,6 +93,9 @@ def make_training_tbe(
     args = dict(learning_rate=0.0) if fused is None else dict(learning_rate=float(fused.lr), eps=float(fused.eps))
     if kind in STEPPED:  # fbgemm's Adam and LAMB read weight_decay themselves (decoupled: see LazyAdam)
         args.update(beta1=float(fused.beta1), beta2=float(fused.beta2), weight_decay=float(fused.weight_decay))
+    elif kind == "rowwise_adagrad" and fused.weight_decay_mode:
+        modes = {"l2": WeightDecayMode.L2, "decoupled": WeightDecayMode.DECOUPLE}
+        args.update(weight_decay=float(fused.weight_decay), weight_decay_mode=modes[fused.weight_decay_mode])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tbe = SplitTableBatchedEmbeddingBagsCodegen(

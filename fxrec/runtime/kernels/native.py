@@ -315,8 +315,9 @@ class NativeFusedFunction(torch.autograd.Function):
             if states is None:
                 ops().sgd_update(weights, grad_out.contiguous(), float(spec.lr), *features)
             else:
+                decay = {"": 0, "l2": 1, "decoupled": 2}[spec.weight_decay_mode]  # fbgemm's WeightDecayMode
                 ops().adagrad_update(weights, states, grad_out.contiguous(), float(spec.lr), float(spec.eps),
-                                             int(spec.kind == "rowwise_adagrad"), *features)
+                                     int(spec.kind == "rowwise_adagrad"), float(spec.weight_decay), decay, *features)
         bump = getattr(torch.autograd.graph, "increment_version", None)
         if bump is not None:
             for p in ctx.params:
@@ -330,7 +331,7 @@ class NativeKernel(Kernel):
     name = NATIVE
     OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
-    def supports(self, group, device, mode, optimizer):
+    def supports(self, group, device, mode, optimizer, *, decay=""):  # (row-wise Adagrad's decay: adagrad_update)
         if device != "cpu":
             return "fxrec's native kernels are CPU code"
         if not group.pooled:
