@@ -534,18 +534,17 @@ def test_fbgemms_own_tbe_is_exact_up_to_1024_and_wrong_above_which_is_why_fxrec_
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
-def test_torchscript_torch_export_and_aoti_round_trips_on_the_gpu_serve_the_models_outputs(quantize, tmp_path):
-    """A model transformed on the GPU for inference, exported three ways on the GPU, serves the
-    transformed model's outputs there, at the example's batch size and another (the exported
-    forms take any batch). fp32 groups export as PyTorch's lookups, whose sums may round in
-    another order than fbgemm's; quantized groups export as fbgemm's own operator."""
+def test_torchscript_and_torch_export_round_trips_on_the_gpu_serve_the_models_outputs(quantize):
+    """A model transformed on the GPU for inference, exported on the GPU, serves the transformed
+    model's outputs there, at the example's batch size and another (the exported forms take any
+    batch). fp32 groups export as PyTorch's lookups, whose sums may round in another order than
+    fbgemm's; quantized groups export as fbgemm's own operator. (fp32 ran on the H100: equal.)"""
     model = M.BagList(rows=ROWS).cuda().eval()
     x = cuda(M.bag_inputs(rows=ROWS, seed=5, empty_bags=False))
     fast = fxrec.transform(model, x, mode="inference", quantize=quantize)
     close = dict(rtol=1e-5, atol=1e-5) if quantize is None else dict(rtol=0, atol=0)
     program = fxrec.export.program(fast, x).module()
     scripted = fxrec.export.torchscript(fast)
-    package = torch._inductor.aoti_load_package(fxrec.export.aoti(fast, x, tmp_path / "model.pt2"))
     for seed, batch in ((5, 6), (11, 9)):
         y = cuda(M.bag_inputs(rows=ROWS, seed=seed, batch=batch, empty_bags=False))
         with torch.no_grad():
@@ -553,7 +552,57 @@ def test_torchscript_torch_export_and_aoti_round_trips_on_the_gpu_serve_the_mode
             assert want.is_cuda
             quantization = dict(rtol=1e-5, atol=1e-5) if quantize is None else dict(rtol=0.05, atol=0.05)
             torch.testing.assert_close(want, model(*y), **quantization)
-            for name, served in (("torch.export", program(*y)), ("TorchScript", scripted(*y)), ("AOTInductor", package(*y))):
-                served = served[0] if isinstance(served, (list, tuple)) else served
+            for name, served in (("torch.export", program(*y)), ("TorchScript", scripted(*y))):
                 assert served.is_cuda, name
                 torch.testing.assert_close(served, want, **close, msg=lambda m, name=name: f"{name}: {m}")
+
+
+_AOTI = """
+import os, sys, tempfile, torch
+from torch.utils._pytree import tree_map
+d = tempfile.mkdtemp()
+if sys.argv[1] == "linear":  # no fxrec, no fbgemm: torch's own AOTInductor on this GPU
+    m = torch.nn.Linear(4, 3).cuda().eval()
+    x = (torch.randn(5, 4, device="cuda"),)
+    path = torch._inductor.aoti_compile_and_package(torch.export.export(m, x), package_path=os.path.join(d, "l.pt2"))
+    got, want = torch._inductor.aoti_load_package(path)(*x), m(*x)
+else:
+    import fxrec
+    from tests import models as M
+    rows = (40, 30, 20)
+    model = M.BagList(rows=rows).cuda().eval()
+    x = tree_map(lambda t: t.cuda(), M.bag_inputs(rows=rows, seed=5, empty_bags=False))
+    fast = fxrec.transform(model, x, mode="inference", quantize=None if sys.argv[1] == "fp32" else sys.argv[1])
+    package = torch._inductor.aoti_load_package(fxrec.export.aoti(fast, x, os.path.join(d, "m.pt2")))
+    y = tree_map(lambda t: t.cuda(), M.bag_inputs(rows=rows, seed=11, batch=9, empty_bags=False))
+    with torch.no_grad():
+        got, want = package(*y), fast(*y)
+got = got[0] if isinstance(got, (list, tuple)) else got
+assert got.is_cuda
+print("max_abs_diff", float((got - want).abs().max()))
+"""
+
+
+def _aoti(what: str):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", _AOTI, what], cwd=root, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("quantize", ["fp32", "int8"])
+def test_an_aoti_package_made_on_the_gpu_serves_the_models_outputs(quantize):
+    """AOTInductor on CUDA, each in a child process: torch 2.11.0+cu130's loader segfaulted on the
+    H100 (2026-11-26) for a package of a plain nn.Linear, no fxrec or fbgemm in the process; where
+    that still happens the test is an expected failure that says so, and otherwise fxrec's package
+    must give the transformed model's outputs."""
+    base = _aoti("linear")
+    if base.returncode != 0:
+        pytest.xfail(f"torch's AOTInductor cannot load a CUDA package of an nn.Linear here (exit {base.returncode}): "
+                     "not fxrec's doing")
+    r = _aoti(quantize)
+    assert r.returncode == 0, r.stderr[-3000:]
+    diff = float(r.stdout.split("max_abs_diff")[1])
+    assert diff <= (1e-5 if quantize == "fp32" else 0.0), r.stdout

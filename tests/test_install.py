@@ -40,3 +40,31 @@ def test_a_broken_fbgemm_is_an_error_on_cuda_and_a_named_fallback_on_cpu(monkeyp
     # on CPU the rule's next kernel runs the group, and the decision says why fbgemm was passed over
     chosen, passed = pick(SPEC, "cpu", "training", None, ("fbgemm", "reference"), True)
     assert chosen == "reference" and "fbgemm_gpu does not import" in passed[0], (chosen, passed)
+
+
+def test_fxrec_imports_and_runs_on_cpu_where_fbgemm_gpu_does_not_import_at_all():
+    """A real failed import (a fresh interpreter where ``import fbgemm_gpu`` raises): ``import
+    fxrec`` works, a CPU model runs on the other kernels and gives the plain model's outputs, and
+    asking for fbgemm is the error that names what to install."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["fbgemm_gpu"] = None  # import fbgemm_gpu -> ImportError
+import torch, fxrec
+from tests import models as M
+model, x = M.BagList(), M.bag_inputs()
+fast = fxrec.transform(model, x)
+torch.testing.assert_close(fast(*x), model(*x))
+print("kernels", sorted({g.kernel_train for g in fast.report.groups}))
+try:
+    fxrec.transform(model, x, backend="fbgemm", quantize="int8", mode="inference")
+except Exception as e:  # the pass error that carries fbgemm's import error
+    print("refused:", type(e).__name__, e)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "kernels ['native']" in r.stdout or "kernels ['reference']" in r.stdout, r.stdout
+    assert "fxrec needs fbgemm_gpu built for the installed torch" in r.stdout.split("refused:")[1], r.stdout

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .fbgemm_tbe import BoundsCheckMode, require_fbgemm
+from .fbgemm_tbe import require_fbgemm
 
 
 def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, world: int,
@@ -31,5 +31,7 @@ def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets:
     feature's table become 0 and offsets out of range are fixed, in place; ``counter`` [1] int64
     is set to how many were (fbgemm zeroes it first)."""
     require_fbgemm()
+    from .fbgemm_tbe import BoundsCheckMode  # (imported from fbgemm_gpu: there only when it imports)
+
     torch.ops.fbgemm.bounds_check_indices(rows_per_feature, indices, offsets, BoundsCheckMode.WARNING.value,
                                           counter, psw)
