@@ -336,7 +336,9 @@ def gradient_rows(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 class RowWiseAdagradTorch(torch.optim.Optimizer):
     """fbgemm's row-wise Adagrad as a torch optimizer (dense or sparse gradients), weight decay
-    included (:class:`RowWiseAdagrad`): the rows with a gradient are the rows updated."""
+    included (:class:`RowWiseAdagrad`): the rows with a gradient are the rows updated. (With a
+    dense gradient, a row looked up whose gradient is exactly zero is neither updated nor
+    decayed; the fused kernels decay it.)"""
 
     def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8, weight_decay: float = 0.0,
                  weight_decay_mode: str = "l2"):
