@@ -75,6 +75,7 @@ def transform(
     hbm_budget=None,
     cache_load_factor: float = 0.2,
     weights_precision=None,
+    max_gradient: Optional[float] = None,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -153,6 +154,11 @@ def transform(
         fp32; the update is computed in fp32 and rounded, stochastically on CUDA), or a dict from
         table name / glob pattern to ``"fp32"``, ``"fp16"``, ``"bf16"``. Tables fbgemm cannot run so
         are an error (docs/optimizers.md). None (default): as the model holds them.
+      max_gradient: training: the gradient of every embedding lookup's output is clamped
+        elementwise to ``[-max_gradient, max_gradient]`` before its table (or the fused update)
+        gets it: fbgemm's and TorchRec's ``gradient_clipping=True, max_gradient=...``, on every
+        kernel and sharding type, fused optimizer or not. The rest of the model's gradients are
+        not touched. None (default): not clamped.
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -168,6 +174,7 @@ def transform(
         raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
+    max_gradient = _check_max_gradient(max_gradient, mode)
     rank = _check_plan(plan, optimizer, mode, quantize)
     hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args = _as_args(example_inputs)
@@ -233,7 +240,11 @@ def transform(
     gm.meta["fxrec_table_optimizers"] = table_opts
     gm.meta["fxrec_fused_groups"] = _fused_groups(gm)
     _store_lower_precision(gm)
+    if max_gradient:  # (before a plan's model takes its DDP class, which fx cannot recompile)
+        _clamp_lookup_gradients(gm, records)
     notes = _modes_notes(gm) + accepted_sizes(gm)
+    if max_gradient:
+        notes.append(f"embedding outputs' gradients clamped to [-{max_gradient:g}, {max_gradient:g}] (max_gradient)")
     plan_per_rank = []
     if plan is not None:
         gm.meta["fxrec_plan"] = plan
@@ -255,7 +266,47 @@ def transform(
     if verify:
         with fused_updates_off(gm), _grads_restored(users_own):
             compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)  # trains nothing
+    if max_gradient:  # after verify and check_passes, which compare the gradients with the model's own
+        _set_max_gradient(gm, max_gradient)
     return gm
+
+
+def _clamp_lookup_gradients(gm: fx.GraphModule, records) -> None:
+    """``max_gradient``: a lookup left as the model wrote it (data-parallel in a plan, or one no
+    group takes) gets a :class:`~fxrec.runtime.grad.ClampGradient` module after it; the group
+    modules and the sharded output dists clamp their outputs themselves. All start off (0):
+    :func:`_set_max_gradient` turns them on once verify has compared the gradients."""
+    from .runtime.grad import ClampGradient
+
+    present = set(gm.graph.nodes)
+    for k, out in enumerate(o for o in dict.fromkeys(r.output for r in records) if o in present):
+        users = list(out.users)  # (a lookup's record may be there twice: each output once)
+        name = f"fxrec_clamp_{k}"
+        gm.add_submodule(name, ClampGradient())
+        with gm.graph.inserting_after(out):
+            clamped = gm.graph.call_module(name, (out,))
+        for u in users:
+            u.replace_input_with(out, clamped)
+    gm.recompile()
+
+
+def _set_max_gradient(gm: fx.GraphModule, limit: float) -> None:
+    from .runtime.grad import ClampGradient
+    from .runtime.sharded import RowWiseOutputDist, SequenceOutputDist, TableWiseOutputDist
+
+    for m in gm.modules():
+        if isinstance(m, (EmbeddingGroup, ClampGradient, TableWiseOutputDist, RowWiseOutputDist, SequenceOutputDist)):
+            m.max_gradient = limit
+
+
+def _check_max_gradient(max_gradient, mode: str) -> float:
+    if max_gradient is None:
+        return 0.0
+    if isinstance(max_gradient, bool) or not isinstance(max_gradient, (int, float)) or not 0 < max_gradient < float("inf"):
+        raise ValueError(f"fxrec: max_gradient must be a positive number (or None), got {max_gradient!r}")
+    if mode != "training":
+        raise ValueError("fxrec: max_gradient clamps the gradients of training; mode='inference' makes none")
+    return float(max_gradient)
 
 
 @contextlib.contextmanager

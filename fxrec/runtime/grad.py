@@ -223,3 +223,46 @@ def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, r
         s = state.index_select(0, uniq).addcmul_(g, g)
         state.index_copy_(0, uniq, s)
         weight.index_add_(0, uniq, (g / s.sqrt().add_(fused.eps)) * (-fused.lr))
+
+
+class _ClampGradient(torch.autograd.Function):
+    """The identity forward; backward clamps the gradient elementwise to [-limit, limit]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.limit = limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.clamp(-ctx.limit, ctx.limit), None
+
+
+class ClampGradient(torch.nn.Module):
+    """After a lookup that no group runs (a table left as written, or data-parallel in a plan):
+    its output, with the gradient clamped to ``[-max_gradient, max_gradient]`` in training (0:
+    not clamped; nothing is done where no gradient is wanted: inference, torch.export,
+    TorchScript)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_gradient = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return x
+        return self._clamped(x)
+
+    @torch.jit.unused
+    def _clamped(self, x: torch.Tensor) -> torch.Tensor:
+        if self.max_gradient and torch.is_grad_enabled() and x.requires_grad:
+            return _ClampGradient.apply(x, self.max_gradient)
+        return x
+
+
+def clamp_gradient(out, limit: float):
+    """``out`` (a tensor, or a list of them) whose gradient reaches the group's kernel clamped to
+    ``[-limit, limit]`` (fbgemm's ``gradient_clipping`` / ``max_gradient``, for every kernel)."""
+    if isinstance(out, torch.Tensor):
+        return _ClampGradient.apply(out, limit)
+    return type(out)(_ClampGradient.apply(o, limit) for o in out)

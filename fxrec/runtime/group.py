@@ -106,6 +106,10 @@ class EmbeddingGroup(InputChecks, nn.Module):
         self.reuse_output = True
         # CUDA, tables placed managed_caching: the HBM cache's rows as a share of theirs (fbgemm's)
         self.cache_load_factor = 0.2
+        # Training: the gradient of the group's outputs clamped elementwise to [-max_gradient,
+        # max_gradient] before the tables (or their fused update) get it, as fbgemm's
+        # gradient_clipping does; 0: not clamped (transform(max_gradient=)).
+        self.max_gradient = 0.0
         self._out = ReusedOutput()
         self.fused = fused
         # Off while fxrec verifies the group: gradients instead of updates.
@@ -240,6 +244,10 @@ class EmbeddingGroup(InputChecks, nn.Module):
                     "different batch sizes, or include_last_offset mean bags with ids after offsets[-1]); PyTorch's "
                     "lookups would read and update them behind it")
             out = self._fp32(kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training))
+        if training and self.__dict__.get("max_gradient"):
+            from .grad import clamp_gradient
+
+            out = clamp_gradient(out, self.max_gradient)
         return out
 
     def _fp32(self, out):

@@ -47,6 +47,19 @@ from .kernels.fbgemm_ops import bucketize_rows
 _MODES = {"sum": 0, "mean": 1}
 
 
+def _clamped(dist: nn.Module, outs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """An output dist's lookups, their gradient clamped by ``transform(max_gradient=)`` (set on the
+    module; 0 or absent: not): the gradient the unsharded group's outputs would get clamped. (The
+    rank's local group clamps too, which changes nothing more: its outputs' gradient is these
+    values moved, or, for row-wise mean pooling, these values divided by a bag length.)"""
+    limit = dist.__dict__.get("max_gradient", 0.0)
+    if not limit or not torch.is_grad_enabled():
+        return outs
+    from .grad import clamp_gradient
+
+    return clamp_gradient(outs, limit)
+
+
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     if x.numel() > 1:
@@ -234,7 +247,7 @@ class TableWiseOutputDist(nn.Module):
         for k in self.pieces_per_output:
             outs.append(cols[at] if k == 1 else torch.cat(cols[at:at + k], 1))
             at += k
-        return outs
+        return _clamped(self, outs)
 
 
 class RowWiseInputDist(nn.Module):
@@ -299,7 +312,7 @@ class RowWiseOutputDist(nn.Module):
             local_lengths = dist_out[4]  # [features, B]: this rank's bag lengths before bucketizing
             scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), torch.tensor(self.dims, device=out.device), dim=0)
             out = out * scale.t()
-        return list(torch.split(out, self.dims, 1))
+        return _clamped(self, list(torch.split(out, self.dims, 1)))
 
 
 class SequenceInputDist(nn.Module):
@@ -386,4 +399,4 @@ class SequenceOutputDist(nn.Module):
                          [sum(c) for c in recv], self.name)
         mine = got[where]  # each id's row in the id's place
         sizes = [int(torch.Size(s).numel()) for s in shapes]
-        return [part[:, :d].reshape(s + (d,)) for part, d, s in zip(torch.split(mine, sizes), self.dims, shapes)]
+        return _clamped(self, [part[:, :d].reshape(s + (d,)) for part, d, s in zip(torch.split(mine, sizes), self.dims, shapes)])
