@@ -240,7 +240,7 @@ def transform(
     gm.meta["fxrec_table_optimizers"] = table_opts
     gm.meta["fxrec_fused_groups"] = _fused_groups(gm)
     _store_lower_precision(gm)
-    if max_gradient:  # (before a plan's model takes its DDP class, which fx cannot recompile)
+    if max_gradient:
         _clamp_lookup_gradients(gm, records)
     notes = _modes_notes(gm) + accepted_sizes(gm)
     if max_gradient:

@@ -39,6 +39,17 @@ class TransformedModule(fx.GraphModule):
         check_switch(self.meta.get(MODES_KEY), bool(mode))
         return super().train(mode)
 
+    def recompile(self):
+        # A class made around fx's own for this module (torch's composable replicate, which a
+        # plan's model is given: DDP for its dense parameters) lacks fx's call chain of its own;
+        # fx would build one whose super() call comes back to it forever. Share the inner one.
+        cls = type(self)
+        if "_wrapped_call" not in vars(cls):
+            inner = next((b for b in cls.__mro__[1:] if "_wrapped_call" in vars(b)), None)
+            if inner is not None:
+                cls._wrapped_call = vars(inner)["_wrapped_call"]
+        return super().recompile()
+
     def make_optimizer(self, dense_optimizer=torch.optim.SGD, **kwargs):
         """:func:`fxrec.make_optimizer` for this model."""
         from .api import make_optimizer

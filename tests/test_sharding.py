@@ -65,15 +65,15 @@ class _CountLookups(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _worker(rank, world, init_file, pins, mode, steps, hosts=1):
-    _train_and_compare(rank, world, init_file, pins, mode, steps, hosts)
+def _worker(rank, world, init_file, pins, mode, steps, hosts=1, recompile=False):
+    _train_and_compare(rank, world, init_file, pins, mode, steps, hosts, recompile)
     # torch 2.13 + gloo: a process sometimes aborts at interpreter exit ("terminate called without
     # an active exception", a gloo thread freeing tensors during shutdown); the work is done and
     # checked by now, so leave without the interpreter's teardown
     os._exit(0)
 
 
-def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts):
+def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts, recompile=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
@@ -84,6 +84,9 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts):
         example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
         plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, hosts=hosts)
         fast = fxrec.transform(model, example, plan=plan)
+        if recompile:  # as fx tooling does after editing the graph: the model has DDP's class by now
+            fast.graph.eliminate_dead_code()
+            fast.recompile()
         # the report of a sharded model prints, serialises and says how each group is sharded
         text, data = str(fast.report), json.loads(fast.report.to_json())
         sharded = {plan.tables[t].sharding for t in plan.tables}
@@ -160,8 +163,8 @@ def spawn(fn, world, *args):
     mp.spawn(fn, args=(world, init_file, *args), nprocs=world, join=True)
 
 
-def run_world(world, pins, mode="sum", steps=10, hosts=1):
-    spawn(_worker, world, pins, mode, steps, hosts)
+def run_world(world, pins, mode="sum", steps=10, hosts=1, recompile=False):
+    spawn(_worker, world, pins, mode, steps, hosts, recompile)
 
 
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise", "row_wise", "data_parallel"])
@@ -176,6 +179,12 @@ def test_each_sharding_type_matches_single_process_at_world_2(sharding):
 def test_mixed_plan_with_mean_pooling_at_world_2():
     run_world(2, {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": {"sharding": "column_wise", "ranks": [1, 0]},
                   "single": "data_parallel"}, mode="mean")
+
+
+def test_a_sharded_model_recompiled_after_transform_still_trains_as_one_process():
+    """fx's recompile on the class torch's replicate gives the model recursed forever."""
+    run_world(2, {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": "data_parallel",
+                  "single": ("table_wise", 0)}, steps=3, recompile=True)
 
 
 def test_mixed_plan_on_two_hosts_at_world_4():
