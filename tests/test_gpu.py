@@ -350,12 +350,15 @@ def test_a_training_step_and_a_quantized_call_never_wait_for_the_gpu():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_sum_bags_with_padding_ids_train_fused_without_waiting_for_the_gpu():
-    """Their padding ids go to the table's extra zero row (fbgemm_padding), not through a mask."""
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_bags_with_padding_ids_train_fused_without_waiting_for_the_gpu(mode):
+    """Their padding ids go to the table's extra zero row (fbgemm_padding), not through a mask;
+    a mean bag's output is rescaled to the ids that are not padding, on the device. (mean: not
+    yet run on a GPU.)"""
     from tests.test_padding_bags import PaddedBags, inputs as padded_inputs
 
     torch.manual_seed(0)
-    model = PaddedBags().cuda()
+    model = PaddedBags(mode=mode).cuda()
     ref = copy.deepcopy(model)
     fast = fxrec.transform(model, cuda(padded_inputs(0)), optimizer=fxrec.optim.SGD(lr=0.1))
     ref_opt = torch.optim.SGD([ref.a.weight, ref.b.weight, ref.c.weight], lr=0.1)

@@ -1,5 +1,6 @@
-"""Sum-pooled bags with a ``padding_idx`` on fbgemm's TBE: their padding ids go to an extra zero
-row of the table instead of being dropped (dropping them waits for the device on CUDA;
+"""Bags with a ``padding_idx`` on fbgemm's TBE, sum- and mean-pooled: their padding ids go to an
+extra zero row of the table instead of being dropped (a mean bag's output is then rescaled to the
+ids that are not padding) (dropping them waits for the device on CUDA;
 fxrec/runtime/kernels/fbgemm_padding.py). Against the plain model and torch.optim, with the wait
 counted as tests/test_host_syncs.py does."""
 
@@ -15,9 +16,9 @@ from fxrec.testing import host_syncs
 
 
 class PaddedBags(nn.Module):
-    def __init__(self, b_dim=6):
+    def __init__(self, b_dim=6, mode="sum"):
         super().__init__()
-        self.a = nn.EmbeddingBag(40, 8, mode="sum", padding_idx=3)
+        self.a = nn.EmbeddingBag(40, 8, mode=mode, padding_idx=3)  # (mode: b has sample weights, so sum)
         self.b = nn.EmbeddingBag(30, b_dim, mode="sum", padding_idx=0)  # weighted: its own group; 6 is stored 8 wide
         self.c = nn.EmbeddingBag(20, 4, mode="sum")
         self.top = nn.Linear(12 + b_dim, 1)
@@ -48,10 +49,10 @@ OPTIMIZERS = {
 }
 
 
-def pair(opt_name):
+def pair(opt_name, mode="sum"):
     torch.manual_seed(0)
     # fbgemm's row-wise Adagrad is not used on tables stored wider than their dim
-    model = PaddedBags(b_dim=8 if opt_name == "rowwise_adagrad" else 6)
+    model = PaddedBags(b_dim=8 if opt_name == "rowwise_adagrad" else 6, mode=mode)
     ref = copy.deepcopy(model)
     cfg, torch_opt = OPTIMIZERS[opt_name]
     fast = fxrec.transform(model, inputs(0), optimizer=cfg, backend="fbgemm")
@@ -76,9 +77,10 @@ def step(model, opts, x, loss=lambda out: out.sin().sum()):
     return out.detach()
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_fused_training_with_padding_ids_matches_torch_optim_and_never_moves_the_padding_row(opt_name):
-    ref, ref_opts, fast, opt = pair(opt_name)
+def test_fused_training_with_padding_ids_matches_torch_optim_and_never_moves_the_padding_row(opt_name, mode):
+    ref, ref_opts, fast, opt = pair(opt_name, mode)
     pads = {"a.weight": 3, "b.weight": 0}
     before = {n: fast.state_dict()[n][i].clone() for n, i in pads.items()}
     for s in range(6):
@@ -125,9 +127,10 @@ def test_an_inf_gradient_on_a_bag_of_padding_ids_leaves_every_row_as_pytorch_doe
     torch.testing.assert_close(fast(*x2), ref(*x2))
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_a_fused_step_with_padding_ids_reads_no_value_on_the_host(opt_name):
-    _, _, fast, opt = pair(opt_name)
+def test_a_fused_step_with_padding_ids_reads_no_value_on_the_host(opt_name, mode):
+    _, _, fast, opt = pair(opt_name, mode)
     twin = copy.deepcopy(fast)
     twin_opt = twin.make_optimizer(torch.optim.SGD, lr=0.01)
     with sync_free():
@@ -141,9 +144,10 @@ def test_a_fused_step_with_padding_ids_reads_no_value_on_the_host(opt_name):
     torch.testing.assert_close(fast.state_dict(), twin.state_dict(), rtol=0, atol=0)
 
 
-def test_fp32_inference_on_fbgemm_with_padding_ids_reads_no_value_and_matches_the_model():
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_fp32_inference_on_fbgemm_with_padding_ids_reads_no_value_and_matches_the_model(mode):
     torch.manual_seed(0)
-    model = PaddedBags().eval()
+    model = PaddedBags(mode=mode).eval()
     fast = fxrec.transform(model, inputs(0), mode="inference", backend="fbgemm")
     assert all(g.kernel_eval == "fbgemm" for g in fast.report.groups)
     x = inputs(3)
@@ -157,13 +161,14 @@ def test_fp32_inference_on_fbgemm_with_padding_ids_reads_no_value_and_matches_th
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("create_graph", [False, True], ids=["fxrec_kernel_grads", "pytorch_op_grads"])
-def test_training_with_pytorchs_gradients_sends_padding_ids_to_the_zero_row_and_gives_pytorchs_gradients(create_graph):
+def test_training_with_pytorchs_gradients_sends_padding_ids_to_the_zero_row_and_gives_pytorchs_gradients(create_graph, mode):
     """fxrec's backward gives the zero row's id no gradient: the tables' and the sample weights'
     gradients are PyTorch's (from fxrec's C++ kernel, or from PyTorch ops when the gradient must
     itself be differentiable), and the step reads no value on the host."""
     torch.manual_seed(0)
-    model = PaddedBags()
+    model = PaddedBags(mode=mode)
     fast = fxrec.transform(copy.deepcopy(model), inputs(0), backend="fbgemm")
     x = list(inputs(4))
     weights = []
@@ -197,13 +202,13 @@ def test_sparse_gradients_still_leave_the_padding_ids_out():
     torch.testing.assert_close(got.values(), want.values())
 
 
-def test_mean_bags_and_cached_tables_keep_dropping_padding_ids():
+def test_cached_tables_keep_dropping_padding_ids_and_mean_bags_no_longer_do():
     from fxrec.runtime.kernels.fbgemm_padding import zero_row_tables
     from fxrec.runtime.specs import FeatureSpec, GroupSpec, TableSpec
 
     bag = FeatureSpec("f", 0, "bag", padding_idx=1)
     assert zero_row_tables(GroupSpec((TableSpec("t", 10, 4),), (bag,), "sum")) == [True]
-    assert zero_row_tables(GroupSpec((TableSpec("t", 10, 4),), (bag,), "mean")) == [False]
+    assert zero_row_tables(GroupSpec((TableSpec("t", 10, 4),), (bag,), "mean")) == [True]
     assert zero_row_tables(GroupSpec((TableSpec("t", 10, 4, placement="managed_caching"),), (bag,), "sum")) == [False]
     single = FeatureSpec("f", 0, "single", padding_idx=1)  # nn.Embedding: looked up, no gradient
     assert zero_row_tables(GroupSpec((TableSpec("t", 10, 4),), (single,), "sum")) == [False]

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from .fbgemm_padding import keeps_padding, send_padding_to_zero_rows, zero_row_tables
+from .fbgemm_padding import keeps_padding, mean_without_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
 from ..specs import DIM_ALIGNMENT, ROW_MEAN, STEPPED, WEIGHTS_PRECISIONS, real_columns_index, stored_widths
 from . import FBGEMM, Kernel
@@ -297,7 +297,10 @@ class FbgemmKernel(Kernel):
                 if group._bound.optimizer != "none":  # a fused update may have moved them
                     for z in group._bound.zero_rows:
                         z.zero_()
-            return run_tbe(group, tbe, (batch, bounds, keep), indices, offsets, psw, params, training)
+            out = run_tbe(group, tbe, (batch, bounds, keep), indices, offsets, psw, params, training)
+            if keep and group.pooling == "mean":  # fbgemm's mean counted the padding ids
+                out = out * mean_without_padding(group, indices, offsets, bounds, batch)
+            return out
         if max(ids.numel() for ids in ids_list) == 0:
             return count_step(group, params, fused)
         tbe = tbe if tbe is not None else ensure_bound(group, params)

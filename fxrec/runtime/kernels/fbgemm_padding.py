@@ -1,11 +1,14 @@
 """Bags with a ``padding_idx`` on fbgemm's TBE without a wait for the device.
 
 PyTorch leaves a bag's padding ids out of it. Dropping them from the packed input makes a tensor
-whose size depends on the ids' values, which on CUDA waits for the device on every call. For
-sum-pooled bags fxrec sends them instead to one extra row at the end of their table in the TBE,
-kept at zero: the bag sums the same rows, the table's own rows get no gradient from them, and a
-fused update of the extra row (an inf gradient makes it inf or NaN) is undone by zeroing it
-before the next call that reads it. The user's parameter is the view of the table's own rows.
+whose size depends on the ids' values, which on CUDA waits for the device on every call. fxrec
+sends them instead to one extra row at the end of their table in the TBE, kept at zero: the bag
+sums the same rows, the table's own rows get no gradient from them, and a fused update of the
+extra row (an inf gradient makes it inf or NaN) is undone by zeroing it before the next call
+that reads it. The user's parameter is the view of the table's own rows. A mean-pooled bag's
+padding ids still count in fbgemm's mean (it divides by the bag's length): its output is then
+multiplied by ``length / ids that are not padding`` (:func:`mean_without_padding`), on the
+device, which also gives its rows PyTorch's gradient (``grad / ids that are not padding``).
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ def zero_row_tables(group) -> List[bool]:
     """Per table, whether its TBE rows end with one extra row kept at zero, where the padding ids
     of its sum-pooled bags are sent (:func:`send_padding_to_zero_rows`): the bag then sums the
     same rows as PyTorch's, which leaves those ids out, and fbgemm's fused update of that row
-    touches no row of the table. Dropping the ids instead makes a tensor of data-dependent size:
-    a wait for the device on every call. Not for tables cached in HBM (the row is zeroed in
-    their unified memory, under the cache) nor mean bags (the ids would count in the mean)."""
+    touches no row of the table (mean bags: :func:`mean_without_padding` too). Dropping the ids
+    instead makes a tensor of data-dependent size: a wait for the device on every call. Not for
+    tables cached in HBM (the row is zeroed in their unified memory, under the cache)."""
     known = group.__dict__.get("_zero_row_tables")
     if known is not None:
         return known
     mine = [False] * len(group.tables)
-    if group.pooling == "sum":
+    if group.pooling in ("sum", "mean"):
         for f in group.features:
             if f.form == "bag" and f.padding_idx is not None and group.tables[f.table].placement != "managed_caching":
                 mine[f.table] = True
@@ -61,3 +64,30 @@ def keeps_padding(group, training: bool) -> bool:
     if not any(extra):
         return False
     return not training or group.fused_active or not any(t.sparse for t, e in zip(group.tables, extra) if e)
+
+
+def mean_without_padding(group, indices: torch.Tensor, offsets: torch.Tensor, bounds: List[int],
+                         batch: int) -> torch.Tensor:
+    """``[batch, sum of dims]``: what multiplies fbgemm's mean-pooled output so each bag is the
+    mean of its ids that are not padding, as PyTorch's (``indices`` with the padding ids sent to
+    the zero rows: :func:`send_padding_to_zero_rows`; ``bounds``: each feature's ids in them).
+    Per bag ``length / ids that are not padding`` (1 for bags without padding; a bag of padding
+    alone is 0 either way, its rows being zero). A few ops for the group, on the device."""
+    extra = zero_row_tables(group)
+    keep = torch.ones(indices.numel(), dtype=torch.long, device=indices.device)
+    for i, f in enumerate(group.features):
+        if f.form == "bag" and f.padding_idx is not None and extra[f.table]:
+            keep[bounds[i]: bounds[i + 1]] = indices[bounds[i]: bounds[i + 1]] != group.tables[f.table].num_rows
+    before = torch.cat([keep.new_zeros(1), keep.cumsum(0)])  # ids that are not padding before each place
+    kept = before[offsets[1:]] - before[offsets[:-1]]
+    per_bag = offsets.diff().to(torch.float32) / kept.clamp(min=1).to(torch.float32)
+    return per_bag.view(len(group.features), batch).t().index_select(1, _column_features(group, indices.device))
+
+
+def _column_features(group, device: torch.device) -> torch.Tensor:
+    """Per output column, its feature (made once per device: a copy the device is waited for once)."""
+    cache = group.__dict__.setdefault("_column_features", {})
+    if device not in cache:
+        cache[device] = torch.tensor([i for i, d in enumerate(group.dims) for _ in range(d)],
+                                     dtype=torch.long).to(device)
+    return cache[device]
