@@ -304,13 +304,21 @@ class RowWiseOutputDist(nn.Module):
         super().__init__()
         self.name, self.dims, self.pooling = name, list(dims), pooling
 
+    def _dims_on(self, device: torch.device) -> torch.Tensor:
+        """The features' dims as a tensor on ``device``, made once (a copy the device is waited for once)."""
+        cache = self.__dict__.setdefault("_dims_cache", {})
+        if device not in cache:
+            cache[device] = torch.tensor(self.dims, dtype=torch.long).to(device)
+        return cache[device]
+
     def forward(self, partial: torch.Tensor, dist_out) -> List[torch.Tensor]:
         if torch.is_grad_enabled() and not partial.requires_grad:
             partial = partial.detach().requires_grad_()  # every rank joins the backward all-gather
         out = reduce_scatter(partial, self.name)
         if self.pooling == "mean":
             local_lengths = dist_out[4]  # [features, B]: this rank's bag lengths before bucketizing
-            scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), torch.tensor(self.dims, device=out.device), dim=0)
+            scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), self._dims_on(out.device),
+                                            dim=0, output_size=sum(self.dims))  # (sizes given: nothing read)
             out = out * scale.t()
         return _clamped(self, list(torch.split(out, self.dims, 1)))
 
