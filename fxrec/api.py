@@ -158,7 +158,8 @@ def transform(
         elementwise to ``[-max_gradient, max_gradient]`` before its table (or the fused update)
         gets it: fbgemm's and TorchRec's ``gradient_clipping=True, max_gradient=...``, on every
         kernel and sharding type, fused optimizer or not. The rest of the model's gradients are
-        not touched. None (default): not clamped.
+        not touched. Identical lookups that fxrec merges into one are clamped once, on their
+        summed gradient (docs/optimizers.md). None (default): not clamped.
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;

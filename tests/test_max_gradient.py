@@ -195,3 +195,33 @@ def test_a_lookup_left_as_written_is_clamped_too_and_the_model_still_exports():
         want = fast(*x)
         torch.testing.assert_close(fxrec.export.torchscript(fast)(*x), want)
         torch.testing.assert_close(fxrec.export.program(fast, x).module()(*x), want)
+
+
+class _InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(20, 4, mode="mean") for _ in range(2)])
+        self.z = nn.Embedding(10, 4, max_norm=1.0)  # left as written
+
+    def forward(self, ids, offs, single):
+        z = self.z(single)
+        z.add_(1)
+        return torch.cat([torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offs)], 1).relu_(), z], 1)
+
+
+@pytest.mark.parametrize("backend", ["native", "fbgemm", "reference"])
+def test_the_lookups_outputs_can_still_be_changed_in_place(backend):
+    """The clamp is a gradient hook: an in-place op on a lookup's output (relu_ on the group's
+    folded cat, add_ on a lookup left as written) trains as the plain model does."""
+    torch.manual_seed(0)
+    model = _InPlace()
+    ref = clamp_lookup_gradients(copy.deepcopy(model), LIMIT)
+    x = ([torch.randint(0, 20, (8,)), torch.randint(0, 20, (8,))], [torch.tensor([0, 2, 4, 6])] * 2,
+         torch.randint(0, 10, (4,)))
+    fast = fxrec.transform(model, x, max_gradient=LIMIT, backend=backend)
+    cot = torch.randn(4, 12) * 10
+    (fast(*x) * cot).sum().backward()
+    (ref(*x) * cot).sum().backward()
+    for name, p in ref.named_parameters():
+        g = fast.get_parameter(name).grad
+        torch.testing.assert_close(g.to_dense() if g.is_sparse else g, p.grad, msg=name)

@@ -225,17 +225,22 @@ def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, r
         weight.index_add_(0, uniq, (g / s.sqrt().add_(fused.eps)) * (-fused.lr))
 
 
-class _ClampGradient(torch.autograd.Function):
-    """The identity forward; backward clamps the gradient elementwise to [-limit, limit]."""
+class _Clamp:
+    """A gradient hook: the gradient clamped elementwise to ``[-limit, limit]``. (A hook, not an
+    autograd function returning its input: that output would be a view, and the model could no
+    longer change it in place, e.g. ``relu_()`` on the lookups' output.)"""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, limit: float) -> torch.Tensor:
-        ctx.limit = limit
-        return x.view_as(x)
+    def __init__(self, limit: float):
+        self.limit = limit
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.clamp(-ctx.limit, ctx.limit), None
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clamp(-self.limit, self.limit)
+
+
+def _clamped(x: torch.Tensor, limit: float) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        x.register_hook(_Clamp(limit))
+    return x
 
 
 class ClampGradient(torch.nn.Module):
@@ -255,14 +260,12 @@ class ClampGradient(torch.nn.Module):
 
     @torch.jit.unused
     def _clamped(self, x: torch.Tensor) -> torch.Tensor:
-        if self.max_gradient and torch.is_grad_enabled() and x.requires_grad:
-            return _ClampGradient.apply(x, self.max_gradient)
-        return x
+        return _clamped(x, self.max_gradient) if self.max_gradient else x
 
 
 def clamp_gradient(out, limit: float):
     """``out`` (a tensor, or a list of them) whose gradient reaches the group's kernel clamped to
     ``[-limit, limit]`` (fbgemm's ``gradient_clipping`` / ``max_gradient``, for every kernel)."""
     if isinstance(out, torch.Tensor):
-        return _ClampGradient.apply(out, limit)
-    return type(out)(_ClampGradient.apply(o, limit) for o in out)
+        return _clamped(out, limit)
+    return type(out)(_clamped(o, limit) for o in out)
