@@ -609,3 +609,27 @@ def test_an_aoti_package_made_on_the_gpu_serves_the_models_outputs(quantize):
     assert r.returncode == 0, r.stderr[-3000:]
     diff = float(r.stdout.split("max_abs_diff")[1])
     assert diff <= (1e-5 if quantize == "fp32" else 0.0), r.stdout
+
+
+def test_quantized_bags_with_padding_ids_serve_without_waiting_for_the_gpu():
+    """Padding ids stay in place, weighing 0 (fxrec.runtime.packing.padding_weights); the
+    CUDA call equals the CPU one to fp16 rounding (fbgemm's CUDA kernel dequantizes in half
+    precision). Not yet run on a GPU."""
+    from tests.test_padding_bags import _QuantPadded, _quant_inputs
+
+    torch.manual_seed(0)
+    model = _QuantPadded(last_offset=False).eval()
+    x = _quant_inputs(5, last_offset=False)
+    on_cpu = fxrec.transform(model, _quant_inputs(0, last_offset=False), mode="inference", quantize="int8")
+    on_gpu = fxrec.transform(copy.deepcopy(model).cuda(), cuda(_quant_inputs(0, last_offset=False)),
+                             mode="inference", quantize="int8")
+    with torch.no_grad():
+        want = on_cpu(*x)
+        on_gpu(*cuda(x))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = on_gpu(*cuda(x))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got.cpu(), want, **FP16_ROUNDING)

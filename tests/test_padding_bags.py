@@ -237,3 +237,51 @@ def test_sample_weights_of_padding_ids_get_pytorchs_zero_gradient_from_the_fused
         grads.append(w.grad)
     torch.testing.assert_close(grads[1], grads[0])
     assert not grads[1][x[2] == 0].any() and grads[1][x[2] != 0].abs().sum() > 0
+
+
+class _QuantPadded(nn.Module):
+    """Bags with a padding_idx, sum and mean, with include_last_offset on one."""
+
+    def __init__(self, last_offset=True):
+        super().__init__()
+        self.s = nn.EmbeddingBag(40, 8, mode="sum", padding_idx=3)
+        self.m = nn.EmbeddingBag(30, 8, mode="mean", padding_idx=0)
+        self.ml = nn.EmbeddingBag(30, 8, mode="mean", padding_idx=2, include_last_offset=last_offset)
+
+    def forward(self, x, xo, y, yo, z, zo):
+        return torch.cat([self.s(x, xo), self.m(y, yo), self.ml(z, zo)], 1)
+
+
+def _quant_inputs(seed, last_offset=True):
+    """Padding ids in most bags, bags of padding alone, empty bags."""
+    x, xo, y, yo, _, _ = inputs(seed)
+    z = y.clone()
+    z[::3] = 2
+    return x, xo, y % 30, yo, z, torch.cat([yo, torch.tensor([z.numel()])]) if last_offset else yo
+
+
+@pytest.mark.parametrize("last_offset", [False, True])
+@pytest.mark.parametrize("quantize", ["fp32", "int8"])
+def test_quantized_bags_with_padding_ids_read_no_value_and_serve_pytorchs_answer(quantize, last_offset):
+    """Quantized groups keep the padding ids in place, weighing 0 (a mean: the others 1 / ids that
+    are not padding), a sum-pooled lookup: no value read on the host, the TorchScript serving
+    module's numbers exactly, and the plain model's (fp32 rows: to rounding; int8: to the
+    quantization's error). An include_last_offset bag still has its offsets[-1] read (checked
+    against its ids): that one read is all the count sees."""
+    torch.manual_seed(0)
+    model = _QuantPadded(last_offset).eval()
+    fast = fxrec.transform(model, _quant_inputs(0, last_offset), mode="inference", quantize=quantize)
+    scripted = fxrec.export.torchscript(fast)
+    x = _quant_inputs(5, last_offset)
+    with torch.no_grad():
+        want = model(*x)
+        with sync_free():
+            fast(*x)
+            with host_syncs() as syncs:
+                got = fast(*x)
+        served = scripted(*x)
+    reads = [w for _, w in syncs.in_fxrec()]
+    assert len(reads) == int(last_offset) and all(w.startswith("fxrec/runtime/packing.py") for w in reads), reads
+    torch.testing.assert_close(served, got, rtol=0, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-6) if quantize == "fp32" else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(got, want, **tol)

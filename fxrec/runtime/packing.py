@@ -178,6 +178,31 @@ def _offsets_at_once(starts: List[Tensor], bases: List[int], total: int, batch: 
     return torch.cat([(unshifted + shift[:-1]).view(-1), shift[-1]]), unshifted[:, 0]
 
 
+def padding_weights(indices: Tensor, offsets: Tensor, psw: Optional[Tensor], bounds: List[int], forms: List[int],
+                    pads: List[int], mean: bool) -> Tensor:
+    """Per-sample weights that give a sum-pooled lookup of ids packed with their padding ids in
+    place (``keep_pads``) PyTorch's answer for bags with a ``padding_idx``: 0 for a padding id,
+    and for a mean 1 / (ids of the bag that are not padding) for the others (``psw`` multiplied
+    in). Dropping the ids instead makes a tensor of data-dependent size, a wait for the device on
+    every call on CUDA; this is a few ops on the device, nothing read. The quantized groups and
+    their serving twins call it alike."""
+    keep = torch.ones(indices.numel(), dtype=torch.float32, device=indices.device)
+    for i in range(len(forms)):
+        if forms[i] == 0 and pads[i] >= 0:
+            keep[bounds[i]:bounds[i + 1]] = (indices[bounds[i]:bounds[i + 1]] != pads[i]).to(torch.float32)
+    if mean:
+        counted = keep.to(torch.long)  # (counted in integers: exact however many ids)
+        before = torch.cat([counted.new_zeros(1), counted.cumsum(0)])
+        kept = (before[offsets[1:]] - before[offsets[:-1]]).clamp(min=1).to(torch.float32)
+        lengths = offsets.diff()
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device), lengths,
+                                      output_size=indices.numel())
+        keep = keep / kept[bag]
+    if psw is not None:
+        keep = psw * keep
+    return keep
+
+
 def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: torch.device) -> Tensor:
     """``arange(0, b * length, length)`` (zeros for length 0), made once per length and call."""
     for k in range(len(lengths)):

@@ -25,7 +25,7 @@ import torch
 from .group import EmbeddingGroup, group_forward
 from .kernels import FBGEMM
 from .kernels import fbgemm_nbit as _nbit
-from .packing import pack_pooled, pack_sequence, unpack_sequence
+from .packing import pack_pooled, pack_sequence, padding_weights, unpack_sequence
 from .specs import FeatureSpec, GroupSpec, TableSpec, real_columns_index, stored_widths
 
 
@@ -72,12 +72,14 @@ def stored_dims(tables: Sequence[TableSpec], dtypes: Sequence[str], pooling: str
     return stored_widths(tables, pooling, [_nbit.quant_align(dt) for dt in dtypes])
 
 
-def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
+def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor],
+            summed: bool = False) -> torch.Tensor:
     """fbgemm's quantized TBE lookup operator on the group's buffers (pooled: padding columns
-    dropped)."""
+    dropped); ``summed``: sum-pooled whatever the group's pooling (``psw`` then weighs a mean)."""
     bufs = [group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets,
             group.q_weights_tys, group.q_D_offsets, group.q_lxu_cache_weights, group.q_lxu_cache_locations]
-    out = _nbit.int_nbit_lookup(group.q_ints, bufs, indices, offsets, psw)
+    q = {**group.q_ints, "pooling_mode": _nbit.SUM_POOLING} if summed else group.q_ints
+    out = _nbit.int_nbit_lookup(q, bufs, indices, offsets, psw)
     return out.index_select(1, group.q_columns) if group.q_columns.numel() else out
 
 
@@ -132,7 +134,9 @@ class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> torch.Tensor:
         self._check_count(ids_list)
-        packed = pack_pooled(self, ids_list, offsets_list, psw_list, empty_means=True, strict=True)
+        padded = any(f.form == "bag" and f.padding_idx is not None for f in self.features)
+        packed = pack_pooled(self, ids_list, offsets_list, psw_list, empty_means=True, strict=True,
+                             keep_padding=padded)
         if packed is None:
             if all(ids.numel() == 0 for ids in ids_list):  # an empty batch
                 batch = 0 if not ids_list else (ids_list[0].shape[0] if ids_list[0].dim() else 0)
@@ -141,8 +145,10 @@ class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
                 f"fxrec: the features of the quantized group of tables {[t.name for t in self.tables]} "
                 "have different batch sizes; one TBE needs one"
             )
-        indices, offsets, psw, _, _ = packed
-        out = _lookup(self, indices, offsets, psw)
+        indices, offsets, psw, batch, bounds = packed
+        if padded:  # the padding ids stay, weighing 0 (mean: the others 1 / ids that are not padding)
+            psw = padding_weights(indices, offsets, psw, bounds, self._forms, self._pads, self.pooling == "mean")
+        out = _lookup(self, indices, offsets, psw, summed=padded)
         nan_cols = self._empty_mean_columns(ids_list)
         if nan_cols:  # a mean of no rows, as PyTorch gives it
             out[:, nan_cols] = float("nan")

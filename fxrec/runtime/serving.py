@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .kernels.fbgemm_nbit import int_nbit_lookup
 from .kernels.reference import lookup_each
-from .packing import FORM_CODES, pack_bags, pack_rows, unpack_rows
+from .packing import FORM_CODES, pack_bags, pack_rows, padding_weights, unpack_rows
 
 # TorchScript reads no module globals: the forms are written as these literals in the methods
 _Q_INTS = ("total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
@@ -136,10 +136,14 @@ class _ServingGroup(nn.Module):
             psws.append(psw_list[w] if w >= 0 else None)
         return offs, psws
 
-    def _quantized_lookup(self, indices: Tensor, offsets: Tensor, psw: Optional[Tensor]) -> Tensor:
+    def _quantized_lookup(self, indices: Tensor, offsets: Tensor, psw: Optional[Tensor], summed: bool = False) -> Tensor:
         bufs = [self.q_weights, self.q_weights_uvm, self.q_weights_placements, self.q_weights_offsets,
                 self.q_weights_tys, self.q_D_offsets, self.q_lxu_cache_weights, self.q_lxu_cache_locations]
-        out = int_nbit_lookup(self.q, bufs, indices, offsets, psw)
+        q = self.q
+        if summed:  # sum-pooled whatever the group's pooling (psw weighs a mean: padding_weights)
+            q = dict(self.q)
+            q["pooling_mode"] = 0  # fbgemm's PoolingMode.SUM
+        out = int_nbit_lookup(q, bufs, indices, offsets, psw)
         if self.q_columns.numel() > 0:  # tables stored padded (see fxrec.runtime.quantized)
             out = out.index_select(1, self.q_columns)
         return out
@@ -171,15 +175,19 @@ class ServingPooledGroup(_ServingGroup):
                 for c in range(col, col + self.dims[i]):
                     nan_cols.append(c)
             col += self.dims[i]
-        batch, indices, offsets, psw, _, _ = pack_bags(ids_list, offs, psws, self.where, self.forms, self.pads, self.ilos,
-                                                 self.mode == 1, self.any_weighted, True, True,
-                                                 False)
+        padded = self.quantized and any([self.forms[i] == 0 and self.pads[i] >= 0 for i in range(len(self.forms))])
+        keep: List[bool] = [padded and self.forms[i] == 0 and self.pads[i] >= 0 for i in range(len(self.forms))]
+        batch, indices, offsets, psw, bounds, _ = pack_bags(ids_list, offs, psws, self.where, self.forms, self.pads,
+                                                         self.ilos, self.mode == 1, self.any_weighted, True, True,
+                                                         False, keep)
         if batch < 0:
             raise ValueError("fxrec: the features of the group of tables " + str(self.table_names)
                              + " have different batch sizes")
         if batch == 0:
             return torch.zeros(0, sum(self.dims), dtype=self._out_dtype(), device=ids_list[0].device)
-        out = self._quantized_lookup(indices, offsets, psw)
+        if padded:  # as the eager quantized group: padding ids in place, weighing 0
+            psw = padding_weights(indices, offsets, psw, bounds, self.forms, self.pads, self.mode == 1)
+        out = self._quantized_lookup(indices, offsets, psw, padded)
         if len(nan_cols) > 0:
             out[:, nan_cols] = float("nan")
         return out

@@ -127,6 +127,10 @@ def packed_bytes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], alignment: in
     return [int(r) * rounded_row_size_in_bytes(int(d), types[t], alignment) for r, d, t in rows_dims_dtypes]
 
 
+#: fbgemm's PoolingMode.SUM (an int, as its lookup operator takes it)
+SUM_POOLING = 0
+
+
 def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: torch.Tensor,
                     offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
     """fbgemm's quantized TBE lookup on a group's buffers: ``weights`` are, in order, the
