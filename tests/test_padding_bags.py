@@ -285,3 +285,24 @@ def test_quantized_bags_with_padding_ids_read_no_value_and_serve_pytorchs_answer
     torch.testing.assert_close(served, got, rtol=0, atol=0)
     tol = dict(rtol=1e-5, atol=1e-6) if quantize == "fp32" else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(got, want, **tol)
+
+
+def test_an_inf_sample_weight_on_a_padding_id_stays_out_of_a_quantized_bag():
+    class Weighted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.EmbeddingBag(20, 8, mode="sum", padding_idx=1)
+
+        def forward(self, ids, offs, psw):
+            return self.w(ids, offs, per_sample_weights=psw)
+
+    torch.manual_seed(0)
+    model = Weighted().eval()
+    ids, offs = torch.tensor([1, 4, 1, 5, 6]), torch.tensor([0, 2, 3])
+    psw = torch.tensor([float("inf"), 0.5, float("nan"), 2.0, 1.0])
+    fast = fxrec.transform(model, (ids, offs, psw), mode="inference", quantize="fp32")
+    with torch.no_grad():
+        want = model(ids, offs, psw)
+        assert torch.isfinite(want).all()
+        torch.testing.assert_close(fast(ids, offs, psw), want)
+        torch.testing.assert_close(fxrec.export.torchscript(fast)(ids, offs, psw), want)

@@ -198,8 +198,8 @@ def padding_weights(indices: Tensor, offsets: Tensor, psw: Optional[Tensor], bou
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device), lengths,
                                       output_size=indices.numel())
         keep = keep / kept[bag]
-    if psw is not None:
-        keep = psw * keep
+    if psw is not None:  # (where, not a product: an inf or NaN weight of a padding id stays out, as in PyTorch)
+        keep = torch.where(keep == 0, keep, psw * keep)
     return keep
 
 
