@@ -44,8 +44,10 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     answer would be NOT_PACKABLE because of the input's values (a fused optimizer or a quantized
     table has no PyTorch kernel to fall back to). ``tracing``: torch.export is tracing (no value
     may be read: checks become ``_assert_async`` ops). Offsets must be given for bags.
-    ``keep_pads[i]``: bag i keeps its padding ids in place (the caller sends them to a zero row,
-    :mod:`fxrec.runtime.kernels.fbgemm_padding`) instead of dropping them, which reads values.
+    ``keep_pads[i]``: bag i keeps its padding ids in place instead of dropping them, which reads
+    values: the caller sends them to a zero row (the training TBE:
+    :mod:`fxrec.runtime.kernels.fbgemm_padding`) or weighs them 0 (quantized groups:
+    :func:`padding_weights`).
     """
     starts: List[Tensor] = []  # per feature: where each of its B bags starts in its own ids
     bases: List[int] = []  # per feature: where its ids start in the packed ids
