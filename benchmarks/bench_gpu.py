@@ -19,7 +19,9 @@ Shapes, variants and method follow ../shared/gpu/README.md's anchors, so the fig
   ``mode="inference", quantize="int8"``; it is fed the model's own inputs (lists of id tensors).
 Each variant runs in turn, ``--rounds`` times, in one process, timed with CUDA events
 (perf_counter on CPU); medians are reported, of one call (the host's work for it counts in full)
-and of ``--queue`` calls queued back to back, as a training loop runs them (``*_queued``). Outputs are checked against the plain model before
+and of ``--queue`` calls queued back to back, as a training loop runs them (``*_queued``), with
+the host's time to queue them (``*_host_ms_queued``: where it exceeds the device's, the host's
+Python is what the queued figure measures). Outputs are checked against the plain model before
 timing; a device-to-device copy is timed in the same run (the bandwidth the multi-hot forward is
 compared with), and the transform's wall time and its peak device memory beyond the plain model
 (``torch.cuda.max_memory_allocated``) are recorded. The JSON is written after every shape.
@@ -99,35 +101,47 @@ def hand_written_tbe(plain, cfg, device, optimizer):
 
 
 class Timer:
-    """Milliseconds of one call: CUDA events on a GPU, perf_counter on CPU."""
+    """Milliseconds of one call: CUDA events on a GPU, perf_counter on CPU. ``host_ms``: the host's
+    time for the last call, from its start until it returned, before waiting for the device (on
+    CPU, the same as the call)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
+        self.host_ms = 0.0
 
     def __call__(self, fn) -> float:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t = time.perf_counter()
             fn()
+            self.host_ms = (time.perf_counter() - t) * 1e3
             end.record()
             end.synchronize()
             return start.elapsed_time(end)
         t = time.perf_counter()
         fn()
-        return (time.perf_counter() - t) * 1e3
+        self.host_ms = (time.perf_counter() - t) * 1e3
+        return self.host_ms
 
 
-def medians(fns, rounds, timer, queue=1):
+def medians(fns, rounds, timer, queue=1, host=None):
     """Median ms of one call of each of ``fns``, run in turn ``rounds`` times after one warm-up
     each. ``queue`` > 1: each timing covers that many calls queued back to back (nothing waits
     between them, as in a training loop), divided by ``queue``: the host's work for one call then
-    overlaps the device's for the one before."""
+    overlaps the device's for the one before. ``host``: a dict that gets, per function, the median
+    of the host's time to queue one call (the host's work alone: where it exceeds the device's,
+    the host is what the queued timing measures)."""
     times = {k: [] for k in fns}
+    hosts = {k: [] for k in fns}
     for f in fns.values():
         f()
     for _ in range(rounds):
         for k, f in fns.items():
             times[k].append(timer(lambda: [f() for _ in range(queue)]) / queue)
+            hosts[k].append(timer.host_ms / queue)
+    if host is not None:
+        host.update({k: statistics.median(v) for k, v in hosts.items()})
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -229,7 +243,8 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         compiled = torch.compile(plain)
         fns["plain_compiled"] = fwd(compiled, batch)
     forward = medians(fns, rounds, timer)
-    forward_queued = medians(fns, max(1, rounds // 2), timer, queue) if queue > 1 else None
+    forward_host = {}
+    forward_queued = medians(fns, max(1, rounds // 2), timer, queue, forward_host) if queue > 1 else None
     choice = fast.report.groups[0]
     kernel = {"train": choice.kernel_train, "inference": choice.kernel_eval, "why": choice.why}
     del fast, int8, fns, choice, tbe
@@ -237,7 +252,7 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         del graph
     free(device)
     cot = torch.randn_like(ref)
-    train, train_queued = {}, {}
+    train, train_queued, train_host = {}, {}, {}
     for opt_name, fused_cfg, plain_opt_class in (
             ("sgd", fxrec.optim.SGD(lr=LR), torch.optim.SGD),
             ("rowwise_adagrad", fxrec.optim.RowWiseAdagrad(lr=LR, eps=1e-8), torch.optim.Adagrad)):
@@ -247,7 +262,8 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         steps = train_steps({"tbe": (tbe, flat), "fxrec": (fused, batch)}, batch, cot, plain, plain_opt)
         train[opt_name] = medians(steps, rounds, timer)
         if queue > 1:
-            train_queued[opt_name] = medians(steps, max(1, rounds // 2), timer, queue)
+            train_host[opt_name] = {}
+            train_queued[opt_name] = medians(steps, max(1, rounds // 2), timer, queue, train_host[opt_name])
         del fused, tbe, plain_opt, steps
         free(device)
     fwd_bytes = cfg["tables"] * cfg["batch"] * cfg["ids_per_bag"] * cfg["dim"] * 4
@@ -257,6 +273,9 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         "train_step_ms": train,
         "forward_ms_queued": forward_queued,
         "train_step_ms_queued": train_queued or None,
+        # the host's time to queue one call, of the queued timings (CUDA: before waiting for the device)
+        "forward_host_ms_queued": forward_host or None,
+        "train_step_host_ms_queued": train_host or None,
         "forward_speedup_vs_plain": {k: forward["plain"] / v for k, v in forward.items() if k != "plain"},
         "train_speedup_vs_plain": {o: {k: t["plain"] / v for k, v in t.items() if k != "plain"} for o, t in train.items()},
         "fxrec_over_tbe": {"forward": forward["fxrec"] / forward["tbe"],

@@ -29,6 +29,9 @@ def test_the_gpu_benchmark_runs_on_cpu_scaled_down_and_writes_its_figures(tmp_pa
     assert all(v > 0 for v in times)
     assert set(shape["forward_ms_queued"]) == set(shape["forward_ms"]) and set(shape["train_step_ms_queued"]) == {
         "sgd", "rowwise_adagrad"}
+    # the host's share: on CPU the whole call, so the same median as the queued timing
+    assert shape["forward_host_ms_queued"] == shape["forward_ms_queued"]
+    assert shape["train_step_host_ms_queued"] == shape["train_step_ms_queued"]
     assert result["copy_bytes_per_s"] is None and "forward_read_fraction_of_copy" not in shape  # CUDA only
     assert 0 < shape["int8_max_abs_error"] < 0.1
     assert shape["transform_peak_bytes_over_tables"] is None  # measured on CUDA only
