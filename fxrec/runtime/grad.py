@@ -245,9 +245,8 @@ def _clamped(x: torch.Tensor, limit: float) -> torch.Tensor:
 
 class ClampGradient(torch.nn.Module):
     """After a lookup that no group runs (a table left as written, or data-parallel in a plan):
-    its output, with the gradient clamped to ``[-max_gradient, max_gradient]`` in training (0:
-    not clamped; nothing is done where no gradient is wanted: inference, torch.export,
-    TorchScript)."""
+    its output, with the gradient clamped as :func:`clamped_by` clamps (nothing is done where no
+    gradient is wanted: inference, torch.export, TorchScript)."""
 
     def __init__(self):
         super().__init__()
@@ -260,12 +259,18 @@ class ClampGradient(torch.nn.Module):
 
     @torch.jit.unused
     def _clamped(self, x: torch.Tensor) -> torch.Tensor:
-        return _clamped(x, self.max_gradient) if self.max_gradient else x
+        return clamped_by(self, x)
 
 
-def clamp_gradient(out, limit: float):
-    """``out`` (a tensor, or a list of them) whose gradient reaches the group's kernel clamped to
-    ``[-limit, limit]`` (fbgemm's ``gradient_clipping`` / ``max_gradient``, for every kernel)."""
+def clamped_by(module: torch.nn.Module, out):
+    """``out`` (a tensor, or a list of them: a group's, an output dist's or a lookup's output) with
+    its gradient clamped elementwise to ``[-module.max_gradient, module.max_gradient]``
+    (``transform(max_gradient=)``, fbgemm's ``gradient_clipping``; 0 or not set: as it is). A
+    sharded lookup's output dist and its rank's group both clamp, which changes nothing more: the
+    group's outputs' gradient is the dist's values moved, or divided by a bag length (row-wise mean)."""
+    limit = module.__dict__.get("max_gradient", 0.0)
+    if not limit:
+        return out
     if isinstance(out, torch.Tensor):
         return _clamped(out, limit)
     return type(out)(_clamped(o, limit) for o in out)

@@ -25,6 +25,7 @@ from torch import nn
 from . import kernels
 from ._tracing import exporting
 from .checks import InputChecks
+from .grad import clamped_by
 from .kernels import REFERENCE
 from .output_buffer import ReusedOutput
 from .packing import FORM_CODES
@@ -244,11 +245,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
                     "different batch sizes, or include_last_offset mean bags with ids after offsets[-1]); PyTorch's "
                     "lookups would read and update them behind it")
             out = self._fp32(kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training))
-        if training and self.__dict__.get("max_gradient"):
-            from .grad import clamp_gradient
-
-            out = clamp_gradient(out, self.max_gradient)
-        return out
+        return clamped_by(self, out) if training else out
 
     def _fp32(self, out):
         """Tables stored at a lower precision (weights_precision=): fbgemm's kernel gives fp32, so

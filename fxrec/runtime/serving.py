@@ -70,6 +70,10 @@ class _ServingGroup(nn.Module):
         self.quantized: bool = hasattr(group, "q_ints")
         self.q: Dict[str, int] = dict(group.q_ints) if self.quantized else {}
         self.fp16_out: bool = self.quantized and group.output_dtype == "fp16"
+        # quantized bags with a padding_idx keep their padding ids, weighing 0 (packing.padding_weights)
+        self.keep_pads: List[bool] = [self.quantized and f.form == "bag" and f.padding_idx is not None
+                                      for f in group.features]
+        self.padded: bool = any(self.keep_pads)
         for name in _Q_BUFFERS:
             src = getattr(group, name) if self.quantized else torch.empty(0, dtype=torch.long)
             self.register_buffer(name, src.clone(), persistent=name not in ("q_lxu_cache_locations", "q_columns"))
@@ -175,19 +179,17 @@ class ServingPooledGroup(_ServingGroup):
                 for c in range(col, col + self.dims[i]):
                     nan_cols.append(c)
             col += self.dims[i]
-        padded = self.quantized and any([self.forms[i] == 0 and self.pads[i] >= 0 for i in range(len(self.forms))])
-        keep: List[bool] = [padded and self.forms[i] == 0 and self.pads[i] >= 0 for i in range(len(self.forms))]
         batch, indices, offsets, psw, bounds, _ = pack_bags(ids_list, offs, psws, self.where, self.forms, self.pads,
                                                          self.ilos, self.mode == 1, self.any_weighted, True, True,
-                                                         False, keep)
+                                                         False, self.keep_pads)
         if batch < 0:
             raise ValueError("fxrec: the features of the group of tables " + str(self.table_names)
                              + " have different batch sizes")
         if batch == 0:
             return torch.zeros(0, sum(self.dims), dtype=self._out_dtype(), device=ids_list[0].device)
-        if padded:  # as the eager quantized group: padding ids in place, weighing 0
+        if self.padded:  # as the eager quantized group: padding ids in place, weighing 0
             psw = padding_weights(indices, offsets, psw, bounds, self.forms, self.pads, self.mode == 1)
-        out = self._quantized_lookup(indices, offsets, psw, padded)
+        out = self._quantized_lookup(indices, offsets, psw, self.padded)
         if len(nan_cols) > 0:
             out[:, nan_cols] = float("nan")
         return out

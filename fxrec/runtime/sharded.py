@@ -42,22 +42,10 @@ import torch
 from torch import nn
 
 from .collectives import all_gather_ints, all_to_all, reduce_scatter
+from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows
 
 _MODES = {"sum": 0, "mean": 1}
-
-
-def _clamped(dist: nn.Module, outs: List[torch.Tensor]) -> List[torch.Tensor]:
-    """An output dist's lookups, their gradient clamped by ``transform(max_gradient=)`` (set on the
-    module; 0 or absent: not): the gradient the unsharded group's outputs would get clamped. (The
-    rank's local group clamps too, which changes nothing more: its outputs' gradient is these
-    values moved, or, for row-wise mean pooling, these values divided by a bag length.)"""
-    limit = dist.__dict__.get("max_gradient", 0.0)
-    if not limit or not torch.is_grad_enabled():
-        return outs
-    from .grad import clamp_gradient
-
-    return clamp_gradient(outs, limit)
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -247,7 +235,7 @@ class TableWiseOutputDist(nn.Module):
         for k in self.pieces_per_output:
             outs.append(cols[at] if k == 1 else torch.cat(cols[at:at + k], 1))
             at += k
-        return _clamped(self, outs)
+        return clamped_by(self, outs)  # (transform(max_gradient=))
 
 
 class RowWiseInputDist(nn.Module):
@@ -304,8 +292,7 @@ class RowWiseOutputDist(nn.Module):
         super().__init__()
         self.name, self.dims, self.pooling = name, list(dims), pooling
 
-    def _dims_on(self, device: torch.device) -> torch.Tensor:
-        """The features' dims as a tensor on ``device``, made once (a copy the device is waited for once)."""
+    def _dims_on(self, device: torch.device) -> torch.Tensor:  # made once: one wait for the device
         cache = self.__dict__.setdefault("_dims_cache", {})
         if device not in cache:
             cache[device] = torch.tensor(self.dims, dtype=torch.long).to(device)
@@ -320,7 +307,7 @@ class RowWiseOutputDist(nn.Module):
             scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), self._dims_on(out.device),
                                             dim=0, output_size=sum(self.dims))  # (sizes given: nothing read)
             out = out * scale.t()
-        return _clamped(self, list(torch.split(out, self.dims, 1)))
+        return clamped_by(self, list(torch.split(out, self.dims, 1)))
 
 
 class SequenceInputDist(nn.Module):
@@ -407,4 +394,4 @@ class SequenceOutputDist(nn.Module):
                          [sum(c) for c in recv], self.name)
         mine = got[where]  # each id's row in the id's place
         sizes = [int(torch.Size(s).numel()) for s in shapes]
-        return _clamped(self, [part[:, :d].reshape(s + (d,)) for part, d, s in zip(torch.split(mine, sizes), self.dims, shapes)])
+        return clamped_by(self, [part[:, :d].reshape(s + (d,)) for part, d, s in zip(torch.split(mine, sizes), self.dims, shapes)])
