@@ -153,7 +153,9 @@ def transform(
         memory and bandwidth; their parameters become views of those rows; the lookups still give
         fp32; the update is computed in fp32 and rounded, stochastically on CUDA), or a dict from
         table name / glob pattern to ``"fp32"``, ``"fp16"``, ``"bf16"``. Tables fbgemm cannot run so
-        are an error (docs/optimizers.md). None (default): as the model holds them.
+        are an error (docs/optimizers.md). With ``plan=``: the shards of the tables it shards are
+        stored so; data-parallel tables stay fp32 (pass the same ``weights_precision`` to
+        :func:`fxrec.plan` so it counts 2 bytes a value). None (default): as the model holds them.
       max_gradient: training: the gradient of every embedding lookup's output is clamped
         elementwise to ``[-max_gradient, max_gradient]`` before its table (or the fused update)
         gets it: fbgemm's and TorchRec's ``gradient_clipping=True, max_gradient=...``, on every
@@ -170,7 +172,7 @@ def transform(
     check_optimizer_spec(optimizer)
     if mode not in ("training", "inference"):
         raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
-    check_weights_precision(weights_precision, mode, plan, compares=verify or check_passes)
+    check_weights_precision(weights_precision, mode, compares=verify or check_passes)
     if output_dtype not in ("fp32", "fp16"):
         raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
     if mode == "inference" and optimizer is not None:
@@ -240,7 +242,8 @@ def transform(
                     table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
     gm.meta["fxrec_table_optimizers"] = table_opts
     gm.meta["fxrec_fused_groups"] = _fused_groups(gm)
-    _store_lower_precision(gm)
+    if plan is None:
+        _store_lower_precision(gm)
     if max_gradient:
         _clamp_lookup_gradients(gm, records)
     notes = _modes_notes(gm) + accepted_sizes(gm)
@@ -252,6 +255,7 @@ def transform(
         # this rank's tensors: allocated, filled from the model (meta ones: initialised, and the
         # whole ones broadcast from rank 0)
         materialize(gm, model, gm.meta.get("fxrec_sharded_params", {}), gm.meta.get("fxrec_shard_layout", {}))
+        _store_lower_precision(gm)  # the rank's shards, now that they hold values
         if mode == "training":
             _sum_gradients_over_ranks(gm, records)
         notes.append(_rank_note(plan, rank))

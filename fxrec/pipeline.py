@@ -21,7 +21,7 @@
 10. measure_quantization — inference with quantize= only: runs the final graph, so it comes last.
 
 With a sharding plan: annotate_lookups → merge_lookups → assign_optimizers → (assign_precisions,
-which refuses a plan) → group_lookups →
+which leaves data-parallel tables fp32) → group_lookups →
 (quantize_tables) → shard_groups → fold_concat. quantize_tables comes before shard_groups, which
 builds each rank's quantized groups from its shards; measure_quantization does not run (the
 quantized lookups of one rank are not a model the example inputs can run alone). shard_groups takes the place of choose_kernels and lower_groups: every

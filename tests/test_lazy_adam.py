@@ -608,11 +608,9 @@ def _column_wise_row_means(rank, world, root):
     with pytest.raises(fxrec.pass_infra.InputError, match=r"tables \['bags.1'\] are planned column_wise and train "
                                                           r"with partial row-wise Adam, whose per-row state"):
         fxrec.transform(model, example, plan=plan, optimizer={"bags.1": PartialRowWiseAdam(lr=0.1)})
-    with pytest.raises(fxrec.pass_infra.InputError, match=r"weights_precision= does not yet work with a sharding plan"):
-        fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.SGD(lr=0.1), weights_precision="fp16")
 
 
-def test_a_per_row_mean_optimizer_on_a_column_wise_table_and_weights_precision_with_a_plan_are_refused(tmp_path):
+def test_a_per_row_mean_optimizer_on_a_column_wise_table_is_refused(tmp_path):
     from tests import test_checkpoint as C
 
     C.spawn(_column_wise_row_means, 2, tmp_path)

@@ -260,6 +260,34 @@ def test_optimizer_per_table_by_glob():
     assert plan.optimizer == "per table"
 
 
+def test_weights_precision_counts_two_bytes_a_stored_value_except_on_data_parallel_tables(tmp_path):
+    """transform(weights_precision="fp16") stores the shards of sharded tables in fp16; a
+    data-parallel table stays fp32, and so does a dense gradient. The lookup reads half the bytes."""
+    tables = [TableSpec("a", 1000, 16), TableSpec("b", 800, 8), TableSpec("c", 100, 8), TableSpec("h", 100, 8, dtype="fp16")]
+    pins = {"a": "row_wise", "b": ("table_wise", 1), "c": "data_parallel", "h": ("table_wise", 0)}
+    plan = fxrec.plan(tables=tables, world_size=2, memory_per_rank="1GB", optimizer="rowwise_adagrad", pins=pins,
+                      weights_precision="fp16")
+    assert [plan[n].spec.weights for n in "abch"] == ["fp16", "fp16", "fp16", ""]  # h is fp16 itself
+    assert [s.bytes for s in plan["a"].shards] == [500 * 16 * 2 + 500 * 4] * 2
+    assert plan["b"].bytes == 800 * 8 * 2 + 800 * 4
+    assert [s.bytes for s in plan["c"].shards] == [100 * 8 * 4 * 2 + 100 * 4] * 2  # fp32 weights and gradient
+    assert plan["h"].bytes == 100 * 8 * 2 + 100 * 4
+    fp32 = fxrec.plan(tables=tables, world_size=2, memory_per_rank="1GB", optimizer="rowwise_adagrad", pins=pins)
+    assert fp32["b"].bytes == 800 * 8 * 4 + 800 * 4 and fp32["c"].bytes == plan["c"].bytes
+    cm = CostModel(plan.topology, plan.batch_size)
+    ids = plan.batch_size * 2 * 1.0
+    half = ids * (3 * 8 * 2 + 2 * 4) / (plan.topology.memory_bandwidth * 1e6)
+    assert cm.lookup_ms(plan["b"].spec, "rowwise_adagrad", ids, 8) == pytest.approx(half)
+    assert "table_wise, stored fp16" in str(plan) and "data_parallel, stored" not in str(plan)
+    assert ShardingPlan.from_json(plan.to_json()) == plan
+    only = fxrec.plan(tables=tables, world_size=2, memory_per_rank="1GB", pins=pins, weights_precision={"b": "fp16"})
+    assert [only[n].spec.weights for n in "abch"] == ["", "fp16", "", ""]
+    with pytest.raises(ValueError, match=r"weights_precision keys \['zz\*'\] match no table"):
+        fxrec.plan(tables=tables, world_size=2, memory_per_rank="1GB", weights_precision={"zz*": "fp16"})
+    with pytest.raises(ValueError, match="weights_precision must be one of"):
+        fxrec.plan(tables=tables, world_size=2, memory_per_rank="1GB", weights_precision="int8")
+
+
 # --------------------------------------------------------------------------------------- errors
 
 def test_infeasible_names_table_and_missing_bytes():

@@ -307,23 +307,7 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps, backend="auto")
                 loss.backward()
                 o.step()
         params = dict(fast.named_parameters())
-        # the planner's bytes for this rank are what the runtime holds: every table piece's weights,
-        # its optimizer state (fused: in the group module; data-parallel: torch.optim's), and a
-        # data-parallel table's dense gradient (a fused shard makes none)
-        held = 0
-        for _, mod in fast.named_modules():
-            g = getattr(mod, "group", None)
-            if g is not None and g.fused is not None:
-                ws = [params[n] for n in dict(fast.meta["fxrec_fused_groups"]).get(_name_of(fast, mod) + ".group", [])]
-                held += sum(s.numel() * 4 for st in g.optimizer_states(ws) for s in st.values())
-        for t, tp in plan.tables.items():
-            p = params.get(f"{t}.weight")
-            if p is None:
-                continue
-            held += p.numel() * 4
-            if tp.sharding == "data_parallel":
-                held += p.grad.numel() * 4
-                held += sum(s["sum"].numel() * 4 for o in opt.fallbacks for q, s in o.state.items() if q is p)
+        held = held_bytes(fast, plan, opt)
         assert held == plan.rank_bytes()[rank], (held, plan.rank_bytes()[rank])
         for name, want in single.state_dict().items():
             tp = plan.tables.get(name.rsplit(".", 1)[0])
@@ -338,6 +322,30 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps, backend="auto")
 
 def _name_of(root: nn.Module, mod: nn.Module) -> str:
     return next(n for n, m in root.named_modules() if m is mod)
+
+
+def held_bytes(fast, plan, opt) -> int:
+    """What the runtime holds on this rank, in the planner's terms (after a training step): every
+    table piece's weights (as stored), its optimizer state (fused: in the group module;
+    data-parallel: torch.optim's), and a data-parallel table's dense gradient (a fused shard makes
+    none)."""
+    params = dict(fast.named_parameters())
+    held = 0
+    for _, mod in fast.named_modules():
+        g = getattr(mod, "group", None)
+        if g is not None and g.fused is not None:
+            ws = [params[n] for n in dict(fast.meta["fxrec_fused_groups"]).get(_name_of(fast, mod) + ".group", [])]
+            held += sum(s.numel() * s.element_size() for st in g.optimizer_states(ws) for s in st.values())
+    for t, tp in plan.tables.items():
+        p = params.get(f"{t}.weight")
+        if p is None:
+            continue
+        held += p.numel() * p.element_size()
+        if tp.sharding == "data_parallel":
+            held += p.grad.numel() * p.grad.element_size()
+            held += sum(s["sum"].numel() * s["sum"].element_size() for o in opt.fallbacks for q, s in o.state.items()
+                        if q is p)
+    return held
 
 
 @pytest.mark.parametrize("backend", ["auto", "fbgemm"])

@@ -9,9 +9,12 @@ part of the group key: one TBE stores one precision.
 
 Before/After: the graph is unchanged; ``LookupRecord.weights`` is set ("" for fp32).
 
+With a sharding plan the tables it shards (table-, column-, row-, table-row-wise) are stored so
+on the ranks that hold them; a table the plan makes data-parallel stays fp32 (its lookups stay the
+model's own, on whole tables every rank holds), and a dict key naming it exactly is an error.
+
 Not handled, each an error naming what was asked: inference (serve with ``quantize="fp16"``, the
-inference TBE's fp16 rows), a sharding plan, a table that is not fp32, a dict key that names no
-table. Which groups fbgemm can then run is ``choose_kernels``' rule; a group it cannot run
+inference TBE's fp16 rows), a table that is not fp32, a dict key that names no table. Which groups fbgemm can then run is ``choose_kernels``' rule; a group it cannot run
 stored so is an error there, never a silent fp32 table.
 """
 
@@ -28,7 +31,7 @@ from ..runtime.specs import WEIGHTS_PRECISIONS
 CHOICES = ("fp32",) + tuple(WEIGHTS_PRECISIONS)
 
 
-def check_weights_precision(spec, mode: str, plan, compares: bool = False) -> None:
+def check_weights_precision(spec, mode: str, compares: bool = False) -> None:
     """Errors for a ``weights_precision=`` that no table could be given (``compares``: verify=
     or check_passes=, which compare with the fp32 model)."""
     if spec is None:
@@ -41,8 +44,6 @@ def check_weights_precision(spec, mode: str, plan, compares: bool = False) -> No
     if mode != "training":
         raise InputError("fxrec: weights_precision= is for training; to serve tables in fp16 use "
                          "mode='inference', quantize='fp16' (fbgemm's inference TBE)")
-    if plan is not None:
-        raise InputError("fxrec: weights_precision= does not yet work with a sharding plan (plan=)")
     if compares:
         raise InputError("fxrec: verify= and check_passes= compare with the model's fp32 tables, which "
                          "weights_precision= rounds: transform without them (tests/test_weights_precision.py "
@@ -58,9 +59,10 @@ def precision_for(spec, table: str, param: str) -> str:
 @compiler_pass(needs=(meta.LOOKUP,), provides=("precisions",))
 def assign_precisions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     spec = ctx.config.weights_precision
-    check_weights_precision(spec, ctx.config.mode, ctx.config.plan)
+    check_weights_precision(spec, ctx.config.mode)
     if spec is None:
         return PassResult(gm, False, {})
+    plan = ctx.config.plan
     used, counts = set(), {}
     for node in gm.graph.nodes:
         rec = node.meta.get(meta.LOOKUP)
@@ -70,6 +72,14 @@ def assign_precisions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             used.update(k for k in spec if names_table(k, rec.table, rec.param))
         want = precision_for(spec, rec.table, rec.param)
         if want == "fp32":
+            continue
+        tp = plan.tables.get(rec.table) if plan is not None else None
+        if tp is not None and tp.sharding == "data_parallel":
+            if isinstance(spec, dict) and (rec.table in spec or rec.param in spec):
+                raise InputError(f"fxrec: weights_precision={want!r} for table '{rec.table}', which the plan makes "
+                                 "data_parallel: its lookups stay the model's own, on the fp32 table every rank holds; "
+                                 f"plan it table_wise, row_wise or column_wise to store it in {want}")
+            counts["data_parallel_fp32"] = counts.get("data_parallel_fp32", 0) + 1
             continue
         if rec.dtype.replace("torch.", "") != "float32":
             raise InputError(f"fxrec: weights_precision={want!r} for table '{rec.table}', which is "

@@ -113,14 +113,14 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
         k_train, passed_train = pick(spec, device, "training", kind, kernel_order(device, "training", backend, kind), here,
                                      fused.weight_decay_mode if fused is not None else "")
         if spec.weights:
-            _check_stored(spec, outside, k_train, passed_train)
+            check_stored(spec, outside, k_train, passed_train)
         if k_train is None and fused is not None:
             why.append(f"optimizer: no kernel fuses {fused.kind} here ({'; '.join(passed_train)}), so torch.optim "
                        "in opt.step()")
             fused = None
             k_train, passed_train = pick(spec, device, "training", None, kernel_order(device, "training", backend), here)
     if spec.weights:
-        _check_stored(spec, "", k_eval, passed_eval)
+        check_stored(spec, "", k_eval, passed_eval)
     k_train, k_eval = k_train or REFERENCE, k_eval or REFERENCE
     gr.kernel_train, gr.kernel_eval = k_train, k_eval
     gr.fused = fused if training else None
@@ -184,7 +184,7 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, False, {"groups": len(ctx.groups), **{k: v for k, v in stats.items() if v}})
 
 
-def _check_stored(spec, outside: str, kernel: Optional[str], passed: List[str]) -> None:
+def check_stored(spec, outside: str, kernel: Optional[str], passed: List[str]) -> None:
     """Tables ``weights_precision=`` stores at a lower precision exist only in fbgemm's TBE: an
     InputError naming them unless fbgemm runs the group (in training: with its fused optimizer)
     and nothing else reads the tables."""

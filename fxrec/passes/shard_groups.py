@@ -76,7 +76,7 @@ from ..runtime.sharded import (
 )
 from ..runtime.specs import ROW_MEAN, FeatureSpec, GroupSpec, TableSpec
 from . import choose_kernels
-from .choose_kernels import kernel_order, pick
+from .choose_kernels import check_stored, kernel_order, pick
 
 SUPPORTED = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 
@@ -138,7 +138,7 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
     no kernel does, and the tables' optimizer runs unfused in ``opt.step()``)."""
     tables, features = {}, []
     for (r, rows, dim), t in zip(pieces, table_of):
-        tables.setdefault(t, TableSpec(r.table, int(rows), int(dim), sparse=r.sparse, dtype=r.dtype))
+        tables.setdefault(t, TableSpec(r.table, int(rows), int(dim), sparse=r.sparse, dtype=r.dtype, weights=r.weights))
         features.append(FeatureSpec(r.feature, t, "seq" if pooling == "none" else "bag", weighted=weighted))
     specs = [tables[t] for t in range(len(tables))]
     if quant:  # inference on quantized tables: fbgemm's IntNBit TBE of this rank's pieces
@@ -151,11 +151,15 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
     chosen = []
     for mode in ("training", "inference"):
         kind = fused.kind if fused is not None and mode == "training" else None
-        k, _ = pick(spec, device, mode, kind, kernel_order(device, mode, ctx.config.backend, kind), True,
-                    fused.weight_decay_mode if kind is not None else "")
+        k, passed = pick(spec, device, mode, kind, kernel_order(device, mode, ctx.config.backend, kind), True,
+                         fused.weight_decay_mode if kind is not None else "")
         if k is None and kind is not None:
+            if spec.weights:  # stored lower: only fbgemm's TBE, with its fused update, holds the shards
+                check_stored(spec, "", k, passed)
             fused = None  # no kernel fuses it here: torch.optim on the shards in opt.step()
-            k, _ = pick(spec, device, mode, None, kernel_order(device, mode, ctx.config.backend), True)
+            k, passed = pick(spec, device, mode, None, kernel_order(device, mode, ctx.config.backend), True)
+        if spec.weights:
+            check_stored(spec, "", k, passed)
         chosen.append(k or REFERENCE)
     return EmbeddingGroup(specs, features, pooling, *chosen, fused=fused)
 
@@ -205,7 +209,7 @@ def _decision(gr: meta.GroupRecord, kinds) -> meta.GroupDecision:
         group=gr.name, pooling=gr.pooling, lookups=tuple(LookupEntry.of(r, gr.name) for r in gr.lookups),
         device=gr.lookups[0].device.split(":")[0], kernel_train=kernel, kernel_eval=kernel, decided_by="sharding plan",
         why="sharding plan: " + "; ".join(f"{r.table} {k}" for r, k in zip(gr.lookups, kinds)),
-        dtypes=tuple(r.dtype for r in gr.lookups), lowered=bool(sharded),
+        dtypes=tuple(r.weights or r.dtype for r in gr.lookups), lowered=bool(sharded),
         placement="device" if gr.lookups[0].device.startswith("cuda") else "host",
     )
 

@@ -35,6 +35,7 @@ def plan(
     optimizer=None,
     pins: Optional[Dict[str, Any]] = None,
     sharding_types: Optional[Sequence[str]] = None,
+    weights_precision=None,
     logger: Optional[logging.Logger] = None,
 ) -> ShardingPlan:
     """Decide how to shard every embedding table over ``world_size`` ranks.
@@ -77,6 +78,10 @@ def plan(
         or ``{table: {"sharding": "column_wise", "ranks": [0, 5]}}`` also its ranks.
       sharding_types: the types the planner may choose (default: all of
         ``table_wise, row_wise, column_wise, table_row_wise, data_parallel``); pins may use any.
+      weights_precision: what you will give ``transform(weights_precision=...)``: ``"fp16"``
+        (or ``"bf16"``), or a dict from table name / parameter name / glob to ``"fp32"``,
+        ``"fp16"``, ``"bf16"``. The fp32 tables it names count 2 bytes a stored value where they
+        are sharded (a data-parallel table stays fp32). A TableSpec's own ``weights`` wins.
 
     Returns:
       a :class:`ShardingPlan`; ``print`` it to read it, ``.save(path)`` to keep it.
@@ -113,6 +118,7 @@ def plan(
             batch_size = DEFAULT_BATCH_SIZE
             notes.append(f"batch_size {batch_size} per rank assumed (pass batch_size=...)")
 
+    specs = _precisions(specs, weights_precision)
     kinds, label = _optimizers(specs, optimizer)
     allowed = list(SHARDING_TYPES) if sharding_types is None else list(sharding_types)
     bad = [s for s in allowed if s not in SHARDING_TYPES]
@@ -244,6 +250,30 @@ def _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log
             f"{s.name} {s.pooling_factor:.3g}" for s in specs[:8]) + (" ..." if len(specs) > 8 else "")
             + " (pass pooling_factors=... for representative figures)")
     return specs, example_batch
+
+
+def _precisions(specs: List[TableSpec], spec) -> List[TableSpec]:
+    """The specs with ``weights`` set as ``weights_precision=`` asks (fp32 tables only)."""
+    if spec is None:
+        return specs
+    choices = ("fp32", "fp16", "bf16")
+    values = [spec] if isinstance(spec, str) else list(spec.values()) if isinstance(spec, dict) else None
+    if values is None or any(v not in choices for v in values):
+        raise ValueError(f"fxrec.plan: weights_precision must be one of {choices} or a dict of them, got {spec!r}")
+
+    def names(key: str, s: TableSpec) -> bool:
+        return any(n is not None and (key == n or fnmatch.fnmatchcase(n, key)) for n in (s.name, s.param))
+
+    if isinstance(spec, dict):
+        unused = [k for k in spec if not any(names(k, s) for s in specs)]
+        if unused:
+            raise ValueError(f"fxrec.plan: weights_precision keys {unused} match no table; the tables are "
+                             f"{sorted(s.name for s in specs)}")
+    out = []
+    for s in specs:
+        want = spec if isinstance(spec, str) else next((v for k, v in spec.items() if names(k, s)), "fp32")
+        out.append(replace(s, weights=want) if want != "fp32" and s.dtype == "fp32" and not s.weights else s)
+    return out
 
 
 def _optimizers(specs: Sequence[TableSpec], optimizer):

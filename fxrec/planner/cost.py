@@ -3,7 +3,9 @@ rank's training step. Deliberately simple: a rough, documented estimate to balan
 not a simulator.
 
 Notation: W ranks, P ranks per host, B samples per rank per step (``batch_size``), G = B * W
-samples per step in all; a table has R rows, D columns, e bytes per element (4 for fp32), L ids
+samples per step in all; a table has R rows, D columns, e bytes per element (4 for fp32; the
+rows a sharded shard stores and reads count w bytes: 2 for ``weights_precision="fp16"``, else
+w = e; outputs and gradients travel at e), L ids
 per sample (``pooling_factor``, all its features together), F features; its output rows per
 sample are O = F (pooled) or O = L (sequence lookups). Optimizer state per row is
 ``s(c) = a + b * c`` bytes for a shard of c columns (:data:`OPTIMIZER_STATE`, fp32 state).
@@ -12,7 +14,7 @@ the host), ``inter`` (to other hosts), all GB/s.
 
 Memory (bytes) of a shard of r rows and c columns::
 
-    r * c * e  +  r * s(c)  (+ r * c * e: the shard's dense gradient, for data-parallel tables, and
+    r * c * w  +  r * s(c)  (+ r * c * e: the shard's dense gradient, for data-parallel tables, and
                              for sharded ones whose optimizer is not fused: "none", "sgd_momentum",
                              "adam" (torch.optim.Adam), and on CPU the lazy Adam and LAMB kinds;
                              SGD, Adagrad and row-wise Adagrad are applied inside backward, and on
@@ -21,7 +23,7 @@ Memory (bytes) of a shard of r rows and c columns::
 Cost (ms per step) = lookup + communication + a fixed overhead, charged to the rank that holds
 the shard::
 
-    lookup(n ids, c cols) = n * (3 * c * e + 2 * s(c)) / mem
+    lookup(n ids, c cols) = n * (3 * c * w + 2 * s(c)) / mem
         forward reads each row once; backward reads and writes it and its optimizer state.
     spread(x bytes)       = x / W * ((P - 1) / intra + (W - P) / inter)
         x exchanged evenly with all W ranks (the 1/W kept by the rank itself is free).
@@ -138,7 +140,7 @@ class CostModel:
     def shard_bytes(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> int:
         """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
         a, b = OPTIMIZER_STATE[opt]
-        n = rows * cols * spec.element_bytes + rows * (a + b * cols)
+        n = rows * cols * spec.stored_bytes(sharding) + rows * (a + b * cols)
         fused = CUDA_FUSED_KINDS if self.topology.device == "cuda" else FUSED_KINDS
         if sharding == DATA_PARALLEL or opt not in fused:
             n += rows * cols * spec.element_bytes  # the dense gradient (a data-parallel shard is the whole table)
@@ -146,8 +148,9 @@ class CostModel:
 
     # ------------------------------------------------------------------ cost
     def lookup_ms(self, spec: TableSpec, opt: str, ids: float, cols: int) -> float:
+        """A sharded lookup's reads and update (rows as stored: weights_precision=)."""
         a, b = OPTIMIZER_STATE[opt]
-        return ids * (3 * cols * spec.element_bytes + 2 * (a + b * cols)) / self.mem_bw
+        return ids * (3 * cols * spec.stored_bytes(ROW_WISE) + 2 * (a + b * cols)) / self.mem_bw
 
     def shard_cost(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> float:
         """Estimated ms per step that a shard of ``rows`` x ``cols`` adds to its rank."""

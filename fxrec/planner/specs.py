@@ -117,6 +117,8 @@ class TableSpec:
     :data:`fxrec.planner.cost.OPTIMIZER_STATE`), else None.
     ``param``: the weight's name in the model's ``state_dict()`` when the table was found in a
     model (``"bags.0.weight"`` for table ``"bags.0"``), else None.
+    ``weights``: ``"fp16"`` or ``"bf16"`` when ``transform(weights_precision=...)`` will store the
+    table's shards at that precision (a data-parallel table stays as ``dtype`` says), else "".
     """
 
     name: str
@@ -128,6 +130,7 @@ class TableSpec:
     dtype: str = "fp32"
     optimizer: Optional[str] = None
     param: Optional[str] = None
+    weights: str = ""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -145,10 +148,17 @@ class TableSpec:
             raise ValueError(f"fxrec.plan: table {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "pooled", bool(self.pooled))
+        if self.weights not in ("", "fp16", "bf16"):
+            raise ValueError(f"fxrec.plan: table {self.name!r}: weights {self.weights!r} is not '', 'fp16' or 'bf16'")
 
     @property
     def element_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    def stored_bytes(self, sharding: str) -> int:
+        """Bytes of a weight element as a shard of ``sharding`` holds it: the precision
+        ``weights_precision=`` stores a sharded table in; a data-parallel table as ``dtype``."""
+        return DTYPE_BYTES[self.weights] if self.weights and sharding != DATA_PARALLEL else self.element_bytes
 
     @property
     def weight_bytes(self) -> int:
@@ -441,7 +451,9 @@ class ShardingPlan:
             for s in tp.shards:
                 per_rank[s.rank] = per_rank.get(s.rank, 0) + s.bytes
             rows.append((
-                tp.name + (" (pinned)" if tp.pinned else ""), tp.sharding, _ranks_text(tp.ranks),
+                tp.name + (" (pinned)" if tp.pinned else ""),
+                tp.sharding + (f", stored {tp.spec.weights}" if tp.spec.weights and tp.sharding != DATA_PARALLEL else ""),
+                _ranks_text(tp.ranks),
                 _shapes_text(tp.shards), format_bytes(max(per_rank.values())) if per_rank else "0 B",
                 f"{tp.cost_ms:.4g} ms",
             ))
