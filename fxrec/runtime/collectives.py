@@ -1,7 +1,8 @@
 """Collectives on torch.distributed with autograd, as the sharded graph calls them.
 
 Plain functions: ``all_to_all`` (variable splits; its backward is the all-to-all back),
-``reduce_scatter`` (sum, even chunks along dim 0; its backward is an all-gather),
+``reduce_scatter`` (sum, even chunks along dim 0; its backward is an all-gather; on gloo an
+all-to-all and a local sum),
 ``replicate_whole`` (DDP's reducer for the parameters whole on every rank, summing) and
 ``all_reduce_grad`` (a gradient hook that sums one parameter's sparse gradient over ranks). They run on
 whatever process group is initialised (gloo on CPU; written for NCCL on CUDA, not yet run there). A collective that fails —
@@ -90,7 +91,17 @@ class _ReduceScatter(torch.autograd.Function):
 
 def reduce_scatter(x: torch.Tensor, where: str = "") -> torch.Tensor:
     """Sum ``x`` over ranks and give rank r the r-th of ``world_size`` even chunks along dim 0.
-    Differentiable (the backward all-gathers)."""
+    Differentiable (the backward all-gathers).
+
+    On gloo it is an all-to-all of the chunks, summed here over the ranks they came from in rank
+    order (its backward: the all-to-all back, an all-gather): gloo's own reduce-scatter costs
+    about an all-reduce of the whole tensor (measured with 2 ranks, 4096 x 64 fp32 rows: 3.1 ms
+    against 0.73 ms; 1024 rows: 0.76 against 0.41 ms). Other backends (NCCL) run their own."""
+    if dist.get_backend() == "gloo":
+        world = dist.get_world_size()
+        n = x.shape[0] // world
+        got = all_to_all(x, [n] * world, [n] * world, where)
+        return got.view((world, n) + tuple(x.shape[1:])).sum(0)
     return _ReduceScatter.apply(x, where)
 
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from .collectives import all_gather_ints, all_to_all, reduce_scatter
 from .grad import clamped_by
-from .kernels.fbgemm_ops import bucketize_rows
+from .kernels.fbgemm_ops import bucketize_rows, source_major_to_feature_major
 
 _MODES = {"sum": 0, "mean": 1}
 
@@ -83,8 +83,7 @@ def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torc
     """Bags received as (source rank, feature, sample) -> (feature, source rank, sample)."""
     if nfeat == 0:
         return lengths, values, weights
-    new_lens, idx = _regroup_index(lengths, world, nfeat, batch, values.numel())
-    return new_lens, values[idx], (weights[idx] if weights is not None else None)
+    return source_major_to_feature_major(lengths, values, weights, world, nfeat, batch)
 
 
 def _check_ids(pairs, names: List[str], rows: List[int], order: List[int]) -> None:

@@ -1,6 +1,6 @@
 """fbgemm's sparse operators that fxrec calls outside a TBE: the bucketing of ids by row block
-(row-wise shards, :mod:`fxrec.runtime.sharded`) and the bounds check on the device
-(:mod:`fxrec.runtime.checks`)."""
+and the reordering of the bags that arrive (sharded groups, :mod:`fxrec.runtime.sharded`), and the
+bounds check on the device (:mod:`fxrec.runtime.checks`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,19 @@ def bucketize_rows(lengths: torch.Tensor, ids: torch.Tensor, blocks: torch.Tenso
     new_lengths, new_ids, new_weights, _, where = torch.ops.fbgemm.block_bucketize_sparse_features(
         lengths, ids, False, sequence, blocks, world, weights)
     return new_lengths, new_ids, new_weights, where
+
+
+def source_major_to_feature_major(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor],
+                                  world: int, nfeat: int, batch: int):
+    """fbgemm's ``permute_2D_sparse_data`` (CPU and CUDA): bags received as (source rank, feature,
+    sample) by ``lengths`` ``[world * nfeat * batch]`` and their ``values`` (and ``weights``),
+    reordered to (feature, source rank, sample). Returns ``(lengths, values, weights)``. The
+    number of values is given, so nothing is read from the device."""
+    require_fbgemm()
+    order = torch.arange(world * nfeat, dtype=torch.int32, device=lengths.device).view(world, nfeat).t().reshape(-1)
+    new_lengths, new_values, new_weights = torch.ops.fbgemm.permute_2D_sparse_data(
+        order, lengths.view(world * nfeat, batch), values, weights, values.numel())
+    return new_lengths.reshape(-1), new_values, new_weights
 
 
 def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
