@@ -286,6 +286,8 @@ def test_weights_precision_counts_two_bytes_a_stored_value_except_on_data_parall
         fxrec.plan(tables=tables, world_size=2, memory_per_rank="1GB", weights_precision={"zz*": "fp16"})
     with pytest.raises(ValueError, match="weights_precision must be one of"):
         fxrec.plan(tables=tables, world_size=2, memory_per_rank="1GB", weights_precision="int8")
+    with pytest.raises(ValueError, match=r"table 'x': weights 'fp16' stores an fp32 table .* the table is fp16"):
+        TableSpec("x", 10, 8, dtype="fp16", weights="fp16")
 
 
 # --------------------------------------------------------------------------------------- errors

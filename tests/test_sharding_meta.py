@@ -94,31 +94,43 @@ class _Big(nn.Module):
         return self.top(torch.cat([self.big(a, ao), self.small(b, bo)], 1))
 
 
-def _big_worker(rank, world, init_file, on_meta):
+def _big_worker(rank, world, init_file, on_meta, fp16=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     try:
         with torch.device("meta" if on_meta else "cpu"):
             model = _Big()
         ex = (torch.tensor([1, 7_999_999]), torch.tensor([0, 1]), torch.tensor([3, 4]), torch.tensor([0, 1]))
+        stored = {"weights_precision": "fp16"} if fp16 else {}
         plan = fxrec.plan(model, ex, world_size=world, memory_per_rank="4GB",
-                          pins={"big": ("table_wise", 1), "small": ("table_wise", 0)})
+                          pins={"big": ("table_wise", 1), "small": ("table_wise", 0)}, **stored)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        fast = fxrec.transform(model, ex, plan=plan)
-        out = fast(*ex)
-        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-        out.sum().backward()  # (the owner's unfused table then gets its dense gradient: 1 GB more)
-        if rank == 0:
+        if fp16:  # stored in fp16 by its fused TBE: made in fp16 (512 MB), copied once into the TBE
+            fast = fxrec.transform(model, ex, plan=plan, optimizer=fxrec.optim.SGD(lr=0.1), **stored)
+            out = fast(*ex)
+            out.sum().backward()
             grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-        if rank == 0:  # never holds the 1 GB table, not even for a moment
-            assert "big.weight" not in dict(fast.named_parameters())
-            assert grown < 300 * 2**20, f"rank 0's peak memory grew by {grown / 2**20:.0f} MB"
-        else:  # holds it once: the model's own table (real) is not copied a second time
-            assert fast.get_parameter("big.weight").shape == (8_000_000, 32)
-            assert grown < 2**30 + 300 * 2**20, f"rank 1's peak memory grew by {grown / 2**20:.0f} MB"
-            if not on_meta:
-                torch.testing.assert_close(fast.get_parameter("big.weight")[::100_000].detach(),
-                                           model.big.weight[::100_000].detach(), rtol=0, atol=0)
+            if rank == 0:
+                assert grown < 300 * 2**20, f"rank 0's peak memory grew by {grown / 2**20:.0f} MB"
+            else:  # never the 1 GB of fp32 rows: the fp16 table and, while it is copied, the TBE's
+                assert fast.get_parameter("big.weight").dtype == torch.float16
+                assert grown < 2**30 + 300 * 2**20, f"rank 1's peak memory grew by {grown / 2**20:.0f} MB"
+        else:
+            fast = fxrec.transform(model, ex, plan=plan)
+            out = fast(*ex)
+            grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+            out.sum().backward()  # (the owner's unfused table then gets its dense gradient: 1 GB more)
+            if rank == 0:
+                grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+            if rank == 0:  # never holds the 1 GB table, not even for a moment
+                assert "big.weight" not in dict(fast.named_parameters())
+                assert grown < 300 * 2**20, f"rank 0's peak memory grew by {grown / 2**20:.0f} MB"
+            else:  # holds it once: the model's own table (real) is not copied a second time
+                assert fast.get_parameter("big.weight").shape == (8_000_000, 32)
+                assert grown < 2**30 + 300 * 2**20, f"rank 1's peak memory grew by {grown / 2**20:.0f} MB"
+                if not on_meta:
+                    torch.testing.assert_close(fast.get_parameter("big.weight")[::100_000].detach(),
+                                               model.big.weight[::100_000].detach(), rtol=0, atol=0)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -131,6 +143,12 @@ def test_a_rank_allocates_a_table_only_if_it_owns_it_and_only_once(on_meta):
     transform and a step (a meta model: it never exists there; a real one: the model's table is
     never copied), rank 1's grows by at most one copy by transform and forward."""
     spawn(_big_worker, 2, on_meta)
+
+
+def test_a_meta_table_stored_in_fp16_is_never_made_in_fp32():
+    """The same table on meta with weights_precision="fp16": rank 1 makes it in fp16 and copies it
+    into its TBE (2 x 512 MB at the peak; made in fp32 first it would be 1 GB + 512 MB)."""
+    spawn(_big_worker, 2, True, True)
 
 
 def test_a_meta_model_without_a_plan_is_refused():

@@ -187,13 +187,19 @@ def test_fp16_shards_checkpoint_at_world_2_and_load_at_world_4_under_another_pla
 
 
 def _refusals(rank, world):
-    """Both refusals' messages, in one ValueError."""
+    """Every refusal's message, in one ValueError."""
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=PINS)
+    sgd = fxrec.optim.SGD(lr=0.1)
     msgs = []
-    for kw in ({"optimizer": fxrec.optim.SGD(lr=0.1), "weights_precision": {"bags.*": "fp16", "single": "fp16"}},
-               {"weights_precision": "fp16"}):  # no fused optimizer: torch.optim would step fp16 shards
+    for plan_wp, kw in (
+            ("fp16", {"optimizer": sgd, "weights_precision": {"bags.*": "fp16", "single": "fp16"}}),
+            ("fp16", {"optimizer": sgd, "weights_precision": {"bags.*": "fp16", "sing*": "fp16"}}),
+            ("fp16", {"weights_precision": "fp16"}),  # no fused optimizer: torch.optim would step fp16 shards
+            ("fp16", {"optimizer": sgd}),  # the plan counts fp16 rows, transform would hold fp32 ones
+            (None, {"optimizer": sgd, "weights_precision": "fp16"})):  # and the other way round
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=PINS,
+                          weights_precision=plan_wp)
         try:
             fxrec.transform(copy.deepcopy(model), example, plan=plan, **kw)
             msgs.append("no error")
@@ -202,10 +208,18 @@ def _refusals(rank, world):
     raise ValueError(" || ".join(msgs))
 
 
-def test_a_data_parallel_table_named_for_fp16_and_fp16_shards_without_a_fused_optimizer_are_refused(tmp_path):
-    named_dp, unfused = error_of(tmp_path, 2, _refusals).split(" || ")
-    assert "weights_precision='fp16' for table 'single', which the plan makes data_parallel" in named_dp, named_dp
+def test_refusals_name_the_table_and_what_to_do(tmp_path):
+    """A dict key naming only data-parallel tables (exactly or by a glob), fp16 shards without a
+    fused optimizer, and a plan and transform that disagree on the precision."""
+    named, globbed, unfused, plan_only, transform_only = error_of(tmp_path, 2, _refusals).split(" || ")
+    for msg, key in ((named, "'single'"), (globbed, "'sing*'")):
+        assert f"weights_precision key {key} names only the tables ['single'], which the plan makes data_parallel" \
+            in msg, msg
     assert "weights_precision='fp16' for tables" in unfused and "fbgemm cannot run them here" in unfused, unfused
+    assert "the plan counts table 'bags.0' stored in fp16" in plan_only and "stores it as the model holds it" in \
+        plan_only and "same weights_precision=" in plan_only, plan_only
+    assert "the plan counts table 'bags.0' stored as the model holds it" in transform_only and "stores it in fp16" \
+        in transform_only, transform_only
 
 
 def _meta_and_sequence_worker(rank, world, init_file):

@@ -11,7 +11,8 @@ Before/After: the graph is unchanged; ``LookupRecord.weights`` is set ("" for fp
 
 With a sharding plan the tables it shards (table-, column-, row-, table-row-wise) are stored so
 on the ranks that hold them; a table the plan makes data-parallel stays fp32 (its lookups stay the
-model's own, on whole tables every rank holds), and a dict key naming it exactly is an error.
+model's own, on whole tables every rank holds), and a dict key that names only such tables is an
+error.
 
 Not handled, each an error naming what was asked: inference (serve with ``quantize="fp16"``, the
 inference TBE's fp16 rows), a table that is not fp32, a dict key that names no table. Which groups fbgemm can then run is ``choose_kernels``' rule; a group it cannot run
@@ -64,6 +65,7 @@ def assign_precisions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False, {})
     plan = ctx.config.plan
     used, counts = set(), {}
+    stored_by, kept_by = {}, {}  # dict key deciding -> tables it stores lower / data-parallel ones it cannot
     for node in gm.graph.nodes:
         rec = node.meta.get(meta.LOOKUP)
         if rec is None:
@@ -73,14 +75,13 @@ def assign_precisions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         want = precision_for(spec, rec.table, rec.param)
         if want == "fp32":
             continue
+        key = next(k for k in spec if names_table(k, rec.table, rec.param)) if isinstance(spec, dict) else None
         tp = plan.tables.get(rec.table) if plan is not None else None
         if tp is not None and tp.sharding == "data_parallel":
-            if isinstance(spec, dict) and (rec.table in spec or rec.param in spec):
-                raise InputError(f"fxrec: weights_precision={want!r} for table '{rec.table}', which the plan makes "
-                                 "data_parallel: its lookups stay the model's own, on the fp32 table every rank holds; "
-                                 f"plan it table_wise, row_wise or column_wise to store it in {want}")
+            kept_by.setdefault(key, set()).add(rec.table)
             counts["data_parallel_fp32"] = counts.get("data_parallel_fp32", 0) + 1
             continue
+        stored_by.setdefault(key, set()).add(rec.table)
         if rec.dtype.replace("torch.", "") != "float32":
             raise InputError(f"fxrec: weights_precision={want!r} for table '{rec.table}', which is "
                              f"{rec.dtype.replace('torch.', '')}: it stores fp32 tables at a lower precision")
@@ -89,6 +90,12 @@ def assign_precisions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                              f"{rec.feature} stays as written ({rec.reason}) and would read its rows at that precision")
         node.meta[meta.LOOKUP] = dataclasses.replace(rec, weights=want)
         counts[want] = counts.get(want, 0) + 1
+    only_dp = {k: sorted(t) for k, t in kept_by.items() if k is not None and k not in stored_by}
+    if only_dp:
+        k, tables = next(iter(only_dp.items()))
+        raise InputError(f"fxrec: weights_precision key {k!r} names only the tables {tables}, which the plan makes "
+                         "data_parallel: their lookups stay the model's own, on the fp32 tables every rank holds; "
+                         f"plan them table_wise, row_wise or column_wise to store them in {spec[k]}")
     if isinstance(spec, dict):
         unused = [k for k in spec if k not in used]
         if unused:

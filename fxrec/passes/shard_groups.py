@@ -74,7 +74,7 @@ from ..runtime.sharded import (
     PooledLookup, RowWiseInputDist, RowWiseOutputDist, SequenceInputDist, SequenceLookup, SequenceOutputDist,
     TableWiseInputDist, TableWiseOutputDist,
 )
-from ..runtime.specs import ROW_MEAN, FeatureSpec, GroupSpec, TableSpec
+from ..runtime.specs import ROW_MEAN, WEIGHTS_PRECISIONS, FeatureSpec, GroupSpec, TableSpec
 from . import choose_kernels
 from .choose_kernels import check_stored, kernel_order, pick
 
@@ -97,6 +97,12 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
         raise InputError(f"fxrec: table '{rec.table}' is planned column_wise with two shards on one rank; "
                          "each column shard needs its own rank")
     if tp.sharding != "data_parallel":
+        if tp.spec.weights != rec.weights:
+            def said(w):
+                return f"in {w}" if w else "as the model holds it"
+            raise InputError(f"fxrec: the plan counts table '{rec.table}' stored {said(tp.spec.weights)} "
+                             f"(fxrec.plan(weights_precision=...)), and transform stores it {said(rec.weights)}: "
+                             "give fxrec.plan and transform the same weights_precision=")
         if rec.pooling == "none" and tp.sharding == "column_wise":
             raise InputError(f"fxrec: table '{rec.table}' is looked up unpooled (feature '{rec.feature}') and planned "
                              "column_wise; unpooled lookups of sharded tables run table_wise, row_wise or "
@@ -221,9 +227,26 @@ def _hold_rows(gm: fx.GraphModule, r: meta.LookupRecord, tp, rank: int, sharded_
     lo, n = (sh.row_offset, sh.num_rows) if sh is not None else (0, 0)
     if r.param not in sharded_params:
         full = gm.get_parameter(r.param)
-        block = full.detach()[lo:lo + n].clone()
+        block = full.detach()[lo:lo + n].to(_stored_dtype(r, full), copy=True)
         _set_param(gm, r.param, torch.nn.Parameter(block, requires_grad=full.requires_grad))
     return n
+
+
+def _stored_dtype(r: meta.LookupRecord, param: torch.Tensor) -> torch.dtype:
+    """The dtype a shard of ``r``'s table is made in on this rank: the precision
+    ``weights_precision=`` stores it in (so its rows never exist in fp32 here), else its own."""
+    return getattr(torch, WEIGHTS_PRECISIONS[r.weights]) if r.weights else param.dtype
+
+
+def _own_whole(gm: fx.GraphModule, r: meta.LookupRecord) -> None:
+    """A table this rank holds whole (table-wise), stored at a lower precision: its placeholder
+    (filled by ``materialize``) takes that dtype, so the table is allocated only so."""
+    full = gm.get_parameter(r.param)
+    dtype = _stored_dtype(r, full)
+    if full.dtype != dtype:
+        value = full.detach().to(dtype) if 0 not in full.stride() else \
+            torch.zeros((), dtype=dtype, device=full.device).expand(full.shape)  # (a placeholder stays one)
+        _set_param(gm, r.param, torch.nn.Parameter(value, requires_grad=full.requires_grad))
 
 
 def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, recs, name: str,
@@ -240,6 +263,8 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
             blocks.append(r.num_rows)
             bases.append(tp.shards[0].rank)
             n = r.num_rows if tp.shards[0].rank == rank else 0
+            if n and r.param not in sharded_params:
+                _own_whole(gm, r)
         else:
             blocks.append(max(1, min(tp.shards, key=lambda x: x.rank).num_rows))
             bases.append(min(sh.rank for sh in tp.shards))
@@ -317,9 +342,12 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                     if o == rank:
                         if r.weight not in local:
                             local.append(r.weight)
-                            if plan.tables[r.table].sharding == "column_wise" and r.param not in sharded_params:
+                            if plan.tables[r.table].sharding == "table_wise":
+                                _own_whole(gm, r)
+                            elif r.param not in sharded_params:  # column-wise
                                 full = gm.get_parameter(r.param)
-                                cols = full.detach()[:, sh.col_offset:sh.col_offset + sh.num_cols].clone()
+                                cols = full.detach()[:, sh.col_offset:sh.col_offset + sh.num_cols].to(
+                                    _stored_dtype(r, full), copy=True)
                                 _set_param(gm, r.param, torch.nn.Parameter(cols, requires_grad=full.requires_grad))
                         table_of.append(local.index(r.weight))
                 for r in recs:

@@ -150,6 +150,9 @@ class TableSpec:
         object.__setattr__(self, "pooled", bool(self.pooled))
         if self.weights not in ("", "fp16", "bf16"):
             raise ValueError(f"fxrec.plan: table {self.name!r}: weights {self.weights!r} is not '', 'fp16' or 'bf16'")
+        if self.weights and dtype != "fp32":
+            raise ValueError(f"fxrec.plan: table {self.name!r}: weights {self.weights!r} stores an fp32 table at a "
+                             f"lower precision, and the table is {dtype}")
 
     @property
     def element_bytes(self) -> int:
