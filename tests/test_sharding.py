@@ -405,6 +405,52 @@ def _ids_out_of_range(rank, world):
     fast(dense, ids, offsets, single)
 
 
+def _bad_offsets(rank, world):
+    """Every error's message, in one ValueError: offsets that do not start at 0, that decrease, and
+    features of one batch with different batch sizes, for a table-wise and a row-wise table."""
+    model = Model()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
+                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
+                            "single": "data_parallel"})
+    fast = fxrec.transform(model, example, plan=plan)
+    dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
+    ids = [torch.arange(6) % 30 for _ in ids]
+    msgs = []
+    for f in (0, 1):
+        for bad in (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 3, 2, 5]), torch.tensor([0, 1, 2])):
+            offs = [torch.tensor([0, 1, 2, 3]) for _ in ids]
+            offs[f] = bad
+            try:
+                fast(dense, ids, offs, single)
+                msgs.append("no error")
+            except ValueError as e:
+                msgs.append(str(e))
+    raise ValueError(" || ".join(msgs))
+
+
+def test_bad_offsets_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):
+    msgs = error_of(tmp_path, 2, _bad_offsets).split(" || ")
+    for f, (start, decrease, batch) in zip((0, 1), (msgs[0:3], msgs[3:6])):
+        assert f"offsets of feature 'ids_{f}' must start at 0, got 1" in start, start
+        assert f"offsets of feature 'ids_{f}' decrease or run past its 6 ids" in decrease, decrease
+        # (the model's input guards see this one first)
+        assert f"offsets of feature 'ids_{f}', table 'bags.{f}') has size 3 in dim 0" in batch, batch
+
+
+def test_an_input_dist_called_with_features_of_two_batch_sizes_names_them():
+    """Before any collective (no process group needed): what the model's input guards leave to it."""
+    from fxrec.runtime.sharded import RowWiseInputDist, TableWiseInputDist
+
+    ids = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    offsets = [torch.tensor([0, 1, 2]), torch.tensor([0, 1])]
+    for dist_module in (TableWiseInputDist("g_tw", ["bag", "bag"], [0, 1], False, 0, 2, ["a", "b"], [10, 10]),
+                        RowWiseInputDist("g_rw", ["bag", "bag"], [5, 5], False, 0, 2, ["a", "b"], [10, 10])):
+        with pytest.raises(ValueError, match=rf"{dist_module.name}: features of one sharded group need one batch "
+                                             r"size, got \{'a': 3, 'b': 2\}"):
+            dist_module(ids, offsets, [None, None])
+
+
 def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):
     msg = error_of(tmp_path, 2, _ids_out_of_range)
     assert "feature 'single_ids'" in msg and f"looks up id {ROWS[3] + 2} in a table of {ROWS[3]} rows" in msg, msg

@@ -70,10 +70,8 @@ from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
-from ..runtime.sharded import (
-    PooledLookup, RowWiseInputDist, RowWiseOutputDist, SequenceInputDist, SequenceLookup, SequenceOutputDist,
-    TableWiseInputDist, TableWiseOutputDist,
-)
+from ..runtime.sharded import PooledLookup, RowWiseInputDist, RowWiseOutputDist, TableWiseInputDist, TableWiseOutputDist
+from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
 from ..runtime.specs import ROW_MEAN, WEIGHTS_PRECISIONS, FeatureSpec, GroupSpec, TableSpec
 from . import choose_kernels
 from .choose_kernels import check_stored, kernel_order, pick
