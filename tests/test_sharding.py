@@ -438,7 +438,7 @@ def test_bad_offsets_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):
         assert f"offsets of feature 'ids_{f}', table 'bags.{f}') has size 3 in dim 0" in batch, batch
 
 
-def test_an_input_dist_called_with_features_of_two_batch_sizes_names_them():
+def test_an_input_dist_called_with_features_of_two_batch_sizes_or_offsets_past_no_ids_names_them():
     """Before any collective (no process group needed): what the model's input guards leave to it."""
     from fxrec.runtime.sharded import RowWiseInputDist, TableWiseInputDist
 
@@ -449,6 +449,10 @@ def test_an_input_dist_called_with_features_of_two_batch_sizes_names_them():
         with pytest.raises(ValueError, match=rf"{dist_module.name}: features of one sharded group need one batch "
                                              r"size, got \{'a': 3, 'b': 2\}"):
             dist_module(ids, offsets, [None, None])
+        # no ids at all, and offsets that run past them (fbgemm's bucketize would crash on the lengths)
+        nothing = [torch.zeros(0, dtype=torch.long)] * 2
+        with pytest.raises(ValueError, match=r"offsets of feature 'b' decrease or run past its 0 ids"):
+            dist_module(nothing, [torch.tensor([0, 0]), torch.tensor([0, 2])], [None, None])
 
 
 def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):

@@ -105,14 +105,12 @@ def _check_inputs(values: torch.Tensor, feature_of: torch.Tensor, counts: List[i
     ``counts[k]`` of feature ``order[k]``; ``feature_of``: each id's feature ``k`` on the device;
     ``rows_t``: the features' table rows on the device. One flag for the whole input dist, read
     once; the loop that names the feature runs only when it is set."""
-    if not values.numel():
-        return
-    flags = [((values < 0) | (values >= rows_t[feature_of])).any()]
-    if lengths is not None:
+    flags = [((values < 0) | (values >= rows_t[feature_of])).any()] if values.numel() else []
+    if lengths is not None and lengths.numel():  # (with no ids at all too: bags [0, 2] of nothing)
         flags.append((lengths < 0).any())
     if firsts is not None:
         flags.append(firsts.ne(0).any())
-    if not bool(torch.stack(flags).any()):
+    if not flags or not bool(torch.stack(flags).any()):
         return
     at = 0
     for k, (i, n) in enumerate(zip(order, counts)):
