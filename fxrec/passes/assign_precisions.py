@@ -15,8 +15,9 @@ model's own, on whole tables every rank holds), and a dict key that names only s
 error.
 
 Not handled, each an error naming what was asked: inference (serve with ``quantize="fp16"``, the
-inference TBE's fp16 rows), a table that is not fp32, a dict key that names no table. Which groups fbgemm can then run is ``choose_kernels``' rule; a group it cannot run
-stored so is an error there, never a silent fp32 table.
+inference TBE's fp16 rows), a table that is not fp32, a dict key that names no table. Which groups
+fbgemm can then run is ``choose_kernels``' rule; a group it cannot run stored so is an error
+there, never a silent fp32 table.
 """
 
 from __future__ import annotations

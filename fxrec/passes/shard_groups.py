@@ -72,7 +72,7 @@ from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from ..runtime.sharded import PooledLookup, RowWiseInputDist, RowWiseOutputDist, TableWiseInputDist, TableWiseOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
-from ..runtime.specs import ROW_MEAN, WEIGHTS_PRECISIONS, FeatureSpec, GroupSpec, TableSpec
+from ..runtime.specs import ROW_MEAN, FeatureSpec, GroupSpec, TableSpec, weights_dtype
 from . import choose_kernels
 from .choose_kernels import check_stored, kernel_order, pick
 
@@ -233,7 +233,7 @@ def _hold_rows(gm: fx.GraphModule, r: meta.LookupRecord, tp, rank: int, sharded_
 def _stored_dtype(r: meta.LookupRecord, param: torch.Tensor) -> torch.dtype:
     """The dtype a shard of ``r``'s table is made in on this rank: the precision
     ``weights_precision=`` stores it in (so its rows never exist in fp32 here), else its own."""
-    return getattr(torch, WEIGHTS_PRECISIONS[r.weights]) if r.weights else param.dtype
+    return weights_dtype(r.weights) or param.dtype
 
 
 def _own_whole(gm: fx.GraphModule, r: meta.LookupRecord) -> None:

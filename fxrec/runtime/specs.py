@@ -107,6 +107,13 @@ FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",)
 #: becomes a view of those rows); the lookups still give fp32.
 WEIGHTS_PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}
 
+
+def weights_dtype(weights: str):
+    """The torch dtype of a table stored as ``weights`` (a WEIGHTS_PRECISIONS key), None for ""."""
+    import torch
+
+    return getattr(torch, WEIGHTS_PRECISIONS[weights]) if weights else None
+
 #: Bytes of a fused optimizer's fp32 states as (per row, per value of the row): Adagrad a sum a
 #: value, row-wise Adagrad one a row, Adam and LAMB two moments a value, their partial row-wise
 #: forms one a value and one a row. The one table the planner, place_tables and the report use.

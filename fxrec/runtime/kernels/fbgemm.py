@@ -21,7 +21,7 @@ from torch import nn
 
 from .fbgemm_padding import keeps_padding, mean_without_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
-from ..specs import DIM_ALIGNMENT, ROW_MEAN, STEPPED, WEIGHTS_PRECISIONS, real_columns_index, stored_widths
+from ..specs import DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths, weights_dtype
 from . import FBGEMM, Kernel
 from .fbgemm_tbe import CPU_OPTIMIZERS, fbgemm_available, import_error, make_training_tbe, require_fbgemm
 
@@ -69,8 +69,7 @@ def usable(params: Sequence[torch.Tensor], group=None) -> bool:
 
 def stored_dtype(group) -> torch.dtype:
     """The dtype of the group's rows in its TBE (and so of its parameters once bound)."""
-    w = group.weights if group is not None else ""
-    return getattr(torch, WEIGHTS_PRECISIONS[w]) if w else torch.float32
+    return (weights_dtype(group.weights) if group is not None else None) or torch.float32
 
 
 def bound_tbe(group, params: Sequence[torch.Tensor]) -> Optional[nn.Module]:
