@@ -182,6 +182,8 @@ def transform(
     hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
+    if plan is not None:
+        _check_same_plan(plan, args)
     on_meta = meta_names(model)
     if on_meta and plan is None:
         raise InputError(f"fxrec: the model's {on_meta[:4]}{' ...' if len(on_meta) > 4 else ''} are on the meta device: "
@@ -381,6 +383,45 @@ def _check_plan(plan, optimizer, mode: str, quantize) -> int:
         raise ValueError(f"fxrec: the plan is for world size {plan.topology.world_size}, the process group "
                          f"has {dist.get_world_size()} ranks")
     return dist.get_rank()
+
+
+def _check_same_plan(plan, args) -> None:
+    """Every rank must run the same plan (its collectives pair up across ranks): a plan made on
+    each rank from its own local batch can place a table differently, and the ranks would then
+    send each other collectives of other sizes (gloo aborts the process; NCCL hangs). One
+    exchange of a digest of the plan's layout at transform; on a mismatch, an error on every rank
+    naming a table the ranks disagree on."""
+    import hashlib
+
+    import torch.distributed as dist
+    from torch.utils import _pytree
+
+    from .runtime.collectives import all_gather_ints
+
+    layout = sorted((t, tp.sharding, tp.spec.num_rows, tp.spec.dim, tp.spec.weights,
+                     tuple((sh.rank, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols) for sh in tp.shards))
+                    for t, tp in plan.tables.items())
+    digest = hashlib.sha256(repr(layout).encode()).digest()
+    mine = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
+    leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    every = all_gather_ints(mine, leaves[0].device if leaves else torch.device("cpu"), "fxrec.transform (the plan)")
+    if all(row == every[0] for row in every):
+        return
+    layouts = [None] * len(every)
+    dist.all_gather_object(layouts, layout)
+    r = next(r for r, row in enumerate(every) if row != every[0])
+    first, other = ({d[0]: d for d in layouts[k]} for k in (0, r))
+    t = next(t for t in sorted(set(first) | set(other)) if first.get(t) != other.get(t))
+
+    def said(d):
+        if d is None:
+            return "does not have it"
+        return f"plans it {d[1]} on ranks {sorted({sh[0] for sh in d[5]})} ({d[2]} x {d[3]}{', ' + d[4] if d[4] else ''})"
+
+    raise ValueError(f"fxrec: the ranks were given different sharding plans: for table '{t}', rank 0 {said(first.get(t))}, "
+                     f"rank {r} {said(other.get(t))}. Every rank must run the same plan: make it once and share it "
+                     "(plan.save(path) and fxrec.ShardingPlan.load(path), or dist.broadcast_object_list), or pin the "
+                     "tables a per-rank plan could place differently")
 
 
 def _sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:

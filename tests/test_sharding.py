@@ -396,8 +396,10 @@ def _rowwise_on_column_wise(rank, world):
 def _ids_out_of_range(rank, world):
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    # (every table pinned: a plan made from each rank's own batch could place bags.2 differently)
     plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
-                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "table_wise"})
+                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
+                            "single": "table_wise"})
     fast = fxrec.transform(model, example, plan=plan)
     dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
     single = single.clone()
@@ -406,21 +408,27 @@ def _ids_out_of_range(rank, world):
 
 
 def _bad_offsets(rank, world):
-    """Every error's message, in one ValueError: offsets that do not start at 0, that decrease, and
-    features of one batch with different batch sizes, for a table-wise and a row-wise table."""
+    """Rank 0's message of each case, in one ValueError, for a table-wise (feature 0) and a row-wise
+    table (feature 1): offsets that do not start at 0 (fed to rank 0 only), that decrease (fed to
+    rank 1 only), that run past no ids at all (rank 0 only), and features of one batch with different
+    batch sizes (every rank)."""
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
     plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
                       pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
                             "single": "data_parallel"})
     fast = fxrec.transform(model, example, plan=plan)
-    dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
-    ids = [torch.arange(6) % 30 for _ in ids]
+    dense, _, _, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
     msgs = []
     for f in (0, 1):
-        for bad in (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 3, 2, 5]), torch.tensor([0, 1, 2])):
-            offs = [torch.tensor([0, 1, 2, 3]) for _ in ids]
-            offs[f] = bad
+        for bad, on, no_ids in (([1, 2, 3, 4], (0,), False), ([0, 3, 2, 5], (1,), False), ([0, 0, 0, 2], (0,), True),
+                                ([0, 1, 2], (0, 1), False)):
+            ids = [torch.arange(6) % 30 for _ in range(3)]
+            offs = [torch.tensor([0, 1, 2, 3]) for _ in range(3)]
+            if rank in on:
+                offs[f] = torch.tensor(bad)
+                if no_ids:
+                    ids[f] = ids[f][:0]
             try:
                 fast(dense, ids, offs, single)
                 msgs.append("no error")
@@ -429,16 +437,18 @@ def _bad_offsets(rank, world):
     raise ValueError(" || ".join(msgs))
 
 
-def test_bad_offsets_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):
+def test_bad_offsets_fail_on_the_rank_fed_them_naming_the_feature_and_the_other_ranks_stop_too(tmp_path):
     msgs = error_of(tmp_path, 2, _bad_offsets).split(" || ")
-    for f, (start, decrease, batch) in zip((0, 1), (msgs[0:3], msgs[3:6])):
+    for f, (start, decrease, past_nothing, batch) in zip((0, 1), (msgs[0:4], msgs[4:8])):
         assert f"offsets of feature 'ids_{f}' must start at 0, got 1" in start, start
-        assert f"offsets of feature 'ids_{f}' decrease or run past its 6 ids" in decrease, decrease
+        # rank 1 was fed them: rank 0 stops at the same step instead of waiting for it
+        assert "rank(s) [1] were fed ids or offsets they reject" in decrease, decrease
+        assert f"offsets of feature 'ids_{f}' decrease or run past its 0 ids" in past_nothing, past_nothing
         # (the model's input guards see this one first)
         assert f"offsets of feature 'ids_{f}', table 'bags.{f}') has size 3 in dim 0" in batch, batch
 
 
-def test_an_input_dist_called_with_features_of_two_batch_sizes_or_offsets_past_no_ids_names_them():
+def test_an_input_dist_called_with_features_of_two_batch_sizes_names_them():
     """Before any collective (no process group needed): what the model's input guards leave to it."""
     from fxrec.runtime.sharded import RowWiseInputDist, TableWiseInputDist
 
@@ -449,10 +459,21 @@ def test_an_input_dist_called_with_features_of_two_batch_sizes_or_offsets_past_n
         with pytest.raises(ValueError, match=rf"{dist_module.name}: features of one sharded group need one batch "
                                              r"size, got \{'a': 3, 'b': 2\}"):
             dist_module(ids, offsets, [None, None])
-        # no ids at all, and offsets that run past them (fbgemm's bucketize would crash on the lengths)
-        nothing = [torch.zeros(0, dtype=torch.long)] * 2
-        with pytest.raises(ValueError, match=r"offsets of feature 'b' decrease or run past its 0 ids"):
-            dist_module(nothing, [torch.tensor([0, 0]), torch.tensor([0, 2])], [None, None])
+
+
+def _plans_that_differ(rank, world):
+    model = Model()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    pins = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "data_parallel",
+            "bags.2": ("table_wise", 0) if rank == 0 else "row_wise"}
+    fxrec.transform(model, example, plan=fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins))
+
+
+def test_ranks_given_different_plans_are_told_so_naming_a_table(tmp_path):
+    """(Collectives of other sizes would abort gloo's process, or hang NCCL.)"""
+    msg = error_of(tmp_path, 2, _plans_that_differ)
+    assert ("the ranks were given different sharding plans: for table 'bags.2', rank 0 plans it table_wise on ranks "
+            "[0] (30 x 8), rank 1 plans it row_wise on ranks [0, 1] (30 x 8)") in msg and "plan.save" in msg, msg
 
 
 def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):

@@ -105,16 +105,25 @@ def reduce_scatter(x: torch.Tensor, where: str = "") -> torch.Tensor:
     return _ReduceScatter.apply(x, where)
 
 
-def all_gather_ints(values: List[int], device: torch.device, where: str = "") -> List[List[int]]:
-    """Every rank's list of ints (same length on every rank), exchanged on ``device``: the device
-    of the tensors they describe (NCCL takes only CUDA tensors; gloo either)."""
-    t = torch.tensor(values, dtype=torch.long, device=device)
-    out = t.new_empty(dist.get_world_size() * len(values))
+def ints_on(values: List[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on ``device``, sent from pinned memory without the host
+    waiting (the caching host allocator keeps the block until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def all_gather_ints(values, device: torch.device, where: str = "") -> List[List[int]]:
+    """Every rank's ints (as many on every rank), exchanged on ``device``: the device of the
+    tensors they describe (NCCL takes only CUDA tensors; gloo either). ``values``: a list of
+    host ints, or an int64 tensor already on ``device`` (its values are then read only once, as
+    the exchanged result: one wait for the device)."""
+    t = values.reshape(-1) if isinstance(values, torch.Tensor) else ints_on(values, device)
+    out = t.new_empty(dist.get_world_size() * t.numel())
     try:
         _all_gather_single(out, t)
     except Exception as e:  # noqa: BLE001
         raise _fail("all_gather", where, e) from e
-    return out.view(dist.get_world_size(), len(values)).tolist()
+    return out.view(dist.get_world_size(), t.numel()).tolist()
 
 
 def all_reduce_grad(name: str):

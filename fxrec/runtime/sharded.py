@@ -24,7 +24,9 @@ same over the ranks of one host, the others holding no rows and adding zeros to 
     ``B`` rows (reduce-scatter; all-gather in backward), one ``[B, dim]`` per lookup; mean
     pooling divides by the bag's length.
 Unpooled (sequence) features: :mod:`fxrec.runtime.sharded_sequence`. The input dists check
-their features' ids and offsets on the rank fed them (:func:`_check_inputs`). All collectives are in :mod:`fxrec.runtime.collectives`. Every rank must call a group's modules
+their features' ids and offsets on the device into one flag (:func:`_input_flag`), which every
+rank learns before anything is sent: the rank fed a rejected input raises the error naming the
+feature, the others stop too (:func:`_stop_if_rejected`). All collectives are in :mod:`fxrec.runtime.collectives`. Every rank must call a group's modules
 in the same order with the same batch size. These modules know nothing of graphs or passes.
 """
 
@@ -35,7 +37,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .collectives import all_gather_ints, all_to_all, reduce_scatter
+from .collectives import all_gather_ints, all_to_all, ints_on, reduce_scatter
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows, source_major_to_feature_major
 from .packing import FORM_CODES, pack_bags
@@ -71,13 +73,6 @@ def _packed(dist_module: nn.Module, ids_list, offsets_list, psw_list, order: Lis
     return offsets.diff(), values, weights, counts, batch, firsts, feature_of
 
 
-def ints_on(values: List[int], device: torch.device) -> torch.Tensor:
-    """Host ints as an int64 tensor on ``device``, sent from pinned memory without the host
-    waiting (the caching host allocator keeps the block until the copy has run)."""
-    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
 def _consts(module: nn.Module, name: str, values: List[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device``, made once per module, name and device (a copy
     from the host each call would make the host wait for the device)."""
@@ -96,22 +91,26 @@ def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torc
     return source_major_to_feature_major(lengths, values, weights, world, nfeat, batch)
 
 
-def _check_inputs(values: torch.Tensor, feature_of: torch.Tensor, counts: List[int], rows_t: torch.Tensor,
-                  names: List[str], rows: List[int], order: List[int], lengths: Optional[torch.Tensor] = None,
-                  firsts: Optional[torch.Tensor] = None) -> None:
-    """Ids out of range (and, for bags, offsets that do not start at 0 or decrease) fail here, on
-    the rank that was fed them, naming the feature (on another rank they would fail far from their
-    cause, and this rank would wait for it). ``values``: the features' ids one after the other,
-    ``counts[k]`` of feature ``order[k]``; ``feature_of``: each id's feature ``k`` on the device;
-    ``rows_t``: the features' table rows on the device. One flag for the whole input dist, read
-    once; the loop that names the feature runs only when it is set."""
+def _input_flag(values: torch.Tensor, feature_of: torch.Tensor, rows_t: torch.Tensor,
+                lengths: Optional[torch.Tensor] = None, firsts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """1 (an int64 scalar on the device, nothing read) where an id is out of its table's range, or,
+    for bags, an offset does not start at 0 or decreases (also with no ids at all: bags [0, 2] of
+    nothing); else 0. ``values``: the features' ids one after the other; ``feature_of``: each id's
+    feature; ``rows_t``: the features' table rows, on the device."""
     flags = [((values < 0) | (values >= rows_t[feature_of])).any()] if values.numel() else []
-    if lengths is not None and lengths.numel():  # (with no ids at all too: bags [0, 2] of nothing)
+    if lengths is not None and lengths.numel():
         flags.append((lengths < 0).any())
     if firsts is not None:
         flags.append(firsts.ne(0).any())
-    if not flags or not bool(torch.stack(flags).any()):
-        return
+    if not flags:
+        return torch.zeros((), dtype=torch.long, device=values.device)
+    return torch.stack(flags).any().long()
+
+
+def _name_bad_input(values: torch.Tensor, counts: List[int], names: List[str], rows: List[int], order: List[int],
+                    lengths: Optional[torch.Tensor] = None, firsts: Optional[torch.Tensor] = None) -> None:
+    """Raise the error naming the feature whose input :func:`_input_flag` rejected (feature
+    ``order[k]`` has ``counts[k]`` ids); run only once the flag is set."""
     at = 0
     for k, (i, n) in enumerate(zip(order, counts)):
         part = values[at:at + n]
@@ -123,10 +122,24 @@ def _check_inputs(values: torch.Tensor, feature_of: torch.Tensor, counts: List[i
             if lo < 0 or hi >= rows[i]:
                 raise IndexError(f"fxrec: feature '{names[i]}' looks up id {lo if lo < 0 else hi} in a table of "
                                  f"{rows[i]} rows (valid ids: 0..{rows[i] - 1})")
-    bad = (lengths.view(len(order), -1) < 0).any(1).tolist()
-    i = order[bad.index(True)]
-    raise ValueError(f"fxrec: offsets of feature '{names[i]}' decrease or run past its {counts[bad.index(True)]} ids "
+    bad = (lengths.view(len(order), -1) < 0).any(1).tolist() if lengths is not None else [False]
+    k = bad.index(True) if True in bad else 0
+    raise ValueError(f"fxrec: offsets of feature '{names[order[k]]}' decrease or run past its {counts[k]} ids "
                      "(offsets must start at 0, never decrease and end at most at the number of ids)")
+
+
+def _stop_if_rejected(flags: List[int], name: str, rank: int, name_mine) -> None:
+    """Every rank stops where any rank's input check failed (``flags``: each rank's
+    :func:`_input_flag`, exchanged with the counts): the rank fed the input raises the error
+    naming its feature (``name_mine``), the others say which rank it was, instead of waiting for
+    it in the next collective until the timeout."""
+    bad = [r for r, f in enumerate(flags) if f]
+    if not bad:
+        return
+    if rank in bad:
+        name_mine()
+    raise ValueError(f"fxrec: {name}: rank(s) {bad} were fed ids or offsets they reject (their error names the "
+                     "feature); this rank stops too")
 
 
 def _check_sample_weights(psw_list, names: List[str], order: List[int]) -> None:
@@ -166,16 +179,24 @@ class TableWiseInputDist(nn.Module):
         _check_sample_weights(psw_list, self.names, order)
         lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list, psw_list,
                                                                               order, self.weighted)
-        if batch:
-            _check_inputs(values, feature_of, counts,
-                          _consts(self, "rows", [self.rows[i] for i in order], values.device), self.names, self.rows,
-                          order, lengths, firsts)
+        dev = values.device
+        rows_t = _consts(self, "rows", [self.rows[i] for i in order], dev)
+        flag = _input_flag(values, feature_of, rows_t, lengths, firsts) if batch else \
+            torch.zeros((), dtype=torch.long, device=dev)
         send_values = [0] * self.world  # ids per destination rank (known on the host)
         for i, n in zip(order, counts):
             send_values[self.owners[i]] += n
-        info = all_gather_ints([batch] + send_values, values.device, f"{self.name} (counts)")
+        # one exchange, one wait for the device: every rank's batch, ids per destination, ids per
+        # feature (send order) and input check
+        header = torch.cat([ints_on([batch] + send_values + counts, dev), flag.view(1)])
+        info = all_gather_ints(header, dev, f"{self.name} (counts)")
+        _stop_if_rejected([row[-1] for row in info], self.name, self.rank,
+                          lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts))
         batch = _check_batch([row[0] for row in info], self.name)
         recv_values = [row[1 + self.rank] for row in info]
+        # ids of each feature this rank owns (in its group's order), from all ranks
+        owned = [k for k, i in enumerate(order) if self.owners[i] == self.rank]
+        per_feature = [sum(row[1 + self.world + k] for row in info) for k in owned]
         mine = self.per_rank[self.rank]
         lengths = all_to_all(lengths, [mine * batch] * self.world, [n * batch for n in self.per_rank],
                              f"{self.name} (lengths)")
@@ -183,7 +204,7 @@ class TableWiseInputDist(nn.Module):
         if weights is not None:
             weights = all_to_all(weights, recv_values, send_values, f"{self.name} (weights)")
         lengths, values, weights = _regroup(lengths, values, weights, self.world, mine, batch)
-        return lengths, values, weights, batch
+        return lengths, values, weights, batch, per_feature, None
 
 
 def _call(group: nn.Module, inputs: tuple, weights: List[torch.Tensor]):
@@ -205,10 +226,9 @@ class PooledLookup(nn.Module):
     def forward(self, dist_out, weights: List[torch.Tensor]) -> Optional[torch.Tensor]:
         if self.group is None:
             return None
-        lengths, values, psw, batch = dist_out[:4]
+        lengths, values, psw, batch, counts = dist_out[:5]  # (ids per feature: told by the input dist)
         nfeat = len(self.group.features)
         lens = lengths.view(nfeat, self.world * batch)
-        counts = lens.sum(1).tolist()
         ws = list(torch.split(psw, counts)) if psw is not None else [None] * nfeat
         starts = (lens.cumsum(1) - lens).unbind(0)  # each feature's bag starts in its own ids
         return _call(self.group, (list(torch.split(values, counts)), list(starts), ws), weights)
@@ -273,9 +293,13 @@ class RowWiseInputDist(nn.Module):
                                                                               order, self.weighted)
         dev = values.device
         local = lengths.view(nfeat, batch)  # this rank's bag lengths (row-wise mean divides by them)
-        if batch:
-            _check_inputs(values, feature_of, counts, _consts(self, "rows", self.rows, dev), self.names, self.rows,
-                          order, lengths, firsts)
+        # every rank's batch and input check first: fbgemm's bucketize must not see rejected input
+        flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev), lengths, firsts) if batch \
+            else torch.zeros((), dtype=torch.long, device=dev)
+        first = all_gather_ints(torch.cat([ints_on([batch], dev), flag.view(1)]), dev, f"{self.name} (check)")
+        _stop_if_rejected([row[1] for row in first], self.name, self.rank,
+                          lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts))
+        batch = _check_batch([row[0] for row in first], self.name)
         if any(self.bases):
             # fbgemm's bucketize: a table-row-wise table's blocks start at its host's first rank, so
             # its ids are shifted by that many blocks (bucket = id // block + base; local row unchanged)
@@ -283,16 +307,19 @@ class RowWiseInputDist(nn.Module):
             values = values + shift[feature_of]
         send_lengths, send_values, send_weights, _ = bucketize_rows(
             lengths, values, _consts(self, "blocks", self.blocks, dev), self.world, weights)
-        per_dest = send_lengths.view(self.world, nfeat * batch).sum(1).tolist()
-        info = all_gather_ints([batch] + per_dest, send_values.device, f"{self.name} (counts)")
-        batch = _check_batch([row[0] for row in info], self.name)
-        recv = [row[1 + self.rank] for row in info]
+        # every rank's ids per (destination, feature)
+        info = all_gather_ints(send_lengths.view(self.world, nfeat, batch).sum(2), dev, f"{self.name} (counts)")
+        mine = info[self.rank]
+        per_dest = [sum(mine[d * nfeat:(d + 1) * nfeat]) for d in range(self.world)]
+        to_me = [row[self.rank * nfeat:(self.rank + 1) * nfeat] for row in info]  # per source, per feature
+        recv = [sum(c) for c in to_me]
+        per_feature = [sum(c[f] for c in to_me) for f in range(nfeat)]
         lengths = all_to_all(send_lengths, [nfeat * batch] * self.world, [nfeat * batch] * self.world,
                              f"{self.name} (lengths)")
         vals = all_to_all(send_values, recv, per_dest, f"{self.name} (ids)")
         w = all_to_all(send_weights, recv, per_dest, f"{self.name} (weights)") if self.weighted else None
         lengths, vals, w = _regroup(lengths, vals, w, self.world, nfeat, batch)
-        return lengths, vals, w, batch, local
+        return lengths, vals, w, batch, per_feature, local
 
 
 class RowWiseOutputDist(nn.Module):
@@ -310,7 +337,7 @@ class RowWiseOutputDist(nn.Module):
             partial = partial.detach().requires_grad_()  # every rank joins the backward all-gather
         out = reduce_scatter(partial, self.name)
         if self.pooling == "mean":
-            local_lengths = dist_out[4]  # [features, B]: this rank's bag lengths before bucketizing
+            local_lengths = dist_out[5]  # [features, B]: this rank's bag lengths before bucketizing
             dims = _consts(self, "dims", self.dims, out.device)
             scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), dims, dim=0,
                                             output_size=sum(self.dims))  # (sizes given: nothing read)

@@ -19,10 +19,10 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .collectives import all_gather_ints, all_to_all
+from .collectives import all_gather_ints, all_to_all, ints_on
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows
-from .sharded import _call, _check_inputs, _consts, ints_on
+from .sharded import _call, _consts, _input_flag, _name_bad_input, _stop_if_rejected
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -67,14 +67,17 @@ class SequenceInputDist(nn.Module):
         sizes = [ids.numel() for ids in ids_list]
         lengths = ints_on(sizes, dev)  # ids per feature: one bag each
         feature_of = torch.arange(nfeat, device=dev).repeat_interleave(lengths, output_size=values.numel())
-        _check_inputs(values, feature_of, sizes, _consts(self, "rows", self.rows, dev), self.names, self.rows,
-                      list(range(nfeat)))
+        # every rank's input check first: fbgemm's bucketize must not see rejected ids
+        flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev))
+        first = all_gather_ints(flag.view(1), dev, f"{self.name} (check)")
+        _stop_if_rejected([row[0] for row in first], self.name, self.rank,
+                          lambda: _name_bad_input(values, sizes, self.names, self.rows, list(range(nfeat))))
         if any(self.bases):  # a block's rank is its bucket (see RowWiseInputDist)
             values = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
         send_lengths, send_values, _, where = bucketize_rows(lengths, values, _consts(self, "blocks", self.blocks, dev),
                                                              self.world, None, sequence=True)
-        counts = send_lengths.tolist()  # [destination rank, feature]
-        info = all_gather_ints(counts, dev, f"{self.name} (counts)")
+        info = all_gather_ints(send_lengths, dev, f"{self.name} (counts)")  # [destination rank, feature], each rank's
+        counts = info[self.rank]
         recv = [info[s][self.rank * nfeat:(self.rank + 1) * nfeat] for s in range(self.world)]
         got = all_to_all(send_values, [sum(c) for c in recv],
                          [sum(counts[d * nfeat:(d + 1) * nfeat]) for d in range(self.world)], f"{self.name} (ids)")
