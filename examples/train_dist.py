@@ -72,8 +72,11 @@ def main():
     def on_device(batch):
         return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
-    example = on_device(local_slice(make_batch(rows, batch=global_b, seed=0), rank, a.local_batch))
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="4GB", pins=mixed_pins(rows, world))
+    whole = make_batch(rows, batch=global_b, seed=0)
+    example = on_device(local_slice(whole, rank, a.local_batch))
+    # every rank must run the same plan: made from the same (global) batch on every rank
+    plan = fxrec.plan(model, on_device(whole), world_size=world, memory_per_rank="4GB", pins=mixed_pins(rows, world),
+                      batch_size=a.local_batch)
     fast = fxrec.transform(model, example, plan=plan)
     if rank == 0:
         print(plan)

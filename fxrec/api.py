@@ -404,11 +404,13 @@ def _check_same_plan(plan, args) -> None:
     digest = hashlib.sha256(repr(layout).encode()).digest()
     mine = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
     leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    every = all_gather_ints(mine, leaves[0].device if leaves else torch.device("cpu"), "fxrec.transform (the plan)")
+    dev = leaves[0].device if leaves else torch.device("cpu")
+    every = all_gather_ints(mine, dev, "fxrec.transform (the plan)")
     if all(row == every[0] for row in every):
         return
     layouts = [None] * len(every)
-    dist.all_gather_object(layouts, layout)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # (NCCL: the inputs' GPU)
+        dist.all_gather_object(layouts, layout)
     r = next(r for r, row in enumerate(every) if row != every[0])
     first, other = ({d[0]: d for d in layouts[k]} for k in (0, r))
     t = next(t for t in sorted(set(first) | set(other)) if first.get(t) != other.get(t))
@@ -416,7 +418,8 @@ def _check_same_plan(plan, args) -> None:
     def said(d):
         if d is None:
             return "does not have it"
-        return f"plans it {d[1]} on ranks {sorted({sh[0] for sh in d[5]})} ({d[2]} x {d[3]}{', ' + d[4] if d[4] else ''})"
+        shards = ", ".join(f"rank {sh[0]}: rows {sh[1]}+{sh[2]}, cols {sh[3]}+{sh[4]}" for sh in d[5])
+        return f"plans it {d[1]} ({d[2]} x {d[3]}{', ' + d[4] if d[4] else ''}; {shards})"
 
     raise ValueError(f"fxrec: the ranks were given different sharding plans: for table '{t}', rank 0 {said(first.get(t))}, "
                      f"rank {r} {said(other.get(t))}. Every rank must run the same plan: make it once and share it "

@@ -603,7 +603,8 @@ def _column_wise_row_means(rank, world, root):
     torch.manual_seed(0)
     model = C.Model()
     example = C.local_batch(C.global_batch(C.LOCAL_B * world, 0), rank, C.LOCAL_B)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"bags.1": "column_wise"})
+    plan = fxrec.plan(model, C.global_batch(C.LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
+                      pins={"bags.1": "column_wise"}, batch_size=C.LOCAL_B)  # (the same plan on every rank)
     # (row-wise Adagrad's refusal: tests/test_sharding.py)
     with pytest.raises(fxrec.pass_infra.InputError, match=r"tables \['bags.1'\] are planned column_wise and train "
                                                           r"with partial row-wise Adam, whose per-row state"):

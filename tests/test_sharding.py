@@ -206,7 +206,8 @@ def _late_worker(rank, world, init_file, result_file):
     torch.manual_seed(0)
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"bags.0": "row_wise"})
+    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
+                      pins={"bags.0": "row_wise"}, batch_size=LOCAL_B)  # (the same plan on every rank)
     fast = fxrec.transform(model, example, plan=plan)
     if rank == 1:
         # This rank never reaches the step, but stays alive (so rank 0 sees a timeout, not a closed
@@ -388,8 +389,9 @@ def error_of(tmp_path, world, attempt, *args) -> str:
 def _rowwise_on_column_wise(rank, world):
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
-                      pins={"bags.1": {"sharding": "column_wise", "ranks": [0, 1]}})
+    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
+                      pins={"bags.1": {"sharding": "column_wise", "ranks": [0, 1]}},
+                      batch_size=LOCAL_B)  # (the same plan on every rank)
     fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
 
 
@@ -472,8 +474,9 @@ def _plans_that_differ(rank, world):
 def test_ranks_given_different_plans_are_told_so_naming_a_table(tmp_path):
     """(Collectives of other sizes would abort gloo's process, or hang NCCL.)"""
     msg = error_of(tmp_path, 2, _plans_that_differ)
-    assert ("the ranks were given different sharding plans: for table 'bags.2', rank 0 plans it table_wise on ranks "
-            "[0] (30 x 8), rank 1 plans it row_wise on ranks [0, 1] (30 x 8)") in msg and "plan.save" in msg, msg
+    assert ("the ranks were given different sharding plans: for table 'bags.2', rank 0 plans it table_wise (30 x 8; "
+            "rank 0: rows 0+30, cols 0+8), rank 1 plans it row_wise (30 x 8; rank 0: rows 0+15, cols 0+8, rank 1: rows "
+            "15+15, cols 0+8)") in msg and "plan.save" in msg, msg
 
 
 def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):
@@ -557,3 +560,56 @@ def test_fused_states_checkpoint_reshards_and_training_continues_exactly(opt_nam
     ckpt = str(tmp_path / "ckpt")
     spawn(_ckpt_worker, 2, opt_name, ckpt, 0)
     spawn(_ckpt_worker, 4, opt_name, ckpt, 1)
+
+
+def _host_waits_worker(rank, world, init_file, result_file):
+    from fxrec.runtime._tracing import sync_free
+    from fxrec.testing import host_syncs
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = Model()
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        pins = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0), "single": "table_wise"}
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, optimizer="sgd")
+        fast = fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+        opt = fast.make_optimizer(lr=0.05)
+        x = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
+
+        def step():
+            opt.zero_grad()
+            fast(*x).sum().backward()
+            opt.step()
+
+        with sync_free():  # the groups run on CPU as on CUDA: they read no value
+            step()
+            with host_syncs() as syncs:
+                step()
+        from fxrec.runtime.sharded import RowWiseInputDist, TableWiseInputDist
+
+        dists = {k.__name__: sum(isinstance(m, k) for m in fast.modules()) for k in (TableWiseInputDist, RowWiseInputDist)}
+        if rank == 0:
+            with open(result_file, "w") as fh:
+                json.dump({"events": syncs.in_fxrec(), "dists": dists}, fh)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_sharded_training_step_waits_for_the_device_only_for_the_counts_its_all_to_alls_need(tmp_path):
+    """A plan with table-wise and row-wise tables, fused SGD on fbgemm: the only values read are the
+    exchanged counts, one all-gather for the table-wise dists (ids per destination and feature, and
+    the input check) and two for the row-wise one (the input check before fbgemm's bucketize, then
+    the counts): what the all-to-alls of variable size need, as in TorchRec. No id check, no count
+    of the lookups, no copy from pageable host memory."""
+    result = tmp_path / "syncs.json"
+    spawn(_host_waits_worker, 2, str(result))
+    got = json.loads(result.read_text())
+    events, dists = got["events"], got["dists"]
+    assert dists["TableWiseInputDist"] >= 1 and dists["RowWiseInputDist"] >= 1, dists
+    assert all(what == "Tensor.tolist" and where.startswith("fxrec/runtime/collectives.py")
+               for what, where in events), events
+    assert len(events) == dists["TableWiseInputDist"] + 2 * dists["RowWiseInputDist"], (events, dists)

@@ -98,7 +98,8 @@ def test_fp16_outputs_when_a_rank_owns_no_table_wise_table():
 def _serve_quantized(rank, world, pins, quantize):
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB", pins=pins,
+                      batch_size=LOCAL_B)  # (the same plan on every rank)
     fxrec.transform(model, example, mode="inference", quantize=quantize, plan=plan)
 
 
