@@ -54,11 +54,14 @@ def _packed(dist_module: nn.Module, ids_list, offsets_list, psw_list, order: Lis
     ids = [ids_list[i] for i in order]
     offs = [offsets_list[i] for i in order]
     psw = [psw_list[i] for i in order]
-    where = [f"feature '{dist_module.names[i]}'" for i in order]
     n = len(order)
-    batch, values, offsets, weights, bounds, firsts = pack_bags(
-        ids, offs, psw, where, [FORM_CODES[dist_module.forms[i]] for i in order], [-1] * n, [False] * n, False,
-        weighted, False, True, False)
+    fixed = dist_module.__dict__.setdefault("_packing_args", {}).get(tuple(order))
+    if fixed is None:  # what pack_bags is told of the features: the same every call
+        fixed = dist_module._packing_args[tuple(order)] = (
+            [f"feature '{dist_module.names[i]}'" for i in order], [FORM_CODES[dist_module.forms[i]] for i in order],
+            [-1] * n, [False] * n)
+    batch, values, offsets, weights, bounds, firsts = pack_bags(ids, offs, psw, *fixed, False, weighted, False, True,
+                                                                False)
     if batch < 0:
         sizes = {dist_module.names[i]: int(off.numel() if off is not None else x.shape[0])
                  for i, x, off in zip(order, ids, offs)}
@@ -68,7 +71,7 @@ def _packed(dist_module: nn.Module, ids_list, offsets_list, psw_list, order: Lis
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         return empty, empty, (torch.zeros(0, device=dev) if weighted else None), [0] * n, 0, None, empty
     counts = [bounds[k + 1] - bounds[k] for k in range(n)]
-    feature_of = torch.arange(n, device=values.device).repeat_interleave(
+    feature_of = _consts(dist_module, "features", list(range(n)), values.device).repeat_interleave(
         ints_on(counts, values.device), output_size=values.numel())  # (by the host's counts: exact whatever the offsets)
     return offsets.diff(), values, weights, counts, batch, firsts, feature_of
 
