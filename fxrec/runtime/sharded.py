@@ -37,7 +37,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .collectives import all_gather_ints, all_to_all, ints_on, reduce_scatter
+from .collectives import all_gather_ints, all_to_all, all_to_all_together, ints_on, reduce_scatter
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows, source_major_to_feature_major
 from .packing import FORM_CODES, pack_bags
@@ -92,6 +92,28 @@ def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torc
     if nfeat == 0:
         return lengths, values, weights
     return source_major_to_feature_major(lengths, values, weights, world, nfeat, batch)
+
+
+def _send_bags(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor], lengths_in: List[int],
+               lengths_out: List[int], values_in: List[int], values_out: List[int], name: str):
+    """Bags to their ranks by one all-to-all: ``lengths_out[r]`` lengths and ``values_out[r]`` ids
+    (and weights) go to rank r; ``*_in[r]`` arrive from it. Returns what arrived."""
+    sent = [lengths, values] + ([weights] if weights is not None else [])
+    got = all_to_all_together(sent, [lengths_in, values_in, values_in][:len(sent)],
+                              [lengths_out, values_out, values_out][:len(sent)], f"{name} (bags)")
+    return got[0], got[1], (got[2] if weights is not None else None)
+
+
+def _harmless_if(flag: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor):
+    """``(lengths, ids)`` as they are where ``flag`` (a device scalar, not read) is 0; else bags
+    that fbgemm's bucketize takes whatever the input was: every id in the first bag, and each id
+    0. The rank then sends nothing: every rank learns the flag with the counts and stops."""
+    if lengths.numel() == 0:
+        return lengths, ids
+    stand_in = torch.zeros_like(lengths)
+    stand_in[0] = ids.numel()
+    ok = flag.eq(0)
+    return torch.where(ok, lengths, stand_in), torch.where(ok, ids, torch.zeros_like(ids))
 
 
 def _input_flag(values: torch.Tensor, feature_of: torch.Tensor, rows_t: torch.Tensor,
@@ -201,11 +223,8 @@ class TableWiseInputDist(nn.Module):
         owned = [k for k, i in enumerate(order) if self.owners[i] == self.rank]
         per_feature = [sum(row[1 + self.world + k] for row in info) for k in owned]
         mine = self.per_rank[self.rank]
-        lengths = all_to_all(lengths, [mine * batch] * self.world, [n * batch for n in self.per_rank],
-                             f"{self.name} (lengths)")
-        values = all_to_all(values, recv_values, send_values, f"{self.name} (ids)")
-        if weights is not None:
-            weights = all_to_all(weights, recv_values, send_values, f"{self.name} (weights)")
+        lengths, values, weights = _send_bags(lengths, values, weights, [mine * batch] * self.world,
+                                              [n * batch for n in self.per_rank], recv_values, send_values, self.name)
         lengths, values, weights = _regroup(lengths, values, weights, self.world, mine, batch)
         return lengths, values, weights, batch, per_feature, None
 
@@ -296,31 +315,33 @@ class RowWiseInputDist(nn.Module):
                                                                               order, self.weighted)
         dev = values.device
         local = lengths.view(nfeat, batch)  # this rank's bag lengths (row-wise mean divides by them)
-        # every rank's batch and input check first: fbgemm's bucketize must not see rejected input
         flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev), lengths, firsts) if batch \
             else torch.zeros((), dtype=torch.long, device=dev)
-        first = all_gather_ints(torch.cat([ints_on([batch], dev), flag.view(1)]), dev, f"{self.name} (check)")
-        _stop_if_rejected([row[1] for row in first], self.name, self.rank,
-                          lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts))
-        batch = _check_batch([row[0] for row in first], self.name)
+        ids = values
         if any(self.bases):
             # fbgemm's bucketize: a table-row-wise table's blocks start at its host's first rank, so
             # its ids are shifted by that many blocks (bucket = id // block + base; local row unchanged)
             shift = _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)
-            values = values + shift[feature_of]
+            ids = values + shift[feature_of]
         send_lengths, send_values, send_weights, _ = bucketize_rows(
-            lengths, values, _consts(self, "blocks", self.blocks, dev), self.world, weights)
-        # every rank's ids per (destination, feature)
-        info = all_gather_ints(send_lengths.view(self.world, nfeat, batch).sum(2), dev, f"{self.name} (counts)")
+            *_harmless_if(flag, lengths, ids), _consts(self, "blocks", self.blocks, dev), self.world, weights)
+        # one exchange: every rank's batch, input check and ids per (destination, feature); a rank
+        # fed rejected input bucketized harmless stand-ins, and every rank stops here
+        per_dest_feature = send_lengths.view(self.world, nfeat, batch).sum(2).view(-1).to(torch.long)
+        info = all_gather_ints(torch.cat([ints_on([batch], dev), flag.view(1), per_dest_feature]), dev,
+                               f"{self.name} (counts)")
+        _stop_if_rejected([row[1] for row in info], self.name, self.rank,
+                          lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts))
+        batch = _check_batch([row[0] for row in info], self.name)
+        info = [row[2:] for row in info]
         mine = info[self.rank]
         per_dest = [sum(mine[d * nfeat:(d + 1) * nfeat]) for d in range(self.world)]
         to_me = [row[self.rank * nfeat:(self.rank + 1) * nfeat] for row in info]  # per source, per feature
         recv = [sum(c) for c in to_me]
         per_feature = [sum(c[f] for c in to_me) for f in range(nfeat)]
-        lengths = all_to_all(send_lengths, [nfeat * batch] * self.world, [nfeat * batch] * self.world,
-                             f"{self.name} (lengths)")
-        vals = all_to_all(send_values, recv, per_dest, f"{self.name} (ids)")
-        w = all_to_all(send_weights, recv, per_dest, f"{self.name} (weights)") if self.weighted else None
+        lengths, vals, w = _send_bags(send_lengths, send_values, send_weights if self.weighted else None,
+                                      [nfeat * batch] * self.world, [nfeat * batch] * self.world, recv, per_dest,
+                                      self.name)
         lengths, vals, w = _regroup(lengths, vals, w, self.world, nfeat, batch)
         return lengths, vals, w, batch, per_feature, local
 

@@ -67,16 +67,19 @@ class SequenceInputDist(nn.Module):
         sizes = [ids.numel() for ids in ids_list]
         lengths = ints_on(sizes, dev)  # ids per feature: one bag each
         feature_of = torch.arange(nfeat, device=dev).repeat_interleave(lengths, output_size=values.numel())
-        # every rank's input check first: fbgemm's bucketize must not see rejected ids
         flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev))
-        first = all_gather_ints(flag.view(1), dev, f"{self.name} (check)")
-        _stop_if_rejected([row[0] for row in first], self.name, self.rank,
-                          lambda: _name_bad_input(values, sizes, self.names, self.rows, list(range(nfeat))))
+        ids = values
         if any(self.bases):  # a block's rank is its bucket (see RowWiseInputDist)
-            values = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
-        send_lengths, send_values, _, where = bucketize_rows(lengths, values, _consts(self, "blocks", self.blocks, dev),
+            ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
+        harmless = torch.where(flag.eq(0), ids, torch.zeros_like(ids))
+        send_lengths, send_values, _, where = bucketize_rows(lengths, harmless, _consts(self, "blocks", self.blocks, dev),
                                                              self.world, None, sequence=True)
-        info = all_gather_ints(send_lengths, dev, f"{self.name} (counts)")  # [destination rank, feature], each rank's
+        # one exchange: every rank's input check and ids per [destination rank, feature]; a rank fed
+        # rejected ids bucketized zeros in their place, and every rank stops here
+        info = all_gather_ints(torch.cat([flag.view(1), send_lengths.to(torch.long)]), dev, f"{self.name} (counts)")
+        _stop_if_rejected([row[0] for row in info], self.name, self.rank,
+                          lambda: _name_bad_input(values, sizes, self.names, self.rows, list(range(nfeat))))
+        info = [row[1:] for row in info]
         counts = info[self.rank]
         recv = [info[s][self.rank * nfeat:(self.rank + 1) * nfeat] for s in range(self.world)]
         got = all_to_all(send_values, [sum(c) for c in recv],
