@@ -1,6 +1,6 @@
-"""gloo's reduce-scatter against fxrec's (an all-to-all of the chunks and a local sum), at world
-size 2 on CPU, one thread per rank: the measurement behind ``fxrec.runtime.collectives.reduce_scatter``
-on gloo. Sizes are a row-wise output dist's partial sums (``[world * B, 64]`` fp32 rows, B the
+"""gloo's reduce-scatter against fxrec's (an all-to-all of the chunks and a local sum, as
+``fxrec.runtime.sharded.PooledOutputDist`` adds a row-wise table's partial sums), at world size 2
+on CPU, one thread per rank. Sizes are a row-wise output dist's partial sums (``[world * B, 64]`` fp32 rows, B the
 local batch). Alternating calls in the same processes, a barrier before each, medians. JSON.
 
     .venv/bin/python benchmarks/bench_collectives.py [--out FILE] [--calls 100]
@@ -24,7 +24,10 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from fxrec.runtime.collectives import _reduce_scatter_single, reduce_scatter  # noqa: E402
+from fxrec.runtime.collectives import all_to_all  # noqa: E402
+
+# torch 2.13 renamed it (the old name warns); torch 2.11 has only the old one
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 ROWS = (64, 1024, 4096)  # world * B rows of 64 fp32 values: 16 KB, 256 KB, 1 MB
 DIM = 64
@@ -43,7 +46,8 @@ def worker(rank, world, init_file, calls, out_file):
             return out
 
         def fxrec_rs():
-            return reduce_scatter(x, "bench")
+            n = rows // world
+            return all_to_all(x, [n] * world, [n] * world, "bench").view(world, n, DIM).sum(0)
 
         # the same sums (world size 2: a + b either way)
         assert torch.equal(gloo_own(), fxrec_rs()), rows

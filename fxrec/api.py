@@ -299,11 +299,11 @@ def _clamp_lookup_gradients(gm: fx.GraphModule, records) -> None:
 
 def _set_max_gradient(gm: fx.GraphModule, limit: float) -> None:
     from .runtime.grad import ClampGradient
-    from .runtime.sharded import RowWiseOutputDist, TableWiseOutputDist
+    from .runtime.sharded import PooledOutputDist
     from .runtime.sharded_sequence import SequenceOutputDist
 
     for m in gm.modules():
-        if isinstance(m, (EmbeddingGroup, ClampGradient, TableWiseOutputDist, RowWiseOutputDist, SequenceOutputDist)):
+        if isinstance(m, (EmbeddingGroup, ClampGradient, PooledOutputDist, SequenceOutputDist)):
             m.max_gradient = limit
 
 

@@ -94,9 +94,11 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts, recompi
         assert all(k in text for k in sharded), text
         assert len(fast.report.lowered) + len(fast.report.left_alone) == len(fast.report.lookups) == 4
         names = [type(fast.get_submodule(n.target)).__name__ for n in fast.graph.nodes if n.op == "call_module"]
-        for sharding, short in (("table_wise", "TableWise"), ("row_wise", "RowWise")):
-            if any(plan.tables[t].sharding == sharding for t in plan.tables):
-                assert f"{short}InputDist" in names and f"{short}OutputDist" in names, names
+        # at most one input dist, lookup and output dist per group, whatever its tables' sharding types
+        n_dists = names.count("PooledInputDist") + names.count("SequenceInputDist")
+        assert names.count("PooledLookup") + names.count("SequenceLookup") == n_dists, names
+        assert names.count("PooledOutputDist") + names.count("SequenceOutputDist") == n_dists, names
+        assert 1 <= n_dists <= len(data["groups"]) or sharded == {"data_parallel"}, (names, data["groups"])
         kinds = {n.target: fxrec.viz.node_kind(fast, n) for n in fast.graph.nodes if n.op == "call_module"}
         assert all(k == "collective" for t, k in kinds.items() if t.endswith(("input_dist", "output_dist"))), kinds
         # each rank's local lookups are one call of its group module, on the kernel the rule gives
@@ -146,10 +148,12 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts, recompi
                 assert (name in params) == bool(mine), f"{name} on rank {rank}"
                 for sh in mine:
                     torch.testing.assert_close(params[name].detach(), want[:, sh.col_offset:sh.col_offset + sh.num_cols], msg=name)
-            else:  # row-wise, table-row-wise: this rank's block of rows (none on another host)
+            else:  # row-wise, table-row-wise: this rank's block of rows (none on another host: no parameter)
                 mine = [sh for sh in tp.shards if sh.rank == rank]
-                lo, n = (mine[0].row_offset, mine[0].num_rows) if mine else (0, 0)
-                torch.testing.assert_close(params[name].detach(), want[lo:lo + n], msg=name)
+                assert (name in params) == bool(mine), f"{name} on rank {rank}"
+                for sh in mine:
+                    torch.testing.assert_close(params[name].detach(), want[sh.row_offset:sh.row_offset + sh.num_rows],
+                                               msg=name)
         dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
@@ -453,15 +457,15 @@ def test_bad_offsets_fail_on_the_rank_fed_them_naming_the_feature_and_the_other_
 
 def test_an_input_dist_called_with_features_of_two_batch_sizes_names_them():
     """Before any collective (no process group needed): what the model's input guards leave to it."""
-    from fxrec.runtime.sharded import RowWiseInputDist, TableWiseInputDist
+    from fxrec.runtime.sharded import PooledInputDist
 
     ids = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
     offsets = [torch.tensor([0, 1, 2]), torch.tensor([0, 1])]
-    for dist_module in (TableWiseInputDist("g_tw", ["bag", "bag"], [0, 1], False, 0, 2, ["a", "b"], [10, 10]),
-                        RowWiseInputDist("g_rw", ["bag", "bag"], [5, 5], False, 0, 2, ["a", "b"], [10, 10])):
-        with pytest.raises(ValueError, match=rf"{dist_module.name}: features of one sharded group need one batch "
-                                             r"size, got \{'a': 3, 'b': 2\}"):
-            dist_module(ids, offsets, [None, None])
+    # a table-wise piece on rank 1 (one block of 10 rows) and a row-wise one (blocks of 5 from rank 0)
+    dist_module = PooledInputDist("g", ["bag", "bag"], [10, 5], [1, 0], False, 0, 2, ["a", "b"], [10, 10])
+    with pytest.raises(ValueError, match=r"g: features of one sharded group need one batch size, got "
+                                         r"\{'a': 3, 'b': 2\}"):
+        dist_module(ids, offsets, [None, None])
 
 
 def _plans_that_differ(rank, world):
@@ -622,9 +626,9 @@ def _host_waits_worker(rank, world, init_file, result_file):
             step()
             with host_syncs() as syncs:
                 step()
-        from fxrec.runtime.sharded import RowWiseInputDist, TableWiseInputDist
+        from fxrec.runtime.sharded import PooledInputDist
 
-        dists = {k.__name__: sum(isinstance(m, k) for m in fast.modules()) for k in (TableWiseInputDist, RowWiseInputDist)}
+        dists = sum(isinstance(m, PooledInputDist) for m in fast.modules())
         if rank == 0:
             with open(result_file, "w") as fh:
                 json.dump({"events": syncs.in_fxrec(), "dists": dists}, fh)
@@ -636,15 +640,15 @@ def _host_waits_worker(rank, world, init_file, result_file):
 
 def test_a_sharded_training_step_waits_for_the_device_only_for_the_counts_its_all_to_alls_need(tmp_path):
     """A plan with table-wise and row-wise tables, fused SGD on fbgemm: the only values read are the
-    exchanged counts, one all-gather for the table-wise dists (ids per destination and feature, and
-    the input check) and two for the row-wise one (the input check before fbgemm's bucketize, then
-    the counts): what the all-to-alls of variable size need, as in TorchRec. No id check, no count
-    of the lookups, no copy from pageable host memory."""
+    exchanged counts, one all-gather for the group's one input dist (ids per destination and piece,
+    and the input check; fbgemm's bucketize is fed harmless stand-ins where the check failed): what
+    the all-to-alls of variable size need. No id check, no count of the lookups, no copy from
+    pageable host memory."""
     result = tmp_path / "syncs.json"
     spawn(_host_waits_worker, 2, str(result))
     got = json.loads(result.read_text())
     events, dists = got["events"], got["dists"]
-    assert dists["TableWiseInputDist"] >= 1 and dists["RowWiseInputDist"] >= 1, dists
+    assert dists == 1, dists  # (one pooled group, table-wise and row-wise tables)
     assert all(what == "Tensor.tolist" and where.startswith("fxrec/runtime/collectives.py")
                for what, where in events), events
-    assert len(events) == dists["TableWiseInputDist"] + dists["RowWiseInputDist"], (events, dists)
+    assert len(events) == 1, events

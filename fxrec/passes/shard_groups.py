@@ -70,7 +70,7 @@ from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
-from ..runtime.sharded import PooledLookup, RowWiseInputDist, RowWiseOutputDist, TableWiseInputDist, TableWiseOutputDist
+from ..runtime.sharded import PooledInputDist, PooledLookup, PooledOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
 from ..runtime.specs import ROW_MEAN, FeatureSpec, GroupSpec, TableSpec, weights_dtype
 from . import choose_kernels
@@ -282,6 +282,68 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
     return mods, local
 
 
+def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, recs, name: str,
+                    sharded_params: dict):
+    """The modules of a pooled group's sharded lookups, the weights this rank looks up, and the
+    input dist's arguments. One rule for every sharding type (PooledInputDist): each lookup is one
+    piece per shard of columns (table-wise: one; column-wise: one per column shard, each a block
+    of the whole table on its rank) or one piece of row blocks (row-wise, table-row-wise), and
+    ids go to the rank of their row's block."""
+    plan, rank = ctx.config.plan, ctx.config.rank
+    world = plan.topology.world_size
+    pieces = []  # (record, rows per block, first block's rank, ranks holding it, its dim)
+    per_lookup = []
+    for r in recs:
+        tp = plan.tables[r.table]
+        if tp.sharding in ("table_wise", "column_wise"):
+            shards = sorted(tp.shards, key=lambda x: x.col_offset)
+            pieces += [(r, r.num_rows, sh.rank, [sh.rank], sh.num_cols) for sh in shards]
+            per_lookup.append(len(shards))
+        else:  # row-wise, table-row-wise
+            first = min(tp.shards, key=lambda x: x.rank)
+            pieces.append((r, max(1, first.num_rows), first.rank, sorted({sh.rank for sh in tp.shards}), r.dim))
+            per_lookup.append(1)
+    local, table_of, shapes, held = [], [], [], []  # this rank's tables; its pieces' tables, shapes, places
+    for p, (r, _, _, holders, cols) in enumerate(pieces):
+        tp = plan.tables[r.table]
+        if tp.sharding in ("row_wise", "table_row_wise"):
+            n = _hold_rows(gm, r, tp, rank, sharded_params)  # (none, on another host's rank)
+        elif rank not in holders:
+            n = 0
+        elif tp.sharding == "table_wise":
+            n = r.num_rows
+            _own_whole(gm, r)
+        else:  # this rank's column shard, under the table's own name
+            n = r.num_rows
+            if r.param not in sharded_params:
+                full = gm.get_parameter(r.param)
+                sh = next(sh for sh in tp.shards if sh.rank == rank)
+                part = full.detach()[:, sh.col_offset:sh.col_offset + sh.num_cols].to(_stored_dtype(r, full), copy=True)
+                _set_param(gm, r.param, torch.nn.Parameter(part, requires_grad=full.requires_grad))
+        if tp.sharding != "column_wise" or rank in holders:  # (a column shard is cut once, on its rank)
+            sharded_params[r.param] = tp.sharding
+        if rank in holders:
+            if r.weight not in local:
+                local.append(r.weight)
+            table_of.append(local.index(r.weight))
+            shapes.append((r, n, cols))
+            held.append(p)
+    for r in recs:
+        sharded_params[r.param] = plan.tables[r.table].sharding
+    weighted = any(r.weighted for r in recs)
+    # sums only: a mean is the sum over the bag's ids, which may lie on several ranks, divided by
+    # its length after the output dist
+    group = _local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan), gm, gr.quant) if held else None
+    mods = (PooledInputDist(f"{name}_input_dist", [r.form for r, *_ in pieces], [b for _, b, *_ in pieces],
+                            [base for _, _, base, *_ in pieces], weighted, rank, world, [r.feature for r, *_ in pieces],
+                            [r.num_rows for r, *_ in pieces]),
+            PooledLookup(group, world, held),
+            PooledOutputDist(f"{name}_output_dist", [c for *_, c in pieces], [h for *_, h, _ in pieces], rank, world,
+                             per_lookup, gr.pooling, _out_dtype(ctx, gr)))
+    args = ([r.ids for r, *_ in pieces], [r.offsets for r, *_ in pieces], [r.per_sample_weights for r, *_ in pieces])
+    return mods, local, args
+
+
 def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
     owner, _, attr = fqn.rpartition(".")
     mod = gm.get_submodule(owner) if owner else gm
@@ -310,76 +372,17 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for r in gr.lookups:
             r.node.meta[meta.DECISION] = decision  # stays on data-parallel lookups, which are not rewritten
             stats[kinds[id(r)]] = stats.get(kinds[id(r)], 0) + 1
-            if kinds[id(r)] == "column_wise":
-                kinds[id(r)] = "table_wise"  # column shards run as table-wise pieces (below)
-            elif kinds[id(r)] == "table_row_wise":
-                kinds[id(r)] = "row_wise"  # row blocks over one host's ranks (below)
         pos = {n: i for i, n in enumerate(graph.nodes)}
         users = [u for rec in gr.lookups for u in rec.output.users]
         anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
-        for kind in ("sequence",) if gr.pooling == "none" else ("table_wise", "row_wise"):
-            recs = [r for r in gr.lookups if kinds[id(r)] != "data_parallel" and kind in ("sequence", kinds[id(r)])]
-            if not recs:
-                continue
-            short = {"table_wise": "tw", "row_wise": "rw", "sequence": "seq"}[kind]
-            name = f"fxrec_shard_{gr.name}_{short}"
-            forms = [r.form for r in recs]
-            weighted = any(r.weighted for r in recs)
-            names, rows = [r.feature for r in recs], [r.num_rows for r in recs]
-            args = ([r.ids for r in recs], [r.offsets for r in recs], [r.per_sample_weights for r in recs])
-            if kind == "sequence":
+        recs = [r for r in gr.lookups if kinds[id(r)] != "data_parallel"]
+        if recs:
+            name = f"fxrec_shard_{gr.name}"
+            if gr.pooling == "none":
                 mods, local = _sequence_modules(ctx, gm, gr, recs, name, sharded_params)
-            elif kind == "table_wise":
-                # one piece per (lookup, shard): a table-wise table has one shard, a column-wise
-                # table one per column range, each on its own rank; a lookup's pieces are
-                # adjacent and in column order, so its output columns are contiguous
-                pieces = [(r, sh) for r in recs for sh in sorted(plan.tables[r.table].shards, key=lambda x: x.col_offset)]
-                owners = [sh.rank for _, sh in pieces]
-                local, table_of = [], []  # this rank's tables, and each owned piece's index into them
-                for (r, sh), o in zip(pieces, owners):
-                    if o == rank:
-                        if r.weight not in local:
-                            local.append(r.weight)
-                            if plan.tables[r.table].sharding == "table_wise":
-                                _own_whole(gm, r)
-                            elif r.param not in sharded_params:  # column-wise
-                                full = gm.get_parameter(r.param)
-                                cols = full.detach()[:, sh.col_offset:sh.col_offset + sh.num_cols].to(
-                                    _stored_dtype(r, full), copy=True)
-                                _set_param(gm, r.param, torch.nn.Parameter(cols, requires_grad=full.requires_grad))
-                        table_of.append(local.index(r.weight))
-                for r in recs:
-                    sharded_params[r.param] = plan.tables[r.table].sharding
-                args = ([r.ids for r, _ in pieces], [r.offsets for r, _ in pieces],
-                        [r.per_sample_weights for r, _ in pieces])
-                p_names = [r.feature for r, _ in pieces]
-                p_rows = [r.num_rows for r, _ in pieces]
-                owned = [(r, sh) for (r, sh), o in zip(pieces, owners) if o == rank]
-                group = _local_group(ctx, [(r, sh.num_rows, sh.num_cols) for r, sh in owned], table_of, gr.pooling,
-                                     weighted, _fused_spec(gr, plan), gm, gr.quant) if owned else None
-                mods = (TableWiseInputDist(f"{name}_input_dist", [r.form for r, _ in pieces], owners, weighted, rank,
-                                           world, p_names, p_rows),
-                        PooledLookup(group, world),
-                        TableWiseOutputDist(f"{name}_output_dist", [sh.num_cols for _, sh in pieces], owners, rank, world,
-                                            [len(plan.tables[r.table].shards) for r in recs], _out_dtype(ctx, gr)))
+                args = ([r.ids for r in recs], [r.offsets for r in recs], [r.per_sample_weights for r in recs])
             else:
-                blocks, bases = [], []
-                local, table_of, shapes = [], [], []
-                for r in recs:
-                    tp = plan.tables[r.table]
-                    by_rank = {sh.rank: sh for sh in tp.shards}
-                    blocks.append(max(1, min(tp.shards, key=lambda x: x.rank).num_rows))
-                    bases.append(min(by_rank))
-                    n = _hold_rows(gm, r, tp, rank, sharded_params)
-                    if r.weight not in local:
-                        local.append(r.weight)
-                    table_of.append(local.index(r.weight))
-                    shapes.append((r, n, r.dim))
-                    sharded_params[r.param] = tp.sharding
-                mods = (RowWiseInputDist(f"{name}_input_dist", forms, blocks, weighted, rank, world, names, rows, bases),
-                        PooledLookup(_local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan), gm,
-                                                   gr.quant), world),
-                        RowWiseOutputDist(f"{name}_output_dist", [r.dim for r in recs], gr.pooling))
+                mods, local, args = _pooled_modules(ctx, gm, gr, recs, name, sharded_params)
             for suffix, mod in zip(("input_dist", "lookup", "output_dist"), mods):
                 gm.add_submodule(f"{name}_{suffix}", mod)
             with graph.inserting_before(anchor):
@@ -388,19 +391,20 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 out = graph.call_module(f"{name}_output_dist", (look, din))
                 for n in (din, look, out):
                     n.meta[meta.ORIGIN] = [r.node.name for r in recs]
-                din.meta[meta.DECISION] = _with_local(decision, gr, mods[1].group, short)
+                din.meta[meta.DECISION] = _with_local(decision, gr, mods[1].group,
+                                                      "sequence" if gr.pooling == "none" else "pooled")
                 # one output per lookup (not column slices of one tensor: the backward of k slices
                 # of a [B, k * D] tensor makes k zero tensors of its whole size)
                 hand_outputs(graph, out, recs, pooled=False)
             for r in recs:
                 for n in r.nodes:
                     graph.erase_node(n)
-    # tables this rank does not hold leave the model (quantized: the fp32 tables of every shard)
-    quantized = any(gr.quant for gr in ctx.groups)
+    # tables this rank does not hold leave the model (a table-row-wise table's, on another host's
+    # rank; quantized: the fp32 tables of every shard)
     removed = 0
     for n in list(graph.nodes):
         kind = sharded_params.get(n.target)
-        if n.op == "get_attr" and kind and (quantized or kind in ("table_wise", "column_wise")) and not n.users:
+        if n.op == "get_attr" and kind and not n.users:
             graph.erase_node(n)
             if not any(m.op == "get_attr" and m.target == n.target for m in graph.nodes):
                 _set_param(gm, n.target, None)

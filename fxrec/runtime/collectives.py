@@ -2,8 +2,6 @@
 
 Plain functions: ``all_to_all`` (variable splits; its backward is the all-to-all back),
 ``all_to_all_together`` (several tensors, any dtypes, in one all-to-all; no gradient),
-``reduce_scatter`` (sum, even chunks along dim 0; its backward is an all-gather; on gloo an
-all-to-all and a local sum),
 ``replicate_whole`` (DDP's reducer for the parameters whole on every rank, summing) and
 ``all_reduce_grad`` (a gradient hook that sums one parameter's sparse gradient over ranks). They run on
 whatever process group is initialised (gloo on CPU; written for NCCL on CUDA, not yet run there). A collective that fails —
@@ -20,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 
-# torch 2.13 renamed these (the old names warn); torch 2.11 has only the old ones
+# torch 2.13 renamed it (the old name warns); torch 2.11 has only the old one
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveError(RuntimeError):
@@ -86,45 +83,6 @@ def all_to_all_together(tensors: List[torch.Tensor], out_splits: List[List[int]]
     chunks = torch.split(got, [out_splits[k][r] * nbytes[k] for r in range(world) for k in range(len(tensors))])
     return [torch.cat([chunks[r * len(tensors) + k] for r in range(world)]).view(t.dtype)  # (a copy: aligned)
             for k, t in enumerate(tensors)]
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, where):
-        ctx.where = where
-        world = dist.get_world_size()
-        out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
-        try:
-            _reduce_scatter_single(out, x.contiguous())
-        except Exception as e:  # noqa: BLE001
-            raise _fail("reduce_scatter", where, e) from e
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        world = dist.get_world_size()
-        out = grad.new_empty((grad.shape[0] * world,) + tuple(grad.shape[1:]))
-        try:
-            _all_gather_single(out, grad.contiguous())
-        except Exception as e:  # noqa: BLE001
-            raise _fail("all_gather", ctx.where + " (backward)", e) from e
-        return out, None
-
-
-def reduce_scatter(x: torch.Tensor, where: str = "") -> torch.Tensor:
-    """Sum ``x`` over ranks and give rank r the r-th of ``world_size`` even chunks along dim 0.
-    Differentiable (the backward all-gathers).
-
-    On CPU (gloo) it is an all-to-all of the chunks, summed here over the ranks they came from in rank
-    order (its backward: the all-to-all back, an all-gather): gloo's own reduce-scatter is slower
-    (``benchmarks/bench_collectives.py``, 2 ranks: 1.4x to 1.7x from 16 KB to 1 MB; a scratch run
-    before it, 1.9x at 256 KB and 4.3x at 1 MB). Other backends (NCCL) run their own."""
-    if x.device.type == "cpu":  # gloo (or another CPU backend: the same sums)
-        world = dist.get_world_size()
-        n = x.shape[0] // world
-        got = all_to_all(x, [n] * world, [n] * world, where)
-        return got.view((world, n) + tuple(x.shape[1:])).sum(0)
-    return _ReduceScatter.apply(x, where)
 
 
 def ints_on(values: List[int], device: torch.device) -> torch.Tensor:

@@ -1,33 +1,37 @@
-"""Runtime modules of a sharded group: input dist, local lookup, output dist (one set per
-sharding type), called by the graph that ``shard_groups`` writes for one rank.
+"""Runtime modules of a sharded group's pooled lookups: input dist, local lookup, output dist,
+called by the graph that ``shard_groups`` writes for one rank (one set per group, whatever its
+tables' sharding types; each collective costs every rank a wait for the others, so a group's ids
+travel in one exchange and its pooled rows in one more).
 
 Every rank feeds its own local batch of ``B`` samples. A pooled feature's ids travel as
-``lengths`` (ids per bag) and ``values`` (the ids), with per-sample weights alongside.
+``lengths`` (ids per bag) and ``values`` (the ids), with per-sample weights alongside. What one
+rank holds of a lookup's table is a *piece*, and one rule places every piece: its rows lie in
+blocks of ``blocks[p]`` rows on ranks ``bases[p], bases[p] + 1, ...``:
 
-Table-wise (a table lives whole on its owner rank):
-  * :class:`TableWiseInputDist` sends each owner the ids of its features for this rank's batch
-    (all-to-all of the counts, then of lengths, values and weights) and orders what arrives as
-    one global batch per owned feature (source rank major): ``W * B`` bags.
-  * :class:`PooledLookup` pools them on the owned tables: ``[W * B, sum of owned dims]``, by
-    one call of the rank's group module (:class:`~fxrec.runtime.group.EmbeddingGroup`, on the
-    kernel the rule gives: native on CPU, fbgemm on CUDA).
-  * :class:`TableWiseOutputDist` sends every source rank its ``B`` rows back (all-to-all; in
-    backward the gradients go the other way): one ``[B, dim]`` per lookup.
-Row-wise (rows ``[r * block, (r + 1) * block)`` of a table live on rank r; table-row-wise: the
-same over the ranks of one host, the others holding no rows and adding zeros to the sums):
-  * :class:`RowWiseInputDist` bucketizes every id to the rank holding its row (local row =
-    id - r * block; fbgemm's ``block_bucketize_sparse_features``) and sends each rank its ids,
-    bag by bag.
-  * :class:`PooledLookup` sums the rows it holds per bag: partial sums ``[W * B, sum of dims]``,
-    by one call of the rank's group module.
-  * :class:`RowWiseOutputDist` adds the partial sums of all ranks and gives each rank its own
-    ``B`` rows (reduce-scatter; all-gather in backward), one ``[B, dim]`` per lookup; mean
-    pooling divides by the bag's length.
-Unpooled (sequence) features: :mod:`fxrec.runtime.sharded_sequence`. The input dists check
-their features' ids and offsets on the device into one flag (:func:`_input_flag`), which every
-rank learns before anything is sent: the rank fed a rejected input raises the error naming the
-feature, the others stop too (:func:`_stop_if_rejected`). All collectives are in :mod:`fxrec.runtime.collectives`. Every rank must call a group's modules
-in the same order with the same batch size. These modules know nothing of graphs or passes.
+  * table-wise: one piece, one block of the whole table on its owner;
+  * column-wise: one piece per column shard, each one block of the whole table on its rank (a
+    lookup's ids go to each of them, and its pieces come back side by side in column order);
+  * row-wise: one piece, the planner's blocks from rank 0; table-row-wise: from the host's first
+    rank (the other hosts' ranks hold none of its rows).
+
+  * :class:`PooledInputDist` bucketizes every id to the rank of its row's block (local row = id -
+    block start; fbgemm's ``block_bucketize_sparse_features``) and sends each rank its ids, bag by
+    bag, with one exchange of the counts (and every rank's input check) and one all-to-all.
+  * :class:`PooledLookup` sums them on the pieces the rank holds, by one call of the rank's group
+    module (:class:`~fxrec.runtime.group.EmbeddingGroup`, on the kernel the rule gives: native on
+    CPU, fbgemm on CUDA): ``[W * B, sum of its pieces' dims]``, whole sums of its tables and column
+    shards, partial sums of its row blocks.
+  * :class:`PooledOutputDist` sends every source rank its ``B`` rows back (all-to-all; in backward
+    the gradients go the other way) and adds each piece's partial sums (a row-wise table's
+    reduce-scatter, as an all-to-all and a local sum on every backend): one ``[B, dim]`` per
+    lookup; mean pooling divides by the bag's length.
+
+Unpooled (sequence) features: :mod:`fxrec.runtime.sharded_sequence`, by the same rule. The input
+dists check their features' ids and offsets on the device into one flag (:func:`_input_flag`),
+which every rank learns with the counts: the rank fed a rejected input raises the error naming
+the feature, the others stop too (:func:`_stop_if_rejected`). All collectives are in
+:mod:`fxrec.runtime.collectives`. Every rank must call a group's modules in the same order with
+the same batch size. These modules know nothing of graphs or passes.
 """
 
 from __future__ import annotations
@@ -37,13 +41,10 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .collectives import all_gather_ints, all_to_all, all_to_all_together, ints_on, reduce_scatter
+from .collectives import all_gather_ints, all_to_all, all_to_all_together, ints_on
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows, source_major_to_feature_major
 from .packing import FORM_CODES, pack_bags
-
-_MODES = {"sum": 0, "mean": 1}
-
 
 def _packed(dist_module: nn.Module, ids_list, offsets_list, psw_list, order: List[int], weighted: bool):
     """The pooled features ``order`` of one input dist as bags, by the project's one packing
@@ -184,51 +185,6 @@ def _check_batch(batches: List[int], where: str) -> int:
     return batches[0]
 
 
-class TableWiseInputDist(nn.Module):
-    """Send each owner rank the ids of its features (see the module doc)."""
-
-    _fxrec_collective = True
-
-    def __init__(self, name: str, forms: List[str], owners: List[int], weighted: bool, rank: int, world: int,
-                 names: List[str], rows: List[int]):
-        super().__init__()
-        self.name, self.forms, self.owners, self.weighted = name, list(forms), list(owners), weighted
-        self.names, self.rows = list(names), list(rows)
-        self.rank, self.world = rank, world
-        # features in the order they are sent: by owner rank, then group order
-        self.send_order = sorted(range(len(forms)), key=lambda i: (owners[i], i))
-        self.per_rank = [sum(1 for o in owners if o == r) for r in range(world)]
-
-    def forward(self, ids_list, offsets_list, psw_list):
-        order = self.send_order
-        _check_sample_weights(psw_list, self.names, order)
-        lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list, psw_list,
-                                                                              order, self.weighted)
-        dev = values.device
-        rows_t = _consts(self, "rows", [self.rows[i] for i in order], dev)
-        flag = _input_flag(values, feature_of, rows_t, lengths, firsts) if batch else \
-            torch.zeros((), dtype=torch.long, device=dev)
-        send_values = [0] * self.world  # ids per destination rank (known on the host)
-        for i, n in zip(order, counts):
-            send_values[self.owners[i]] += n
-        # one exchange, one wait for the device: every rank's batch, ids per destination, ids per
-        # feature (send order) and input check
-        header = torch.cat([ints_on([batch] + send_values + counts, dev), flag.view(1)])
-        info = all_gather_ints(header, dev, f"{self.name} (counts)")
-        _stop_if_rejected([row[-1] for row in info], self.name, self.rank,
-                          lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts))
-        batch = _check_batch([row[0] for row in info], self.name)
-        recv_values = [row[1 + self.rank] for row in info]
-        # ids of each feature this rank owns (in its group's order), from all ranks
-        owned = [k for k, i in enumerate(order) if self.owners[i] == self.rank]
-        per_feature = [sum(row[1 + self.world + k] for row in info) for k in owned]
-        mine = self.per_rank[self.rank]
-        lengths, values, weights = _send_bags(lengths, values, weights, [mine * batch] * self.world,
-                                              [n * batch for n in self.per_rank], recv_values, send_values, self.name)
-        lengths, values, weights = _regroup(lengths, values, weights, self.world, mine, batch)
-        return lengths, values, weights, batch, per_feature, None
-
-
 def _call(group: nn.Module, inputs: tuple, weights: List[torch.Tensor]):
     """A local group's call: an fp32 group takes the rank's tables as its weights; a quantized
     group (inference) holds its own and is given none."""
@@ -256,55 +212,19 @@ class PooledLookup(nn.Module):
         return _call(self.group, (list(torch.split(values, counts)), list(starts), ws), weights)
 
 
-class TableWiseOutputDist(nn.Module):
-    """Give every rank its rows of the pooled features back: one ``[B, dim]`` per lookup (a
-    column-wise lookup's pieces side by side). Each owner sends source rank s its rows
-    ``[s * B, (s + 1) * B)`` as they are (no copy); the receiver splits them by feature."""
+class PooledInputDist(nn.Module):
+    """Send every id of the pooled pieces to the rank holding its row, bag by bag (see the module
+    doc); ids are bucketed by fbgemm's ``block_bucketize_sparse_features``, one rule for every
+    sharding type: piece ``p``'s rows lie in blocks of ``blocks[p]`` rows on ranks ``bases[p],
+    bases[p] + 1, ...``."""
 
     _fxrec_collective = True
 
-    def __init__(self, name: str, dims: List[int], owners: List[int], rank: int, world: int,
-                 pieces_per_output: Optional[List[int]] = None, dtype: torch.dtype = torch.float32):
+    def __init__(self, name: str, forms: List[str], blocks: List[int], bases: List[int], weighted: bool, rank: int,
+                 world: int, names: List[str], rows: List[int]):
         super().__init__()
-        self.dtype = dtype  # of the rows sent (a rank that owns nothing sends none of it)
-        self.name, self.dims, self.owners, self.rank, self.world = name, list(dims), list(owners), rank, world
-        self.width_of = [sum(dims[i] for i in range(len(dims)) if owners[i] == r) for r in range(world)]
-        self.owned = [[i for i in range(len(dims)) if owners[i] == r] for r in range(world)]  # pieces, in order
-        self.pieces_per_output = list(pieces_per_output or [1] * len(dims))
-
-    def forward(self, looked: Optional[torch.Tensor], dist_out) -> List[torch.Tensor]:
-        batch = dist_out[3]
-        send = looked.reshape(-1) if looked is not None else torch.zeros(0, dtype=self.dtype, device=dist_out[1].device)
-        if torch.is_grad_enabled() and not send.requires_grad:
-            send = send.detach().requires_grad_()  # every rank joins the backward all-to-all
-        mine = self.width_of[self.rank] * batch
-        recv = all_to_all(send, [w * batch for w in self.width_of], [mine] * self.world, self.name)
-        cols: List[Optional[torch.Tensor]] = [None] * len(self.dims)
-        for r, blk in enumerate(torch.split(recv, [w * batch for w in self.width_of])):
-            if self.owned[r]:
-                parts = torch.split(blk.view(batch, self.width_of[r]), [self.dims[i] for i in self.owned[r]], 1)
-                for i, part in zip(self.owned[r], parts):
-                    cols[i] = part
-        outs, at = [], 0
-        for k in self.pieces_per_output:
-            outs.append(cols[at] if k == 1 else torch.cat(cols[at:at + k], 1))
-            at += k
-        return clamped_by(self, outs)  # (transform(max_gradient=))
-
-
-class RowWiseInputDist(nn.Module):
-    """Send every id to the rank holding its row, bag by bag (see the module doc); ids are bucketed
-    by fbgemm's ``block_bucketize_sparse_features``."""
-
-    _fxrec_collective = True
-
-    def __init__(self, name: str, forms: List[str], blocks: List[int], weighted: bool, rank: int, world: int,
-                 names: List[str], rows: List[int], bases: Optional[List[int]] = None):
-        super().__init__()
-        self.name, self.forms, self.blocks, self.weighted = name, list(forms), list(blocks), weighted
+        self.name, self.forms, self.blocks, self.bases, self.weighted = name, list(forms), list(blocks), list(bases), weighted
         self.names, self.rows = list(names), list(rows)
-        # first rank of each feature's row blocks: 0 for row-wise, the host's first rank for table-row-wise
-        self.bases = list(bases) if bases is not None else [0] * len(forms)
         self.rank, self.world = rank, world
 
     def forward(self, ids_list, offsets_list, psw_list):
@@ -314,21 +234,18 @@ class RowWiseInputDist(nn.Module):
         lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list, psw_list,
                                                                               order, self.weighted)
         dev = values.device
-        local = lengths.view(nfeat, batch)  # this rank's bag lengths (row-wise mean divides by them)
+        local = lengths.view(nfeat, batch)  # this rank's bag lengths (mean pooling divides by them)
         flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev), lengths, firsts) if batch \
             else torch.zeros((), dtype=torch.long, device=dev)
         ids = values
-        if any(self.bases):
-            # fbgemm's bucketize: a table-row-wise table's blocks start at its host's first rank, so
-            # its ids are shifted by that many blocks (bucket = id // block + base; local row unchanged)
-            shift = _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)
-            ids = values + shift[feature_of]
+        if any(self.bases):  # bucket = id // block + base, local row unchanged: shift the ids by base blocks
+            ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
         send_lengths, send_values, send_weights, _ = bucketize_rows(
             *_harmless_if(flag, lengths, ids), _consts(self, "blocks", self.blocks, dev), self.world, weights)
-        # one exchange: every rank's batch, input check and ids per (destination, feature); a rank
-        # fed rejected input bucketized harmless stand-ins, and every rank stops here
-        per_dest_feature = send_lengths.view(self.world, nfeat, batch).sum(2).view(-1).to(torch.long)
-        info = all_gather_ints(torch.cat([ints_on([batch], dev), flag.view(1), per_dest_feature]), dev,
+        # one exchange: every rank's batch, input check and ids per (destination, piece); a rank fed
+        # rejected input bucketized harmless stand-ins, and every rank stops here
+        per_dest_piece = send_lengths.view(self.world, nfeat, batch).sum(2).view(-1).to(torch.long)
+        info = all_gather_ints(torch.cat([ints_on([batch], dev), flag.view(1), per_dest_piece]), dev,
                                f"{self.name} (counts)")
         _stop_if_rejected([row[1] for row in info], self.name, self.rank,
                           lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts))
@@ -336,34 +253,87 @@ class RowWiseInputDist(nn.Module):
         info = [row[2:] for row in info]
         mine = info[self.rank]
         per_dest = [sum(mine[d * nfeat:(d + 1) * nfeat]) for d in range(self.world)]
-        to_me = [row[self.rank * nfeat:(self.rank + 1) * nfeat] for row in info]  # per source, per feature
+        to_me = [row[self.rank * nfeat:(self.rank + 1) * nfeat] for row in info]  # per source, per piece
         recv = [sum(c) for c in to_me]
-        per_feature = [sum(c[f] for c in to_me) for f in range(nfeat)]
+        per_piece = [sum(c[f] for c in to_me) for f in range(nfeat)]
         lengths, vals, w = _send_bags(send_lengths, send_values, send_weights if self.weighted else None,
                                       [nfeat * batch] * self.world, [nfeat * batch] * self.world, recv, per_dest,
                                       self.name)
         lengths, vals, w = _regroup(lengths, vals, w, self.world, nfeat, batch)
-        return lengths, vals, w, batch, per_feature, local
+        return lengths, vals, w, batch, per_piece, local
 
 
-class RowWiseOutputDist(nn.Module):
-    """Sum the partial sums over ranks and keep this rank's ``B`` rows (reduce-scatter): one
-    ``[B, dim]`` per lookup."""
+def _call(group: nn.Module, inputs: tuple, weights: List[torch.Tensor]):
+    """A local group's call: an fp32 group takes the rank's tables as its weights; a quantized
+    group (inference) holds its own and is given none."""
+    return group(*inputs, weights) if weights else group(*inputs)
+
+
+class PooledLookup(nn.Module):
+    """The received bags (``W * B`` per piece, pieces one after the other, bags source-major) of
+    the pieces ``held`` here, summed by one call of ``group``: an
+    :class:`~fxrec.runtime.group.EmbeddingGroup` of this rank's tables, column shards and row
+    blocks (None when it holds none), on its kernel. ``[W * B, sum of the held pieces' dims]``:
+    whole sums of its tables and column shards, partial sums of its row blocks."""
+
+    def __init__(self, group: Optional[nn.Module], world: int, held: List[int]):
+        super().__init__()
+        self.group, self.world, self.held = group, world, list(held)
+
+    def forward(self, dist_out, weights: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        if self.group is None:
+            return None
+        lengths, values, psw, batch, counts = dist_out[:5]  # (ids per piece: told by the input dist)
+        lens = lengths.view(len(counts), self.world * batch)
+        starts = lens.cumsum(1) - lens  # each piece's bag starts in its own ids
+        parts = torch.split(values, counts)
+        ws = torch.split(psw, counts) if psw is not None else None
+        return _call(self.group, ([parts[p] for p in self.held], [starts[p] for p in self.held],
+                                  [ws[p] if ws is not None else None for p in self.held]), weights)
+
+
+class PooledOutputDist(nn.Module):
+    """Give every rank its ``B`` rows of each pooled lookup: one ``[B, dim]`` per lookup (a
+    column-wise lookup's pieces side by side), by one all-to-all: each rank sends source rank s
+    its rows ``[s * B, (s + 1) * B)`` of what it looked up, and the receiver adds, in rank order,
+    the pieces of the ranks holding each piece (one for a table or column shard: taken as it is;
+    the row blocks' ranks for a row-wise table: a reduce-scatter). In backward the gradients go
+    the other way. Mean pooling divides by the bag's length here."""
 
     _fxrec_collective = True
 
-    def __init__(self, name: str, dims: List[int], pooling: str):
+    def __init__(self, name: str, dims: List[int], holders: List[List[int]], rank: int, world: int,
+                 pieces_per_output: List[int], pooling: str, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.name, self.dims, self.pooling = name, list(dims), pooling
+        self.dtype = dtype  # of the rows sent (a rank that holds nothing sends none of it)
+        self.name, self.dims, self.holders, self.rank, self.world = name, list(dims), [list(h) for h in holders], rank, world
+        self.pooling = pooling
+        self.held_by = [[p for p in range(len(dims)) if r in holders[p]] for r in range(world)]  # pieces, in order
+        self.width_of = [sum(dims[p] for p in held) for held in self.held_by]
+        self.pieces_per_output = list(pieces_per_output)
 
-    def forward(self, partial: torch.Tensor, dist_out) -> List[torch.Tensor]:
-        if torch.is_grad_enabled() and not partial.requires_grad:
-            partial = partial.detach().requires_grad_()  # every rank joins the backward all-gather
-        out = reduce_scatter(partial, self.name)
-        if self.pooling == "mean":
-            local_lengths = dist_out[5]  # [features, B]: this rank's bag lengths before bucketizing
-            dims = _consts(self, "dims", self.dims, out.device)
-            scale = torch.repeat_interleave(1.0 / local_lengths.clamp(min=1).to(out.dtype), dims, dim=0,
-                                            output_size=sum(self.dims))  # (sizes given: nothing read)
-            out = out * scale.t()
-        return clamped_by(self, list(torch.split(out, self.dims, 1)))
+    def forward(self, looked: Optional[torch.Tensor], dist_out) -> List[torch.Tensor]:
+        batch = dist_out[3]
+        send = looked.reshape(-1) if looked is not None else torch.zeros(0, dtype=self.dtype, device=dist_out[1].device)
+        if torch.is_grad_enabled() and not send.requires_grad:
+            send = send.detach().requires_grad_()  # every rank joins the backward all-to-all
+        mine = self.width_of[self.rank] * batch
+        recv = all_to_all(send, [w * batch for w in self.width_of], [mine] * self.world, self.name)
+        got: List[dict] = [{} for _ in self.dims]  # piece -> rank -> [B, dim]
+        for r, blk in enumerate(torch.split(recv, [w * batch for w in self.width_of])):
+            if self.held_by[r]:
+                parts = torch.split(blk.view(batch, self.width_of[r]), [self.dims[p] for p in self.held_by[r]], 1)
+                for p, part in zip(self.held_by[r], parts):
+                    got[p][r] = part
+        pieces = []
+        for p, by_rank in enumerate(got):
+            parts = [by_rank[r] for r in sorted(by_rank)]
+            piece = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+            if self.pooling == "mean":
+                piece = piece / dist_out[5][p].clamp(min=1).to(piece.dtype).unsqueeze(1)
+            pieces.append(piece)
+        outs, at = [], 0
+        for k in self.pieces_per_output:
+            outs.append(pieces[at] if k == 1 else torch.cat(pieces[at:at + k], 1))
+            at += k
+        return clamped_by(self, outs)  # (transform(max_gradient=))

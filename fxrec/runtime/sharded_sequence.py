@@ -69,7 +69,7 @@ class SequenceInputDist(nn.Module):
         feature_of = torch.arange(nfeat, device=dev).repeat_interleave(lengths, output_size=values.numel())
         flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev))
         ids = values
-        if any(self.bases):  # a block's rank is its bucket (see RowWiseInputDist)
+        if any(self.bases):  # a block's rank is its bucket (see PooledInputDist)
             ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
         harmless = torch.where(flag.eq(0), ids, torch.zeros_like(ids))
         send_lengths, send_values, _, where = bucketize_rows(lengths, harmless, _consts(self, "blocks", self.blocks, dev),
