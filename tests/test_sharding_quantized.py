@@ -95,6 +95,52 @@ def test_fp16_outputs_when_a_rank_owns_no_table_wise_table():
           "int8", "fp16")
 
 
+class _MeanOf300(torch.nn.Module):
+    """Mean bags whose sums pass fp16's range (300 ids of 300.0: 90000 > 65504) and whose means do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(40, 8, mode="mean")
+        self.b = torch.nn.EmbeddingBag(30, 8, mode="mean")
+        with torch.no_grad():
+            self.a.weight.fill_(300.0)
+
+    def forward(self, ia, oa, ib, ob):
+        return torch.cat([self.a(ia, oa), self.b(ib, ob)], 1)
+
+
+def _mean_fp16_worker(rank, world, init_file, pin):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = _MeanOf300()
+        g = torch.Generator().manual_seed(rank)
+        b = 3
+        x = (torch.randint(0, 40, (300 * b,), generator=g), torch.arange(0, 300 * b, 300),
+             torch.randint(0, 30, (2 * b,), generator=g), torch.arange(0, 2 * b, 2))
+        kw = dict(mode="inference", quantize="fp16", output_dtype="fp16")
+        single = fxrec.transform(model, x, **kw)
+        plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB", pins={"a": pin, "b": ("table_wise", 0)})
+        fast = fxrec.transform(model, x, plan=plan, **kw)
+        with torch.no_grad():
+            got, want = fast(*x), single(*x)
+        assert got.dtype == torch.float16 and bool(torch.all(got[:, :8] == 300.0)), got[:, :8]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("pin", [("table_wise", 1), "row_wise", {"sharding": "column_wise", "ranks": [1, 0]}],
+                         ids=["table_wise", "row_wise", "column_wise"])
+def test_fp16_outputs_of_mean_bags_whose_sums_pass_fp16s_range(pin):
+    """Sums that are divided (mean) or added (row-wise partial sums) travel in fp32 and are rounded
+    to fp16 once, after: the single-process quantized model's answer, not inf."""
+    spawn(_mean_fp16_worker, 2, pin)
+
+
 def _serve_quantized(rank, world, pins, quantize):
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)

@@ -1,21 +1,25 @@
 """shard_groups: rewrite each group for one rank of a sharding plan, with visible collectives.
 
 Runs instead of choose_kernels / lower_groups when ``transform(..., plan=...)`` is given, inside
-an initialised torch.distributed process group. For rank r, the features of a pooled group are
-split by how the plan shards their tables:
+an initialised torch.distributed process group. For rank r:
 
-* table-wise: ``input_dist -> lookup -> output_dist`` modules (all-to-all both ways); the lookup
-  reads only the tables rank r owns, and the tables it does not own leave the model;
-* row-wise: ``input_dist -> lookup -> output_dist`` (bucketize + all-to-all, then reduce-scatter);
-  rank r's parameter becomes its block of rows, under the table's own name;
-* unpooled (sequence) groups: ``input_dist -> lookup -> output_dist`` for table-wise, row-wise and
-  table-row-wise tables alike: each id goes to the rank of its row's block (a table-wise table is
-  one block on its owner), its row comes back to its place (all-to-all both ways); column-wise
-  is refused for them;
-* each rank's local lookups (table-wise pieces; row-wise blocks; sequence rows) are one call of a group module
-  (:class:`~fxrec.runtime.group.EmbeddingGroup`) on the kernel the rule table gives, with the
-  group's fused optimizer applied inside backward to the rows the rank holds (row-wise Adagrad
-  is refused on column-wise tables: its per-row state needs the whole row);
+* pooled lookups of table-wise, column-wise, row-wise and table-row-wise tables: one
+  ``input_dist -> lookup -> output_dist`` set per group (PooledInputDist, PooledLookup,
+  PooledOutputDist), each collective being a wait for every rank. Each lookup is one piece per
+  column shard (table-wise: one; column-wise: one per shard, each a table on its rank, under the
+  table's own name) or one piece of row blocks (row-wise: from rank 0; table-row-wise: over one
+  host's ranks; rank r's parameter becomes its block of rows, under the table's own name), and
+  every id goes to the rank of its row's block, a table-wise table or column shard being one
+  block of the whole table on its rank (bucketize + all-to-all; an all-to-all back that adds a
+  row-wise piece's partial sums); tables a rank holds nothing of leave its model;
+* unpooled (sequence) groups: the same for table-wise, row-wise and table-row-wise tables
+  (SequenceInputDist, ...): each id goes to the rank of its row's block, its row comes back to its
+  place (all-to-all both ways); column-wise is refused for them;
+* each rank's local lookups (its tables, column shards and row blocks; sequence rows) are one
+  call of a group module (:class:`~fxrec.runtime.group.EmbeddingGroup`) on the kernel the rule
+  table gives, with the group's fused optimizer applied inside backward to the rows the rank
+  holds (row-wise Adagrad is refused on column-wise tables: its per-row state needs the whole
+  row);
 * data-parallel: the lookups stay as the user wrote them; the table is whole on every rank and
   its gradient is summed over ranks (as every parameter outside the sharded tables is; see
   fxrec.api).
@@ -30,26 +34,18 @@ Before (gm.code)::
 
 After, on rank 0 of a plan with emb.0 table-wise on rank 1 and emb.1 row-wise::
 
-    fxrec_shard_group_0_tw_input_dist = self.fxrec_shard_group_0_tw_input_dist([ids_0], [offsets_0], [None])
-    fxrec_shard_group_0_tw_lookup = self.fxrec_shard_group_0_tw_lookup(fxrec_shard_group_0_tw_input_dist, [])
-    fxrec_shard_group_0_tw_output_dist = self.fxrec_shard_group_0_tw_output_dist(fxrec_shard_group_0_tw_lookup, ...)
-    fxrec_shard_group_0_rw_input_dist = self.fxrec_shard_group_0_rw_input_dist([ids_1], [offsets_1], [None])
-    fxrec_shard_group_0_rw_lookup = self.fxrec_shard_group_0_rw_lookup(fxrec_shard_group_0_rw_input_dist, [emb_1_weight])
-    fxrec_shard_group_0_rw_output_dist = self.fxrec_shard_group_0_rw_output_dist(fxrec_shard_group_0_rw_lookup, ...)
-    getitem = fxrec_shard_group_0_tw_output_dist[0]
-    getitem_1 = fxrec_shard_group_0_rw_output_dist[0]
+    fxrec_shard_group_0_input_dist = self.fxrec_shard_group_0_input_dist([ids_0, ids_1], [offsets_0, offsets_1], [None, None])
+    fxrec_shard_group_0_lookup = self.fxrec_shard_group_0_lookup(fxrec_shard_group_0_input_dist, [emb_1_weight])
+    fxrec_shard_group_0_output_dist = self.fxrec_shard_group_0_output_dist(fxrec_shard_group_0_lookup, ...)
+    getitem = fxrec_shard_group_0_output_dist[0]
+    getitem_1 = fxrec_shard_group_0_output_dist[1]
     cat = torch.ops.aten.cat.default([getitem, getitem_1], 1)
 
 Each output dist gives one tensor per lookup (not column slices of one: the backward of k slices
 of a ``[B, k * D]`` tensor would make k zero tensors of its whole size).
 
-Column-wise tables run as table-wise pieces: each column shard is a table on its rank (rank r's
-parameter is its columns, under the table's own name), looked up table-wise, and a lookup's
-pieces come back side by side in column order.
-
-Table-row-wise tables run on the row-wise path with their row blocks over one host's ranks
-(ranks of other hosts hold none of its rows and add zeros to the reduce-scatter; the
-hierarchical exchange inside a host first is not done).
+Table-row-wise tables: the ranks of other hosts hold none of the table's rows and take no part in
+its sums; the hierarchical exchange inside a host first is not done.
 
 Not handled (InputError naming the table): two column shards of one table on one rank, unpooled
 lookups of a column-wise table, bags with ``padding_idx`` or ``include_last_offset``, tables the
@@ -133,13 +129,14 @@ def _check_quantized(gr: meta.GroupRecord, kinds: dict) -> None:
 
 
 def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: bool, fused=None,
-                 gm: fx.GraphModule = None, quant: dict = None) -> EmbeddingGroup:
+                 gm: fx.GraphModule = None, quant: dict = None, output: str = "") -> EmbeddingGroup:
     """The group module of what one rank looks up locally: ``pieces`` are ``(lookup record, rows,
     dim)`` as this rank holds them (a shard's rows and columns), one feature each, ``table_of``
     each piece's index into the rank's local tables. Its kernels by the rule table (the same on
     every rank: they do not change the collectives); ``fused`` (a FusedSpec) is applied inside
     backward to the rows this rank holds, by the first kernel of the rule that fuses it (None:
-    no kernel does, and the tables' optimizer runs unfused in ``opt.step()``)."""
+    no kernel does, and the tables' optimizer runs unfused in ``opt.step()``). ``output``: a
+    quantized group's output dtype ("fp32", "fp16"; "": ``transform``'s)."""
     tables, features = {}, []
     for (r, rows, dim), t in zip(pieces, table_of):
         tables.setdefault(t, TableSpec(r.table, int(rows), int(dim), sparse=r.sparse, dtype=r.dtype, weights=r.weights))
@@ -149,7 +146,8 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
         first = {t: r for (r, _, _), t in zip(pieces, table_of)}
         qcls = QuantizedSequenceGroup if pooling == "none" else QuantizedPooledGroup
         return qcls(specs, features, pooling, [quant[first[t].param] for t in range(len(specs))],
-                    [gm.get_parameter(first[t].param).detach() for t in range(len(specs))], ctx.config.output_dtype)
+                    [gm.get_parameter(first[t].param).detach() for t in range(len(specs))],
+                    output or ctx.config.output_dtype)
     device = choose_kernels.target_device(ctx, pieces[0][0].device)
     spec = GroupSpec(tuple(specs), tuple(features), pooling)
     chosen = []
@@ -332,14 +330,20 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
         sharded_params[r.param] = plan.tables[r.table].sharding
     weighted = any(r.weighted for r in recs)
     # sums only: a mean is the sum over the bag's ids, which may lie on several ranks, divided by
-    # its length after the output dist
-    group = _local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan), gm, gr.quant) if held else None
+    # its length after the output dist. Quantized groups serving fp16: sums that are added or
+    # divided travel in fp32 and are rounded once, at the end (an fp16 sum can overflow where the
+    # mean does not, and adding rounded partial sums rounds twice)
+    out_dtype = _out_dtype(ctx, gr)
+    summed = gr.pooling == "mean" or any(len(holders) > 1 for *_, holders, _ in pieces)
+    sent = torch.float32 if summed else out_dtype
+    group = _local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan), gm, gr.quant,
+                         "fp32" if sent == torch.float32 else "") if held else None
     mods = (PooledInputDist(f"{name}_input_dist", [r.form for r, *_ in pieces], [b for _, b, *_ in pieces],
                             [base for _, _, base, *_ in pieces], weighted, rank, world, [r.feature for r, *_ in pieces],
                             [r.num_rows for r, *_ in pieces]),
             PooledLookup(group, world, held),
             PooledOutputDist(f"{name}_output_dist", [c for *_, c in pieces], [h for *_, h, _ in pieces], rank, world,
-                             per_lookup, gr.pooling, _out_dtype(ctx, gr)))
+                             per_lookup, gr.pooling, sent, out_dtype))
     args = ([r.ids for r, *_ in pieces], [r.offsets for r, *_ in pieces], [r.per_sample_weights for r, *_ in pieces])
     return mods, local, args
 

@@ -33,12 +33,13 @@ the shard::
         int64 ids in (all-to-all), outputs out and their gradients back (all-to-all).
     row_wise shard of r rows (ids assumed uniform over rows: it gets n = G*L*r/R of them):
         lookup(n, D) + spread(8*n + 2*G*F*D*e)                     pooled: partial sums for all G
-                                                                    samples, reduce-scatter forward,
-                                                                    all-gather of gradients backward
+                                                                    samples out (all-to-all, added on
+                                                                    the sample's rank), gradients back
         lookup(n, D) + spread(8*n + 2*n*D*e)                        sequence: one row per id
     table_row_wise shard of r rows on a host of P ranks:
         lookup(n, D) + spread(8*n + 2*G*F*D*e/P) + 2*G*F*D*e*(P-1)/P/intra
-        partial sums reduce-scattered inside the host, then sent on as one slice per rank.
+        partial sums reduce-scattered inside the host, then sent on as one slice per rank (the
+        runtime sends them straight to every rank instead: this exchange is not built).
     data_parallel (every rank):
         2*B*L*D*e/mem  +  R * (3*D*e + 2*s(D)) / mem  +  2*(W-1)/W * R*D*e / ring
         local lookups and their dense gradient, a dense optimizer step over every row, and a

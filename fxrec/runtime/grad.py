@@ -267,7 +267,7 @@ def clamped_by(module: torch.nn.Module, out):
     its gradient clamped elementwise to ``[-module.max_gradient, module.max_gradient]``
     (``transform(max_gradient=)``, fbgemm's ``gradient_clipping``; 0 or not set: as it is). A
     sharded lookup's output dist and its rank's group both clamp, which changes nothing more: the
-    group's outputs' gradient is the dist's values moved, or divided by a bag length (row-wise mean)."""
+    group's outputs' gradient is the dist's values moved, or divided by a bag length (mean pooling)."""
     limit = module.__dict__.get("max_gradient", 0.0)
     if not limit:
         return out

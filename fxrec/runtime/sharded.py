@@ -46,6 +46,7 @@ from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows, source_major_to_feature_major
 from .packing import FORM_CODES, pack_bags
 
+
 def _packed(dist_module: nn.Module, ids_list, offsets_list, psw_list, order: List[int], weighted: bool):
     """The pooled features ``order`` of one input dist as bags, by the project's one packing
     (:func:`~fxrec.runtime.packing.pack_bags`): ``(lengths [F * B] feature-major, ids, per-sample
@@ -185,33 +186,6 @@ def _check_batch(batches: List[int], where: str) -> int:
     return batches[0]
 
 
-def _call(group: nn.Module, inputs: tuple, weights: List[torch.Tensor]):
-    """A local group's call: an fp32 group takes the rank's tables as its weights; a quantized
-    group (inference) holds its own and is given none."""
-    return group(*inputs, weights) if weights else group(*inputs)
-
-
-class PooledLookup(nn.Module):
-    """The received bags (``W * B`` per feature, features one after the other, bags source-major)
-    pooled by one call of ``group``: an :class:`~fxrec.runtime.group.EmbeddingGroup` of the tables
-    and column shards this rank owns (table-wise; None when it owns none), or of its row blocks,
-    pooled by sum (row-wise: partial sums), on its kernel. ``[W * B, sum of its dims]``."""
-
-    def __init__(self, group: Optional[nn.Module], world: int):
-        super().__init__()
-        self.group, self.world = group, world
-
-    def forward(self, dist_out, weights: List[torch.Tensor]) -> Optional[torch.Tensor]:
-        if self.group is None:
-            return None
-        lengths, values, psw, batch, counts = dist_out[:5]  # (ids per feature: told by the input dist)
-        nfeat = len(self.group.features)
-        lens = lengths.view(nfeat, self.world * batch)
-        ws = list(torch.split(psw, counts)) if psw is not None else [None] * nfeat
-        starts = (lens.cumsum(1) - lens).unbind(0)  # each feature's bag starts in its own ids
-        return _call(self.group, (list(torch.split(values, counts)), list(starts), ws), weights)
-
-
 class PooledInputDist(nn.Module):
     """Send every id of the pooled pieces to the rank holding its row, bag by bag (see the module
     doc); ids are bucketed by fbgemm's ``block_bucketize_sparse_features``, one rule for every
@@ -303,9 +277,11 @@ class PooledOutputDist(nn.Module):
     _fxrec_collective = True
 
     def __init__(self, name: str, dims: List[int], holders: List[List[int]], rank: int, world: int,
-                 pieces_per_output: List[int], pooling: str, dtype: torch.dtype = torch.float32):
+                 pieces_per_output: List[int], pooling: str, dtype: torch.dtype = torch.float32,
+                 out_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.dtype = dtype  # of the rows sent (a rank that holds nothing sends none of it)
+        self.out_dtype = out_dtype or dtype  # of the rows given (quantized fp16 serving: sums sent in fp32)
         self.name, self.dims, self.holders, self.rank, self.world = name, list(dims), [list(h) for h in holders], rank, world
         self.pooling = pooling
         self.held_by = [[p for p in range(len(dims)) if r in holders[p]] for r in range(world)]  # pieces, in order
@@ -331,7 +307,7 @@ class PooledOutputDist(nn.Module):
             piece = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
             if self.pooling == "mean":
                 piece = piece / dist_out[5][p].clamp(min=1).to(piece.dtype).unsqueeze(1)
-            pieces.append(piece)
+            pieces.append(piece if piece.dtype == self.out_dtype else piece.to(self.out_dtype))
         outs, at = [], 0
         for k in self.pieces_per_output:
             outs.append(pieces[at] if k == 1 else torch.cat(pieces[at:at + k], 1))
