@@ -5,14 +5,15 @@ glob pattern to optimizer, for a per-table choice). Each takes the keyword argum
 ``torch.optim`` namesake, with the same meaning and defaults; ``RowWiseAdagrad`` is fbgemm's
 row-wise Adagrad (one accumulator per row: ``sum += mean(g**2)``, ``w -= lr * g / (sqrt(sum) + eps)``);
 ``LazyAdam``, ``PartialRowWiseAdam``, ``LazyLamb`` and ``PartialRowWiseLamb`` are fbgemm's Adam,
-partial row-wise Adam, LAMB and partial row-wise LAMB (see the classes).
+partial row-wise Adam, LAMB and partial row-wise LAMB, and ``LarsSGD`` fbgemm's LARS-SGD (see the
+classes).
 
 Where fbgemm's kernel implements the optimizer's arithmetic, the update runs inside
 ``backward`` ("fused": no gradient is made), once per backward call (two backward calls per
 step, or gradient accumulation, differ from torch.optim for the stateful optimizers). Otherwise the table gets PyTorch's gradient and the torch.optim
 namesake (or :class:`RowWiseAdagradTorch`, :class:`LazyAdamTorch`, ...) updates it in ``opt.step()``
 ("fallback"); the report says which path every table takes. The CPU build of fbgemm fuses SGD,
-Adagrad and row-wise Adagrad only; its CUDA build also the ``Lazy*`` and ``PartialRowWise*``. ``Adam`` always takes the
+Adagrad and row-wise Adagrad only; its CUDA build also the ``Lazy*``, ``PartialRowWise*`` and ``LarsSGD``. ``Adam`` always takes the
 fallback: it is torch.optim.Adam, which updates every row at every step, and fbgemm's Adam
 updates only the rows in the batch (that is ``LazyAdam``, an explicit choice).
 
@@ -253,6 +254,45 @@ class PartialRowWiseLamb(_LazyMoments):
     kind = "partial_rowwise_lamb"
 
 
+@dataclass(frozen=True)
+class LarsSGD(EmbeddingOptimizer):
+    """fbgemm's LARS-SGD (``EmbOptimType.LARS_SGD``, fused on CUDA only): SGD with momentum whose
+    learning rate each row scales by its own trust ratio, on the rows in the batch.
+
+    Each row looked up in the batch, with ``g`` its gradient summed over the batch and ``m`` its
+    momentum (one value per value of the row, zero at first)::
+
+        lr_row = lr * eta * norm(w) / (norm(g) + weight_decay * norm(w))     # norms over the row
+        m = momentum * m + lr_row * (g + weight_decay * w)
+        w = w - m
+
+    Rows not in the batch, and their ``m``, stay as they are. As in fbgemm, nothing guards the
+    ratio: a row of zeros never moves, and a looked-up row whose gradient is exactly zero, without
+    weight decay, becomes NaN (0 times an infinite ratio). There is no torch.optim LARS; where
+    fbgemm cannot fuse it (CPU, or what the report names), the tables get PyTorch's gradients and
+    :class:`LarsSGDTorch` applies this update in ``opt.step()`` (on a dense gradient, to the rows
+    that are not all zero: a looked-up row with an exactly zero gradient is left alone there).
+    Defaults are fbgemm's."""
+
+    lr: float = 1e-2
+    eta: float = 1e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if not (self.lr >= 0 and self.eta >= 0 and self.weight_decay >= 0 and 0 <= self.momentum < 1):
+            raise ValueError(f"fxrec: LarsSGD lr, eta and weight_decay must be >= 0 and momentum in [0, 1), got {self}")
+
+    kind = "lars_sgd"
+
+    def fused_spec(self):
+        return FusedSpec(self.kind, self.lr, weight_decay=float(self.weight_decay), momentum=float(self.momentum),
+                         eta=float(self.eta))
+
+    def torch_optimizer(self, params, sparse=False):
+        return LarsSGDTorch(params, lr=self.lr, eta=self.eta, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
 class LazyAdamTorch(torch.optim.Optimizer):
     """:class:`LazyAdam`'s update as a torch optimizer, in ``step()``: on the rows of a sparse
     gradient (a table made with ``sparse=True``: exactly the rows in the batch), or of a dense
@@ -320,6 +360,35 @@ class PartialRowWiseLambTorch(LazyLambTorch):
     second moment a row, as :class:`PartialRowWiseAdamTorch`."""
 
     ELEMENT_WISE = False
+
+
+class LarsSGDTorch(torch.optim.Optimizer):
+    """:class:`LarsSGD`'s update as a torch optimizer, in ``step()``: on the rows of a sparse
+    gradient (a table made with ``sparse=True``: exactly the rows in the batch), or of a dense
+    gradient its rows that are not all zero. State: ``momentum_buffer``, like the parameter."""
+
+    def __init__(self, params, lr: float = 1e-2, eta: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, eta=eta, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, eta, mom, wd = group["lr"], group["eta"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                rows, g = gradient_rows(p.grad)
+                w = p[rows]
+                w_norm = w.norm(dim=1, keepdim=True)
+                ratio = lr * eta * w_norm / (g.norm(dim=1, keepdim=True) + wd * w_norm)
+                m = state["momentum_buffer"][rows].mul_(mom).add_(ratio * (g + wd * w if wd else g))
+                state["momentum_buffer"].index_copy_(0, rows, m)
+                p.index_copy_(0, rows, w.sub_(m))
+        return loss
 
 
 def gradient_rows(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

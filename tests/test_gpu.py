@@ -87,21 +87,25 @@ def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.01])
-@pytest.mark.parametrize("kind", ["adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb"])
+@pytest.mark.parametrize("kind", ["adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb", "lars_sgd"])
 def test_fused_adam_lamb_and_partial_rowwise_adam_match_the_written_out_update_and_resume_exactly(kind, wd, tmp_path):
-    """None of lr, betas, eps is fbgemm's default, so one fxrec did not pass would show. Resumed
-    four ways: a deepcopy, state_dicts, an fxrec checkpoint without optimizer= (the step count is
-    a fused entry), and a trip to the CPU and back (the Adam states wait on the group there)."""
+    """None of lr, betas, eps (LARS-SGD: eta, momentum) is fbgemm's default, so one fxrec did not
+    pass would show. Resumed four ways: a deepcopy, state_dicts, an fxrec checkpoint without
+    optimizer= (the step count is a fused entry), and a trip to the CPU and back (the Adam states,
+    LARS-SGD's momentum, wait on the group there)."""
+    from tests.test_lars_sgd import LarsReference
     from tests.test_lazy_adam import (LazyAdamReference, LazyLambReference, PartialRowWiseAdamReference,
                                       PartialRowWiseLambReference)
 
     hps = dict(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
+    if kind == "lars_sgd":
+        hps = dict(lr=0.5, eta=0.02, momentum=0.8, weight_decay=wd)
     cfg = {"adam": fxrec.optim.LazyAdam, "lamb": fxrec.optim.LazyLamb,
            "partial_rowwise_adam": fxrec.optim.PartialRowWiseAdam,
-           "partial_rowwise_lamb": fxrec.optim.PartialRowWiseLamb}[kind](**hps)
+           "partial_rowwise_lamb": fxrec.optim.PartialRowWiseLamb, "lars_sgd": fxrec.optim.LarsSGD}[kind](**hps)
     reference = {"adam": LazyAdamReference, "lamb": LazyLambReference,
                  "partial_rowwise_adam": PartialRowWiseAdamReference,
-                 "partial_rowwise_lamb": PartialRowWiseLambReference}[kind]
+                 "partial_rowwise_lamb": PartialRowWiseLambReference, "lars_sgd": LarsReference}[kind]
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=cfg)
     assert all(g.fused is not None and g.fused.kind == kind and g.kernel_train == "fbgemm" for g in groups(fast))
@@ -122,8 +126,11 @@ def test_fused_adam_lamb_and_partial_rowwise_adam_match_the_written_out_update_a
         step(ref, ref_opts, s + 1)
         step(fast, [opt], s + 1)
     saved = copy.deepcopy({"model": fast.state_dict(), "opt": opt.state_dict()})
-    assert saved["opt"]["fused_step"] and set(saved["opt"]["fused_step"].values()) == {5}
-    assert any(k.endswith(".exp_avg_sq") for k in saved["opt"]["fused"])
+    if kind == "lars_sgd":  # no step count
+        assert not saved["opt"].get("fused_step") and any(k.endswith(".momentum_buffer") for k in saved["opt"]["fused"])
+    else:
+        assert saved["opt"]["fused_step"] and set(saved["opt"]["fused_step"].values()) == {5}
+        assert any(k.endswith(".exp_avg_sq") for k in saved["opt"]["fused"])
     twin = copy.deepcopy(fast)  # carries the moments and the step count
     twin_opt = twin.make_optimizer(torch.optim.SGD, lr=0.01)
     resumed = fxrec.transform(M.BagList(rows=ROWS).cuda(), cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=cfg)

@@ -68,10 +68,11 @@ def plan(
       optimizer: the optimizer you will give ``transform``; it sizes the optimizer state: None /
         "none", "sgd" (0 bytes), "sgd_momentum" (rows*dim*4), "adagrad" (rows*dim*4),
         "rowwise_adagrad" (rows*4), "adam" (torch.optim.Adam: 2*rows*dim*4), "lazy_adam", "lamb"
-        (2*rows*dim*4), "partial_rowwise_adam", "partial_rowwise_lamb" (rows*dim*4 + rows*4), an
-        :mod:`fxrec.optim` optimizer, or a dict from table name / glob to one of these. A
-        TableSpec's own ``optimizer`` wins. SGD and the Adagrads (and on a ``device="cuda"``
-        topology the lazy Adam / LAMB kinds) are fused into backward on sharded tables: no
+        (2*rows*dim*4), "partial_rowwise_adam", "partial_rowwise_lamb" (rows*dim*4 + rows*4),
+        "lars_sgd" (rows*dim*4), an :mod:`fxrec.optim` optimizer, or a dict from table name / glob
+        to one of these. A TableSpec's own ``optimizer`` wins. SGD and the Adagrads (and on a
+        ``device="cuda"`` topology the lazy Adam / LAMB kinds and LARS-SGD) are fused into
+        backward on sharded tables: no
         gradient; with the others, and on data-parallel tables, a dense gradient of the shard is
         counted.
       pins: ``{table: "row_wise"}`` fixes a table's sharding type; ``{table: ("table_wise", 3)}``

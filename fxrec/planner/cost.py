@@ -70,7 +70,7 @@ OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {"none": (0, 0), "sgd_momentum": (
 #: Kinds transform(plan=..., optimizer=...) applies inside backward on sharded tables (no gradient):
 #: SGD and the Adagrads on every device, the lazy Adam and LAMB kinds on CUDA (fbgemm's CUDA build).
 FUSED_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
-CUDA_FUSED_KINDS = FUSED_KINDS + ("lazy_adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb")
+CUDA_FUSED_KINDS = FUSED_KINDS + ("lazy_adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb", "lars_sgd")
 _OPTIMIZER_ALIASES = {"row_wise_adagrad": "rowwise_adagrad", "rowwiseadagrad": "rowwise_adagrad", "": "none"}
 
 ID_BYTES = 8  # int64 ids
@@ -80,7 +80,8 @@ SHARD_OVERHEAD_MS = 0.002
 
 def optimizer_kind(optimizer) -> str:
     """The state kind of an optimizer: None, one of :data:`OPTIMIZER_STATE`'s names, or an
-    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam, LazyAdam, LazyLamb, PartialRowWise*)."""
+    :mod:`fxrec.optim` optimizer (SGD, SGD with momentum, Adagrad, RowWiseAdagrad, Adam, LazyAdam, LazyLamb, PartialRowWise*,
+    LarsSGD)."""
     if optimizer is None:
         return "none"
     if isinstance(optimizer, str):
@@ -101,7 +102,7 @@ def optimizer_kind(optimizer) -> str:
         return "adam"
     if isinstance(optimizer, optim.LazyAdam):
         return "lazy_adam"
-    if isinstance(optimizer, (optim.LazyLamb, optim.PartialRowWiseAdam, optim.PartialRowWiseLamb)):
+    if isinstance(optimizer, (optim.LazyLamb, optim.PartialRowWiseAdam, optim.PartialRowWiseLamb, optim.LarsSGD)):
         return optimizer.kind
     raise ValueError(
         f"fxrec.plan: cannot size the state of optimizer {optimizer!r}; pass one of {sorted(OPTIMIZER_STATE)} "

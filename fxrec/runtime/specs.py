@@ -81,8 +81,9 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class FusedSpec:
-    """An optimizer applied inside backward: ``sgd``, ``adagrad``, ``rowwise_adagrad``, ``adam`` or
+    """An optimizer applied inside backward: ``sgd``, ``adagrad``, ``rowwise_adagrad``, ``adam``,
     ``lamb`` (:class:`fxrec.optim.LazyAdam`, :class:`fxrec.optim.LazyLamb`: fbgemm's, CUDA only),
+    their partial row-wise forms or ``lars_sgd`` (:class:`fxrec.optim.LarsSGD`, CUDA only),
     with its learning rate, eps, (Adam, LAMB) betas and decoupled weight decay, and (row-wise Adagrad)
     weight decay in ``weight_decay_mode``. Which code applies it is the group's training
     kernel's business."""
@@ -96,12 +97,15 @@ class FusedSpec:
     #: row-wise Adagrad's: "l2" (the decay is added to the gradient, and so to the sum of squares)
     #: or "decoupled" (``w *= 1 - lr * weight_decay``); "" without weight decay
     weight_decay_mode: str = ""
+    #: LARS-SGD's (:class:`fxrec.optim.LarsSGD`)
+    momentum: float = 0.0
+    eta: float = 0.0
 
 
 # Names of the fused optimizer's states per table, in split_optimizer_states() order.
 FUSED_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq"),
                      "lamb": ("exp_avg", "exp_avg_sq"), "partial_rowwise_adam": ("exp_avg", "exp_avg_sq"),
-                     "partial_rowwise_lamb": ("exp_avg", "exp_avg_sq")}
+                     "partial_rowwise_lamb": ("exp_avg", "exp_avg_sq"), "lars_sgd": ("momentum_buffer",)}
 
 #: ``weights_precision=``: an fp32 table stored in fbgemm's TBE at a lower precision (its parameter
 #: becomes a view of those rows); the lookups still give fp32.
@@ -118,10 +122,13 @@ def weights_dtype(weights: str):
 #: value, row-wise Adagrad one a row, Adam and LAMB two moments a value, their partial row-wise
 #: forms one a value and one a row. The one table the planner, place_tables and the report use.
 FUSED_STATE_BYTES = {"sgd": (0, 0), "adagrad": (0, 4), "rowwise_adagrad": (4, 0), "adam": (0, 8), "lamb": (0, 8),
-                     "partial_rowwise_adam": (4, 4), "partial_rowwise_lamb": (4, 4)}
+                     "partial_rowwise_adam": (4, 4), "partial_rowwise_lamb": (4, 4), "lars_sgd": (0, 4)}
 
 #: Fused optimizers that also keep a step count (one per group: fbgemm's ``iter``, for bias correction).
 STEPPED = ("adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb")
+
+#: Fused optimizers only fbgemm's CUDA build has (its CPU build: SGD and the Adagrads).
+CUDA_ONLY = STEPPED + ("lars_sgd",)
 
 #: Fused optimizers with a per-row state that averages over the row (as fbgemm stores it: padded).
 ROW_MEAN = ("rowwise_adagrad", "partial_rowwise_adam", "partial_rowwise_lamb")

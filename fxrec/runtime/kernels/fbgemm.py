@@ -21,7 +21,7 @@ from torch import nn
 
 from .fbgemm_padding import keeps_padding, mean_without_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
-from ..specs import DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths, weights_dtype
+from ..specs import CUDA_ONLY, DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths, weights_dtype
 from . import FBGEMM, Kernel
 from .fbgemm_tbe import CPU_OPTIMIZERS, fbgemm_available, import_error, make_training_tbe, require_fbgemm
 
@@ -223,11 +223,12 @@ CUDA_MAX_DIM_QUANTIZED = 2048
 
 class FbgemmKernel(Kernel):
     """fbgemm's TBE: one kernel call for every feature of the group; fused SGD, Adagrad and row-wise
-    Adagrad in its backward (its CPU build's three), on CUDA also Adam, LAMB and their partial row-wise forms."""
+    Adagrad in its backward (its CPU build's three), on CUDA also Adam, LAMB, their partial row-wise
+    forms and LARS-SGD."""
 
     name = FBGEMM
     CPU_OPTIMIZERS = CPU_OPTIMIZERS
-    CUDA_OPTIMIZERS = CPU_OPTIMIZERS + STEPPED
+    CUDA_OPTIMIZERS = CPU_OPTIMIZERS + CUDA_ONLY
 
     def supports(self, group, device, mode, optimizer, *, decay: str = "", states_only: bool = False):
         """``states_only``: whether a TBE of this group can keep the fused optimizer's states

@@ -1,9 +1,9 @@
 """A fused optimizer's states and step count, where they live: in the group's fbgemm TBE, or
 parked beside it when the tables are on a device whose fbgemm cannot run that optimizer.
 
-fbgemm's Adam, LAMB and their partial row-wise forms (``fxrec.optim.LazyAdam``, ``LazyLamb``,
-``PartialRowWiseAdam``, ``PartialRowWiseLamb``) run on CUDA only. A group trained with one and then moved to the CPU (to evaluate, to save) binds a
-forward-only TBE there and keeps the moments and the step count on the group, on the tables' device (``group._carry_states``,
+fbgemm's Adam, LAMB, their partial row-wise forms and LARS-SGD (``fxrec.optim.LazyAdam``, ``LazyLamb``,
+``PartialRowWiseAdam``, ``PartialRowWiseLamb``, ``LarsSGD``) run on CUDA only. A group trained with one and then moved to the CPU (to evaluate, to save) binds a
+forward-only TBE there and keeps the moments (LARS-SGD: the momentum) and the step count on the group, on the tables' device (``group._carry_states``,
 ``group._carry_step``): the checkpoint and ``state_dict`` read and write them as ever, a training
 step on that device is an error naming the tables, and the next binding on CUDA takes them into
 its TBE.
@@ -15,7 +15,7 @@ from typing import List, Sequence
 
 import torch
 
-from ..specs import STEPPED
+from ..specs import CUDA_ONLY
 
 
 def tbe_step(tbe) -> int:
@@ -41,7 +41,7 @@ def count_tbe_step(tbe) -> None:
 
 def parks(opt: str, device: torch.device) -> bool:
     """Whether a group whose TBE would run fused ``opt`` keeps its states aside on ``device``."""
-    return opt in STEPPED and device.type != "cuda"
+    return opt in CUDA_ONLY and device.type != "cuda"
 
 
 def park(group, old_states, step: int, shapes: Sequence[Sequence[tuple]], device: torch.device) -> None:
@@ -56,7 +56,10 @@ def park(group, old_states, step: int, shapes: Sequence[Sequence[tuple]], device
 
 def moment_shapes(opt: str, rows_dims: Sequence[tuple]) -> List[List[tuple]]:
     """fbgemm's states of each table for ``opt`` (``momentum1``, ``momentum2``): each like the table
-    (Adam, LAMB), or ``momentum2`` one a row (their partial row-wise forms)."""
+    (Adam, LAMB), or ``momentum2`` one a row (their partial row-wise forms); LARS-SGD's
+    ``momentum1`` alone, like the table."""
+    if opt == "lars_sgd":  # momentum1 only
+        return [[(int(r), int(d))] for r, d in rows_dims]
     rowwise = opt in ("partial_rowwise_adam", "partial_rowwise_lamb")
     return [[(int(r), int(d)), (int(r),) if rowwise else (int(r), int(d))] for r, d in rows_dims]
 

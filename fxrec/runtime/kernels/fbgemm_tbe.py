@@ -11,7 +11,7 @@ import torch
 
 from ..specs import STEPPED, FusedSpec
 
-#: The optimizers fbgemm's CPU build fuses into its backward (its CUDA build: these and STEPPED).
+#: The optimizers fbgemm's CPU build fuses into its backward (its CUDA build: these and specs.CUDA_ONLY).
 CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 _IMPORT_ERROR: Optional[BaseException] = None
@@ -89,10 +89,12 @@ def make_training_tbe(
     kinds = {"none": EmbOptimType.EXACT_SGD, "sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
              "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM, "lamb": EmbOptimType.LAMB,
              "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM,
-             "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB}
+             "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB, "lars_sgd": EmbOptimType.LARS_SGD}
     args = dict(learning_rate=0.0) if fused is None else dict(learning_rate=float(fused.lr), eps=float(fused.eps))
     if kind in STEPPED:  # fbgemm's Adam and LAMB read weight_decay themselves (decoupled: see LazyAdam)
         args.update(beta1=float(fused.beta1), beta2=float(fused.beta2), weight_decay=float(fused.weight_decay))
+    elif kind == "lars_sgd":
+        args.update(eta=float(fused.eta), momentum=float(fused.momentum), weight_decay=float(fused.weight_decay))
     elif kind == "rowwise_adagrad" and fused.weight_decay_mode:
         modes = {"l2": WeightDecayMode.L2, "decoupled": WeightDecayMode.DECOUPLE}
         args.update(weight_decay=float(fused.weight_decay), weight_decay_mode=modes[fused.weight_decay_mode])
