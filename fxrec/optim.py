@@ -407,7 +407,7 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
     """fbgemm's row-wise Adagrad as a torch optimizer (dense or sparse gradients), weight decay
     included (:class:`RowWiseAdagrad`): the rows with a gradient are the rows updated. (With a
     dense gradient, a row looked up whose gradient is exactly zero is neither updated nor
-    decayed; the fused kernels decay it.)"""
+    decayed; the fused kernels decay it.) A dense gradient's step reads nothing on the host."""
 
     def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8, weight_decay: float = 0.0,
                  weight_decay_mode: str = "l2"):
@@ -425,9 +425,12 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
                 state = self.state[p]
                 if "sum" not in state:
                     state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
-                rows, vals = gradient_rows(p.grad)
                 s = state["sum"]
                 lr, wd, mode = group["lr"], group.get("weight_decay", 0.0), group.get("weight_decay_mode", "l2")
+                if not p.grad.is_sparse:  # every row, those without a gradient masked: nothing read on the host
+                    self._dense_step(p, p.grad, s, lr, group["eps"], wd, mode)
+                    continue
+                rows, vals = gradient_rows(p.grad)
                 w = p[rows]
                 decayed = vals + wd * w if wd and mode == "l2" else vals
                 s.index_add_(0, rows, decayed.pow(2).mean(1))
@@ -438,6 +441,21 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
                 else:
                     p.index_add_(0, rows, -mult * vals)
         return loss
+
+    @staticmethod
+    def _dense_step(p, g, s, lr, eps, wd, mode) -> None:
+        """The step on a dense gradient ``g``, rows whose gradient is all zero left alone: the same
+        arithmetic row by row as the sparse path (a finding of the rows, ``nonzero``, would make a
+        CUDA host wait for the device every step)."""
+        has = g.ne(0).any(1)
+        decayed = g + wd * p if wd and mode == "l2" else g
+        s.add_(torch.where(has, decayed.pow(2).mean(1), 0.0))
+        mult = (lr / (s.sqrt() + eps)).unsqueeze(1)
+        if wd:  # fbgemm's form: w = (1 - c) * w - mult * g
+            keep = 1 - (mult * wd if mode == "l2" else lr * wd)
+            p.copy_(torch.where(has.unsqueeze(1), keep * p - mult * g, p))
+        else:
+            p.add_(torch.where(has.unsqueeze(1), -mult * g, 0.0))
 
 
 def _betas_tuple(opt, name: str) -> Tuple[float, float]:

@@ -640,3 +640,31 @@ def test_fbgemms_cpu_kernel_ignores_weight_decay_so_another_kernel_fuses_it():
     assert g.kernel_train == "native" and "fbgemm's CPU build ignores rowwise_adagrad's weight decay" in g.why, g
     on_gpu = fxrec.explain(M.BagList(rows=ROWS), x, device="cuda", optimizer=cfg)
     assert {(g.kernel_train, g.fused) for g in on_gpu.groups} == {("fbgemm", "rowwise_adagrad")}, on_gpu.groups
+
+
+@pytest.mark.parametrize("wd,mode", [(0.0, "l2"), (0.1, "l2"), (0.1, "decoupled")])
+def test_rowwise_adagrad_torch_steps_a_dense_gradient_as_its_rows_and_reads_nothing_on_the_host(wd, mode):
+    """The fallback (data-parallel tables of a plan, tables fbgemm does not fuse) on a dense
+    gradient: the written-out update, the same numbers as on the gradient's rows given sparse, and
+    no value read on the host (a CUDA step would wait for the device otherwise)."""
+    from fxrec.testing import host_syncs
+
+    w0 = torch.randn(12, 8)
+    params = [w0.clone().requires_grad_() for _ in range(3)]
+    dense, sparse = (RowWiseAdagradTorch([p], lr=0.3, weight_decay=wd, weight_decay_mode=mode) for p in params[:2])
+    ref = RowWiseAdagradReference([params[2]], lr=0.3, weight_decay=wd, mode=mode)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(5):
+        g = torch.randn(12, 8, generator=gen)
+        g[[0, 3 + step % 4]] = 0.0  # rows without a gradient this step: left alone, not decayed
+        rows = torch.nonzero(g.abs().sum(1)).squeeze(1)
+        params[0].grad, params[2].grad = g.clone(), g.clone()
+        params[1].grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g[rows], (12, 8))
+        with host_syncs() as syncs:
+            dense.step()
+        assert syncs.in_fxrec() == [], syncs.in_fxrec()
+        sparse.step()
+        ref.step()
+    assert torch.equal(params[0], params[1]) and torch.equal(dense.state[params[0]]["sum"], sparse.state[params[1]]["sum"])
+    assert torch.equal(params[0].detach()[0], w0[0])
+    torch.testing.assert_close(params[0], params[2], rtol=1e-6, atol=1e-6)
