@@ -63,7 +63,7 @@ def test_lars_sgd_torch_is_fbgemms_update_written_out(sparse, wd):
     assert not torch.allclose(a.detach()[3:], w0[3:])
 
 
-def test_a_row_looked_up_twice_takes_one_update_of_its_summed_gradient():
+def test_a_row_looked_up_three_times_takes_one_update_of_its_summed_gradient():
     """fbgemm sums a row's gradient over the batch before the update (one trust ratio per row)."""
     w0 = torch.randn(5, 4)
     a, b = w0.clone().requires_grad_(), w0.clone().requires_grad_()
@@ -99,15 +99,31 @@ def test_explain_for_cuda_fuses_lars_sgd_into_fbgemm_on_every_group(name):
         assert "fused lars_sgd inside backward by fbgemm" in g.why and "fused into backward" in g.optimizer
 
 
-def test_fbgemm_takes_the_lars_arguments_fxrec_passes_and_its_cpu_build_is_refused_by_name():
+def test_fbgemm_is_built_with_the_lars_arguments_on_cuda_and_its_cpu_build_is_refused_by_name(monkeypatch):
+    """What make_training_tbe hands fbgemm's constructor for a CUDA device (recorded, no GPU
+    needed): LARS_SGD and the configuration's lr, eta, momentum and weight decay, arguments the
+    constructor takes."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
+    from fxrec.runtime.kernels import fbgemm_tbe
     from fxrec.runtime.kernels.fbgemm_tbe import make_training_tbe
 
-    params = inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters
-    assert {"eta", "momentum", "weight_decay", "learning_rate"} <= set(params)
     spec = LarsSGD(lr=0.3, eta=0.01, momentum=0.7, weight_decay=0.1).fused_spec()
     assert (spec.kind, spec.lr, spec.eta, spec.momentum, spec.weight_decay) == ("lars_sgd", 0.3, 0.01, 0.7, 0.1)
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        return "tbe"
+
+    monkeypatch.setattr(fbgemm_tbe, "SplitTableBatchedEmbeddingBagsCodegen", record)
+    assert make_training_tbe([(10, 4)], [0], "sum", torch.device("cuda"), spec) == "tbe"
+    kw = seen["kwargs"]
+    assert kw["optimizer"] == EmbOptimType.LARS_SGD
+    assert (kw["learning_rate"], kw["eta"], kw["momentum"], kw["weight_decay"]) == (0.3, 0.01, 0.7, 0.1)
+    inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).bind(None, *seen["args"], **kw)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="CPU build has no fused lars_sgd"):
         make_training_tbe([(10, 4)], [0], "sum", torch.device("cpu"), spec)
 

@@ -495,3 +495,18 @@ def test_thousand_tables_on_64_ranks_is_fast():
     assert len(plan) == 1000
     assert elapsed < 3.0, f"planning took {elapsed:.2f} s (benchmarks/bench_planner.py records the real time)"
     assert plan.balance < 1.05 and math.isfinite(plan.max_cost_ms)
+
+
+@pytest.mark.parametrize("opt", ["rowwise_adagrad", "lamb", "lars_sgd", "partial_rowwise_adam", "adagrad"])
+def test_the_planner_does_not_split_by_columns_a_table_whose_optimizer_reads_the_whole_row(opt):
+    """A wide, hot table at world 4 goes column-wise with Adagrad (per-value state); with an optimizer
+    whose update of a row reads the whole row (a mean or norms over it) it never does, and a
+    column_wise pin of one is refused naming the table."""
+    from fxrec.planner import TableSpec
+
+    spec = TableSpec("t", 4000, 256, pooling_factor=20)
+    plan = fxrec.plan(tables=[spec], world_size=4, memory_per_rank="1GB", optimizer=opt)
+    assert (plan["t"].sharding == "column_wise") == (opt == "adagrad"), plan["t"].sharding
+    if opt != "adagrad":
+        with pytest.raises(ValueError, match=r"pin for 't': column_wise, and its optimizer"):
+            fxrec.plan(tables=[spec], world_size=4, memory_per_rank="1GB", optimizer=opt, pins={"t": "column_wise"})

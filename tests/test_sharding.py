@@ -391,13 +391,15 @@ def error_of(tmp_path, world, attempt, *args) -> str:
     return result.read_text()
 
 
-def _rowwise_on_column_wise(rank, world):
+def _whole_row_optimizer_on_column_wise(rank, world, name):
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
     plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
                       pins={"bags.1": {"sharding": "column_wise", "ranks": [0, 1]}},
-                      batch_size=LOCAL_B)  # (the same plan on every rank)
-    fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+                      batch_size=LOCAL_B)  # (the same plan on every rank; planned without the optimizer)
+    opt = {"row-wise Adagrad": fxrec.optim.RowWiseAdagrad(lr=0.1), "LAMB": fxrec.optim.LazyLamb(lr=0.1),
+           "LARS-SGD": fxrec.optim.LarsSGD(lr=0.1)}[name]
+    fxrec.transform(model, example, plan=plan, optimizer=opt)
 
 
 def _ids_out_of_range(rank, world):
@@ -524,8 +526,17 @@ def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path)
 
 
 def test_rowwise_adagrad_on_a_column_wise_table_is_refused_naming_it(tmp_path):
-    msg = error_of(tmp_path, 2, _rowwise_on_column_wise)
+    msg = error_of(tmp_path, 2, _whole_row_optimizer_on_column_wise, "row-wise Adagrad")
     assert "['bags.1']" in msg and "column_wise" in msg and "row-wise Adagrad" in msg, msg
+
+
+@pytest.mark.parametrize("name", ["LAMB", "LARS-SGD"])
+def test_an_optimizer_whose_trust_ratio_reads_the_whole_row_is_refused_on_a_column_wise_table(tmp_path, name):
+    """Fused (CUDA) or not (CPU: its torch.optim form on each shard), each column shard would take
+    its own ratio of norms over its columns: another update than one process's."""
+    msg = error_of(tmp_path, 2, _whole_row_optimizer_on_column_wise, name)
+    assert f"tables ['bags.1'] are planned column_wise and train with {name}, whose trust ratio takes norms over " \
+           "the whole row" in msg, msg
 
 
 _CKPT_G = 24  # the global batch of the checkpoint test, at every world size

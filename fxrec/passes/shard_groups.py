@@ -68,7 +68,7 @@ from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from ..runtime.sharded import PooledInputDist, PooledLookup, PooledOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
-from ..runtime.specs import ROW_MEAN, FeatureSpec, GroupSpec, TableSpec, weights_dtype
+from ..runtime.specs import ROW_MEAN, WHOLE_ROW, FeatureSpec, GroupSpec, TableSpec, weights_dtype
 from . import choose_kernels
 from .choose_kernels import check_stored, kernel_order, pick
 
@@ -179,20 +179,23 @@ def _with_local(decision: meta.GroupDecision, gr: meta.GroupRecord, group, short
 
 
 def _fused_spec(gr: meta.GroupRecord, plan):
-    """The group's fused optimizer, if its optimizer can be fused (a group has one). Row-wise
-    Adagrad and partial row-wise Adam and LAMB keep one state per row, the mean of the squared
-    gradient over the whole row: a column shard sees only its columns, so they are refused on
-    column-wise tables."""
+    """The group's fused optimizer, if its optimizer can be fused (a group has one). Optimizers
+    whose update of a row reads the whole row are refused on column-wise tables, fused or not (a
+    column shard sees only its columns): row-wise Adagrad and partial row-wise Adam and LAMB keep
+    one state per row, the mean of the squared gradient over the row; LAMB and LARS-SGD scale
+    each row by a ratio of norms over the row."""
     opt = gr.optimizer
     spec = opt.fused_spec() if opt is not None else None
-    if spec is not None and spec.kind in ROW_MEAN:
+    if spec is not None and spec.kind in WHOLE_ROW:
         cols = [r.table for r in gr.lookups if plan.tables[r.table].sharding == "column_wise"]
         if cols:
             name = {"rowwise_adagrad": "row-wise Adagrad", "partial_rowwise_adam": "partial row-wise Adam",
-                    "partial_rowwise_lamb": "partial row-wise LAMB"}[spec.kind]
+                    "partial_rowwise_lamb": "partial row-wise LAMB", "lamb": "LAMB", "lars_sgd": "LARS-SGD"}[spec.kind]
+            what = ("whose per-row state averages over the whole row" if spec.kind in ROW_MEAN else
+                    "whose trust ratio takes norms over the whole row")
             raise InputError(f"fxrec: tables {sorted(set(cols))} are planned column_wise and train with {name}, "
-                             "whose per-row state averages over the whole row, which no column shard holds; "
-                             "plan them table_wise or row_wise, or use another optimizer")
+                             f"{what}, which no column shard holds; plan them table_wise or row_wise, or use "
+                             "another optimizer")
     return spec
 
 

@@ -68,7 +68,7 @@ from .specs import (
 OPTIMIZER_STATE: Dict[str, Tuple[int, int]] = {"none": (0, 0), "sgd_momentum": (0, 4), **FUSED_STATE_BYTES,
                                                "lazy_adam": FUSED_STATE_BYTES["adam"]}
 #: Kinds transform(plan=..., optimizer=...) applies inside backward on sharded tables (no gradient):
-#: SGD and the Adagrads on every device, the lazy Adam and LAMB kinds on CUDA (fbgemm's CUDA build).
+#: SGD and the Adagrads on every device, the lazy Adam and LAMB kinds and LARS-SGD on CUDA (fbgemm's CUDA build).
 FUSED_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
 CUDA_FUSED_KINDS = FUSED_KINDS + ("lazy_adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb", "lars_sgd")
 _OPTIMIZER_ALIASES = {"row_wise_adagrad": "rowwise_adagrad", "rowwiseadagrad": "rowwise_adagrad", "": "none"}

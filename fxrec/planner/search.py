@@ -8,7 +8,10 @@
    table-wise, or go data-parallel when replicating is cheaper in all than sending their
    lookups; a hot table is split just enough); if none is that cheap, the one with the cheapest
    costliest shard wins. Column-wise takes the fewest shards (widths multiples of 4, at most one
-   per rank) that bring its widest shard under ``t`` and into memory. Data-parallel is only
+   per rank) that bring its widest shard under ``t`` and into memory; it is not considered for
+   unpooled tables, nor for tables whose optimizer updates a row from the whole row
+   (:data:`fxrec.runtime.specs.WHOLE_ROW`: row-wise Adagrad, LAMB, LARS-SGD, ...; a column_wise
+   pin of one is an error). Data-parallel is only
    considered for tables taking at most :data:`DP_MEMORY_FRACTION` of a rank's memory.
    Pinned tables keep their type (and ranks, when given).
 3. Placement. Row-wise, data-parallel and pinned-with-ranks shards go where they must. Then the
@@ -34,6 +37,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..runtime.specs import WHOLE_ROW
 from .cost import CostModel
 from .layout import column_splits, max_column_shards, row_block
 from .specs import (
@@ -254,6 +258,11 @@ def search(specs: Sequence[TableSpec], topology: Topology, batch_size: int, opti
     tables = [_Table(i, s, optimizers[i], pins.get(s.name), cm) for i, s in enumerate(specs)]
     if not tables:
         return {}
+    for t in tables:
+        if t.pin is not None and t.pin.sharding == COLUMN_WISE and t.opt in WHOLE_ROW:
+            raise ValueError(f"fxrec.plan: pin for {t.spec.name!r}: column_wise, and its optimizer ({t.opt}) updates a "
+                             "row from the whole row (a mean or norms over it), which no column shard holds; pin it "
+                             "table_wise or row_wise, or use another optimizer")
     allowed = [t for t in SHARDING_TYPES if t in set(allowed)]
     W, mem = topology.world_size, topology.memory_per_rank
     cheapest = 0.0
@@ -329,8 +338,9 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
     out = []
     for s in allowed:
         if s == COLUMN_WISE:
-            # unpooled lookups are not sharded by columns (fxrec's runtime sends whole rows back)
-            kmax = min(max_column_shards(spec.dim), W) if spec.pooled else 0
+            # unpooled lookups are not sharded by columns (fxrec's runtime sends whole rows back), nor
+            # tables whose optimizer updates a row from the whole row (WHOLE_ROW)
+            kmax = min(max_column_shards(spec.dim), W) if spec.pooled and t.opt not in WHOLE_ROW else 0
             if kmax >= 2:
                 out.append(t.option(COLUMN_WISE, t.column_shards(threshold, mem, kmax)))
         elif s == ROW_WISE:

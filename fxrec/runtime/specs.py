@@ -120,7 +120,7 @@ def weights_dtype(weights: str):
 
 #: Bytes of a fused optimizer's fp32 states as (per row, per value of the row): Adagrad a sum a
 #: value, row-wise Adagrad one a row, Adam and LAMB two moments a value, their partial row-wise
-#: forms one a value and one a row. The one table the planner, place_tables and the report use.
+#: forms one a value and one a row, LARS-SGD a momentum a value. The one table the planner, place_tables and the report use.
 FUSED_STATE_BYTES = {"sgd": (0, 0), "adagrad": (0, 4), "rowwise_adagrad": (4, 0), "adam": (0, 8), "lamb": (0, 8),
                      "partial_rowwise_adam": (4, 4), "partial_rowwise_lamb": (4, 4), "lars_sgd": (0, 4)}
 
@@ -132,6 +132,10 @@ CUDA_ONLY = STEPPED + ("lars_sgd",)
 
 #: Fused optimizers with a per-row state that averages over the row (as fbgemm stores it: padded).
 ROW_MEAN = ("rowwise_adagrad", "partial_rowwise_adam", "partial_rowwise_lamb")
+
+#: Optimizers whose update of a row reads the whole row: a mean over it (ROW_MEAN) or its norms
+#: (LAMB's and LARS-SGD's trust ratios). A column shard holds part of the row: not on column-wise tables.
+WHOLE_ROW = ROW_MEAN + ("lamb", "lars_sgd")
 
 
 @dataclass(frozen=True)
