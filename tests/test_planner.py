@@ -163,7 +163,8 @@ def _pinned_plan(**kw):
 
 
 def test_every_sharding_type_has_its_exact_layout_and_pins_are_kept():
-    plan, pins = _pinned_plan(optimizer="rowwise_adagrad")
+    # (row-wise Adagrad's per-row state is refused on column shards: the column-wise tables take Adagrad)
+    plan, pins = _pinned_plan(optimizer={"cw*": "adagrad", "*": "rowwise_adagrad"})
     check_layout(plan)
     for name, pin in pins.items():
         sharding = pin if isinstance(pin, str) else (pin["sharding"] if isinstance(pin, dict) else pin[0])
@@ -494,7 +495,8 @@ def test_thousand_tables_on_64_ranks_is_fast():
     elapsed = time.perf_counter() - start
     assert len(plan) == 1000
     assert elapsed < 3.0, f"planning took {elapsed:.2f} s (benchmarks/bench_planner.py records the real time)"
-    assert plan.balance < 1.05 and math.isfinite(plan.max_cost_ms)
+    # (row-wise Adagrad's tables are not split by columns: the hottest ones only by rows)
+    assert plan.balance < 1.07 and math.isfinite(plan.max_cost_ms)
 
 
 @pytest.mark.parametrize("opt", ["rowwise_adagrad", "lamb", "lars_sgd", "partial_rowwise_adam", "adagrad"])
