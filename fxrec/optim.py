@@ -24,10 +24,11 @@ dense parameters with the given class, embedding tables with theirs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .runtime._tracing import reads_values
 from .runtime.specs import FusedSpec
 
 
@@ -321,18 +322,18 @@ class LazyAdamTorch(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p if self.ELEMENT_WISE else p[:, 0])
                 state["step"] += 1
                 t = int(state["step"].item())
-                rows, vals = gradient_rows(p.grad)
-                m = state["exp_avg"][rows].mul_(b1).add_(vals, alpha=1 - b1)
-                g2 = vals * vals if self.ELEMENT_WISE else (vals * vals).mean(1)
-                v = state["exp_avg_sq"][rows].mul_(b2).add_(g2, alpha=1 - b2)
-                w = p[rows]
-                denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
-                upd = (m / (1 - b1 ** t)) / (denom if self.ELEMENT_WISE else denom.unsqueeze(1))
-                if wd:
-                    upd.add_(w, alpha=wd)
-                state["exp_avg"].index_copy_(0, rows, m)
-                state["exp_avg_sq"].index_copy_(0, rows, v)
-                p.index_copy_(0, rows, w.sub_(self._direction(w, upd), alpha=lr))
+
+                def adam(w, g, moments):
+                    m = torch.add(moments[0] * b1, g, alpha=1 - b1)
+                    g2 = g * g if self.ELEMENT_WISE else (g * g).mean(1)
+                    v = torch.add(moments[1] * b2, g2, alpha=1 - b2)
+                    denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
+                    upd = (m / (1 - b1 ** t)) / (denom if self.ELEMENT_WISE else denom.unsqueeze(1))
+                    if wd:
+                        upd.add_(w, alpha=wd)
+                    return torch.sub(w, self._direction(w, upd), alpha=lr), [m, v]
+
+                update_rows(p, [state["exp_avg"], state["exp_avg_sq"]], adam)
         return loss
 
     def _direction(self, w: torch.Tensor, upd: torch.Tensor) -> torch.Tensor:
@@ -381,14 +382,38 @@ class LarsSGDTorch(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                rows, g = gradient_rows(p.grad)
-                w = p[rows]
-                w_norm = w.norm(dim=1, keepdim=True)
-                ratio = lr * eta * w_norm / (g.norm(dim=1, keepdim=True) + wd * w_norm)
-                m = state["momentum_buffer"][rows].mul_(mom).add_(ratio * (g + wd * w if wd else g))
-                state["momentum_buffer"].index_copy_(0, rows, m)
-                p.index_copy_(0, rows, w.sub_(m))
+
+                def lars(w, g, buf):
+                    w_norm = w.norm(dim=1, keepdim=True)
+                    ratio = lr * eta * w_norm / (g.norm(dim=1, keepdim=True) + wd * w_norm)
+                    m = torch.add(buf[0] * mom, ratio * (g + wd * w if wd else g))
+                    return w - m, [m]
+
+                update_rows(p, [state["momentum_buffer"]], lars)
         return loss
+
+
+def update_rows(p: torch.Tensor, states: Sequence[torch.Tensor], update) -> None:
+    """Apply ``update(w, g, states) -> (w, states)`` (new tensors, the inputs left as they are) to
+    the rows of ``p`` that have a gradient, and to their rows of ``states`` (each ``[rows, ...]``):
+    the rows a sparse gradient holds, each row's lookups summed, or a dense gradient's rows that
+    are not all zero (:func:`gradient_rows`). Where finding those rows would make the host wait
+    for the device (CUDA; :func:`fxrec.runtime._tracing.reads_values`), a dense gradient updates
+    every row at once instead, a row whose gradient is all zero keeping its old values: the same
+    arithmetic row by row, nothing read on the host, at the cost of table-sized temporaries."""
+    g = p.grad
+    if g.is_sparse or reads_values(g.device):
+        rows, vals = gradient_rows(g)
+        w, new = update(p[rows], vals, [s[rows] for s in states])
+        for s, n in zip(states, new):
+            s.index_copy_(0, rows, n)
+        p.index_copy_(0, rows, w)
+        return
+    has = g.ne(0).any(1)
+    w, new = update(p, g, list(states))
+    for s, n in zip(states, new):
+        s.copy_(torch.where(has.view((-1,) + (1,) * (s.dim() - 1)), n, s))
+    p.copy_(torch.where(has.unsqueeze(1), w, p))
 
 
 def gradient_rows(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -407,7 +432,8 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
     """fbgemm's row-wise Adagrad as a torch optimizer (dense or sparse gradients), weight decay
     included (:class:`RowWiseAdagrad`): the rows with a gradient are the rows updated. (With a
     dense gradient, a row looked up whose gradient is exactly zero is neither updated nor
-    decayed; the fused kernels decay it.) A dense gradient's step reads nothing on the host."""
+    decayed; the fused kernels decay it.) On CUDA a dense gradient's step reads nothing on the host
+    (:func:`update_rows`)."""
 
     def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8, weight_decay: float = 0.0,
                  weight_decay_mode: str = "l2"):
@@ -425,37 +451,20 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
                 state = self.state[p]
                 if "sum" not in state:
                     state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
-                s = state["sum"]
-                lr, wd, mode = group["lr"], group.get("weight_decay", 0.0), group.get("weight_decay_mode", "l2")
-                if not p.grad.is_sparse:  # every row, those without a gradient masked: nothing read on the host
-                    self._dense_step(p, p.grad, s, lr, group["eps"], wd, mode)
-                    continue
-                rows, vals = gradient_rows(p.grad)
-                w = p[rows]
-                decayed = vals + wd * w if wd and mode == "l2" else vals
-                s.index_add_(0, rows, decayed.pow(2).mean(1))
-                mult = (lr / (s[rows].sqrt() + group["eps"])).unsqueeze(1)
-                if wd:  # fbgemm's form: w = (1 - c) * w - mult * g
-                    keep = 1 - (mult * wd if mode == "l2" else lr * wd)
-                    p.index_copy_(0, rows, keep * w - mult * vals)
-                else:
-                    p.index_add_(0, rows, -mult * vals)
-        return loss
+                lr, eps, wd = group["lr"], group["eps"], group.get("weight_decay", 0.0)
+                mode = group.get("weight_decay_mode", "l2")
 
-    @staticmethod
-    def _dense_step(p, g, s, lr, eps, wd, mode) -> None:
-        """The step on a dense gradient ``g``, rows whose gradient is all zero left alone: the same
-        arithmetic row by row as the sparse path (a finding of the rows, ``nonzero``, would make a
-        CUDA host wait for the device every step)."""
-        has = g.ne(0).any(1)
-        decayed = g + wd * p if wd and mode == "l2" else g
-        s.add_(torch.where(has, decayed.pow(2).mean(1), 0.0))
-        mult = (lr / (s.sqrt() + eps)).unsqueeze(1)
-        if wd:  # fbgemm's form: w = (1 - c) * w - mult * g
-            keep = 1 - (mult * wd if mode == "l2" else lr * wd)
-            p.copy_(torch.where(has.unsqueeze(1), keep * p - mult * g, p))
-        else:
-            p.add_(torch.where(has.unsqueeze(1), -mult * g, 0.0))
+                def rowwise_adagrad(w, g, sums):
+                    decayed = g + wd * w if wd and mode == "l2" else g
+                    total = sums[0] + decayed.pow(2).mean(1)
+                    mult = (lr / (total.sqrt() + eps)).unsqueeze(1)
+                    if wd:  # fbgemm's form: w = (1 - c) * w - mult * g
+                        keep = 1 - (mult * wd if mode == "l2" else lr * wd)
+                        return keep * w - mult * g, [total]
+                    return w + -mult * g, [total]
+
+                update_rows(p, [state["sum"]], rowwise_adagrad)
+        return loss
 
 
 def _betas_tuple(opt, name: str) -> Tuple[float, float]:

@@ -1,6 +1,7 @@
 """Fused embedding optimizers: 20 training steps against torch.optim on the plain model."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -645,26 +646,72 @@ def test_fbgemms_cpu_kernel_ignores_weight_decay_so_another_kernel_fuses_it():
 @pytest.mark.parametrize("wd,mode", [(0.0, "l2"), (0.1, "l2"), (0.1, "decoupled")])
 def test_rowwise_adagrad_torch_steps_a_dense_gradient_as_its_rows_and_reads_nothing_on_the_host(wd, mode):
     """The fallback (data-parallel tables of a plan, tables fbgemm does not fuse) on a dense
-    gradient: the written-out update, the same numbers as on the gradient's rows given sparse, and
-    no value read on the host (a CUDA step would wait for the device otherwise)."""
+    gradient: the written-out update, the same numbers as on the gradient's rows given sparse,
+    and, as on CUDA (``sync_free``: every row at once, those without a gradient masked), no value
+    read on the host."""
+    from fxrec.runtime._tracing import sync_free
     from fxrec.testing import host_syncs
 
     w0 = torch.randn(12, 8)
-    params = [w0.clone().requires_grad_() for _ in range(3)]
-    dense, sparse = (RowWiseAdagradTorch([p], lr=0.3, weight_decay=wd, weight_decay_mode=mode) for p in params[:2])
-    ref = RowWiseAdagradReference([params[2]], lr=0.3, weight_decay=wd, mode=mode)
+    params = [w0.clone().requires_grad_() for _ in range(4)]
+    dense, as_cuda, sparse = (RowWiseAdagradTorch([p], lr=0.3, weight_decay=wd, weight_decay_mode=mode)
+                              for p in params[:3])
+    ref = RowWiseAdagradReference([params[3]], lr=0.3, weight_decay=wd, mode=mode)
     gen = torch.Generator().manual_seed(5)
     for step in range(5):
         g = torch.randn(12, 8, generator=gen)
         g[[0, 3 + step % 4]] = 0.0  # rows without a gradient this step: left alone, not decayed
         rows = torch.nonzero(g.abs().sum(1)).squeeze(1)
-        params[0].grad, params[2].grad = g.clone(), g.clone()
-        params[1].grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g[rows], (12, 8))
-        with host_syncs() as syncs:
-            dense.step()
+        params[0].grad, params[1].grad, params[3].grad = g.clone(), g.clone(), g.clone()
+        params[2].grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g[rows], (12, 8))
+        dense.step()
+        with sync_free(), host_syncs() as syncs:
+            as_cuda.step()
         assert syncs.in_fxrec() == [], syncs.in_fxrec()
         sparse.step()
         ref.step()
-    assert torch.equal(params[0], params[1]) and torch.equal(dense.state[params[0]]["sum"], sparse.state[params[1]]["sum"])
+    for other, opt in ((params[1], as_cuda), (params[2], sparse)):
+        assert torch.equal(params[0], other) and torch.equal(dense.state[params[0]]["sum"], opt.state[other]["sum"])
     assert torch.equal(params[0].detach()[0], w0[0])
-    torch.testing.assert_close(params[0], params[2], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(params[0], params[3], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["lazy_adam", "lamb", "partial_rowwise_lamb", "lars_sgd"])
+def test_the_other_fallbacks_step_a_dense_gradient_as_on_cuda_with_the_same_numbers_and_no_host_read(name):
+    """LazyAdamTorch, LazyLambTorch, PartialRowWiseLambTorch and LarsSGDTorch share update_rows:
+    on a dense gradient as on CUDA (every row, masked), as on CPU (its rows found), and on the
+    rows given sparse, the same numbers bit for bit; as on CUDA nothing read on the host."""
+    from fxrec.optim import LarsSGDTorch, LazyAdamTorch, LazyLambTorch, PartialRowWiseLambTorch
+    from fxrec.runtime._tracing import sync_free
+    from fxrec.testing import host_syncs
+
+    make = {"lazy_adam": lambda p: LazyAdamTorch(p, lr=0.05, weight_decay=0.01),
+            "lamb": lambda p: LazyLambTorch(p, lr=0.05, weight_decay=0.01),
+            "partial_rowwise_lamb": lambda p: PartialRowWiseLambTorch(p, lr=0.05),
+            "lars_sgd": lambda p: LarsSGDTorch(p, lr=0.5, eta=0.02, momentum=0.8, weight_decay=0.01)}[name]
+    import fxrec.optim
+
+    step_line = 1 + inspect.getsource(fxrec.optim).splitlines().index('                t = int(state["step"].item())')
+    w0 = torch.randn(12, 8)
+    params = [w0.clone().requires_grad_() for _ in range(3)]
+    opts = [make([p]) for p in params]
+    gen = torch.Generator().manual_seed(6)
+    for step in range(4):
+        g = torch.randn(12, 8, generator=gen)
+        g[[1, 4 + step % 3]] = 0.0
+        rows = torch.nonzero(g.abs().sum(1)).squeeze(1)
+        params[0].grad, params[1].grad = g.clone(), g.clone()
+        params[2].grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g[rows], (12, 8))
+        opts[0].step()
+        with sync_free(), host_syncs() as syncs:
+            opts[1].step()
+        # the Adam kinds read their step count: a CPU tensor, as torch.optim keeps it (no device wait)
+        want = [] if name == "lars_sgd" else [("aten::_local_scalar_dense", f"fxrec/optim.py:{step_line}")]
+        assert syncs.in_fxrec() == want, syncs.in_fxrec()
+        assert name == "lars_sgd" or opts[1].state[params[1]]["step"].device.type == "cpu"
+        opts[2].step()
+    assert torch.equal(params[0].detach()[1], w0[1])
+    for other, opt in zip(params[1:], opts[1:]):
+        assert torch.equal(params[0], other)
+        for k, v in opts[0].state[params[0]].items():
+            assert torch.equal(v, opt.state[other][k]), k
