@@ -539,6 +539,28 @@ def test_an_optimizer_whose_trust_ratio_reads_the_whole_row_is_refused_on_a_colu
            "the whole row" in msg, msg
 
 
+def _refused_on_every_rank(rank, world):
+    """World 3, the column-wise table on ranks 0 and 1 only: rank 2 holds nothing of the group."""
+    model = Model()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
+                      pins={"bags.0": "data_parallel", "bags.1": {"sharding": "column_wise", "ranks": [0, 1]},
+                            "bags.2": "data_parallel", "single": "data_parallel"})
+    try:
+        fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.LazyLamb(lr=0.1))
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    msgs = [None] * world
+    dist.all_gather_object(msgs, msg)  # (a rank that went on would be in another collective: a timeout)
+    raise ValueError(" || ".join(msgs))
+
+
+def test_a_refused_optimizer_stops_every_rank_also_one_holding_nothing_of_the_group(tmp_path):
+    msgs = error_of(tmp_path, 3, _refused_on_every_rank).split(" || ")
+    assert len(msgs) == 3 and all("tables ['bags.1'] are planned column_wise and train with LAMB" in m for m in msgs), msgs
+
+
 _CKPT_G = 24  # the global batch of the checkpoint test, at every world size
 
 

@@ -275,7 +275,8 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
             held.append(i)
             pieces.append((r, n, r.dim))
     table_of = [local.index(recs[i].weight) for i in held]
-    group = _local_group(ctx, pieces, table_of, "none", False, _fused_spec(gr, plan), gm, gr.quant) if held else None
+    fused = _fused_spec(gr, plan)  # (on every rank, as for pooled groups)
+    group = _local_group(ctx, pieces, table_of, "none", False, fused, gm, gr.quant) if held else None
     mods = (SequenceInputDist(f"{name}_input_dist", blocks, bases, rank, world, [r.feature for r in recs],
                               [r.num_rows for r in recs]),
             SequenceLookup(group, held, [r.dim for r in recs], _out_dtype(ctx, gr)),
@@ -339,7 +340,8 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
     out_dtype = _out_dtype(ctx, gr)
     summed = gr.pooling == "mean" or any(len(holders) > 1 for *_, holders, _ in pieces)
     sent = torch.float32 if summed else out_dtype
-    group = _local_group(ctx, shapes, table_of, "sum", weighted, _fused_spec(gr, plan), gm, gr.quant,
+    fused = _fused_spec(gr, plan)  # (on every rank: a refusal must stop every rank, also one holding nothing)
+    group = _local_group(ctx, shapes, table_of, "sum", weighted, fused, gm, gr.quant,
                          "fp32" if sent == torch.float32 else "") if held else None
     mods = (PooledInputDist(f"{name}_input_dist", [r.form for r, *_ in pieces], [b for _, b, *_ in pieces],
                             [base for _, _, base, *_ in pieces], weighted, rank, world, [r.feature for r, *_ in pieces],
