@@ -302,11 +302,13 @@ class PooledOutputDist(nn.Module):
                 for p, part in zip(self.held_by[r], parts):
                     got[p][r] = part
         pieces = []
+        # mean: each bag's length on this rank, [pieces, B, 1], made once for all the pieces
+        lens = dist_out[5].clamp(min=1).to(self.dtype).unsqueeze(2) if self.pooling == "mean" else None
         for p, by_rank in enumerate(got):
             parts = [by_rank[r] for r in sorted(by_rank)]
             piece = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
-            if self.pooling == "mean":
-                piece = piece / dist_out[5][p].clamp(min=1).to(piece.dtype).unsqueeze(1)
+            if lens is not None:
+                piece = piece / lens[p]
             pieces.append(piece if piece.dtype == self.out_dtype else piece.to(self.out_dtype))
         outs, at = [], 0
         for k in self.pieces_per_output:
