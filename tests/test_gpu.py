@@ -426,6 +426,17 @@ def test_quantized_inference_replays_as_a_cuda_graph():
         torch.testing.assert_close(out.float(), model(dense, ids, offsets), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("opt", ["none", "sgd", "rowwise_adagrad"])
+def test_max_gradient_clamps_as_the_plain_model_with_clamped_outputs_on_fbgemms_cuda_kernel(opt, pooling):
+    """fbgemm's gradient_clipping in its CUDA backward (fused), and fxrec's clamp before fbgemm's
+    dense backward (no fused optimizer), against the plain model with a hook clamping each lookup's
+    output gradient (tests/test_max_gradient.py, the same test on CPU)."""
+    from tests.test_max_gradient import train_clamped_against_the_plain_model
+
+    train_clamped_against_the_plain_model(opt, "fbgemm", pooling, device="cuda")
+
+
 @pytest.mark.parametrize("dim", [1024, 1028, 2048])
 def test_dims_up_to_1024_run_on_the_tbe_and_wider_ones_on_the_reference(dim):
     """fbgemm-gpu 1.6.0 gave wrong outputs for two 2048-wide tables (its "TBE v2" forward, which
@@ -458,9 +469,19 @@ def test_transform_on_the_gpu_needs_at_most_one_more_copy_of_the_tables():
         del fast
 
 
-def _nccl_worker(rank, world, init_file, result_dir):
-    """Rank ``rank`` of a mixed plan on NCCL, on cuda:rank, with fused SGD: four steps against the
-    single-process model on the same GPU."""
+TWO_GPU_PINS = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "data_parallel"}
+# one rank: every piece type of the pooled path (a table-wise table, a row-wise block, a column
+# shard) in one group's input dist, lookup and output dist, and a row-wise sequence feature
+ONE_GPU_PINS = {"bags.0": "table_wise", "bags.1": "row_wise", "bags.2": "column_wise", "single": "row_wise"}
+_NCCL_OPTS = {"sgd": lambda: fxrec.optim.SGD(lr=0.05),
+              "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.05)}
+
+
+def _nccl_worker(rank, world, init_file, result_dir, pins=TWO_GPU_PINS, opt_name="sgd", backend="nccl"):
+    """Rank ``rank`` of a plan on NCCL, on cuda:rank, with a fused optimizer: four steps against
+    the single-process plain model on the same device (its tables under the same update written
+    out: torch.optim.SGD, or row-wise Adagrad's reference). ``backend="gloo"`` runs the same on
+    the CPU (how this worker is checked where there is no GPU)."""
     import os
     from datetime import timedelta
 
@@ -468,9 +489,12 @@ def _nccl_worker(rank, world, init_file, result_dir):
 
     from tests import test_sharding as S
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     to = lambda x: tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, x)  # noqa: E731
     try:
@@ -478,23 +502,36 @@ def _nccl_worker(rank, world, init_file, result_dir):
         model = S.Model()
         ref = copy.deepcopy(model).to(dev)
         example = S.local_batch(S.global_batch(S.LOCAL_B * world, 0), rank, S.LOCAL_B)
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
-                          pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "single": "data_parallel"})
-        fast = fxrec.transform(model.to(dev), to(example), plan=plan, optimizer=fxrec.optim.SGD(lr=0.05))
-        opt = torch.optim.SGD([p for p in fast.parameters() if p.requires_grad], lr=0.05)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins,
+                          optimizer=opt_name)
+        fast = fxrec.transform(model.to(dev), to(example), plan=plan, optimizer=_NCCL_OPTS[opt_name]())
+        lookups = [m for n, m in fast.named_modules() if n.endswith("_lookup") and getattr(m, "group", None) is not None]
+        assert lookups, [n for n, _ in fast.named_modules()]
+        if backend == "nccl":  # each rank's pieces on fbgemm's TBE, as an unsharded group on CUDA
+            assert {m.group.kernel_train for m in lookups} == {"fbgemm"}, [m.group.kernel_train for m in lookups]
+        opt = fast.make_optimizer(torch.optim.SGD, lr=0.05)
+        tables = set(fast.meta["fxrec_table_optimizers"])
+        make_ref = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+                    "rowwise_adagrad": lambda p: RowWiseAdagradReference(p, lr=0.05)}[opt_name]
+        ref_opts = [make_ref([p for n, p in ref.named_parameters() if n in tables]),
+                    torch.optim.SGD([p for n, p in ref.named_parameters() if n not in tables], lr=0.05)]
         lo, hi = rank * S.LOCAL_B, (rank + 1) * S.LOCAL_B
         for step in range(4):
             x = S.global_batch(S.LOCAL_B * world, step + 1)
             want = ref(*to(x))
             got = fast(*to(S.local_batch(x, rank, S.LOCAL_B)))
             torch.testing.assert_close(got, want[lo:hi], rtol=1e-4, atol=1e-5, msg=f"step {step}")
-            ref_opt.zero_grad()
+            for o in ref_opts:
+                o.zero_grad()
             want.sum().backward()
-            ref_opt.step()
+            for o in ref_opts:
+                o.step()
             opt.zero_grad()
             got.sum().backward()
             opt.step()
+        x = S.global_batch(S.LOCAL_B * world, 99)
+        torch.testing.assert_close(fast(*to(S.local_batch(x, rank, S.LOCAL_B))), ref(*to(x))[lo:hi],
+                                   rtol=1e-4, atol=1e-5, msg="after four steps")
         dist.barrier()
         with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
             fh.write("ok")
@@ -508,6 +545,20 @@ def test_a_mixed_plan_trains_on_two_gpus_over_nccl_as_one_process_does(tmp_path)
 
     spawn(_nccl_worker, 2, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad"])
+def test_every_piece_type_of_a_sharded_group_runs_on_one_gpu_over_nccl(opt_name, tmp_path):
+    """World size 1 on NCCL: the sharded modules' CUDA code (fbgemm's bucketize on the device, the
+    all-to-alls of several tensors as bytes, the counts' all-gather, the row-wise partial sums)
+    on the one GPU there is; row-wise Adagrad cannot take a column shard, so that run has none."""
+    from tests.test_sharding import spawn
+
+    pins = dict(ONE_GPU_PINS)
+    if opt_name == "rowwise_adagrad":
+        pins["bags.2"] = "table_wise"
+    spawn(_nccl_worker, 1, str(tmp_path), pins, opt_name)
+    assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
 
 
 @pytest.mark.parametrize("dim", [1024, 1028, 2048])

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 import fxrec
 from tests import models as M
@@ -44,11 +45,19 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("backend", ["native", "reference", "fbgemm"])
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_clamped_lookup_gradients_train_as_the_plain_model_with_clamped_outputs(opt, backend, pooling):
+    train_clamped_against_the_plain_model(opt, backend, pooling)
+
+
+def train_clamped_against_the_plain_model(opt, backend, pooling, device="cpu"):
+    """Ten steps of fxrec with max_gradient= against the plain model with clamped lookup outputs
+    (and the plain model unclamped, to show the clamp mattered); ``device``: where all three run
+    (tests/test_gpu.py runs this on CUDA)."""
     cfg, make_ref_opt = OPTIMIZERS[opt]
-    model = M.BagList(rows=ROWS, mode=pooling)
+    model = M.BagList(rows=ROWS, mode=pooling).to(device)
     ref = clamp_lookup_gradients(copy.deepcopy(model), LIMIT)
     unclamped = copy.deepcopy(model)
-    fast = fxrec.transform(model, duplicate_heavy_inputs(0), optimizer=cfg, backend=backend, max_gradient=LIMIT)
+    to = lambda x: tree_map(lambda t: t.to(device), x)  # noqa: E731
+    fast = fxrec.transform(model, to(duplicate_heavy_inputs(0)), optimizer=cfg, backend=backend, max_gradient=LIMIT)
     assert "clamped to [-0.02, 0.02]" in str(fast.report)
     tables = [f"bags.{i}.weight" for i in range(3)]
     ref_opts = [make_ref_opt([p for n, p in ref.named_parameters() if n in tables]),
@@ -57,7 +66,7 @@ def test_clamped_lookup_gradients_train_as_the_plain_model_with_clamped_outputs(
                   torch.optim.SGD([p for n, p in unclamped.named_parameters() if n not in tables], lr=0.5)]
     opt_fast = fast.make_optimizer(torch.optim.SGD, lr=0.5) if cfg is not None else torch.optim.SGD(fast.parameters(), lr=0.5)
     for step in range(10):
-        x = duplicate_heavy_inputs(step + 1)
+        x = to(duplicate_heavy_inputs(step + 1))
         for m, opts in ((ref, ref_opts), (unclamped, plain_opts), (fast, [opt_fast])):
             for o in opts:
                 o.zero_grad()
