@@ -360,8 +360,8 @@ def test_a_training_step_and_a_quantized_call_never_wait_for_the_gpu():
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_bags_with_padding_ids_train_fused_without_waiting_for_the_gpu(mode):
     """Their padding ids go to the table's extra zero row (fbgemm_padding), not through a mask;
-    a mean bag's output is rescaled to the ids that are not padding, on the device. (mean: not
-    yet run on a GPU.)"""
+    a mean bag's output is rescaled to the ids that are not padding, on the device. (Both passed
+    on the H100, 2026-11-26.)"""
     from tests.test_padding_bags import PaddedBags, inputs as padded_inputs
 
     torch.manual_seed(0)
@@ -672,7 +672,8 @@ def test_an_aoti_package_made_on_the_gpu_serves_the_models_outputs(quantize):
 def test_quantized_bags_with_padding_ids_serve_without_waiting_for_the_gpu():
     """Padding ids stay in place, weighing 0 (fxrec.runtime.packing.padding_weights); the
     CUDA call equals the CPU one to fp16 rounding (fbgemm's CUDA kernel dequantizes in half
-    precision). Not yet run on a GPU."""
+    precision). Its first run on the H100 (2026-11-26) failed in the test itself: it copied the
+    inputs to the GPU inside the sync check."""
     from tests.test_padding_bags import _QuantPadded, _quant_inputs
 
     torch.manual_seed(0)
@@ -683,11 +684,12 @@ def test_quantized_bags_with_padding_ids_serve_without_waiting_for_the_gpu():
                              mode="inference", quantize="int8")
     with torch.no_grad():
         want = on_cpu(*x)
-        on_gpu(*cuda(x))
+        y = cuda(x)  # copying the inputs from pageable host memory waits: before the check, not in it
+        on_gpu(*y)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got = on_gpu(*cuda(x))
+            got = on_gpu(*y)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, **FP16_ROUNDING)
