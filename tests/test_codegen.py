@@ -48,3 +48,81 @@ def test_structure_is_checked_naming_the_input():
         without(feats, torch.rand(6))
     with pytest.raises(ValueError, match="input feats must have 2 elements"):
         fast({**feats, "extra": torch.zeros(1)}, None)
+
+
+class DenseAndBags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(20, 4, mode="sum") for _ in range(3)])
+        self.norm = nn.BatchNorm1d(12)
+        self.top = nn.Linear(12, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(self.norm(torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)], 1)))
+
+
+def dense_and_bags_inputs(seed, batch=6):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randint(0, 20, (batch * 2,), generator=g) for _ in range(3)],
+            [torch.arange(0, batch * 2, 2) for _ in range(3)])
+
+
+def test_parameters_and_buffers_are_read_through_the_module_dicts_and_are_the_models_own():
+    model = DenseAndBags()
+    ref = DenseAndBags()
+    ref.load_state_dict(model.state_dict())
+    fast = fxrec.transform(model, dense_and_bags_inputs(0))
+    assert "fxrec_attr(self, 'bags', '0', 'weight')" in fast.code and "fxrec_attr(self, 'top', 'weight')" in fast.code
+    assert "getattr(self" not in fast.code and "self.top.weight" not in fast.code, fast.code
+    for seed in (1, 2):
+        x = dense_and_bags_inputs(seed)
+        want, got = ref(*x), fast(*x)
+        torch.testing.assert_close(got, want)
+        want.sum().backward()
+        got.sum().backward()
+    for (n, a), (_, b) in zip(ref.named_parameters(), fast.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=n)  # the gradients reach the parameters fast holds
+    for (n, a), (_, b) in zip(ref.named_buffers(), fast.named_buffers()):
+        torch.testing.assert_close(b, a, msg=n)  # the running statistics were read and updated in place
+
+
+def test_a_parameter_replaced_or_parametrized_after_transform_is_the_one_read():
+    import torch.nn.utils.parametrize as P
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    model = DenseAndBags().eval()
+    fast = fxrec.transform(model, dense_and_bags_inputs(0))
+    x = dense_and_bags_inputs(3)
+    with torch.no_grad():
+        new = nn.Parameter(torch.randn(1, 12))
+        fast.top.weight = new  # a new Parameter object under the same name
+        model.top.weight = new
+        torch.testing.assert_close(fast(*x), model(*x))
+        # parametrize moves the weight out of _parameters behind a property: read by getattr
+        P.register_parametrization(fast.top, "weight", Doubled())
+        assert "weight" not in fast.top._parameters
+        expected = nn.functional.linear(model.norm(torch.cat([b(i, o) for b, i, o in zip(model.bags, *x)], 1)),
+                                        2 * new, model.top.bias)
+        torch.testing.assert_close(fast(*x), expected)
+
+
+def test_fxrec_attr_reads_what_getattr_reads_where_the_module_dicts_do_not_hold_the_name():
+    from fxrec.codegen import fxrec_attr
+
+    class Shadowed(nn.Linear):
+        pass
+
+    m = nn.Sequential(nn.Linear(3, 2))
+    assert fxrec_attr(m, "0", "weight") is m[0].weight
+    m[0].register_buffer("scale", torch.ones(2))
+    assert fxrec_attr(m, "0", "scale") is m[0].scale
+    m[0].__dict__["const"] = torch.zeros(1)  # an instance attribute, as fx keeps tensor constants
+    assert fxrec_attr(m, "0", "const") is m[0].const
+    m[0].__class__ = Shadowed
+    Shadowed.weight = property(lambda self: self._parameters["bias"])  # a class attribute wins over the dicts
+    assert fxrec_attr(m, "0", "weight") is m[0].bias
+    with pytest.raises(AttributeError):
+        fxrec_attr(m, "1", "weight")
