@@ -72,7 +72,7 @@ def test_parameters_and_buffers_are_read_through_the_module_dicts_and_are_the_mo
     ref = DenseAndBags()
     ref.load_state_dict(model.state_dict())
     fast = fxrec.transform(model, dense_and_bags_inputs(0))
-    assert "fxrec_attr(self, 'bags', '0', 'weight')" in fast.code and "fxrec_attr(self, 'top', 'weight')" in fast.code
+    assert "fxrec_attr(self, ('bags', '0'), 'weight')" in fast.code and "fxrec_attr(self, ('top',), 'weight')" in fast.code
     assert "getattr(self" not in fast.code and "self.top.weight" not in fast.code, fast.code
     for seed in (1, 2):
         x = dense_and_bags_inputs(seed)
@@ -112,17 +112,29 @@ def test_a_parameter_replaced_or_parametrized_after_transform_is_the_one_read():
 def test_fxrec_attr_reads_what_getattr_reads_where_the_module_dicts_do_not_hold_the_name():
     from fxrec.codegen import fxrec_attr
 
-    class Shadowed(nn.Linear):
-        pass
-
     m = nn.Sequential(nn.Linear(3, 2))
-    assert fxrec_attr(m, "0", "weight") is m[0].weight
+    assert fxrec_attr(m, ("0",), "weight") is m[0].weight
     m[0].register_buffer("scale", torch.ones(2))
-    assert fxrec_attr(m, "0", "scale") is m[0].scale
+    assert fxrec_attr(m, ("0",), "scale") is m[0].scale
     m[0].__dict__["const"] = torch.zeros(1)  # an instance attribute, as fx keeps tensor constants
-    assert fxrec_attr(m, "0", "const") is m[0].const
-    m[0].__class__ = Shadowed
-    Shadowed.weight = property(lambda self: self._parameters["bias"])  # a class attribute wins over the dicts
-    assert fxrec_attr(m, "0", "weight") is m[0].bias
+    assert fxrec_attr(m, ("0",), "const") is m[0].const
+    m[0].register_parameter("gone", None)
+    assert fxrec_attr(m, ("0",), "gone") is None
+    m.register_module("later", None)
+    assert fxrec_attr(m, (), "later") is None
     with pytest.raises(AttributeError):
-        fxrec_attr(m, "1", "weight")
+        fxrec_attr(m, ("1",), "weight")
+    with pytest.raises(AttributeError):
+        fxrec_attr(m, ("later",), "weight")
+    # what the dicts are trusted for: nn.Module never registers a name its class has, so a class
+    # attribute (which getattr would find first) cannot hide a registered parameter or submodule
+
+    class WithProperty(nn.Module):
+        @property
+        def w(self):
+            return None
+
+    with pytest.raises(KeyError, match="already exists"):
+        WithProperty().register_parameter("w", nn.Parameter(torch.ones(1)))
+    with pytest.raises(KeyError, match="already exists"):
+        WithProperty().add_module("w", nn.Linear(1, 1))
