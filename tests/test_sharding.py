@@ -372,7 +372,7 @@ def _error_worker(rank, world, init_file, result_file, attempt, args):
         try:
             attempt(rank, world, *args)
             msg = "no error"
-        except (ValueError, IndexError) as e:
+        except (ValueError, IndexError, TypeError) as e:
             msg = str(e)
         if rank == 0:
             with open(result_file, "w") as fh:
@@ -384,8 +384,8 @@ def _error_worker(rank, world, init_file, result_file, attempt, args):
 
 
 def error_of(tmp_path, world, attempt, *args) -> str:
-    """The message of the ValueError (or IndexError) that ``attempt(rank, world, *args)`` (a
-    module-level function) raises on rank 0 of ``world`` processes, or "no error"."""
+    """The message of the ValueError (or IndexError, TypeError) that ``attempt(rank, world, *args)``
+    (a module-level function) raises on rank 0 of ``world`` processes, or "no error"."""
     result = tmp_path / "msg"
     spawn(_error_worker, world, str(result), attempt, args)
     return result.read_text()
@@ -451,23 +451,37 @@ def test_bad_offsets_fail_on_the_rank_fed_them_naming_the_feature_and_the_other_
     for f, (start, decrease, past_nothing, batch) in zip((0, 1), (msgs[0:4], msgs[4:8])):
         assert f"offsets of feature 'ids_{f}' must start at 0, got 1" in start, start
         # rank 1 was fed them: rank 0 stops at the same step instead of waiting for it
-        assert "rank(s) [1] were fed ids or offsets they reject" in decrease, decrease
+        assert "rank(s) [1] were fed input they reject" in decrease, decrease
         assert f"offsets of feature 'ids_{f}' decrease or run past its 0 ids" in past_nothing, past_nothing
         # (the model's input guards see this one first)
         assert f"offsets of feature 'ids_{f}', table 'bags.{f}') has size 3 in dim 0" in batch, batch
 
 
-def test_an_input_dist_called_with_features_of_two_batch_sizes_names_them():
-    """Before any collective (no process group needed): what the model's input guards leave to it."""
+def _two_batch_sizes(rank, world):
+    """An input dist called directly (what the model's input guards leave to it): features of
+    two batch sizes fed to rank 0, then to rank 1; rank 0's messages."""
     from fxrec.runtime.sharded import PooledInputDist
 
-    ids = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
-    offsets = [torch.tensor([0, 1, 2]), torch.tensor([0, 1])]
+    good = ([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])], [torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2])])
+    bad = ([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], [torch.tensor([0, 1, 2]), torch.tensor([0, 1])])
     # a table-wise piece on rank 1 (one block of 10 rows) and a row-wise one (blocks of 5 from rank 0)
-    dist_module = PooledInputDist("g", ["bag", "bag"], [10, 5], [1, 0], False, 0, 2, ["a", "b"], [10, 10])
-    with pytest.raises(ValueError, match=r"g: features of one sharded group need one batch size, got "
-                                         r"\{'a': 3, 'b': 2\}"):
-        dist_module(ids, offsets, [None, None])
+    dist_module = PooledInputDist("g", ["bag", "bag"], [10, 5], [1, 0], False, rank, world, ["a", "b"], [10, 10])
+    msgs = []
+    for on in (0, 1):
+        ids, offsets = bad if rank == on else good
+        try:
+            dist_module(ids, offsets, [None, None])
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    dist_module(*good, [None, None])  # every rank still runs a good call
+    raise ValueError(" || ".join(msgs))
+
+
+def test_an_input_dist_called_with_features_of_two_batch_sizes_names_them_and_every_rank_stops(tmp_path):
+    here, there = error_of(tmp_path, 2, _two_batch_sizes).split(" || ")
+    assert "g: features of one sharded group need one batch size, got {'a': 3, 'b': 2}" in here, here
+    assert "g: rank(s) [1] were fed input they reject" in there, there
 
 
 def _plans_that_differ(rank, world):
@@ -516,8 +530,76 @@ def test_row_wise_ids_out_of_range_stop_every_rank_naming_the_feature(tmp_path):
     """fbgemm's bucketize runs before the ranks learn of the bad ids: it is fed harmless stand-ins,
     and every rank stops at the counts' exchange; the model then runs a good batch."""
     negative, past = error_of(tmp_path, 2, _row_wise_ids_out_of_range).split(" || ")
-    assert "rank(s) [1] were fed ids or offsets they reject" in negative, negative
+    assert "rank(s) [1] were fed input they reject" in negative, negative
     assert f"feature 'ids_1' looks up id {ROWS[1] + 5} in a table of {ROWS[1]} rows" in past, past
+
+
+class WeightedSharded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.EmbeddingBag(40, DIM, mode="sum")
+        self.top = nn.Linear(DIM, 1)
+
+    def forward(self, ids, offsets, psw):
+        return self.top(self.w(ids, offsets, per_sample_weights=psw)).squeeze(1)
+
+
+def _inputs_refused_on_the_host(rank, world):
+    """Rank 0's message of each case, fed to one rank: float ids of a row-wise table (rank 1),
+    float offsets of a table-wise one (rank 0), float ids of a row-wise sequence feature (rank 0
+    and rank 1 in turn), per-sample weights that need a gradient (rank 1, then rank 0); then good
+    batches, which every rank still runs as the plain model does."""
+    torch.manual_seed(0)
+    model, ref = Model(), Model()
+    ref.load_state_dict(model.state_dict())
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
+                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
+                            "single": "row_wise"}, batch_size=LOCAL_B)
+    fast = fxrec.transform(model, example, plan=plan)
+    x = global_batch(LOCAL_B * world, 1)
+    dense, ids, offsets, single = local_batch(x, rank, LOCAL_B)
+    cases = [(1, lambda: (dense, [ids[0], ids[1].float(), ids[2]], offsets, single)),
+             (0, lambda: (dense, ids, [offsets[0].float(), offsets[1], offsets[2]], single)),
+             (0, lambda: (dense, ids, offsets, single.float())),
+             (1, lambda: (dense, ids, offsets, single.float()))]
+    msgs = []
+    for on, bad in cases:
+        try:
+            fast(*(bad() if rank == on else (dense, ids, offsets, single)))
+            msgs.append("no error")
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+    torch.testing.assert_close(fast(dense, ids, offsets, single), ref(*x)[rank * LOCAL_B:(rank + 1) * LOCAL_B])
+    weighted = WeightedSharded()
+    wx = [torch.randint(0, 40, (2 * LOCAL_B,)), torch.arange(0, 2 * LOCAL_B, 2), torch.rand(2 * LOCAL_B)]
+    wplan = fxrec.plan(weighted, wx, world_size=world, memory_per_rank="1GB", pins={"w": ("table_wise", 0)})
+    wfast = fxrec.transform(weighted, wx, plan=wplan)
+    for on in (1, 0):
+        psw = wx[2].clone().requires_grad_() if rank == on else wx[2]
+        try:
+            wfast(wx[0], wx[1], psw)
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    wfast(*wx)
+    raise ValueError(" || ".join(msgs))
+
+
+def test_inputs_refused_on_the_host_stop_every_rank_naming_the_feature(tmp_path):
+    """Checks made before the exchange (dtypes, per-sample weights that need a gradient) stop every
+    rank at the counts' exchange, as the checks on the device do: the other ranks do not wait for
+    the rank fed the input until the timeout. (Float ids used to be cast to int64 by the packing,
+    and the sharded model gave an answer where the plain model refuses them.)"""
+    msgs = error_of(tmp_path, 2, _inputs_refused_on_the_host).split(" || ")
+    float_ids, float_offsets, seq_here, seq_there, psw_there, psw_here = msgs
+    stopped = "rank(s) [1] were fed input they reject"
+    assert stopped in float_ids, float_ids
+    assert "feature 'ids_0' got offsets of dtype torch.float32; offsets must be int64 or int32" in float_offsets
+    assert "feature 'single_ids' got ids of dtype torch.float32; embedding ids must be int64 or int32" in seq_here
+    assert stopped in seq_there, seq_there
+    assert stopped in psw_there, psw_there
+    assert "feature 'ids' has per-sample weights that need a gradient" in psw_here, psw_here
 
 
 def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):

@@ -157,16 +157,51 @@ def _name_bad_input(values: torch.Tensor, counts: List[int], names: List[str], r
 
 def _stop_if_rejected(flags: List[int], name: str, rank: int, name_mine) -> None:
     """Every rank stops where any rank's input check failed (``flags``: each rank's
-    :func:`_input_flag`, exchanged with the counts): the rank fed the input raises the error
-    naming its feature (``name_mine``), the others say which rank it was, instead of waiting for
-    it in the next collective until the timeout."""
+    :func:`_input_flag`, or :func:`_refuse_with_the_others`'s, exchanged with the counts): the rank
+    fed the input raises the error naming its feature (``name_mine``), the others say which rank
+    it was, instead of waiting for it in the next collective until the timeout."""
     bad = [r for r, f in enumerate(flags) if f]
     if not bad:
         return
     if rank in bad:
         name_mine()
-    raise ValueError(f"fxrec: {name}: rank(s) {bad} were fed ids or offsets they reject (their error names the "
+    raise ValueError(f"fxrec: {name}: rank(s) {bad} were fed input they reject (their error names the "
                      "feature); this rank stops too")
+
+
+_INTS = (torch.int64, torch.int32)
+
+#: What the input dists' checks on the host raise (naming the feature) before the exchange.
+HOST_CHECK_ERRORS = (ValueError, TypeError, IndexError)
+
+
+def _check_integer_inputs(ids_list, offsets_list, names: List[str], order: List[int]) -> None:
+    """Ids and offsets of int64 or int32, as nn.Embedding and nn.EmbeddingBag take (packing casts
+    to int64, so a float id would be truncated, not refused): else a TypeError naming the feature."""
+    for i in order:
+        ids, off = ids_list[i], offsets_list[i]
+        if ids.dtype not in _INTS:
+            raise TypeError(f"fxrec: feature '{names[i]}' got ids of dtype {ids.dtype}; embedding ids must be int64 "
+                            "or int32 (cast them with .long() in the model)")
+        if off is not None and off.dtype not in _INTS:
+            raise TypeError(f"fxrec: feature '{names[i]}' got offsets of dtype {off.dtype}; offsets must be int64 "
+                            "or int32")
+
+
+def _refuse_with_the_others(error: BaseException, width: int, flag_at: int, device: torch.device, name: str,
+                            rank: int) -> None:
+    """A rank whose input a check on the host refused (``error``, raised before the exchange):
+    it joins the exchange of the counts (``width`` ints, its flag at ``flag_at``, the rest 0) and
+    raises ``error``; every other rank learns the flag there and stops too, as for a check on the
+    device, instead of waiting for this rank until the timeout."""
+    row = [0] * width
+    row[flag_at] = 1
+    info = all_gather_ints(row, device, f"{name} (counts)")
+
+    def mine():
+        raise error
+
+    _stop_if_rejected([r[flag_at] for r in info], name, rank, mine)
 
 
 def _check_sample_weights(psw_list, names: List[str], order: List[int]) -> None:
@@ -204,9 +239,14 @@ class PooledInputDist(nn.Module):
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.forms)
         order = list(range(nfeat))
-        _check_sample_weights(psw_list, self.names, order)
-        lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list, psw_list,
-                                                                              order, self.weighted)
+        try:
+            _check_integer_inputs(ids_list, offsets_list, self.names, order)
+            _check_sample_weights(psw_list, self.names, order)
+            lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list,
+                                                                                  psw_list, order, self.weighted)
+        except HOST_CHECK_ERRORS as e:  # the counts below are [batch, flag, ids per (destination, piece)]
+            _refuse_with_the_others(e, 2 + self.world * nfeat, 1, ids_list[0].device, self.name, self.rank)
+            raise
         dev = values.device
         local = lengths.view(nfeat, batch)  # this rank's bag lengths (mean pooling divides by them)
         flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev), lengths, firsts) if batch \
