@@ -7,7 +7,6 @@ global tables assembled from those dumps are what every load must reproduce bit 
 import os
 import sys
 import tempfile
-from datetime import timedelta
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fxrec
-from tests.test_sharding import local_batch  # one sample slicing for every multi-process test
+from tests.test_sharding import gloo_group, local_batch  # one sample slicing for every multi-process test
 from fxrec.checkpoint import CheckpointError
 
 ROWS = (40, 64, 30, 6)  # bags.0, bags.1, bags.2, tiny (6 rows over 4 ranks row-wise: 2, 2, 2, 0)
@@ -156,12 +155,8 @@ def _column_pieces(rank, root):
 
 
 def _worker(rank, world, init_file, root, body):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, init_file, 60):
         body(rank, world, root)
-    finally:
-        dist.destroy_process_group()
     # Leave without finalizing the interpreter: in torch 2.13 a gloo worker thread can drop the last
     # reference to the tensors of DCP's final broadcast while Python finalizes, and the process then
     # aborts ("terminate called without an active exception"; ~1 run in 4 here, whatever fxrec does).

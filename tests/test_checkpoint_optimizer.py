@@ -6,7 +6,6 @@ another plan and into one process as the uninterrupted single-process run (to fl
 import copy
 import os
 import shutil
-from datetime import timedelta
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from torch import nn
 import fxrec
 from fxrec.checkpoint import CheckpointError
 from fxrec.optim import RowWiseAdagradTorch
-from tests.test_sharding import _CKPT_G, Model, _held_part, _train_fused, global_batch, local_batch, spawn
+from tests.test_sharding import (_CKPT_G, Model, _held_part, _train_fused, global_batch, gloo_group, local_batch,
+                                  spawn)
 
 # Every kind of optimizer state: torch.optim Adam on three tables (fxrec never fuses Adam on CPU),
 # Adagrad with lr_decay (not fused: its step matters) on one, and bags.1 with no fxrec optimizer,
@@ -235,9 +235,7 @@ def _world_2(rank, world, init_file, root):
     its 3 steps equal those bit for bit. It then loads the one-process checkpoint and trains 3
     steps like the single-process model. Last, one RowWiseAdagradTorch step (per-row states of
     sharded tables), saved."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         run = _train_fused(3, world, rank)
         fast, opt, plan = sharded(model(0), world, rank, PLAN_A)
         assert len(opt.fallbacks) == 2 and not opt.fused, opt  # Adam and Adagrad on this rank's tables
@@ -268,17 +266,13 @@ def _world_2(rank, world, init_file, root):
             fxrec.checkpoint.save(fast2, os.path.join(root, "bad"), optimizer=rw)
         assert not os.path.exists(os.path.join(root, "bad"))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
 def _world_4(rank, world, init_file, root):
     """Plan B (every table moves): load, 3 steps: the single-process model's 6 steps. Then the
     row-wise Adagrad checkpoint: its per-row states cut by plan B's rows."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         fast, opt, plan = sharded(model(2), world, rank, PLAN_B)
         fxrec.checkpoint.load(fast, os.path.join(root, "a"), optimizer=opt)
         _train_fused(3, world, rank)(fast, opt, 3)
@@ -295,8 +289,6 @@ def _world_4(rank, world, init_file, root):
         assert held and all(st["sum"].dim() == 1 for st in held.values()), held
         assert_holds(fast, held, ref, states(ref, [ref_rw]), plan, rank, "per-row states, world 2 -> 4")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 

@@ -5,7 +5,6 @@ gradient (written here, independently of fxrec), and fbgemm's own clipping calle
 
 import copy
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch.utils._pytree import tree_map
 import fxrec
 from tests import models as M
 from tests.test_fused_optimizers import RowWiseAdagradReference, duplicate_heavy_inputs
-from tests.test_sharding import DIM, LOCAL_B, Model, global_batch, local_batch, spawn
+from tests.test_sharding import LOCAL_B, Model, global_batch, gloo_group, local_batch, spawn
 
 ROWS = (40, 30, 20)
 LIMIT = 0.02
@@ -122,9 +121,7 @@ def test_max_gradient_is_checked():
 
 
 def _sharded_worker(rank, world, init_file, mode):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = Model(mode)
         ref = clamp_lookup_gradients(copy.deepcopy(model), LIMIT)
@@ -162,8 +159,6 @@ def _sharded_worker(rank, world, init_file, mode):
                 lo, n = (mine[0].row_offset, mine[0].num_rows) if mine else (0, 0)
                 torch.testing.assert_close(params[name].detach(), want[lo:lo + n], msg=name)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)  # (gloo's teardown at exit: see tests/test_sharding.py)
 
 

@@ -2,6 +2,7 @@
 local batch and must get the single-process model's rows of the global batch, forward and after
 ten SGD steps (tables gathered back and compared)."""
 
+import contextlib
 import copy
 import json
 import os
@@ -74,9 +75,7 @@ def _worker(rank, world, init_file, pins, mode, steps, hosts=1, recompile=False)
 
 
 def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts, recompile=False):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = Model(mode)
         ref = Model(mode)
@@ -155,6 +154,16 @@ def _train_and_compare(rank, world, init_file, pins, mode, steps, hosts, recompi
                     torch.testing.assert_close(params[name].detach(), want[sh.row_offset:sh.row_offset + sh.num_rows],
                                                msg=name)
         dist.barrier()  # no rank tears gloo down while another still talks to it
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, init_file: str, seconds: int = 120):
+    """A test worker's process group: gloo, meeting through ``init_file``, torn down however the
+    worker's body ends."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=seconds))
+    try:
+        yield
     finally:
         dist.destroy_process_group()
 
@@ -241,9 +250,7 @@ def test_a_rank_that_does_not_arrive_fails_the_others_with_a_timeout_error(tmp_p
 
 
 def _uneven_worker(rank, world, init_file, result_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, init_file, 60):
         torch.manual_seed(0)
         model = Model()
         example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
@@ -256,8 +263,6 @@ def _uneven_worker(rank, world, init_file, result_file):
             with open(f"{result_file}.{rank}", "w") as fh:
                 fh.write(str(e))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)  # (torch 2.13 + gloo: a process sometimes aborts in its destructors at exit)
 
 
@@ -284,9 +289,7 @@ _FUSED = {"sgd": lambda: fxrec.optim.SGD(lr=0.1), "adagrad": lambda: fxrec.optim
 
 
 def _fused_worker(rank, world, init_file, pins, opt_name, steps, backend="auto"):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = Model()
         single = fxrec.transform(copy.deepcopy(model), global_batch(LOCAL_B * world, 0), optimizer=_FUSED[opt_name]())
@@ -321,8 +324,6 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps, backend="auto")
                 torch.testing.assert_close(params[name].detach(), _held_part(want, tp, rank), rtol=1e-5, atol=1e-6,
                                            msg=name)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
@@ -366,9 +367,7 @@ def test_fused_optimizers_on_a_mixed_plan_match_the_single_process_fused_model(o
 
 
 def _error_worker(rank, world, init_file, result_file, attempt, args):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, init_file, 60):
         try:
             attempt(rank, world, *args)
             msg = "no error"
@@ -378,8 +377,6 @@ def _error_worker(rank, world, init_file, result_file, attempt, args):
             with open(result_file, "w") as fh:
                 fh.write(msg)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
@@ -668,9 +665,7 @@ def _train_fused(steps, world, rank=None):
 def _ckpt_worker(rank, world, init_file, opt_name, ckpt, phase):
     """phase 0 (world size 2): 3 steps under plan A, save. phase 1 (world size 4): load under plan
     B (and into one process), 3 more steps; both equal 6 uninterrupted single-process fused steps."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = Model()
         example = local_batch(global_batch(_CKPT_G, 0), rank, _CKPT_G // world)
@@ -701,8 +696,6 @@ def _ckpt_worker(rank, world, init_file, opt_name, ckpt, phase):
                     torch.testing.assert_close(params[name].detach(), _held_part(want, tp, rank), rtol=1e-5,
                                                atol=1e-6, msg=f"rank {rank}: {name}")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
@@ -720,9 +713,7 @@ def _host_waits_worker(rank, world, init_file, result_file):
     from fxrec.runtime._tracing import sync_free
     from fxrec.testing import host_syncs
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = Model()
         example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
@@ -748,8 +739,6 @@ def _host_waits_worker(rank, world, init_file, result_file):
             with open(result_file, "w") as fh:
                 json.dump({"events": syncs.in_fxrec(), "dists": dists}, fh)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 

@@ -5,7 +5,6 @@ summing communication hook), except tables with sparse gradients, which keep one
 
 import copy
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -14,7 +13,7 @@ from torch import nn
 
 import fxrec
 
-from .test_sharding import LOCAL_B, error_of, global_batch, local_batch, spawn
+from .test_sharding import LOCAL_B, error_of, global_batch, gloo_group, local_batch, spawn
 
 ROWS = (40, 64, 30, 50)
 
@@ -36,9 +35,7 @@ class SparseModel(nn.Module):
 
 
 def _worker(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = SparseModel()
         ref = copy.deepcopy(model)
@@ -64,8 +61,6 @@ def _worker(rank, world, init_file):
         for name in ("mlp.0.weight", "mlp.2.bias", "bags.1.weight", "bags.2.weight"):
             torch.testing.assert_close(params[name].detach(), ref.get_parameter(name).detach(), msg=name)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 

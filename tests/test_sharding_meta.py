@@ -3,10 +3,8 @@ holds (checked in bytes, and by the peak memory of a rank that does not own a 1 
 initialised by the tables' own reset_parameters, the whole tensors equal on every rank, and
 after ``fxrec.checkpoint.load`` the model trains exactly as the plain model."""
 
-import copy
 import os
 import resource
-from datetime import timedelta
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from torch import nn
 
 import fxrec
 
-from .test_sharding import LOCAL_B, Model, global_batch, local_batch, spawn
+from .test_sharding import LOCAL_B, Model, global_batch, gloo_group, local_batch, spawn
 
 PINS = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": {"sharding": "column_wise", "ranks": [1, 0]},
         "single": "data_parallel"}
@@ -28,9 +26,7 @@ def _held_bytes(fast: nn.Module) -> int:
 
 
 def _worker(rank, world, init_file, ckpt):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(rank)  # every rank draws other numbers: the whole tensors must still agree
         with torch.device("meta"):
             model = Model()
@@ -72,8 +68,6 @@ def _worker(rank, world, init_file, ckpt):
                 loss.backward()
                 o.step()
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
@@ -95,9 +89,7 @@ class _Big(nn.Module):
 
 
 def _big_worker(rank, world, init_file, on_meta, fp16=False):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    try:
+    with gloo_group(rank, world, init_file, 300):
         with torch.device("meta" if on_meta else "cpu"):
             model = _Big()
         ex = (torch.tensor([1, 7_999_999]), torch.tensor([0, 1]), torch.tensor([3, 4]), torch.tensor([0, 1]))
@@ -132,8 +124,6 @@ def _big_worker(rank, world, init_file, on_meta, fp16=False):
                     torch.testing.assert_close(fast.get_parameter("big.weight")[::100_000].detach(),
                                                model.big.weight[::100_000].detach(), rtol=0, atol=0)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 

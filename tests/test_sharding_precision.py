@@ -6,7 +6,6 @@ with the plain model)."""
 
 import copy
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 import fxrec
 from tests.test_sharding import (
-    _FUSED, LOCAL_B, Model, _held_part, error_of, global_batch, held_bytes, local_batch, spawn,
+    _FUSED, LOCAL_B, Model, _held_part, error_of, global_batch, gloo_group, held_bytes, local_batch, spawn,
 )
 from tests.test_weights_precision import within_one_rounding_step
 
@@ -29,9 +28,7 @@ def _pins(opt_name):
 
 
 def _train_worker(rank, world, init_file, opt_name):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = Model()
         # the reference stores the tables the plan shards in fp16 and keeps the data-parallel one fp32
@@ -85,8 +82,6 @@ def _train_worker(rank, world, init_file, opt_name):
         held = held_bytes(fast, plan, opt)  # 2 bytes a stored value: the plan counted them so
         assert held == plan.rank_bytes()[rank], (held, plan.rank_bytes()[rank])
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
@@ -114,9 +109,7 @@ def _ckpt_worker(rank, world, init_file, ckpt, phase):
     """phase 0 (world size 2): 3 steps under plan A, save. phase 1 (world size 4): load under plan
     B, where every table moves, and into one process; the shards and fused states are the saved
     ones exactly, and 3 more steps go as in one process."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = Model()
         b = _G // world
@@ -172,8 +165,6 @@ def _ckpt_worker(rank, world, init_file, ckpt, phase):
                 step(fast, opt, s, False)
                 step(one, one_opt, s, True)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
@@ -225,9 +216,7 @@ def test_refusals_name_the_table_and_what_to_do(tmp_path):
 def _meta_and_sequence_worker(rank, world, init_file):
     from tests import test_sharding_sequence as S
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         with torch.device("meta"):  # a model that never exists whole: each rank makes its fp16 shards
             model = Model()
         example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
@@ -260,8 +249,6 @@ def _meta_and_sequence_worker(rank, world, init_file):
                 out.sum().backward()
                 o.step()
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 

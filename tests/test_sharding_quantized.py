@@ -3,7 +3,6 @@ fbgemm's IntNBit TBE and every rank gets the single-process quantized model's ro
 batch, for pooled (table-wise, row-wise, column-wise fp16) and sequence features."""
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch.distributed as dist
 
 import fxrec
 
-from .test_sharding import LOCAL_B, Model, error_of, global_batch, local_batch, spawn
+from .test_sharding import LOCAL_B, Model, error_of, global_batch, gloo_group, local_batch, spawn
 from .test_sharding_sequence import SeqModel, batch_of, global_of
 
 
@@ -32,9 +31,7 @@ class _Fp16SeqModel(SeqModel):
 
 
 def _worker(rank, world, init_file, which, pins, quantize, output_dtype="fp32"):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         if which == "pooled":
             model = Model() if output_dtype == "fp32" else _Fp16Model()
@@ -67,8 +64,6 @@ def _worker(rank, world, init_file, which, pins, quantize, output_dtype="fp32"):
                 tol = dict(rtol=2e-3, atol=2e-3) if output_dtype == "fp16" else {}  # fp16 partial sums
                 torch.testing.assert_close(got, want, **tol)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
@@ -110,9 +105,7 @@ class _MeanOf300(torch.nn.Module):
 
 
 def _mean_fp16_worker(rank, world, init_file, pin):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = _MeanOf300()
         g = torch.Generator().manual_seed(rank)
@@ -128,8 +121,6 @@ def _mean_fp16_worker(rank, world, init_file, pin):
         assert got.dtype == torch.float16 and bool(torch.all(got[:, :8] == 300.0)), got[:, :8]
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 

@@ -9,12 +9,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from datetime import timedelta
 from torch import nn
 
 import fxrec
 
-from .test_sharding import _FUSED, _held_part, error_of, spawn
+from .test_sharding import _FUSED, _held_part, error_of, gloo_group, spawn
 
 ROWS = {"hist": 40, "cat": 30, "bag": 50}
 B = 3
@@ -62,9 +61,7 @@ def global_of(xs):
 
 
 def _worker(rank, world, init_file, pins, opt_name, steps, hosts):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         model = SeqModel()
         fused = _FUSED[opt_name]() if opt_name else None
@@ -114,8 +111,6 @@ def _worker(rank, world, init_file, pins, opt_name, steps, hosts):
             torch.testing.assert_close(params[name].detach(), _held_part(want, tp, rank), rtol=1e-5, atol=1e-6,
                                        msg=name)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     os._exit(0)
 
 
