@@ -99,35 +99,38 @@ def leaf_paths(in_spec, arg_names: List[str]) -> List[str]:
 
 def fxrec_attr(root, modules: Tuple[str, ...], name: str):
     """``root.<modules...>.<name>``, as fx's ``getattr`` chain reads it, through the module dicts
-    where they hold it: a chain of submodules (``_modules``) ending in a parameter. Anything else
-    (a buffer, a parameter registered as None, an attribute set on an instance, a property such as
-    torch.nn.utils.parametrize puts in place of a parameter, which it takes out of
-    ``_parameters``) is read by ``getattr``. The dicts never hold a name the module's class has
-    (nn.Module's register_parameter and add_module refuse one), so the two reads agree; a class
-    given such an attribute by hand after the parameter was registered is not followed."""
-    try:
-        mod = root
-        for m in modules:
-            mod = mod._modules[m]
-        got = mod._parameters[name]
+    where they hold it: a chain of submodules (``_modules``) ending in a parameter or buffer.
+    Anything else (a parameter or buffer registered as None, an attribute set on an instance, a
+    property such as torch.nn.utils.parametrize puts in place of a parameter, which it takes out
+    of ``_parameters``) is read by ``getattr``. The dicts never hold a name the module's class
+    has (nn.Module's register_parameter, register_buffer and add_module refuse one), so the two
+    reads agree; a class given such an attribute by hand after the name was registered is not
+    followed."""
+    mod = root
+    for m in modules:
+        mod = mod._modules.get(m)
+        if mod is None:
+            break
+    else:
+        got = mod._parameters.get(name)
+        if got is None:
+            got = mod._buffers.get(name)
         if got is not None:
             return got
-    except (KeyError, AttributeError):
-        pass
     for m in modules:
         root = getattr(root, m)
     return getattr(root, name)
 
 
-def _fast_attr_lines(src: str, nodes, root_module: str) -> str:
-    """``src`` with each get_attr node's line reading through :func:`fxrec_attr` (one line for
-    one: the line numbers fx maps to nodes stay)."""
+def _fast_attr_lines(src: str, nodes, root_module: str, fn: str = "fxrec_attr") -> str:
+    """``src`` with each get_attr node's line reading through :func:`fxrec_attr`, known to the
+    code as ``fn`` (one line for one: the line numbers fx maps to nodes stay)."""
     rewrite = {}
     for node in nodes:
         if node.op == "get_attr" and isinstance(node.target, str):
             fx_form = fx.graph._format_target(root_module, node.target)
             *modules, name = node.target.split(".")
-            rewrite[repr(node)] = (" = " + fx_form, f" = fxrec_attr({root_module}, {tuple(modules)!r}, {name!r})")
+            rewrite[repr(node)] = (" = " + fx_form, f" = {fn}({root_module}, {tuple(modules)!r}, {name!r})")
     if not rewrite:
         return src
     lines = src.split("\n")
@@ -157,8 +160,11 @@ class StructuredCodeGen(fx.graph.CodeGen):
 
     def _gen_python_code(self, nodes, root_module, *args, **kwargs):
         code = super()._gen_python_code(nodes, root_module, *args, **kwargs)
-        if not self.typed:  # TorchScript reads attributes its own way, and cannot read these dicts
-            code.src = _fast_attr_lines(code.src, nodes, root_module)
+        # (fx names its globals apart from the graph's names: a model with an input or a parameter
+        # called fxrec_attr gets the function as fxrec_attr_1)
+        fn = next((k for k, v in code.globals.items() if v is fxrec_attr), None)
+        if not self.typed and fn is not None:  # TorchScript reads attributes its own way, not these dicts
+            code.src = _fast_attr_lines(code.src, nodes, root_module, fn)
         return code
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs) -> str:

@@ -138,3 +138,33 @@ def test_fxrec_attr_reads_what_getattr_reads_where_the_module_dicts_do_not_hold_
         WithProperty().register_parameter("w", nn.Parameter(torch.ones(1)))
     with pytest.raises(KeyError, match="already exists"):
         WithProperty().add_module("w", nn.Linear(1, 1))
+
+
+class NamedLikeTheReader(nn.Module):
+    """An input and a parameter named like the function the generated forward reads parameters with."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 4, mode="sum")
+        self.fxrec_attr = nn.Parameter(torch.rand(4))
+        self.top = nn.Linear(4 + 3, 1)
+
+    def forward(self, ids, offsets, fxrec_attr):
+        return self.top(torch.cat([self.bag(ids, offsets) * self.fxrec_attr, fxrec_attr], 1))
+
+
+def test_a_model_with_names_like_the_attribute_reader_runs():
+    """fx gives the reader another name in the code (fxrec_attr_1) when the graph has the name."""
+    model = NamedLikeTheReader()
+    x = (torch.randint(0, 20, (12,)), torch.arange(0, 12, 2), torch.rand(6, 3))
+    fast = fxrec.transform(model, x)
+    assert "fxrec_attr_2(self, ('bag',), 'weight')" in fast.code, fast.code  # (the parameter took _1)
+    torch.testing.assert_close(fast(*x), model(*x))
+
+
+def test_buffers_are_read_through_the_dicts_too():
+    from fxrec.codegen import fxrec_attr
+
+    m = nn.Sequential(nn.BatchNorm1d(3))
+    assert fxrec_attr(m, ("0",), "running_mean") is m[0].running_mean
+    assert fxrec_attr(m, ("0",), "training") is True  # not a tensor: getattr's answer

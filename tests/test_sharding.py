@@ -544,8 +544,8 @@ class WeightedSharded(nn.Module):
 def _inputs_refused_on_the_host(rank, world):
     """Rank 0's message of each case, fed to one rank: float ids of a row-wise table (rank 1),
     float offsets of a table-wise one (rank 0), float ids of a row-wise sequence feature (rank 0
-    and rank 1 in turn), per-sample weights that need a gradient (rank 1, then rank 0); then good
-    batches, which every rank still runs as the plain model does."""
+    and rank 1 in turn), per-sample weights that need a gradient (rank 1, then rank 0) or are
+    float64 (rank 0); then good batches, which every rank still runs as the plain model does."""
     torch.manual_seed(0)
     model, ref = Model(), Model()
     ref.load_state_dict(model.state_dict())
@@ -572,12 +572,12 @@ def _inputs_refused_on_the_host(rank, world):
     wx = [torch.randint(0, 40, (2 * LOCAL_B,)), torch.arange(0, 2 * LOCAL_B, 2), torch.rand(2 * LOCAL_B)]
     wplan = fxrec.plan(weighted, wx, world_size=world, memory_per_rank="1GB", pins={"w": ("table_wise", 0)})
     wfast = fxrec.transform(weighted, wx, plan=wplan)
-    for on in (1, 0):
-        psw = wx[2].clone().requires_grad_() if rank == on else wx[2]
+    for on, bad in ((1, lambda: wx[2].clone().requires_grad_()), (0, lambda: wx[2].clone().requires_grad_()),
+                    (0, lambda: wx[2].double())):
         try:
-            wfast(wx[0], wx[1], psw)
+            wfast(wx[0], wx[1], bad() if rank == on else wx[2])
             msgs.append("no error")
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             msgs.append(str(e))
     wfast(*wx)
     raise ValueError(" || ".join(msgs))
@@ -589,7 +589,7 @@ def test_inputs_refused_on_the_host_stop_every_rank_naming_the_feature(tmp_path)
     the rank fed the input until the timeout. (Float ids used to be cast to int64 by the packing,
     and the sharded model gave an answer where the plain model refuses them.)"""
     msgs = error_of(tmp_path, 2, _inputs_refused_on_the_host).split(" || ")
-    float_ids, float_offsets, seq_here, seq_there, psw_there, psw_here = msgs
+    float_ids, float_offsets, seq_here, seq_there, psw_there, psw_here, psw_double = msgs
     stopped = "rank(s) [1] were fed input they reject"
     assert stopped in float_ids, float_ids
     assert "feature 'ids_0' got offsets of dtype torch.float32; offsets must be int64 or int32" in float_offsets
@@ -597,6 +597,7 @@ def test_inputs_refused_on_the_host_stop_every_rank_naming_the_feature(tmp_path)
     assert stopped in seq_there, seq_there
     assert stopped in psw_there, psw_there
     assert "feature 'ids' has per-sample weights that need a gradient" in psw_here, psw_here
+    assert "feature 'ids' got per-sample weights of dtype torch.float64; they must be torch.float32" in psw_double
 
 
 def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):

@@ -175,9 +175,11 @@ _INTS = (torch.int64, torch.int32)
 HOST_CHECK_ERRORS = (ValueError, TypeError, IndexError)
 
 
-def _check_integer_inputs(ids_list, offsets_list, names: List[str], order: List[int]) -> None:
-    """Ids and offsets of int64 or int32, as nn.Embedding and nn.EmbeddingBag take (packing casts
-    to int64, so a float id would be truncated, not refused): else a TypeError naming the feature."""
+def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], order: List[int]) -> None:
+    """Ids and offsets of int64 or int32, as nn.Embedding and nn.EmbeddingBag take, and per-sample
+    weights of float32, the sharded tables' dtype, as nn.EmbeddingBag wants its weight's (packing
+    casts ids to int64 and weights to float32, so a float id would be truncated, not refused):
+    else a TypeError naming the feature."""
     for i in order:
         ids, off = ids_list[i], offsets_list[i]
         if ids.dtype not in _INTS:
@@ -186,6 +188,10 @@ def _check_integer_inputs(ids_list, offsets_list, names: List[str], order: List[
         if off is not None and off.dtype not in _INTS:
             raise TypeError(f"fxrec: feature '{names[i]}' got offsets of dtype {off.dtype}; offsets must be int64 "
                             "or int32")
+        psw = psw_list[i]
+        if psw is not None and psw.dtype != torch.float32:
+            raise TypeError(f"fxrec: feature '{names[i]}' got per-sample weights of dtype {psw.dtype}; they must be "
+                            "torch.float32, the dtype of its table")
 
 
 def _refuse_with_the_others(error: BaseException, width: int, flag_at: int, device: torch.device, name: str,
@@ -240,7 +246,7 @@ class PooledInputDist(nn.Module):
         nfeat = len(self.forms)
         order = list(range(nfeat))
         try:
-            _check_integer_inputs(ids_list, offsets_list, self.names, order)
+            _check_input_dtypes(ids_list, offsets_list, psw_list, self.names, order)
             _check_sample_weights(psw_list, self.names, order)
             lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list,
                                                                                   psw_list, order, self.weighted)
