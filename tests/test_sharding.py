@@ -583,6 +583,53 @@ def _inputs_refused_on_the_host(rank, world):
     raise ValueError(" || ".join(msgs))
 
 
+def _wrong_sizes_on_one_rank(rank, world, pins):
+    """Rank 0's message of each case: dense inputs of the wrong width fed to rank 1, then to rank
+    0, then a batch whose dense input and ids disagree in size (rank 1); then three training steps
+    on good batches, which must match the single-process model (a rank that raised before the
+    first exchange used to leave the others waiting there, and their wait was answered by its
+    next step)."""
+    torch.manual_seed(0)
+    model, ref = Model(), Model()
+    ref.load_state_dict(model.state_dict())
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB", pins=pins,
+                      batch_size=LOCAL_B)
+    fast = fxrec.transform(model, example, plan=plan)
+    dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
+    cases = [(1, lambda: (torch.rand(LOCAL_B, 5), ids, offsets, single)),
+             (0, lambda: (torch.rand(LOCAL_B, 5), ids, offsets, single)),
+             (1, lambda: (dense[:-1], ids, offsets, single))]
+    msgs = []
+    for on, bad in cases:
+        try:
+            fast(*(bad() if rank == on else (dense, ids, offsets, single)))
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(3):
+        x = global_batch(LOCAL_B * world, step + 2)
+        want, got = ref(*x), fast(*local_batch(x, rank, LOCAL_B))
+        torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step}")
+        for o, out in ((ref_opt, want.sum()), (opt, got.sum())):
+            o.zero_grad()
+            out.backward()
+            o.step()
+    raise ValueError(" || ".join(msgs))
+
+
+def test_inputs_of_the_wrong_size_on_one_rank_stop_every_rank_at_the_first_exchange(tmp_path):
+    """The model's input guards raise before any collective; in a sharded model the rank fed the
+    input joins the first input dist's exchange and every rank stops there (a sequence dist's:
+    tests/test_sharding_sequence.py)."""
+    pins = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0), "single": "row_wise"}
+    there, here, mismatched = error_of(tmp_path, 2, _wrong_sizes_on_one_rank, pins).split(" || ")
+    assert "rank(s) [1] were fed input they reject" in there, there
+    assert "input dense" in here and "size 5 in dim 1" in here, here
+    assert "rank(s) [1] were fed input they reject" in mismatched, mismatched
+
+
 def test_inputs_refused_on_the_host_stop_every_rank_naming_the_feature(tmp_path):
     """Checks made before the exchange (dtypes, per-sample weights that need a gradient) stop every
     rank at the counts' exchange, as the checks on the device do: the other ranks do not wait for

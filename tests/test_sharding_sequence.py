@@ -163,3 +163,34 @@ def _column_wise_unpooled(rank, world):
 def test_a_column_wise_plan_of_an_unpooled_table_is_refused_naming_it(tmp_path):
     msg = error_of(tmp_path, 2, _column_wise_unpooled)
     assert "'hist'" in msg and "unpooled" in msg and "column_wise" in msg, msg
+
+
+def _wrong_sizes_on_one_rank(rank, world):
+    """Rank 0's messages: a target batch one short fed to rank 1, then to rank 0; then a good
+    batch, which every rank runs as the plain model does."""
+    torch.manual_seed(0)
+    model, ref = SeqModel(), SeqModel()
+    ref.load_state_dict(model.state_dict())
+    xs = [batch_of(r, 0, uneven=False) for r in range(world)]
+    plan = fxrec.plan(model, xs[rank], world_size=world, memory_per_rank="1GB",
+                      pins={"hist": "row_wise", "cat": ("table_wise", 1), "bag": ("table_wise", 0)})
+    fast = fxrec.transform(model, xs[rank], plan=plan)
+    first = fast.fxrec_check_inputs.first_exchange
+    assert first is not None and first[0].endswith("input_dist") and first[2] == 0, first  # a sequence dist's
+    x = xs[rank]
+    msgs = []
+    for on in (1, 0):
+        try:
+            fast(*((x[0][:-1],) + x[1:] if rank == on else x))
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    good = [batch_of(r, 1, uneven=False) for r in range(world)]
+    torch.testing.assert_close(fast(*good[rank]), ref(*global_of(good))[rank * B:(rank + 1) * B])
+    raise ValueError(" || ".join(msgs))
+
+
+def test_inputs_of_the_wrong_size_on_one_rank_stop_every_rank_at_the_first_sequence_exchange(tmp_path):
+    there, here = error_of(tmp_path, 2, _wrong_sizes_on_one_rank).split(" || ")
+    assert "rank(s) [1] were fed input they reject" in there, there
+    assert "input target" in here, here

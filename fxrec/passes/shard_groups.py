@@ -63,6 +63,7 @@ from .. import meta
 from ..report import LookupEntry
 from ..group_module import hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..capture import GUARDS_NAME
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
@@ -365,7 +366,6 @@ def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
 @compiler_pass(needs=("groups",), provides=(meta.ORIGIN, "sharded"))
 def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     plan, rank = ctx.config.plan, ctx.config.rank
-    world = plan.topology.world_size
     graph = gm.graph
     stats = {"table_wise": 0, "column_wise": 0, "row_wise": 0, "table_row_wise": 0, "data_parallel": 0}
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
@@ -435,5 +435,20 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             layout[r.param] = ((r.num_rows, r.dim), pieces)
     gm.meta["fxrec_shard_layout"] = layout
     stats["tables_not_on_this_rank"] = removed
+    _guards_join_the_first_exchange(gm, rank)
     return PassResult(gm, True, stats)
+
+
+def _guards_join_the_first_exchange(gm: fx.GraphModule, rank: int) -> None:
+    """The model's input guards raise on the rank fed the wrong sizes, before any collective: in a
+    sharded model they are told the step's first exchange (the first input dist in graph order),
+    which that rank joins with its flag set, so that every rank stops there."""
+    guards = getattr(gm, GUARDS_NAME, None)
+    if guards is None or not hasattr(guards, "first_exchange"):
+        return
+    first = next((n for n in gm.graph.nodes if n.op == "call_module"
+                  and isinstance(gm.get_submodule(n.target), (PooledInputDist, SequenceInputDist))), None)
+    if first is not None:
+        dist_module = gm.get_submodule(first.target)
+        guards.first_exchange = (dist_module.name, *dist_module.exchange_shape(), rank)
 

@@ -65,6 +65,9 @@ class InputGuards(torch.nn.Module):
         self.conditions = list(conditions)
         self.values = dict(values or {})
         self.roles: Dict[int, str] = {}  # input index -> what it feeds, filled in after the passes
+        # a sharded model's first exchange of a step, (input dist, ints sent, flag at, rank): set
+        # by shard_groups; a rank whose inputs fail joins it (see forward)
+        self.first_exchange: Optional[Tuple[str, int, int, int]] = None
         self._fn = self._build()
 
     # ------------------------------------------------------------------ the fast check
@@ -146,7 +149,27 @@ class InputGuards(torch.nn.Module):
         except Exception:  # noqa: BLE001 - e.g. a condition divides by a size that is 0 here
             ok = False
         if not ok:
-            raise InputShapeError(self.explain(inputs))
+            error = InputShapeError(self.explain(inputs))
+            self._stop_every_rank(error, inputs)
+            raise error
+
+    def _stop_every_rank(self, error: InputShapeError, inputs: Sequence) -> None:
+        """In a sharded model the other ranks are by now waiting in the first input dist's exchange
+        of the counts: this rank joins it with its input flag set and raises ``error`` there, and
+        they stop too, naming this rank (instead of waiting until the timeout, or pairing that
+        exchange with this rank's next step). Nothing in an unsharded model."""
+        first = getattr(self, "first_exchange", None)  # (absent from guards pickled before it was)
+        import torch.distributed as dist
+
+        if first is None or not dist.is_available() or not dist.is_initialized():
+            return
+        from .sharded import refuse_with_the_others
+
+        name, width, flag_at, rank = first
+        device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        if dist.get_backend() == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        refuse_with_the_others(error, width, flag_at, device, name, rank)
 
     # ------------------------------------------------------------------ the message
     def _name(self, k: int) -> str:

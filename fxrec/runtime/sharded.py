@@ -157,7 +157,7 @@ def _name_bad_input(values: torch.Tensor, counts: List[int], names: List[str], r
 
 def _stop_if_rejected(flags: List[int], name: str, rank: int, name_mine) -> None:
     """Every rank stops where any rank's input check failed (``flags``: each rank's
-    :func:`_input_flag`, or :func:`_refuse_with_the_others`'s, exchanged with the counts): the rank
+    :func:`_input_flag`, or :func:`refuse_with_the_others`'s, exchanged with the counts): the rank
     fed the input raises the error naming its feature (``name_mine``), the others say which rank
     it was, instead of waiting for it in the next collective until the timeout."""
     bad = [r for r, f in enumerate(flags) if f]
@@ -194,12 +194,14 @@ def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], orde
                             "torch.float32, the dtype of its table")
 
 
-def _refuse_with_the_others(error: BaseException, width: int, flag_at: int, device: torch.device, name: str,
-                            rank: int) -> None:
+def refuse_with_the_others(error: BaseException, width: int, flag_at: int, device: torch.device, name: str,
+                           rank: int) -> None:
     """A rank whose input a check on the host refused (``error``, raised before the exchange):
-    it joins the exchange of the counts (``width`` ints, its flag at ``flag_at``, the rest 0) and
-    raises ``error``; every other rank learns the flag there and stops too, as for a check on the
-    device, instead of waiting for this rank until the timeout."""
+    it joins the exchange of the counts (``width`` ints, its flag at ``flag_at``, the rest 0; an
+    input dist's :meth:`~PooledInputDist.exchange_shape`) and raises ``error``; every other rank
+    learns the flag there and stops too, as for a check on the device, instead of waiting for this
+    rank until the timeout. Also what the model's input guards do in a sharded model, at the
+    first input dist's exchange (:class:`~fxrec.runtime.input_guards.InputGuards`)."""
     row = [0] * width
     row[flag_at] = 1
     info = all_gather_ints(row, device, f"{name} (counts)")
@@ -242,6 +244,11 @@ class PooledInputDist(nn.Module):
         self.names, self.rows = list(names), list(rows)
         self.rank, self.world = rank, world
 
+    def exchange_shape(self):
+        """``(ints each rank sends, where its input flag is)`` in the exchange of the counts:
+        ``[batch, flag, ids per (destination, piece)]``."""
+        return 2 + self.world * len(self.forms), 1
+
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.forms)
         order = list(range(nfeat))
@@ -250,8 +257,8 @@ class PooledInputDist(nn.Module):
             _check_sample_weights(psw_list, self.names, order)
             lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list,
                                                                                   psw_list, order, self.weighted)
-        except HOST_CHECK_ERRORS as e:  # the counts below are [batch, flag, ids per (destination, piece)]
-            _refuse_with_the_others(e, 2 + self.world * nfeat, 1, ids_list[0].device, self.name, self.rank)
+        except HOST_CHECK_ERRORS as e:
+            refuse_with_the_others(e, *self.exchange_shape(), ids_list[0].device, self.name, self.rank)
             raise
         dev = values.device
         local = lengths.view(nfeat, batch)  # this rank's bag lengths (mean pooling divides by them)

@@ -23,7 +23,7 @@ from .collectives import all_gather_ints, all_to_all, ints_on
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows
 from .sharded import (HOST_CHECK_ERRORS, _call, _check_input_dtypes, _consts, _input_flag, _name_bad_input,
-                      _refuse_with_the_others, _stop_if_rejected)
+                      _stop_if_rejected, refuse_with_the_others)
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -61,12 +61,17 @@ class SequenceInputDist(nn.Module):
         self.name, self.blocks, self.bases = name, list(blocks), list(bases)
         self.names, self.rows, self.rank, self.world = list(names), list(rows), rank, world
 
+    def exchange_shape(self):
+        """``(ints each rank sends, where its input flag is)`` in the exchange of the counts:
+        ``[flag, ids per (destination, feature)]``."""
+        return 1 + self.world * len(self.blocks), 0
+
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.blocks)
         try:
             _check_input_dtypes(ids_list, [None] * nfeat, [None] * nfeat, self.names, list(range(nfeat)))
-        except HOST_CHECK_ERRORS as e:  # the counts below are [flag, ids per (destination, feature)]
-            _refuse_with_the_others(e, 1 + self.world * nfeat, 0, ids_list[0].device, self.name, self.rank)
+        except HOST_CHECK_ERRORS as e:
+            refuse_with_the_others(e, *self.exchange_shape(), ids_list[0].device, self.name, self.rank)
             raise
         values = torch.cat([ids.reshape(-1) for ids in ids_list]).long()  # int32 and int64 ids together: int64
         dev = values.device
