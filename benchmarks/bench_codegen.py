@@ -65,7 +65,7 @@ def bench_shape(cfg, device, rounds):
     try:
         for _ in range(rounds):
             for form in FORMS:
-                codegen._fast_attr_lines = rewrite if form == "fxrec_attr" else (lambda src, nodes, root: src)
+                codegen._fast_attr_lines = rewrite if form == "fxrec_attr" else (lambda src, *rest: src)
                 fwd.recompile()
                 sgd.recompile()
                 assert ("fxrec_attr(" in fwd.code) == (form == "fxrec_attr"), fwd.code[:2000]
