@@ -380,6 +380,16 @@ def _error_worker(rank, world, init_file, result_file, attempt, args):
     os._exit(0)
 
 
+def message_of(call) -> str:
+    """The message of the error ``call()`` raises (ValueError, IndexError or TypeError, as
+    :func:`error_of` catches), or "no error": a worker's messages, one case at a time."""
+    try:
+        call()
+    except (ValueError, IndexError, TypeError) as e:
+        return str(e)
+    return "no error"
+
+
 def error_of(tmp_path, world, attempt, *args) -> str:
     """The message of the ValueError (or IndexError, TypeError) that ``attempt(rank, world, *args)``
     (a module-level function) raises on rank 0 of ``world`` processes, or "no error"."""
@@ -435,11 +445,7 @@ def _bad_offsets(rank, world):
                 offs[f] = torch.tensor(bad)
                 if no_ids:
                     ids[f] = ids[f][:0]
-            try:
-                fast(dense, ids, offs, single)
-                msgs.append("no error")
-            except ValueError as e:
-                msgs.append(str(e))
+            msgs.append(message_of(lambda: fast(dense, ids, offs, single)))
     raise ValueError(" || ".join(msgs))
 
 
@@ -466,11 +472,7 @@ def _two_batch_sizes(rank, world):
     msgs = []
     for on in (0, 1):
         ids, offsets = bad if rank == on else good
-        try:
-            dist_module(ids, offsets, [None, None])
-            msgs.append("no error")
-        except ValueError as e:
-            msgs.append(str(e))
+        msgs.append(message_of(lambda: dist_module(ids, offsets, [None, None])))
     dist_module(*good, [None, None])  # every rank still runs a good call
     raise ValueError(" || ".join(msgs))
 
@@ -514,11 +516,7 @@ def _row_wise_ids_out_of_range(rank, world):
         bad = [i.clone() for i in ids]
         if rank == on:
             bad[1][0] = bad_id
-        try:
-            fast(dense, bad, offsets, single)
-            msgs.append("no error")
-        except (ValueError, IndexError) as e:
-            msgs.append(str(e))
+        msgs.append(message_of(lambda: fast(dense, bad, offsets, single)))
     torch.testing.assert_close(fast(dense, ids, offsets, single), ref(dense, ids, offsets, single))
     raise ValueError(" || ".join(msgs))
 
@@ -562,11 +560,7 @@ def _inputs_refused_on_the_host(rank, world):
              (1, lambda: (dense, ids, offsets, single.float()))]
     msgs = []
     for on, bad in cases:
-        try:
-            fast(*(bad() if rank == on else (dense, ids, offsets, single)))
-            msgs.append("no error")
-        except (ValueError, TypeError) as e:
-            msgs.append(str(e))
+        msgs.append(message_of(lambda: fast(*(bad() if rank == on else (dense, ids, offsets, single)))))
     torch.testing.assert_close(fast(dense, ids, offsets, single), ref(*x)[rank * LOCAL_B:(rank + 1) * LOCAL_B])
     weighted = WeightedSharded()
     wx = [torch.randint(0, 40, (2 * LOCAL_B,)), torch.arange(0, 2 * LOCAL_B, 2), torch.rand(2 * LOCAL_B)]
@@ -574,11 +568,7 @@ def _inputs_refused_on_the_host(rank, world):
     wfast = fxrec.transform(weighted, wx, plan=wplan)
     for on, bad in ((1, lambda: wx[2].clone().requires_grad_()), (0, lambda: wx[2].clone().requires_grad_()),
                     (0, lambda: wx[2].double())):
-        try:
-            wfast(wx[0], wx[1], bad() if rank == on else wx[2])
-            msgs.append("no error")
-        except (ValueError, TypeError) as e:
-            msgs.append(str(e))
+        msgs.append(message_of(lambda: wfast(wx[0], wx[1], bad() if rank == on else wx[2])))
     wfast(*wx)
     raise ValueError(" || ".join(msgs))
 
@@ -602,11 +592,7 @@ def _wrong_sizes_on_one_rank(rank, world, pins):
              (1, lambda: (dense[:-1], ids, offsets, single))]
     msgs = []
     for on, bad in cases:
-        try:
-            fast(*(bad() if rank == on else (dense, ids, offsets, single)))
-            msgs.append("no error")
-        except ValueError as e:
-            msgs.append(str(e))
+        msgs.append(message_of(lambda: fast(*(bad() if rank == on else (dense, ids, offsets, single)))))
     opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
     for step in range(3):
         x = global_batch(LOCAL_B * world, step + 2)

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import fxrec
 from tests.test_sharding import (
-    _FUSED, LOCAL_B, Model, _held_part, error_of, global_batch, gloo_group, held_bytes, local_batch, spawn,
+    _FUSED, LOCAL_B, Model, _held_part, error_of, global_batch, gloo_group, held_bytes, local_batch, message_of,
+    spawn,
 )
 from tests.test_weights_precision import within_one_rounding_step
 
@@ -191,11 +192,7 @@ def _refusals(rank, world):
             (None, {"optimizer": sgd, "weights_precision": "fp16"})):  # and the other way round
         plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=PINS,
                           weights_precision=plan_wp)
-        try:
-            fxrec.transform(copy.deepcopy(model), example, plan=plan, **kw)
-            msgs.append("no error")
-        except ValueError as e:
-            msgs.append(str(e))
+        msgs.append(message_of(lambda: fxrec.transform(copy.deepcopy(model), example, plan=plan, **kw)))
     raise ValueError(" || ".join(msgs))
 
 
