@@ -451,4 +451,3 @@ def _guards_join_the_first_exchange(gm: fx.GraphModule, rank: int) -> None:
     if first is not None:
         dist_module = gm.get_submodule(first.target)
         guards.first_exchange = (dist_module.name, *dist_module.exchange_shape(), rank)
-
