@@ -409,14 +409,19 @@ def _whole_row_optimizer_on_column_wise(rank, world, name):
     fxrec.transform(model, example, plan=plan, optimizer=opt)
 
 
+ERROR_PINS = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0), "single": "data_parallel"}
+
+
+def sharded_for(model, rank: int, world: int, pins: dict):
+    """``model`` transformed for ``rank`` under one plan with every table pinned (``pins``), made
+    from the global batch with ``LOCAL_B`` samples a rank: the same plan on every rank."""
+    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB", pins=pins,
+                      batch_size=LOCAL_B)
+    return fxrec.transform(model, local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B), plan=plan)
+
+
 def _ids_out_of_range(rank, world):
-    model = Model()
-    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    # (every table pinned: a plan made from each rank's own batch could place bags.2 differently)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
-                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
-                            "single": "table_wise"})
-    fast = fxrec.transform(model, example, plan=plan)
+    fast = sharded_for(Model(), rank, world, {**ERROR_PINS, "single": "table_wise"})
     dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
     single = single.clone()
     single[1] = ROWS[3] + 2  # every rank feeds one id past the end of table 'single'
@@ -428,12 +433,7 @@ def _bad_offsets(rank, world):
     table (feature 1): offsets that do not start at 0 (fed to rank 0 only), that decrease (fed to
     rank 1 only), that run past no ids at all (rank 0 only), and features of one batch with different
     batch sizes (every rank)."""
-    model = Model()
-    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
-                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
-                            "single": "data_parallel"})
-    fast = fxrec.transform(model, example, plan=plan)
+    fast = sharded_for(Model(), rank, world, ERROR_PINS)
     dense, _, _, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
     msgs = []
     for f in (0, 1):
@@ -505,11 +505,7 @@ def _row_wise_ids_out_of_range(rank, world):
     torch.manual_seed(0)
     model, ref = Model(), Model()
     ref.load_state_dict(model.state_dict())  # (transform takes the model's tables to slice them)
-    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB",
-                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
-                            "single": "data_parallel"})
-    fast = fxrec.transform(model, example, plan=plan)
+    fast = sharded_for(model, rank, world, ERROR_PINS)
     dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
     msgs = []
     for bad_id, on in ((-3, 1), (ROWS[1] + 5, 0)):
@@ -547,11 +543,7 @@ def _inputs_refused_on_the_host(rank, world):
     torch.manual_seed(0)
     model, ref = Model(), Model()
     ref.load_state_dict(model.state_dict())
-    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
-                      pins={"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
-                            "single": "row_wise"}, batch_size=LOCAL_B)
-    fast = fxrec.transform(model, example, plan=plan)
+    fast = sharded_for(model, rank, world, {**ERROR_PINS, "single": "row_wise"})
     x = global_batch(LOCAL_B * world, 1)
     dense, ids, offsets, single = local_batch(x, rank, LOCAL_B)
     cases = [(1, lambda: (dense, [ids[0], ids[1].float(), ids[2]], offsets, single)),
@@ -582,10 +574,7 @@ def _wrong_sizes_on_one_rank(rank, world, pins):
     torch.manual_seed(0)
     model, ref = Model(), Model()
     ref.load_state_dict(model.state_dict())
-    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB", pins=pins,
-                      batch_size=LOCAL_B)
-    fast = fxrec.transform(model, example, plan=plan)
+    fast = sharded_for(model, rank, world, pins)
     dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)
     cases = [(1, lambda: (torch.rand(LOCAL_B, 5), ids, offsets, single)),
              (0, lambda: (torch.rand(LOCAL_B, 5), ids, offsets, single)),
@@ -609,7 +598,7 @@ def test_inputs_of_the_wrong_size_on_one_rank_stop_every_rank_at_the_first_excha
     """The model's input guards raise before any collective; in a sharded model the rank fed the
     input joins the first input dist's exchange and every rank stops there (a sequence dist's:
     tests/test_sharding_sequence.py)."""
-    pins = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0), "single": "row_wise"}
+    pins = {**ERROR_PINS, "single": "row_wise"}
     there, here, mismatched = error_of(tmp_path, 2, _wrong_sizes_on_one_rank, pins).split(" || ")
     assert "rank(s) [1] were fed input they reject" in there, there
     assert "input dense" in here and "size 5 in dim 1" in here, here
