@@ -38,9 +38,12 @@ GPU_PY ?= python3
 test-gpu:
 	FXREC_REQUIRE_CUDA=1 $(GPU_PY) -m pytest -q -m requires_cuda tests
 
-# The GPU benchmark (benchmarks/bench_gpu.py -> benchmarks/results/gpu.json), same interpreter as test-gpu.
+# The GPU benchmark (benchmarks/bench_gpu.py -> benchmarks/results/gpu.json), then the host's time a
+# call with each of fxrec's host-side changes off and on (benchmarks/bench_host.py ->
+# benchmarks/results/gpu_host.json); same interpreter as test-gpu.
 bench-gpu:
 	$(GPU_PY) benchmarks/bench_gpu.py
+	$(GPU_PY) benchmarks/bench_host.py --device cuda --out benchmarks/results/gpu_host.json
 
 bench: $(STAMP)
 	$(PYBIN) benchmarks/bench_lookups.py

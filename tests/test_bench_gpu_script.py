@@ -44,12 +44,14 @@ def test_without_a_gpu_the_benchmark_says_so():
     assert r.returncode != 0 and "no CUDA device" in r.stderr
 
 
-def test_the_codegen_benchmark_runs_on_cpu_and_compares_the_two_forms(tmp_path):
-    out = tmp_path / "codegen.json"
-    script = os.path.join(os.path.dirname(HERE), "benchmarks", "bench_codegen.py")
+def test_the_host_benchmark_runs_on_cpu_and_turns_each_change_off_and_on(tmp_path):
+    out = tmp_path / "host.json"
+    script = os.path.join(os.path.dirname(HERE), "benchmarks", "bench_host.py")
     r = subprocess.run([sys.executable, script, "--device", "cpu", "--scale", "1000", "--rounds", "1",
                         "--shapes", "onehot26", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     shape = json.loads(out.read_text())["shapes"]["onehot26"]
-    keys = {f"{k}_{f}_host_ms" for k in ("forward", "sgd_step") for f in ("fxrec_attr", "fx_getattr")}
-    assert keys <= set(shape) and all(shape[k] > 0 for k in keys)
+    assert shape["kernels"] == ["fbgemm"]
+    keys = {f"{k}_{f}_host_ms" for k in ("forward", "sgd_step") for f in ("on", "off")}
+    for change in ("attr", "packing"):
+        assert set(shape[change]) == keys and all(shape[change][k] > 0 for k in keys), change

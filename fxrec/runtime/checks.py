@@ -6,6 +6,7 @@ fails, the per-feature checks here find the feature and raise a message that nam
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import List, Optional
 
 import torch
@@ -14,12 +15,21 @@ from ._tracing import exporting, reads_values
 from .specs import FeatureSpec
 
 
+_dtype = attrgetter("dtype")
+
+
 class InputChecks:
     """Mixed into :class:`~fxrec.runtime.group.EmbeddingGroup` (uses its ``features``, ``tables``)."""
 
     def _promote_bags(self, ids_list, offsets_list):
         """As F.embedding_bag: integer ids and offsets of different dtypes, both as their common dtype
         (float ones are left to the checks, which name the feature)."""
+        if len(self._bag_features) == len(ids_list):  # every feature a bag: one C-level look at the dtypes
+            try:
+                if list(map(_dtype, ids_list)) == list(map(_dtype, offsets_list)):
+                    return ids_list, offsets_list
+            except AttributeError:  # offsets None: the checks name the feature
+                return ids_list, offsets_list
         new_ids = new_offs = None
         for i in self._bag_features:
             ids, off = ids_list[i], offsets_list[i]

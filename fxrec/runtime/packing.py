@@ -11,6 +11,8 @@ TorchScript compiles, so the eager group module (through :func:`pack_pooled` /
 
 from __future__ import annotations
 
+from itertools import accumulate
+from operator import attrgetter
 from typing import List, Optional, Tuple
 
 import torch
@@ -49,6 +51,10 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     :mod:`fxrec.runtime.kernels.fbgemm_padding`) or weighs them 0 (quantized groups:
     :func:`padding_weights`).
     """
+    if not torch.jit.is_scripting() and not tracing:
+        uniform = _pack_uniform(ids_list, offsets_list, psw_list, forms, pads, ilos, any_weighted)
+        if uniform is not None:
+            return uniform
     starts: List[Tensor] = []  # per feature: where each of its B bags starts in its own ids
     bases: List[int] = []  # per feature: where its ids start in the packed ids
     flat_ids: List[Tensor] = []
@@ -152,7 +158,64 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
         psw_all = torch.cat(weights)
     if torch.jit.is_scripting() or tracing:
         return batch, indices, _offsets_one_by_one(starts, bases, base), psw_all, bounds, None
-    offsets, firsts = _offsets_at_once(starts, bases, base, batch)
+    offsets, firsts = _offsets_at_once(torch.cat(starts).view(len(starts), batch), bases, base)
+    return batch, indices, offsets, psw_all, bounds, firsts
+
+
+@torch.jit.unused
+def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_list: List[Optional[Tensor]],
+                  forms: List[int], pads: List[int], ilos: List[bool], any_weighted: bool
+                  ) -> Optional[Tuple[int, Tensor, Tensor, Optional[Tensor], List[int], Optional[Tensor]]]:
+    """:func:`pack_bags`' answer for the common group, in list-level steps with no Python work per
+    feature but a few C-level reads of each tensor's size: every feature of one form (bags, ``[B,
+    L]`` ids with one L > 0, or single ids), no ``padding_idx`` or ``include_last_offset``, one
+    batch size B > 0, ids of the dims that form has, and per-sample weights either absent or
+    given for every feature in the shape of its ids. None for anything else: the feature-by-feature
+    loop then gives the answer (its checks and messages included). The same tensors result either
+    way (``tests/test_packing.py`` compares the two)."""
+    n_features = len(forms)
+    if n_features == 0 or pads.count(-1) != n_features or ilos.count(False) != n_features:
+        return None
+    form = forms[0]
+    if forms.count(form) != n_features:
+        return None
+    dims = list(map(Tensor.dim, ids_list))
+    if dims.count(2 if form == 1 else 1) != n_features:
+        return None
+    counts = list(map(Tensor.numel, ids_list))
+    psw_all: Optional[Tensor] = None
+    if any_weighted:
+        try:
+            if (list(map(Tensor.dim, psw_list)) != dims or list(map(Tensor.numel, psw_list)) != counts
+                    or list(map(len, psw_list)) != list(map(len, ids_list))):
+                return None
+        except TypeError:  # a feature without weights (None)
+            return None
+    bounds = list(accumulate(counts, initial=0))
+    total = bounds[-1]
+    if form == 0:
+        try:
+            batches = list(map(Tensor.numel, offsets_list))
+            if list(map(Tensor.dim, offsets_list)).count(1) != n_features:
+                return None
+        except TypeError:  # offsets None
+            return None
+        batch = batches[0]
+        if batch == 0 or batches.count(batch) != n_features:
+            return None
+        indices = torch.cat(ids_list).long()
+        offsets, firsts = _offsets_at_once(torch.cat(offsets_list).long().view(n_features, batch), bounds[:-1], total)
+    else:
+        batch = len(ids_list[0])
+        if batch == 0 or counts.count(counts[0]) != n_features or list(map(len, ids_list)).count(batch) != n_features:
+            return None
+        length = counts[0] // batch
+        if length == 0:
+            return None
+        indices = torch.cat(ids_list).reshape(-1).long()
+        offsets, firsts = torch.arange(0, total + 1, length, device=indices.device), None
+    if any_weighted:
+        psw_all = torch.cat(psw_list).reshape(-1).float()
     return batch, indices, offsets, psw_all, bounds, firsts
 
 
@@ -163,18 +226,18 @@ def _offsets_one_by_one(starts: List[Tensor], bases: List[int], total: int) -> T
 
 
 @torch.jit.unused
-def _offsets_at_once(starts: List[Tensor], bases: List[int], total: int, batch: int) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(offsets, firsts)``: every feature's bag starts moved by where its ids start in the packed
-    ids, in one add for the group, and each feature's first start as it was given. The ids'
-    starts go to the device as one small copy from pinned host memory, which the host does not
-    wait for (from ordinary host memory it would wait for the device's queue to drain; the
-    caching host allocator keeps the pinned block until the copy has run). Not inside a CUDA
-    graph (a replay would read the pinned block again, by then someone else's), nor in
-    torch.export (the ints are symbolic there), nor in TorchScript: those add one by one."""
-    dev = starts[0].device
+def _offsets_at_once(unshifted: Tensor, bases: List[int], total: int) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(offsets, firsts)``: every feature's bag starts (``unshifted``, ``[features, B]``, each
+    row as given) moved by where its ids start in the packed ids, in one add for the group, and
+    each feature's first start as it was given. The ids' starts go to the device as one small
+    copy from pinned host memory, which the host does not wait for (from ordinary host memory it
+    would wait for the device's queue to drain; the caching host allocator keeps the pinned block
+    until the copy has run). Not inside a CUDA graph (a replay would read the pinned block again,
+    by then someone else's), nor in torch.export (the ints are symbolic there), nor in
+    TorchScript: those add one by one."""
+    dev = unshifted.device
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _offsets_one_by_one(starts, bases, total), torch.cat([s[:1] for s in starts])  # (host time: once)
-    unshifted = torch.cat(starts).view(len(starts), batch)
+        return _offsets_one_by_one(list(unshifted.unbind(0)), bases, total), unshifted[:, 0]  # (host time: once)
     pinned = torch.tensor(bases + [total], dtype=torch.long, pin_memory=dev.type == "cuda")
     shift = pinned.to(dev, non_blocking=True).view(-1, 1)
     return torch.cat([(unshifted + shift[:-1]).view(-1), shift[-1]]), unshifted[:, 0]
@@ -256,8 +319,7 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
     included). ``keep_padding``: the bags whose tables have a zero row in the group's TBE keep
     their padding ids (fbgemm_padding)."""
     ints = (torch.int64, torch.int32)
-    if any(ids.dtype not in ints for ids in ids_list) or any(
-            offsets_list[i] is None or offsets_list[i].dtype not in ints for i in group._bag_features):
+    if not _all_ints(ids_list, offsets_list, group._bag_features):
         for f, ids, off in zip(group.features, ids_list, offsets_list):
             if ids.dtype not in ints:
                 group._check_ids(f, ids)  # raises, naming the feature
@@ -274,6 +336,21 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
         raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(offsets_list[i][0])))
     group._validate_packed(indices, offsets, ids_list, offsets_list, psw, firsts)
     return indices, offsets, psw, batch, bounds
+
+
+_INTS = frozenset((torch.int64, torch.int32))
+_dtype = attrgetter("dtype")
+
+
+def _all_ints(ids_list, offsets_list, bag_features: List[int]) -> bool:
+    """Whether every feature's ids, and every bag's offsets, are int64 or int32 (C-level reads)."""
+    if not set(map(_dtype, ids_list)) <= _INTS:
+        return False
+    bags = offsets_list if len(bag_features) == len(offsets_list) else [offsets_list[i] for i in bag_features]
+    try:
+        return set(map(_dtype, bags)) <= _INTS
+    except AttributeError:  # offsets None
+        return False
 
 
 def _kept_pads(group) -> List[bool]:

@@ -14,6 +14,7 @@ with one, fbgemm's backward applies it (its states: :mod:`.fbgemm_states`).
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import List, Optional, Sequence
 
 import torch
@@ -36,6 +37,9 @@ def operator_libraries() -> List[str]:
     here = os.path.dirname(fbgemm_gpu.__file__)
     names = getattr(fbgemm_gpu, "fbgemm_gpu_libraries", None) or []
     return [p for p in (os.path.join(here, f"{n}.so") for n in names) if os.path.exists(p)]
+
+
+_requires_grad = attrgetter("requires_grad")
 
 
 # ---------------------------------------------------------------- the group's binding to a TBE
@@ -75,7 +79,7 @@ def stored_dtype(group) -> torch.dtype:
 def bound_tbe(group, params: Sequence[torch.Tensor]) -> Optional[nn.Module]:
     """The group's TBE while ``params`` are still its views (then fbgemm holds them), else None."""
     b = getattr(group, "_bound", None)
-    return b.tbe if b is not None and b.ptrs == [p.data_ptr() for p in params] else None
+    return b.tbe if b is not None and b.ptrs == list(map(torch.Tensor.data_ptr, params)) else None
 
 
 def ensure_bound(group, params: Sequence[torch.Tensor]) -> nn.Module:
@@ -168,7 +172,8 @@ def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):
     from ..grad import LookupWithGrads
 
     if training and group.fused_active:
-        frozen = [t.name for t, p in zip(group.tables, params) if not p.requires_grad]
+        frozen = [] if all(map(_requires_grad, params)) else [
+            t.name for t, p in zip(group.tables, params) if not p.requires_grad]
         if frozen:
             group.fused_unusable(
                 f"tables {frozen} are frozen (requires_grad=False) and fbgemm's fused kernel would update "

@@ -1,0 +1,147 @@
+"""Host time of a transformed model's call, each change to the host's per-call work on and off,
+alternating in one process. Writes JSON.
+
+    python3 benchmarks/bench_host.py --device cuda --out benchmarks/results/gpu_host.json
+    python3 benchmarks/bench_host.py --device cpu --scale 100 --out benchmarks/results/cpu_host.json
+
+The host's time to queue 20 calls, divided by 20 (on CUDA the device is waited for only between
+blocks), median of ``--rounds`` alternating rounds: a forward under no_grad, and a training step
+(forward and backward, fused SGD), on fbgemm's TBE (the kernel every group gets on CUDA; on CPU
+too, with ``--backend fbgemm``, the default). ``--ab`` picks the changes, each measured on its own
+against the model with only it turned off:
+
+* ``attr``: the generated forward reads each table's weight by ``fxrec_attr`` (fxrec's codegen),
+  off: fx's own ``getattr`` chain (``fxrec.codegen._fast_attr_lines`` turned off, the same
+  GraphModules recompiled);
+* ``packing``: groups of one form packed in list-level steps
+  (``fxrec.runtime.packing._pack_uniform``), off: the loop over features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fxrec  # noqa: E402
+import fxrec.codegen as codegen  # noqa: E402
+from benchmarks.bench_gpu import SHAPES, PlainBags, inputs  # noqa: E402
+from fxrec.runtime import packing  # noqa: E402
+
+
+def host_ms(fn, device, calls=20) -> float:
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t) / calls * 1e3
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return ms
+
+
+@contextmanager
+def turned_off(change: str, models):
+    """The models as they were before ``change``."""
+    if change == "attr":
+        rewrite = codegen._fast_attr_lines
+        codegen._fast_attr_lines = lambda src, *rest: src
+        try:
+            for m in models:
+                m.recompile()
+                assert "fxrec_attr(" not in m.code
+            yield
+        finally:
+            codegen._fast_attr_lines = rewrite
+            for m in models:
+                m.recompile()
+    elif change == "packing":
+        uniform = packing._pack_uniform
+        packing._pack_uniform = lambda *args: None
+        try:
+            yield
+        finally:
+            packing._pack_uniform = uniform
+    else:
+        raise ValueError(f"bench_host: no change called {change!r}")
+
+
+def bench_shape(cfg, device, rounds, changes, backend):
+    torch.manual_seed(0)
+    with torch.device(device):
+        plain = PlainBags(cfg["tables"], cfg["rows"], cfg["dim"], sparse=True)
+    x = inputs(cfg, device, 0)
+    fwd = fxrec.transform(plain, x, backend=backend)
+    sgd = fxrec.transform(plain, x, optimizer=fxrec.optim.SGD(lr=0.01), backend=backend)
+    kernels = {g.kernel_train for g in fwd.report.groups} | {g.kernel_train for g in sgd.report.groups}
+
+    def forward():
+        with torch.no_grad():
+            fwd(*x)
+
+    def step():
+        sgd(*x).sum().backward()
+
+    out = {"config": cfg, "kernels": sorted(kernels)}
+    for _ in range(2):  # warm up (fbgemm's first calls, the allocators) before the first change's rounds
+        host_ms(forward, device)
+        host_ms(step, device)
+    for change in changes:
+        times = {f"{k}_{form}_host_ms": [] for k in ("forward", "sgd_step") for form in ("on", "off")}
+        for _ in range(rounds):
+            for form in ("on", "off"):
+                if form == "on":
+                    times["forward_on_host_ms"].append(host_ms(forward, device))
+                    times["sgd_step_on_host_ms"].append(host_ms(step, device))
+                    continue
+                with turned_off(change, (fwd, sgd)):
+                    times["forward_off_host_ms"].append(host_ms(forward, device))
+                    times["sgd_step_off_host_ms"].append(host_ms(step, device))
+        out[change] = {k: statistics.median(v) for k, v in times.items()}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--shapes", default="small512,onehot26")
+    ap.add_argument("--ab", default="attr,packing", help="the changes to turn off and on, comma-separated")
+    ap.add_argument("--backend", default="fbgemm")
+    ap.add_argument("--scale", type=int, default=1, help="divide every shape's rows (and batch) by this")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_host: no CUDA device here")
+    changes = a.ab.split(",")
+    result = {"what": "host ms per queued call, each change on and off (off: the model without that change only)",
+              "command": "python3 " + " ".join(sys.argv),
+              "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                          "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+              "versions": {"torch": torch.__version__, "fxrec": fxrec.__version__}, "rounds": a.rounds, "shapes": {}}
+    for name in a.shapes.split(","):
+        cfg = dict(SHAPES[name])
+        cfg["rows"] = max(1, cfg["rows"] // a.scale)
+        cfg["batch"] = max(2, cfg["batch"] // a.scale)
+        result["shapes"][name] = r = bench_shape(cfg, device, a.rounds, changes, a.backend)
+        for change in changes:
+            print(name, change, {k: round(v, 3) for k, v in r[change].items()}, flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(result, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
