@@ -49,9 +49,7 @@ from .capture_bags import opaque_bags, restore_aten
 from .codegen import StructuredCodeGen, leaf_paths, supported
 from .graph_module import MODES_KEY, TransformedModule, adopt
 from .modes import TrainingReads, bind_modes
-from .runtime.input_guards import InputGuards
-
-GUARDS_NAME = "fxrec_check_inputs"
+from .runtime.input_guards import GUARDS_NAME, InputGuards
 
 
 class CaptureError(RuntimeError):

@@ -7,13 +7,14 @@ a pytree walk per call (0.2-0.5 ms for a model with 53 input tensors here) and T
 compile it. :class:`StructuredCodeGen` writes instead::
 
     def forward(self, dense, ids, offsets):
-        if len(ids) != 26: raise ValueError('fxrec: input ids must have 26 elements')
+        if len(ids) != 26: fxrec_input_error(self, 'fxrec: input ids must have 26 elements')
         ids_0 = ids[0]
         ...
         return squeeze
 
-With ``typed=True`` the arguments carry TorchScript types (``ids: List[torch.Tensor]``); the
-``emit_scriptable`` pass uses that.
+``fxrec_input_error`` raises the ValueError, and in a sharded model first stops the other ranks
+(:func:`fxrec_input_error`). With ``typed=True`` the arguments carry TorchScript types (``ids:
+List[torch.Tensor]``) and the checks raise plainly; the ``emit_scriptable`` pass uses that.
 
 Untyped, a parameter is read with :func:`fxrec_attr` (``bags_0_weight = fxrec_attr(self, ('bags',
 '0'), 'weight')``) where fx writes ``getattr(self.bags, "0").weight``: three
@@ -32,6 +33,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .pass_infra import InputError
+from .runtime.input_guards import GUARDS_NAME
 
 
 def _children(spec) -> list:
@@ -122,6 +124,19 @@ def fxrec_attr(root, modules: Tuple[str, ...], name: str):
     return getattr(root, name)
 
 
+def fxrec_input_error(root, message: str):
+    """Raise the ValueError ``message`` of an input whose structure the model was not captured for
+    (a list of another length, an input that must stay None). In a sharded model this rank first
+    joins the step's first exchange with its input flag set, as the input checks do for sizes
+    (:meth:`fxrec.runtime.input_guards.InputGuards._stop_every_rank`), so the other ranks stop too
+    instead of waiting until the timeout."""
+    error = ValueError(message)
+    guards = root._modules.get(GUARDS_NAME)
+    if guards is not None and hasattr(guards, "_stop_every_rank"):
+        guards._stop_every_rank(error, ())
+    raise error
+
+
 def _fast_attr_lines(src: str, nodes, root_module: str, fn: str = "fxrec_attr") -> str:
     """``src`` with each get_attr node's line reading through :func:`fxrec_attr`, known to the
     code as ``fn`` (one line for one: the line numbers fx maps to nodes stay)."""
@@ -165,6 +180,9 @@ class StructuredCodeGen(fx.graph.CodeGen):
         fn = next((k for k, v in code.globals.items() if v is fxrec_attr), None)
         if not self.typed and fn is not None:  # TorchScript reads attributes its own way, not these dicts
             code.src = _fast_attr_lines(code.src, nodes, root_module, fn)
+        raise_fn = next((k for k, v in code.globals.items() if v is fxrec_input_error), None)
+        if raise_fn is not None and raise_fn != "fxrec_input_error":
+            code.src = code.src.replace("fxrec_input_error(self, ", f"{raise_fn}(self, ")
         return code
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs) -> str:
@@ -179,25 +197,32 @@ class StructuredCodeGen(fx.graph.CodeGen):
         for k, (expr, _) in enumerate(paths):
             if k in self.none_leaves:
                 shown = expr.replace("'", "")
-                lines.append(f"if {expr} is not None: raise ValueError('fxrec: input {shown} was None when the "
-                             "model was captured and must stay None')")
+                lines.append(f"if {expr} is not None: " + self._raise(
+                    f"fxrec: input {shown} was None when the model was captured and must stay None"))
         bind = [(leaf, expr) for leaf, (expr, _) in zip(leaves, paths) if leaf != expr]
         if bind:  # one assignment: every input is read before any name is rebound
             lines.append(", ".join(b[0] for b in bind) + ", = " + ", ".join(b[1] for b in bind) + ",")
         head = f"def {self._func_name}(self, {', '.join(params)}){maybe_return_annotation}:"
         return head + "".join(f"\n    {line}" for line in lines)
 
+    def _raise(self, message: str) -> str:
+        """The statement that raises ``message``: through :func:`fxrec_input_error` (every rank of a
+        sharded model stops), or a plain raise in the typed (TorchScript) form."""
+        if self.typed:
+            return f"raise ValueError({message!r})"
+        return f"fxrec_input_error(self, {message!r})"
+
     def _length_checks(self, spec, expr: str, lines: List[str]) -> None:
         if spec.is_leaf():
             return
         shown = expr.replace("'", "")
         if spec.type is type(None):
-            lines.append(f"if {expr} is not None: raise ValueError('fxrec: input {shown} was None when the model "
-                         "was captured and must stay None')")
+            lines.append(f"if {expr} is not None: " + self._raise(
+                f"fxrec: input {shown} was None when the model was captured and must stay None"))
             return
         if spec.type in (list, tuple, dict):
             n = spec.num_children
-            lines.append(f"if len({expr}) != {n}: raise ValueError('fxrec: input {shown} must have {n} elements')")
+            lines.append(f"if len({expr}) != {n}: " + self._raise(f"fxrec: input {shown} must have {n} elements"))
         for i, kid in enumerate(_children(spec)):
             key = repr(spec.context[i]) if spec.type is dict else str(i)
             self._length_checks(kid, f"{expr}[{key}]", lines)
@@ -232,4 +257,4 @@ class StructuredCodeGen(fx.graph.CodeGen):
 
     def additional_globals(self):
         return [("List", typing.List), ("Dict", typing.Dict), ("Tuple", typing.Tuple), ("Optional", typing.Optional),
-                ("fxrec_attr", fxrec_attr)]
+                ("fxrec_attr", fxrec_attr), ("fxrec_input_error", fxrec_input_error)]

@@ -162,6 +162,28 @@ def test_a_model_with_names_like_the_attribute_reader_runs():
     torch.testing.assert_close(fast(*x), model(*x))
 
 
+class NamedLikeTheRaiser(nn.Module):
+    """An input named like the function the generated forward raises structure errors with."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(20, 4, mode="sum") for _ in range(2)])
+
+    def forward(self, ids, fxrec_input_error):
+        return torch.cat([b(i) for b, i in zip(self.bags, ids)], 1) * fxrec_input_error
+
+
+def test_a_model_with_an_input_named_like_the_structure_error_raises_that_error():
+    model = NamedLikeTheRaiser()
+    ids = [torch.randint(0, 20, (3, 2)) for _ in range(2)]
+    fast = fxrec.transform(model, (ids, torch.rand(3, 8)))
+    assert "fxrec_input_error_1(self, 'fxrec: input ids must have 2 elements')" in fast.code, fast.code
+    with pytest.raises(ValueError, match="input ids must have 2 elements"):
+        fast(ids[:1], torch.rand(3, 8))
+    scale = torch.rand(3, 8)
+    torch.testing.assert_close(fast(ids, scale), model(ids, scale))
+
+
 def test_buffers_are_read_through_the_dicts_too():
     from fxrec.codegen import fxrec_attr
 

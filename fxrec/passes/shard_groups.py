@@ -63,7 +63,7 @@ from .. import meta
 from ..report import LookupEntry
 from ..group_module import hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
-from ..capture import GUARDS_NAME
+from ..runtime.input_guards import GUARDS_NAME
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup

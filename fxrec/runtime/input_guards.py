@@ -27,6 +27,10 @@ from ._tracing import compiling, exporting
 _SAME_DIM = re.compile(r"a(\d+)\.size\(\)\[(\d+)\] == a(\d+)\.size\(\)\[(\d+)\]")
 
 
+#: the name of a captured model's InputGuards submodule
+GUARDS_NAME = "fxrec_check_inputs"
+
+
 class InputShapeError(ValueError):
     """Inputs whose sizes (or fixed values) the transformed model was not captured for."""
 
