@@ -133,7 +133,9 @@ def fxrec_input_error(root, message: str):
     error = ValueError(message)
     guards = root._modules.get(GUARDS_NAME)
     if guards is not None and hasattr(guards, "_stop_every_rank"):
-        guards._stop_every_rank(error, ())
+        # (no input tensor to go by: the exchange runs where the model's tables are)
+        table = next(root.parameters(), None)
+        guards._stop_every_rank(error, (), None if table is None else table.device)
     raise error
 
 
@@ -174,15 +176,19 @@ class StructuredCodeGen(fx.graph.CodeGen):
         return arg_specs(self.in_spec, self.arg_names)
 
     def _gen_python_code(self, nodes, root_module, *args, **kwargs):
-        code = super()._gen_python_code(nodes, root_module, *args, **kwargs)
+        # fx's namespace of the code's names: the arguments are reserved in it before fxrec's
+        # functions are named (additional_globals), so an input called fxrec_attr or
+        # fxrec_input_error, even a list that is no graph node, cannot hide one
+        self._namespace = args[0] if args else kwargs.get("namespace")
+        try:
+            code = super()._gen_python_code(nodes, root_module, *args, **kwargs)
+        finally:
+            del self._namespace  # (not kept: the code generator is pickled with the graph)
         # (fx names its globals apart from the graph's names: a model with an input or a parameter
         # called fxrec_attr gets the function as fxrec_attr_1)
         fn = next((k for k, v in code.globals.items() if v is fxrec_attr), None)
         if not self.typed and fn is not None:  # TorchScript reads attributes its own way, not these dicts
             code.src = _fast_attr_lines(code.src, nodes, root_module, fn)
-        raise_fn = next((k for k, v in code.globals.items() if v is fxrec_input_error), None)
-        if raise_fn is not None and raise_fn != "fxrec_input_error":
-            code.src = code.src.replace("fxrec_input_error(self, ", f"{raise_fn}(self, ")
         return code
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs) -> str:
@@ -210,7 +216,9 @@ class StructuredCodeGen(fx.graph.CodeGen):
         sharded model stops), or a plain raise in the typed (TorchScript) form."""
         if self.typed:
             return f"raise ValueError({message!r})"
-        return f"fxrec_input_error(self, {message!r})"
+        namespace = getattr(self, "_namespace", None)  # (the name fx gave the function: it knows it by the object)
+        name = "fxrec_input_error" if namespace is None else namespace.create_name("fxrec_input_error", fxrec_input_error)
+        return f"{name}(self, {message!r})"
 
     def _length_checks(self, spec, expr: str, lines: List[str]) -> None:
         if spec.is_leaf():
@@ -256,5 +264,9 @@ class StructuredCodeGen(fx.graph.CodeGen):
         return pytree.tree_unflatten(out if isinstance(out, (list, tuple)) else [out], self.out_spec)
 
     def additional_globals(self):
+        namespace = getattr(self, "_namespace", None)
+        if namespace is not None:
+            for name, _ in self._arg_specs():
+                namespace.create_name(name, None)  # (one already a node's name just takes up a spare one)
         return [("List", typing.List), ("Dict", typing.Dict), ("Tuple", typing.Tuple), ("Optional", typing.Optional),
                 ("fxrec_attr", fxrec_attr), ("fxrec_input_error", fxrec_input_error)]

@@ -158,7 +158,10 @@ def test_a_model_with_names_like_the_attribute_reader_runs():
     model = NamedLikeTheReader()
     x = (torch.randint(0, 20, (12,)), torch.arange(0, 12, 2), torch.rand(6, 3))
     fast = fxrec.transform(model, x)
-    assert "fxrec_attr_2(self, ('bag',), 'weight')" in fast.code, fast.code  # (the parameter took _1)
+    import re
+
+    reader = re.search(r"= (fxrec_attr_\d+)\(self, \('bag',\), 'weight'\)", fast.code)
+    assert reader and reader[1] != "fxrec_attr_1", fast.code  # (the parameter's node took _1)
     torch.testing.assert_close(fast(*x), model(*x))
 
 
@@ -173,15 +176,49 @@ class NamedLikeTheRaiser(nn.Module):
         return torch.cat([b(i) for b, i in zip(self.bags, ids)], 1) * fxrec_input_error
 
 
-def test_a_model_with_an_input_named_like_the_structure_error_raises_that_error():
-    model = NamedLikeTheRaiser()
+class ListsNamedLikeTheFunctions(nn.Module):
+    """List inputs (no graph node has their name) named like the generated code's functions."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(20, 4, mode="sum") for _ in range(2)])
+
+    def forward(self, fxrec_attr, fxrec_input_error):
+        return torch.cat([b(i) for b, i in zip(self.bags, fxrec_attr)], 1) * fxrec_input_error[0]
+
+
+@pytest.mark.parametrize("make", [NamedLikeTheRaiser, ListsNamedLikeTheFunctions])
+def test_inputs_named_like_the_generated_codes_functions_do_not_hide_them(make):
+    """fx names the functions apart from every argument, a list one included: the code raises the
+    structure error (not "'list' object is not callable") and reads the weights."""
+    model = make()
     ids = [torch.randint(0, 20, (3, 2)) for _ in range(2)]
-    fast = fxrec.transform(model, (ids, torch.rand(3, 8)))
-    assert "fxrec_input_error_1(self, 'fxrec: input ids must have 2 elements')" in fast.code, fast.code
-    with pytest.raises(ValueError, match="input ids must have 2 elements"):
-        fast(ids[:1], torch.rand(3, 8))
-    scale = torch.rand(3, 8)
+    scale = [torch.rand(3, 8)] if make is ListsNamedLikeTheFunctions else torch.rand(3, 8)
+    fast = fxrec.transform(model, (ids, scale))
     torch.testing.assert_close(fast(ids, scale), model(ids, scale))
+    name = "fxrec_attr" if make is ListsNamedLikeTheFunctions else "ids"
+    with pytest.raises(ValueError, match=f"input {name} must have 2 elements"):
+        fast(ids[:1], scale)
+    if make is ListsNamedLikeTheFunctions:
+        with pytest.raises(ValueError, match="input fxrec_input_error must have 1 elements"):
+            fast(ids, scale * 2)
+
+
+def test_a_dict_key_like_the_functions_call_is_read_as_it_is():
+    key = "fxrec_input_error(self, x)"
+
+    class Keyed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.EmbeddingBag(20, 4, mode="sum")
+
+        def forward(self, feats, fxrec_input_error):
+            return self.e(feats[key]) * fxrec_input_error
+
+    model = Keyed()
+    x = ({key: torch.randint(0, 20, (3, 2))}, torch.rand(3, 4))
+    fast = fxrec.transform(model, x)
+    torch.testing.assert_close(fast(*x), model(*x))
 
 
 def test_buffers_are_read_through_the_dicts_too():

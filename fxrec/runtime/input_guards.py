@@ -157,11 +157,12 @@ class InputGuards(torch.nn.Module):
             self._stop_every_rank(error, inputs)
             raise error
 
-    def _stop_every_rank(self, error: InputShapeError, inputs: Sequence) -> None:
+    def _stop_every_rank(self, error: ValueError, inputs: Sequence, device: Optional[torch.device] = None) -> None:
         """In a sharded model the other ranks are by now waiting in the first input dist's exchange
         of the counts: this rank joins it with its input flag set and raises ``error`` there, and
         they stop too, naming this rank (instead of waiting until the timeout, or pairing that
-        exchange with this rank's next step). Nothing in an unsharded model."""
+        exchange with this rank's next step). Nothing in an unsharded model. The exchange runs
+        on the inputs' device, or ``device`` where no input tensor is given."""
         first = getattr(self, "first_exchange", None)  # (absent from guards pickled before it was)
         import torch.distributed as dist
 
@@ -170,7 +171,7 @@ class InputGuards(torch.nn.Module):
         from .sharded import refuse_with_the_others
 
         name, width, flag_at, rank = first
-        device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), device or torch.device("cpu"))
         if dist.get_backend() == "nccl" and device.type != "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         refuse_with_the_others(error, width, flag_at, device, name, rank)
