@@ -194,9 +194,13 @@ def _fused_spec(gr: meta.GroupRecord, plan):
                     "partial_rowwise_lamb": "partial row-wise LAMB", "lamb": "LAMB", "lars_sgd": "LARS-SGD"}[spec.kind]
             what = ("whose per-row state averages over the whole row" if spec.kind in ROW_MEAN else
                     "whose trust ratio takes norms over the whole row")
+            hint = ""
+            if getattr(plan, "optimizer", None) == "none":  # planned as if for SGD
+                hint = (" (the plan was made without optimizer=; given the optimizer transform gets, fxrec.plan "
+                        "keeps such tables off column_wise and refuses a column_wise pin for them)")
             raise InputError(f"fxrec: tables {sorted(set(cols))} are planned column_wise and train with {name}, "
                              f"{what}, which no column shard holds; plan them table_wise or row_wise, or use "
-                             "another optimizer")
+                             f"another optimizer{hint}")
     return spec
 
 
