@@ -28,6 +28,10 @@ FORM_CODES = {"bag": 0, "pooled_seq": 1, "single": 2, "seq": 3}
 #: inside pack_bags, since TorchScript reads no module globals.
 NOT_PACKABLE = -1
 
+_INTS = frozenset((torch.int64, torch.int32))
+_FLOAT32 = {torch.float32}
+_dtype = attrgetter("dtype")
+
 
 def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_list: List[Optional[Tensor]],
               where: List[str], forms: List[int], pads: List[int], ilos: List[bool], mean: bool,
@@ -37,7 +41,8 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
     """``(batch, indices, offsets, per-sample weights, bounds, firsts)`` of a pooled group's inputs;
     feature ``f``'s ids are ``indices[bounds[f]:bounds[f + 1]]`` (known on the host: no value is
     read for them); ``firsts[f]`` is where its first bag starts in its own ids (0 unless its
-    offsets are wrong: the caller checks, :func:`pack_pooled`), None when ``tracing``.
+    offsets are wrong: the caller checks, :func:`pack_pooled`), None when ``tracing`` or where no
+    feature has offsets.
 
     ``batch`` is :data:`NOT_PACKABLE` where only PyTorch's own kernels reproduce the input (then
     the tensors are empty), 0 for an empty batch. ``where[i]`` names feature i in errors.
@@ -172,7 +177,8 @@ def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], 
     batch size B > 0, ids of the dims that form has, and per-sample weights either absent or
     given for every feature in the shape of its ids. None for anything else: the feature-by-feature
     loop then gives the answer (its checks and messages included). The same tensors result either
-    way (``tests/test_packing.py`` compares the two)."""
+    way (``tests/test_packing.py`` compares the two), but ``firsts``: None for ``[B, L]`` and
+    single ids (they have no offsets; the loop gives zeros)."""
     n_features = len(forms)
     if n_features == 0 or pads.count(-1) != n_features or ilos.count(False) != n_features:
         return None
@@ -184,10 +190,11 @@ def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], 
         return None
     counts = list(map(Tensor.numel, ids_list))
     psw_all: Optional[Tensor] = None
-    if any_weighted:
+    if any_weighted:  # (float32 only: weights of other dtypes are converted one by one, by the loop)
         try:
             if (list(map(Tensor.dim, psw_list)) != dims or list(map(Tensor.numel, psw_list)) != counts
-                    or list(map(len, psw_list)) != list(map(len, ids_list))):
+                    or list(map(len, psw_list)) != list(map(len, ids_list))
+                    or set(map(_dtype, psw_list)) != _FLOAT32):
                 return None
         except TypeError:  # a feature without weights (None)
             return None
@@ -196,8 +203,8 @@ def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], 
     if form == 0:
         try:
             batches = list(map(Tensor.numel, offsets_list))
-            if list(map(Tensor.dim, offsets_list)).count(1) != n_features:
-                return None
+            if list(map(Tensor.dim, offsets_list)).count(1) != n_features or not set(map(_dtype, offsets_list)) <= _INTS:
+                return None  # (integer offsets only: cat would take a float's dtype before .long())
         except TypeError:  # offsets None
             return None
         batch = batches[0]
@@ -336,10 +343,6 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
         raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(offsets_list[i][0])))
     group._validate_packed(indices, offsets, ids_list, offsets_list, psw, firsts)
     return indices, offsets, psw, batch, bounds
-
-
-_INTS = frozenset((torch.int64, torch.int32))
-_dtype = attrgetter("dtype")
 
 
 def _all_ints(ids_list, offsets_list, bag_features: List[int]) -> bool:

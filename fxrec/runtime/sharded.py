@@ -51,8 +51,8 @@ def _packed(dist_module: nn.Module, ids_list, offsets_list, psw_list, order: Lis
     """The pooled features ``order`` of one input dist as bags, by the project's one packing
     (:func:`~fxrec.runtime.packing.pack_bags`): ``(lengths [F * B] feature-major, ids, per-sample
     weights (``weighted``: 1 for a feature without), each feature's number of ids (known on the
-    host: nothing is read), B, each feature's first offset (None for an empty batch), the feature
-    (0..F-1) of each id)``."""
+    host: nothing is read), B, each feature's first offset (None for an empty batch, or where no
+    feature has offsets), the feature (0..F-1) of each id)``."""
     ids = [ids_list[i] for i in order]
     offs = [offsets_list[i] for i in order]
     psw = [psw_list[i] for i in order]
