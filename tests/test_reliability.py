@@ -420,6 +420,30 @@ def test_short_per_sample_weights_name_both_inputs(weighted):
         fast(*x)
 
 
+@pytest.mark.parametrize("how", ["fbgemm", "native", "reference", "fused_sgd", "int8", "int8_scripted"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int64])
+def test_per_sample_weights_not_float32_are_refused_naming_the_feature_as_pytorch_refuses_them(how, dtype):
+    """nn.EmbeddingBag wants its weight's dtype; fbgemm's kernels would convert the weights and
+    answer (the TBE and quantized groups did)."""
+    model = M.WeightedBags()
+    x = list(M.weighted_inputs())
+    bad = list(x)
+    bad[2] = (x[2] * 10).to(dtype)
+    with pytest.raises(RuntimeError):
+        model(*bad)
+    if how.startswith("int8"):
+        fast = fxrec.transform(model.eval(), x, mode="inference", quantize="int8")
+        fast = fxrec.export.torchscript(fast) if how == "int8_scripted" else fast
+    else:
+        kw = dict(optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm") if how == "fused_sgd" else dict(backend=how)
+        fast = fxrec.transform(model, x, **kw)
+    said = ("that are not torch.float32" if how == "int8_scripted" else
+            f"of dtype {dtype}; they must be torch.float32, the dtype of its table")
+    with pytest.raises(Exception, match=rf"feature 'ids1' \(table 'w1'\) got per-sample weights {said}"):
+        fast(*bad)
+    fast(*x)  # (the good inputs still run)
+
+
 def test_features_of_different_batch_sizes_are_named():
     model = M.BagList()
     fast = fxrec.transform(model, M.bag_inputs(), backend="native")

@@ -100,6 +100,15 @@ class InputChecks:
                 f"'{self.tables[f.table].name}', which has {rows} rows (valid ids: 0..{rows - 1})"
             )
 
+    def _check_weights(self, psw_list) -> None:
+        """Per-sample weights of float32, the dtype of the group's tables in the user's model, as
+        nn.EmbeddingBag wants its weight's (fbgemm's kernels would take others, converted): else a
+        TypeError naming the feature."""
+        for f, psw in zip(self.features, psw_list):
+            if psw is not None and psw.dtype != torch.float32:
+                raise TypeError(f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got per-sample "
+                                f"weights of dtype {psw.dtype}; they must be torch.float32, the dtype of its table")
+
     def _check_offsets(self, f: FeatureSpec, ids: torch.Tensor, offsets: torch.Tensor) -> None:
         if offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):
             raise TypeError(

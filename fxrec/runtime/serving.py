@@ -137,6 +137,9 @@ class _ServingGroup(nn.Module):
             k = self.off_index[i]
             offs.append(offsets_list[k] if k >= 0 else None)
             w = self.psw_index[i]
+            if w >= 0 and psw_list[w].dtype != torch.float32:  # (as the eager group's _check_weights)
+                raise TypeError("fxrec: feature '" + self.names[i] + "' (table '" + self.table_names[i]
+                                + "') got per-sample weights that are not torch.float32, the dtype of its table")
             psws.append(psw_list[w] if w >= 0 else None)
         return offs, psws
 
