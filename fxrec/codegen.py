@@ -216,8 +216,10 @@ class StructuredCodeGen(fx.graph.CodeGen):
         sharded model stops), or a plain raise in the typed (TorchScript) form."""
         if self.typed:
             return f"raise ValueError({message!r})"
-        namespace = getattr(self, "_namespace", None)  # (the name fx gave the function: it knows it by the object)
-        name = "fxrec_input_error" if namespace is None else namespace.create_name("fxrec_input_error", fxrec_input_error)
+        name = "fxrec_input_error"
+        namespace = getattr(self, "_namespace", None)
+        if namespace is not None:  # the name fx gave the function (it knows it by the object)
+            name = namespace.create_name(name, fxrec_input_error)
         return f"{name}(self, {message!r})"
 
     def _length_checks(self, spec, expr: str, lines: List[str]) -> None:

@@ -637,7 +637,7 @@ def test_rowwise_adagrad_on_a_column_wise_table_is_refused_naming_it(tmp_path):
     msg = error_of(tmp_path, 2, _whole_row_optimizer_on_column_wise, "row-wise Adagrad")
     assert "['bags.1']" in msg and "column_wise" in msg and "row-wise Adagrad" in msg, msg
     # (the plan was made without it: the message says what would have helped, which
-    # tests/test_planner.py::test_the_planner_does_not_split_by_columns_a_table_whose_optimizer_reads_the_whole_row checks)
+    # tests/test_planner.py checks: test_the_planner_does_not_split_by_columns_a_table_whose_...)
     assert "the plan was made without optimizer=" in msg, msg
 
 

@@ -16,6 +16,7 @@ from .specs import FeatureSpec
 
 
 _dtype = attrgetter("dtype")
+_FLOAT32 = {torch.float32}
 
 
 class InputChecks:
@@ -104,6 +105,11 @@ class InputChecks:
         """Per-sample weights of float32, the dtype of the group's tables in the user's model, as
         nn.EmbeddingBag wants its weight's (fbgemm's kernels would take others, converted): else a
         TypeError naming the feature."""
+        try:  # (the common case in C-level reads: every feature weighted, float32)
+            if set(map(_dtype, psw_list)) <= _FLOAT32:
+                return
+        except AttributeError:  # a feature without weights (None): one by one
+            pass
         for f, psw in zip(self.features, psw_list):
             if psw is not None and psw.dtype != torch.float32:
                 raise TypeError(f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got per-sample "

@@ -203,7 +203,8 @@ def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], 
     if form == 0:
         try:
             batches = list(map(Tensor.numel, offsets_list))
-            if list(map(Tensor.dim, offsets_list)).count(1) != n_features or not set(map(_dtype, offsets_list)) <= _INTS:
+            if (list(map(Tensor.dim, offsets_list)).count(1) != n_features
+                    or not set(map(_dtype, offsets_list)) <= _INTS):
                 return None  # (integer offsets only: cat would take a float's dtype before .long())
         except TypeError:  # offsets None
             return None
