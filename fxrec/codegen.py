@@ -179,7 +179,8 @@ class StructuredCodeGen(fx.graph.CodeGen):
         # fx's namespace of the code's names: the arguments are reserved in it before fxrec's
         # functions are named (additional_globals), so an input called fxrec_attr or
         # fxrec_input_error, even a list that is no graph node, cannot hide one
-        self._namespace = args[0] if args else kwargs.get("namespace")
+        namespace = args[0] if args else kwargs.get("namespace")
+        self._namespace = namespace if hasattr(namespace, "create_name") else None  # (torch 2.11 and 2.13 pass it)
         try:
             code = super()._gen_python_code(nodes, root_module, *args, **kwargs)
         finally:
