@@ -6,17 +6,13 @@ fails, the per-feature checks here find the feature and raise a message that nam
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import List, Optional
 
 import torch
 
 from ._tracing import exporting, reads_values
+from .packing import _FLOAT32, _dtype
 from .specs import FeatureSpec
-
-
-_dtype = attrgetter("dtype")
-_FLOAT32 = {torch.float32}
 
 
 class InputChecks:
