@@ -63,7 +63,7 @@ def _bags(g, batch, lengths, dtypes):
 
 
 CASES = {
-    # name: (forms, a maker of (ids, offsets, weights)), every one in the list-level form
+    # name: a maker of (ids, offsets, weights), every one in the list-level form (its form: FORMS)
     "bags": lambda g: (*_bags(g, 4, [7, 0, 12, 4], [torch.long] * 4), [None] * 4),
     "bags_int32_and_int64": lambda g: (*_bags(g, 3, [5, 9, 2], [torch.int32, torch.long, torch.int32]), [None] * 3),
     "weighted_bags": lambda g: (*_bags(g, 4, [6, 3], [torch.long] * 2),

@@ -174,11 +174,11 @@ def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], 
     """:func:`pack_bags`' answer for the common group, in list-level steps with no Python work per
     feature but a few C-level reads of each tensor's size: every feature of one form (bags, ``[B,
     L]`` ids with one L > 0, or single ids), no ``padding_idx`` or ``include_last_offset``, one
-    batch size B > 0, ids of the dims that form has, and per-sample weights either absent or
-    given for every feature in the shape of its ids. None for anything else: the feature-by-feature
-    loop then gives the answer (its checks and messages included). The same tensors result either
-    way (``tests/test_packing.py`` compares the two), but ``firsts``: None for ``[B, L]`` and
-    single ids (they have no offsets; the loop gives zeros)."""
+    batch size B > 0, ids of the dims that form has, integer offsets, and per-sample weights
+    either absent or float32 on every feature in the shape of its ids. None for anything else:
+    the feature-by-feature loop then gives the answer (its checks and messages included). The
+    same tensors result either way (``tests/test_packing.py`` compares the two), but
+    ``firsts``: None for ``[B, L]`` and single ids (they have no offsets; the loop gives zeros)."""
     n_features = len(forms)
     if n_features == 0 or pads.count(-1) != n_features or ilos.count(False) != n_features:
         return None
@@ -326,12 +326,11 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
     bounds)``, or None where the group runs PyTorch's own kernels instead (an empty batch
     included). ``keep_padding``: the bags whose tables have a zero row in the group's TBE keep
     their padding ids (fbgemm_padding)."""
-    ints = (torch.int64, torch.int32)
     if not _all_ints(ids_list, offsets_list, group._bag_features):
         for f, ids, off in zip(group.features, ids_list, offsets_list):
-            if ids.dtype not in ints:
+            if ids.dtype not in _INTS:
                 group._check_ids(f, ids)  # raises, naming the feature
-            if f.form == "bag" and (off is None or off.dtype not in ints):
+            if f.form == "bag" and (off is None or off.dtype not in _INTS):
                 group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
     batch, indices, offsets, psw, bounds, firsts = pack_bags(
         ids_list, offsets_list, psw_list, group._where, group._forms, group._pads, group._ilos,
