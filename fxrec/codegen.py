@@ -7,13 +7,15 @@ a pytree walk per call (0.2-0.5 ms for a model with 53 input tensors here) and T
 compile it. :class:`StructuredCodeGen` writes instead::
 
     def forward(self, dense, ids, offsets):
-        if len(ids) != 26: fxrec_input_error(self, 'fxrec: input ids must have 26 elements')
+        if not isinstance(ids, (list, tuple)) or len(ids) != 26: fxrec_input_error(self, 'fxrec: input ids
+            must have 26 elements (a list or tuple)', ids)
         ids_0 = ids[0]
         ...
         return squeeze
 
-``fxrec_input_error`` raises the ValueError, and in a sharded model first stops the other ranks
-(:func:`fxrec_input_error`). With ``typed=True`` the arguments carry TorchScript types (``ids:
+``fxrec_input_error`` raises the ValueError, saying what was given (``got None``), and in a
+sharded model first stops the other ranks (:func:`fxrec_input_error`); a dict is checked for its
+captured keys. With ``typed=True`` the arguments carry TorchScript types (``ids:
 List[torch.Tensor]``) and the checks raise plainly; the ``emit_scriptable`` pass uses that.
 
 Untyped, a parameter is read with :func:`fxrec_attr` (``bags_0_weight = fxrec_attr(self, ('bags',
@@ -29,6 +31,7 @@ import re
 import typing
 from typing import Any, List, Tuple
 
+import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
@@ -124,19 +127,34 @@ def fxrec_attr(root, modules: Tuple[str, ...], name: str):
     return getattr(root, name)
 
 
-def fxrec_input_error(root, message: str):
+_NOTHING = object()
+
+
+def fxrec_input_error(root, message: str, got=_NOTHING):
     """Raise the ValueError ``message`` of an input whose structure the model was not captured for
-    (a list of another length, an input that must stay None). In a sharded model this rank first
-    joins the step's first exchange with its input flag set, as the input checks do for sizes
+    (not a list or dict, one of another length or keys, an input that must stay None), followed by
+    a word on ``got``, what was given there. In a sharded model this rank first joins the step's
+    first exchange with its input flag set, as the input checks do for sizes
     (:meth:`fxrec.runtime.input_guards.InputGuards._stop_every_rank`), so the other ranks stop too
     instead of waiting until the timeout."""
-    error = ValueError(message)
+    error = ValueError(message if got is _NOTHING else f"{message}, got {_described(got)}")
     guards = root._modules.get(GUARDS_NAME)
     if guards is not None and hasattr(guards, "_stop_every_rank"):
         # (no input tensor to go by: the exchange runs where the model's tables are)
         table = next(root.parameters(), None)
         guards._stop_every_rank(error, (), None if table is None else table.device)
     raise error
+
+
+def _described(x) -> str:
+    """A few words on an input that was given where a list or dict goes."""
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)}"
+    if isinstance(x, dict):
+        return f"a dict with keys {', '.join(map(repr, list(x)[:8]))}" + (" ..." if len(x) > 8 else "") if x else "an empty dict"
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return "None" if x is None else f"a {type(x).__name__}"
 
 
 def _fast_attr_lines(src: str, nodes, root_module: str, fn: str = "fxrec_attr") -> str:
@@ -205,23 +223,24 @@ class StructuredCodeGen(fx.graph.CodeGen):
             if k in self.none_leaves:
                 shown = expr.replace("'", "")
                 lines.append(f"if {expr} is not None: " + self._raise(
-                    f"fxrec: input {shown} was None when the model was captured and must stay None"))
+                    f"fxrec: input {shown} was None when the model was captured and must stay None", expr))
         bind = [(leaf, expr) for leaf, (expr, _) in zip(leaves, paths) if leaf != expr]
         if bind:  # one assignment: every input is read before any name is rebound
             lines.append(", ".join(b[0] for b in bind) + ", = " + ", ".join(b[1] for b in bind) + ",")
         head = f"def {self._func_name}(self, {', '.join(params)}){maybe_return_annotation}:"
         return head + "".join(f"\n    {line}" for line in lines)
 
-    def _raise(self, message: str) -> str:
+    def _raise(self, message: str, got: str = "") -> str:
         """The statement that raises ``message``: through :func:`fxrec_input_error` (every rank of a
-        sharded model stops), or a plain raise in the typed (TorchScript) form."""
+        sharded model stops; ``got``, an expression, is described after the message), or a plain
+        raise in the typed (TorchScript) form."""
         if self.typed:
             return f"raise ValueError({message!r})"
         name = "fxrec_input_error"
         namespace = getattr(self, "_namespace", None)
         if namespace is not None:  # the name fx gave the function (it knows it by the object)
             name = namespace.create_name(name, fxrec_input_error)
-        return f"{name}(self, {message!r})"
+        return f"{name}(self, {message!r}{', ' + got if got else ''})"
 
     def _length_checks(self, spec, expr: str, lines: List[str]) -> None:
         if spec.is_leaf():
@@ -229,11 +248,19 @@ class StructuredCodeGen(fx.graph.CodeGen):
         shown = expr.replace("'", "")
         if spec.type is type(None):
             lines.append(f"if {expr} is not None: " + self._raise(
-                f"fxrec: input {shown} was None when the model was captured and must stay None"))
+                f"fxrec: input {shown} was None when the model was captured and must stay None", expr))
             return
-        if spec.type in (list, tuple, dict):
-            n = spec.num_children
+        n = spec.num_children
+        if self.typed:  # (TorchScript checks the types itself)
             lines.append(f"if len({expr}) != {n}: " + self._raise(f"fxrec: input {shown} must have {n} elements"))
+        elif spec.type is dict:  # the captured keys, in any order
+            keys = "{" + ", ".join(repr(k) for k in spec.context) + "}" if n else "set()"
+            lines.append(f"if not isinstance({expr}, dict) or {expr}.keys() != {keys}: " + self._raise(
+                f"fxrec: input {shown} must have {n} elements (a dict with keys {', '.join(map(repr, spec.context))})",
+                expr))
+        else:  # a list or a tuple, as the model's own code indexed it
+            lines.append(f"if not isinstance({expr}, (list, tuple)) or len({expr}) != {n}: " + self._raise(
+                f"fxrec: input {shown} must have {n} elements (a list or tuple)", expr))
         for i, kid in enumerate(_children(spec)):
             key = repr(spec.context[i]) if spec.type is dict else str(i)
             self._length_checks(kid, f"{expr}[{key}]", lines)

@@ -48,6 +48,34 @@ def test_structure_is_checked_naming_the_input():
         without(feats, torch.rand(6))
     with pytest.raises(ValueError, match="input feats must have 2 elements"):
         fast({**feats, "extra": torch.zeros(1)}, None)
+    with pytest.raises(ValueError, match="input psw was None when the model was captured and must stay None, "
+                                         r"got a tensor of shape \(6,\)"):
+        fast(feats, torch.rand(6))
+
+
+def test_structure_of_the_wrong_type_is_an_error_saying_what_was_given():
+    """Not a list, a dict with other keys, a tensor where a list goes: a ValueError naming the input
+    and what it got, from the forward's first lines (before any collective of a sharded model:
+    tests/test_sharding.py), rather than a TypeError or KeyError from reading it. A tuple for a
+    list, and a dict's keys in another order, are the same input to the model and are taken."""
+    model = Optional_()
+    feats = {"a": torch.randint(0, 20, (6,)), "off": torch.tensor([0, 2, 4])}
+    fast = fxrec.transform(model, (feats, None), backend="fbgemm")
+    torch.testing.assert_close(fast({"off": feats["off"], "a": feats["a"]}, None), model(feats))
+    for bad, got in ((None, "None"), ([feats["a"], feats["off"]], "a list of 2"),
+                     ({"a": feats["a"], "of": feats["off"]}, "a dict with keys 'a', 'of'"),
+                     (feats["a"], r"a tensor of shape \(6,\)"), ({}, "an empty dict")):
+        with pytest.raises(ValueError, match=r"input feats must have 2 elements \(a dict with keys 'a', 'off'\), got "
+                                             + got):
+            fast(bad, None)
+    lists = DenseAndBags().eval()
+    ids, offsets = dense_and_bags_inputs(0)
+    fast = fxrec.transform(lists, (ids, offsets), backend="fbgemm")
+    torch.testing.assert_close(fast(tuple(ids), tuple(offsets)), lists(ids, offsets))
+    for bad, got in ((None, "None"), (ids[0], r"a tensor of shape \(12,\)"), ({0: ids[0]}, "a dict with keys 0"),
+                     (ids[:2], "a list of 2")):
+        with pytest.raises(ValueError, match=r"input ids must have 3 elements \(a list or tuple\), got " + got):
+            fast(bad, offsets)
 
 
 class DenseAndBags(nn.Module):

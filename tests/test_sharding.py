@@ -568,7 +568,7 @@ def _inputs_refused_on_the_host(rank, world):
 def _wrong_sizes_on_one_rank(rank, world, pins):
     """Rank 0's message of each case: dense inputs of the wrong width fed to rank 1, then to rank
     0, then a batch whose dense input and ids disagree in size (rank 1), a list of ids one short
-    (rank 1) and a list of offsets one long (rank 0); then three training steps
+    (rank 1), a list of offsets one long (rank 0) and None for the ids (rank 1); then three training steps
     on good batches, which must match the single-process model (a rank that raised before the
     first exchange used to leave the others waiting there, and their wait was answered by its
     next step)."""
@@ -581,7 +581,8 @@ def _wrong_sizes_on_one_rank(rank, world, pins):
              (0, lambda: (torch.rand(LOCAL_B, 5), ids, offsets, single)),
              (1, lambda: (dense[:-1], ids, offsets, single)),
              (1, lambda: (dense, ids[:-1], offsets, single)),  # lists of another length: the forward's first lines
-             (0, lambda: (dense, ids, offsets + [offsets[0]], single))]
+             (0, lambda: (dense, ids, offsets + [offsets[0]], single)),
+             (1, lambda: (dense, None, offsets, single))]  # no list at all (len(None) used to fail on rank 1 alone)
     msgs = []
     for on, bad in cases:
         msgs.append(message_of(lambda: fast(*(bad() if rank == on else (dense, ids, offsets, single)))))
@@ -603,12 +604,13 @@ def test_inputs_of_the_wrong_size_on_one_rank_stop_every_rank_at_the_first_excha
     tests/test_sharding_sequence.py)."""
     pins = {**ERROR_PINS, "single": "row_wise"}
     msgs = error_of(tmp_path, 2, _wrong_sizes_on_one_rank, pins).split(" || ")
-    there, here, mismatched, short_there, long_here = msgs
+    there, here, mismatched, short_there, long_here, none_there = msgs
     assert "rank(s) [1] were fed input they reject" in there, there
     assert "input dense" in here and "size 5 in dim 1" in here, here
     assert "rank(s) [1] were fed input they reject" in mismatched, mismatched
     assert "rank(s) [1] were fed input they reject" in short_there, short_there
-    assert "input offsets must have 3 elements" in long_here, long_here
+    assert "input offsets must have 3 elements (a list or tuple), got a list of 4" in long_here, long_here
+    assert "rank(s) [1] were fed input they reject" in none_there, none_there
 
 
 def test_inputs_refused_on_the_host_stop_every_rank_naming_the_feature(tmp_path):
