@@ -92,7 +92,7 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
 
     def run():
         with _lean_tracing(), (opaque_bags() if lean_bags else contextlib.nullcontext()):
-            ep = torch.export.export(model, copy.deepcopy(args), copy.deepcopy(kwargs), strict=False,
+            ep = torch.export.export(model, *_unaliased(copy.deepcopy((args, kwargs))), strict=False,
                                      dynamic_shapes=dynamic)
             if lean_bags:
                 renamed = restore_aten(ep.graph_module)
@@ -109,6 +109,23 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
         except Exception:  # noqa: BLE001 - the ordinary capture below says what is wrong
             pass
     return run()
+
+
+def _unaliased(tree):
+    """``tree`` with each tensor that appears in it a second time (the same object, as in
+    ``[offsets] * 3``) replaced by a copy. torch.export gives one tensor passed twice one
+    placeholder, so the captured model would read that input for both places at every later
+    call, however different the tensors it is given there."""
+    seen = set()
+
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return x.detach().clone().requires_grad_(x.requires_grad)
+            seen.add(id(x))
+        return x
+
+    return pytree.tree_map(one, tree)
 
 
 @contextlib.contextmanager

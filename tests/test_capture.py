@@ -65,6 +65,26 @@ def test_batch_and_each_features_number_of_ids_stay_dynamic():
     assert_matches(model, fast, *calls)
 
 
+def test_example_inputs_that_share_a_tensor_are_captured_as_separate_inputs():
+    """``[offsets] * 5``, a common way to write a batch of equal bags, gives torch.export one
+    tensor five times, which it makes one placeholder: the captured model then read the first
+    feature's offsets for all five at every call, a silently wrong answer for later batches whose
+    offsets differ. The example is taken as five inputs; the exported program too."""
+    model = Bags()
+    g = torch.Generator().manual_seed(0)
+    shared = torch.arange(0, 16, 2)
+    example = ([torch.randint(0, 40, (16,), generator=g) for _ in range(TABLES)], [shared] * TABLES)
+    dense = fxrec.transform(model, example, mode="inference")
+    inputs = [ragged(6, (1, 3, 5, 2, 4), seed=s) for s in (1, 2)]
+    assert all(len({tuple(o.tolist()) for o in offsets}) > 1 for _, offsets in inputs)
+    assert_matches(model, dense, *inputs)
+    assert_matches(model, fxrec.transform(model, example, backend="fbgemm"), *inputs)
+    program = fxrec.export.program(model, example).module()
+    for x in inputs:
+        torch.testing.assert_close(program(*x), model(*x))
+    assert example[1][0] is shared and example[1][4] is shared  # (the user's inputs are left as they were)
+
+
 def test_one_symbol_for_the_batch_and_one_per_ids_tensor():
     """The design (see fxrec/capture.py): each ids tensor its own size symbol; the offsets, whose
     pooled rows the model concatenates, one symbol between them. Even where the example gives all
