@@ -5,7 +5,9 @@ alternating in one process. Writes JSON.
     python3 benchmarks/bench_host.py --device cpu --scale 100 --out benchmarks/results/cpu_host.json
 
 The host's time to queue 20 calls, divided by 20 (on CUDA the device is waited for only between
-blocks), median of ``--rounds`` alternating rounds: a forward under no_grad, and a training step
+blocks), median of ``--rounds`` alternating rounds (and ``*_saved_ms``, the median of each round's
+off minus on, which a drift of the machine's speed during the run does not move): a forward
+under no_grad, and a training step
 (forward and backward, fused SGD), on fbgemm's TBE (the kernel every group gets on CUDA; on CPU
 too, with ``--backend fbgemm``, the default). ``--ab`` picks the changes, each measured on its own
 against the model with only it turned off:
@@ -13,6 +15,11 @@ against the model with only it turned off:
 * ``attr``: the generated forward reads each table's weight by ``fxrec_attr`` (fxrec's codegen),
   off: fx's own ``getattr`` chain (``fxrec.codegen._fast_attr_lines`` turned off, the same
   GraphModules recompiled);
+* ``attrs``: a run of weight reads in a row is one ``fxrec_attrs`` call (C-level maps over the
+  module dicts), off: one ``fxrec_attr`` call per weight;
+* ``guards``: the input size check reads every input's dims and sizes by C-level maps and
+  compares whole tuples (``fxrec.runtime.input_guards.InputGuards._build``), off: a few
+  generated lines per input, as it was written before (:func:`one_line_per_input`);
 * ``packing``: groups of one form packed in list-level steps
   (``fxrec.runtime.packing._pack_uniform``), off: the loop over features.
 """
@@ -51,6 +58,33 @@ def host_ms(fn, device, calls=20) -> float:
     return ms
 
 
+def one_line_per_input(guards):
+    """The input size check as it was written before the C-level reads (``--ab guards``' off
+    form): a few generated lines per input, reading each one's ``.shape``."""
+    from fxrec.runtime.input_guards import _namespace
+
+    assert not guards.values, "bench_host: the benchmark's models have no inputs that are not tensors"
+    bound = guards._symbol_sources()
+    lines = ["def _check(" + ", ".join(f"a{k}" for k in range(len(guards.paths))) + "):"]
+    for k, shape in enumerate(guards.shapes):
+        lines += [f"    t{k} = a{k}.shape", f"    if len(t{k}) != {len(shape)}: return False"]
+        for d, sym in enumerate(shape):
+            if isinstance(sym, int):
+                lines.append(f"    if t{k}[{d}] != {sym}: return False")
+            elif sym is not None:
+                first = bound.get(sym) == f"a{k}.size({d})"
+                lines.append(f"    {sym} = t{k}[{d}]" if first else f"    if t{k}[{d}] != ({sym}): return False")
+    for sym, (lo, hi) in sorted(guards.ranges.items()):
+        if sym in bound and lo > 0:
+            lines.append(f"    if {sym} < {lo}: return False")
+        if sym in bound and hi is not None:
+            lines.append(f"    if {sym} > {hi}: return False")
+    lines += [f"    if not ({c}): return False" for c in guards.conditions if not guards._implied(c)]
+    ns = _namespace()
+    exec("\n".join(lines + ["    return True"]), ns)  # noqa: S102 - the benchmark's own code
+    return ns["_check"]
+
+
 @contextmanager
 def turned_off(change: str, models):
     """The models as they were before ``change``."""
@@ -66,6 +100,28 @@ def turned_off(change: str, models):
             codegen._fast_attr_lines = rewrite
             for m in models:
                 m.recompile()
+    elif change == "attrs":
+        rewrite = codegen._fast_attr_lines
+        codegen._fast_attr_lines = lambda src, nodes, root, fn="fxrec_attr", fn_many="": rewrite(src, nodes, root, fn)
+        try:
+            for m in models:
+                m.recompile()
+                assert "fxrec_attrs(" not in m.code and "fxrec_attr(" in m.code
+            yield
+        finally:
+            codegen._fast_attr_lines = rewrite
+            for m in models:
+                m.recompile()
+    elif change == "guards":
+        checks = [m.fxrec_check_inputs for m in models]
+        fns = [g._fn for g in checks]
+        try:
+            for g in checks:
+                g._fn = one_line_per_input(g)
+            yield
+        finally:
+            for g, fn in zip(checks, fns):
+                g._fn = fn
     elif change == "packing":
         uniform = packing._pack_uniform
         packing._pack_uniform = lambda *args: None
@@ -109,6 +165,9 @@ def bench_shape(cfg, device, rounds, changes, backend):
                     times["forward_off_host_ms"].append(host_ms(forward, device))
                     times["sgd_step_off_host_ms"].append(host_ms(step, device))
         out[change] = {k: statistics.median(v) for k, v in times.items()}
+        for k in ("forward", "sgd_step"):  # the median of each round's own difference (robust to drift)
+            out[change][f"{k}_saved_ms"] = statistics.median(
+                off - on for on, off in zip(times[f"{k}_on_host_ms"], times[f"{k}_off_host_ms"]))
     return out
 
 
@@ -118,7 +177,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--shapes", default="small512,onehot26")
-    ap.add_argument("--ab", default="attr,packing", help="the changes to turn off and on, comma-separated")
+    ap.add_argument("--ab", default="attr,attrs,guards,packing", help="the changes to turn off and on, comma-separated")
     ap.add_argument("--backend", default="fbgemm")
     ap.add_argument("--scale", type=int, default=1, help="divide every shape's rows (and batch) by this")
     a = ap.parse_args()

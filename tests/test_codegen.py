@@ -1,5 +1,7 @@
 """The captured model's forward (fxrec/codegen.py): the model's own arguments, read by index."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -100,7 +102,10 @@ def test_parameters_and_buffers_are_read_through_the_module_dicts_and_are_the_mo
     ref = DenseAndBags()
     ref.load_state_dict(model.state_dict())
     fast = fxrec.transform(model, dense_and_bags_inputs(0))
-    assert "fxrec_attr(self, ('bags', '0'), 'weight')" in fast.code and "fxrec_attr(self, ('top',), 'weight')" in fast.code
+    # a run of reads in a row is one call (fxrec_attrs), the module keys of each level in a tuple
+    assert ("fxrec_attrs(self, (('bags', 'bags', 'bags'), ('0', '1', '2')), ('weight', 'weight', 'weight'))"
+            in fast.code), fast.code
+    assert re.search(r"top_weight, .*= fxrec_attrs\(self, \(\([^)]*'top'", fast.code), fast.code
     assert "getattr(self" not in fast.code and "self.top.weight" not in fast.code, fast.code
     for seed in (1, 2):
         x = dense_and_bags_inputs(seed)
@@ -175,21 +180,22 @@ class NamedLikeTheReader(nn.Module):
         super().__init__()
         self.bag = nn.EmbeddingBag(20, 4, mode="sum")
         self.fxrec_attr = nn.Parameter(torch.rand(4))
+        self.fxrec_attrs = nn.Parameter(torch.rand(4))
         self.top = nn.Linear(4 + 3, 1)
 
     def forward(self, ids, offsets, fxrec_attr):
-        return self.top(torch.cat([self.bag(ids, offsets) * self.fxrec_attr, fxrec_attr], 1))
+        return self.top(torch.cat([self.bag(ids, offsets) * self.fxrec_attr * self.fxrec_attrs, fxrec_attr], 1))
 
 
 def test_a_model_with_names_like_the_attribute_reader_runs():
-    """fx gives the reader another name in the code (fxrec_attr_1) when the graph has the name."""
+    """fx gives the readers other names in the code (fxrec_attrs_1) when the graph has the names."""
     model = NamedLikeTheReader()
     x = (torch.randint(0, 20, (12,)), torch.arange(0, 12, 2), torch.rand(6, 3))
     fast = fxrec.transform(model, x)
-    import re
-
-    reader = re.search(r"= (fxrec_attr_\d+)\(self, \('bag',\), 'weight'\)", fast.code)
-    assert reader and reader[1] != "fxrec_attr_1", fast.code  # (the parameter's node took _1)
+    reader = re.search(r"= (fxrec_attrs_\d+)\(self, \(\('bag', 'top', 'top'\),\), \('weight', 'weight', 'bias'\)\)",
+                       fast.code)
+    assert reader, fast.code
+    assert re.search(r"= (fxrec_attrs_\d+)\(self, \(\), \('fxrec_attr', 'fxrec_attrs'\)\)", fast.code), fast.code
     torch.testing.assert_close(fast(*x), model(*x))
 
 
@@ -247,6 +253,37 @@ def test_a_dict_key_like_the_functions_call_is_read_as_it_is():
     x = ({key: torch.randint(0, 20, (3, 2))}, torch.rand(3, 4))
     fast = fxrec.transform(model, x)
     torch.testing.assert_close(fast(*x), model(*x))
+
+
+def test_fxrec_attrs_reads_what_fxrec_attr_reads_one_by_one():
+    """The batched read: the module dicts by C-level maps, and anything they do not hold (a buffer,
+    an instance attribute, a parameter behind a property, a module missing or registered as None)
+    as fxrec_attr reads it, or its error."""
+    import torch.nn.utils.parametrize as P
+
+    from fxrec.codegen import fxrec_attr, fxrec_attrs
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    m = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2), nn.Linear(2, 2), nn.Linear(2, 1))
+    m[2].__dict__["const"] = torch.zeros(1)
+    P.register_parametrization(m[3], "weight", Doubled())
+    paths = [(("0",), "weight"), (("1",), "running_mean"), (("2",), "const"), (("3",), "weight"), (("0",), "bias"),
+             (("1",), "training")]
+    levels = tuple(zip(*(p for p, _ in paths)))
+    got = fxrec_attrs(m, levels, tuple(n for _, n in paths))
+    for (path, name), g in zip(paths, got):
+        want = fxrec_attr(m, path, name)
+        assert g is want or torch.equal(g, want), (path, name)  # (the parametrized weight is made at each read)
+    assert got[0] is m[0].weight and got[1] is m[1].running_mean and got[5] is True
+    torch.testing.assert_close(got[3], 2 * m[3].parametrizations.weight.original)
+    assert fxrec_attrs(m, (), ("training",)) == [True]  # depth 0: the root's own
+    m.register_module("gone", None)
+    for bad in (("9",), ("gone",)):
+        with pytest.raises(AttributeError):
+            fxrec_attrs(m, (("0",) + bad,), ("weight", "weight"))
 
 
 def test_buffers_are_read_through_the_dicts_too():

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 import re
+from itertools import chain
+from operator import itemgetter
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -104,30 +106,82 @@ class InputGuards(torch.nn.Module):
         return isinstance(sx[dx], str) and sx[dx] == sy[dy]
 
     def _build(self):
+        """The check as one generated function of the inputs, ``_check(*a)``, that reads each tensor
+        input's dims and sizes by C-level ``map``s (a 1-D input's size is its ``numel``, the
+        cheapest read) into one list ``z``, then compares whole tuples of it: the fixed sizes
+        with the captured ones, every size that shares a symbol with that symbol's first
+        binding (one comparison for all), each range's bound against the least or greatest of
+        its symbols. Derived sizes, values and conditions are a line each."""
         bound = self._symbol_sources()
-        args = ", ".join(f"a{k}" for k in range(len(self.paths)))
-        lines = [f"def _check({args}):"]
-        for k, shape in enumerate(self.shapes):
-            if shape is None:
-                continue
-            lines.append(f"    t{k} = a{k}.shape")  # one call per input; the dims are read from it
-            lines.append(f"    if len(t{k}) != {len(shape)}: return False")
-            for d, s in enumerate(shape):
-                if s is None:
-                    continue
-                if isinstance(s, int):
-                    lines.append(f"    if t{k}[{d}] != {s}: return False")
-                elif bound.get(s) == f"a{k}.size({d})":
-                    lines.append(f"    {s} = t{k}[{d}]")
-        for k, shape in enumerate(self.shapes):
-            for d, s in enumerate(shape or ()):
-                if isinstance(s, str) and bound.get(s) != f"a{k}.size({d})":
-                    lines.append(f"    if t{k}[{d}] != ({s}): return False")
+        ns = _namespace()
+        lines = ["def _check(*a):"]
+        tensors = [k for k, shape in enumerate(self.shapes) if shape is not None]
+
+        def picker(ks: List[int], tag: str) -> str:  # the expression of a tuple of a's elements
+            if ks == list(range(len(self.paths))):
+                return "a"
+            ns[tag] = itemgetter(*ks) if len(ks) > 1 else (lambda seq, k=ks[0]: (seq[k],))
+            return f"{tag}(a)"
+
+        at: Dict[Tuple[int, int], int] = {}  # (input, dim) -> its place in z
+        if tensors:
+            ns["_fx_dims"] = [len(self.shapes[k]) for k in tensors]
+            lines.append(f"    if list(map(_fx_dim, {picker(tensors, '_fx_tensors')})) != _fx_dims: return False")
+            checked = [k for k in tensors if any(s is not None for s in self.shapes[k])]
+            one_d = [k for k in checked if len(self.shapes[k]) == 1]
+            more = [k for k in checked if len(self.shapes[k]) > 1]
+            parts = []
+            if one_d:
+                parts.append(f"list(map(_fx_numel, {picker(one_d, '_fx_one_d')}))")
+                at.update({(k, 0): i for i, k in enumerate(one_d)})
+            if more:
+                parts.append(f"list(chain.from_iterable(map(_fx_size, {picker(more, '_fx_more')})))")
+                place = len(one_d)
+                for k in more:
+                    for d in range(len(self.shapes[k])):
+                        at[(k, d)] = place
+                        place += 1
+            if parts:
+                lines.append("    z = " + " + ".join(parts))
+
+        def getter(places: List[int], tag: str) -> str:
+            ns[tag] = itemgetter(*places) if len(places) > 1 else (lambda seq, i=places[0]: (seq[i],))
+            return f"{tag}(z)"
+
+        fixed = [(at[(k, d)], s) for k in tensors for d, s in enumerate(self.shapes[k]) if isinstance(s, int)]
+        if fixed:
+            ns["_fx_fixed"] = tuple(v for _, v in fixed)
+            lines.append(f"    if {getter([i for i, _ in fixed], '_fx_at_fixed')} != _fx_fixed: return False")
+        first = {s: at[(int(m[1]), int(m[2]))] for s, src in bound.items()
+                 for m in [re.fullmatch(r"a(\d+)\.size\((\d+)\)", src)]}
+        same = [(at[(k, d)], first[s]) for k in tensors for d, s in enumerate(self.shapes[k])
+                if isinstance(s, str) and s in first and at[(k, d)] != first[s]]
+        if same:
+            lines.append(f"    if {getter([i for i, _ in same], '_fx_at_same')} != "
+                         f"{getter([j for _, j in same], '_fx_at_first')}: return False")
+        derived = [(at[(k, d)], s) for k in tensors for d, s in enumerate(self.shapes[k])
+                   if isinstance(s, str) and s not in first]
+        for sym in sorted(first):  # the symbols the lines below name
+            if any(re.search(rf"\b{re.escape(sym)}\b", e) for _, e in derived) or any(
+                    re.search(rf"\b{re.escape(sym)}\b", c) for c in self.conditions):
+                lines.append(f"    {sym} = z[{first[sym]}]")
+        for i, expr in derived:
+            lines.append(f"    if z[{i}] != ({expr}): return False")
+        lows: Dict[int, List[int]] = {}
+        highs: Dict[int, List[int]] = {}
         for sym, (lo, hi) in sorted(self.ranges.items()):
-            if sym in bound and lo > 0:
-                lines.append(f"    if {sym} < {lo}: return False")
-            if sym in bound and hi is not None:
-                lines.append(f"    if {sym} > {hi}: return False")
+            if sym in first and lo > 0:
+                lows.setdefault(lo, []).append(first[sym])
+            if sym in first and hi is not None:
+                highs.setdefault(hi, []).append(first[sym])
+        for n, (lo, places) in enumerate(sorted(lows.items())):
+            lines.append(f"    if min({getter(places, f'_fx_low{n}')}) < {lo}: return False")
+        for n, (hi, places) in enumerate(sorted(highs.items())):
+            lines.append(f"    if max({getter(places, f'_fx_high{n}')}) > {hi}: return False")
+        named = {int(m) for c in self.conditions if not self._implied(c) for m in re.findall(r"\ba(\d+)\b", c)}
+        named |= set(self.values)
+        for k in sorted(named):
+            lines.append(f"    a{k} = a[{k}]")
         for k, v in sorted(self.values.items()):
             if isinstance(v, float) and math.isnan(v):
                 lines.append(f"    if not (isinstance(a{k}, float) and math.isnan(a{k})): return False")
@@ -137,7 +191,7 @@ class InputGuards(torch.nn.Module):
             if not self._implied(c):
                 lines.append(f"    if not ({c}): return False")
         lines.append("    return True")
-        ns = _namespace()
+        ns.update(_fx_dim=torch.Tensor.dim, _fx_numel=torch.Tensor.numel, _fx_size=torch.Tensor.size, chain=chain)
         exec("\n".join(lines), ns)  # noqa: S102 - code made from the captured shapes above
         return ns["_check"]
 
@@ -194,6 +248,7 @@ class InputGuards(torch.nn.Module):
                 problems.append(f"{self._name(k)} is {x!r}; the model was captured with {v!r} there (an input that "
                                 "is not a tensor is fixed at capture: transform again for another value)")
         seen: Dict[str, Tuple[int, int, int]] = {}  # symbol -> (value, input, dim) of its first binding
+        sharing: Dict[str, List[Tuple[int, int, int]]] = {}  # symbol -> every (value, input, dim) it sizes
         for k, (shape, x) in enumerate(zip(self.shapes, inputs)):
             if shape is None:
                 continue
@@ -213,11 +268,10 @@ class InputGuards(torch.nn.Module):
                         problems.append(f"{self._name(k)} has size {got} in dim {d}; the model was captured with "
                                         f"a fixed size {s} there")
                 elif s.isidentifier():
-                    if s in seen and seen[s][0] != got:
-                        v, j, e = seen[s]
-                        problems.append(f"{self._name(k)} has size {got} in dim {d}, but {self._name(j)} has "
-                                        f"{v} in dim {e}; the model was captured with these two equal")
                     seen.setdefault(s, (got, k, d))
+                    sharing.setdefault(s, []).append((got, k, d))
+        for s, places in sharing.items():
+            problems.extend(self._unequal(places))
         values = {s: v[0] for s, v in seen.items()}
         if not problems:
             for k, (shape, x) in enumerate(zip(self.shapes, inputs)):
@@ -246,6 +300,24 @@ class InputGuards(torch.nn.Module):
         if not problems:
             problems.append("the inputs do not fit the sizes the model was captured for")
         return "fxrec: " + "; ".join(problems)
+
+    def _unequal(self, places: List[Tuple[int, int, int]]) -> List[str]:
+        """The inputs whose size differs where the model was captured with one size: those off
+        the size most of them have (the first input's where as many have each), each against
+        an input that has it; four named, the rest counted."""
+        counts: Dict[int, int] = {}
+        for got, _, _ in places:
+            counts[got] = counts.get(got, 0) + 1
+        if len(counts) == 1:
+            return []
+        usual = max(counts, key=lambda v: (counts[v], v == places[0][0]))
+        _, j, e = next(p for p in places if p[0] == usual)
+        odd = [p for p in places if p[0] != usual]
+        out = [f"{self._name(k)} has size {got} in dim {d}, but {self._name(j)} has {usual} in dim {e}; the model "
+               "was captured with these two equal" for got, k, d in odd[:4]]
+        if len(odd) > 4:
+            out.append(f"{len(odd) - 4} more inputs differ from {self._name(j)} in that size")
+        return out
 
     def _shown(self, shape: Sequence[Size]) -> str:
         return "(" + ", ".join(str(s) if isinstance(s, int) else "any" for s in shape) + ("," if len(shape) == 1 else "") + ")"
