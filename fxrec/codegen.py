@@ -7,7 +7,7 @@ a pytree walk per call (0.2-0.5 ms for a model with 53 input tensors here) and T
 compile it. :class:`StructuredCodeGen` writes instead::
 
     def forward(self, dense, ids, offsets):
-        if not isinstance(ids, (list, tuple)) or len(ids) != 26: fxrec_input_error(self, 'fxrec: input ids
+        if not isinstance(ids, fxrec_sequences) or len(ids) != 26: fxrec_input_error(self, 'fxrec: input ids
             must have 26 elements (a list or tuple)', ids)
         ids_0 = ids[0]
         ...
@@ -22,11 +22,15 @@ Untyped, a parameter is read with :func:`fxrec_attr` (``bags_0_weight = fxrec_at
 '0'), 'weight')``) where fx writes ``getattr(self.bags, "0").weight``: three
 ``nn.Module.__getattr__`` calls a table, each after a failed attribute lookup. For 512 tables
 that was 1.0 ms of host time a call on Python 3.11 and 0.5 ms on 3.12, 0.1 ms this way
-(measured on this project's CPU machine).
+(measured on this project's CPU machine). A run of six or more such reads in a row, at one depth, is
+one :func:`fxrec_attrs` call on the run's first line (the others become ``pass``), which reads the
+module dicts by C-level ``map``s: ``bags_0_weight, ..., bags_25_weight, = fxrec_attrs(self,
+(('bags', ..., 'bags'), ('0', ..., '25')), ('weight', ..., 'weight'))``.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import re
 import typing
 from itertools import repeat
@@ -38,6 +42,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .pass_infra import InputError
+from .runtime._tracing import compiling
 from .runtime.input_guards import GUARDS_NAME
 
 
@@ -130,6 +135,14 @@ def fxrec_attr(root, modules: Tuple[str, ...], name: str):
 
 
 _MODULES, _PARAMETERS, _BUFFERS = attrgetter("_modules"), attrgetter("_parameters"), attrgetter("_buffers")
+#: what the generated forward takes where the model was captured with a list or tuple: anything the
+#: model's own code could index alike (a deque, a tensor for a list of its rows), the common two first
+SEQUENCES = (list, tuple, torch.Tensor, collections.abc.Sequence)
+#: and where it was captured with a dict (a MappingProxyType, ...)
+MAPPINGS = (dict, collections.abc.Mapping)
+#: fewer reads than this in a row are made one by one (fxrec_attrs costs about as much as five
+#: fxrec_attr calls before its first read)
+MIN_RUN = 6
 
 
 def fxrec_attrs(root, levels: Tuple[Tuple[str, ...], ...], names: Tuple[str, ...]) -> List[Any]:
@@ -138,6 +151,9 @@ def fxrec_attrs(root, levels: Tuple[Tuple[str, ...], ...], names: Tuple[str, ...
     work per attribute where they hold every one (the generated forward reads a run of
     parameters with one call: 512 tables' weights in about a fifth of the time of 512 calls);
     anything else is read by :func:`fxrec_attr`, so the answer is the same."""
+    if compiling():  # (torch.compile does not follow attrgetter: the same reads one by one)
+        return [fxrec_attr(root, path, name) for path, name in zip(list(zip(*levels)) if levels else [()] * len(names),
+                                                                    names)]
     mods = [root] * len(names)
     try:
         for keys in levels:
@@ -185,8 +201,8 @@ def _described(x) -> str:
 
 def _fast_attr_lines(src: str, nodes, root_module: str, fn: str = "fxrec_attr", fn_many: str = "") -> str:
     """``src`` with each get_attr node's line reading through :func:`fxrec_attr`, known to the
-    code as ``fn``; with ``fn_many`` (:func:`fxrec_attrs`' name there), each run of two or more
-    such lines in a row, at one depth, read by one call of it on the run's first line, the others
+    code as ``fn``; with ``fn_many`` (:func:`fxrec_attrs`' name there), each run of ``MIN_RUN`` or
+    more such lines in a row, at one depth, read by one call of it on the run's first line, the others
     left as ``pass`` (the line numbers fx maps to nodes stay)."""
     rewrite = {}
     for node in nodes:
@@ -211,7 +227,7 @@ def _fast_attr_lines(src: str, nodes, root_module: str, fn: str = "fxrec_attr", 
             runs[-1].append(item)
         else:
             runs.append([item])
-    for run in runs:
+    for run in [r for long in runs for r in ([long] if len(long) >= MIN_RUN else [[item] for item in long])]:
         i, indent, var, modules, name = run[0]
         if len(run) == 1:
             lines[i] = f"{indent}{var} = {fn}({root_module}, {modules!r}, {name!r})"
@@ -277,16 +293,19 @@ class StructuredCodeGen(fx.graph.CodeGen):
         head = f"def {self._func_name}(self, {', '.join(params)}){maybe_return_annotation}:"
         return head + "".join(f"\n    {line}" for line in lines)
 
+    def _global(self, name: str, obj) -> str:
+        """The name the code knows one of :meth:`additional_globals` by: fx's for it (fx knows it by
+        the object, and gives another name where an input or node has this one)."""
+        namespace = getattr(self, "_namespace", None)
+        return name if namespace is None else namespace.create_name(name, obj)
+
     def _raise(self, message: str, got: str = "") -> str:
         """The statement that raises ``message``: through :func:`fxrec_input_error` (every rank of a
         sharded model stops; ``got``, an expression, is described after the message), or a plain
         raise in the typed (TorchScript) form."""
         if self.typed:
             return f"raise ValueError({message!r})"
-        name = "fxrec_input_error"
-        namespace = getattr(self, "_namespace", None)
-        if namespace is not None:  # the name fx gave the function (it knows it by the object)
-            name = namespace.create_name(name, fxrec_input_error)
+        name = self._global("fxrec_input_error", fxrec_input_error)
         return f"{name}(self, {message!r}{', ' + got if got else ''})"
 
     def _length_checks(self, spec, expr: str, lines: List[str]) -> None:
@@ -302,11 +321,13 @@ class StructuredCodeGen(fx.graph.CodeGen):
             lines.append(f"if len({expr}) != {n}: " + self._raise(f"fxrec: input {shown} must have {n} elements"))
         elif spec.type is dict:  # the captured keys, in any order
             keys = "{" + ", ".join(repr(k) for k in spec.context) + "}" if n else "set()"
-            lines.append(f"if not isinstance({expr}, dict) or {expr}.keys() != {keys}: " + self._raise(
+            kinds = self._global("fxrec_mappings", MAPPINGS)
+            lines.append(f"if not isinstance({expr}, {kinds}) or {expr}.keys() != {keys}: " + self._raise(
                 f"fxrec: input {shown} must have {n} elements (a dict with keys {', '.join(map(repr, spec.context))})",
                 expr))
-        else:  # a list or a tuple, as the model's own code indexed it
-            lines.append(f"if not isinstance({expr}, (list, tuple)) or len({expr}) != {n}: " + self._raise(
+        else:  # a list or a tuple (or what the model's own code indexes alike)
+            kinds = self._global("fxrec_sequences", SEQUENCES)
+            lines.append(f"if not isinstance({expr}, {kinds}) or len({expr}) != {n}: " + self._raise(
                 f"fxrec: input {shown} must have {n} elements (a list or tuple)", expr))
         for i, kid in enumerate(_children(spec)):
             key = repr(spec.context[i]) if spec.type is dict else str(i)
@@ -346,4 +367,5 @@ class StructuredCodeGen(fx.graph.CodeGen):
             for name, _ in self._arg_specs():
                 namespace.create_name(name, None)  # (one already a node's name just takes up a spare one)
         return [("List", typing.List), ("Dict", typing.Dict), ("Tuple", typing.Tuple), ("Optional", typing.Optional),
-                ("fxrec_attr", fxrec_attr), ("fxrec_attrs", fxrec_attrs), ("fxrec_input_error", fxrec_input_error)]
+                ("fxrec_attr", fxrec_attr), ("fxrec_attrs", fxrec_attrs), ("fxrec_input_error", fxrec_input_error),
+                ("fxrec_sequences", SEQUENCES), ("fxrec_mappings", MAPPINGS)]

@@ -59,7 +59,8 @@ def test_structure_of_the_wrong_type_is_an_error_saying_what_was_given():
     """Not a list, a dict with other keys, a tensor where a list goes: a ValueError naming the input
     and what it got, from the forward's first lines (before any collective of a sharded model:
     tests/test_sharding.py), rather than a TypeError or KeyError from reading it. A tuple for a
-    list, and a dict's keys in another order, are the same input to the model and are taken."""
+    list, a dict's keys in another order, and other sequences and mappings, are the same input to the
+    model and are taken."""
     model = Optional_()
     feats = {"a": torch.randint(0, 20, (6,)), "off": torch.tensor([0, 2, 4])}
     fast = fxrec.transform(model, (feats, None), backend="fbgemm")
@@ -70,10 +71,16 @@ def test_structure_of_the_wrong_type_is_an_error_saying_what_was_given():
         with pytest.raises(ValueError, match=r"input feats must have 2 elements \(a dict with keys 'a', 'off'\), got "
                                              + got):
             fast(bad, None)
+    import collections
+    import types
+
+    # what the model's own code reads alike is taken: a MappingProxyType for a dict, a deque for a list
+    torch.testing.assert_close(fast(types.MappingProxyType(feats), None), model(feats))
     lists = DenseAndBags().eval()
     ids, offsets = dense_and_bags_inputs(0)
     fast = fxrec.transform(lists, (ids, offsets), backend="fbgemm")
     torch.testing.assert_close(fast(tuple(ids), tuple(offsets)), lists(ids, offsets))
+    torch.testing.assert_close(fast(collections.deque(ids), offsets), lists(ids, offsets))
     for bad, got in ((None, "None"), (ids[0], r"a tensor of shape \(12,\)"), ({0: ids[0]}, "a dict with keys 0"),
                      (ids[:2], "a list of 2")):
         with pytest.raises(ValueError, match=r"input ids must have 3 elements \(a list or tuple\), got " + got):
@@ -102,10 +109,11 @@ def test_parameters_and_buffers_are_read_through_the_module_dicts_and_are_the_mo
     ref = DenseAndBags()
     ref.load_state_dict(model.state_dict())
     fast = fxrec.transform(model, dense_and_bags_inputs(0))
-    # a run of reads in a row is one call (fxrec_attrs), the module keys of each level in a tuple
-    assert ("fxrec_attrs(self, (('bags', 'bags', 'bags'), ('0', '1', '2')), ('weight', 'weight', 'weight'))"
-            in fast.code), fast.code
-    assert re.search(r"top_weight, .*= fxrec_attrs\(self, \(\([^)]*'top'", fast.code), fast.code
+    # a run of six or more reads in a row (at one depth) is one call (fxrec_attrs), the module
+    # keys of each level in a tuple; shorter runs are read one by one
+    assert "bags_0_weight = fxrec_attr(self, ('bags', '0'), 'weight')" in fast.code, fast.code
+    assert re.search(r"norm_weight, norm_bias, top_weight, top_bias, .*= fxrec_attrs\(self, \(\('norm', 'norm', "
+                     r"'top', 'top', ", fast.code), fast.code
     assert "getattr(self" not in fast.code and "self.top.weight" not in fast.code, fast.code
     for seed in (1, 2):
         x = dense_and_bags_inputs(seed)
@@ -182,9 +190,11 @@ class NamedLikeTheReader(nn.Module):
         self.fxrec_attr = nn.Parameter(torch.rand(4))
         self.fxrec_attrs = nn.Parameter(torch.rand(4))
         self.top = nn.Linear(4 + 3, 1)
+        self.towers = nn.ModuleList([nn.Linear(1, 1) for _ in range(3)])  # six reads in a row: fxrec_attrs
 
     def forward(self, ids, offsets, fxrec_attr):
-        return self.top(torch.cat([self.bag(ids, offsets) * self.fxrec_attr * self.fxrec_attrs, fxrec_attr], 1))
+        out = self.top(torch.cat([self.bag(ids, offsets) * self.fxrec_attr * self.fxrec_attrs, fxrec_attr], 1))
+        return out + sum(t(fxrec_attr[:, :1]) for t in self.towers)
 
 
 def test_a_model_with_names_like_the_attribute_reader_runs():
@@ -192,10 +202,9 @@ def test_a_model_with_names_like_the_attribute_reader_runs():
     model = NamedLikeTheReader()
     x = (torch.randint(0, 20, (12,)), torch.arange(0, 12, 2), torch.rand(6, 3))
     fast = fxrec.transform(model, x)
-    reader = re.search(r"= (fxrec_attrs_\d+)\(self, \(\('bag', 'top', 'top'\),\), \('weight', 'weight', 'bias'\)\)",
-                       fast.code)
-    assert reader, fast.code
-    assert re.search(r"= (fxrec_attrs_\d+)\(self, \(\), \('fxrec_attr', 'fxrec_attrs'\)\)", fast.code), fast.code
+    reader = re.search(r"= (fxrec_attr_\d+)\(self, \('bag',\), 'weight'\)", fast.code)
+    assert reader and reader[1] != "fxrec_attr_1", fast.code  # (the parameter's node took _1)
+    assert re.search(r"= fxrec_attrs_\d+\(self, \(\('towers', ", fast.code), fast.code
     torch.testing.assert_close(fast(*x), model(*x))
 
 

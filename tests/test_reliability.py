@@ -285,6 +285,42 @@ def test_torch_compile_runs_the_dense_parts_and_the_groups_as_they_are(backend):
             torch.testing.assert_close(fast.get_parameter(name).grad, p.grad, msg=name)
 
 
+class EightBags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(30, 4) for _ in range(8)])
+        self.top = nn.Linear(32, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)], 1))
+
+
+def test_torch_compile_breaks_the_graph_only_around_the_groups():
+    """The generated forward's reads of the parameters (eight in a row: one fxrec_attrs call) and
+    the input size check are traced by torch.compile; the group (torch.compiler.disable) is the
+    one break."""
+    from torch._dynamo.utils import counters
+
+    def batch(b, seed):
+        g = torch.Generator().manual_seed(seed)
+        return ([torch.randint(0, 30, (2 * b,), generator=g) for _ in range(8)],
+                [torch.arange(0, 2 * b, 2) for _ in range(8)])
+
+    model = EightBags()
+    fast = fxrec.transform(model, batch(4, 0), backend="fbgemm")
+    assert "fxrec_attrs(self, (('bags', " in fast.code, fast.code
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fast, dynamic=True, backend="eager")
+    for b, seed in ((6, 1), (9, 2)):
+        torch.testing.assert_close(compiled(*batch(b, seed)), model(*batch(b, seed)))
+    breaks = {k.split("\n")[0][:80]: v for k, v in counters["graph_break"].items()}
+    assert len(breaks) == 1 and "disable" in next(iter(breaks)), breaks
+    ids, offsets = batch(6, 3)
+    with pytest.raises(ValueError, match=r"input ids\[3\] .*has 2 dims"):
+        compiled(ids[:3] + [ids[3].view(-1, 2)] + ids[4:], offsets)
+
+
 class OddEven(nn.Module):
     def __init__(self):
         super().__init__()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import re
 from itertools import chain
-from operator import itemgetter
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -111,31 +110,31 @@ class InputGuards(torch.nn.Module):
         cheapest read) into one list ``z``, then compares whole tuples of it: the fixed sizes
         with the captured ones, every size that shares a symbol with that symbol's first
         binding (one comparison for all), each range's bound against the least or greatest of
-        its symbols. Derived sizes, values and conditions are a line each."""
+        its symbols. Derived sizes, values and conditions are a line each. Only builtins and
+        tuple displays: torch.compile traces it without a graph break."""
         bound = self._symbol_sources()
         ns = _namespace()
         lines = ["def _check(*a):"]
         tensors = [k for k, shape in enumerate(self.shapes) if shape is not None]
 
-        def picker(ks: List[int], tag: str) -> str:  # the expression of a tuple of a's elements
+        def picker(ks: List[int]) -> str:  # the expression of a tuple of a's elements
             if ks == list(range(len(self.paths))):
                 return "a"
-            ns[tag] = itemgetter(*ks) if len(ks) > 1 else (lambda seq, k=ks[0]: (seq[k],))
-            return f"{tag}(a)"
+            return "(" + "".join(f"a[{k}], " for k in ks) + ")"
 
         at: Dict[Tuple[int, int], int] = {}  # (input, dim) -> its place in z
         if tensors:
             ns["_fx_dims"] = [len(self.shapes[k]) for k in tensors]
-            lines.append(f"    if list(map(_fx_dim, {picker(tensors, '_fx_tensors')})) != _fx_dims: return False")
+            lines.append(f"    if list(map(_fx_dim, {picker(tensors)})) != _fx_dims: return False")
             checked = [k for k in tensors if any(s is not None for s in self.shapes[k])]
             one_d = [k for k in checked if len(self.shapes[k]) == 1]
             more = [k for k in checked if len(self.shapes[k]) > 1]
             parts = []
             if one_d:
-                parts.append(f"list(map(_fx_numel, {picker(one_d, '_fx_one_d')}))")
+                parts.append(f"list(map(_fx_numel, {picker(one_d)}))")
                 at.update({(k, 0): i for i, k in enumerate(one_d)})
             if more:
-                parts.append(f"list(chain.from_iterable(map(_fx_size, {picker(more, '_fx_more')})))")
+                parts.append(f"list(chain.from_iterable(map(_fx_size, {picker(more)})))")
                 place = len(one_d)
                 for k in more:
                     for d in range(len(self.shapes[k])):
@@ -144,21 +143,20 @@ class InputGuards(torch.nn.Module):
             if parts:
                 lines.append("    z = " + " + ".join(parts))
 
-        def getter(places: List[int], tag: str) -> str:
-            ns[tag] = itemgetter(*places) if len(places) > 1 else (lambda seq, i=places[0]: (seq[i],))
-            return f"{tag}(z)"
+        def getter(places: List[int]) -> str:  # (a tuple display: torch.compile traces it)
+            return "(" + "".join(f"z[{i}], " for i in places) + ")"
 
         fixed = [(at[(k, d)], s) for k in tensors for d, s in enumerate(self.shapes[k]) if isinstance(s, int)]
         if fixed:
             ns["_fx_fixed"] = tuple(v for _, v in fixed)
-            lines.append(f"    if {getter([i for i, _ in fixed], '_fx_at_fixed')} != _fx_fixed: return False")
+            lines.append(f"    if {getter([i for i, _ in fixed])} != _fx_fixed: return False")
         first = {s: at[(int(m[1]), int(m[2]))] for s, src in bound.items()
                  for m in [re.fullmatch(r"a(\d+)\.size\((\d+)\)", src)]}
         same = [(at[(k, d)], first[s]) for k in tensors for d, s in enumerate(self.shapes[k])
                 if isinstance(s, str) and s in first and at[(k, d)] != first[s]]
         if same:
-            lines.append(f"    if {getter([i for i, _ in same], '_fx_at_same')} != "
-                         f"{getter([j for _, j in same], '_fx_at_first')}: return False")
+            lines.append(f"    if {getter([i for i, _ in same])} != "
+                         f"{getter([j for _, j in same])}: return False")
         derived = [(at[(k, d)], s) for k in tensors for d, s in enumerate(self.shapes[k])
                    if isinstance(s, str) and s not in first]
         for sym in sorted(first):  # the symbols the lines below name
@@ -174,10 +172,10 @@ class InputGuards(torch.nn.Module):
                 lows.setdefault(lo, []).append(first[sym])
             if sym in first and hi is not None:
                 highs.setdefault(hi, []).append(first[sym])
-        for n, (lo, places) in enumerate(sorted(lows.items())):
-            lines.append(f"    if min({getter(places, f'_fx_low{n}')}) < {lo}: return False")
-        for n, (hi, places) in enumerate(sorted(highs.items())):
-            lines.append(f"    if max({getter(places, f'_fx_high{n}')}) > {hi}: return False")
+        for lo, places in sorted(lows.items()):
+            lines.append(f"    if min({getter(places)}) < {lo}: return False")
+        for hi, places in sorted(highs.items()):
+            lines.append(f"    if max({getter(places)}) > {hi}: return False")
         named = {int(m) for c in self.conditions if not self._implied(c) for m in re.findall(r"\ba(\d+)\b", c)}
         named |= set(self.values)
         for k in sorted(named):
