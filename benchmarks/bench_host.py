@@ -2,7 +2,7 @@
 alternating in one process. Writes JSON.
 
     python3 benchmarks/bench_host.py --device cuda --out benchmarks/results/gpu_host.json
-    python3 benchmarks/bench_host.py --device cpu --scale 100 --out benchmarks/results/cpu_host.json
+    python3 benchmarks/bench_host.py --device cpu --scale 100 --threads 1 --out benchmarks/results/cpu_host.json
 
 The host's time to queue 20 calls, divided by 20 (on CUDA the device is waited for only between
 blocks), median of ``--rounds`` alternating rounds (and ``*_saved_ms``, the median of each round's
@@ -180,7 +180,12 @@ def main():
     ap.add_argument("--ab", default="attr,attrs,guards,packing", help="the changes to turn off and on, comma-separated")
     ap.add_argument("--backend", default="fbgemm")
     ap.add_argument("--scale", type=int, default=1, help="divide every shape's rows (and batch) by this")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch's intra-op threads (0: torch's default); on CPU 1 keeps the kernels' own "
+                         "threads from adding noise to the host times")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_host: no CUDA device here")
@@ -189,7 +194,8 @@ def main():
               "command": "python3 " + " ".join(sys.argv),
               "machine": {"platform": platform.platform(), "python": platform.python_version(),
                           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-              "versions": {"torch": torch.__version__, "fxrec": fxrec.__version__}, "rounds": a.rounds, "shapes": {}}
+              "versions": {"torch": torch.__version__, "fxrec": fxrec.__version__}, "rounds": a.rounds,
+              "threads": torch.get_num_threads(), "shapes": {}}
     for name in a.shapes.split(","):
         cfg = dict(SHAPES[name])
         cfg["rows"] = max(1, cfg["rows"] // a.scale)

@@ -177,7 +177,8 @@ class InputChecks:
                                                             indices.device)
         self._raise_reported(state)
         state.check(indices, offsets, psw, ids_list, offsets_list, bad_firsts)
-        self._raise_reported(state)
+        if not state.cuda:  # (on CUDA the count just sent is seen at the next call)
+            self._raise_reported(state)
 
     def _raise_reported(self, state: "DeviceBoundsCheck") -> None:
         reported = state.reported()
@@ -250,9 +251,10 @@ class DeviceBoundsCheck:
             # count replays add is read at the next call outside the graph
             return
         if self.cuda:
-            self.host.copy_(self.counter, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+            self.host.copy_(self.counter, non_blocking=True)  # (on the counter's device's current stream)
+            if self.event is None:  # one event, recorded again each call: once the newest record has
+                self.event = torch.cuda.Event()  # completed, so have every copy before it
+            self.event.record(torch.cuda.current_stream(self.counter.device))
         else:
             self.host = self.counter
         self.inputs = (ids_list, offsets_list)
