@@ -7,8 +7,8 @@ a pytree walk per call (0.2-0.5 ms for a model with 53 input tensors here) and T
 compile it. :class:`StructuredCodeGen` writes instead::
 
     def forward(self, dense, ids, offsets):
-        if not isinstance(ids, fxrec_sequences) or len(ids) != 26: fxrec_input_error(self, 'fxrec: input ids
-            must have 26 elements (a list or tuple)', ids)
+        if (not isinstance(ids, (list, tuple)) and not fxrec_sequence(ids)) or len(ids) != 26:
+            fxrec_input_error(self, 'fxrec: input ids must have 26 elements (a list or tuple)', ids)
         ids_0 = ids[0]
         ...
         return squeeze
@@ -135,11 +135,17 @@ def fxrec_attr(root, modules: Tuple[str, ...], name: str):
 
 
 _MODULES, _PARAMETERS, _BUFFERS = attrgetter("_modules"), attrgetter("_parameters"), attrgetter("_buffers")
-#: what the generated forward takes where the model was captured with a list or tuple: anything the
-#: model's own code could index alike (a deque, a tensor for a list of its rows), the common two first
-SEQUENCES = (list, tuple, torch.Tensor, collections.abc.Sequence)
-#: and where it was captured with a dict (a MappingProxyType, ...)
+#: what the generated forward takes where the model was captured with a dict (a MappingProxyType, ...)
 MAPPINGS = (dict, collections.abc.Mapping)
+
+
+def fxrec_sequence(x) -> bool:
+    """Whether the generated forward takes ``x`` where the model was captured with a list or tuple
+    (after those two, which it tests first itself): another sequence the model's code indexes alike
+    (a deque, a tensor of at least one dim for a list of its rows), not a str or bytes."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() > 0
+    return isinstance(x, collections.abc.Sequence) and not isinstance(x, (str, bytes, bytearray))
 #: fewer reads than this in a row are made one by one (fxrec_attrs costs about as much as five
 #: fxrec_attr calls before its first read)
 MIN_RUN = 6
@@ -326,9 +332,9 @@ class StructuredCodeGen(fx.graph.CodeGen):
                 f"fxrec: input {shown} must have {n} elements (a dict with keys {', '.join(map(repr, spec.context))})",
                 expr))
         else:  # a list or a tuple (or what the model's own code indexes alike)
-            kinds = self._global("fxrec_sequences", SEQUENCES)
-            lines.append(f"if not isinstance({expr}, {kinds}) or len({expr}) != {n}: " + self._raise(
-                f"fxrec: input {shown} must have {n} elements (a list or tuple)", expr))
+            other = self._global("fxrec_sequence", fxrec_sequence)
+            lines.append(f"if (not isinstance({expr}, (list, tuple)) and not {other}({expr})) or len({expr}) != {n}: "
+                         + self._raise(f"fxrec: input {shown} must have {n} elements (a list or tuple)", expr))
         for i, kid in enumerate(_children(spec)):
             key = repr(spec.context[i]) if spec.type is dict else str(i)
             self._length_checks(kid, f"{expr}[{key}]", lines)
@@ -368,4 +374,4 @@ class StructuredCodeGen(fx.graph.CodeGen):
                 namespace.create_name(name, None)  # (one already a node's name just takes up a spare one)
         return [("List", typing.List), ("Dict", typing.Dict), ("Tuple", typing.Tuple), ("Optional", typing.Optional),
                 ("fxrec_attr", fxrec_attr), ("fxrec_attrs", fxrec_attrs), ("fxrec_input_error", fxrec_input_error),
-                ("fxrec_sequences", SEQUENCES), ("fxrec_mappings", MAPPINGS)]
+                ("fxrec_sequence", fxrec_sequence), ("fxrec_mappings", MAPPINGS)]

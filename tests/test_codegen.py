@@ -82,7 +82,8 @@ def test_structure_of_the_wrong_type_is_an_error_saying_what_was_given():
     torch.testing.assert_close(fast(tuple(ids), tuple(offsets)), lists(ids, offsets))
     torch.testing.assert_close(fast(collections.deque(ids), offsets), lists(ids, offsets))
     for bad, got in ((None, "None"), (ids[0], r"a tensor of shape \(12,\)"), ({0: ids[0]}, "a dict with keys 0"),
-                     (ids[:2], "a list of 2")):
+                     (ids[:2], "a list of 2"), (torch.tensor(3), r"a tensor of shape \(\)"), ("abc", "a str"),
+                     (b"abc", "a bytes")):
         with pytest.raises(ValueError, match=r"input ids must have 3 elements \(a list or tuple\), got " + got):
             fast(bad, offsets)
 
