@@ -86,32 +86,31 @@ def one_line_per_input(guards):
 
 
 @contextmanager
+def _recompiled_with(models, rewrite, leaves_out: str):
+    """The models' code regenerated with ``rewrite`` in place of fxrec's ``_fast_attr_lines``
+    (their code then has no ``leaves_out``), and regenerated again as it was afterwards."""
+    fast = codegen._fast_attr_lines
+    codegen._fast_attr_lines = lambda src, nodes, root, fn="fxrec_attr", fn_many="": rewrite(fast, src, nodes, root, fn)
+    try:
+        for m in models:
+            m.recompile()
+            assert leaves_out not in m.code
+        yield
+    finally:
+        codegen._fast_attr_lines = fast
+        for m in models:
+            m.recompile()
+
+
+@contextmanager
 def turned_off(change: str, models):
     """The models as they were before ``change``."""
-    if change == "attr":
-        rewrite = codegen._fast_attr_lines
-        codegen._fast_attr_lines = lambda src, *rest: src
-        try:
-            for m in models:
-                m.recompile()
-                assert "fxrec_attr(" not in m.code
+    if change == "attr":  # fx's getattr chain
+        with _recompiled_with(models, lambda fast, src, *rest: src, "fxrec_attr("):
             yield
-        finally:
-            codegen._fast_attr_lines = rewrite
-            for m in models:
-                m.recompile()
-    elif change == "attrs":
-        rewrite = codegen._fast_attr_lines
-        codegen._fast_attr_lines = lambda src, nodes, root, fn="fxrec_attr", fn_many="": rewrite(src, nodes, root, fn)
-        try:
-            for m in models:
-                m.recompile()
-                assert "fxrec_attrs(" not in m.code and "fxrec_attr(" in m.code
+    elif change == "attrs":  # fxrec_attr, one call a read
+        with _recompiled_with(models, lambda fast, src, nodes, root, fn: fast(src, nodes, root, fn), "fxrec_attrs("):
             yield
-        finally:
-            codegen._fast_attr_lines = rewrite
-            for m in models:
-                m.recompile()
     elif change == "guards":
         checks = [m.fxrec_check_inputs for m in models]
         fns = [g._fn for g in checks]
