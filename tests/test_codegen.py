@@ -113,8 +113,8 @@ def test_parameters_and_buffers_are_read_through_the_module_dicts_and_are_the_mo
     # a run of six or more reads in a row (at one depth) is one call (fxrec_attrs), the module
     # keys of each level in a tuple; shorter runs are read one by one
     assert "bags_0_weight = fxrec_attr(self, ('bags', '0'), 'weight')" in fast.code, fast.code
-    assert re.search(r"norm_weight, norm_bias, top_weight, top_bias, .*= fxrec_attrs\(self, \(\('norm', 'norm', "
-                     r"'top', 'top', ", fast.code), fast.code
+    assert re.search(r"norm_weight, norm_bias, top_weight, top_bias, .*= fxrec_attrs\(self, \(\), \(\('norm', "
+                     r"'norm', 'top', 'top', ", fast.code), fast.code
     assert "getattr(self" not in fast.code and "self.top.weight" not in fast.code, fast.code
     for seed in (1, 2):
         x = dense_and_bags_inputs(seed)
@@ -205,7 +205,9 @@ def test_a_model_with_names_like_the_attribute_reader_runs():
     fast = fxrec.transform(model, x)
     reader = re.search(r"= (fxrec_attr_\d+)\(self, \('bag',\), 'weight'\)", fast.code)
     assert reader and reader[1] != "fxrec_attr_1", fast.code  # (the parameter's node took _1)
-    assert re.search(r"= fxrec_attrs_\d+\(self, \(\('towers', ", fast.code), fast.code
+    # (the towers' six reads share their ModuleList: read once, as the prefix)
+    assert re.search(r"= fxrec_attrs_\d+\(self, \('towers',\), \(\('0', '0', '1', '1', '2', '2'\),\), ",
+                     fast.code), fast.code
     torch.testing.assert_close(fast(*x), model(*x))
 
 
@@ -283,17 +285,22 @@ def test_fxrec_attrs_reads_what_fxrec_attr_reads_one_by_one():
     paths = [(("0",), "weight"), (("1",), "running_mean"), (("2",), "const"), (("3",), "weight"), (("0",), "bias"),
              (("1",), "training")]
     levels = tuple(zip(*(p for p, _ in paths)))
-    got = fxrec_attrs(m, levels, tuple(n for _, n in paths))
+    got = fxrec_attrs(m, (), levels, tuple(n for _, n in paths))
     for (path, name), g in zip(paths, got):
         want = fxrec_attr(m, path, name)
         assert g is want or torch.equal(g, want), (path, name)  # (the parametrized weight is made at each read)
     assert got[0] is m[0].weight and got[1] is m[1].running_mean and got[5] is True
     torch.testing.assert_close(got[3], 2 * m[3].parametrizations.weight.original)
-    assert fxrec_attrs(m, (), ("training",)) == [True]  # depth 0: the root's own
+    assert fxrec_attrs(m, (), (), ("training",)) == [True]  # depth 0: the root's own
+    outer = nn.Sequential(m)  # a shared prefix: read once, the rest as before
+    for g, want in zip(fxrec_attrs(outer, ("0",), levels, tuple(n for _, n in paths)), got):
+        assert g is want or torch.equal(g, want)
     m.register_module("gone", None)
     for bad in (("9",), ("gone",)):
         with pytest.raises(AttributeError):
-            fxrec_attrs(m, (("0",) + bad,), ("weight", "weight"))
+            fxrec_attrs(m, (), (("0",) + bad,), ("weight", "weight"))
+        with pytest.raises(AttributeError):
+            fxrec_attrs(outer, ("0",) + bad, (), ("weight",))
 
 
 def test_buffers_are_read_through_the_dicts_too():

@@ -308,7 +308,7 @@ def test_torch_compile_breaks_the_graph_only_around_the_groups():
 
     model = EightBags()
     fast = fxrec.transform(model, batch(4, 0), backend="fbgemm")
-    assert "fxrec_attrs(self, (('bags', " in fast.code, fast.code
+    assert "fxrec_attrs(self, ('bags',), (('0', '1', " in fast.code, fast.code
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(fast, dynamic=True, backend="eager")
