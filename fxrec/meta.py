@@ -62,6 +62,9 @@ class LookupRecord:
     reason: str = ""
     optimizer: object = None  # the table's fxrec.optim optimizer, if the user gave one
     weights: str = ""  # the precision weights_precision= stores the table in ("fp16", "bf16"), or ""
+    # a pooled lookup's batch size as captured (group_lookups: one name for the sizes it can prove
+    # equal, "s20"), or "" (unpooled, or not yet named)
+    batch: str = ""
 
 
     @property

@@ -1,6 +1,8 @@
 """group_lookups: put lookups that can share one fbgemm TBE into groups, across the whole graph.
 
-A pure key function decides what may share a TBE (:func:`group_key`). Where the lookups were
+A pure key function decides what may share a TBE (:func:`group_key`); for pooled lookups it
+includes the batch size, named first so that sizes the graph proves equal share a name
+(:func:`_name_batches`: a pooled group returns one ``[B, sum of dims]`` tensor). Where the lookups were
 written in ``forward`` does not matter; two lookups of one key are kept apart only when one truly
 depends on the other: a path in the graph from one's output to the other's inputs (data flow,
 or the order of side effects below).
@@ -11,7 +13,7 @@ or the order of side effects below).
    same numbers pooled by mean, or unpooled as a [B] sequence, so it takes the pooling of its
    table's other lookups (and of the other pooled lookups, when its table has no others and they
    are all pooled by mean). What still differs is left as it was, with the reason: a lookup of
-   another kind (bag-pooled vs unpooled, weighted vs unweighted, ...), one whose ids are
+   another kind (bag-pooled vs unpooled, weighted vs unweighted, over another batch size, ...), one whose ids are
    computed from its own table's lookup, one whose table's lookups are tied through the lookups
    of another table.
 2. Dependences. One sweep over the graph in order gives each node the set of units whose output
@@ -69,8 +71,10 @@ def group_key(rec: meta.LookupRecord) -> tuple:
     pooling (one TBE pools one way), weighted or not, dtype and device (one weight buffer),
     sparse gradient or not (one gradient layout), for unpooled lookups the dim as stored
     (:func:`fxrec.runtime.specs.pad_dim`: fbgemm's sequence TBE has one dim for all its tables),
-    the optimizer (one TBE runs one) and the precision ``weights_precision=`` stores it in (one
-    weight buffer).
+    the optimizer (one TBE runs one), the precision ``weights_precision=`` stores it in (one
+    weight buffer), and for pooled lookups the batch size as captured (a pooled group returns one
+    ``[B, sum of dims]`` tensor: its features must have one B; a size symbol the model's code
+    never ties to another's is another batch size).
     """
     return (
         rec.pooling,
@@ -81,7 +85,39 @@ def group_key(rec: meta.LookupRecord) -> tuple:
         pad_dim(rec.dim) if rec.pooling == "none" else None,
         rec.optimizer,
         rec.weights,
+        None if rec.pooling == "none" else rec.batch,
     )
+
+
+def _name_batches(records: List[meta.LookupRecord]) -> List[meta.LookupRecord]:
+    """Each pooled lowerable lookup with ``batch`` set: its output's dim 0 as captured, one name
+    for every size the graph's shape facts prove equal (the model concatenating the outputs is
+    such a proof; ``(s0*s1 + s1 - 1)//s1`` and ``s0`` can be one size)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    named: List[Tuple[object, str]] = []
+    out = []
+    for r in records:
+        val = r.output.meta.get("val") if hasattr(r.output, "meta") else None
+        if r.pooling == "none" or not r.lowerable or not isinstance(val, torch.Tensor) or val.dim() == 0:
+            out.append(r)
+            continue
+        size = val.shape[0]
+        name = next((n for v, n in named if v is size or _provably_equal(v, size, statically_known_true)), None)
+        if name is None:
+            name = str(size)
+            named.append((size, name))
+        out.append(dataclasses.replace(r, batch=name))
+    return out
+
+
+def _provably_equal(a, b, statically_known_true) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - sizes of two shape environments: not provably one
+        return False
 
 
 # --------------------------------------------------------------------------- records
@@ -213,7 +249,7 @@ def _reads(x: meta.LookupRecord, y: Optional[meta.LookupRecord], data: bool) -> 
     return f"feature '{x.feature}' must run after '{y.feature}': in-place writes or random numbers order them"
 
 
-_FIELDS = ("pooling", "weighted", "dtype", "device", "sparse", "dim", "optimizer", "weights")
+_FIELDS = ("pooling", "weighted", "dtype", "device", "sparse", "dim", "optimizer", "weights", "batch")
 
 
 def _kind_text(key: tuple, field: str) -> str:
@@ -230,12 +266,15 @@ def _kind_text(key: tuple, field: str) -> str:
         return f"optimizer {k['optimizer'].describe()}" if k["optimizer"] is not None else "no optimizer"
     if field == "weights":
         return f"stored in {k['weights']}" if k["weights"] else "stored as the model holds it"
+    if field == "batch":
+        return f"over a batch of {k['batch']}"
     return f"{field} {k[field]}"
 
 
 def _differing(a: tuple, b: tuple) -> List[str]:
     out = [f for f, x, y in zip(_FIELDS, a, b) if x != y]
-    return [f for f in out if f != "dim"] if "pooling" in out else out  # only unpooled keys hold a dim
+    # only unpooled keys hold a dim, only pooled ones a batch size
+    return [f for f in out if f not in ("dim", "batch")] if "pooling" in out else out
 
 
 def key_difference(mine: tuple, theirs: tuple) -> str:
@@ -249,6 +288,8 @@ def key_difference(mine: tuple, theirs: tuple) -> str:
             out.append(f"optimizer differs ({_kind_text(mine, f)} vs {_kind_text(theirs, f)})")
         elif f == "dim":
             out.append(f"stored dims differ ({mine[5]} vs {theirs[5]})")
+        elif f == "batch":
+            out.append(f"batch sizes differ ({mine[8]} vs {theirs[8]}: nothing in the model makes them equal)")
         elif f in ("pooling", "weighted", "weights"):
             out.append(f"{_kind_text(mine, f)} vs {_kind_text(theirs, f)}")
         else:
@@ -256,10 +297,13 @@ def key_difference(mine: tuple, theirs: tuple) -> str:
     return ", ".join(out) or "same key"
 
 
-def kind_of(key: tuple) -> str:
-    """The class a group of ``key`` falls in when counting the fewest groups: its pooling, or
+def kind_of(key: tuple, batches: bool = False) -> str:
+    """The class a group of ``key`` falls in when counting the fewest groups: its pooling (with
+    ``batches``, the model's pooled lookups having several batch sizes, and its batch size), or
     for unpooled lookups the stored dim."""
-    return f"sequence dim {key[5]}" if key[0] == "none" else key[0]
+    if key[0] == "none":
+        return f"sequence dim {key[5]}"
+    return f"{key[0]} over a batch of {key[8]}" if batches else key[0]
 
 
 @compiler_pass(needs=(meta.LOOKUP,), provides=(meta.GROUP, "groups"))
@@ -268,7 +312,7 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     found = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta]
-    for rec in _single_ids_join(found):
+    for rec in _single_ids_join(_name_batches(found)):
         rec.node.meta[meta.LOOKUP] = rec
     records = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta and n.meta[meta.LOOKUP].lowerable]
 
@@ -398,11 +442,12 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _fragmentation(groups: List[_Group], effects: SideEffects) -> meta.Fragmentation:
-    """The groups made, the fewest possible (one per pooling kind; for sequence groups one per
-    stored dim), and why each extra group is apart from the first of its kind."""
+    """The groups made, the fewest possible (one per pooling kind and batch size; for sequence
+    groups one per stored dim), and why each extra group is apart from the first of its kind."""
     kinds: Dict[str, List[_Group]] = {}
+    batches = len({g.key[8] for g in groups if g.key[0] != "none"}) > 1
     for g in groups:
-        kinds.setdefault(kind_of(g.key), []).append(g)
+        kinds.setdefault(kind_of(g.key, batches), []).append(g)
     splits = []
     for gs in kinds.values():
         for i, g in enumerate(gs[1:], 1):

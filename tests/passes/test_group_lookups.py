@@ -91,10 +91,10 @@ def test_left_alone_lookups_are_not_grouped():
 BASE = dict(pooling="sum", per_sample_weights=None, dtype="float32", device="cpu", sparse=False, dim=8)
 
 
-def fake_record(**kw):
+def fake_record(batch="s0", **kw):
     fields = dict(BASE, **kw)
     node = object()
-    return meta.LookupRecord(
+    return meta.LookupRecord(batch=batch,
         node=node, table="t", param="t.weight", feature="f", form="bag", pooling=fields["pooling"], num_rows=10,
         dim=fields["dim"], dtype=fields["dtype"], device=fields["device"], weight=node, ids=node, offsets=None,
         per_sample_weights=fields["per_sample_weights"], output=node, nodes=(), sparse=fields["sparse"],
@@ -110,6 +110,11 @@ def test_key_differs_when_one_grouping_field_differs(field, dim):
     a = fake_record(dim=dim)
     b = fake_record(dim=dim, **{field: other[field]})
     assert group_key(a) != group_key(b)
+
+
+def test_pooled_lookups_share_a_key_only_over_one_batch_size_and_unpooled_ones_regardless():
+    assert group_key(fake_record(batch="s0")) != group_key(fake_record(batch="s1"))
+    assert group_key(fake_record(batch="s0", pooling="none")) == group_key(fake_record(batch="s1", pooling="none"))
 
 
 @given(d1=st.sampled_from([4, 8, 12, 64]), d2=st.sampled_from([4, 8, 12, 64]), pooling=st.sampled_from(["sum", "mean"]))
@@ -548,3 +553,47 @@ def test_grouping_a_large_graph_is_fast():
     assert_groups_have_a_place(gm, ctx)
     seconds = {p.name: p.seconds for p in ctx.report.pass_runs}
     assert seconds["group_lookups"] < 5 and seconds["merge_lookups"] < 5, seconds
+
+
+class TwoBatches(torch.nn.Module):
+    """A user's history bags and the candidates' bags: pooled lookups over two batch sizes, which
+    the model's code never ties (it sums each over its batch), so a group of them could not
+    return one [B, sum of dims] tensor. The transformed model used to fail on its own example."""
+
+    def __init__(self):
+        super().__init__()
+        self.user = torch.nn.EmbeddingBag(20, 4)
+        self.item = torch.nn.EmbeddingBag(30, 4)
+        self.other = torch.nn.EmbeddingBag(25, 4)
+
+    def forward(self, hist, hist_offsets, cand, cand_offsets):
+        return (self.user(hist, hist_offsets).sum(0) + self.item(cand, cand_offsets).sum(0)
+                + self.other(cand % 25, cand_offsets).mean(0))
+
+
+def two_batches(seed, users=5, items=3):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 20, (2 * users,), generator=g), torch.arange(0, 2 * users, 2),
+            torch.randint(0, 30, (3 * items,), generator=g), torch.arange(0, 3 * items, 3))
+
+
+def test_pooled_lookups_of_different_batch_sizes_are_grouped_apart_and_the_report_says_why():
+    groups, ctx, gm = groups_of(TwoBatches(), two_batches(0))
+    assert sorted(groups) == [["item", "other"], ["user"]]
+    frag = gm.meta[meta.FRAGMENTATION]
+    assert (frag.groups, frag.fewest) == (2, 2)
+    assert all("over a batch of" in k for k in frag.kinds) and len(set(frag.kinds)) == 2, frag.kinds
+    for backend in ("fbgemm", "native", "reference"):
+        model = TwoBatches()
+        fast = fxrec.transform(model, two_batches(0), backend=backend)
+        for seed, users, items in ((1, 5, 3), (2, 1, 4), (3, 6, 6)):  # equal sizes too: still apart, still right
+            x = two_batches(seed, users, items)
+            torch.testing.assert_close(fast(*x), model(*x), msg=backend)
+
+
+def test_pooled_lookups_the_model_concatenates_share_one_batch_size_and_one_group():
+    """The common case the batch size in the key must not split: outputs concatenated along dim 1
+    (export ties their batch sizes into one symbol), even where the example's ids counts differ."""
+    groups, ctx, _ = groups_of(M.BagList(), M.bag_inputs())
+    assert groups == [["bags.0", "bags.1", "bags.2"]]
+    assert len({g.key[-1] for g in ctx.groups}) == 1 and ctx.groups[0].key[-1] not in ("", None)
