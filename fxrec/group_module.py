@@ -27,8 +27,10 @@ def uses_outside_group(gr: meta.GroupRecord) -> str:
 def _specs(gr: meta.GroupRecord) -> Tuple[List[TableSpec], List[FeatureSpec], Dict[str, int]]:
     # A table whose optimizer could be fused gets sparse gradients when it is not fused: the
     # torch.optim update on them is the same arithmetic (rows without ids are left alone either
-    # way) without a table-sized gradient.
-    sparse_grads = gr.optimizer is not None and gr.optimizer.fused_spec() is not None and not uses_outside_group(gr)
+    # way) without a table-sized gradient. Not for fp16 tables: a sparse gradient's coalesce rounds
+    # its fp16 sums otherwise than the dense gradient PyTorch gives (measured: different rows after a step).
+    sparse_grads = (gr.optimizer is not None and gr.optimizer.fused_spec() is not None and not uses_outside_group(gr)
+                    and all(r.dtype.replace("torch.", "") in ("", "float32") for r in gr.lookups))
     tables: List[TableSpec] = []
     index: Dict[str, int] = {}
     features: List[FeatureSpec] = []
@@ -66,6 +68,11 @@ def build_group_module(
     if gr.quant and weights is not None:
         qcls = QuantizedSequenceGroup if gr.pooling == "none" else QuantizedPooledGroup
         order = sorted(index, key=index.get)
+        if tables and tables[0].dtype == "float16":
+            # the model's fp16 tables: quantized from their values, looked up in fp16 as the model's own
+            # lookups give them (the graph after the group expects fp16, whatever output_dtype says)
+            return qcls(tables, features, gr.pooling, [gr.quant[p] for p in order],
+                        [weights[p].float() for p in order], "fp16"), index
         return qcls(tables, features, gr.pooling, [gr.quant[p] for p in order], [weights[p] for p in order],
                     output_dtype), index
     mod = EmbeddingGroup(tables, features, gr.pooling, gr.kernel_train, gr.kernel_eval,

@@ -66,10 +66,15 @@ class LookupRecord:
     # equal, "s20"), or "" (unpooled, or not yet named)
     batch: str = ""
 
-
     @property
     def lowerable(self) -> bool:
         return not self.reason
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of one value of the table in fbgemm's TBE: 2 for an fp16 table in the user's model
+        or one weights_precision= stores lower, else 4."""
+        return 2 if self.weights or self.dtype.replace("torch.", "") == "float16" else 4
 
     @property
     def weighted(self) -> bool:

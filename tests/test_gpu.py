@@ -54,6 +54,36 @@ def test_forward_and_gradients_equal_the_plain_model_on_fbgemm(name):
             torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-5, msg=n)
 
 
+def test_fp16_tables_in_the_model_give_its_fp16_outputs_on_fbgemm_and_train_as_it_does():
+    """The user's own fp16 tables (tests/test_half_tables.py on CPU): sums on fbgemm's TBE with fp16
+    rows and outputs, bit for bit PyTorch's CUDA lookups; the mean bag and training on PyTorch's."""
+    from tests.test_half_tables import HalfTables, assert_same, batch
+
+    torch.manual_seed(0)
+    plain = HalfTables(mean_bag=True).cuda()
+    fast = fxrec.transform(copy.deepcopy(plain), cuda(batch(8, 0, mean_bag=True)))
+    kernels = sorted((g.pooling, g.kernel_train, g.kernel_eval) for g in groups(fast))
+    assert kernels == [("mean", "reference", "reference"), ("sum", "reference", "fbgemm"),
+                       ("sum", "reference", "fbgemm")], kernels
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.5)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for step in range(3):
+        x = cuda(batch(64, 10 + step, mean_bag=True))
+        a, b = fast(*x), plain(*x)
+        assert_same(a, b)
+        for o, out in ((opt, a), (ref, b)):
+            o.zero_grad()
+            (out[1].sum() + out[0].float().square().sum()).backward()
+            o.step()
+    fast.eval(), plain.eval()
+    with torch.no_grad():
+        for b, seed in ((64, 20), (5, 21)):
+            x = cuda(batch(b, seed, mean_bag=True))
+            assert_same(fast(*x), plain(*x))
+    bound = [g for g in groups(fast) if g._bound is not None]
+    assert len(bound) == 2 and all(w.dtype == torch.float16 for g in bound for w in g._bound.tbe.split_embedding_weights())
+
+
 @pytest.mark.parametrize("opt_name", ["sgd", "adagrad", "rowwise_adagrad", "rowwise_adagrad_l2", "rowwise_adagrad_decoupled"])
 def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
     """(Row-wise Adagrad's weight decay: fbgemm's CUDA kernel applies it, its CPU kernel does not.)"""

@@ -18,7 +18,7 @@ table "bags.0", form "bag", pooling "sum", and ``reason == ""`` (lowerable).
 
 Not handled (recorded with the reason, and left exactly as it was): ``mode="max"``,
 ``max_norm`` (the table is renormalised in place), ``scale_grad_by_freq``, weights that are not
-parameters (buffers, or computed in forward), dtypes other than fp32, a negative
+parameters (buffers, or computed in forward), dtypes other than fp32 and fp16, a negative
 ``padding_idx`` on a bag. Any dim is lowered: a kernel that needs a multiple of 4 (fbgemm's TBE)
 pads the table it stores (:func:`fxrec.runtime.specs.pad_dim`).
 """
@@ -45,6 +45,11 @@ _BAG_OPS = {
 _EMB_OPS = {aten.embedding.default}
 _POOL_OPS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean"}
 _MODE_NAMES = {0: "sum", 1: "mean", 2: "max"}
+#: Table dtypes lowered: fp32, and fp16 (fbgemm's TBE stores fp16 rows and gives fp16 rows out, as
+#: PyTorch's lookups do; other kernels decide what they take, choose_kernels). bf16 stays as written:
+#: no fbgemm build fxrec runs has bf16 rows (its CPU build stores fp16; fbgemm-gpu 1.6.0's CUDA
+#: forward has no bf16 kernel), so a group of them would run PyTorch's own lookups anyway.
+LOWERED_DTYPES = (torch.float32, torch.float16)
 # Ops that only re-view or re-type the ids; followed back to name a feature after its input.
 _PASS_THROUGH = {
     aten.to.dtype, aten._to_copy.default, aten.reshape.default, aten.view.default,
@@ -182,8 +187,8 @@ def _record(gm: fx.GraphModule, node: fx.Node) -> Optional[meta.LookupRecord]:
     reasons = []
     if fqn is None:
         reasons.append("the weight is not a parameter of the model (a buffer, or computed in forward)")
-    if wval.dtype != torch.float32:
-        reasons.append(f"dtype {wval.dtype}: fxrec lowers fp32 tables for training")
+    if wval.dtype not in LOWERED_DTYPES:
+        reasons.append(f"dtype {wval.dtype}: fxrec lowers float32 and float16 tables")
     mutated = _mutated_in_graph(weight)
     if mutated:
         reasons.append(mutated)

@@ -158,7 +158,7 @@ def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) ->
 
         stored = tbe_dims(spec)
         state = FUSED_STATE_BYTES[gr.fused.kind][1] if gr.fused is not None else 0  # per padded value
-        col_bytes = [state + (2.0 if spec.weights else 4.0)] * len(stored)
+        col_bytes = [state + float(spec.row_bytes)] * len(stored)
     else:
         return ()
     return tuple((t.name, t.dim, w, int(t.num_rows * (w - t.dim) * b))

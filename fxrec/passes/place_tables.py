@@ -67,7 +67,7 @@ def hbm_bytes(groups, placements: Dict[str, str], load_factor: float, training: 
     for gr in groups:
         caching = []
         quant = _quantized_bytes(gr) if gr.quant else {}
-        wb = 2 if gr.lookups and gr.lookups[0].weights else 4  # weights_precision: one per group
+        wb = gr.lookups[0].stored_bytes if gr.lookups else 4  # (fp16 or weights_precision: one per group)
         for p, rec in _tables(gr):
             width = pad_dim(rec.dim)
             if p in quant:
@@ -123,7 +123,7 @@ def place_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     placements: Dict[str, str] = {}
     candidates = sorted(((gr, p, rec) for gr in groups if _movable(gr, training) for p, rec in _tables(gr)),
                         key=lambda c: (-table_bytes(c[2].num_rows, pad_dim(c[2].dim), c[0].fused,
-                                                          weight_bytes=2 if c[2].weights else 4), c[2].table))
+                                                          weight_bytes=c[2].stored_bytes), c[2].table))
     need = hbm_bytes(groups, placements, lf, training)
     for gr, p, rec in candidates:
         if need <= budget:

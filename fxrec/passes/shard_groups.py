@@ -92,6 +92,10 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
         raise InputError(f"fxrec: table '{rec.table}' is planned column_wise with two shards on one rank; "
                          "each column shard needs its own rank")
     if tp.sharding != "data_parallel":
+        if rec.dtype.replace("torch.", "") != "float32":
+            raise InputError(f"fxrec: table '{rec.table}' is {rec.dtype.replace('torch.', '')} in the model and planned "
+                             f"{tp.sharding}; sharded lookups take float32 tables for now: plan it data_parallel, or "
+                             "keep it float32 and store it in fp16 with weights_precision='fp16'")
         if tp.spec.weights != rec.weights:
             def said(w):
                 return f"in {w}" if w else "as the model holds it"

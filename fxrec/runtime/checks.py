@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 from ._tracing import exporting, reads_values
-from .packing import _FLOAT32, _dtype
+from .packing import _FLOAT16, _FLOAT32, _dtype
 from .specs import FeatureSpec
 
 
@@ -97,19 +97,20 @@ class InputChecks:
                 f"'{self.tables[f.table].name}', which has {rows} rows (valid ids: 0..{rows - 1})"
             )
 
-    def _check_weights(self, psw_list) -> None:
-        """Per-sample weights of float32, the dtype of the group's tables in the user's model, as
-        nn.EmbeddingBag wants its weight's (fbgemm's kernels would take others, converted): else a
-        TypeError naming the feature."""
-        try:  # (the common case in C-level reads: every feature weighted, float32)
-            if set(map(_dtype, psw_list)) <= _FLOAT32:
+    def _check_weights(self, psw_list, dtype: torch.dtype) -> None:
+        """Per-sample weights of the dtype of the group's tables (``dtype``, the parameters' now:
+        float32, or float16), as nn.EmbeddingBag wants its weight's (fbgemm's kernels would take
+        others, converted): else a TypeError naming the feature."""
+        want = _FLOAT16 if dtype == torch.float16 else _FLOAT32
+        try:  # (the common case in C-level reads: every feature weighted, of that dtype)
+            if set(map(_dtype, psw_list)) <= want:
                 return
         except AttributeError:  # a feature without weights (None): one by one
             pass
         for f, psw in zip(self.features, psw_list):
-            if psw is not None and psw.dtype != torch.float32:
+            if psw is not None and psw.dtype not in want:
                 raise TypeError(f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got per-sample "
-                                f"weights of dtype {psw.dtype}; they must be torch.float32, the dtype of its table")
+                                f"weights of dtype {psw.dtype}; they must be {next(iter(want))}, the dtype of its table")
 
     def _check_offsets(self, f: FeatureSpec, ids: torch.Tensor, offsets: torch.Tensor) -> None:
         if offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):

@@ -51,7 +51,7 @@ def group_forward(forward):
         if self._bag_features:
             ids_list, offsets_list = self._promote_bags(ids_list, offsets_list)
         if self._any_weighted:
-            self._check_weights(psw_list)
+            self._check_weights(psw_list, _tables_dtype(self, params))
         if exporting():
             self._check_count(ids_list)
             self._assert_inputs(ids_list, offsets_list)
@@ -62,6 +62,17 @@ def group_forward(forward):
             raise
 
     return torch.compiler.disable(call)
+
+
+def _tables_dtype(group, params) -> torch.dtype:
+    """The dtype of the group's tables now: its parameters' (one list of them, as the group is
+    called), else (quantized groups) the one they were captured in."""
+    p = params[0] if params else None
+    if isinstance(p, (list, tuple)):
+        p = p[0] if p else None
+    if isinstance(p, torch.Tensor):
+        return p.dtype
+    return torch.float16 if group.tables and group.tables[0].dtype == "float16" else torch.float32
 
 
 class EmbeddingGroup(InputChecks, nn.Module):
@@ -130,6 +141,11 @@ class EmbeddingGroup(InputChecks, nn.Module):
     def weights(self) -> str:
         """The precision weights_precision= stores the tables in ("fp16", "bf16"), or "" (fp32)."""
         return self.tables[0].weights if self.tables else ""
+
+    @property
+    def half(self) -> bool:
+        """The user's model holds the tables in fp16 (see :attr:`GroupSpec.half`)."""
+        return bool(self.tables) and self.tables[0].dtype == "float16"
 
     @property
     def fused_active(self) -> bool:

@@ -30,6 +30,7 @@ NOT_PACKABLE = -1
 
 _INTS = frozenset((torch.int64, torch.int32))
 _FLOAT32 = {torch.float32}
+_FLOAT16 = {torch.float16}
 _dtype = attrgetter("dtype")
 
 
@@ -190,11 +191,11 @@ def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], 
         return None
     counts = list(map(Tensor.numel, ids_list))
     psw_all: Optional[Tensor] = None
-    if any_weighted:  # (float32 only: weights of other dtypes are converted one by one, by the loop)
+    if any_weighted:  # (of one dtype, float32 or an fp16 table's float16: others are converted one by one, by the loop)
         try:
             if (list(map(Tensor.dim, psw_list)) != dims or list(map(Tensor.numel, psw_list)) != counts
                     or list(map(len, psw_list)) != list(map(len, ids_list))
-                    or set(map(_dtype, psw_list)) != _FLOAT32):
+                    or set(map(_dtype, psw_list)) not in (_FLOAT32, _FLOAT16)):
                 return None
         except TypeError:  # a feature without weights (None)
             return None

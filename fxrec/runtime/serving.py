@@ -70,6 +70,8 @@ class _ServingGroup(nn.Module):
         self.quantized: bool = hasattr(group, "q_ints")
         self.q: Dict[str, int] = dict(group.q_ints) if self.quantized else {}
         self.fp16_out: bool = self.quantized and group.output_dtype == "fp16"
+        # the tables' dtype in the user's model, which their per-sample weights must have (fp32 or fp16)
+        self.half_tables: bool = bool(group.tables) and group.tables[0].dtype == "float16"
         # quantized bags with a padding_idx keep their padding ids, weighing 0 (packing.padding_weights)
         self.keep_pads: List[bool] = [self.quantized and f.form == "bag" and f.padding_idx is not None
                                       for f in group.features]
@@ -137,9 +139,11 @@ class _ServingGroup(nn.Module):
             k = self.off_index[i]
             offs.append(offsets_list[k] if k >= 0 else None)
             w = self.psw_index[i]
-            if w >= 0 and psw_list[w].dtype != torch.float32:  # (as the eager group's _check_weights)
+            want = torch.float16 if self.half_tables else torch.float32
+            if w >= 0 and psw_list[w].dtype != want:  # (as the eager group's _check_weights)
                 raise TypeError("fxrec: feature '" + self.names[i] + "' (table '" + self.table_names[i]
-                                + "') got per-sample weights that are not torch.float32, the dtype of its table")
+                                + "') got per-sample weights that are not "
+                                + ("torch.float16" if self.half_tables else "torch.float32") + ", the dtype of its table")
             psws.append(psw_list[w] if w >= 0 else None)
         return offs, psws
 

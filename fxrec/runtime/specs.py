@@ -118,6 +118,14 @@ def weights_dtype(weights: str):
 
     return getattr(torch, WEIGHTS_PRECISIONS[weights]) if weights else None
 
+
+def table_dtype(group):
+    """The torch dtype of a group's (or GroupSpec's) tables as the user's model holds them: float32,
+    or float16 (one per group: the dtype is part of the group key)."""
+    import torch
+
+    return getattr(torch, group.tables[0].dtype) if group.tables else torch.float32
+
 #: Bytes of a fused optimizer's fp32 states as (per row, per value of the row): Adagrad a sum a
 #: value, row-wise Adagrad one a row, Adam and LAMB two moments a value, their partial row-wise
 #: forms one a value and one a row, LARS-SGD a momentum a value. The one table the planner, place_tables and the report use.
@@ -156,6 +164,17 @@ class GroupSpec:
         """The precision (WEIGHTS_PRECISIONS) its tables are stored in by ``weights_precision=``,
         or "" (as the model holds them). One per group: it is part of the group key."""
         return self.tables[0].weights if self.tables else ""
+
+    @property
+    def half(self) -> bool:
+        """The user's model holds the tables in fp16 (not stored so by weights_precision=): the
+        lookups give fp16 rows, as PyTorch's do."""
+        return bool(self.tables) and self.tables[0].dtype == "float16"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one value of a table as the group's TBE stores it (fp32 4, fp16 and bf16 2)."""
+        return 2 if self.weights or self.half else 4
 
     @property
     def padded_rows(self) -> Tuple[str, ...]:

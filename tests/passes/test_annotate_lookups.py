@@ -73,13 +73,18 @@ class BufferTable(torch.nn.Module):
         super().__init__()
         self.register_buffer("frozen", torch.randn(10, 4))
         self.h16 = torch.nn.Embedding(10, 4).half()
+        self.b16 = torch.nn.Embedding(10, 4).bfloat16()
+        self.f64 = torch.nn.Embedding(10, 4).double()
 
     def forward(self, ids):
-        return torch.nn.functional.embedding(ids, self.frozen) + self.h16(ids).float()
+        return (torch.nn.functional.embedding(ids, self.frozen) + self.h16(ids).float() + self.b16(ids).float()
+                + self.f64(ids).float())
 
 
-def test_buffers_and_fp16_tables_are_not_lowered():
+def test_buffers_and_tables_neither_fp32_nor_fp16_are_not_lowered():
     recs, _ = records(BufferTable(), (torch.tensor([1, 2]),))
     reasons = {r.table: r.reason for r in recs}
     assert "not a parameter" in reasons["frozen"]
-    assert "float16" in reasons["h16"]
+    assert reasons["h16"] == ""  # fp16 tables are lowered (tests/test_half_tables.py)
+    assert reasons["b16"] == "dtype torch.bfloat16: fxrec lowers float32 and float16 tables"
+    assert reasons["f64"] == "dtype torch.float64: fxrec lowers float32 and float16 tables"

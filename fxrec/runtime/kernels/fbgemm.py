@@ -22,7 +22,8 @@ from torch import nn
 
 from .fbgemm_padding import keeps_padding, mean_without_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
-from ..specs import CUDA_ONLY, DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths, weights_dtype
+from ..specs import (CUDA_ONLY, DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths, table_dtype,
+                     weights_dtype)
 from . import FBGEMM, Kernel
 from .fbgemm_tbe import CPU_OPTIMIZERS, fbgemm_available, import_error, make_training_tbe, require_fbgemm
 
@@ -63,17 +64,22 @@ def tbe_optimizer(group) -> str:
 
 
 def usable(params: Sequence[torch.Tensor], group=None) -> bool:
-    """Whether fbgemm can hold ``params`` (fp32, or as ``group``'s weights_precision stores them)."""
+    """Whether fbgemm can hold ``params``: of the dtype the group's tables were captured in (fp32 or
+    fp16), or fp32 ones as ``group``'s weights_precision stores them. (fp32 parameters of fp16
+    tables, after a ``.float()``, are not: the TBE would round them.)"""
     if not fbgemm_available() or not params:
         return False
     dev = params[0].device
-    ok = (torch.float32, stored_dtype(group))
+    ok = (table_dtype(group) if group is not None else torch.float32, stored_dtype(group))
     return all(p.dtype in ok and p.device == dev and p.dim() == 2 for p in params)
 
 
 def stored_dtype(group) -> torch.dtype:
-    """The dtype of the group's rows in its TBE (and so of its parameters once bound)."""
-    return (weights_dtype(group.weights) if group is not None else None) or torch.float32
+    """The dtype of the group's rows in its TBE (and so of its parameters once bound): the
+    weights_precision= one, else the tables' own (fp32, or fp16 in the user's model)."""
+    if group is None:
+        return torch.float32
+    return weights_dtype(group.weights) or table_dtype(group)
 
 
 def bound_tbe(group, params: Sequence[torch.Tensor]) -> Optional[nn.Module]:
@@ -110,7 +116,7 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
         rows_dims,
         [f.table for f in group.features],
         group.pooling, params[0].device, fused, [t.placement for t in group.tables],
-        getattr(group, "cache_load_factor", 0.2), group.weights,
+        getattr(group, "cache_load_factor", 0.2), group.weights or ("fp16" if group.half else ""), group.half,
     )
     views = tbe.split_embedding_weights()
     old = group._bound
@@ -217,6 +223,25 @@ def states_refusal(group, device: str, mode: str, optimizer: Optional[str]) -> O
     return None if why is None else f"a fused {optimizer} keeps its states in fbgemm's TBE, and {why}"
 
 
+def half_refusal(group, mode: str) -> Optional[str]:
+    """Why fbgemm's TBE cannot run a group of the user's fp16 tables as PyTorch does, or None.
+    Its forward on fp16 rows gives PyTorch's fp16 outputs bit for bit where it sums (bags, ``[B,
+    L]`` ids and sequences, with and without per-sample weights: measured on CPU, 128,000 values
+    each; tests/test_half_tables.py). Not where it means bags: PyTorch's CPU mean rounds the
+    sum to fp16 before dividing, fbgemm divides the fp32 sum (27,000 of 128,000 values one fp16
+    step apart), and fbgemm's CUDA mean multiplies by 1/L. Nor in training: fbgemm's fused update
+    of fp16 rows rounds otherwise than torch.optim does (60 of 800 values apart after one SGD
+    step, ties included), and PyTorch's own fp16 gradients come from PyTorch's lookups (the
+    reference kernel gives them; on fbgemm's TBE, train fp32 tables stored in fp16 with
+    ``weights_precision="fp16"``)."""
+    if mode == "training":
+        return ("fbgemm's kernels do not round fp16 gradients and updates as PyTorch does (fp32 tables stored "
+                "in fp16 by weights_precision='fp16' train on its fused update)")
+    if group.pooling == "mean":
+        return "PyTorch's mean of fp16 rows rounds differently from fbgemm's (its sum is exact)"
+    return None
+
+
 # fbgemm's CUDA TBE takes dims up to 2048, but above 1024 (its legacy_max_embedding_dim) its pooled
 # forward hands over to the experimental "TBE v2" kernel. On an H100 (fbgemm-gpu 1.6.0) that gave
 # wrong sums for dims 1028, 1152 and 2048, one table or two, fbgemm called by hand without fxrec
@@ -247,8 +272,12 @@ class FbgemmKernel(Kernel):
             return f"fbgemm's CUDA kernels take dims up to {limit}" + ("" if group.quantized else " correctly")
         if group.quantized:
             return None if mode == "inference" else "quantized tables are for inference"
-        if any(t.dtype != "float32" for t in group.tables):
-            return "fxrec gives fbgemm float32 tables only"
+        if any(t.dtype not in ("float32", "float16") for t in group.tables):
+            return "fxrec gives fbgemm float32 and float16 tables only"
+        if group.half:
+            why = half_refusal(group, mode)
+            if why:
+                return why
         if group.weights == "bf16":  # seen on an H100: "batched_embedding_forward_kernel_2" not implemented for 'BFloat16'
             return ("fbgemm's CPU build stores fp16, not bf16" if device == "cpu" else
                     "fbgemm-gpu 1.6.0's CUDA forward has no bf16 rows (fp16 works)")

@@ -65,9 +65,11 @@ def make_training_tbe(
     placements: Optional[Sequence[str]] = None,
     cache_load_factor: float = 0.2,
     weights: str = "",
+    half_out: bool = False,
 ) -> "SplitTableBatchedEmbeddingBagsCodegen":
     """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device` (stored
-    in ``weights``, "fp16", where given: fbgemm's ``weights_precision``; outputs fp32).
+    in ``weights``, "fp16", where given: fbgemm's ``weights_precision``; outputs fp32, or fp16 with
+    ``half_out``: the user's own fp16 tables, whose lookups give fp16 as PyTorch's do).
 
     ``fused=None``: the module is used for its forward kernel only (fxrec computes PyTorch's
     gradients itself), so fbgemm gets exact SGD with learning rate zero, which never runs.
@@ -108,7 +110,7 @@ def make_training_tbe(
             pooling_mode=mode,
             cache_load_factor=float(cache_load_factor),
             weights_precision=SparseType.FP16 if weights == "fp16" else SparseType.FP32,  # (bf16: refused)
-            output_dtype=SparseType.FP32,
+            output_dtype=SparseType.FP16 if half_out else SparseType.FP32,
             device=device if not on_cpu else None,
             # fxrec validates ids itself, with messages that name the table and feature.
             bounds_check_mode=BoundsCheckMode.NONE,

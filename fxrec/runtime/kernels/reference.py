@@ -132,6 +132,9 @@ class ReferenceKernel(Kernel):
             return f"tables stored in {group.weights} (weights_precision=) are fbgemm's TBE's"
         if optimizer is not None and optimizer not in self.OPTIMIZERS:
             return f"fxrec fuses {', '.join(self.OPTIMIZERS)} onto PyTorch's lookups, not {optimizer}"
+        if optimizer is not None and group.half:
+            # (its update, index_add_ of -lr * gradient, rounds twice in fp16 where torch.optim rounds once)
+            return "fxrec's fused update does not round fp16 rows as torch.optim does"
         from .fbgemm import states_refusal
 
         return states_refusal(group, device, mode, optimizer)

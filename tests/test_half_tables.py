@@ -1,0 +1,220 @@
+"""fp16 tables in the user's own model (``nn.EmbeddingBag(..., dtype=torch.float16)``, or
+``model.half()``): lowered into groups of their own, looked up by fbgemm's TBE on fp16 rows with fp16
+outputs where that gives PyTorch's own numbers bit for bit (sums: bags, per-sample weights, single
+ids, ``[B, L]`` ids, sequences), by PyTorch's own lookups elsewhere (mean pooling, and training,
+whose fp16 gradients and torch.optim steps only PyTorch reproduces). The reference is always the
+plain fp16 model. (fp32 tables stored in fp16 by ``weights_precision=`` are
+tests/test_weights_precision.py.)"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxrec
+from fxrec.pass_infra import InputError
+
+HALF = torch.float16
+
+
+class HalfTables(nn.Module):
+    """Every lookup form fbgemm sums, and a mean bag; fp16 tables, an fp32 top."""
+
+    def __init__(self, dtype=HALF, mean_bag=False):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(100, 16, mode="sum", dtype=dtype)
+        self.weighted = nn.EmbeddingBag(60, 6, mode="sum", dtype=dtype)
+        self.single = nn.Embedding(40, 8, dtype=dtype)
+        self.seq = nn.Embedding(30, 12, dtype=dtype)  # [B, L] ids summed over L
+        self.padded = nn.EmbeddingBag(20, 4, mode="sum", padding_idx=0, dtype=dtype)
+        self.mean = nn.EmbeddingBag(50, 10, mode="mean", dtype=dtype) if mean_bag else None
+        self.top = nn.Linear(16 + 6 + 8 + 12 + 4 + (10 if mean_bag else 0), 1)
+
+    def forward(self, ids, offs, wids, woffs, w, single, seq, pids, poffs, mids=None, moffs=None):
+        parts = [self.bag(ids, offs), self.weighted(wids, woffs, per_sample_weights=w), self.single(single),
+                 self.seq(seq).sum(1), self.padded(pids, poffs)]
+        if self.mean is not None:
+            parts.append(self.mean(mids, moffs))
+        pooled = torch.cat(parts, 1)
+        return pooled, self.top(pooled.float())
+
+
+def batch(b, seed, mean_bag=False, psw_dtype=HALF):
+    g = torch.Generator().manual_seed(seed)
+
+    def bags(rows, most):
+        lengths = torch.randint(0, most + 1, (b,), generator=g)
+        return (torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+                torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]]))
+
+    ids, offs = bags(100, 5)
+    wids, woffs = bags(60, 4)
+    pids, poffs = bags(20, 4)  # id 0 is the padding id
+    x = (ids, offs, wids, woffs, torch.rand(wids.numel(), generator=g).to(psw_dtype),
+         torch.randint(0, 40, (b,), generator=g), torch.randint(0, 30, (b, 3), generator=g), pids, poffs)
+    return x + bags(50, 4) if mean_bag else x
+
+
+def half_model(seed=0, mean_bag=False):
+    torch.manual_seed(seed)
+    return HalfTables(mean_bag=mean_bag)
+
+
+def group_modules(fast):
+    return [m for n, m in fast.named_modules() if n.startswith("fxrec_group")]
+
+
+def assert_same(a, b):
+    assert a[0].dtype == b[0].dtype == HALF
+    assert torch.equal(a[0], b[0]), (a[0].float() - b[0].float()).abs().max()
+    assert torch.equal(a[1], b[1])
+
+
+def test_fp16_lookups_are_lowered_and_bf16_ones_left_with_their_reason():
+    fast = fxrec.transform(half_model(), batch(4, 0), backend="fbgemm")
+    report = str(fast.report)
+    assert "left alone" not in report and "5 lowered" in report
+    model = HalfTables(dtype=torch.bfloat16)
+    x = batch(4, 0, psw_dtype=torch.bfloat16)
+    report = str(fxrec.explain(model, x))
+    assert "0 lowered" in report and "dtype torch.bfloat16: fxrec lowers float32 and float16 tables" in report
+
+
+def test_fp16_tables_group_apart_from_fp32_ones():
+    model = half_model()
+    model.bag.float()  # one fp32 table among fp16 ones: its own group (one TBE stores one precision)
+    fast = fxrec.transform(model, batch(4, 0), backend="fbgemm")
+    tables = sorted(sorted(t.name for t in g.tables) for g in group_modules(fast))
+    assert ["bag"] in tables and all("bag" not in t for t in tables if t != ["bag"])
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        fast.eval(), plain.eval()
+        x = batch(7, 1)
+        assert torch.equal(fast(*x)[0], plain(*x)[0])
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+@pytest.mark.parametrize("backend", ["fbgemm", "auto"])
+def test_lookups_of_fp16_tables_give_the_plain_models_fp16_outputs_bit_for_bit(mode, backend):
+    plain = half_model(mean_bag=True)
+    fast = fxrec.transform(copy.deepcopy(plain), batch(8, 0, mean_bag=True), backend=backend, mode=mode)
+    fast.eval(), plain.eval()
+    with torch.no_grad():
+        for b, seed in ((8, 1), (3, 2), (33, 3)):
+            x = batch(b, seed, mean_bag=True)
+            assert_same(fast(*x), plain(*x))
+    if backend == "fbgemm":  # fbgemm's TBE ran the sum groups, on fp16 rows
+        bound = [g for g in group_modules(fast) if g._bound is not None]
+        assert len(bound) == 2 and all(g.pooling == "sum" for g in bound)
+        for g in bound:
+            assert all(w.dtype == HALF for w in g._bound.tbe.split_embedding_weights())
+        assert [g.kernel_eval for g in group_modules(fast) if g.pooling == "mean"] == ["reference"]
+
+
+def test_explain_for_cuda_puts_fp16_sums_on_fbgemm_and_means_and_training_on_pytorchs_lookups():
+    report = fxrec.explain(half_model(mean_bag=True), batch(4, 0, mean_bag=True), device="cuda",
+                           optimizer=fxrec.optim.SGD(lr=0.1))
+    text = str(report)
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.strip().startswith("group_")}
+    kernels = sorted((r[2], r[5], r[6]) for r in rows.values() if len(r) > 6)  # pooling, train, inference
+    assert kernels == [("mean", "reference", "reference"), ("sum", "reference", "fbgemm"),
+                       ("sum", "reference", "fbgemm")], text
+    assert "fbgemm's kernels do not round fp16 gradients and updates as PyTorch does" in text
+    assert "PyTorch's mean of fp16 rows rounds differently from fbgemm's" in text
+    assert "fused sgd" not in text and "torch.optim in opt.step()" in text
+    inference = str(fxrec.explain(half_model(), batch(4, 0), device="cuda", mode="inference"))
+    assert inference.count(" fbgemm ") >= 2 and " reference " not in inference.split("Groups")[1].split("\n\n")[0]
+
+
+def test_fp16_tables_train_with_torch_optim_exactly_as_the_plain_model():
+    """A fused optimizer asked for: refused for fp16 tables (the report says why), torch.optim steps them."""
+    plain = half_model()
+    fast = fxrec.transform(copy.deepcopy(plain), batch(8, 0), backend="fbgemm", optimizer=fxrec.optim.SGD(lr=0.5))
+    assert all(g.fused is None for g in group_modules(fast))
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.5)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for step in range(4):
+        x = batch(16, 10 + step)
+        a, b = fast(*x), plain(*x)
+        assert_same(a, b)
+        for o, out in ((opt, a), (ref, b)):
+            o.zero_grad()
+            (out[1].sum() + out[0].float().square().sum()).backward()
+            o.step()
+        for (n, p), q in zip(fast.named_parameters(), plain.parameters()):
+            assert p.dtype == q.dtype and torch.equal(p, q), n
+    fast.eval(), plain.eval()  # fbgemm's TBE takes the trained rows for inference
+    with torch.no_grad():
+        x = batch(9, 20)
+        assert_same(fast(*x), plain(*x))
+    assert any(g._bound is not None for g in group_modules(fast))
+    state = fast.state_dict()
+    assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in plain.state_dict().items())
+
+
+def test_per_sample_weights_of_another_dtype_than_an_fp16_table_are_named():
+    plain = half_model()
+    fast = fxrec.transform(copy.deepcopy(plain), batch(4, 0), backend="fbgemm")
+    x = list(batch(4, 1))
+    x[4] = x[4].float()
+    with pytest.raises(RuntimeError):  # (PyTorch refuses it too)
+        plain(*x)
+    with pytest.raises(TypeError, match="feature 'wids' .table 'weighted'. got per-sample weights of dtype torch.float32; they must be torch.float16"):
+        fast(*x)
+
+
+def test_fp32_parameters_of_a_group_of_fp16_tables_are_not_rounded_into_an_fp16_tbe():
+    """(The transformed graph itself keeps the dtypes it was captured with, as torch.export's do.)"""
+    from fxrec.runtime.kernels.fbgemm import usable
+
+    fast = fxrec.transform(half_model(), batch(4, 0), backend="fbgemm", mode="inference")
+    group = next(g for g in group_modules(fast) if g._any_weighted is False)
+    params = [p.detach() for p in group_params(fast, group)]
+    assert usable(params, group)
+    assert not usable([p.float() for p in params], group)
+
+
+def group_params(fast, group):
+    names = {t.name for t in group.tables}
+    return [p for n, p in fast.named_parameters() if n.rsplit(".", 1)[0].replace("_", ".") in names
+            or n.rsplit(".", 1)[0] in names]
+
+
+def test_quantized_fp16_tables_serve_fp16_outputs():
+    plain = half_model()
+    for quantize in ("fp16", "int8"):
+        fast = fxrec.transform(copy.deepcopy(plain), batch(4, 0), mode="inference", quantize=quantize)
+        with torch.no_grad():
+            x = batch(12, 1)
+            a, b = fast(*x), plain(*x)
+        assert a[0].dtype == HALF
+        if quantize == "fp16":  # the rows as they are, summed as PyTorch sums them
+            assert torch.equal(a[0], b[0])
+        else:
+            assert (a[0].float() - b[0].float()).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_an_exported_or_scripted_fp16_model_serves_what_the_transformed_one_does(quantize):
+    plain = half_model()
+    fast = fxrec.transform(copy.deepcopy(plain), batch(4, 0), backend="fbgemm", mode="inference", quantize=quantize)
+    program = fxrec.export.program(fast, batch(4, 0))
+    scripted = fxrec.export.torchscript(fast)
+    with torch.no_grad():
+        x = batch(10, 1)
+        want = fast(*x)
+        if quantize is None:
+            assert_same(want, plain(*x))
+        assert_same(program.module()(*x), want)
+        assert_same(scripted(*x), want)
+        bad = list(x)
+        bad[4] = bad[4].float()
+        with pytest.raises(Exception, match="feature 'wids' .table 'weighted'. got per-sample weights that are not "
+                                            "torch.float16"):
+            scripted(*bad)
+
+
+def test_weights_precision_still_refuses_an_fp16_table():
+    with pytest.raises(InputError, match="weights_precision='fp16' for table 'bag', which is float16"):
+        fxrec.transform(half_model(), batch(4, 0), optimizer=fxrec.optim.SGD(lr=0.1), weights_precision="fp16")
