@@ -44,9 +44,10 @@ CACHE_WAYS = 32
 
 def table_bytes(rows: int, width: int, fused, gradient: bool = False, weight_bytes: int = 4) -> int:
     """HBM bytes of a table held on the device (``weight_bytes`` an element: 4 fp32, 2 fp16/bf16),
-    its fused optimizer's states (fp32) and (``gradient``) a dense fp32 gradient of it."""
+    its fused optimizer's states (fp32) and (``gradient``) a dense gradient of it, of the table's
+    dtype (tables stored lower by weights_precision= have none: they train fused)."""
     b, a = FUSED_STATE_BYTES[fused.kind] if fused is not None else (0, 0)
-    return rows * (width * (weight_bytes + a + (4 if gradient else 0)) + b)
+    return rows * (width * (weight_bytes + a + (weight_bytes if gradient else 0)) + b)
 
 
 def cache_bytes(caching: List[Tuple[int, int]], load_factor: float, weight_bytes: int = 4) -> int:

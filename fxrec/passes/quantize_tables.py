@@ -29,18 +29,22 @@ from ..runtime.specs import pad_dim
 AUTO_MIN_BYTES = 64 * 1024
 
 
-def dtype_for(spec, table: str, param: str, rows: int, dim: int):
+def dtype_for(spec, table: str, param: str, rows: int, dim: int, half: bool = False):
+    """The storage dtype of one table (``half``: the model holds it in fp16, which is then its
+    "fp32": its rows are never widened, nothing would be gained)."""
+    keep = "fp16" if half else "fp32"
     if isinstance(spec, str):
         if spec == "auto":
             # int8 stores a row in its dim rounded up to 4 bytes plus an fp16 scale and bias: for
-            # dims of 1 and 2 that is not smaller than fp32
-            saves = pad_dim(dim, 4) + 4 < dim * 4
-            return "int8" if rows * dim * 4 >= AUTO_MIN_BYTES and saves else "fp32"
-        return spec
+            # dims of 1 and 2 that is not smaller than fp32 (of 1 to 4, than fp16)
+            width = 2 if half else 4
+            saves = pad_dim(dim, 4) + 4 < dim * width
+            return "int8" if rows * dim * width >= AUTO_MIN_BYTES and saves else keep
+        return keep if spec == "fp32" else spec
     for pattern, dt in spec.items():
         if names_table(pattern, table, param):
-            return dtype_for(dt, table, param, rows, dim)
-    return "fp32"
+            return dtype_for(dt, table, param, rows, dim, half)
+    return keep
 
 
 @compiler_pass(needs=("groups",), provides=("quant",))
@@ -55,9 +59,17 @@ def quantize_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise InputError(f"fxrec: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, got {spec!r}")
     counts = {}
     for gr in ctx.groups:
+        half = gr.lookups[0].dtype.replace("torch.", "") == "float16"
         for rec in gr.lookups:
-            gr.quant[rec.param] = dtype_for(spec, rec.table, rec.param, rec.num_rows, rec.dim)
+            gr.quant[rec.param] = dtype_for(spec, rec.table, rec.param, rec.num_rows, rec.dim, half)
         gr.lower = True
+        if half and set(gr.quant.values()) == {"fp16"}:
+            # fp16 tables kept as they are: the group stays the model's fp16 lookups (fbgemm's TBE
+            # where it gives PyTorch's numbers, see choose_kernels), not fbgemm's inference kernel,
+            # whose mean rounds otherwise than PyTorch's (tests/test_half_tables.py)
+            counts["fp16_as_held"] = counts.get("fp16_as_held", 0) + len(gr.quant)
+            gr.quant.clear()
+            continue
         for dt in gr.quant.values():
             counts[dt] = counts.get(dt, 0) + 1
     return PassResult(gm, False, {f"tables_{k}": v for k, v in sorted(counts.items())})

@@ -97,11 +97,12 @@ class InputChecks:
                 f"'{self.tables[f.table].name}', which has {rows} rows (valid ids: 0..{rows - 1})"
             )
 
-    def _check_weights(self, psw_list, dtype: torch.dtype) -> None:
-        """Per-sample weights of the dtype of the group's tables (``dtype``, the parameters' now:
-        float32, or float16), as nn.EmbeddingBag wants its weight's (fbgemm's kernels would take
-        others, converted): else a TypeError naming the feature."""
-        want = _FLOAT16 if dtype == torch.float16 else _FLOAT32
+    def _check_weights(self, psw_list) -> None:
+        """Per-sample weights of the dtype of the group's tables in the user's model (float32, or
+        float16; fp32 tables stored lower by weights_precision= still take float32), as
+        nn.EmbeddingBag wants its weight's (fbgemm's kernels would take others, converted): else a
+        TypeError naming the feature."""
+        want = _FLOAT16 if self.tables and self.tables[0].dtype == "float16" else _FLOAT32
         try:  # (the common case in C-level reads: every feature weighted, of that dtype)
             if set(map(_dtype, psw_list)) <= want:
                 return

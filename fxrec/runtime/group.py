@@ -37,7 +37,8 @@ def group_forward(forward):
 
     * a bag's ids and offsets of different integer dtypes are both taken as their common dtype,
       as ``F.embedding_bag`` does (int16 ids with int64 offsets are int64 ids);
-    * per-sample weights must be float32, as ``F.embedding_bag`` wants (its weight's dtype);
+    * per-sample weights must have the tables' dtype (float32, or float16 for the model's fp16 tables), as
+      ``F.embedding_bag`` wants (its weight's dtype);
       fbgemm's kernels would convert others: a TypeError names the feature;
     * while torch.export traces, the checks of ids and offsets become graph ops (``_assert_inputs``);
     * an error raised inside is first checked for inputs on another device than the tables, and
@@ -51,7 +52,7 @@ def group_forward(forward):
         if self._bag_features:
             ids_list, offsets_list = self._promote_bags(ids_list, offsets_list)
         if self._any_weighted:
-            self._check_weights(psw_list, _tables_dtype(self, params))
+            self._check_weights(psw_list)
         if exporting():
             self._check_count(ids_list)
             self._assert_inputs(ids_list, offsets_list)
@@ -63,16 +64,6 @@ def group_forward(forward):
 
     return torch.compiler.disable(call)
 
-
-def _tables_dtype(group, params) -> torch.dtype:
-    """The dtype of the group's tables now: its parameters' (one list of them, as the group is
-    called), else (quantized groups) the one they were captured in."""
-    p = params[0] if params else None
-    if isinstance(p, (list, tuple)):
-        p = p[0] if p else None
-    if isinstance(p, torch.Tensor):
-        return p.dtype
-    return torch.float16 if group.tables and group.tables[0].dtype == "float16" else torch.float32
 
 
 class EmbeddingGroup(InputChecks, nn.Module):

@@ -233,12 +233,18 @@ def half_refusal(group, mode: str) -> Optional[str]:
     of fp16 rows rounds otherwise than torch.optim does (60 of 800 values apart after one SGD
     step, ties included), and PyTorch's own fp16 gradients come from PyTorch's lookups (the
     reference kernel gives them; on fbgemm's TBE, train fp32 tables stored in fp16 with
-    ``weights_precision="fp16"``)."""
+    ``weights_precision="fp16"``). Nor for dims that are not a multiple of 4 (see below)."""
     if mode == "training":
         return ("fbgemm's kernels do not round fp16 gradients and updates as PyTorch does (fp32 tables stored "
                 "in fp16 by weights_precision='fp16' train on its fused update)")
     if group.pooling == "mean":
         return "PyTorch's mean of fp16 rows rounds differently from fbgemm's (its sum is exact)"
+    padded = [t.name for t, w in zip(group.tables, tbe_dims(group)) if w != t.dim]
+    if padded:
+        # bound to the TBE, a parameter is a strided view of its padded rows, and PyTorch's fp16 add_ (torch.optim's
+        # step after an eval() call) rounds otherwise on strided rows than on the model's own (measured on CPU)
+        return (f"fp16 tables {padded} would be stored padded to a multiple of 4 columns, and torch.optim's fp16 "
+                "steps round otherwise on such rows")
     return None
 
 

@@ -67,7 +67,7 @@ def make_training_tbe(
     weights: str = "",
     half_out: bool = False,
 ) -> "SplitTableBatchedEmbeddingBagsCodegen":
-    """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 tables on `device` (stored
+    """Build fbgemm's SplitTableBatchedEmbeddingBagsCodegen for fp32 or fp16 tables on `device` (stored
     in ``weights``, "fp16", where given: fbgemm's ``weights_precision``; outputs fp32, or fp16 with
     ``half_out``: the user's own fp16 tables, whose lookups give fp16 as PyTorch's do).
 
