@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 from ._tracing import exporting, reads_values
-from .packing import _FLOAT16, _FLOAT32, _dtype
+from .packing import _dtype
 from .specs import FeatureSpec
 
 
@@ -102,7 +102,7 @@ class InputChecks:
         float16; fp32 tables stored lower by weights_precision= still take float32), as
         nn.EmbeddingBag wants its weight's (fbgemm's kernels would take others, converted): else a
         TypeError naming the feature."""
-        want = _FLOAT16 if self.tables and self.tables[0].dtype == "float16" else _FLOAT32
+        want = self._psw_dtypes
         try:  # (the common case in C-level reads: every feature weighted, of that dtype)
             if set(map(_dtype, psw_list)) <= want:
                 return

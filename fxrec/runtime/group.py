@@ -28,7 +28,7 @@ from .checks import InputChecks
 from .grad import clamped_by
 from .kernels import REFERENCE
 from .output_buffer import ReusedOutput
-from .packing import FORM_CODES
+from .packing import _FLOAT16, _FLOAT32, FORM_CODES
 from .specs import FUSED_STATE_NAMES, STEPPED, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
 
 
@@ -104,6 +104,8 @@ class EmbeddingGroup(InputChecks, nn.Module):
         self._any_weighted = any(f.weighted for f in self.features)
         self._table_of = [f.table for f in self.features]
         self._sparse = [bool(t.sparse) for t in self.tables]
+        # the dtypes per-sample weights may have: the tables' in the user's model (_check_weights)
+        self._psw_dtypes = _FLOAT16 if self.half else _FLOAT32
         self._min_rows = min(t.num_rows for t in self.tables)
         self._features_of_table = [
             [i for i, f in enumerate(self.features) if f.table == t] for t in range(len(self.tables))

@@ -228,10 +228,10 @@ def half_refusal(group, mode: str) -> Optional[str]:
     Its forward on fp16 rows gives PyTorch's fp16 outputs bit for bit where it sums (bags, ``[B,
     L]`` ids and sequences, with and without per-sample weights: measured on CPU, 128,000 values
     each; tests/test_half_tables.py). Not where it means bags: PyTorch's CPU mean rounds the
-    sum to fp16 before dividing, fbgemm divides the fp32 sum (27,000 of 128,000 values one fp16
-    step apart), and fbgemm's CUDA mean multiplies by 1/L. Nor in training: fbgemm's fused update
-    of fp16 rows rounds otherwise than torch.optim does (60 of 800 values apart after one SGD
-    step, ties included), and PyTorch's own fp16 gradients come from PyTorch's lookups (the
+    sum to fp16 before dividing, fbgemm rounds the exact mean once (26,908 of 128,000 values one
+    fp16 step apart; on CUDA not checked, so refused there too). Nor in training: fbgemm's fused
+    update of fp16 rows rounds otherwise than torch.optim does (89 of 800 values apart after one
+    SGD step, mostly ties broken the other way), and PyTorch's own fp16 gradients come from PyTorch's lookups (the
     reference kernel gives them; on fbgemm's TBE, train fp32 tables stored in fp16 with
     ``weights_precision="fp16"``). Nor for dims that are not a multiple of 4 (see below)."""
     if mode == "training":
