@@ -314,6 +314,19 @@ def test_inference_with_a_cached_table_serves_the_plain_models_outputs():
         torch.testing.assert_close(fast(*x), model(*x), rtol=1e-5, atol=1e-5)
 
 
+def test_inference_with_a_cached_fp16_table_serves_the_plain_fp16_models_outputs():
+    model = TwoBags().half().cuda().eval()
+    fast = fxrec.transform(model, two_bag_inputs(0), mode="inference", hbm_budget="10MB")
+    assert "big: managed_caching" in fast.report.groups[0].placement
+    with torch.no_grad():
+        for seed in range(3):
+            x = two_bag_inputs(seed)
+            got, want = fast(*x), model(*x)
+            assert got.dtype == want.dtype == torch.float16 and torch.equal(got, want)
+        tbe = cached_tbe(fast)
+        assert tbe.weights_uvm.dtype == torch.float16
+
+
 # fbgemm's CUDA kernel dequantizes int8/int4 rows in half precision (hfma2 in its vecn.cuh), its
 # CPU kernel in fp32: the same packed rows give outputs that differ by fp16 rounding of each value.
 FP16_ROUNDING = dict(rtol=2e-3, atol=5e-3)

@@ -295,3 +295,18 @@ def test_an_hbm_budget_counts_fp16_tables_and_their_gradients_at_two_bytes_a_val
     fxrec.explain(Big(), x, device="cuda", hbm_budget=int(need * 1.05))
     with pytest.raises(Exception, match="need 25.6 MB of GPU memory"):
         fxrec.explain(Big(), x, device="cuda", hbm_budget=int(need * 0.95))
+
+
+def test_an_hbm_budget_moves_fp16_tables_served_by_fbgemm_to_unified_memory_and_keeps_trained_ones():
+    """Inference on fbgemm's TBE: the largest fp16 table leaves HBM (cached in fp16). Training runs
+    PyTorch's lookups on them, which read the rows where they are: nothing moves, the budget is refused."""
+    from tests.passes.test_place_tables import INPUTS, meta_model, placements
+
+    model = meta_model().half()
+    report = fxrec.explain(model, INPUTS, device="cuda", mode="inference", hbm_budget="100MB")
+    assert placements(report) == {"big": "managed_caching", "mid": "device", "small": "device"}
+    assert [g.kernel_eval for g in report.groups] == ["fbgemm"]
+    fits = fxrec.explain(meta_model().half(), INPUTS, device="cuda", mode="inference", hbm_budget="300MB")
+    assert set(placements(fits).values()) == {"device"}  # 256 + 25.6 + small MB at 2 bytes a value: it fits
+    with pytest.raises(Exception, match="GPU memory"):
+        fxrec.explain(meta_model().half(), INPUTS, device="cuda", hbm_budget="300MB")  # (training: and gradients)

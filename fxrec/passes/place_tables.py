@@ -100,8 +100,10 @@ def _tables(gr):
 
 
 def _movable(gr, training: bool) -> bool:
-    """Whether the tables of ``gr`` may leave HBM: fbgemm's kernel alone reads and writes them."""
-    if not gr.lower or gr.quant or any(r.dtype.replace("torch.", "") not in ("", "float32") for r in gr.lookups):
+    """Whether the tables of ``gr`` may leave HBM: fbgemm's kernel alone reads and writes them (fp32
+    tables, and the model's fp16 ones, which in training run PyTorch's lookups and so stay)."""
+    if not gr.lower or gr.quant or any(r.dtype.replace("torch.", "") not in ("", "float32", "float16")
+                                       for r in gr.lookups):
         return False
     if training:
         return gr.fused is not None and gr.kernel_train == FBGEMM and gr.kernel_eval == FBGEMM
