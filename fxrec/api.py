@@ -108,7 +108,7 @@ def transform(
         meant for tests and for bisecting a wrong answer to one pass).
       mode: ``"training"`` (default) or ``"inference"``.
       quantize: inference only: ``"int8"``, ``"int4"``, ``"int2"``, ``"fp16"`` or ``"fp32"`` for
-        every lowered table, ``"auto"`` (int8 for tables of 64 KiB or more, fp32 below), or a dict
+        every lowered table, ``"auto"`` (int8 for tables of 64 KiB or more, fp32 below; fp16 tables: docs/inference.md), or a dict
         from table name / glob pattern to one of these. The report gives bytes and the error
         against the fp32 lookups on the example inputs per table.
       output_dtype: inference with quantize: dtype of the pooled outputs, ``"fp32"`` or ``"fp16"``.

@@ -72,7 +72,7 @@ class QuantEntry:
     dtype: str
     rows: int
     dim: int
-    bytes_fp32: int
+    bytes_fp32: int  # the table's bytes as the model holds it (fp32; 2 bytes a value for its fp16 tables)
     bytes_stored: int
     max_abs_error: Optional[float] = None
     mean_abs_error: Optional[float] = None
@@ -237,13 +237,14 @@ class Report:
             lines.append("Removed lookups (the model computes the same without them)")
             lines.extend(_table(rows))
         if self.quantization:
-            rows = [("table", "dtype", "rows x dim", "bytes fp32", "bytes stored", "of fp32", "max abs err", "mean abs err")]
+            rows = [("table", "dtype", "rows x dim", "bytes in model", "bytes stored", "of model", "max abs err",
+                     "mean abs err")]
             for q in self.quantization:
                 err = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
                 rows.append((q.table, q.dtype, f"{q.rows} x {q.dim}", str(q.bytes_fp32), str(q.bytes_stored),
                              f"{q.bytes_stored / q.bytes_fp32:.0%}", err(q.max_abs_error), err(q.mean_abs_error)))
             lines.append("")
-            lines.append("Quantization (errors: quantized vs fp32 lookups on the example inputs)")
+            lines.append("Quantization (errors: quantized vs the model's lookups on the example inputs)")
             lines.extend(_table(rows))
         if self.notes:
             lines.append("")

@@ -310,3 +310,49 @@ def test_an_hbm_budget_moves_fp16_tables_served_by_fbgemm_to_unified_memory_and_
     assert set(placements(fits).values()) == {"device"}  # 256 + 25.6 + small MB at 2 bytes a value: it fits
     with pytest.raises(Exception, match="GPU memory"):
         fxrec.explain(meta_model().half(), INPUTS, device="cuda", hbm_budget="300MB")  # (training: and gradients)
+
+
+def test_gradients_through_a_model_of_fp16_tables_transformed_for_inference_are_pytorchs():
+    """Inference groups run fbgemm's TBE; a call with gradients on goes to PyTorch's lookups."""
+    plain = half_model()
+    fast = fxrec.transform(copy.deepcopy(plain), batch(4, 0), backend="fbgemm", mode="inference")
+    x = batch(12, 1)
+    for model in (fast, plain):
+        out = model(*x)
+        (out[1].sum() + out[0].float().square().sum()).backward()
+    for (n, p), q in zip(fast.named_parameters(), plain.parameters()):
+        assert p.grad is not None and p.grad.dtype == q.grad.dtype and torch.equal(p.grad, q.grad), n
+
+
+@pytest.mark.parametrize("dim, want", [(8, "fp16"), (16, "fp16"), (7, "fp16"), (12, "int8"), (32, "int8")])
+def test_auto_quantizes_an_fp16_table_only_where_int8_rows_are_smaller_at_cudas_alignment(dim, want):
+    """int8 rows are D + 4 bytes rounded up to 16 on CUDA: for dims 8 and 16 as many bytes as fp16 rows."""
+    from fxrec.passes.quantize_tables import dtype_for
+
+    assert dtype_for("auto", "t", "t.weight", 8192, dim, half=True) == want
+    assert dtype_for("auto", "t", "t.weight", 100, dim, half=True) == "fp16"  # (under 64 KiB)
+    assert dtype_for("fp32", "t", "t.weight", 8192, dim, half=True) == "fp16"
+    assert dtype_for({"x": "int8"}, "t", "t.weight", 8192, dim, half=True) == "fp16"
+
+
+def test_the_quantization_report_counts_an_fp16_tables_bytes_as_the_model_holds_them():
+    fast = fxrec.transform(half_model(), batch(4, 0), mode="inference", quantize={"bag": "int8"})
+    entries = {q.table: q for q in fast.report.quantization}
+    assert entries["bag"].bytes_fp32 == 100 * 16 * 2 and entries["single"].bytes_fp32 == 40 * 8 * 2
+    assert entries["single"].bytes_stored >= entries["single"].bytes_fp32  # (kept fp16: nothing saved)
+    assert "bytes in model" in str(fast.report)
+
+
+def test_a_group_pickled_before_its_per_sample_weight_dtypes_were_kept_checks_them_as_fp32():
+    import pickle
+    from tests import models as M
+
+    fast = fxrec.transform(M.WeightedBags(), M.weighted_inputs(), backend="fbgemm")
+    for g in group_modules(fast):
+        del g.__dict__["_psw_dtypes"]  # as a group pickled before the attribute was
+    fast = pickle.loads(pickle.dumps(fast))
+    x = list(M.weighted_inputs())
+    fast(*x)
+    x[2] = x[2].half()
+    with pytest.raises(TypeError, match="they must be torch.float32"):
+        fast(*x)

@@ -62,7 +62,7 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             e = torch.cat(errs[t]) if t in errs else None
             entry = QuantEntry(
                 table=spec.name, dtype=mod.dtypes[t], rows=spec.num_rows, dim=spec.dim,
-                bytes_fp32=spec.num_rows * spec.dim * 4, bytes_stored=sizes[t],
+                bytes_fp32=spec.num_rows * spec.dim * (2 if spec.dtype == "float16" else 4), bytes_stored=sizes[t],
                 max_abs_error=float(e.max()) if e is not None else None,
                 mean_abs_error=float(e.mean()) if e is not None else None,
             )

@@ -5,7 +5,10 @@
 table name or glob pattern to a dtype (first match wins; ``"*"`` for the rest), or ``"auto"``:
 int8 (D + 4 bytes a row, D rounded up to 4: the row's int8 values and an fp16 scale and bias)
 for tables of at least ``AUTO_MIN_BYTES`` of fp32 weights whose rows int8 makes smaller (dim 3
-and up), fp32 for the others, which have nothing worth saving. Integer dtypes are quantized row-wise (each row its own scale and bias, computed from
+and up), fp32 for the others, which have nothing worth saving. The model's fp16 tables stay fp16
+where it says fp32 (never widened), and under "auto" go int8 only from 64 KiB of fp16 weights
+and where int8 rows are smaller even at CUDA's 16-byte alignment (dims 9 to 12, and 17 and up); a group
+whose tables all stay fp16 is left unquantized (its lookups stay exact). Integer dtypes are quantized row-wise (each row its own scale and bias, computed from
 the trained weights by fbgemm's quantize_embs), so they lose precision: the report gives the
 error measured on the example inputs (measure_quantization).
 
@@ -36,10 +39,13 @@ def dtype_for(spec, table: str, param: str, rows: int, dim: int, half: bool = Fa
     if isinstance(spec, str):
         if spec == "auto":
             # int8 stores a row in its dim rounded up to 4 bytes plus an fp16 scale and bias: for
-            # dims of 1 and 2 that is not smaller than fp32 (of 1 to 4, than fp16)
-            width = 2 if half else 4
-            saves = pad_dim(dim, 4) + 4 < dim * width
-            return "int8" if rows * dim * width >= AUTO_MIN_BYTES and saves else keep
+            # dims of 1 and 2 that is not smaller than fp32. An fp16 table leaves its exact rows only
+            # where int8 is smaller even at CUDA's 16-byte rows (dims 8 and 16 are not: 16 and 32 bytes, as in fp16)
+            if half:
+                saves = -(-(pad_dim(dim, 4) + 4) // 16) * 16 < dim * 2
+                return "int8" if rows * dim * 2 >= AUTO_MIN_BYTES and saves else keep
+            saves = pad_dim(dim, 4) + 4 < dim * 4
+            return "int8" if rows * dim * 4 >= AUTO_MIN_BYTES and saves else keep
         return keep if spec == "fp32" else spec
     for pattern, dt in spec.items():
         if names_table(pattern, table, param):

@@ -69,6 +69,10 @@ def group_forward(forward):
 class EmbeddingGroup(InputChecks, nn.Module):
     """One group of lookups: its specs, input checks and kernels (see the module docstring)."""
 
+    #: the dtypes its per-sample weights may have (set in __init__; fp32 for groups pickled before
+    #: it was, which were all of fp32 tables)
+    _psw_dtypes = _FLOAT32
+
     def __init__(
         self,
         tables: Sequence[TableSpec],

@@ -319,6 +319,9 @@ class FbgemmKernel(Kernel):
     def run(self, group, ids_list, offsets_list, psw_list, params, training):
         from ..packing import pack_pooled, pack_sequence, unpack_sequence
 
+        if training and group.half:  # (a model transformed for inference, called with gradients on)
+            return None  # PyTorch's lookups give PyTorch's fp16 gradients (half_refusal)
+
         tbe = bound_tbe(group, params)  # (one look at the parameters a call)
         if tbe is None and not usable(params, group):
             return None
