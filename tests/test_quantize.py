@@ -100,6 +100,37 @@ class _OddBags(nn.Module):
         return torch.cat([b(ids, offsets) for b in self.bags], 1)
 
 
+class FloatTop(nn.Module):
+    """Lookups concatenated, then ``.float()`` (a no-op on fp32, which torch.export records as a
+    dtype check of the concatenation) into an fp32 layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(100, 16, mode="sum")
+        self.b = nn.EmbeddingBag(50, 8, mode="mean")
+        self.top = nn.Linear(24, 1)
+
+    def forward(self, i, o, j, p):
+        pooled = torch.cat([self.a(i, o), self.b(j, p)], 1)
+        return self.top(pooled.float())
+
+
+def test_fp16_outputs_of_a_model_that_converts_its_lookups_to_fp32_are_converted():
+    """output_dtype="fp16" changes what the model computed in fp32: its recorded dtype checks go,
+    its conversions stay (this failed in every call before)."""
+    torch.manual_seed(0)
+    model = FloatTop()
+    x = (torch.randint(0, 100, (9,)), torch.tensor([0, 2, 5]), torch.randint(0, 50, (6,)), torch.tensor([0, 1, 4]))
+    fp32 = fxrec.transform(model, x, mode="inference", quantize="fp16")
+    half = fxrec.transform(model, x, mode="inference", quantize="fp16", output_dtype="fp16")
+    assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in half.graph.nodes)
+    with torch.no_grad():
+        got, want = half(*x), fp32(*x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(want, model(*x), rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype,dim,stored", [("int8", 6, 8), ("int4", 4, 8), ("int2", 10, 16), ("fp16", 5, 6),
                                               ("int8", 1, 4)])
 def test_a_dim_the_dtype_cannot_store_is_padded_without_changing_the_real_columns(dtype, dim, stored):
