@@ -22,6 +22,15 @@ class _Fp16Model(Model):
         return torch.cat(parts, 1).sum(1)
 
 
+class _FloatModel(Model):
+    """The lookups concatenated and converted with ``.float()`` (a no-op on fp32, which torch.export
+    records as a dtype check), then the model's fp32 top."""
+
+    def forward(self, dense, ids, offsets, single_ids):
+        parts = [b(i, o) for b, i, o in zip(self.bags, ids, offsets)] + [self.single(single_ids)]
+        return self.top(torch.cat([torch.cat(parts, 1).float(), dense], 1)).squeeze(1)
+
+
 class _Fp16SeqModel(SeqModel):
     """The sequence model's lookups only, unpooled rows flattened and summed."""
 
@@ -33,8 +42,8 @@ class _Fp16SeqModel(SeqModel):
 def _worker(rank, world, init_file, which, pins, quantize, output_dtype="fp32"):
     with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
-        if which == "pooled":
-            model = Model() if output_dtype == "fp32" else _Fp16Model()
+        if which in ("pooled", "float"):
+            model = _FloatModel() if which == "float" else Model() if output_dtype == "fp32" else _Fp16Model()
             batches = [global_batch(LOCAL_B * world, s) for s in range(3)]
             local = [local_batch(x, rank, LOCAL_B) for x in batches]
             b = LOCAL_B
@@ -80,6 +89,12 @@ def test_quantized_sharded_serving_equals_single_process_quantized_serving(quant
 
 def test_quantized_sharded_sequence_features_equal_single_process_quantized_serving():
     spawn(_worker, 2, "sequence", {"hist": "row_wise", "cat": ("table_wise", 1), "bag": ("table_wise", 0)}, "int8")
+
+
+def test_fp16_outputs_that_the_model_converts_to_fp32_are_converted():
+    """(Its recorded dtype checks after the sharded groups go, as after unsharded ones: tests/test_quantize.py.)"""
+    spawn(_worker, 2, "float", {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": ("table_wise", 0),
+                                "single": ("table_wise", 1)}, "int8", "fp16")
 
 
 def test_fp16_outputs_when_a_rank_owns_no_table_wise_table():

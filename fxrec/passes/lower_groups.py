@@ -39,12 +39,11 @@ Not handled: lookups without a group (left as they were).
 from __future__ import annotations
 
 
-import torch
 import torch.fx as fx
 
 from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
-from ..group_module import build_group_module, group_inputs, hand_outputs
+from ..group_module import build_group_module, drop_dtype_asserts_after, group_inputs, hand_outputs
 
 
 
@@ -79,30 +78,13 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 graph.erase_node(n)
             lowered += 1
             if getattr(module, "output_dtype", "fp32") == "fp16" and gr.lookups[0].dtype.replace("torch.", "") != "float16":
-                _drop_dtype_asserts_after(call)
+                drop_dtype_asserts_after(call)
     removed = _drop_quantized_weights(gm, ctx)
     n_groups = sum(1 for g in ctx.groups if g.lower)
     stats = {"groups": n_groups, "lookups_lowered": lowered}
     if removed:
         stats["fp32_tables_removed"] = removed
     return PassResult(gm, lowered > 0, stats)
-
-
-def _drop_dtype_asserts_after(call: fx.Node) -> None:
-    """``output_dtype="fp16"``: the group gives fp16 where the model's lookups gave fp32, so the
-    dtype checks torch.export recorded for ``.to()`` calls on what the model computes from them
-    (``_assert_tensor_metadata(x, dtype=torch.float32)`` before a ``.float()`` that became a
-    no-op) would fail on every call; they go (the conversions themselves stay, and convert)."""
-    seen, todo = set(), [call]
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
-    for n in seen:
-        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default and "dtype" in n.kwargs:
-            n.graph.erase_node(n)
 
 
 def _drop_quantized_weights(gm: fx.GraphModule, ctx: PassContext) -> int:

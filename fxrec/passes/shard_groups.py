@@ -61,7 +61,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..report import LookupEntry
-from ..group_module import hand_outputs
+from ..group_module import drop_dtype_asserts_after, hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.input_guards import GUARDS_NAME
 from ..runtime.group import EmbeddingGroup
@@ -413,6 +413,8 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 # one output per lookup (not column slices of one tensor: the backward of k slices
                 # of a [B, k * D] tensor makes k zero tensors of its whole size)
                 hand_outputs(graph, out, recs, pooled=False)
+            if gr.quant and _out_dtype(ctx, gr) == torch.float16:
+                drop_dtype_asserts_after(out)
             for r in recs:
                 for n in r.nodes:
                     graph.erase_node(n)
