@@ -116,9 +116,9 @@ def hand_outputs(graph: fx.Graph, call: fx.Node, recs: Sequence[meta.LookupRecor
 def drop_dtype_asserts_after(call: fx.Node) -> None:
     """``output_dtype="fp16"`` (lower_groups, shard_groups): the group's call gives fp16 where the
     model's lookups gave fp32, so the dtype checks torch.export recorded for ``.to()`` calls on
-    what the model computes from them
-    (``_assert_tensor_metadata(x, dtype=torch.float32)`` before a ``.float()`` that became a
-    no-op) would fail on every call; they go (the conversions themselves stay, and convert)."""
+    what the model computes from them (``_assert_tensor_metadata(x, dtype=torch.float32)`` before
+    a ``.float()`` that became a no-op) would fail on every call; they go (the conversions
+    themselves stay, and convert)."""
     seen, todo = set(), [call]
     while todo:
         n = todo.pop()
