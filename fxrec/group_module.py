@@ -30,7 +30,7 @@ def _specs(gr: meta.GroupRecord) -> Tuple[List[TableSpec], List[FeatureSpec], Di
     # way) without a table-sized gradient. Not for fp16 tables: a sparse gradient's coalesce rounds
     # its fp16 sums otherwise than the dense gradient PyTorch gives (measured: different rows after a step).
     sparse_grads = (gr.optimizer is not None and gr.optimizer.fused_spec() is not None and not uses_outside_group(gr)
-                    and all(r.dtype.replace("torch.", "") in ("", "float32") for r in gr.lookups))
+                    and not any(r.half for r in gr.lookups))
     tables: List[TableSpec] = []
     index: Dict[str, int] = {}
     features: List[FeatureSpec] = []

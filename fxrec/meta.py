@@ -71,10 +71,15 @@ class LookupRecord:
         return not self.reason
 
     @property
+    def half(self) -> bool:
+        """The user's model holds the table in fp16 (the tables lowered are fp32 or fp16)."""
+        return self.dtype.replace("torch.", "") == "float16"
+
+    @property
     def stored_bytes(self) -> int:
         """Bytes of one value of the table in fbgemm's TBE: 2 for an fp16 table in the user's model
         or one weights_precision= stores lower, else 4."""
-        return 2 if self.weights or self.dtype.replace("torch.", "") == "float16" else 4
+        return 2 if self.weights or self.half else 4
 
     @property
     def weighted(self) -> bool:

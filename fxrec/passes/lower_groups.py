@@ -77,7 +77,7 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             for n in rec.nodes:  # users first: getitems / sum before the lookup itself
                 graph.erase_node(n)
             lowered += 1
-            if getattr(module, "output_dtype", "fp32") == "fp16" and gr.lookups[0].dtype.replace("torch.", "") != "float16":
+            if getattr(module, "output_dtype", "fp32") == "fp16" and not gr.lookups[0].half:
                 drop_dtype_asserts_after(call)
     removed = _drop_quantized_weights(gm, ctx)
     n_groups = sum(1 for g in ctx.groups if g.lower)

@@ -65,7 +65,7 @@ def quantize_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise InputError(f"fxrec: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, got {spec!r}")
     counts = {}
     for gr in ctx.groups:
-        half = gr.lookups[0].dtype.replace("torch.", "") == "float16"
+        half = gr.lookups[0].half
         for rec in gr.lookups:
             gr.quant[rec.param] = dtype_for(spec, rec.table, rec.param, rec.num_rows, rec.dim, half)
         gr.lower = True

@@ -71,7 +71,7 @@ class _ServingGroup(nn.Module):
         self.q: Dict[str, int] = dict(group.q_ints) if self.quantized else {}
         self.fp16_out: bool = self.quantized and group.output_dtype == "fp16"
         # the tables' dtype in the user's model, which their per-sample weights must have (fp32 or fp16)
-        self.half_tables: bool = bool(group.tables) and group.tables[0].dtype == "float16"
+        self.half_tables: bool = bool(group.half)
         # quantized bags with a padding_idx keep their padding ids, weighing 0 (packing.padding_weights)
         self.keep_pads: List[bool] = [self.quantized and f.form == "bag" and f.padding_idx is not None
                                       for f in group.features]
