@@ -293,8 +293,14 @@ def test_an_hbm_budget_counts_fp16_tables_and_their_gradients_at_two_bytes_a_val
     x = (torch.randint(0, 100_000, (10,)), torch.tensor([0, 4, 7]))
     need = 100_000 * 64 * (2 + 2)  # the rows and their dense fp16 gradient (25.6 MB; at 4 bytes a gradient value 38.4)
     fxrec.explain(Big(), x, device="cuda", hbm_budget=int(need * 1.05))
-    with pytest.raises(Exception, match="need 25.6 MB of GPU memory"):
+    with pytest.raises(Exception, match="need 25.6 MB of GPU memory") as e:
         fxrec.explain(Big(), x, device="cuda", hbm_budget=int(need * 0.95))
+    # fp16 tables cannot take a fused optimizer: the error does not suggest one, and says why they stay
+    assert "fuse the optimizer" not in str(e.value)
+    assert "fp16 tables ['t'] train on PyTorch's lookups" in str(e.value)
+    with pytest.raises(Exception, match="fuse the optimizer") as e32:  # the same table in fp32 could fuse
+        fxrec.explain(Big().float(), x, device="cuda", hbm_budget=int(need * 0.95))
+    assert "fp16 tables" not in str(e32.value)
 
 
 def test_an_hbm_budget_moves_fp16_tables_served_by_fbgemm_to_unified_memory_and_keeps_trained_ones():

@@ -110,6 +110,23 @@ def _movable(gr, training: bool) -> bool:
     return gr.kernel_eval == FBGEMM
 
 
+def _advice(groups, training: bool) -> str:
+    """What may bring the tables within the budget, for the error: fusing an optimizer only where
+    a group trains without one and could have one (the model's fp16 tables cannot: they train on
+    PyTorch's lookups, and stay in HBM with their dense gradients)."""
+    ways = ["raise the budget", "lower cache_load_factor"]
+    unfused = [gr for gr in groups if training and gr.fused is None and gr.lower and not gr.quant]
+    half = sorted({r.table for gr in unfused for r in gr.lookups if r.half})
+    if any(not r.half for gr in unfused for r in gr.lookups):
+        ways.append("fuse the optimizer (optimizer=)")
+    ways.append("or shard the tables over GPUs with a plan")
+    text = ", ".join(ways)
+    if half:
+        text += (f" (the model's fp16 tables {half} train on PyTorch's lookups: they stay in GPU memory with "
+                 "their dense gradients, and no optimizer is fused into them)")
+    return text
+
+
 def _fmt(n: int) -> str:
     from ..planner.specs import format_bytes
 
@@ -142,8 +159,7 @@ def place_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             f"fxrec: the embedding tables need {_fmt(need)} of GPU memory (weights, fused optimizer states, and "
             f"dense gradients where training has no fused optimizer) with every table that may leave it, and saves "
             f"memory doing so, in unified memory (cache_load_factor={lf}), more than hbm_budget={_fmt(budget)}: "
-            "raise the budget, lower cache_load_factor, fuse the optimizer (optimizer=), or shard the tables over "
-            "GPUs with a plan")
+            + _advice(groups, training))
     moved = 0
     for gr in groups:
         gr.placements = {p: placements[p] for p, _ in _tables(gr) if p in placements}
