@@ -367,6 +367,20 @@ def test_torch_compile_keeps_the_input_checks():
         compiled(*odd_even_inputs(5, 2))
 
 
+@pytest.mark.parametrize("bad", [None, 3])
+def test_torch_compile_names_an_input_that_is_not_a_tensor(bad):
+    """Compiled as eager: a None or an int where a tensor goes is an error naming the input (it
+    failed inside the size check's reads with a bare TypeError)."""
+    model = OddEven()
+    fast = fxrec.transform(model, odd_even_inputs(6), backend="native")
+    compiled = torch.compile(fast, dynamic=True, backend="eager")
+    ids, offsets, dense = odd_even_inputs(8, 1)
+    article = "an" if isinstance(bad, int) else "a"
+    with pytest.raises(ValueError, match=rf"input offsets \(.*\) is {article} {type(bad).__name__}, not a tensor"):
+        compiled(ids, bad, dense)
+    torch.testing.assert_close(compiled(ids, offsets, dense), model(ids, offsets, dense))  # and it still runs
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

@@ -197,7 +197,9 @@ class InputGuards(torch.nn.Module):
         if exporting() or torch.jit.is_tracing():
             return  # the tracer records its own guards
         if compiling():  # torch.compile traces the check: its comparisons become its guards
-            if not self._fn(*inputs):
+            # (a None or an int where a tensor goes fails the check's size reads: named here first)
+            tensors = all(isinstance(x, torch.Tensor) for x, shape in zip(inputs, self.shapes) if shape is not None)
+            if len(inputs) != len(self.paths) or not tensors or not self._fn(*inputs):
                 raise InputShapeError(self.explain(inputs))
             return
         try:
@@ -251,7 +253,8 @@ class InputGuards(torch.nn.Module):
             if shape is None:
                 continue
             if not isinstance(x, torch.Tensor):
-                problems.append(f"{self._name(k)} is a {type(x).__name__}, not a tensor")
+                kind = type(x).__name__
+                problems.append(f"{self._name(k)} is {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}, not a tensor")
                 continue
             if x.dim() != len(shape):
                 problems.append(f"{self._name(k)} has {x.dim()} dims (shape {tuple(x.shape)}); the model was "
