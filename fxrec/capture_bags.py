@@ -28,11 +28,10 @@ import functools
 import operator
 import sys
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.fx as fx
-from torch import Tensor
 from torch.fx.experimental import proxy_tensor
 
 _MODE_SUM, _MODE_MEAN, _MODE_MAX = 0, 1, 2
