@@ -420,17 +420,6 @@ def sharded_for(model, rank: int, world: int, pins: dict):
     return fxrec.transform(model, local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B), plan=plan)
 
 
-def _fp16_table_planned_table_wise(rank, world):
-    model = Model()
-    model.bags[0].half()
-    sharded_for(model, rank, world, ERROR_PINS)
-
-
-def test_an_fp16_table_planned_sharded_is_refused_naming_it(tmp_path):
-    msg = error_of(tmp_path, 2, _fp16_table_planned_table_wise)
-    assert "table 'bags.0' is float16 in the model and planned table_wise" in msg, msg
-
-
 def _ids_out_of_range(rank, world):
     fast = sharded_for(Model(), rank, world, {**ERROR_PINS, "single": "table_wise"})
     dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 1), rank, LOCAL_B)

@@ -63,6 +63,7 @@ from .. import meta
 from ..report import LookupEntry
 from ..group_module import drop_dtype_asserts_after, hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..planner.specs import HALF_SHARDINGS, HALF_WHY
 from ..runtime.input_guards import GUARDS_NAME
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
@@ -92,10 +93,9 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
         raise InputError(f"fxrec: table '{rec.table}' is planned column_wise with two shards on one rank; "
                          "each column shard needs its own rank")
     if tp.sharding != "data_parallel":
-        if rec.dtype.replace("torch.", "") != "float32":
-            raise InputError(f"fxrec: table '{rec.table}' is {rec.dtype.replace('torch.', '')} in the model and planned "
-                             f"{tp.sharding}; sharded lookups take float32 tables for now: plan it data_parallel, or "
-                             "keep it float32 and store it in fp16 with weights_precision='fp16'")
+        if rec.half and tp.sharding not in HALF_SHARDINGS:
+            raise InputError(f"fxrec: table '{rec.table}' is float16 in the model and planned {tp.sharding}; fxrec "
+                             f"shards fp16 tables {' or '.join(HALF_SHARDINGS)} (whole on a rank): {HALF_WHY}")
         if tp.spec.weights != rec.weights:
             def said(w):
                 return f"in {w}" if w else "as the model holds it"
@@ -113,7 +113,10 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
 
 
 def _out_dtype(ctx: PassContext, gr: meta.GroupRecord) -> torch.dtype:
-    """The dtype of the rows a group's lookups give (every rank must send the same)."""
+    """The dtype of the rows a group's lookups give (every rank must send the same): fp16 for the
+    model's fp16 tables, as their lookups give."""
+    if gr.lookups and gr.lookups[0].half:
+        return torch.float16
     return torch.float16 if gr.quant and ctx.config.output_dtype == "fp16" else torch.float32
 
 
@@ -179,6 +182,8 @@ def _with_local(decision: meta.GroupDecision, gr: meta.GroupRecord, group, short
     opt = ""
     if gr.optimizer is not None:
         opt = f"{gr.optimizer.describe()}: " + ("fused into backward" if fused else "torch.optim in opt.step()")
+        if not fused and group.half:
+            opt += " (no kernel fuses an update of the model's fp16 tables as torch.optim rounds it)"
     return dataclasses.replace(decision, fused=fused, fused_by=group.kernel_train if fused else "", optimizer=opt,
                                why=f"{decision.why}; this rank's {short} lookups: one {group.kernel_train} call")
 
@@ -345,19 +350,24 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
     # sums only: a mean is the sum over the bag's ids, which may lie on several ranks, divided by
     # its length after the output dist. Quantized groups serving fp16: sums that are added or
     # divided travel in fp32 and are rounded once, at the end (an fp16 sum can overflow where the
-    # mean does not, and adding rounded partial sums rounds twice)
+    # mean does not, and adding rounded partial sums rounds twice). The model's fp16 tables are
+    # whole on one rank (HALF_SHARDINGS): each bag is pooled there by PyTorch's own fp16 lookup,
+    # mean included, and its rows travel as that lookup rounded them (forward and backward the
+    # model's own arithmetic).
     out_dtype = _out_dtype(ctx, gr)
+    half = gr.lookups[0].half
     summed = gr.pooling == "mean" or any(len(holders) > 1 for *_, holders, _ in pieces)
-    sent = torch.float32 if summed else out_dtype
+    sent = torch.float32 if summed and not half else out_dtype
+    pooled_here = gr.pooling if half else "sum"
     fused = _fused_spec(gr, plan)  # (on every rank: a refusal must stop every rank, also one holding nothing)
-    group = _local_group(ctx, shapes, table_of, "sum", weighted, fused, gm, gr.quant,
+    group = _local_group(ctx, shapes, table_of, pooled_here, weighted, fused, gm, gr.quant,
                          "fp32" if sent == torch.float32 else "") if held else None
     mods = (PooledInputDist(f"{name}_input_dist", [r.form for r, *_ in pieces], [b for _, b, *_ in pieces],
                             [base for _, _, base, *_ in pieces], weighted, rank, world, [r.feature for r, *_ in pieces],
                             [r.num_rows for r, *_ in pieces]),
             PooledLookup(group, world, held),
             PooledOutputDist(f"{name}_output_dist", [c for *_, c in pieces], [h for *_, h, _ in pieces], rank, world,
-                             per_lookup, gr.pooling, sent, out_dtype))
+                             per_lookup, "sum" if pooled_here == "mean" else gr.pooling, sent, out_dtype))
     args = ([r.ids for r, *_ in pieces], [r.offsets for r, *_ in pieces], [r.per_sample_weights for r, *_ in pieces])
     return mods, local, args
 

@@ -12,7 +12,9 @@
    unpooled tables, nor for tables whose optimizer updates a row from the whole row
    (:data:`fxrec.runtime.specs.WHOLE_ROW`: row-wise Adagrad, LAMB, LARS-SGD, ...; a column_wise
    pin of one is an error). Data-parallel is only
-   considered for tables taking at most :data:`DP_MEMORY_FRACTION` of a rank's memory.
+   considered for tables taking at most :data:`DP_MEMORY_FRACTION` of a rank's memory. Tables
+   the model holds in fp16 are split only as :data:`~fxrec.planner.specs.HALF_SHARDINGS` says
+   (table-wise, column-wise, data-parallel: a bag summed whole on one rank).
    Pinned tables keep their type (and ranks, when given).
 3. Placement. Row-wise, data-parallel and pinned-with-ranks shards go where they must. Then the
    movable units (a table-wise table, one column-wise shard, a table-row-wise table as a
@@ -41,7 +43,7 @@ from ..runtime.specs import WHOLE_ROW
 from .cost import CostModel
 from .layout import column_splits, max_column_shards, row_block
 from .specs import (
-    COLUMN_WISE, DATA_PARALLEL, ROW_WISE, SHARDING_TYPES, TABLE_ROW_WISE, TABLE_WISE, PlanError, Shard,
+    COLUMN_WISE, DATA_PARALLEL, HALF_SHARDINGS, HALF_WHY, ROW_WISE, SHARDING_TYPES, TABLE_ROW_WISE, TABLE_WISE, PlanError, Shard,
     TablePlan, TableSpec, Topology, format_bytes,
 )
 
@@ -226,6 +228,9 @@ def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[s
             raise ValueError(f"fxrec.plan: pin for {name!r}: table_wise takes one rank, got {list(ranks)}")
         if sharding in (ROW_WISE, DATA_PARALLEL) and ranks is not None and ranks != tuple(range(W)):
             raise ValueError(f"fxrec.plan: pin for {name!r}: {sharding} uses all ranks 0..{W - 1} in order, got {list(ranks)}")
+        if spec.dtype == "fp16" and sharding not in HALF_SHARDINGS:
+            raise ValueError(f"fxrec.plan: pin for {name!r}: the table is fp16 in the model, which fxrec shards "
+                             f"{' or '.join(HALF_SHARDINGS)} (whole on a rank), not {sharding}: {HALF_WHY}")
         if sharding == COLUMN_WISE:
             if not spec.pooled:
                 raise ValueError(f"fxrec.plan: pin for {name!r}: the table is looked up unpooled (one row per id), "
@@ -337,6 +342,8 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
             return out
     out = []
     for s in allowed:
+        if spec.dtype == "fp16" and s not in HALF_SHARDINGS:
+            continue
         if s == COLUMN_WISE:
             # unpooled lookups are not sharded by columns (fxrec's runtime sends whole rows back), nor
             # tables whose optimizer updates a row from the whole row (WHOLE_ROW)
@@ -381,7 +388,7 @@ def _demoted(t: _Table, current: Option, allowed: Sequence[str]) -> Optional[Opt
     topo = t.cm.topology
     order = [TABLE_WISE, ROW_WISE] if current.sharding == DATA_PARALLEL else [ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE]
     for s in order:
-        if s not in allowed or s == current.sharding:
+        if s not in allowed or s == current.sharding or (t.spec.dtype == "fp16" and s not in HALF_SHARDINGS):
             continue
         if s == COLUMN_WISE:
             kmax = min(max_column_shards(t.spec.dim), topo.world_size)

@@ -33,6 +33,14 @@ COLUMN_WISE = "column_wise"
 TABLE_ROW_WISE = "table_row_wise"
 DATA_PARALLEL = "data_parallel"
 SHARDING_TYPES = (TABLE_WISE, ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE, DATA_PARALLEL)
+#: How a table the model holds in fp16 may be sharded: whole, each bag pooled on one rank by
+#: PyTorch's own fp16 lookup and sent as fp16 (bit for bit the model's numbers). Row-wise layouts
+#: would add partial sums from several ranks, rounded otherwise than the model rounds; column
+#: shards are updated by torch.optim's fp16 steps, which round some values of a narrower tensor
+#: otherwise (PyTorch's vectorised loop and its scalar tail differ).
+HALF_SHARDINGS = (TABLE_WISE, DATA_PARALLEL)
+HALF_WHY = ("row-wise pieces would add partial sums from several ranks, and torch.optim's fp16 steps round some "
+            "values of a column shard otherwise than of the whole table, so neither gives the model's numbers")
 
 #: Bytes per weight element of the table dtypes the planner knows.
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}

@@ -1,0 +1,192 @@
+"""Sharded models whose tables the user holds in fp16 (``model.half()``), on torch.distributed
+(gloo, CPU, two processes). fxrec shards such tables whole (table-wise, or data-parallel): each
+bag is pooled on one rank by PyTorch's own fp16 lookup and travels as fp16, so every rank gets,
+bit for bit, the plain fp16 model's rows of the global batch, and after torch.optim's steps its
+tables. Row-wise and column-wise layouts are refused (and never planned), naming the table."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fxrec
+
+from .test_sharding import LOCAL_B, ROWS, error_of, global_batch, gloo_group, local_batch, spawn
+
+HALF = torch.float16
+DIM = 8
+
+
+class HalfModel(nn.Module):
+    """The lookups of tests.test_sharding's model, every table fp16, their rows returned side by
+    side (no dense layer: each output value is one lookup's, compared exactly)."""
+
+    def __init__(self, mode="sum"):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(r, DIM, mode=mode, dtype=HALF) for r in ROWS[:3]])
+        self.single = nn.Embedding(ROWS[3], DIM, dtype=HALF)
+
+    def forward(self, ids, offsets, single_ids):
+        return torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)] + [self.single(single_ids)], 1)
+
+
+def sparse_part(x):
+    return x[1:]  # (tests.test_sharding's batches start with a dense input this model does not take)
+
+
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
+              "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.5, eps=1e-3)}  # (eps: 1e-10 is 0 in fp16)
+PINS = {"bags.0": ("table_wise", 1), "bags.1": ("table_wise", 0), "bags.2": "data_parallel",
+        "single": ("table_wise", 1)}
+
+
+def _train(rank, world, init_file, mode, opt_name, steps):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = HalfModel(mode)
+        ref = copy.deepcopy(model)
+        plan = fxrec.plan(model, sparse_part(global_batch(LOCAL_B * world, 0)), world_size=world,
+                          memory_per_rank="1GB", pins=PINS, batch_size=LOCAL_B)
+        fast = fxrec.transform(model, sparse_part(local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)),
+                               plan=plan)
+        names = [type(fast.get_submodule(n.target)).__name__ for n in fast.graph.nodes if n.op == "call_module"]
+        assert "PooledInputDist" in names and "PooledOutputDist" in names, names  # sharded, not left as written
+        opt, ref_opt = OPTIMIZERS[opt_name](fast.parameters()), OPTIMIZERS[opt_name](ref.parameters())
+        mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+        for step in range(steps):
+            x = global_batch(LOCAL_B * world, step + 1)
+            cot = torch.randn(LOCAL_B * world, 4 * DIM, generator=torch.Generator().manual_seed(100 + step))
+            want = ref(*sparse_part(x))
+            got = fast(*sparse_part(local_batch(x, rank, LOCAL_B)))
+            assert got.dtype == HALF
+            # the data-parallel table's columns too: before any step its replica is the table
+            assert torch.equal(got, want[mine]), f"step {step}: {(got.float() - want[mine].float()).abs().max()}"
+            ref_opt.zero_grad()
+            (want.float() * cot).sum().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            (got.float() * cot[mine]).sum().backward()
+            opt.step()
+        params = dict(fast.named_parameters())
+        for name, want in ref.state_dict().items():
+            tp = plan.tables[name.rsplit(".", 1)[0]]
+            if tp.sharding == "table_wise":
+                assert (name in params) == (tp.shards[0].rank == rank), f"{name} on rank {rank}"
+                if name in params:
+                    assert params[name].dtype == HALF
+                    assert torch.equal(params[name].detach(), want), \
+                        f"{name}: {(params[name].detach().float() - want.float()).abs().max()}"
+            else:  # data-parallel: DDP averages the ranks' fp16 gradients, a rounding the model does not make
+                torch.testing.assert_close(params[name].detach(), want, rtol=2e-3, atol=2e-3, msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adagrad"])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_fp16_tables_sharded_table_wise_train_as_the_plain_fp16_model_bit_for_bit(mode, opt_name):
+    spawn(_train, 2, mode, opt_name, 4)
+
+
+def test_the_planner_shards_fp16_tables_only_whole():
+    """However large the table, fxrec.plan gives an fp16 table table_wise or data_parallel; one that
+    fits no rank whole is a plan error naming it, where its fp32 twin goes row-wise."""
+    x = sparse_part(global_batch(LOCAL_B * 2, 0))
+    plan = fxrec.plan(HalfModel(), x, world_size=4, memory_per_rank="1GB")
+    assert {tp.sharding for tp in plan.tables.values()} <= {"table_wise", "data_parallel"}
+
+    class Big(nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.big = nn.EmbeddingBag(2_000_000, 64, dtype=dtype, device="meta")
+
+        def forward(self, ids, offsets):
+            return self.big(ids, offsets)
+
+    ids, offsets = torch.randint(0, 100, (8,)), torch.tensor([0, 3, 5])
+    # 2M x 64 at 4 bytes: 512 MB, over the 300 MB a rank has, whole or as a replica
+    fp32 = fxrec.plan(Big(torch.float32), (ids, offsets), world_size=4, memory_per_rank="300MB")
+    assert fp32.tables["big"].sharding in ("row_wise", "column_wise")
+    # in fp16 it is 256 MB of rows, and their gradient as much: it fits no rank whole
+    with pytest.raises(Exception, match="'big'"):
+        fxrec.plan(Big(HALF), (ids, offsets), world_size=4, memory_per_rank="300MB")
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "column_wise", "table_row_wise"])
+def test_a_pin_that_splits_an_fp16_table_is_refused_naming_it(sharding):
+    x = sparse_part(global_batch(LOCAL_B * 4, 0))
+    with pytest.raises(ValueError, match=rf"pin for 'bags.1': the table is fp16 in the model, which fxrec shards "
+                                         rf"table_wise or data_parallel \(whole on a rank\), not {sharding}"):
+        fxrec.plan(HalfModel(), x, world_size=4, memory_per_rank="1GB", pins={"bags.1": sharding}, hosts=2)
+
+
+def _planned_for_fp32_then_made_fp16(rank, world, sharding):
+    model = HalfModel().float()  # the plan is made for the fp32 model ...
+    plan = fxrec.plan(model, sparse_part(global_batch(LOCAL_B * world, 0)), world_size=world, memory_per_rank="1GB",
+                      pins={**PINS, "bags.1": sharding}, batch_size=LOCAL_B)
+    model.half()  # ... and given to its fp16 twin
+    fxrec.transform(model, sparse_part(local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)), plan=plan)
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "column_wise"])
+def test_transform_refuses_a_plan_that_splits_an_fp16_table_naming_it(tmp_path, sharding):
+    msg = error_of(tmp_path, 2, _planned_for_fp32_then_made_fp16, sharding)
+    assert f"table 'bags.1' is float16 in the model and planned {sharding}; fxrec shards fp16 tables table_wise " \
+           "or data_parallel" in msg, msg
+
+
+class HalfSequence(nn.Module):
+    """Unpooled lookups of two fp16 tables (a history ``[B, L]`` and one id per sample), the rows
+    returned as the model's own (``[B, L + 1, 8]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hist = nn.Embedding(40, DIM, dtype=HALF)
+        self.item = nn.Embedding(30, DIM, dtype=HALF)
+
+    def forward(self, hist, item):
+        return torch.cat([self.hist(hist), self.item(item)[:, None]], 1)
+
+
+def _sequence_batch(batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 40, (batch, 5), generator=g), torch.randint(0, 30, (batch,), generator=g)
+
+
+def _train_sequence(rank, world, init_file, steps):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = HalfSequence()
+        ref = copy.deepcopy(model)
+        mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+        plan = fxrec.plan(model, _sequence_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
+                          pins={"hist": ("table_wise", 1), "item": ("table_wise", 0)}, batch_size=LOCAL_B)
+        fast = fxrec.transform(model, tuple(t[mine] for t in _sequence_batch(LOCAL_B * world, 0)), plan=plan)
+        names = [type(fast.get_submodule(n.target)).__name__ for n in fast.graph.nodes if n.op == "call_module"]
+        assert "SequenceInputDist" in names, names
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (fast, ref))
+        for step in range(steps):
+            x = _sequence_batch(LOCAL_B * world, step + 1)
+            cot = torch.randn(LOCAL_B * world, 6, DIM, generator=torch.Generator().manual_seed(100 + step))
+            want, got = ref(*x), fast(*(t[mine] for t in x))
+            assert got.dtype == HALF and torch.equal(got, want[mine]), f"step {step}"
+            ref_opt.zero_grad()
+            (want.float() * cot).sum().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            (got.float() * cot[mine]).sum().backward()
+            opt.step()
+        params = dict(fast.named_parameters())
+        for name, want in ref.state_dict().items():
+            if name in params:
+                assert torch.equal(params[name].detach(), want), name
+        assert len(params) == 1, list(params)  # one table a rank
+        dist.barrier()
+    os._exit(0)
+
+
+def test_unpooled_lookups_of_fp16_tables_sharded_table_wise_train_as_the_plain_model_bit_for_bit():
+    spawn(_train_sequence, 2, 3)
