@@ -305,7 +305,8 @@ def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:
 
 def unpack_rows(out: Tensor, ids_list: List[Tensor], dims: List[int]) -> List[Tensor]:
     """The packed unpooled rows back as one ``[*ids.shape, dims[i]]`` tensor per feature (a
-    feature's first ``dims[i]`` columns: the packed rows may be stored wider)."""
+    feature's first ``dims[i]`` columns: the packed rows may be stored wider; then copied, so the
+    rows are contiguous as PyTorch's lookup gives them and the model may ``view`` them)."""
     outs: List[Tensor] = []
     start = 0
     for i in range(len(ids_list)):
@@ -313,7 +314,7 @@ def unpack_rows(out: Tensor, ids_list: List[Tensor], dims: List[int]) -> List[Te
         n = ids.numel()
         rows = out[start:start + n]
         if dims[i] != out.shape[1]:
-            rows = rows[:, :dims[i]]
+            rows = rows[:, :dims[i]].contiguous()
         outs.append(rows.reshape(list(ids.shape) + [dims[i]]))
         start += n
     return outs
