@@ -138,6 +138,17 @@ class SideEffects:
         extra = self.preds.get(n)
         return n.all_input_nodes + extra if extra else n.all_input_nodes
 
+    def followers(self, n: fx.Node) -> List[fx.Node]:
+        """The nodes that must stay after ``n`` besides its data users (an in-place write to what
+        ``n`` reads, a later side effect)."""
+        succ = self.__dict__.get("_succ")
+        if succ is None:
+            succ = self._succ = {}
+            for b, ps in self.preds.items():
+                for a in ps:
+                    succ.setdefault(a, []).append(b)
+        return succ.get(n, [])
+
 
 def reaches(start: fx.Node, targets: Set[fx.Node], preds: Callable[[fx.Node], List[fx.Node]]) -> Optional[fx.Node]:
     """A node of ``targets`` from which ``start`` is reached (walking back over ``preds``), or None."""

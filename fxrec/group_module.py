@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from . import meta
+from .dataflow import SideEffects
 from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from .runtime.group import EmbeddingGroup
 from .runtime.specs import FeatureSpec, GroupSpec, TableSpec
@@ -96,20 +97,43 @@ def group_inputs(gr: meta.GroupRecord, index: Dict[str, int], value) -> tuple:
     return inputs if gr.quant else inputs + (weights,)
 
 
-def hand_outputs(graph: fx.Graph, call: fx.Node, recs: Sequence[meta.LookupRecord], pooled: bool = True) -> None:
+def call_anchor(graph: fx.Graph, recs: Sequence[meta.LookupRecord], effects: SideEffects) -> fx.Node:
+    """The node a group's call goes right before: the first that must run after its lookups, a
+    user of one of their outputs or what side effects order after one (an in-place write to the
+    ids it read: the call reads them as the lookup did); with neither, the node after the last
+    lookup's output. group_lookups ordered the graph so that everything the call reads, and what
+    side effects order before its lookups, comes earlier. ``effects``: the graph's side effects
+    before this pass changed it."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    own = {n for r in recs for n in r.nodes}
+    after = [u for r in recs for u in r.output.users if u not in own]
+    after += [w for n in own for w in effects.followers(n) if w not in own and w in pos]
+    return min(after, key=pos.__getitem__) if after else recs[-1].output.next
+
+
+def hand_outputs(graph: fx.Graph, call: fx.Node, recs: Sequence[meta.LookupRecord], pooled: bool = True,
+                 written: Collection[fx.Node] = ()) -> None:
     """Give each lookup's users its part of ``call``'s output (inserted at the graph's current
     insertion point): item i of one ``split_with_sizes`` of a pooled ``[B, sum of dims]`` output
     by columns (not one slice each: the backward of k slices of a tensor makes k zero tensors of
     its whole size, a split's one ``cat``), else item i of a list; the parts carry the original
-    output's ``val`` and name it as their origin."""
+    output's ``val`` and name it as their origin. An output the model writes in place (in
+    ``written``: ``a += b``) is given a copy of its part, a tensor of its own as the lookup's was
+    (autograd refuses in-place writes to a split's parts, and the write would reach the other
+    parts' storage)."""
     if pooled:
         call = graph.call_function(torch.ops.aten.split_with_sizes.default, (call, [r.dim for r in recs], 1))
         call.meta[meta.ORIGIN] = [r.output.name for r in recs]
     for i, rec in enumerate(recs):
         out = graph.call_function(operator.getitem, (call, i))
-        out.meta[meta.ORIGIN] = [rec.output.name]
-        if "val" in rec.output.meta:
-            out.meta["val"] = rec.output.meta["val"]
+        parts = [out]
+        if rec.output in written:
+            out = graph.call_function(torch.ops.aten.clone.default, (out,))
+            parts.append(out)
+        for part in parts:
+            part.meta[meta.ORIGIN] = [rec.output.name]
+            if "val" in rec.output.meta:
+                part.meta["val"] = rec.output.meta["val"]
         rec.output.replace_all_uses_with(out)
 
 

@@ -19,6 +19,11 @@ or one slice when it covers part of them. Parts (and splits) left without users 
 when a run covers a whole group whose tables all have dim D: the group output is reshaped to
 [B, k, D] and concatenated with the other tensors unsqueezed.
 
+A concatenation the model writes in place (``torch.cat([a, b], 1).clamp_(min=0)``) is not
+replaced by the group's output itself: the write would reach the lookups' outputs, which are
+other tensors than their concatenation (a lookup output the model writes is a copy, and never
+folded: lower_groups).
+
 Not handled: concatenations along another dim, slices out of column order, partial runs in a
 stack.
 """
@@ -32,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
+from ..dataflow import SideEffects
 from ..pass_infra import PassContext, PassResult, compiler_pass
 
 aten = torch.ops.aten
@@ -62,6 +68,7 @@ def _width(gm: fx.GraphModule, group: fx.Node) -> int:
 def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     folded = 0
+    written = SideEffects(list(graph.nodes)).written  # (their concatenation stays a copy)
     for cat in list(graph.nodes):
         if cat.op != "call_function" or cat.target is not aten.cat.default:
             continue
@@ -82,7 +89,7 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 with graph.inserting_before(cat):
                     out.append(graph.call_function(aten.slice.Tensor, (group, 1, start, end)))
                 changed = True
-        if not changed:
+        if not changed or (len(out) == 1 and cat in written):
             continue
         folded += 1
         if len(out) == 1:
@@ -92,7 +99,7 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             cat.args = (out,) + tuple(cat.args[1:])
     for stack in list(graph.nodes):
         if stack.op == "call_function" and stack.target is aten.stack.default:
-            folded += _fold_stack(gm, stack)
+            folded += _fold_stack(gm, stack, written)
     removed = 0
     for n in reversed(list(graph.nodes)):
         if _group_slice(n) is not None and not n.users:
@@ -104,7 +111,7 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, folded > 0 or removed > 0, {"cats_folded": folded, "slices_removed": removed})
 
 
-def _fold_stack(gm: fx.GraphModule, stack: fx.Node) -> int:
+def _fold_stack(gm: fx.GraphModule, stack: fx.Node, written) -> int:
     """``stack([x, s_0 .. s_k], 1)`` of [B, D] tensors, where s_0..s_k are all columns of one
     group whose tables all have dim D, becomes ``cat([x.unsqueeze(1), g.reshape(-1, k+1, D)], 1)``:
     the group output is reshaped in place instead of being sliced and copied column by column."""
@@ -121,7 +128,7 @@ def _fold_stack(gm: fx.GraphModule, stack: fx.Node) -> int:
             changed = True
         else:
             parts.extend(("one", t) for t in nodes)
-    if not changed:
+    if not changed or (len(parts) == 1 and stack in written):
         return 0
     with graph.inserting_before(stack):
         pieces = []

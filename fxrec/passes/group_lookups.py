@@ -433,7 +433,7 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.logger.debug("%s not grouped: %s", rec.feature, reason)
 
     gm.meta[meta.FRAGMENTATION] = _fragmentation(groups, effects)
-    moved = reorder(graph, nodes, effects, [_place(gr) for gr in records_out])
+    moved = reorder(graph, nodes, effects, [_place(gr, effects) for gr in records_out])
     ctx.groups = records_out
     return PassResult(gm, moved > 0, {
         "groups": len(records_out), "grouped": sum(len(g.lookups) for g in records_out),
@@ -497,12 +497,16 @@ def _path(a: _Group, b: _Group) -> Optional[List[_Group]]:
     return path[::-1]
 
 
-def _place(gr: meta.GroupRecord) -> Tuple[Set[fx.Node], Set[fx.Node]]:
-    """What must come before the group's call (every input of every member) and after it (every
-    user of every member's output; with none, the last lookup's output, where lower_groups puts
-    the call)."""
+def _place(gr: meta.GroupRecord, effects: SideEffects) -> Tuple[Set[fx.Node], Set[fx.Node]]:
+    """What must come before the group's call (every input of every member, and what side
+    effects order before one: an in-place write to its ids) and after it (every user of every
+    member's output, and what side effects order after a member: a later in-place write to what
+    it read; with none, the last lookup's output, where lower_groups puts the call)."""
+    own = {n for r in gr.lookups for n in r.nodes}
     ins = {x for r in gr.lookups for x in _inputs(r)}
+    ins |= {p for n in own for p in effects.preds.get(n, ()) if p not in own}
     users = {u for r in gr.lookups for u in _users(r)}
+    users |= {w for n in own for w in effects.followers(n) if w not in own}
     return ins, users or {gr.lookups[-1].output}
 
 

@@ -22,8 +22,10 @@ stay the user's parameters, passed in from their original ``get_attr`` nodes, so
 ``state_dict()`` keeps its keys and gradients land on the original parameters. Sequence groups
 return one tensor per feature, taken with ``getitem``.
 
-The group node is placed right before the first user of any member's output; group_lookups
-guaranteed every input is defined before that point.
+The group node is placed right before the first node that must follow its lookups: a user of
+a member's output, or an in-place write that side effects order after a member (to the ids it
+read); group_lookups guaranteed every input is defined before that point. An output the model
+writes in place (``a += b``) is handed a copy of its part (``aten.clone``), a tensor of its own.
 
 Groups that quantize_tables gave dtypes become quantized inference groups (called without
 weights); the fp32 parameters they replace are removed from the model when nothing else reads them.
@@ -43,7 +45,8 @@ import torch.fx as fx
 
 from .. import meta
 from ..pass_infra import PassContext, PassResult, compiler_pass
-from ..group_module import build_group_module, drop_dtype_asserts_after, group_inputs, hand_outputs
+from ..dataflow import SideEffects
+from ..group_module import build_group_module, call_anchor, drop_dtype_asserts_after, group_inputs, hand_outputs
 
 
 
@@ -51,6 +54,7 @@ from ..group_module import build_group_module, drop_dtype_asserts_after, group_i
 def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     lowered = 0
+    effects = SideEffects(list(graph.nodes))
     for gr in ctx.groups:
         if not gr.lower:
             continue
@@ -63,16 +67,13 @@ def lower_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         name = f"fxrec_{gr.name}"
         gm.add_submodule(name, module)
         gr.module = name
-        pos = {n: i for i, n in enumerate(graph.nodes)}
-        users = [u for rec in gr.lookups for u in rec.output.users]
-        anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
-        with graph.inserting_before(anchor):
+        with graph.inserting_before(call_anchor(graph, gr.lookups, effects)):
             call = graph.call_module(name, group_inputs(gr, index, lambda n: n))
             call.meta[meta.ORIGIN] = [rec.node.name for rec in gr.lookups]
             call.meta[meta.DECISION] = gr.decision
             if "stack_trace" in gr.lookups[0].node.meta:
                 call.meta["stack_trace"] = gr.lookups[0].node.meta["stack_trace"]
-            hand_outputs(graph, call, gr.lookups, pooled=gr.pooling != "none")
+            hand_outputs(graph, call, gr.lookups, pooled=gr.pooling != "none", written=effects.written)
         for rec in gr.lookups:
             for n in rec.nodes:  # users first: getitems / sum before the lookup itself
                 graph.erase_node(n)

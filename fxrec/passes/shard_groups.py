@@ -61,7 +61,8 @@ import torch.fx as fx
 
 from .. import meta
 from ..report import LookupEntry
-from ..group_module import drop_dtype_asserts_after, hand_outputs
+from ..dataflow import SideEffects
+from ..group_module import call_anchor, drop_dtype_asserts_after, hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..planner.specs import HALF_SHARDINGS, HALF_WHY
 from ..runtime.input_guards import GUARDS_NAME
@@ -387,6 +388,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     stats = {"table_wise": 0, "column_wise": 0, "row_wise": 0, "table_row_wise": 0, "data_parallel": 0}
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
+    effects = SideEffects(list(graph.nodes))
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
         mine = {r.node for r in gr.lookups}
@@ -399,9 +401,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for r in gr.lookups:
             r.node.meta[meta.DECISION] = decision  # stays on data-parallel lookups, which are not rewritten
             stats[kinds[id(r)]] = stats.get(kinds[id(r)], 0) + 1
-        pos = {n: i for i, n in enumerate(graph.nodes)}
-        users = [u for rec in gr.lookups for u in rec.output.users]
-        anchor = min(users, key=lambda u: pos[u]) if users else gr.lookups[-1].output.next
+        anchor = call_anchor(graph, gr.lookups, effects)
         recs = [r for r in gr.lookups if kinds[id(r)] != "data_parallel"]
         if recs:
             name = f"fxrec_shard_{gr.name}"

@@ -1,0 +1,274 @@
+"""What a model may do with its lookups' outputs and inputs, as in plain PyTorch: change an
+output in place (``a += b``, ``a.mul_(2)``, ``torch.cat([a, b]).clamp_()``), change its ids in
+place after a lookup read them, and read an output as a contiguous tensor (``.view``). Each is
+compared with the plain model, on every backend, forward and (where PyTorch's own backward
+allows it) gradients."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxrec
+
+BACKENDS = ["auto", "reference", "fbgemm", "native"]
+
+
+def _kw(backend):
+    return {} if backend == "auto" else {"backend": backend}
+
+
+def ids_offsets(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 29, (7,), generator=g), torch.tensor([0, 2, 2, 5])
+
+
+def check(model, x, backend, grads=True, **kw):
+    """The transformed model's outputs (and gradients of the tables) equal the plain model's, on
+    fresh copies of the inputs (a model that writes its inputs gets its own): bit for bit, but
+    on fbgemm's TBE, whose fp32 sums are PyTorch's to rounding."""
+    plain = copy.deepcopy(model)
+    fast = fxrec.transform(model, tuple(t.clone() for t in x), **_kw(backend), **kw)
+    for seed in (1, 2):
+        batch = ids_offsets(seed)[:len(x)] if len(x) == 2 else x
+        want = plain(*(t.clone() for t in batch))
+        got = fast(*(t.clone() for t in batch))
+        want, got = (want,) if torch.is_tensor(want) else want, (got,) if torch.is_tensor(got) else got
+        for w, g in zip(want, got):
+            if backend == "fbgemm":
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+            else:
+                assert torch.equal(w, g), (w - g).abs().max()
+        if grads and torch.is_grad_enabled() and kw.get("mode") != "inference":
+            sum(w.sum() * (i + 1) for i, w in enumerate(want)).backward()
+            sum(g.sum() * (i + 1) for i, g in enumerate(got)).backward()
+            pg, fg = dict(plain.named_parameters()), dict(fast.named_parameters())
+            for name, p in pg.items():
+                torch.testing.assert_close(fg[name].grad, p.grad, msg=name)
+                p.grad = None
+                fg[name].grad = None
+
+
+class AddInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user, self.item = nn.EmbeddingBag(30, 4), nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        a = self.user(ids, offsets)
+        a += self.item(ids, offsets)
+        return a
+
+
+class ScaleInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        a = self.e(ids, offsets)
+        a.mul_(2)
+        return a
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", [AddInPlace, ScaleInPlace])
+def test_a_lookup_output_changed_in_place_gives_the_plain_models_outputs_and_gradients(model, backend):
+    """(It failed in autograd: the lookups' outputs were views of one split of the group's output.)"""
+    torch.manual_seed(0)
+    check(model(), ids_offsets(), backend)
+    with torch.no_grad():
+        check(model(), ids_offsets(), backend)
+
+
+class ClampedConcat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user, self.item = nn.EmbeddingBag(30, 4), nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        a, b = self.user(ids, offsets), self.item(ids, offsets)
+        both = torch.cat([a, b], 1)
+        both.clamp_(min=0)  # a and b are other tensors than their concatenation
+        return both, a + b
+
+
+class ConcatThenScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user, self.item = nn.EmbeddingBag(30, 4), nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        a, b = self.user(ids, offsets), self.item(ids, offsets)
+        c = torch.cat([a, b], 1)
+        a.mul_(2)  # after the concatenation copied it
+        return c, a
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", [ClampedConcat, ConcatThenScale])
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_a_concatenation_of_lookups_and_the_lookups_stay_separate_tensors(model, backend, mode):
+    """(fold_concat made the concatenation the group's output and the lookups its slices: a write
+    to one changed the other, up to 2.7 apart, silently.)"""
+    torch.manual_seed(0)
+    m = model()
+    if mode == "inference":
+        m.eval()
+        with torch.no_grad():
+            check(m, ids_offsets(), backend, mode="inference")
+    else:
+        check(m, ids_offsets(), backend)
+
+
+class ShiftIdsBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e, self.f = nn.EmbeddingBag(30, 4), nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        a = self.e(ids, offsets)  # the ids as given
+        ids.add_(1)
+        b = self.f(ids, offsets)  # the ids shifted
+        return torch.cat([a, b], 1)
+
+
+class ClampIdsAfter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(30, 4)
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, ids, offsets):
+        a = self.e(ids)  # read before the write below, used after it
+        ids.clamp_(max=9)
+        return self.lin(a), ids
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", [ShiftIdsBetween, ClampIdsAfter])
+def test_ids_written_in_place_after_a_lookup_read_them_are_read_as_they_were(model, backend):
+    """(The group's call was placed before its output's first user, after the write: the lookup
+    read the changed ids, up to 1.4 apart, silently.) Without gradients: PyTorch's own backward
+    refuses ids changed after a lookup saved them."""
+    torch.manual_seed(0)
+    m = model().eval()
+    with torch.no_grad():
+        check(m, ids_offsets(), backend, mode="inference")
+    check(model(), ids_offsets(), backend, grads=False)  # (training mode: the forward)
+
+
+class FieldsFlattened(nn.Module):
+    """DeepFM's field embeddings, flattened with ``view`` (PyTorch's output is contiguous)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.emb = nn.Embedding(50, dim)
+        self.mlp = nn.Linear(3 * dim, 1)
+
+    def forward(self, fields):
+        return self.mlp(self.emb(fields).view(fields.shape[0], -1))
+
+
+@pytest.mark.parametrize("kw", [dict(backend="fbgemm"), dict(optimizer=fxrec.optim.Adagrad(lr=0.1)),
+                                dict(backend="fbgemm", optimizer=fxrec.optim.SGD(lr=0.1)),
+                                dict(backend="fbgemm", mode="inference")], ids=["fbgemm", "adagrad", "fused_sgd", "inference"])
+@pytest.mark.parametrize("dim", [5, 8])
+def test_unpooled_rows_of_a_padded_table_are_contiguous_as_pytorchs(dim, kw):
+    """A dim that is not a multiple of 4 is stored padded in fbgemm's TBE: the rows handed back
+    are contiguous, as PyTorch's, so the model's ``view`` works (it failed)."""
+    torch.manual_seed(0)
+    model = FieldsFlattened(dim)
+    fields = torch.randint(0, 50, (4, 3))
+    fast = fxrec.transform(copy.deepcopy(model), (fields,), **kw)
+    x = torch.randint(0, 50, (6, 3))
+    torch.testing.assert_close(fast(x), model(x))
+
+
+# --------------------------------------------------------------------------- sharded
+class AddInPlaceBags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from tests.test_sharding import DIM, ROWS
+
+        self.bags = nn.ModuleList([nn.EmbeddingBag(r, DIM) for r in ROWS[:2]])
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))  # (a parameter on every rank)
+
+    def forward(self, ids, offsets):
+        a = self.bags[0](ids[0], offsets[0])
+        a += self.bags[1](ids[1], offsets[1])
+        return a * self.scale
+
+
+def _sharded_add_in_place(rank, world, init_file):
+    import os
+
+    import torch.distributed as dist
+
+    from tests.test_sharding import LOCAL_B, global_batch, gloo_group, local_batch
+
+    def sparse(x):
+        return x[1][:2], x[2][:2]
+
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = AddInPlaceBags()
+        ref = copy.deepcopy(model)
+        plan = fxrec.plan(model, sparse(global_batch(LOCAL_B * world, 0)), world_size=world, memory_per_rank="1GB",
+                          pins={"bags.0": ("table_wise", 1), "bags.1": ("table_wise", 1)}, batch_size=LOCAL_B)  # (one rank: one split)
+        fast = fxrec.transform(model, sparse(local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)), plan=plan)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (fast, ref))
+        mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+        for step in range(3):
+            x = global_batch(LOCAL_B * world, step + 1)
+            want, got = ref(*sparse(x)), fast(*sparse(local_batch(x, rank, LOCAL_B)))
+            torch.testing.assert_close(got, want[mine], msg=f"step {step}")
+            ref_opt.zero_grad()
+            want.square().sum().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            got.square().sum().backward()
+            opt.step()
+        for name, p in fast.named_parameters():
+            torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_a_sharded_lookup_output_changed_in_place_trains_as_the_plain_model():
+    """The output dist's tensors may be written in place as the lookups' (world size 2, both
+    tables on one rank, three SGD steps)."""
+    from tests.test_sharding import spawn
+
+    spawn(_sharded_add_in_place, 2)
+
+
+def _sharded_ids_shifted_between(rank, world, init_file):
+    import os
+
+    import torch.distributed as dist
+
+    from tests.test_sharding import gloo_group
+
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = ShiftIdsBetween().eval()
+        ids, offsets = ids_offsets()
+        plan = fxrec.plan(model, (ids.clone(), offsets), world_size=world, memory_per_rank="1GB",
+                          pins={"e": ("table_wise", 0), "f": ("table_wise", 1)})
+        fast = fxrec.transform(model, (ids.clone(), offsets), plan=plan, mode="inference")
+        with torch.no_grad():
+            for seed in (1, 2):  # (every rank feeds the same batch: its rows are the model's)
+                ids, offsets = ids_offsets(seed)
+                assert torch.equal(fast(ids.clone(), offsets), model(ids.clone(), offsets)), seed
+        dist.barrier()
+    os._exit(0)
+
+
+def test_sharded_lookups_read_ids_as_they_were_before_a_later_in_place_write():
+    """The input dist is placed before the write that follows its lookups (it was placed before
+    their output's first user, after the write: the first table's rows were read at shifted ids)."""
+    from tests.test_sharding import spawn
+
+    spawn(_sharded_ids_shifted_between, 2)
