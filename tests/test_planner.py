@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from torch import nn
 from hypothesis import given, settings, strategies as st
 
 import fxrec
@@ -512,3 +513,43 @@ def test_the_planner_does_not_split_by_columns_a_table_whose_optimizer_reads_the
     if opt != "adagrad":
         with pytest.raises(ValueError, match=r"pin for 't': column_wise, and its optimizer"):
             fxrec.plan(tables=[spec], world_size=4, memory_per_rank="1GB", optimizer=opt, pins={"t": "column_wise"})
+
+
+class PaddedAndLastOffset(nn.Module):
+    """A table the sharded lookups take, and two they do not: a bag with a padding_idx and one
+    with include_last_offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(30, 8, mode="sum")
+        self.p = nn.EmbeddingBag(20, 8, mode="sum", padding_idx=3)
+        self.l = nn.EmbeddingBag(20, 8, mode="sum", include_last_offset=True)
+
+    def forward(self, ia, oa, ip, op, il, ol):
+        return torch.cat([self.a(ia, oa), self.p(ip, op), self.l(il, ol)], 1)
+
+
+def _padded_example():
+    return (torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 4]), torch.tensor([3, 1, 2, 5]), torch.tensor([0, 1, 3]),
+            torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 3, 4]))
+
+
+def test_tables_with_padding_idx_or_include_last_offset_are_planned_data_parallel():
+    """Sharded lookups refuse them (transform would raise): the planner keeps them whole on every
+    rank, however the others go, and says why; a pin that splits one is an error naming it."""
+    for world, memory in ((2, "1GB"), (4, "1GB")):
+        plan = fxrec.plan(PaddedAndLastOffset(), _padded_example(), world_size=world, memory_per_rank=memory)
+        assert plan.tables["p"].sharding == "data_parallel"
+        assert plan.tables["l"].sharding == "data_parallel"
+        assert plan.tables["p"].spec.data_parallel_only == "feature 'ip' uses padding_idx, which sharded lookups do not take yet"
+        assert plan.tables["l"].spec.data_parallel_only.startswith("feature 'il' uses include_last_offset")
+    assert fxrec.plan(PaddedAndLastOffset(), _padded_example(), world_size=2,
+                      memory_per_rank="1GB").tables["a"].sharding != "data_parallel"  # (it is free to go)
+    for sharding in ("table_wise", "row_wise", "column_wise"):
+        with pytest.raises(ValueError, match=rf"pin for 'p': feature 'ip' uses padding_idx, which sharded lookups do "
+                                             rf"not take yet: the table can only be data_parallel, not {sharding}"):
+            fxrec.plan(PaddedAndLastOffset(), _padded_example(), world_size=2, memory_per_rank="1GB",
+                       pins={"p": sharding})
+    with pytest.raises(ValueError, match=r"table 'p' can only be data_parallel \(feature 'ip' uses padding_idx"):
+        fxrec.plan(PaddedAndLastOffset(), _padded_example(), world_size=2, memory_per_rank="1GB",
+                   sharding_types=["table_wise", "row_wise"])

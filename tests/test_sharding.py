@@ -790,3 +790,23 @@ def test_a_sharded_training_step_waits_for_the_device_only_for_the_counts_its_al
     assert all(what == "Tensor.tolist" and where.startswith("fxrec/runtime/collectives.py")
                for what, where in events), events
     assert len(events) == 1, events
+
+
+def _plan_then_transform_padded(rank, world, init_file):
+    from tests.test_planner import PaddedAndLastOffset, _padded_example
+
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = PaddedAndLastOffset()
+        x = _padded_example()
+        plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB")
+        fast = fxrec.transform(model, x, plan=plan)  # (every rank feeds the same batch)
+        torch.testing.assert_close(fast(*x), model(*x))
+        dist.barrier()
+    os._exit(0)
+
+
+def test_a_plan_made_by_fxrec_plan_for_tables_with_padding_idx_or_include_last_offset_transforms():
+    """fxrec.plan keeps them data_parallel, which transform takes (it planned them column_wise,
+    and transform refused its own plan)."""
+    spawn(_plan_then_transform_padded, 2)

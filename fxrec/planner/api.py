@@ -243,7 +243,8 @@ def _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log
             total = float(factors[t.name])
         pooled = all(p for _, _, p in t.lookups)
         specs.append(TableSpec(name=t.name, num_rows=t.num_rows, dim=t.dim, pooling_factor=total,
-                               num_features=len(t.lookups), pooled=pooled, dtype=t.dtype, param=t.param))
+                               num_features=len(t.lookups), pooled=pooled, dtype=t.dtype, param=t.param,
+                               data_parallel_only=t.data_parallel_only))
     if unmeasured:
         notes.append(f"ids per sample of features {unmeasured} could not be read from the example inputs: 1.0 assumed")
     if found:

@@ -34,6 +34,7 @@ class FoundTable:
     dim: int
     dtype: str
     lookups: List[Tuple[str, Optional[float], bool]] = field(default_factory=list)
+    data_parallel_only: str = ""  # why sharded lookups cannot take it (see planner.specs.TableSpec)
 
 
 def _hint(size) -> Optional[int]:
@@ -122,6 +123,10 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
         if t is None:
             t = tables[rec.table] = FoundTable(rec.table, rec.param, rec.num_rows, rec.dim, rec.dtype)
         t.lookups.append((rec.feature, per_sample, rec.pooling != "none"))
+        if (rec.padding_idx is not None or rec.include_last_offset) and not t.data_parallel_only:
+            t.data_parallel_only = (f"feature '{rec.feature}' uses "
+                                    + ("padding_idx" if rec.padding_idx is not None else "include_last_offset")
+                                    + ", which sharded lookups do not take yet")
     notes = [f"table {name!r} is not planned (fxrec leaves it as it is: {why})"
              for name, why in skipped.items()]
     for name in skipped:  # a table with any lookup fxrec leaves alone stays a plain parameter

@@ -14,7 +14,9 @@
    pin of one is an error). Data-parallel is only
    considered for tables taking at most :data:`DP_MEMORY_FRACTION` of a rank's memory. Tables
    the model holds in fp16 are split only as :data:`~fxrec.planner.specs.HALF_SHARDINGS` says
-   (table-wise, column-wise, data-parallel: a bag summed whole on one rank).
+   (table-wise, data-parallel: a bag pooled whole on one rank), and tables with a lookup that
+   sharded lookups do not take (``padding_idx``, ``include_last_offset``:
+   ``TableSpec.data_parallel_only``) are data-parallel.
    Pinned tables keep their type (and ranks, when given).
 3. Placement. Row-wise, data-parallel and pinned-with-ranks shards go where they must. Then the
    movable units (a table-wise table, one column-wise shard, a table-row-wise table as a
@@ -228,6 +230,9 @@ def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[s
             raise ValueError(f"fxrec.plan: pin for {name!r}: table_wise takes one rank, got {list(ranks)}")
         if sharding in (ROW_WISE, DATA_PARALLEL) and ranks is not None and ranks != tuple(range(W)):
             raise ValueError(f"fxrec.plan: pin for {name!r}: {sharding} uses all ranks 0..{W - 1} in order, got {list(ranks)}")
+        if spec.data_parallel_only and sharding != DATA_PARALLEL:
+            raise ValueError(f"fxrec.plan: pin for {name!r}: {spec.data_parallel_only}: the table can only be "
+                             f"data_parallel, not {sharding}")
         if spec.dtype == "fp16" and sharding not in HALF_SHARDINGS:
             raise ValueError(f"fxrec.plan: pin for {name!r}: the table is fp16 in the model, which fxrec shards "
                              f"{' or '.join(HALF_SHARDINGS)} (whole on a rank), not {sharding}: {HALF_WHY}")
@@ -328,6 +333,11 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
         if p.sharding == TABLE_ROW_WISE:
             return [t.option(TABLE_ROW_WISE, 1, p.ranks)]
         return [t.option(p.sharding, 1, p.ranks if p.sharding == TABLE_WISE else None)]
+    if spec.data_parallel_only:
+        if DATA_PARALLEL not in allowed:
+            raise ValueError(f"fxrec.plan: table {spec.name!r} can only be data_parallel ({spec.data_parallel_only}), "
+                             f"which the allowed sharding types {list(allowed)} leave out")
+        return [t.option(DATA_PARALLEL)]
     if TABLE_WISE in allowed:
         tw = t.option(TABLE_WISE)
         if tw.max_bytes <= mem and tw.max_cost <= threshold:
@@ -383,7 +393,7 @@ def _choose(t: _Table, threshold: float, allowed: Sequence[str]) -> Option:
 
 def _demoted(t: _Table, current: Option, allowed: Sequence[str]) -> Optional[Option]:
     """A layout of ``t`` that spreads its memory more than ``current`` does, or None."""
-    if t.pin is not None:
+    if t.pin is not None or t.spec.data_parallel_only:
         return None
     topo = t.cm.topology
     order = [TABLE_WISE, ROW_WISE] if current.sharding == DATA_PARALLEL else [ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE]

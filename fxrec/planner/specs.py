@@ -127,6 +127,8 @@ class TableSpec:
     model (``"bags.0.weight"`` for table ``"bags.0"``), else None.
     ``weights``: ``"fp16"`` or ``"bf16"`` when ``transform(weights_precision=...)`` will store the
     table's shards at that precision (a data-parallel table stays as ``dtype`` says), else "".
+    ``data_parallel_only``: why the table can only be data-parallel (a lookup with ``padding_idx``
+    or ``include_last_offset``, which sharded lookups do not take), else "".
     """
 
     name: str
@@ -139,6 +141,7 @@ class TableSpec:
     optimizer: Optional[str] = None
     param: Optional[str] = None
     weights: str = ""
+    data_parallel_only: str = ""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
