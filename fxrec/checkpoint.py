@@ -484,6 +484,7 @@ def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimiz
     _check_collective("save", layout)
     if not (dist.is_available() and dist.is_initialized()):
         return save_model(fast, path, optimizer=optimizer)  # an unsharded model in a single process
+    _same_path("save", path, process_group)
     state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
     steps = _fused.steps(fast)
@@ -544,6 +545,7 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
     _check_collective("load", layout)
     if not (dist.is_available() and dist.is_initialized()):  # an unsharded model in a single process
         return load_into_model(fast, path, strict=strict, optimizer=optimizer)
+    _same_path("load", path, process_group)
     state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
     whole = {**_whole_state(fast, layout), **whole_states, **_fused.steps(fast)}
@@ -670,6 +672,20 @@ def _fits(module, optimizer, path, expected, tables, layout, strict):
 
         opt_load = checkpoint_optim.plan_load(module, optimizer, path, layout, strict, problems)
     return _check_fits(path, expected, tables, strict, problems), opt_load
+
+
+def _same_path(what: str, path: str, process_group) -> None:
+    """Every rank must give ``save`` / ``load`` the same path: rank 0 commits the directory that
+    DCP's metadata describes, and a rank writing elsewhere would leave a checkpoint that names
+    files it lacks (or read another one). A CheckpointError on every rank otherwise, before
+    anything is written or read, naming each rank's path."""
+    paths = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(paths, path, group=process_group)
+    if len(set(paths)) > 1:
+        given = ", ".join(f"rank {r} {p!r}" for r, p in enumerate(paths))
+        raise CheckpointError(f"fxrec.checkpoint.{what}: the ranks gave different paths ({given}); every rank must "
+                              "give the same directory (on storage all ranks share), e.g. one made on rank 0 and "
+                              "sent to the others with dist.broadcast_object_list")
 
 
 def _is_partial(shape, pieces) -> bool:

@@ -502,3 +502,21 @@ def _column_wise_fused_states(rank, world, root):
 
 def test_fused_states_of_a_column_wise_table_save_and_load(tmp_path):
     spawn(_column_wise_fused_states, 2, tmp_path)
+
+
+def _paths_differ(rank, world, root):
+    """Each rank names its own directory (a per-process timestamp in the path, say): save and load
+    raise on every rank naming both paths, and nothing is written."""
+    saving = Pieces(SAVED_PIECES[rank], (10 if rank == 0 else 6, 8))
+    for what, call in (("save", fxrec.checkpoint.save), ("load", fxrec.checkpoint.load)):
+        with pytest.raises(CheckpointError, match=rf"fxrec.checkpoint.{what}: the ranks gave different paths "
+                                                  rf"\(rank 0 '.*ckpt_rank0', rank 1 '.*ckpt_rank1'\)"):
+            call(saving, os.path.join(root, f"ckpt_rank{rank}"))
+    dist.barrier()
+    assert os.listdir(root) == [], os.listdir(root)
+
+
+def test_save_and_load_refuse_a_path_that_differs_between_ranks(tmp_path):
+    """(save returned on every rank and rank 0 committed a checkpoint naming rank 1's file, which
+    was left in another directory: it could not be loaded.)"""
+    spawn(_paths_differ, 2, tmp_path)
