@@ -47,3 +47,34 @@ def test_exported_weighted_padded_include_last_offset_bags():
         x = M.weighted_inputs(seed=seed)
         with torch.no_grad():
             torch.testing.assert_close(loaded(*x), model(*x), rtol=1e-5, atol=1e-5)
+
+
+class SummedRows(torch.nn.Module):
+    """[B, L] ids: rows of an nn.Embedding summed by hand, and an EmbeddingBag of 2-D ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(50, 8)
+        self.b = torch.nn.EmbeddingBag(40, 8, mode="sum")
+
+    def forward(self, seq_ids, bag_ids):
+        return torch.cat([self.e(seq_ids).sum(1), self.b(bag_ids)], 1)
+
+
+@pytest.mark.parametrize("quantize", ["int8", None])
+def test_an_exported_program_takes_b_by_0_ids_where_the_eager_model_does(quantize, tmp_path):
+    """Captured at L = 3, called at L = 0 (empty bags: rows of zeros). The quantized program died
+    in its own size guard with a bare ZeroDivisionError: the packing's arange stepped by L."""
+    torch.manual_seed(0)
+    model = SummedRows().eval()
+    example = (torch.randint(0, 50, (4, 3)), torch.randint(0, 40, (4, 2)))
+    fast = fxrec.transform(model, example, mode="inference", quantize=quantize)
+    fxrec.export.program(fast, example, tmp_path / "m.pt2")
+    loaded = torch.export.load(tmp_path / "m.pt2").module()
+    for ids in (torch.randint(0, 50, (4, 0)), torch.randint(0, 50, (5, 2))):
+        x = (ids, torch.randint(0, 40, (ids.shape[0], 2)))
+        with torch.no_grad():
+            want = fast(*x)
+            torch.testing.assert_close(loaded(*x), want)
+        if ids.shape[1] == 0:
+            assert not want[:, :8].any()  # empty bags sum to zeros, as the plain model's

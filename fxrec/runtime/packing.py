@@ -278,11 +278,13 @@ def padding_weights(indices: Tensor, offsets: Tensor, psw: Optional[Tensor], bou
 
 
 def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: torch.device) -> Tensor:
-    """``arange(0, b * length, length)`` (zeros for length 0), made once per length and call."""
+    """``[0, length, 2 * length, ...]`` (b of them; zeros for length 0), made once per length and
+    call. (A product, not ``arange``'s step: torch.export writes no size guard that divides by a
+    length that may be 0, nor a branch on it.)"""
     for k in range(len(lengths)):
         if lengths[k] == length and ranges[k].numel() == b:
             return ranges[k]
-    r = torch.arange(0, b * length, length, device=dev) if length > 0 else torch.zeros(b, dtype=torch.long, device=dev)
+    r = torch.arange(b, device=dev) * length
     ranges.append(r)
     lengths.append(length)
     return r
