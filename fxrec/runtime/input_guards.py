@@ -266,8 +266,10 @@ class InputGuards(torch.nn.Module):
                     continue
                 if isinstance(s, int):
                     if got != s:
+                        why = (" (capture fixes a size of 0 or 1 in the example, which code such as squeeze() may "
+                               "depend on: transform with an example of 2 or more there)" if s in (0, 1) else "")
                         problems.append(f"{self._name(k)} has size {got} in dim {d}; the model was captured with "
-                                        f"a fixed size {s} there")
+                                        f"a fixed size {s} there{why}")
                 elif s.isidentifier():
                     seen.setdefault(s, (got, k, d))
                     sharing.setdefault(s, []).append((got, k, d))
