@@ -36,7 +36,7 @@ import inspect
 import os
 import threading
 import traceback
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import sympy
 import torch
@@ -220,7 +220,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
         raise _capture_error(model, e) from e
     gm = _unlifted(ep)
     _install_input_guards(gm, ep)
-    _structured_forward(gm)
+    _structured_forward(gm, _defaults_left(model, args, kwargs))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
 
     def recapture() -> fx.GraphModule:  # every module in the other mode than its own
@@ -333,7 +333,32 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
     return notes
 
 
-def _structured_forward(gm: fx.GraphModule) -> None:
+_LITERALS = (type(None), bool, int, float, str)
+
+
+def _defaults_left(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Tuple[str, Any]]:
+    """The arguments of ``model.forward`` after every one the example gave, left at their
+    defaults, when those are plain values (None, a bool, int, float or str; not NaN): the
+    transformed model takes them too, at those values (``fast(ids, dense=None)`` as the model)."""
+    try:
+        sig = inspect.signature(model.forward)
+        given = set(sig.bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return []
+    params = list(sig.parameters.values())
+    last = max((i for i, p in enumerate(params) if p.name in given), default=-1)
+    out = []
+    for p in params[last + 1:]:
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.default is p.empty:
+            return []
+        v = p.default
+        if type(v) not in _LITERALS or (isinstance(v, float) and v != v):
+            return []
+        out.append((p.name, v))
+    return out
+
+
+def _structured_forward(gm: fx.GraphModule, defaults: Sequence[Tuple[str, Any]] = ()) -> None:
     """Give ``gm`` a ``forward`` that takes the model's own arguments and reads the tensors out of
     them by index (see :mod:`fxrec.codegen`), instead of export's per-call pytree flatten and
     structure check; list lengths are still checked, with a message that names the input. The caller
@@ -343,6 +368,7 @@ def _structured_forward(gm: fx.GraphModule) -> None:
         return  # namedtuples, OrderedDicts, ...: export's own pytree forward stays
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     none_leaves = [k for k, n in enumerate(placeholders) if "val" in n.meta and n.meta["val"] is None]
-    gm.graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.orig_args, none_leaves=none_leaves)
+    gm.graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.orig_args, none_leaves=none_leaves,
+                                          defaults=defaults)
     if hasattr(gm, "validate_inputs"):
         gm.validate_inputs = False  # the generated forward checks what it reads

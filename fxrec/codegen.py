@@ -272,10 +272,13 @@ class StructuredCodeGen(fx.graph.CodeGen):
     """Writes ``forward`` with the model's own arguments (typed for TorchScript when ``typed``)
     and returns the model's own output structure."""
 
-    def __init__(self, in_spec, out_spec, arg_names: List[str], typed: bool = False, none_leaves=()):
+    def __init__(self, in_spec, out_spec, arg_names: List[str], typed: bool = False, none_leaves=(), defaults=()):
         super().__init__()
         self.in_spec, self.out_spec, self.arg_names, self.typed = in_spec, out_spec, list(arg_names), typed
         self.none_leaves = set(none_leaves)  # input leaves that were None when the model was captured
+        # (name, value): the model's trailing arguments the example left at their defaults (None,
+        # bool, int, float, str), taken as the model takes them and held at those values
+        self.defaults = list(defaults)
 
     def _arg_specs(self):
         return arg_specs(self.in_spec, self.arg_names)
@@ -307,6 +310,13 @@ class StructuredCodeGen(fx.graph.CodeGen):
             self._length_checks(spec, name, lines)
         if len(paths) != len(leaves):
             raise InputError(f"fxrec: {len(paths)} input tensors in the call, {len(leaves)} in the graph")
+        for name, value in ([] if self.typed else getattr(self, "defaults", ())):  # (older pickles: none)
+            params.append(f"{name}={value!r}")
+            other = f"{name} is not None" if value is None else \
+                f"type({name}) is not {type(value).__name__} or {name} != {value!r}"
+            lines.append(f"if {other}: " + self._raise(
+                f"fxrec: input {name} was left at its default {value!r} when the model was captured and must stay "
+                "so (transform with it given, to pass it)", name))
         for k, (expr, _) in enumerate(paths):
             if k in self.none_leaves:
                 shown = expr.replace("'", "")

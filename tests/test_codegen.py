@@ -46,7 +46,7 @@ def test_structure_is_checked_naming_the_input():
     with pytest.raises(ValueError, match="input psw was None when the model was captured"):
         fast(feats, torch.rand(6))
     without = fxrec.transform(model, (feats,), backend="fbgemm")  # captured without the argument
-    with pytest.raises(TypeError, match="positional argument"):
+    with pytest.raises(ValueError, match="input psw was left at its default None when the model was captured"):
         without(feats, torch.rand(6))
     with pytest.raises(ValueError, match="input feats must have 2 elements"):
         fast({**feats, "extra": torch.zeros(1)}, None)
@@ -309,3 +309,35 @@ def test_buffers_are_read_through_the_dicts_too():
     m = nn.Sequential(nn.BatchNorm1d(3))
     assert fxrec_attr(m, ("0",), "running_mean") is m[0].running_mean
     assert fxrec_attr(m, ("0",), "training") is True  # not a tensor: getattr's answer
+
+
+class OptionalInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.EmbeddingBag(20, 4, mode="sum")
+
+    def forward(self, ids, dense=None, scale: float = 1.0, tag: str = "x"):
+        out = self.e(ids) * scale
+        return out if dense is None else out + dense
+
+
+def test_arguments_the_example_left_at_their_defaults_are_taken_as_the_model_takes_them():
+    """Given or not, by position or by name, at their defaults: the model's answer. Another value
+    is an error naming the argument (the captured graph did not read it); an argument the example
+    gave stays required, as it is a tensor the graph reads."""
+    model = OptionalInputs()
+    ids = torch.randint(0, 20, (3, 2))
+    fast = fxrec.transform(model, (ids,))
+    want = model(ids)
+    for call in (lambda f: f(ids), lambda f: f(ids, None), lambda f: f(ids, dense=None), lambda f: f(ids, None, 1.0),
+                 lambda f: f(ids, scale=1.0, tag="x")):
+        torch.testing.assert_close(call(fast), want)
+    for bad, name in (((ids, torch.ones(3, 4)), "dense"), ((ids, None, 2.0), "scale"), ((ids, None, 1), "scale"),
+                      ((ids, None, 1.0, "y"), "tag")):
+        with pytest.raises(ValueError, match=rf"input {name} was left at its default .* when the model was captured "
+                                             r"and must stay so \(transform with it given, to pass it\)"):
+            fast(*bad)
+    given = fxrec.transform(model, (ids, torch.ones(3, 4)))
+    torch.testing.assert_close(given(ids, torch.ones(3, 4)), model(ids, torch.ones(3, 4)))
+    with pytest.raises(TypeError, match="dense"):
+        given(ids)
