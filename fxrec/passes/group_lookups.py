@@ -31,6 +31,9 @@ or the order of side effects below).
 
 Side effects keep their order (:class:`fxrec.dataflow.SideEffects`: impure nodes keep their
 relative order, and the readers of an argument an op writes in place stay on their side of it).
+A group's call takes its members' side: an in-place write ordered before a member (to its ids)
+comes before the call, one ordered after a member comes after it (the virtual node carries
+those edges too, :func:`_place`).
 
 Within a group, the lookups of one table are next to each other (:func:`_tables_adjacent`):
 fbgemm's kernels need every table's features adjacent in ``feature_table_map`` (its CPU backward
