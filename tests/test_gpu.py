@@ -736,3 +736,23 @@ def test_quantized_bags_with_padding_ids_serve_without_waiting_for_the_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, **FP16_ROUNDING)
+
+
+def test_the_models_own_code_on_lookup_outputs_runs_on_cuda():
+    """tests/test_aliasing.py on CUDA, where the rule puts every group on fbgemm's TBE by default:
+    a padded table's unpooled rows flattened with view(), a pooled output changed in place, and a
+    concatenation of lookups clamped in place while the lookups are used again."""
+    from tests.test_aliasing import ClampedConcat, FieldsFlattened, AddInPlace, ids_offsets
+
+    torch.manual_seed(0)
+    fields = FieldsFlattened(5).cuda()
+    x = torch.randint(0, 50, (6, 3), device="cuda")
+    fast = fxrec.transform(copy.deepcopy(fields), (torch.randint(0, 50, (4, 3), device="cuda"),))
+    assert [g.kernel_train for g in groups(fast)] == ["fbgemm"]
+    torch.testing.assert_close(fast(x), fields(x), rtol=1e-5, atol=1e-5)
+    for make in (AddInPlace, ClampedConcat):
+        model = make().cuda()
+        fast = fxrec.transform(copy.deepcopy(model), cuda(ids_offsets(0)))
+        for seed in (1, 2):
+            want, got = model(*cuda(ids_offsets(seed))), fast(*cuda(ids_offsets(seed)))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
