@@ -190,3 +190,43 @@ def _train_sequence(rank, world, init_file, steps):
 
 def test_unpooled_lookups_of_fp16_tables_sharded_table_wise_train_as_the_plain_model_bit_for_bit():
     spawn(_train_sequence, 2, 3)
+
+
+def _quantized_with_a_data_parallel_table(rank, world, init_file, result_file):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = HalfModel().eval()
+        plan = fxrec.plan(model, sparse_part(global_batch(LOCAL_B * world, 0)), world_size=world,
+                          memory_per_rank="1GB", pins=PINS, batch_size=LOCAL_B)
+        example = sparse_part(local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B))
+        try:
+            fxrec.transform(model, example, mode="inference", quantize="int8", plan=plan)
+            msg = "no error"
+        except ValueError as e:
+            msg = str(e)
+        # the data-parallel table left as the model holds it (not named: it stays fp16), the others int8
+        named = {"bags.0": "int8", "bags.1": "int8", "single": "int8"}
+        fast = fxrec.transform(model, example, mode="inference", quantize=named, plan=plan)
+        single = fxrec.transform(copy.deepcopy(model), sparse_part(global_batch(LOCAL_B * world, 0)), mode="inference",
+                                 quantize=named)
+        x = global_batch(LOCAL_B * world, 5)
+        with torch.no_grad():
+            got = fast(*sparse_part(local_batch(x, rank, LOCAL_B)))
+            want = single(*sparse_part(x))[rank * LOCAL_B:(rank + 1) * LOCAL_B]
+        assert got.dtype == HALF and torch.equal(got, want), (got.float() - want.float()).abs().max()
+        if rank == 0:
+            with open(result_file, "w") as fh:
+                fh.write(msg)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_quantized_serving_of_fp16_tables_with_a_data_parallel_one(tmp_path):
+    """int8 asked of the data-parallel fp16 table is refused naming it and the layout that serves
+    it (table_wise: not row_wise, which fp16 tables do not take); left unnamed it stays fp16 (it
+    was refused too, for the 'fp16' its dtype keeps), and the rows equal one process's."""
+    result = tmp_path / "msg"
+    spawn(_quantized_with_a_data_parallel_table, 2, str(result))
+    msg = result.read_text()
+    assert "table 'bags.2' is planned data_parallel, whose lookups stay the model's own (float16), and quantize= " \
+           "asks for int8: plan it table_wise, or leave it as it is" in msg, msg

@@ -131,10 +131,11 @@ def _check_quantized(gr: meta.GroupRecord, kinds: dict) -> None:
             raise InputError(f"fxrec: table '{r.table}' is planned column_wise and quantized {dt}, whose per-row "
                              "scale and bias need the whole row: plan it table_wise or row_wise, or quantize it "
                              "fp16 / fp32")
-        if dt not in (None, "fp32") and kinds[id(r)] == "data_parallel":
-            raise InputError(f"fxrec: table '{r.table}' is planned data_parallel, whose lookups stay the model's fp32 "
-                             f"ones, and quantize= asks for {dt}: plan it table_wise or row_wise, or give it fp32 "
-                             "(quantize={..., '" + r.table + "': 'fp32'})")
+        if dt not in (None, "fp32", "fp16" if r.half else None) and kinds[id(r)] == "data_parallel":
+            where = "table_wise" if r.half else "table_wise or row_wise"
+            raise InputError(f"fxrec: table '{r.table}' is planned data_parallel, whose lookups stay the model's own "
+                             f"({r.dtype.replace('torch.', '')}), and quantize= asks for {dt}: plan it {where}, or "
+                             "leave it as it is (quantize={..., '" + r.table + "': 'fp32'})")
 
 
 def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: bool, fused=None,
