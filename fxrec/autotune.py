@@ -80,6 +80,8 @@ class Autotuner:
                 self.cache = json.load(fh)
         except (OSError, ValueError):
             self.cache = {}
+        if not isinstance(self.cache, dict):  # (valid JSON of another shape: written by something else)
+            self.cache = {}
 
     def _inputs(self, gr: meta.GroupRecord):
         if self._values is None:
@@ -108,21 +110,23 @@ class Autotuner:
             return decision  # not reached by the example inputs: the rule stands
         device = decision.device
         key = self._key(gr, value, device)
-        hit = self.cache.get(key)
-        if hit is not None and all(kernels.get(k).available(device) is None for k in (hit["train"], hit["eval"])):
-            return replace_kernels(gr, decision, hit["train"], hit["eval"], "autotune (cached)",
-                                   hit["why"] + f" (cached in {self.path})", hit["timings_ms"])
         spec = group_spec(gr)
         training = self.ctx.config.mode == "training"
         kind = gr.fused.kind if gr.fused is not None else None
+        decay = gr.fused.weight_decay_mode if gr.fused is not None else ""
         eval_names = _supporting(spec, device, "inference", None)
+        train_names = _supporting(spec, device, "training", kind, decay) if training else eval_names
+        hit = self.cache.get(key)
+        if _well_formed(hit) and hit["eval"] in eval_names and hit["train"] in train_names:
+            return replace_kernels(gr, decision, hit["train"], hit["eval"], "autotune (cached)",
+                                   hit["why"] + f" (cached in {self.path})", hit["timings_ms"])
+        # (an entry of another shape, or naming a kernel that does not take this group here: measured again)
         t_eval = self._time(gr, value, eval_names, train=False)
         best_eval = _fastest(t_eval, decision.kernel_eval)
         timings = {f"fwd_{k}": v for k, v in t_eval.items()}
         best_train, why = best_eval, "measured forward " + _text(t_eval)
         if training:
-            decay = gr.fused.weight_decay_mode if gr.fused is not None else ""
-            t_train = self._time(gr, value, _supporting(spec, device, "training", kind, decay), train=True)
+            t_train = self._time(gr, value, train_names, train=True)
             best_train = _fastest(t_train, decision.kernel_train)
             timings.update({f"train_{k}": v for k, v in t_train.items()})
             why += "; forward+backward " + _text(t_train)
@@ -173,6 +177,14 @@ def _timed(run, device: torch.device) -> float:
     t = time.perf_counter()
     run()
     return (time.perf_counter() - t) * 1e3
+
+
+def _well_formed(hit) -> bool:
+    """Whether a cache entry has the shape :meth:`Autotuner.tune` writes (the file is the user's:
+    anything may be in it; an entry is used only where its kernels also take the group)."""
+    return (isinstance(hit, dict) and isinstance(hit.get("train"), str) and isinstance(hit.get("eval"), str)
+            and isinstance(hit.get("why"), str) and isinstance(hit.get("timings_ms"), dict)
+            and all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in hit["timings_ms"].items()))
 
 
 def _supporting(spec, device: str, mode: str, optimizer: Optional[str], decay: str = "") -> List[str]:

@@ -132,6 +132,59 @@ def test_autotune_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
         torch.testing.assert_close(second(*inputs), model(*inputs))
 
 
+class Dim3(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.EmbeddingBag(20, 3, mode="sum")
+
+    def forward(self, ids, offsets):
+        return self.e(ids, offsets)
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '{"x": 1}', "7"])
+def test_an_autotune_cache_of_another_shape_is_measured_over(content, tmp_path, monkeypatch):
+    """The cache file is the user's: valid JSON of another shape crashed transform (AttributeError)."""
+    monkeypatch.setenv("FXREC_CACHE", str(tmp_path))
+    (tmp_path / "autotune.json").write_text(content)
+    ids, offsets = torch.randint(0, 20, (16,)), torch.arange(0, 16, 2)
+    fast = fxrec.transform(Dim3(), (ids, offsets), autotune=True, timing_rounds=1)
+    assert fast.report.groups[0].decided_by == "autotune (measured)"
+
+
+@pytest.mark.parametrize("spoil", [lambda e: {**e, "train": "fbgemm"}, lambda e: {**e, "train": "nonesuch"},
+                                   lambda e: "native", lambda e: {}, lambda e: {k: v for k, v in e.items() if k != "why"},
+                                   lambda e: {**e, "timings_ms": [1]}],
+                         ids=["unsupported_kernel", "unknown_kernel", "a_string", "empty", "no_why", "bad_timings"])
+def test_a_cached_entry_is_used_only_where_its_kernels_take_the_group(spoil, tmp_path, monkeypatch):
+    """An entry naming fbgemm for row-wise Adagrad on a dim-3 table (fbgemm would average over the
+    padded row: 0.125 off after one step, silently) or malformed: measured again, and the
+    training equals the independent row-wise Adagrad."""
+    import copy
+    import json
+
+    from fxrec.optim import RowWiseAdagradTorch
+
+    monkeypatch.setenv("FXREC_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model = Dim3()
+    ids, offsets = torch.randint(0, 20, (16,)), torch.arange(0, 16, 2)
+    opt = fxrec.optim.RowWiseAdagrad(lr=0.5)
+    fxrec.transform(model, (ids, offsets), optimizer=opt, autotune=True, timing_rounds=1)
+    path = tmp_path / "autotune.json"
+    cache = json.loads(path.read_text())
+    path.write_text(json.dumps({k: spoil(v) for k, v in cache.items()}))
+    fast = fxrec.transform(model, (ids, offsets), optimizer=opt, autotune=True, timing_rounds=1)
+    group = fast.report.groups[0]
+    assert group.decided_by == "autotune (measured)" and group.kernel_train != "fbgemm", group
+    ref = copy.deepcopy(model)
+    ref_opt = RowWiseAdagradTorch(ref.parameters(), lr=0.5)
+    cot = torch.randn(8, 3)
+    ref(ids, offsets).backward(cot)
+    ref_opt.step()
+    fast(ids, offsets).backward(cot)
+    torch.testing.assert_close(fast.get_parameter("e.weight"), ref.e.weight)
+
+
 def test_autotune_keeps_the_rule_choice_within_the_noise():
     from fxrec.autotune import _fastest
 
