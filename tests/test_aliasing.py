@@ -272,3 +272,74 @@ def test_sharded_lookups_read_ids_as_they_were_before_a_later_in_place_write():
     from tests.test_sharding import spawn
 
     spawn(_sharded_ids_shifted_between, 2)
+
+
+class SameLookupTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        a = self.e(ids, offsets)
+        b = self.e(ids, offsets)  # the same lookup: merged, unless one is written
+        a += 1
+        return a, b
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lookup_repeated_and_one_copy_written_in_place_stays_two_tensors(backend):
+    """(merge_lookups made them one output, and the write reached the other: b came back 1.0 off.)"""
+    torch.manual_seed(0)
+    check(SameLookupTwice(), ids_offsets(), backend)
+    with torch.no_grad():
+        check(SameLookupTwice(), ids_offsets(), backend)
+
+
+class ScaledRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Embedding(40, 8)
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 8))  # (a parameter on every rank)
+
+    def forward(self, seq):
+        e = self.s(seq)
+        e.mul_(2)
+        return e * self.w
+
+
+def _sharded_rows_scaled_in_place(rank, world, init_file):
+    import os
+
+    import torch.distributed as dist
+
+    from tests.test_sharding import gloo_group
+
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = ScaledRows()
+        ref = copy.deepcopy(model)
+        seq = torch.randint(0, 40, (4, 3), generator=torch.Generator().manual_seed(1))
+        plan = fxrec.plan(model, (seq,), world_size=world, memory_per_rank="1GB", pins={"s": ("table_wise", 1)})
+        fast = fxrec.transform(model, (seq,), plan=plan)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (fast, ref))
+        for step in range(3):  # (every rank feeds the same batch: the plain model's rows, and twice its gradient)
+            x = torch.randint(0, 40, (4, 3), generator=torch.Generator().manual_seed(step + 2))
+            want, got = ref(x), fast(x)
+            torch.testing.assert_close(got, want, msg=f"step {step}")
+            ref_opt.zero_grad()
+            (want.square().sum() * world).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            got.square().sum().backward()
+            opt.step()
+        for name, p in fast.named_parameters():
+            torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_sharded_unpooled_rows_changed_in_place_train_as_the_plain_model():
+    """(The output dist's rows were views: autograd refused the in-place write.)"""
+    from tests.test_sharding import spawn
+
+    spawn(_sharded_rows_scaled_in_place, 2)

@@ -6,7 +6,9 @@ use the result. Two lookups of one table with the same ids (the same node, or eq
 of them: ``x[:, 0].long()`` written twice), the same offsets and per-sample weights, and the same
 form, pooling, padding_idx and include_last_offset are one lookup: the users of the second read
 the first's output, and the second's nodes are erased. A lookup whose result nothing uses is
-erased (with the id computations only it used).
+erased (with the id computations only it used). A lookup whose output the model writes in place
+(``a += 1``) is not merged: the other lookup's output is another tensor, which the write must not
+reach.
 
 Numbers do not change: the one lookup's output has the users of both, so autograd sums both
 uses into the table's gradient, as it did for the two lookups.
@@ -116,7 +118,8 @@ def merge_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     if len(live) > 1:
         nodes = [n for n in graph.nodes]
-        canon = _canonical(nodes, SideEffects(nodes))
+        effects = SideEffects(nodes)
+        canon = _canonical(nodes, effects)
 
         def c(x) -> Optional[fx.Node]:
             return canon.get(x, x) if isinstance(x, fx.Node) else x
@@ -124,6 +127,8 @@ def merge_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         first: Dict[tuple, meta.LookupRecord] = {}
         # the lookup whose output comes first stays: the others' users all come after it
         for rec in sorted(live, key=lambda r: pos[r.output]):
+            if rec.output in effects.written:
+                continue  # the model writes this output in place: the other lookup's is another tensor
             key = (rec.param, c(rec.ids), c(rec.offsets), c(rec.per_sample_weights), rec.form, rec.pooling,
                    rec.padding_idx, rec.include_last_offset, rec.sparse)
             keep = first.setdefault(key, rec)

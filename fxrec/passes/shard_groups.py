@@ -423,7 +423,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                                       "sequence" if gr.pooling == "none" else "pooled")
                 # one output per lookup (not column slices of one tensor: the backward of k slices
                 # of a [B, k * D] tensor makes k zero tensors of its whole size)
-                hand_outputs(graph, out, recs, pooled=False)
+                hand_outputs(graph, out, recs, pooled=False, written=effects.written)
             if gr.quant and _out_dtype(ctx, gr) == torch.float16:
                 drop_dtype_asserts_after(out)
             for r in recs:
