@@ -343,3 +343,41 @@ def test_sharded_unpooled_rows_changed_in_place_train_as_the_plain_model():
     from tests.test_sharding import spawn
 
     spawn(_sharded_rows_scaled_in_place, 2)
+
+
+class ReluAfterConcat(nn.Module):
+    """DLRM-like: the lookups concatenated, then nn.ReLU(inplace=True): nothing else reads them."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(30, 4) for _ in range(3)])
+        self.mlp = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(12, 2))
+
+    def forward(self, ids, offsets):
+        return self.mlp(torch.cat([b(ids, offsets) for b in self.bags], 1))
+
+
+class TwoConcatsOneWritten(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user, self.item = nn.EmbeddingBag(30, 4), nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        a, b = self.user(ids, offsets), self.item(ids, offsets)
+        kept = torch.cat([a, b], 1)
+        written = torch.cat([a, b], 1)
+        written.clamp_(min=0)
+        return kept, written
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_concatenation_written_in_place_that_nothing_else_reads_is_the_groups_output(backend):
+    """The write reaches nothing the model reads: no copy (the group's output is written), and the
+    plain model's numbers; with two concatenations of the same lookups, the written one is a copy."""
+    torch.manual_seed(0)
+    fast = fxrec.transform(ReluAfterConcat(), ids_offsets(), **_kw(backend))
+    assert "split_with_sizes" not in fast.code and "aten.cat" not in fast.code, fast.code
+    check(ReluAfterConcat(), ids_offsets(), backend)
+    check(TwoConcatsOneWritten(), ids_offsets(), backend)
+    with torch.no_grad():
+        check(TwoConcatsOneWritten().eval(), ids_offsets(), backend, mode="inference")

@@ -19,9 +19,10 @@ or one slice when it covers part of them. Parts (and splits) left without users 
 when a run covers a whole group whose tables all have dim D: the group output is reshaped to
 [B, k, D] and concatenated with the other tensors unsqueezed.
 
-A concatenation the model writes in place (``torch.cat([a, b], 1).clamp_(min=0)``) is not
-replaced by the group's output itself: the write would reach the lookups' outputs, which are
-other tensors than their concatenation (a lookup output the model writes is a copy, and never
+A concatenation the model writes in place (``torch.cat([a, b], 1).clamp_(min=0)``, an
+``nn.ReLU(inplace=True)`` after it) becomes the group's output itself only where nothing else
+reads that output or the lookups' parts of it: the write would reach them, and in the model they
+are other tensors than their concatenation (a lookup output the model writes is a copy, and never
 folded: lower_groups).
 
 Not handled: concatenations along another dim, slices out of column order, partial runs in a
@@ -79,17 +80,20 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         out: List = []
         changed = False
+        parts: List[fx.Node] = []  # the group's parts this cat's folding takes
         for group, start, end, nodes in _runs(gm, list(cat.args[0])):
             if group is None or (len(nodes) == 1 and end - start < _width(gm, group)):
                 out.extend(nodes)
             elif end - start == _width(gm, group):  # all of the group's columns: its output
                 out.append(group)
+                parts += nodes
                 changed = True
             else:  # several adjacent slices of the group: one wider slice
                 with graph.inserting_before(cat):
                     out.append(graph.call_function(aten.slice.Tensor, (group, 1, start, end)))
+                parts += nodes
                 changed = True
-        if not changed or (len(out) == 1 and cat in written):
+        if not changed or (len(out) == 1 and cat in written and _read_elsewhere(cat, parts)):
             continue
         folded += 1
         if len(out) == 1:
@@ -109,6 +113,15 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if not split.users:  # every column went to a folded cat
                 graph.erase_node(split)
     return PassResult(gm, folded > 0 or removed > 0, {"cats_folded": folded, "slices_removed": removed})
+
+
+def _read_elsewhere(cat: fx.Node, parts: List[fx.Node]) -> bool:
+    """Whether anything but ``cat`` reads the group output that would replace it: one of its parts,
+    or the output itself (another concatenation folded into it before)."""
+    if any(u is not cat for p in parts for u in p.users):
+        return True
+    splits = {p.args[0] for p in parts}
+    return any(u not in splits for s in splits for u in s.args[0].users)
 
 
 def _fold_stack(gm: fx.GraphModule, stack: fx.Node, written) -> int:
