@@ -65,6 +65,7 @@ import json
 import os
 import pickle
 import shutil
+import uuid
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -484,7 +485,6 @@ def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimiz
     _check_collective("save", layout)
     if not (dist.is_available() and dist.is_initialized()):
         return save_model(fast, path, optimizer=optimizer)  # an unsharded model in a single process
-    _same_path("save", path, process_group)
     state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
     steps = _fused.steps(fast)
@@ -499,9 +499,7 @@ def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimiz
         whole.update(saved.whole)
     rank = dist.get_rank(process_group)
     tmp = str(path) + _PARTIAL
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that did not finish
-    dist.barrier(group=process_group)
+    _one_directory(tmp, path, rank, process_group)
     _dcp().save(whole, checkpoint_id=tmp, planner=_planners()[0](pieces), process_group=process_group)
     error = [None]
     if rank == 0:  # DCP's save returns on every rank after rank 0 wrote the metadata
@@ -545,12 +543,12 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
     _check_collective("load", layout)
     if not (dist.is_available() and dist.is_initialized()):  # an unsharded model in a single process
         return load_into_model(fast, path, strict=strict, optimizer=optimizer)
-    _same_path("load", path, process_group)
     state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
     pieces = {**_pieces_of(fast, layout), **_pieces_of(fast, state_layout, sharded_states)}
     whole = {**_whole_state(fast, layout), **whole_states, **_fused.steps(fast)}
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     _agree(lambda: verify(path, part=(rank, world)), process_group)  # each rank hashes its share
+    _same_checkpoint(path, process_group)
     def fits():
         return _fits(fast, optimizer, path, _expected(whole, {**layout, **state_layout}), _table_names(fast, layout),
                      layout, strict)
@@ -674,18 +672,62 @@ def _fits(module, optimizer, path, expected, tables, layout, strict):
     return _check_fits(path, expected, tables, strict, problems), opt_load
 
 
-def _same_path(what: str, path: str, process_group) -> None:
-    """Every rank must give ``save`` / ``load`` the same path: rank 0 commits the directory that
-    DCP's metadata describes, and a rank writing elsewhere would leave a checkpoint that names
-    files it lacks (or read another one). A CheckpointError on every rank otherwise, before
-    anything is written or read, naming each rank's path."""
-    paths = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(paths, path, group=process_group)
-    if len(set(paths)) > 1:
-        given = ", ".join(f"rank {r} {p!r}" for r, p in enumerate(paths))
-        raise CheckpointError(f"fxrec.checkpoint.{what}: the ranks gave different paths ({given}); every rank must "
-                              "give the same directory (on storage all ranks share), e.g. one made on rank 0 and "
-                              "sent to the others with dist.broadcast_object_list")
+_MARK = ".fxrec-rank0"
+
+
+def _one_directory(tmp: str, path: str, rank: int, process_group) -> None:
+    """Rank 0 makes the save's directory afresh (a save that did not finish may have left one) and
+    marks it; every rank must see that mark at its own ``path``: the same directory, on storage
+    they share (under whatever mount point). Else CheckpointError on every rank before anything is
+    written: rank 0 would commit a checkpoint naming files another rank wrote elsewhere."""
+    token = [None]
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        token[0] = uuid.uuid4().hex
+        with open(os.path.join(tmp, _MARK), "w") as fh:
+            fh.write(token[0])
+    dist.broadcast_object_list(token, src=dist.get_global_rank(process_group, 0) if process_group else 0,
+                               group=process_group)
+
+    def sees_it():
+        try:
+            with open(os.path.join(tmp, _MARK)) as fh:
+                ok = fh.read() == token[0]
+        except OSError:
+            ok = False
+        if not ok:
+            raise CheckpointError(f"fxrec.checkpoint.save: rank {rank} does not see rank 0's checkpoint directory at "
+                                  f"{path!s}: every rank must give the same directory, on storage all ranks share "
+                                  "(e.g. a path made on rank 0 and sent to the others with dist.broadcast_object_list)")
+
+    try:
+        _agree(sees_it, process_group, other="another rank does not see rank 0's checkpoint directory at its path "
+                                             "(its error names it); nothing was written")
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        os.remove(os.path.join(tmp, _MARK))
+    dist.barrier(group=process_group)
+
+
+def _same_checkpoint(path: str, process_group) -> None:
+    """Every rank of a load must read one checkpoint (copies of it at other paths are fine): the
+    digests of their checksum lists must agree, else CheckpointError on every rank naming each
+    rank's path, before anything is read."""
+    try:
+        with open(os.path.join(path, CHECKSUMS), "rb") as fh:
+            digest = hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        digest = None  # (an older fxrec's or DCP's own checkpoint: nothing to compare)
+    seen = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(seen, (digest, path), group=process_group)
+    if len({d for d, _ in seen}) > 1:
+        given = ", ".join(f"rank {r} {p!r}" for r, (_, p) in enumerate(seen))
+        raise CheckpointError(f"fxrec.checkpoint.load: the ranks read different checkpoints ({given}); every rank "
+                              "must load the same one")
 
 
 def _is_partial(shape, pieces) -> bool:

@@ -5,6 +5,7 @@ Each rank of the saving run also dumps its local parameters and shard layout wit
 global tables assembled from those dumps are what every load must reproduce bit for bit."""
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -505,18 +506,36 @@ def test_fused_states_of_a_column_wise_table_save_and_load(tmp_path):
 
 
 def _paths_differ(rank, world, root):
-    """Each rank names its own directory (a per-process timestamp in the path, say): save and load
-    raise on every rank naming both paths, and nothing is written."""
+    """Each rank names its own directory (a per-process timestamp in the path, say): save raises on
+    every rank before anything is written (rank 1 does not see rank 0's directory), and a load of
+    two different checkpoints too; copies of one checkpoint at two paths load (a mount point may
+    differ between hosts)."""
     saving = Pieces(SAVED_PIECES[rank], (10 if rank == 0 else 6, 8))
-    for what, call in (("save", fxrec.checkpoint.save), ("load", fxrec.checkpoint.load)):
-        with pytest.raises(CheckpointError, match=rf"fxrec.checkpoint.{what}: the ranks gave different paths "
-                                                  rf"\(rank 0 '.*ckpt_rank0', rank 1 '.*ckpt_rank1'\)"):
-            call(saving, os.path.join(root, f"ckpt_rank{rank}"))
+    with torch.no_grad():
+        saving.dense.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))  # (whole on every rank: the same)
+    mine = os.path.join(root, f"ckpt_rank{rank}")
+    want = (r"fxrec.checkpoint.save: rank 1 does not see rank 0's checkpoint directory at .*ckpt_rank1" if rank == 1
+            else r"another rank does not see rank 0's checkpoint directory")
+    with pytest.raises(CheckpointError, match=want):
+        fxrec.checkpoint.save(saving, mine)
     dist.barrier()
     assert os.listdir(root) == [], os.listdir(root)
+    for name in ("a", "b"):  # two checkpoints of different models
+        with torch.no_grad():
+            saving.dense.weight.add_(1.0)
+        fxrec.checkpoint.save(saving, os.path.join(root, name))
+    with pytest.raises(CheckpointError, match=r"fxrec.checkpoint.load: the ranks read different checkpoints "
+                                              r"\(rank 0 '.*a', rank 1 '.*b'\)"):
+        fxrec.checkpoint.load(saving, os.path.join(root, "a" if rank == 0 else "b"))
+    if rank == 1:
+        shutil.copytree(os.path.join(root, "a"), os.path.join(root, "a_copy"))
+    dist.barrier()
+    loading = Pieces(SAVED_PIECES[rank], (10 if rank == 0 else 6, 8))
+    fxrec.checkpoint.load(loading, os.path.join(root, "a" if rank == 0 else "a_copy"))
+    assert torch.equal(loading.dense.weight.detach(), saving.dense.weight.detach() - 1.0)
 
 
-def test_save_and_load_refuse_a_path_that_differs_between_ranks(tmp_path):
+def test_save_and_load_refuse_ranks_that_do_not_name_one_checkpoint(tmp_path):
     """(save returned on every rank and rank 0 committed a checkpoint naming rank 1's file, which
     was left in another directory: it could not be loaded.)"""
     spawn(_paths_differ, 2, tmp_path)
