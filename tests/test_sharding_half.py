@@ -230,3 +230,63 @@ def test_quantized_serving_of_fp16_tables_with_a_data_parallel_one(tmp_path):
     msg = result.read_text()
     assert "table 'bags.2' is planned data_parallel, whose lookups stay the model's own (float16), and quantize= " \
            "asks for int8: plan it table_wise, or leave it as it is" in msg, msg
+
+
+class WeightedHalf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.EmbeddingBag(30, DIM, mode="sum", dtype=HALF)
+        self.u = nn.EmbeddingBag(20, DIM, mode="sum", dtype=HALF)
+
+    def forward(self, ids, offsets, psw):
+        return torch.cat([self.w(ids, offsets, per_sample_weights=psw), self.u(ids % 20, offsets)], 1)
+
+
+def _weighted_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30, (8,), generator=g), torch.tensor([0, 2, 5, 6]), torch.rand(8, generator=g).half()
+
+
+def _train_weighted(rank, world, init_file, result_file):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = WeightedHalf()
+        ref = copy.deepcopy(model)
+        plan = fxrec.plan(model, _weighted_batch(0), world_size=world, memory_per_rank="1GB",
+                          pins={"w": ("table_wise", 0), "u": ("table_wise", 1)})
+        fast = fxrec.transform(model, _weighted_batch(0), plan=plan)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (fast, ref))
+        for step in range(3):  # each rank its own batch; the plain model the two, rank 0's first
+            xs = [_weighted_batch(10 * step + r + 1) for r in range(world)]
+            whole = (torch.cat([x[0] for x in xs]), torch.cat([x[1] + 8 * r for r, x in enumerate(xs)]),
+                     torch.cat([x[2] for x in xs]))
+            want, got = ref(*whole), fast(*xs[rank])
+            assert got.dtype == HALF and torch.equal(got, want[4 * rank:4 * (rank + 1)]), f"step {step}"
+            ref_opt.zero_grad()
+            want.float().square().sum().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            got.float().square().sum().backward()
+            opt.step()
+        for name, p in fast.named_parameters():
+            assert torch.equal(p.detach(), ref.get_parameter(name).detach()), name
+        ids, offsets, psw = _weighted_batch(9)
+        try:  # fp32 weights on rank 1 alone: both ranks stop, rank 1 naming the feature
+            fast(ids, offsets, psw.float() if rank == 1 else psw)
+            msg = "no error"
+        except (TypeError, ValueError) as e:
+            msg = str(e)
+        with open(f"{result_file}.{rank}", "w") as fh:
+            fh.write(msg)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_weighted_bags_of_fp16_tables_sharded_take_fp16_weights_and_train_bit_for_bit(tmp_path):
+    """(The input dist wanted float32 weights, which the plain fp16 model refuses.) A rank given
+    fp32 weights names the feature, and the other rank stops with it."""
+    spawn(_train_weighted, 2, str(tmp_path / "msg"))
+    mine = (tmp_path / "msg.1").read_text()
+    assert "feature 'ids' got per-sample weights of dtype torch.float32; they must be torch.float16" in mine, mine
+    other = (tmp_path / "msg.0").read_text()
+    assert "rank(s) [1] were fed input they reject" in other, other

@@ -366,7 +366,7 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
                          "fp32" if sent == torch.float32 else "") if held else None
     mods = (PooledInputDist(f"{name}_input_dist", [r.form for r, *_ in pieces], [b for _, b, *_ in pieces],
                             [base for _, _, base, *_ in pieces], weighted, rank, world, [r.feature for r, *_ in pieces],
-                            [r.num_rows for r, *_ in pieces]),
+                            [r.num_rows for r, *_ in pieces], torch.float16 if half else torch.float32),
             PooledLookup(group, world, held),
             PooledOutputDist(f"{name}_output_dist", [c for *_, c in pieces], [h for *_, h, _ in pieces], rank, world,
                              per_lookup, "sum" if pooled_here == "mean" else gr.pooling, sent, out_dtype))

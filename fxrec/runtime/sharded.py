@@ -175,11 +175,13 @@ _INTS = (torch.int64, torch.int32)
 HOST_CHECK_ERRORS = (ValueError, TypeError, IndexError)
 
 
-def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], order: List[int]) -> None:
+def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], order: List[int],
+                        psw_dtype: torch.dtype = torch.float32) -> None:
     """Ids and offsets of int64 or int32, as nn.Embedding and nn.EmbeddingBag take, and per-sample
-    weights of float32, the sharded tables' dtype, as nn.EmbeddingBag wants its weight's (packing
-    casts ids to int64 and weights to float32, so a float id would be truncated, not refused):
-    else a TypeError naming the feature."""
+    weights of ``psw_dtype``, the sharded tables' dtype in the model (float32, or float16 for the
+    model's fp16 tables), as nn.EmbeddingBag wants its weight's (packing casts ids to int64 and
+    weights to float32, so a float id would be truncated, not refused): else a TypeError naming
+    the feature."""
     for i in order:
         ids, off = ids_list[i], offsets_list[i]
         if ids.dtype not in _INTS:
@@ -189,9 +191,9 @@ def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], orde
             raise TypeError(f"fxrec: feature '{names[i]}' got offsets of dtype {off.dtype}; offsets must be int64 "
                             "or int32")
         psw = psw_list[i]
-        if psw is not None and psw.dtype != torch.float32:
+        if psw is not None and psw.dtype != psw_dtype:
             raise TypeError(f"fxrec: feature '{names[i]}' got per-sample weights of dtype {psw.dtype}; they must be "
-                            "torch.float32, the dtype of its table")
+                            f"{psw_dtype}, the dtype of its table")
 
 
 def refuse_with_the_others(error: BaseException, width: int, flag_at: int, device: torch.device, name: str,
@@ -236,13 +238,17 @@ class PooledInputDist(nn.Module):
     bases[p] + 1, ...``."""
 
     _fxrec_collective = True
+    #: the dtype the pieces' per-sample weights must have (the tables' in the model); they travel
+    #: as float32, which holds fp16 ones exactly
+    psw_dtype = torch.float32
 
     def __init__(self, name: str, forms: List[str], blocks: List[int], bases: List[int], weighted: bool, rank: int,
-                 world: int, names: List[str], rows: List[int]):
+                 world: int, names: List[str], rows: List[int], psw_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.name, self.forms, self.blocks, self.bases, self.weighted = name, list(forms), list(blocks), list(bases), weighted
         self.names, self.rows = list(names), list(rows)
         self.rank, self.world = rank, world
+        self.psw_dtype = psw_dtype
 
     def exchange_shape(self):
         """``(ints each rank sends, where its input flag is)`` in the exchange of the counts:
@@ -253,7 +259,7 @@ class PooledInputDist(nn.Module):
         nfeat = len(self.forms)
         order = list(range(nfeat))
         try:
-            _check_input_dtypes(ids_list, offsets_list, psw_list, self.names, order)
+            _check_input_dtypes(ids_list, offsets_list, psw_list, self.names, order, self.psw_dtype)
             _check_sample_weights(psw_list, self.names, order)
             lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list,
                                                                                   psw_list, order, self.weighted)
@@ -314,6 +320,8 @@ class PooledLookup(nn.Module):
         lens = lengths.view(len(counts), self.world * batch)
         starts = lens.cumsum(1) - lens  # each piece's bag starts in its own ids
         parts = torch.split(values, counts)
+        if psw is not None and self.group.half:
+            psw = psw.half()  # (sent as float32: the model's fp16 weights, exactly)
         ws = torch.split(psw, counts) if psw is not None else None
         return _call(self.group, ([parts[p] for p in self.held], [starts[p] for p in self.held],
                                   [ws[p] if ws is not None else None for p in self.held]), weights)
