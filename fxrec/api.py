@@ -224,7 +224,11 @@ def transform(
         report=report, example_args=args, example_kwargs=kwargs, logger=log,
     )
     if check_passes:
-        ctx.reference = lambda g: compare_models(reference_model, g, args, kwargs, rtol=rtol, atol=atol)
+        def check_against_the_model(g):  # after each pass; as verify: gradients, no fused update
+            with fused_updates_off(g):
+                compare_models(reference_model, g, args, kwargs, rtol=rtol, atol=atol)
+
+        ctx.reference = check_against_the_model
     passes = default_pipeline(ctx.config)
     # Records are read before lowering erases the nodes that carry them.
     records = []

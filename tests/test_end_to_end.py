@@ -269,3 +269,18 @@ def test_verify_compares_with_the_model_itself_and_puts_its_gradients_back():
         p.grad = torch.full_like(p, 7.0)
     fxrec.transform(model, M.bag_inputs(), verify=True, check_passes=True)
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "fbgemm"])
+@pytest.mark.parametrize("opt", [fxrec.optim.SGD(lr=0.5), fxrec.optim.Adagrad(lr=0.5), fxrec.optim.RowWiseAdagrad(lr=0.5)],
+                         ids=["sgd", "adagrad", "rowwise_adagrad"])
+def test_check_passes_with_a_fused_optimizer_compares_gradients_and_updates_nothing(backend, opt):
+    """As verify=: the groups give gradients while the passes are checked (it failed: 'no gradient
+    in the transformed model', the fused update having taken them), and no table is updated."""
+    model = M.BagList()
+    kw = {} if backend == "auto" else {"backend": backend}
+    fast = fxrec.transform(model, M.bag_inputs(), optimizer=opt, check_passes=True, **kw)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fast.state_dict()[k], v), k
+    assert all(p.grad is None for p in fast.parameters())
+    assert fast.meta["fxrec_fused_groups"], "the optimizer is still fused"
