@@ -54,6 +54,15 @@ class EmbeddingOptimizer:
         return f"{type(self).__name__}({args})"
 
 
+def _check_numbers(opt, names: Sequence[str]) -> None:
+    """torch.optim's argument checks, at construction: each of ``names`` a number >= 0 (a fused
+    optimizer would otherwise run a negative learning rate as gradient ascent), naming it."""
+    for name in names:
+        v = getattr(opt, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"fxrec: {type(opt).__name__} {name} must be a number >= 0, got {v!r}")
+
+
 @dataclass(frozen=True)
 class SGD(EmbeddingOptimizer):
     lr: float = 1e-3
@@ -61,6 +70,11 @@ class SGD(EmbeddingOptimizer):
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+
+    def __post_init__(self):
+        _check_numbers(self, ("lr", "momentum", "dampening", "weight_decay"))
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("fxrec: SGD with nesterov=True needs a momentum > 0 and zero dampening, as torch.optim.SGD")
 
     def fused_spec(self):
         return None if self.fused_unsupported_reason() else FusedSpec("sgd", self.lr)
@@ -82,6 +96,9 @@ class Adagrad(EmbeddingOptimizer):
     weight_decay: float = 0.0
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
+
+    def __post_init__(self):
+        _check_numbers(self, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"))
 
     def fused_spec(self):
         return None if self.fused_unsupported_reason() else FusedSpec("adagrad", self.lr, self.eps)
@@ -121,8 +138,7 @@ class RowWiseAdagrad(EmbeddingOptimizer):
         if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
             raise ValueError(f"fxrec: RowWiseAdagrad weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, "
                              f"got {self.weight_decay_mode!r}")
-        if not self.weight_decay >= 0 or not self.lr >= 0 or not self.eps >= 0:
-            raise ValueError(f"fxrec: RowWiseAdagrad lr, eps and weight_decay must be >= 0, got {self}")
+        _check_numbers(self, ("lr", "eps", "weight_decay"))
 
     def fused_spec(self):
         return FusedSpec("rowwise_adagrad", self.lr, self.eps, weight_decay=float(self.weight_decay),

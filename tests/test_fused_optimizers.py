@@ -715,3 +715,19 @@ def test_the_other_fallbacks_step_a_dense_gradient_as_on_cuda_with_the_same_numb
         assert torch.equal(params[0], other)
         for k, v in opts[0].state[params[0]].items():
             assert torch.equal(v, opt.state[other][k]), k
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda: fxrec.optim.SGD(lr=-0.1), "SGD lr"), (lambda: fxrec.optim.SGD(lr="0.1"), "SGD lr"),
+    (lambda: fxrec.optim.SGD(lr=0.1, momentum=-1.0), "SGD momentum"),
+    (lambda: fxrec.optim.Adagrad(lr=-0.1), "Adagrad lr"), (lambda: fxrec.optim.Adagrad(eps=-1.0), "Adagrad eps"),
+    (lambda: fxrec.optim.Adagrad(lr=float("nan")), "Adagrad lr"),
+    (lambda: fxrec.optim.RowWiseAdagrad(lr="0.1"), "RowWiseAdagrad lr"),
+    (lambda: fxrec.optim.RowWiseAdagrad(weight_decay=-1.0), "RowWiseAdagrad weight_decay"),
+])
+def test_optimizer_arguments_torch_optim_refuses_are_refused_naming_them(make, name):
+    """A fused SGD with lr=-0.1 ran gradient ascent, where torch.optim.SGD refuses it."""
+    with pytest.raises(ValueError, match=rf"fxrec: {name} must be a number >= 0"):
+        make()
+    with pytest.raises(ValueError, match="nesterov"):
+        fxrec.optim.SGD(lr=0.1, nesterov=True)
