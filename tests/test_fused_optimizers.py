@@ -606,7 +606,7 @@ def test_rowwise_adagrad_with_weight_decay_matches_the_written_out_update_on_eve
 def test_rowwise_adagrad_weight_decay_arguments_are_checked():
     with pytest.raises(ValueError, match="weight_decay_mode must be one of .*'l2', 'decoupled'.*got 'cowclip'"):
         fxrec.optim.RowWiseAdagrad(weight_decay=0.1, weight_decay_mode="cowclip")
-    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+    with pytest.raises(ValueError, match="weight_decay must be a number >= 0"):
         fxrec.optim.RowWiseAdagrad(weight_decay=-1.0)
     assert fxrec.optim.RowWiseAdagrad(lr=0.1).fused_spec().weight_decay_mode == ""
     assert fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.1, weight_decay_mode="decoupled").fused_spec().weight_decay_mode == "decoupled"
