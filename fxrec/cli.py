@@ -88,9 +88,22 @@ def _user_location(exc: BaseException, path: Optional[str]) -> str:
     return ""
 
 
+#: Modules fxrec imports lazily (fxrec.viz): resolved before a model file's directory is put on
+#: sys.path, so that a file of that name beside the model is never run in their place.
+_LAZY_IMPORTS = ("graphviz",)
+
+
 def _import_file(path: str):
     """Import a model file as a module; a file inside packages is imported under its package
-    name (so its relative and package imports work), with the packages' parent on sys.path."""
+    name (so its relative and package imports work), with the packages' parent on sys.path:
+    first while the file is imported (its own imports find what lies beside it, as for a script),
+    then last (fxrec's later imports find installed packages first)."""
+    for lazy in _LAZY_IMPORTS:
+        if lazy not in sys.modules:
+            try:
+                importlib.import_module(lazy)
+            except ImportError:
+                sys.modules[lazy] = None  # (not installed: its import keeps failing, never finds the model's)
     path = os.path.abspath(path)
     directory, stem = os.path.split(path)
     stem = os.path.splitext(stem)[0]
@@ -99,17 +112,22 @@ def _import_file(path: str):
         directory, package = os.path.split(directory)
         parts.insert(0, package)
     name = ".".join(parts)
-    if directory not in sys.path:
+    added = directory not in sys.path
+    if added:
         sys.path.insert(0, directory)
-    if all(p.isidentifier() for p in parts):
-        loaded = sys.modules.get(name)
-        if loaded is None or os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
-            return importlib.import_module(name)
-    spec = importlib.util.spec_from_file_location(f"_fxrec_model_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    try:
+        if all(p.isidentifier() for p in parts):
+            loaded = sys.modules.get(name)
+            if loaded is None or os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+                return importlib.import_module(name)
+        spec = importlib.util.spec_from_file_location(f"_fxrec_model_{abs(hash(path))}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        if added and sys.path and sys.path[0] == directory:
+            sys.path.append(sys.path.pop(0))
 
 
 def load_factory(spec: str) -> Tuple[Callable[[], Any], Optional[str]]:

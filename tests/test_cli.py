@@ -314,3 +314,16 @@ def test_progress_is_shown_only_for_long_transforms(capsys):
         log.debug("running pass group_lookups")
         log.removeHandler(quiet)
     assert p.shown and not quiet.shown
+
+
+def test_a_file_beside_the_model_named_like_a_module_fxrec_imports_is_not_run(script, tmp_path):
+    """Only the model file (and what it imports) runs: a graphviz.py beside it was imported by
+    fxrec.viz's lazy import, since the model's directory stayed first on sys.path."""
+    d = tmp_path / "shadow"
+    d.mkdir()
+    (d / "model.py").write_text(textwrap.dedent(TINY))
+    marker = tmp_path / "ran"
+    (d / "graphviz.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    r = run(script, "draw", f"{d / 'model.py'}:small", "-o", str(tmp_path / "g.dot"))
+    assert not marker.exists(), r.stdout + r.stderr
+    assert r.returncode == 0 and (tmp_path / "g.dot").exists(), r.stderr
