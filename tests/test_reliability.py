@@ -608,6 +608,21 @@ def test_exported_quantized_programs_refuse_bad_ids_and_offsets(quantize):
             fast(*bad)
 
 
+@pytest.mark.parametrize("backend", ["reference", "native", "fbgemm"])
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_every_kernel_refuses_bad_ids_and_offsets_naming_the_feature(backend, mode):
+    """The reference kernel took decreasing offsets (PyTorch's lookups do, and return memory never
+    written): every kernel names the feature, for each bad input of BAD_INPUTS."""
+    model = M.BagList(rows=(50, 80, 30))
+    x = M.bag_inputs(empty_bags=False)
+    fast = fxrec.transform(model.eval() if mode == "inference" else model, x, backend=backend, mode=mode)
+    for what, spoil in BAD_INPUTS.items():
+        bad = copy.deepcopy(x)
+        spoil(*bad)
+        with pytest.raises((IndexError, ValueError), match=r"feature 'ids_\d'"):
+            fast(*bad)
+
+
 # --------------------------------------------------------------------------- reused output buffers
 class OnlyBags(nn.Module):
     def __init__(self):

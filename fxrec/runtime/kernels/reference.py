@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._tracing import reads_values
 from . import REFERENCE, Kernel
 
 
@@ -165,6 +166,7 @@ class ReferenceKernel(Kernel):
                 group.fused_unusable("its features have different batch sizes (or a [B, 0] id tensor is mean-pooled)")
             with torch.no_grad():  # empty batch: nothing to update
                 return lookups(group, ids_list, offsets_list, psw_list, params)
+        _check_offsets_order(group, ids_list, offsets_list)
         try:
             if not training and group.pooling != "none" and group.reuse_output:
                 out = _into_reused(group, ids_list, offsets_list, psw_list, params)
@@ -175,6 +177,18 @@ class ReferenceKernel(Kernel):
             # PyTorch's own kernels checked the inputs; say which feature and table was wrong.
             group._check_inputs(ids_list, offsets_list)
             raise
+
+
+def _check_offsets_order(group, ids_list, offsets_list) -> None:
+    """Offsets that decrease: PyTorch's lookups take them and return memory never written (the
+    other kernels' packed checks refuse them); the named error instead, where values may be read
+    (CPU: one comparison a bag feature; on CUDA it would make the host wait)."""
+    if not group._bag_features or not reads_values(ids_list[0].device):
+        return
+    for i in group._bag_features:
+        off = offsets_list[i]
+        if off is not None and off.dim() == 1 and off.numel() > 1 and bool((off[1:] < off[:-1]).any()):
+            group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
 
 
 KERNEL = ReferenceKernel()
