@@ -119,11 +119,14 @@ class Report:
         ``bytes`` as stored in the transformed model (the quantized dtype and size when
         quantized), ``lookups`` (how many), ``features``, ``groups``."""
         quant = {q.table: q for q in self.quantization}
+        # a lookup's table as weights_precision= stores it (the group's dtypes: one a lookup, by feature)
+        stored = {f: _STORED[dt] for g in self.groups for f, dt in zip(g.features, g.dtypes) if dt in _STORED}
         out: Dict[str, Dict[str, Any]] = {}
         for e in self.lookups:
+            dtype = stored.get(e.feature) or e.dtype or "float32"
             t = out.setdefault(e.table, {
-                "name": e.table, "rows": e.rows, "dim": e.dim, "pooling": [], "dtype": e.dtype or "float32",
-                "bytes": e.rows * e.dim * _ITEMSIZE.get(e.dtype or "float32", 4), "lookups": 0,
+                "name": e.table, "rows": e.rows, "dim": e.dim, "pooling": [], "dtype": dtype,
+                "bytes": e.rows * e.dim * _ITEMSIZE.get(dtype, 4), "lookups": 0,
                 "features": [], "groups": [],
             })
             t["lookups"] += 1
@@ -312,6 +315,8 @@ def _bytes(n: int) -> str:
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
+#: weights_precision= names, as the dtype a table is stored in
+_STORED = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 def _became(g: GroupEntry, quantization: List[QuantEntry]) -> str:

@@ -263,3 +263,16 @@ def test_bf16_is_refused_on_both_devices_naming_the_tables(device):
                                          + why[device]):
         fxrec.explain(M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS), device=device,
                       optimizer=fxrec.optim.SGD(lr=0.1), weights_precision="bf16")
+
+
+def test_the_reports_tables_give_the_stored_dtype_and_bytes():
+    """report.tables says dtype and bytes as stored in the transformed model: fp16 rows, 2 bytes a
+    value, for the tables weights_precision= names (it said float32), the others as the model."""
+    model = M.BagList(rows=(40, 30, 20))
+    fast = fxrec.transform(model, M.bag_inputs(rows=(40, 30, 20)), optimizer=fxrec.optim.SGD(lr=0.1),
+                           weights_precision={"bags.0": "fp16"})
+    tables = {t["name"]: t for t in fast.report.tables}
+    dim = tables["bags.0"]["dim"]
+    assert (tables["bags.0"]["dtype"], tables["bags.0"]["bytes"]) == ("float16", 40 * dim * 2)
+    assert fast.get_parameter("bags.0.weight").dtype == torch.float16
+    assert (tables["bags.1"]["dtype"], tables["bags.1"]["bytes"]) == ("float32", 30 * dim * 4)
