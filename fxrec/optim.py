@@ -59,7 +59,11 @@ def _check_numbers(opt, names: Sequence[str]) -> None:
     optimizer would otherwise run a negative learning rate as gradient ascent), naming it."""
     for name in names:
         v = getattr(opt, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        try:  # (numpy scalars and 0-dim tensors, as torch.optim takes them)
+            ok = not isinstance(v, (bool, str, bytes)) and bool(v >= 0)
+        except (TypeError, RuntimeError, ValueError):
+            ok = False
+        if not ok:
             raise ValueError(f"fxrec: {type(opt).__name__} {name} must be a number >= 0, got {v!r}")
 
 
@@ -72,7 +76,7 @@ class SGD(EmbeddingOptimizer):
     nesterov: bool = False
 
     def __post_init__(self):
-        _check_numbers(self, ("lr", "momentum", "dampening", "weight_decay"))
+        _check_numbers(self, ("lr", "momentum", "weight_decay"))  # (torch.optim.SGD does not check dampening)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("fxrec: SGD with nesterov=True needs a momentum > 0 and zero dampening, as torch.optim.SGD")
 

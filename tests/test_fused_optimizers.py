@@ -731,3 +731,14 @@ def test_optimizer_arguments_torch_optim_refuses_are_refused_naming_them(make, n
         make()
     with pytest.raises(ValueError, match="nesterov"):
         fxrec.optim.SGD(lr=0.1, nesterov=True)
+
+
+def test_optimizer_arguments_torch_optim_takes_are_taken():
+    """numpy scalars and 0-dim tensors, as torch.optim takes them (a first form of the checks
+    refused them)."""
+    import numpy as np
+
+    for lr in (np.float32(0.1), np.int64(1), torch.tensor(0.1), 0):
+        for make in (fxrec.optim.SGD, fxrec.optim.Adagrad, fxrec.optim.RowWiseAdagrad):
+            make(lr=lr)
+    fxrec.optim.SGD(lr=0.1, dampening=-0.1)  # (torch.optim.SGD does not check it)
