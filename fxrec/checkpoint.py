@@ -680,15 +680,20 @@ def _one_directory(tmp: str, path: str, rank: int, process_group) -> None:
     marks it; every rank must see that mark at its own ``path``: the same directory, on storage
     they share (under whatever mount point). Else CheckpointError on every rank before anything is
     written: rank 0 would commit a checkpoint naming files another rank wrote elsewhere."""
-    token = [None]
+    token = [None, None]  # (the mark, or rank 0's error making the directory)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        token[0] = uuid.uuid4().hex
-        with open(os.path.join(tmp, _MARK), "w") as fh:
-            fh.write(token[0])
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            token[0] = uuid.uuid4().hex
+            with open(os.path.join(tmp, _MARK), "w") as fh:
+                fh.write(token[0])
+        except OSError as e:
+            token[1] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(token, src=dist.get_global_rank(process_group, 0) if process_group else 0,
                                group=process_group)
+    if token[1] is not None:  # every rank raises it (they would otherwise wait for rank 0)
+        raise CheckpointError(f"fxrec.checkpoint.save: rank 0 could not make {tmp}: {token[1]}; nothing was written")
 
     def sees_it():
         try:

@@ -539,3 +539,20 @@ def test_save_and_load_refuse_ranks_that_do_not_name_one_checkpoint(tmp_path):
     """(save returned on every rank and rank 0 committed a checkpoint naming rank 1's file, which
     was left in another directory: it could not be loaded.)"""
     spawn(_paths_differ, 2, tmp_path)
+
+
+def _rank0_cannot_write(rank, world, root):
+    """The save's parent is a file: rank 0 cannot make the directory; every rank raises (the
+    others waited for rank 0 until the process group's timeout)."""
+    blocker = os.path.join(root, "not_a_directory")
+    if rank == 0:
+        with open(blocker, "w") as fh:
+            fh.write("x")
+    dist.barrier()
+    saving = Pieces(SAVED_PIECES[rank], (10 if rank == 0 else 6, 8))
+    with pytest.raises(CheckpointError, match=r"fxrec.checkpoint.save: rank 0 could not make .*not_a_directory"):
+        fxrec.checkpoint.save(saving, os.path.join(blocker, "ckpt"))
+
+
+def test_a_save_rank_0_cannot_make_raises_on_every_rank(tmp_path):
+    spawn(_rank0_cannot_write, 2, tmp_path)
