@@ -290,3 +290,26 @@ def test_weighted_bags_of_fp16_tables_sharded_take_fp16_weights_and_train_bit_fo
     assert "feature 'ids' got per-sample weights of dtype torch.float32; they must be torch.float16" in mine, mine
     other = (tmp_path / "msg.0").read_text()
     assert "rank(s) [1] were fed input they reject" in other, other
+
+
+def _quantized_on_one_rank(rank, world, init_file):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = WeightedHalf().eval()
+        x = _weighted_batch(0)
+        plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB",
+                          pins={"w": ("table_wise", 0), "u": ("table_wise", 0)})
+        fast = fxrec.transform(model, x, mode="inference", quantize="int8", plan=plan)
+        single = fxrec.transform(copy.deepcopy(model), x, mode="inference", quantize="int8")
+        with torch.no_grad():  # (every rank feeds the same batch)
+            for seed in (1, 2):
+                got, want = fast(*_weighted_batch(seed)), single(*_weighted_batch(seed))
+                assert got.dtype == HALF and torch.equal(got, want), seed
+        dist.barrier()
+    os._exit(0)
+
+
+def test_int8_serving_of_fp16_tables_when_a_rank_holds_none_of_a_group():
+    """Rank 1 holds no table: its output dist expects the fp16 rows the owner sends (the owner's
+    quantized group gave fp32 rows, and gloo aborted the process on the size mismatch)."""
+    spawn(_quantized_on_one_rank, 2)

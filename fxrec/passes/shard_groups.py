@@ -292,7 +292,9 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
             pieces.append((r, n, r.dim))
     table_of = [local.index(recs[i].weight) for i in held]
     fused = _fused_spec(gr, plan)  # (on every rank, as for pooled groups)
-    group = _local_group(ctx, pieces, table_of, "none", False, fused, gm, gr.quant) if held else None
+    # (quantized: rows of the dtype SequenceLookup hands on, fp16 for the model's fp16 tables, on every rank)
+    group = _local_group(ctx, pieces, table_of, "none", False, fused, gm, gr.quant,
+                         "fp16" if gr.lookups[0].half else "") if held else None
     mods = (SequenceInputDist(f"{name}_input_dist", blocks, bases, rank, world, [r.feature for r in recs],
                               [r.num_rows for r in recs]),
             SequenceLookup(group, held, [r.dim for r in recs], _out_dtype(ctx, gr)),
@@ -362,8 +364,9 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
     sent = torch.float32 if summed and not half else out_dtype
     pooled_here = gr.pooling if half else "sum"
     fused = _fused_spec(gr, plan)  # (on every rank: a refusal must stop every rank, also one holding nothing)
+    # (quantized: rows of the dtype the output dist sends, on every rank, a rank holding nothing too)
     group = _local_group(ctx, shapes, table_of, pooled_here, weighted, fused, gm, gr.quant,
-                         "fp32" if sent == torch.float32 else "") if held else None
+                         "fp32" if sent == torch.float32 else "fp16" if half else "") if held else None
     mods = (PooledInputDist(f"{name}_input_dist", [r.form for r, *_ in pieces], [b for _, b, *_ in pieces],
                             [base for _, _, base, *_ in pieces], weighted, rank, world, [r.feature for r, *_ in pieces],
                             [r.num_rows for r, *_ in pieces], torch.float16 if half else torch.float32),
