@@ -381,3 +381,25 @@ def test_a_concatenation_written_in_place_that_nothing_else_reads_is_the_groups_
     check(TwoConcatsOneWritten(), ids_offsets(), backend)
     with torch.no_grad():
         check(TwoConcatsOneWritten().eval(), ids_offsets(), backend, mode="inference")
+
+
+class PartOfAGroupWritten(nn.Module):
+    """Two of a group's three lookups concatenated and written in place; the third read apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.EmbeddingBag(30, 4), nn.EmbeddingBag(30, 4), nn.EmbeddingBag(30, 4)
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, ids, offsets):
+        a, b, c = self.a(ids, offsets), self.b(ids, offsets), self.c(ids, offsets)
+        x = torch.cat([a, b], 1)
+        x.relu_()
+        return x.sum(1) + (c * self.w).sum(1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_concatenation_of_part_of_a_group_written_in_place_stays_a_copy(backend):
+    """Folded into a slice of the group's output, the write would reach the third lookup's part."""
+    torch.manual_seed(0)
+    check(PartOfAGroupWritten(), ids_offsets(), backend)

@@ -88,13 +88,15 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 out.append(group)
                 parts += nodes
                 changed = True
-            else:  # several adjacent slices of the group: one wider slice
-                with graph.inserting_before(cat):
-                    out.append(graph.call_function(aten.slice.Tensor, (group, 1, start, end)))
+            else:  # several adjacent slices of the group: one wider slice (made below)
+                out.append((group, start, end))
                 parts += nodes
                 changed = True
         if not changed or (len(out) == 1 and cat in written and _read_elsewhere(cat, parts)):
             continue
+        with graph.inserting_before(cat):
+            out = [graph.call_function(aten.slice.Tensor, (x[0], 1, x[1], x[2])) if isinstance(x, tuple) else x
+                   for x in out]
         folded += 1
         if len(out) == 1:
             cat.replace_all_uses_with(out[0])
@@ -116,12 +118,18 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _read_elsewhere(cat: fx.Node, parts: List[fx.Node]) -> bool:
-    """Whether anything but ``cat`` reads the group output that would replace it: one of its parts,
-    or the output itself (another concatenation folded into it before)."""
+    """Whether anything but ``cat`` reads the group output that would replace it (or a slice of it):
+    the parts ``cat`` takes, the other lookups' parts, or the output itself (another concatenation
+    folded into it before)."""
     if any(u is not cat for p in parts for u in p.users):
         return True
-    splits = {p.args[0] for p in parts}
-    return any(u not in splits for s in splits for u in s.args[0].users)
+    taken = set(parts)
+    for split in {p.args[0] for p in parts}:
+        if any(u is not split for u in split.args[0].users):  # the output, read whole elsewhere
+            return True
+        if any(u not in taken and u.users for u in split.users):  # another lookup's part of it
+            return True
+    return False
 
 
 def _fold_stack(gm: fx.GraphModule, stack: fx.Node, written) -> int:
