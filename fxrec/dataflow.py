@@ -133,6 +133,10 @@ class SideEffects:
                             self.preds.setdefault(w, []).append(u)
                         else:
                             self.preds.setdefault(u, []).append(w)
+        self._succs: Dict[fx.Node, List[fx.Node]] = {}
+        for b, ps in self.preds.items():
+            for a in ps:
+                self._succs.setdefault(a, []).append(b)
 
     def all_preds(self, n: fx.Node) -> List[fx.Node]:
         extra = self.preds.get(n)
@@ -140,14 +144,8 @@ class SideEffects:
 
     def followers(self, n: fx.Node) -> List[fx.Node]:
         """The nodes that must stay after ``n`` besides its data users (an in-place write to what
-        ``n`` reads, a later side effect)."""
-        succ = self.__dict__.get("_succ")
-        if succ is None:
-            succ = self._succ = {}
-            for b, ps in self.preds.items():
-                for a in ps:
-                    succ.setdefault(a, []).append(b)
-        return succ.get(n, [])
+        ``n`` reads, a later side effect): ``preds`` read the other way."""
+        return self._succs.get(n, [])
 
 
 def reaches(start: fx.Node, targets: Set[fx.Node], preds: Callable[[fx.Node], List[fx.Node]]) -> Optional[fx.Node]:
