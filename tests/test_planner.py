@@ -553,3 +553,12 @@ def test_tables_with_padding_idx_or_include_last_offset_are_planned_data_paralle
     with pytest.raises(ValueError, match=r"table 'p' can only be data_parallel \(feature 'ip' uses padding_idx"):
         fxrec.plan(PaddedAndLastOffset(), _padded_example(), world_size=2, memory_per_rank="1GB",
                    sharding_types=["table_wise", "row_wise"])
+
+
+def test_a_data_parallel_only_table_too_large_for_a_rank_says_why_more_ranks_do_not_help():
+    """Table 'p' (20 x 8 fp32 = 640 bytes) must be whole on every rank (its lookup has a padding_idx):
+    with 600 bytes a rank, the error says so, not only "give more ranks"."""
+    with pytest.raises(fxrec.PlanError, match=r"'p' can only be data_parallel \(feature 'ip' uses padding_idx.*"
+                                              r"more ranks do not help") as e:
+        fxrec.plan(PaddedAndLastOffset(), _padded_example(), world_size=4, memory_per_rank=600)
+    assert e.value.table == "p"

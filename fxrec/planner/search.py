@@ -472,6 +472,9 @@ def _plan_error(nf: _NoFit, tables: List[_Table], topology: Topology) -> PlanErr
         f"an optimizer with less state" + ("." if nf.option.sharding == ROW_WISE or nf.table.pin is None else
                                            f", or pin {name!r} to a layout that spreads it (row_wise).")
     )
+    if nf.table.spec.data_parallel_only:  # more ranks do not help a table every rank holds whole
+        msg += (f" {name!r} can only be data_parallel ({nf.table.spec.data_parallel_only}): every rank holds all of "
+                "it, so more ranks do not help; change that lookup so the table can be sharded")
     return PlanError(msg, table=name, needed_bytes=nf.needed, free_bytes=nf.free)
 
 
