@@ -21,7 +21,13 @@ against the model with only it turned off:
   compares whole tuples (``fxrec.runtime.input_guards.InputGuards._build``), off: a few
   generated lines per input, as it was written before (:func:`one_line_per_input`);
 * ``packing``: groups of one form packed in list-level steps
-  (``fxrec.runtime.packing._pack_uniform``), off: the loop over features.
+  (``fxrec.runtime.packing._pack_uniform``), off: the loop over features;
+* ``bases``: where each feature's ids start in the packed ids stays on the device from one call
+  to the next of the same layout (``fxrec.runtime.packing._device_bases``), off: sent every call.
+
+``--sync-free`` (CPU) runs the groups as they run on CUDA (``fxrec.runtime._tracing.sync_free``:
+no value read on the host, the bounds check on the device), so the host's work is CUDA's but
+for the kernel launches themselves.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import platform
 import statistics
 import sys
 import time
+import contextlib
 from contextlib import contextmanager
 
 import torch
@@ -42,6 +49,7 @@ import fxrec  # noqa: E402
 import fxrec.codegen as codegen  # noqa: E402
 from benchmarks.bench_gpu import SHAPES, PlainBags, inputs  # noqa: E402
 from fxrec.runtime import packing  # noqa: E402
+from fxrec.runtime._tracing import sync_free  # noqa: E402
 
 
 def host_ms(fn, device, calls=20) -> float:
@@ -128,6 +136,14 @@ def turned_off(change: str, models):
             yield
         finally:
             packing._pack_uniform = uniform
+    elif change == "bases":
+        kept = packing.BASES_KEPT
+        packing.BASES_KEPT = 0
+        packing._BASES.clear()
+        try:
+            yield
+        finally:
+            packing.BASES_KEPT = kept
     else:
         raise ValueError(f"bench_host: no change called {change!r}")
 
@@ -176,13 +192,17 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--shapes", default="small512,onehot26")
-    ap.add_argument("--ab", default="attr,attrs,guards,packing", help="the changes to turn off and on, comma-separated")
+    ap.add_argument("--ab", default="attr,attrs,guards,packing,bases", help="the changes to turn off and on, comma-separated")
     ap.add_argument("--backend", default="fbgemm")
     ap.add_argument("--scale", type=int, default=1, help="divide every shape's rows (and batch) by this")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch's intra-op threads (0: torch's default); on CPU 1 keeps the kernels' own "
                          "threads from adding noise to the host times")
+    ap.add_argument("--sync-free", action="store_true",
+                    help="on CPU, run the groups as on CUDA (nothing read on the host; the bounds check on the device)")
     a = ap.parse_args()
+    if a.sync_free and a.device != "cpu":
+        sys.exit("bench_host: --sync-free is for --device cpu (on CUDA the groups run so anyway)")
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -194,12 +214,13 @@ def main():
               "machine": {"platform": platform.platform(), "python": platform.python_version(),
                           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
               "versions": {"torch": torch.__version__, "fxrec": fxrec.__version__}, "rounds": a.rounds,
-              "threads": torch.get_num_threads(), "shapes": {}}
+              "threads": torch.get_num_threads(), "sync_free": a.sync_free, "shapes": {}}
     for name in a.shapes.split(","):
         cfg = dict(SHAPES[name])
         cfg["rows"] = max(1, cfg["rows"] // a.scale)
         cfg["batch"] = max(2, cfg["batch"] // a.scale)
-        result["shapes"][name] = r = bench_shape(cfg, device, a.rounds, changes, a.backend)
+        with sync_free() if a.sync_free else contextlib.nullcontext():
+            result["shapes"][name] = r = bench_shape(cfg, device, a.rounds, changes, a.backend)
         for change in changes:
             print(name, change, {k: round(v, 3) for k, v in r[change].items()}, flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -181,3 +181,47 @@ def test_a_transformed_model_gives_the_plain_models_numbers_through_both_packing
         for k, grad in enumerate(grads):
             b = getattr(fast.bags, str(k))
             torch.testing.assert_close(b.weight.grad.to_dense(), grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_layout_seen_before_reuses_its_starts_on_the_device_and_gives_the_same_offsets(monkeypatch):
+    """Where each feature's ids start stays on the device from one call to the next of the same
+    layout (no copy at all in a training loop of one batch shape); a new layout is sent, and past
+    BASES_KEPT layouts new ones are sent every call, never dropped. The offsets are the written-out
+    ones every time, and the inputs are left as they were."""
+    monkeypatch.setattr(packing, "_BASES", {})
+    g = torch.Generator().manual_seed(3)
+    ids, offs = _bags(g, 4, [5, 7, 2], [torch.int64, torch.int32, torch.int64])
+    given = [o.clone() for o in offs]
+    want = written_out(ids, offs, [None] * 3, [BAG] * 3)[1]
+    first = pack(ids, offs, [None] * 3, [BAG] * 3, False)
+    assert len(packing._BASES) == 1
+    kept = next(iter(packing._BASES.values()))
+    second = pack(ids, offs, [None] * 3, [BAG] * 3, False)
+    assert len(packing._BASES) == 1 and next(iter(packing._BASES.values())) is kept
+    for got in (first, second):
+        assert torch.equal(got[2], want) and got[2].dtype == torch.int64
+        assert got[5].tolist() == [0, 0, 0]  # each feature's first offset, as given
+    assert all(torch.equal(o, w) for o, w in zip(offs, given))
+    ids2, offs2 = _bags(g, 4, [3, 7, 2], [torch.int64] * 3)  # another layout: sent, and kept too
+    assert torch.equal(pack(ids2, offs2, [None] * 3, [BAG] * 3, False)[2],
+                       written_out(ids2, offs2, [None] * 3, [BAG] * 3)[1])
+    assert len(packing._BASES) == 2
+    monkeypatch.setattr(packing, "BASES_KEPT", 2)
+    ids3, offs3 = _bags(g, 4, [4, 4, 4], [torch.int64] * 3)
+    assert torch.equal(pack(ids3, offs3, [None] * 3, [BAG] * 3, False)[2],
+                       written_out(ids3, offs3, [None] * 3, [BAG] * 3)[1])
+    assert len(packing._BASES) == 2
+
+
+def test_offsets_that_do_not_start_at_zero_are_given_as_firsts_by_both_packings(uniform_calls):
+    """(The caller raises, naming the feature: pack_pooled, or the sharded input check.)"""
+    g = torch.Generator().manual_seed(4)
+    ids, offs = _bags(g, 3, [6, 6], [torch.int64] * 2)
+    offs[1] = offs[1] + 1
+    got = pack(ids, offs, [None] * 2, [BAG] * 2, False)
+    assert got[5].tolist() == [0, 1]
+    # the loop (a feature of another form beside them): the same
+    single = torch.tensor([1, 2, 3])
+    got = pack(ids + [single], offs + [None], [None] * 3, [BAG, BAG, SINGLE], False)
+    assert got[5].tolist() == [0, 1, 0]
+    assert uniform_calls == [True, False]

@@ -150,7 +150,7 @@ class InputChecks:
             return
         if not reads_values(indices.device):
             self._check_on_device(indices, offsets, psw, ids_list, offsets_list,
-                                  None if firsts is None else firsts.ne(0).sum())
+                                  None if firsts is None else torch.count_nonzero(firsts))
             return
         ok = True
         if indices.numel():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 from operator import attrgetter
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -164,7 +164,7 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
         psw_all = torch.cat(weights)
     if torch.jit.is_scripting() or tracing:
         return batch, indices, _offsets_one_by_one(starts, bases, base), psw_all, bounds, None
-    offsets, firsts = _offsets_at_once(torch.cat(starts).view(len(starts), batch), bases, base)
+    offsets, firsts = _offsets_at_once(starts, batch, bases, base)
     return batch, indices, offsets, psw_all, bounds, firsts
 
 
@@ -213,7 +213,7 @@ def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], 
         if batch == 0 or batches.count(batch) != n_features:
             return None
         indices = torch.cat(ids_list).long()
-        offsets, firsts = _offsets_at_once(torch.cat(offsets_list).long().view(n_features, batch), bounds[:-1], total)
+        offsets, firsts = _offsets_at_once(offsets_list, batch, bounds[:-1], total)
     else:
         batch = len(ids_list[0])
         if batch == 0 or counts.count(counts[0]) != n_features or list(map(len, ids_list)).count(batch) != n_features:
@@ -235,21 +235,51 @@ def _offsets_one_by_one(starts: List[Tensor], bases: List[int], total: int) -> T
 
 
 @torch.jit.unused
-def _offsets_at_once(unshifted: Tensor, bases: List[int], total: int) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(offsets, firsts)``: every feature's bag starts (``unshifted``, ``[features, B]``, each
-    row as given) moved by where its ids start in the packed ids, in one add for the group, and
-    each feature's first start as it was given. The ids' starts go to the device as one small
-    copy from pinned host memory, which the host does not wait for (from ordinary host memory it
-    would wait for the device's queue to drain; the caching host allocator keeps the pinned block
-    until the copy has run). Not inside a CUDA graph (a replay would read the pinned block again,
-    by then someone else's), nor in torch.export (the ints are symbolic there), nor in
-    TorchScript: those add one by one."""
-    dev = unshifted.device
+def _offsets_at_once(starts: List[Tensor], batch: int, bases: List[int], total: int) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(offsets, firsts)``: every feature's bag starts (``starts``, each feature's ``batch``
+    offsets as given) moved by where its ids start in the packed ids (``bases``), in one add for
+    the group, and each feature's first start as it was given. Three tensor ops whatever the
+    number of features (kernel launches on CUDA): one concatenation (ending with ``total``), one
+    copy of the firsts, one add. The ids' starts are on the device already where the group saw
+    this layout before on this stream (:func:`_device_bases`); else they go there as one small
+    copy from pinned host memory, which the host does not wait for. Not inside a CUDA graph (a
+    replay would read the pinned block again, by then someone else's), nor in torch.export (the
+    ints are symbolic there), nor in TorchScript: those add one by one."""
+    dev = starts[0].device
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        unshifted = torch.cat(starts).view(len(starts), batch)
         return _offsets_one_by_one(list(unshifted.unbind(0)), bases, total), unshifted[:, 0]  # (host time: once)
+    shift = _device_bases(bases, total, dev)
+    offsets = torch.cat(starts + [shift[-1:]])  # (int32 starts become int64 here: the shift is)
+    grid = offsets[:-1].view(len(starts), batch)
+    firsts = grid[:, 0].clone()
+    grid.add_(shift[:-1].view(-1, 1))
+    return offsets, firsts
+
+
+#: the ids' starts of layouts seen before, on their device: (device, stream, bases..., total) -> tensor
+_BASES: Dict[tuple, Tensor] = {}
+#: how many layouts :data:`_BASES` keeps (a few KB each); past that, new ones are sent every call.
+#: None is ever dropped: a kernel queued on the device may still read it.
+BASES_KEPT = 256
+
+
+@torch.jit.unused
+def _device_bases(bases: List[int], total: int, dev: torch.device) -> Tensor:
+    """``bases + [total]`` as an int64 tensor on ``dev``: kept from an earlier call with the same
+    layout (a training loop's batches of one shape: no copy at all), else sent by a non-blocking
+    copy from pinned memory. On CUDA a kept tensor is used only on the stream it was sent on (the
+    copy is ordered before every use there; another stream could read it before it lands)."""
+    stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else 0
+    key = (dev, stream, total, *bases)
+    kept = _BASES.get(key)
+    if kept is not None:
+        return kept
     pinned = torch.tensor(bases + [total], dtype=torch.long, pin_memory=dev.type == "cuda")
-    shift = pinned.to(dev, non_blocking=True).view(-1, 1)
-    return torch.cat([(unshifted + shift[:-1]).view(-1), shift[-1]]), unshifted[:, 0]
+    sent = pinned.to(dev, non_blocking=True)
+    if len(_BASES) < BASES_KEPT:
+        _BASES[key] = sent
+    return sent
 
 
 def padding_weights(indices: Tensor, offsets: Tensor, psw: Optional[Tensor], bounds: List[int], forms: List[int],
