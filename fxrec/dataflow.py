@@ -31,15 +31,43 @@ _MAY_ALIAS = {aten.reshape.default, aten.flatten.using_ints, aten.contiguous.def
 
 
 def is_impure(node: fx.Node) -> bool:
-    """Whether ``node`` has an effect beyond its result (its place among such nodes is kept)."""
+    """Whether ``node`` has an effect beyond its result (its place among such nodes is kept). A
+    higher-order op (``torch.no_grad()`` / ``torch.autocast`` blocks, control flow) has one where
+    its body does: it is then taken to write everything it is given (see :class:`SideEffects`)."""
     if node.op in ("placeholder", "output", "call_module", "call_method"):
         return True
     if node.op != "call_function":
         return False
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _body_has_effects(node)
     try:
         return node.is_impure()
     except Exception:  # noqa: BLE001 - what cannot be told is kept in place
         return True
+
+
+def _body_has_effects(node: fx.Node) -> bool:
+    """Whether the graphs a higher-order op runs (its GraphModule arguments) hold an effect: an
+    impure node or an op that writes an argument. True where they cannot be found."""
+    root = node.graph.owning_module
+    if root is None:
+        return True
+    bodies = [a for a in node.all_input_nodes if a.op == "get_attr"]
+    for a in bodies:
+        try:
+            sub = root.get_submodule(a.target)
+        except AttributeError:
+            continue  # a tensor attribute, not a body
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            if n.op in ("placeholder", "output", "get_attr"):
+                continue
+            if is_impure(n):
+                return True
+            if any(a.alias_info is not None and a.alias_info.is_write for a, _ in schema_args(n)):
+                return True
+    return False
 
 
 def schema_args(node: fx.Node):
@@ -111,6 +139,12 @@ class SideEffects:
             if w:
                 writes.append((n, w, True))
 
+        # The model's inputs may share memory at call time (the same tensor passed twice, or a view
+        # of another input): where one is written in place, every input may be.
+        inputs = [n for n in nodes if n.op == "placeholder"]
+        if any(find(x) in {find(p) for p in inputs} for _, ws, _ in writes for x in ws):
+            for p in inputs[1:]:
+                union(p, inputs[0])
         self.preds: Dict[fx.Node, List[fx.Node]] = {}
         for a, b in zip(impure, impure[1:]):
             self.preds.setdefault(b, []).append(a)

@@ -129,6 +129,8 @@ def merge_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for rec in sorted(live, key=lambda r: pos[r.output]):
             if rec.output in effects.written:
                 continue  # the model writes this output in place: the other lookup's is another tensor
+            if any(x in effects.written for x in (rec.ids, rec.offsets, rec.per_sample_weights, rec.weight)):
+                continue  # its inputs are written in place (they, or an input they may share memory with)
             key = (rec.param, c(rec.ids), c(rec.offsets), c(rec.per_sample_weights), rec.form, rec.pooling,
                    rec.padding_idx, rec.include_last_offset, rec.sparse)
             keep = first.setdefault(key, rec)

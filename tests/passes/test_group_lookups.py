@@ -486,8 +486,9 @@ def test_reordering_keeps_an_in_place_write_to_an_input_in_its_place():
     before = _order_around_writes(gm)
     assert sorted(before["add_"].values()) == [False, True, True, True]  # the check, an assert, the read; after: * 7
     gm, ctx = run_passes(gm, [annotate_lookups, merge_lookups, group_lookups], inputs)
-    assert len(ctx.groups) == 1  # the other table's ids (after the write) move above the history's user
-    assert ctx.report.pass_runs[-1].stats["nodes_moved"] > 0
+    # hist may be counts at call time (the same tensor passed twice): its lookup stays before the
+    # write and the other table's (ids computed after it) after, so they cannot share one call
+    assert [[r.table for r in g.lookups] for g in ctx.groups] == [["item"], ["other"]]
     assert_inputs_before_users(gm)
     assert_groups_have_a_place(gm, ctx)
     assert _order_around_writes(gm) == before
