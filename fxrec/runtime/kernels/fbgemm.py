@@ -111,7 +111,10 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
     parked = parks(opt, params[0].device)  # a forward-only TBE; the states wait on the group
     fused = group.fused if opt != "none" and not parked else None
     extra = zero_row_tables(group)
-    rows_dims = [(t.num_rows + e, d) for t, e, d in zip(group.tables, extra, tbe_dims(group))]
+    # an empty table (a row-wise piece of a table with fewer rows than ranks) is stored with one
+    # zero row no id reaches: fbgemm's CPU TBE updates wrong rows of the tables after a 0-row one,
+    # and fails on a TBE of 0-row tables alone (found by a sharded run at world size 2)
+    rows_dims = [(max(t.num_rows + e, 1), d) for t, e, d in zip(group.tables, extra, tbe_dims(group))]
     tbe = make_training_tbe(
         rows_dims,
         [f.table for f in group.features],
@@ -128,6 +131,7 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
         for t, p, v, e in zip(group.tables, params, views, extra):
             if e:
                 zero_rows.append(v[t.num_rows:])
+            if v.shape[0] != t.num_rows:
                 v[t.num_rows:].zero_()
                 v = v[: t.num_rows]
             if v.shape[1] != t.dim:
