@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from hypothesis import given, settings, strategies as st
 
 import fxrec
@@ -562,3 +563,40 @@ def test_a_data_parallel_only_table_too_large_for_a_rank_says_why_more_ranks_do_
                                               r"more ranks do not help") as e:
         fxrec.plan(PaddedAndLastOffset(), _padded_example(), world_size=4, memory_per_rank=600)
     assert e.value.table == "p"
+
+
+class ReadBeyondItsGroup(nn.Module):
+    """Tables whose weight transform reads outside the group it puts their lookups in: 'w' has a
+    weighted lookup beside unweighted ones (one of the two kinds is left as written: a table is
+    stored in one group), 'm' a mode="max" lookup beside a sum, 'o' a tied output projection;
+    'a' is only looked up."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(30, 8, mode="sum")
+        self.w = nn.EmbeddingBag(40, 8, mode="sum")
+        self.m = nn.EmbeddingBag(50, 8, mode="sum")
+        self.o = nn.EmbeddingBag(60, 8, mode="sum")
+
+    def forward(self, ids, offs, psw):
+        pooled = [self.a(ids, offs), self.w(ids, offs), self.w(ids, offs, per_sample_weights=psw),
+                  self.m(ids, offs), F.embedding_bag(ids, self.m.weight, offs, mode="max"), self.o(ids, offs)]
+        return torch.cat(pooled, 1) @ self.o.weight[:48]
+
+
+def test_tables_read_beyond_the_group_of_their_lookups_are_planned_data_parallel_and_transform_takes_the_plan():
+    """A split table is only looked up: the planner makes these data_parallel, saying why, as
+    transform's sharded lowering wants (it refused the plan the planner made)."""
+    x = (torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.tensor([0, 2, 4, 6]), torch.rand(8))
+    plan = fxrec.plan(ReadBeyondItsGroup(), x, world_size=2, memory_per_rank="1GB", pins={"a": "row_wise"})
+    assert plan.tables["a"].sharding == "row_wise"
+    why = {t: plan.tables[t].spec.data_parallel_only for t in "wmo"}
+    assert all(plan.tables[t].sharding == "data_parallel" for t in "wmo"), plan
+    assert "is a lookup fxrec leaves as written" in why["w"] and "weighted" in why["w"], why
+    assert "is a lookup fxrec leaves as written" in why["m"] and "mode='max'" in why["m"], why
+    assert why["o"].startswith("its weight is also read outside its lookups"), why
+    with pytest.raises(ValueError, match=r"pin for 'o': its weight is also read outside its lookups"):
+        fxrec.plan(ReadBeyondItsGroup(), x, world_size=2, memory_per_rank="1GB", pins={"o": "table_wise"})
+    # the plan goes through transform's sharded lowering (explain runs it without a process group)
+    report = fxrec.explain(ReadBeyondItsGroup(), x, plan=plan)
+    assert {e.table for e in report.lookups} == set("awmo")

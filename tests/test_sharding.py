@@ -810,3 +810,19 @@ def test_a_plan_made_by_fxrec_plan_for_tables_with_padding_idx_or_include_last_o
     """fxrec.plan keeps them data_parallel, which transform takes (it planned them column_wise,
     and transform refused its own plan)."""
     spawn(_plan_then_transform_padded, 2)
+
+
+def _plan_of_tables_read_beyond_their_group(rank, world):
+    from tests.test_planner import ReadBeyondItsGroup
+
+    torch.manual_seed(0)
+    model = ReadBeyondItsGroup()
+    x = (torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.tensor([0, 2, 4, 6]), torch.rand(8))
+    plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB", pins={"a": "row_wise"})
+    fast = fxrec.transform(model, x, plan=plan)
+    torch.testing.assert_close(fast(*x), model(*x), rtol=1e-6, atol=1e-6)
+
+
+def test_transform_takes_the_plan_the_planner_makes_for_tables_read_beyond_their_group(tmp_path):
+    """(transform refused it: the planner had planned such tables split, or left them out)"""
+    assert error_of(tmp_path, 2, _plan_of_tables_read_beyond_their_group) == "no error"

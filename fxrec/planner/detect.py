@@ -11,8 +11,11 @@ inputs had (torch.export keeps them as the hints of the symbolic sizes):
     pooled_seq ([B, L])     L
     seq ([B, L, ...])       ids / B, and the table's lookups return one row per id (not pooled)
 
-Lookups that fxrec would leave as they are (see ``LookupRecord.reason``) are not planned: their
-tables stay ordinary parameters; the plan's notes name them.
+The passes that decide which lookups transform groups run too (``merge_lookups``,
+``group_lookups``). A table none of whose lookups is grouped (see ``LookupRecord.reason``) is not
+planned: it stays an ordinary parameter; the plan's notes name it. A table with a grouped lookup
+whose weight is also read elsewhere (a lookup left as written, tied weights, the model's own use
+of it) can only be data-parallel: sharded tables are only looked up.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
     from ..materialize import working_copy
     from ..pass_infra import Config, PassContext, PassManager
     from ..passes.annotate_lookups import annotate_lookups
+    from ..passes.group_lookups import group_lookups
+    from ..passes.merge_lookups import merge_lookups
     from ..report import Report
 
     if isinstance(example_inputs, tuple):
@@ -105,16 +110,17 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
     gm = capture(working_copy(model, args), args, kwargs)  # a meta model: no table allocated
     ctx = PassContext(config=Config(), report=Report(), example_args=args, example_kwargs=kwargs,
                       logger=logger or logging.getLogger("fxrec"))
-    gm = PassManager([annotate_lookups]).run(gm, ctx)
+    gm = PassManager([annotate_lookups, merge_lookups, group_lookups]).run(gm, ctx)
+    records = [n.meta[meta.LOOKUP] for n in gm.graph.nodes if meta.LOOKUP in n.meta]
+    grouped = {r.table for r in records if r.lowerable}
     tables: Dict[str, FoundTable] = {}
     skipped: Dict[str, str] = {}
     batch: Optional[int] = None
-    for node in gm.graph.nodes:
-        rec = node.meta.get(meta.LOOKUP)
-        if rec is None:
+    for rec in records:
+        if rec.table not in grouped:
+            skipped.setdefault(rec.table, rec.reason)
             continue
         if not rec.lowerable:
-            skipped.setdefault(rec.table, rec.reason)
             continue
         per_sample, samples = _ids_per_sample(rec)
         if batch is None and samples:
@@ -127,8 +133,15 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
             t.data_parallel_only = (f"feature '{rec.feature}' uses "
                                     + ("padding_idx" if rec.padding_idx is not None else "include_last_offset")
                                     + ", which sharded lookups do not take yet")
+    for name, t in tables.items():  # the weight read by more than the lookups transform groups: every rank holds it
+        mine = {r.node for r in records if r.table == name and r.lowerable}
+        outside = [u for r in records if r.table == name and r.lowerable for u in r.weight.users if u not in mine]
+        if outside and not t.data_parallel_only:
+            alone = next((r for r in records if r.table == name and not r.lowerable), None)
+            t.data_parallel_only = (f"feature '{alone.feature}' is a lookup fxrec leaves as written ({alone.reason})"
+                                    if alone is not None else
+                                    "its weight is also read outside its lookups (tied weights, or the model's own "
+                                    "use of it)") + ", and sharded tables are only looked up"
     notes = [f"table {name!r} is not planned (fxrec leaves it as it is: {why})"
              for name, why in skipped.items()]
-    for name in skipped:  # a table with any lookup fxrec leaves alone stays a plain parameter
-        tables.pop(name, None)
     return list(tables.values()), notes, batch
