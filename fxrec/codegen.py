@@ -31,6 +31,7 @@ bags_25_weight, = fxrec_attrs(self, ('bags',), (('0', ..., '25'),), ('weight', .
 from __future__ import annotations
 
 import collections.abc
+import builtins
 import re
 import typing
 from itertools import repeat
@@ -265,6 +266,26 @@ def _fast_attr_lines(src: str, nodes, root_module: str, fn: str = "fxrec_attr", 
     return "\n".join(lines)
 
 
+#: the names generated code reads globally that an argument can hide: fx's own (torch, device,
+#: inf, nan, NoneType, pytree, fx_pytree) and Python's builtins (isinstance, len, type, ...)
+_GLOBAL_NAMES = {k: v for k, v in vars(builtins).items() if not k.startswith("_")}
+_GLOBAL_NAMES.update({k: getattr(v, "obj", v) for k, v in getattr(fx.graph, "_custom_builtins", {}).items()})
+
+def _give_back(src: str, func: str, prologue: int, shadowed: dict, nodes) -> str:
+    """``src`` with each global name an argument hides (``shadowed``: name -> (alias, object)) given
+    back its object once the inputs are read: after the ``prologue`` lines of the function's own
+    checks and bindings, and after fx's renaming of those inputs (``device_1 = device``)."""
+    lines = src.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"def {func}("))
+    renames = {f"{n.name} = {n.target}" for n in nodes if n.op == "placeholder" and n.target in shadowed}
+    at = start + 1 + prologue
+    for i in range(at, len(lines)):
+        if lines[i].strip() in renames:
+            at = i + 1
+    give = [f"    {name} = {alias}" for name, (alias, _) in shadowed.items()]
+    return "\n".join(lines[:at] + give + lines[at:])
+
+
 _ASSIGNED = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\b")
 
 
@@ -291,20 +312,45 @@ class StructuredCodeGen(fx.graph.CodeGen):
         self._namespace = namespace if hasattr(namespace, "create_name") else None  # (torch 2.11 and 2.13 pass it)
         try:
             code = super()._gen_python_code(nodes, root_module, *args, **kwargs)
+            shadowed, prologue = getattr(self, "_shadowed", {}), getattr(self, "_prologue", 0)
+            renamed = getattr(self, "_renamed", {})
+            for alias, obj in shadowed.values():
+                code.globals[alias] = obj
         finally:
             del self._namespace  # (not kept: the code generator is pickled with the graph)
+            for k in ("_shadowed", "_prologue", "_renamed"):
+                self.__dict__.pop(k, None)
         # (fx names its globals apart from the graph's names: a model with an input or a parameter
         # called fxrec_attr gets the function as fxrec_attr_1)
         fn = next((k for k, v in code.globals.items() if v is fxrec_attr), None)
         many = next((k for k, v in code.globals.items() if v is fxrec_attrs), "")
         if not self.typed and fn is not None:  # TorchScript reads attributes its own way, not these dicts
             code.src = _fast_attr_lines(code.src, nodes, root_module, fn, many)
+        if shadowed:
+            code.src = _give_back(code.src, self._func_name, prologue, shadowed, nodes)
+        if renamed:  # fx's renaming of those inputs reads the arguments' new names
+            for n in nodes:
+                if n.op == "placeholder" and n.target in renamed:
+                    code.src = code.src.replace(f"\n    {n.name} = {n.target}\n", f"\n    {n.name} = {renamed[n.target]}\n")
         return code
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs) -> str:
         leaves = [v.split(":")[0].split("#")[0].strip() for v in free_vars if v != "self"]
+        # an argument named as a name the code reads globally (torch, device, inf; Python's builtins)
+        # hides it: fx names its graph input apart (device_1), and once the inputs are bound the
+        # name is given back its object, read through an alias; the checks before use the alias
+        # (TorchScript has no such alias: there the argument takes another name, and is passed by place)
+        self._shadowed, self._renamed = {}, {}
+        for name in [n for n, _ in self._arg_specs()] + [n for n, _ in getattr(self, "defaults", ())]:
+            if name in _GLOBAL_NAMES:
+                # (a name of its own: fx's namespace would hand back the name it knows the object by)
+                if self.typed:
+                    self._renamed[name] = self._global(f"{name}_arg", object())
+                else:
+                    self._shadowed[name] = (self._global(f"fxrec_global_{name}", object()), _GLOBAL_NAMES[name])
         params, lines, paths = [], [], []
         for name, spec in self._arg_specs():
+            name = self._renamed.get(name, name)
             params.append(f"{name}: {_type_of(spec, name)}" if self.typed else name)
             _leaf_paths(spec, name, paths)
             self._length_checks(spec, name, lines)
@@ -313,7 +359,7 @@ class StructuredCodeGen(fx.graph.CodeGen):
         for name, value in ([] if self.typed else getattr(self, "defaults", ())):  # (older pickles: none)
             params.append(f"{name}={value!r}")
             other = f"{name} is not None" if value is None else \
-                f"type({name}) is not {type(value).__name__} or {name} != {value!r}"
+                f"{self._b('type')}({name}) is not {self._b(type(value).__name__)} or {name} != {value!r}"
             lines.append(f"if {other}: " + self._raise(
                 f"fxrec: input {name} was left at its default {value!r} when the model was captured and must stay "
                 "so (transform with it given, to pass it)", name))
@@ -322,11 +368,16 @@ class StructuredCodeGen(fx.graph.CodeGen):
                 shown = expr.replace("'", "")
                 lines.append(f"if {expr} is not None: " + self._raise(
                     f"fxrec: input {shown} was None when the model was captured and must stay None", expr))
-        bind = [(leaf, expr) for leaf, (expr, _) in zip(leaves, paths) if leaf != expr]
+        bind = [(leaf, expr) for leaf, (expr, _) in zip(leaves, paths) if leaf != expr and leaf not in self._renamed]
         if bind:  # one assignment: every input is read before any name is rebound
             lines.append(", ".join(b[0] for b in bind) + ", = " + ", ".join(b[1] for b in bind) + ",")
+        self._prologue = len(lines)
         head = f"def {self._func_name}(self, {', '.join(params)}){maybe_return_annotation}:"
         return head + "".join(f"\n    {line}" for line in lines)
+
+    def _b(self, name: str) -> str:
+        """How the code's first lines (before the inputs are bound) read the global ``name``."""
+        return self._shadowed[name][0] if name in getattr(self, "_shadowed", {}) else name
 
     def _global(self, name: str, obj) -> str:
         """The name the code knows one of :meth:`additional_globals` by: fx's for it (fx knows it by
@@ -353,16 +404,17 @@ class StructuredCodeGen(fx.graph.CodeGen):
             return
         n = spec.num_children
         if self.typed:  # (TorchScript checks the types itself)
-            lines.append(f"if len({expr}) != {n}: " + self._raise(f"fxrec: input {shown} must have {n} elements"))
+            lines.append(f"if {self._b('len')}({expr}) != {n}: " + self._raise(f"fxrec: input {shown} must have {n} elements"))
         elif spec.type is dict:  # the captured keys, in any order
             keys = "{" + ", ".join(repr(k) for k in spec.context) + "}" if n else "set()"
             kinds = self._global("fxrec_mappings", MAPPINGS)
-            lines.append(f"if not isinstance({expr}, {kinds}) or {expr}.keys() != {keys}: " + self._raise(
+            lines.append(f"if not {self._b('isinstance')}({expr}, {kinds}) or {expr}.keys() != {keys}: " + self._raise(
                 f"fxrec: input {shown} must have {n} elements (a dict with keys {', '.join(map(repr, spec.context))})",
                 expr))
         else:  # a list or a tuple (or what the model's own code indexes alike)
             other = self._global("fxrec_sequence", fxrec_sequence)
-            lines.append(f"if (not isinstance({expr}, (list, tuple)) and not {other}({expr})) or len({expr}) != {n}: "
+            lines.append(f"if (not {self._b('isinstance')}({expr}, ({self._b('list')}, {self._b('tuple')})) and not "
+                         f"{other}({expr})) or {self._b('len')}({expr}) != {n}: "
                          + self._raise(f"fxrec: input {shown} must have {n} elements (a list or tuple)", expr))
         for i, kid in enumerate(_children(spec)):
             key = repr(spec.context[i]) if spec.type is dict else str(i)

@@ -341,3 +341,40 @@ def test_arguments_the_example_left_at_their_defaults_are_taken_as_the_model_tak
     torch.testing.assert_close(given(ids, torch.ones(3, 4)), model(ids, torch.ones(3, 4)))
     with pytest.raises(TypeError, match="dense"):
         given(ids)
+
+
+class NamedLikeGlobals(nn.Module):
+    """Arguments named like what generated code reads globally: fx's own names (``device``,
+    ``torch``, ``inf``) and Python's builtins, one a list (``len``), one a dict (``isinstance``),
+    one left at its default (``type``); Avazu-style feature names."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(30, 8, mode="sum") for _ in range(5)])
+
+    def forward(self, device, torch, inf, len, isinstance, type=2):
+        pooled = [self.bags[0](device), self.bags[1](torch), self.bags[2](inf.clamp(max=29)),
+                  self.bags[3](len[0]), self.bags[4](isinstance["a"])]
+        return globals()["torch"].cat(pooled, 1).clamp(max=float("inf")) * type
+
+
+def test_arguments_named_like_the_codes_globals_do_not_hide_them():
+    """(an argument named device made the code call the tensor: "'Tensor' object is not callable")"""
+    model = NamedLikeGlobals()
+
+    def batch(b, seed):
+        g = torch.Generator().manual_seed(seed)
+        ids = [torch.randint(0, 30, (b, 3), generator=g) for _ in range(5)]
+        return ids[0], ids[1], ids[2], [ids[3]], {"a": ids[4]}
+
+    fast = fxrec.transform(model, batch(4, 0))
+    for b in (4, 7):
+        x = batch(b, b)
+        torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0)
+        names = ("device", "torch", "inf", "len", "isinstance")
+        torch.testing.assert_close(fast(**dict(zip(names, x))), model(*x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="input len must have 1 elements"):
+        fast(*batch(4, 1)[:3], [], {"a": batch(4, 1)[0]})
+    with pytest.raises(ValueError, match="input type was left at its default 2"):
+        fast(*batch(4, 1), type=3)
+    torch.testing.assert_close(fxrec.export.torchscript(fast)(*batch(5, 2)), model(*batch(5, 2)), rtol=0, atol=0)
