@@ -77,3 +77,33 @@ def test_original_and_transformed_models_are_untouched_by_scripting():
     x = M.bag_inputs(rows=ROWS, seed=4)
     with torch.no_grad():
         torch.testing.assert_close(fast(*x), model(*x))
+
+
+class _Weighted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(30, 8, mode="sum")
+
+    def forward(self, ids, offsets, psw):
+        return self.bag(ids, offsets, per_sample_weights=psw)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_per_sample_weights_of_another_length_than_the_ids_are_refused_by_every_serving_form(quantize):
+    """(A quantized TorchScript module or exported program read weights past the end of a short
+    tensor, giving garbage, and ignored the extra ones of a long one.)"""
+    model = _Weighted().eval()
+    ids, offsets = torch.arange(1, 9), torch.tensor([0, 2, 4, 6])
+    fast = fxrec.transform(model, (ids, offsets, torch.rand(8)), mode="inference", quantize=quantize)
+    scripted = fxrec.export.torchscript(fast)
+    exported = fxrec.export.program(fast, (ids, offsets, torch.rand(8))).module()
+    with torch.no_grad():
+        for n in (2, 20):
+            psw = torch.rand(n)
+            with pytest.raises(Exception, match=r"per-sample weights of feature 'ids' \(table 'bag'\) have shape "
+                                                rf"\[{n}\], its ids \[8\]"):
+                scripted(ids, offsets, psw)
+            with pytest.raises(Exception, match=r"Guard failed: psw.size\(\)\[0\] == ids.size\(\)\[0\]"):
+                exported(ids, offsets, psw)
+        psw = torch.rand(8)
+        torch.testing.assert_close(scripted(ids, offsets, psw), fast(ids, offsets, psw), rtol=0, atol=0)

@@ -76,6 +76,10 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
         ids = ids_list[i]
         psw = psw_list[i]
         form = forms[i]
+        if psw is not None and psw.shape != ids.shape:
+            # (as F.embedding_bag; the kernels would read weights past the end, or ignore some)
+            raise ValueError("fxrec: per-sample weights of " + where[i] + " have shape " + str(list(psw.shape))
+                             + ", its ids " + str(list(ids.shape)) + ": they must have the ids' shape")
         if form == 0:  # bag
             flat = ids if ids.dim() == 1 else ids.reshape(-1)
             given = offsets_list[i]

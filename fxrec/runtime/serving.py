@@ -130,7 +130,7 @@ class _ServingGroup(nn.Module):
                                          + " ids: they must start at 0, never decrease and end at most there")
         raise ValueError("fxrec: invalid ids or offsets for tables " + str(self.table_names))
 
-    def _per_feature(self, offsets_list: List[Tensor], psw_list: List[Tensor]
+    def _per_feature(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor]
                      ) -> Tuple[List[Optional[Tensor]], List[Optional[Tensor]]]:
         """Each feature's offsets and per-sample weights, None where it has none."""
         offs: List[Optional[Tensor]] = []
@@ -144,6 +144,10 @@ class _ServingGroup(nn.Module):
                 raise TypeError("fxrec: feature '" + self.names[i] + "' (table '" + self.table_names[i]
                                 + "') got per-sample weights that are not "
                                 + ("torch.float16" if self.half_tables else "torch.float32") + ", the dtype of its table")
+            if w >= 0 and psw_list[w].shape != ids_list[i].shape:  # (as pack_bags: named here for fp32 groups too)
+                raise ValueError("fxrec: per-sample weights of " + self.where[i] + " have shape "
+                                 + str(list(psw_list[w].shape)) + ", its ids " + str(list(ids_list[i].shape))
+                                 + ": they must have the ids' shape")
             psws.append(psw_list[w] if w >= 0 else None)
         return offs, psws
 
@@ -170,14 +174,14 @@ class ServingPooledGroup(_ServingGroup):
                 weights: List[Tensor]) -> Tensor:
         self._check(ids_list, offsets_list)
         if not self.quantized:  # the reference kernel's lookups (the same function)
-            offs, psws = self._per_feature(offsets_list, psw_list)
+            offs, psws = self._per_feature(ids_list, offsets_list, psw_list)
             return torch.cat(lookup_each(ids_list, offs, psws, weights, self.feature_table, self.forms, self.pads,
                                          self.ilos, self.no_sparse, self.pooling), 1)
         return self._pack_and_lookup(ids_list, offsets_list, psw_list)
 
     def _pack_and_lookup(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor]) -> Tensor:
         """The eager quantized group's packing (the same function), then fbgemm's lookup."""
-        offs, psws = self._per_feature(offsets_list, psw_list)
+        offs, psws = self._per_feature(ids_list, offsets_list, psw_list)
         nan_cols: List[int] = []  # features that mean-pool [B, 0] ids: NaN, as PyTorch gives it
         col = 0
         for i in range(len(self.names)):
@@ -210,7 +214,7 @@ class ServingSequenceGroup(_ServingGroup):
         self._check(ids_list, offsets_list)
         outs: List[Tensor] = []
         if not self.quantized:  # the reference kernel's lookups (the same function)
-            offs, psws = self._per_feature(offsets_list, psw_list)
+            offs, psws = self._per_feature(ids_list, offsets_list, psw_list)
             return lookup_each(ids_list, offs, psws, weights, self.feature_table, self.forms, self.pads, self.ilos,
                                self.no_sparse, self.pooling)
         counts: List[int] = [ids.numel() for ids in ids_list]
