@@ -78,3 +78,33 @@ def test_an_exported_program_takes_b_by_0_ids_where_the_eager_model_does(quantiz
             torch.testing.assert_close(loaded(*x), want)
         if ids.shape[1] == 0:
             assert not want[:, :8].any()  # empty bags sum to zeros, as the plain model's
+
+
+class TwoWidths(torch.nn.Module):
+    """Unpooled lookups of tables of two widths in one group: the narrower one's rows are the
+    first columns of the group's wider rows, copied."""
+
+    def __init__(self):
+        super().__init__()
+        self.e1 = torch.nn.Embedding(20, 5)
+        self.e2 = torch.nn.Embedding(10, 130)
+
+    def forward(self, a, b):
+        return self.e1(a), self.e2(b)
+
+
+@pytest.mark.parametrize("quantize", ["int8", None])
+def test_an_exported_unpooled_group_of_two_widths_takes_a_single_id(quantize):
+    """(The quantized program guarded B * L != 1: the copy of the narrower rows was made only
+    where they were not contiguous already, which one row is.)"""
+    model = TwoWidths().eval()
+    example = (torch.randint(0, 20, (4, 3)), torch.randint(0, 10, (4,)))
+    fast = fxrec.transform(model, example, mode="inference", quantize=quantize)
+    program = fxrec.export.program(fast, example).module()
+    for b, length in ((1, 1), (1, 3), (3, 1), (2, 3)):
+        x = (torch.randint(0, 20, (b, length)), torch.randint(0, 10, (b,)))
+        with torch.no_grad():
+            want, got = fast(*x), program(*x)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert g.is_contiguous()

@@ -350,7 +350,9 @@ def unpack_rows(out: Tensor, ids_list: List[Tensor], dims: List[int]) -> List[Te
         n = ids.numel()
         rows = out[start:start + n]
         if dims[i] != out.shape[1]:
-            rows = rows[:, :dims[i]].contiguous()
+            # (a copy whatever the number of rows: contiguous() copies only where a view is not
+            # contiguous, which for one row it is, so torch.export would fix that number)
+            rows = rows[:, :dims[i]].clone(memory_format=torch.contiguous_format)
         outs.append(rows.reshape(list(ids.shape) + [dims[i]]))
         start += n
     return outs
