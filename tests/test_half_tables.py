@@ -251,11 +251,11 @@ def test_weights_precision_still_refuses_an_fp16_table():
 
 
 def test_fp16_tables_kept_as_they_are_by_quantize_stay_the_models_own_lookups():
-    """quantize="fp32" (or "auto", or a dict naming other tables) keeps an fp16 table fp16, never
+    """quantize="fp32" (or "auto", or a dict giving them "fp32") keeps an fp16 table fp16, never
     widened; a group whose tables all stay fp16 is not quantized, so its mean bags stay exact."""
     plain = half_model(mean_bag=True)
     x = batch(4, 0, mean_bag=True)
-    for quantize in ("fp32", "fp16", "auto", {"nothing*": "int8"}):
+    for quantize in ("fp32", "fp16", "auto", {"*": "fp32"}):
         fast = fxrec.transform(copy.deepcopy(plain), x, mode="inference", quantize=quantize)
         assert not any(hasattr(g, "q_ints") for g in group_modules(fast)), quantize
         with torch.no_grad():

@@ -175,6 +175,10 @@ def test_quantization_errors_are_named():
         fxrec.transform(model, inputs, quantize="int8")
     with pytest.raises(ValueError, match="quantize must be one of"):
         fxrec.transform(model, inputs, mode="inference", quantize="int3")
+    # (a key that matched nothing left every table fp32 without a word)
+    with pytest.raises(ValueError, match=r"quantize keys \['nosuch', 'tab\*'\] match no table fxrec groups; the "
+                                         r"tables are \['bags.0', 'bags.1', 'bags.2'\]"):
+        fxrec.transform(model, inputs, mode="inference", quantize={"bags.1": "int8", "nosuch": "int8", "tab*": "int4"})
 
 
 def test_quantized_ids_out_of_range_are_named():

@@ -18,13 +18,15 @@ A dim the dtype cannot store as it is (fbgemm needs a multiple of 4 for int8, 8 
 for int2, 2 for fp16) is stored padded, without changing the real columns' values
 (:mod:`fxrec.runtime.quantized`); the report gives the bytes as stored.
 
-Not handled: quantizing for training (mode must be "inference").
+Not handled: quantizing for training (mode must be "inference"). A dict key that matches no
+grouped table is an error that names it.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
+from .. import meta
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass, names_table
 from ..runtime.kernels.fbgemm_nbit import QUANT_DTYPES
 from ..runtime.specs import pad_dim
@@ -63,6 +65,15 @@ def quantize_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     values = [spec] if isinstance(spec, str) else list(spec.values()) if isinstance(spec, dict) else None
     if values is None or any(v not in QUANT_DTYPES + ("auto",) for v in values):
         raise InputError(f"fxrec: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, got {spec!r}")
+    if isinstance(spec, dict):  # every key names a table it quantizes (as optimizer= keys must)
+        grouped = [(r.table, r.param) for gr in ctx.groups for r in gr.lookups]
+        unused = [k for k in spec if not any(names_table(k, t, p) for t, p in grouped)]
+        if unused:
+            alone = sorted({n.meta[meta.LOOKUP].table for n in gm.graph.nodes
+                            if meta.LOOKUP in n.meta and not n.meta[meta.LOOKUP].lowerable})
+            raise InputError(f"fxrec: quantize keys {unused} match no table fxrec groups; the tables are "
+                             f"{sorted({t for t, _ in grouped})}"
+                             + (f" (left as written, so not quantized: {alone})" if alone else ""))
     counts = {}
     for gr in ctx.groups:
         half = gr.lookups[0].half
