@@ -328,3 +328,20 @@ def test_a_checkpoint_of_rows_packed_for_cuda_loads_into_a_cpu_model(tmp_path):
     assert loaded.q_ints["row_alignment"] == 1 and int(loaded.q_row_alignment) == 1
     with torch.no_grad():
         torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
+
+
+def test_a_state_dict_of_other_quantized_dtypes_is_refused_naming_the_tables():
+    """int8 rows of dim 4 take the bytes fp16 rows do: they loaded into an fp16 model, which read
+    them as fp16 (wrong outputs; the report still said fp16)."""
+    model = M.BagList(rows=ROWS, dim=4).eval()
+    inputs = M.bag_inputs(rows=ROWS)
+    int8 = fxrec.transform(model, inputs, mode="inference", quantize="int8")
+    fp16 = fxrec.transform(model, inputs, mode="inference", quantize={"bags.0": "int8", "*": "fp16"})
+    before = fp16(*inputs)
+    with pytest.raises(RuntimeError, match=r"q_weights holds tables of other dtypes than this model stores them in "
+                                           r"\('bags.1' saved as int8, stored here as fp16; 'bags.2' saved as int8, "
+                                           r"stored here as fp16\)"):
+        fp16.load_state_dict(int8.state_dict())
+    torch.testing.assert_close(fp16(*inputs), before, rtol=0, atol=0)
+    fp16.load_state_dict(fxrec.transform(model, inputs, mode="inference",
+                                         quantize={"bags.0": "int8", "*": "fp16"}).state_dict())

@@ -110,6 +110,18 @@ class _Quantized:
         """Rows saved packed for another device (their ``q_row_alignment``) are packed again for
         this one's before they load; a state_dict without it (saved before fxrec kept it) loads
         as it is."""
+        tys = state_dict.get(prefix + "q_weights_tys")
+        if tys is not None and tys.shape == self.q_weights_tys.shape and not torch.equal(
+                tys.to(self.q_weights_tys.device), self.q_weights_tys):
+            # (rows of other dtypes of the same bytes loaded, and were read by this model's widths)
+            names = {int(ty.as_int()) if hasattr(ty, "as_int") else int(ty.value): n
+                     for n, ty in _nbit._fbgemm_types().items()}
+            saved = [names.get(int(c), str(int(c))) for c in tys.tolist()]
+            differ = [f"'{t.name}' saved as {a}, stored here as {b}"
+                      for t, a, b in zip(self.tables, saved, self.dtypes) if a != b]
+            args[-1].append(f"fxrec: {prefix}q_weights holds tables of other dtypes than this model stores them in "
+                            f"({'; '.join(differ)}): transform with the quantize= the state_dict was saved with")
+            return
         key = prefix + "q_row_alignment"
         mine = self.q_ints["row_alignment"]
         if key in state_dict and prefix + "q_weights" in state_dict and int(state_dict[key]) != mine:
