@@ -231,16 +231,17 @@ def transform(
         ctx.reference = check_against_the_model
     passes = default_pipeline(ctx.config)
     # Records are read before lowering erases the nodes that carry them.
-    records = []
+    records, hidden = [], []
 
     def snapshot(g, c):
         records.extend(n.meta[meta.LOOKUP] for n in g.graph.nodes if meta.LOOKUP in n.meta)
+        hidden.extend(meta.hidden_records(g))  # (in no_grad / autocast blocks: their optimizer as torch.optim)
 
     users_own = reference_model if reference_model is model else None  # its .grad are put back
     with _grads_restored(users_own):
         gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot}, dump=dump)
     _name_guarded_inputs(gm, records)
-    table_opts = {r.param: (r.optimizer, r.sparse) for r in records if r.optimizer is not None}
+    table_opts = {r.param: (r.optimizer, r.sparse) for r in records + hidden if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup) and len(n.args) > 3:
             for w, spec in zip(n.args[3], gm.get_submodule(n.target).tables):

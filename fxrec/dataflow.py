@@ -46,6 +46,28 @@ def is_impure(node: fx.Node) -> bool:
         return True
 
 
+def bodies(node: fx.Node) -> List[Tuple[fx.GraphModule, List[Optional[fx.Node]]]]:
+    """The graphs a higher-order op's call runs (its GraphModule arguments), each with the outer
+    node each of its placeholders takes (the operands after the body, in order; None where
+    unknown). Empty for any other node."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return []
+    root = node.graph.owning_module
+    out = []
+    for i, a in enumerate(node.args):
+        if not isinstance(a, fx.Node) or a.op != "get_attr" or root is None:
+            continue
+        try:
+            sub = root.get_submodule(a.target)
+        except AttributeError:
+            continue
+        if isinstance(sub, fx.GraphModule):
+            operands = [x if isinstance(x, fx.Node) else None for x in node.args[i + 1:]]
+            holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            out.append((sub, [operands[k] if k < len(operands) else None for k in range(len(holders))]))
+    return out
+
+
 def _body_has_effects(node: fx.Node) -> bool:
     """Whether the graphs a higher-order op runs (its GraphModule arguments) hold an effect: an
     impure node or an op that writes an argument. True where they cannot be found."""

@@ -7,7 +7,7 @@ lookup or group that the passes, the report and the tests share.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch.fx as fx
 
@@ -186,3 +186,27 @@ class Fragmentation:
     fewest: int
     kinds: Tuple[str, ...] = ()
     splits: Tuple[str, ...] = ()
+
+
+def hidden_records(gm: fx.GraphModule) -> List[LookupRecord]:
+    """The :class:`LookupRecord` of every lookup inside the body of a higher-order op (a
+    ``torch.no_grad()`` or ``torch.autocast`` block), at any depth: left as written, and found so
+    the report names them and their tables get their optimizer."""
+    from .dataflow import bodies
+
+    out: List[LookupRecord] = []
+    todo = [n for n in gm.graph.nodes if n.op == "call_function"]
+    while todo:
+        n = todo.pop(0)
+        for body, _ in bodies(n):
+            for m in body.graph.nodes:
+                if LOOKUP in m.meta:
+                    out.append(m.meta[LOOKUP])
+                if m.op == "call_function":
+                    todo.append(m)
+    return out
+
+
+def all_records(gm: fx.GraphModule) -> List[LookupRecord]:
+    """The records of the graph's own lookups, then :func:`hidden_records`."""
+    return [n.meta[LOOKUP] for n in gm.graph.nodes if LOOKUP in n.meta] + hidden_records(gm)

@@ -303,6 +303,7 @@ def build_report(gm, passes=(), pass_runs=(), notes=(), plan_per_rank=()) -> Rep
             # a LookupRecord, or its LookupEntry in a pickled model
             report.lookups.append(LookupEntry.of(n.meta[meta.LOOKUP], None))
         report.quantization.extend(n.meta.get(meta.QUANT, ()))
+    report.lookups.extend(LookupEntry.of(r, None) for r in meta.hidden_records(gm))
     return report
 
 

@@ -787,3 +787,55 @@ def test_an_empty_table_trains_fused_on_fbgemm_beside_others_as_torch_optim(case
         ref_opt.zero_grad()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(fast.get_parameter(name), p, rtol=1e-6, atol=1e-6, msg=name)
+
+
+class InBlocks(nn.Module):
+    """Lookups inside a torch.autocast block and a torch.no_grad() block (each captured as a
+    higher-order op whose body fxrec does not lower), one outside."""
+
+    def __init__(self):
+        super().__init__()
+        self.cast = nn.EmbeddingBag(30, 4, mode="sum")
+        self.frozen = nn.EmbeddingBag(30, 4, mode="sum")
+        self.free = nn.EmbeddingBag(30, 4, mode="sum")
+        self.top = nn.Linear(12, 1)
+
+    def forward(self, ids, offsets):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+            a = self.cast(ids, offsets)
+        with torch.no_grad():
+            b = self.frozen(ids, offsets)
+        return self.top(torch.cat([a, b, self.free(ids, offsets)], 1))
+
+
+def test_lookups_in_autocast_and_no_grad_blocks_are_reported_and_keep_their_optimizer():
+    """(They were not found at all: the report said nothing of them, and make_optimizer gave their
+    tables the dense optimizer instead of the one asked for.)"""
+    torch.manual_seed(0)
+    model = InBlocks()
+    plain = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+
+    def batch():
+        return torch.randint(0, 30, (8,), generator=g), torch.tensor([0, 3, 3, 6])
+
+    fast = fxrec.transform(model, batch(), optimizer=fxrec.optim.SGD(lr=0.1))
+    why = {e.table: e.reason for e in fast.report.left_alone}
+    assert why == {"cast": "inside a torch.autocast block, where fxrec does not lower lookups",
+                   "frozen": "inside a torch.no_grad() / torch.enable_grad() block, where fxrec does not lower lookups"}
+    assert {e.table: e.feature for e in fast.report.left_alone} == {"cast": "ids#2", "frozen": "ids#3"}
+    opt = fast.make_optimizer(torch.optim.Adam, lr=1e-3)
+    tables = [plain.cast.weight, plain.frozen.weight, plain.free.weight]
+    ref = [torch.optim.SGD(tables, lr=0.1), torch.optim.Adam(plain.top.parameters(), lr=1e-3)]
+    for _ in range(3):
+        x = batch()
+        for o in ref:
+            o.zero_grad()
+        plain(*x).sum().backward()
+        for o in ref:
+            o.step()
+        opt.zero_grad()
+        fast(*x).sum().backward()
+        opt.step()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(fast.get_parameter(name), p, rtol=1e-6, atol=1e-6, msg=name)

@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
+from ..dataflow import bodies
 from ..pass_infra import PassContext, PassResult, compiler_pass
 
 aten = torch.ops.aten
@@ -73,26 +74,27 @@ def user_source(node: fx.Node) -> str:
     return ""
 
 
-def describe_ids(node: fx.Node, depth: int = 0) -> str:
-    """A readable name for an ids input: ``ids_list_0``, ``feats[:, 3]``, ``x[:, 0:3]``."""
+def describe_ids(node: fx.Node, depth: int = 0, outer: Optional[Dict[fx.Node, fx.Node]] = None) -> str:
+    """A readable name for an ids input: ``ids_list_0``, ``feats[:, 3]``, ``x[:, 0:3]`` (``outer``:
+    a higher-order op's body placeholders, as the nodes outside they take)."""
     if depth > 12 or not isinstance(node, fx.Node):
         return str(node)
     if node.op == "placeholder":
-        return node.name
+        return describe_ids(outer[node], depth + 1) if outer and node in outer else node.name
     if node.op == "call_function":
         if node.target in _PASS_THROUGH:
-            return describe_ids(node.args[0], depth + 1)
+            return describe_ids(node.args[0], depth + 1, outer)
         if node.target == aten.select.int:
             _, dim, idx = node.args[:3]
-            return f"{describe_ids(node.args[0], depth + 1)}[{':, ' * dim}{idx}]"
+            return f"{describe_ids(node.args[0], depth + 1, outer)}[{':, ' * dim}{idx}]"
         if node.target == aten.slice.Tensor:
             args = list(node.args) + [0, None, None][len(node.args) - 1 :]
             src, dim, start, end = args[:4]
             if (start in (0, None)) and (end is None or (isinstance(end, int) and end >= 2**62)):
-                return describe_ids(src, depth + 1)
+                return describe_ids(src, depth + 1, outer)
             s = "" if start in (0, None) else start
             e = "" if end is None or (isinstance(end, int) and end >= 2**62) else end
-            return f"{describe_ids(src, depth + 1)}[{':, ' * dim}{s}:{e}]"
+            return f"{describe_ids(src, depth + 1, outer)}[{':, ' * dim}{s}:{e}]"
     return node.name
 
 
@@ -163,7 +165,43 @@ def annotate_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not rec.lowerable:
             left += 1
             ctx.logger.debug("%s (%s) not lowered: %s", rec.table, rec.feature, rec.reason)
-    return PassResult(gm, False, {"lookups": found, "not_lowerable": left})
+    hidden = _annotate_hidden(gm, gm.graph.nodes, {}, names)
+    for rec in hidden:
+        ctx.logger.debug("%s (%s) not lowered: %s", rec.table, rec.feature, rec.reason)
+    return PassResult(gm, False, {"lookups": found + len(hidden), "not_lowerable": left + len(hidden)})
+
+
+#: what a higher-order op's body is in the user's code, for the reason its lookups are left alone
+_BLOCKS = {"wrap_with_set_grad_enabled": "a torch.no_grad() / torch.enable_grad() block",
+           "wrap_with_autocast": "a torch.autocast block"}
+
+
+def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], names: Dict[str, int]):
+    """Records for the lookups inside the bodies of higher-order ops among ``nodes`` (``torch.no_grad()``
+    and ``torch.autocast`` blocks, at any depth): left as written, with the reason; ``outer`` maps a
+    body's placeholders to the nodes of ``gm``'s graph they take (their weight is ``gm``'s parameter)."""
+    found = []
+    for node in list(nodes):
+        for body, operands in bodies(node):
+            holders = [n for n in body.graph.nodes if n.op == "placeholder"]
+            inner = {h: outer.get(o, o) for h, o in zip(holders, operands) if o is not None}
+            name = getattr(node.target, "__name__", str(node.target))
+            block = _BLOCKS.get(name, f"a {name} block")
+            for n in body.graph.nodes:
+                if n.op != "call_function" or n.target not in _BAG_OPS | _EMB_OPS:
+                    continue
+                rec = _record(gm, n, weight=inner.get(n.args[0]))
+                if rec is None:
+                    continue
+                base = describe_ids(rec.ids, outer=inner)  # (named by what the block is given)
+                names[base] = names.get(base, 0) + 1
+                why = f"inside {block}, where fxrec does not lower lookups"
+                rec = _replace(rec, feature=base if names[base] == 1 else f"{base}#{names[base]}",
+                               reason=why + (f"; {rec.reason}" if rec.reason else ""))
+                n.meta[meta.LOOKUP] = rec
+                found.append(rec)
+            found += _annotate_hidden(gm, body.graph.nodes, inner, names)
+    return found
 
 
 def _replace(rec: meta.LookupRecord, **kw) -> meta.LookupRecord:
@@ -172,8 +210,10 @@ def _replace(rec: meta.LookupRecord, **kw) -> meta.LookupRecord:
     return dataclasses.replace(rec, **kw)
 
 
-def _record(gm: fx.GraphModule, node: fx.Node) -> Optional[meta.LookupRecord]:
-    weight = node.args[0]
+def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None) -> Optional[meta.LookupRecord]:
+    """``weight``: the node of ``gm``'s graph the lookup's weight is (for a lookup in the body of a
+    higher-order op, whose weight is a placeholder of the body), by default its own argument."""
+    weight = node.args[0] if weight is None else weight
     ids = node.args[1]
     if not isinstance(weight, fx.Node) or not isinstance(ids, fx.Node):
         return None

@@ -29,20 +29,17 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False, {})
     used = set()
     assigned = 0
-    for node in gm.graph.nodes:
-        rec = node.meta.get(meta.LOOKUP)
-        if rec is None:
-            continue
+    for rec in meta.all_records(gm):  # (lookups left in no_grad / autocast blocks too: theirs as torch.optim)
         opt = resolve(spec, rec.table, rec.param)
         if opt is None:
             continue
         if isinstance(spec, dict):
             used.update(k for k, v in spec.items() if v is opt)
-        node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=opt)
+        rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=opt)
         assigned += 1
     if isinstance(spec, dict):
         unused = [k for k in spec if k not in used]
         if unused:
-            tables = sorted({n.meta[meta.LOOKUP].table for n in gm.graph.nodes if meta.LOOKUP in n.meta})
+            tables = sorted({r.table for r in meta.all_records(gm)})
             raise InputError(f"fxrec: optimizer keys {unused} match no embedding table; the tables are {tables}")
     return PassResult(gm, False, {"lookups_with_optimizer": assigned})

@@ -69,8 +69,7 @@ def quantize_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         grouped = [(r.table, r.param) for gr in ctx.groups for r in gr.lookups]
         unused = [k for k in spec if not any(names_table(k, t, p) for t, p in grouped)]
         if unused:
-            alone = sorted({n.meta[meta.LOOKUP].table for n in gm.graph.nodes
-                            if meta.LOOKUP in n.meta and not n.meta[meta.LOOKUP].lowerable})
+            alone = sorted({r.table for r in meta.all_records(gm) if not r.lowerable})
             raise InputError(f"fxrec: quantize keys {unused} match no table fxrec groups; the tables are "
                              f"{sorted({t for t, _ in grouped})}"
                              + (f" (left as written, so not quantized: {alone})" if alone else ""))

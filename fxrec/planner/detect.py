@@ -111,7 +111,7 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
     ctx = PassContext(config=Config(), report=Report(), example_args=args, example_kwargs=kwargs,
                       logger=logger or logging.getLogger("fxrec"))
     gm = PassManager([annotate_lookups, merge_lookups, group_lookups]).run(gm, ctx)
-    records = [n.meta[meta.LOOKUP] for n in gm.graph.nodes if meta.LOOKUP in n.meta]
+    records = meta.all_records(gm)
     grouped = {r.table for r in records if r.lowerable}
     tables: Dict[str, FoundTable] = {}
     skipped: Dict[str, str] = {}
