@@ -212,6 +212,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     module doc)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxrec.transform needs an nn.Module, got {type(model).__name__}")
+    _check_call(model, args, kwargs)
     reads = TrainingReads(model)
     try:
         with reads:
@@ -235,6 +236,24 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
 
     gm.meta[MODES_KEY] = bind_modes(gm, model, reads, recapture)
     return gm
+
+
+def _check_call(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """The example inputs must fit the model's ``forward`` (else export's own error, which does not say
+    that ``example_inputs`` are the positional arguments)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return  # (a forward inspect cannot read: export says what it finds)
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        from .pass_infra import InputError
+
+        raise InputError(
+            f"fxrec: the example inputs do not fit {type(model).__name__}.forward{sig}: {e} ({len(args)} positional "
+            "given). example_inputs are forward's positional arguments, a tuple (a list is taken as one too): "
+            "for one argument that is a list, pass ([...],)") from None
 
 
 def input_guards(gm: torch.nn.Module) -> Optional[InputGuards]:

@@ -178,3 +178,23 @@ def test_include_last_offset_with_padding_and_bad_offsets(backend):
         torch.testing.assert_close(fast(ids, torch.tensor([0, 2, 2, 5, 6])), model(ids, torch.tensor([0, 2, 2, 5, 6])))
         with pytest.raises((ValueError, RuntimeError), match=r"offsets of feature 'ids' \(table 'b'\)|offsets\[-1\] can not be greater"):
             fast(ids, torch.tensor([0, 2, 2, 5, 9]))
+
+
+def test_example_inputs_that_do_not_fit_forward_say_they_are_its_positional_arguments():
+    """(A list of three tensors for forward(self, ids) failed inside torch.export: "too many
+    positional arguments".)"""
+    class ListModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(10, 4, mode="sum") for _ in range(3))
+
+        def forward(self, ids):
+            return torch.cat([b(i) for b, i in zip(self.bags, ids)], 1)
+
+    ids = [torch.randint(0, 10, (4, 2)) for _ in range(3)]
+    with pytest.raises(fxrec.pass_infra.InputError,
+                       match=r"the example inputs do not fit ListModel.forward\(ids\): too many positional arguments "
+                             r"\(3 positional given\)\. .*for one argument that is a list, pass \(\[\.\.\.\],\)"):
+        fxrec.transform(ListModel(), ids)
+    model = ListModel()
+    torch.testing.assert_close(fxrec.transform(model, (ids,))(ids), model(ids), rtol=0, atol=0)
