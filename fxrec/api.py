@@ -247,6 +247,11 @@ def transform(
             for w, spec in zip(n.args[3], gm.get_submodule(n.target).tables):
                 if w.target in table_opts:
                     table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
+    for fqn, (opt, sparse) in table_opts.items():
+        why = opt.sparse_refusal() if sparse and fqn not in {f for _, fs in _fused_groups(gm) for f in fs} else ""
+        if why:
+            raise InputError(f"fxrec: table '{fqn[:-len('.weight')] if fqn.endswith('.weight') else fqn}' cannot "
+                             f"train with {opt.describe()}: {why}")
     gm.meta["fxrec_table_optimizers"] = table_opts
     gm.meta["fxrec_fused_groups"] = _fused_groups(gm)
     if plan is None:

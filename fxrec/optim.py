@@ -49,6 +49,10 @@ class EmbeddingOptimizer:
         (``sparse``: the tables were created with sparse=True)."""
         raise NotImplementedError
 
+    def sparse_refusal(self) -> str:
+        """Why the fallback cannot train a table of sparse gradients with these arguments, or ""."""
+        return ""
+
     def describe(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in asdict(self).items())
         return f"{type(self).__name__}({args})"
@@ -167,6 +171,11 @@ class Adam(EmbeddingOptimizer):
     def fused_unsupported_reason(self) -> str:
         return ("torch.optim.Adam updates every row at every step, fbgemm's Adam only the rows in the batch "
                 "(fxrec.optim.LazyAdam fuses that on CUDA)")
+
+    def sparse_refusal(self) -> str:
+        given = [n for n, v in (("weight_decay", self.weight_decay), ("amsgrad", self.amsgrad)) if v]
+        return (f"its gradients are sparse (sparse=True), where Adam runs as torch.optim.SparseAdam, which has no "
+                f"{' and no '.join(given)}; make the table dense, or drop them") if given else ""
 
     def torch_optimizer(self, params, sparse=False):
         if sparse:

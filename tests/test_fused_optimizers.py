@@ -839,3 +839,17 @@ def test_lookups_in_autocast_and_no_grad_blocks_are_reported_and_keep_their_opti
         opt.step()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(fast.get_parameter(name), p, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kw", [dict(weight_decay=0.5), dict(amsgrad=True)], ids=["weight_decay", "amsgrad"])
+def test_adam_arguments_sparse_adam_lacks_are_refused_for_a_sparse_table(kw):
+    """Adam on a sparse=True table runs as torch.optim.SparseAdam, which has no weight decay and no
+    amsgrad: refused, naming the table (they were dropped without a word)."""
+    model = M.BagList(rows=ROWS)
+    for bag in model.bags:
+        bag.sparse = True
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=rf"table 'bags.0' cannot train with Adam\(.*\): its gradients are sparse "
+                                         rf"\(sparse=True\), where Adam runs as torch.optim.SparseAdam, which has no {name}"):
+        fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.Adam(lr=0.01, **kw))
+    fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.Adam(lr=0.01))  # (without them: SparseAdam)
