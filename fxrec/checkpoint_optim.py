@@ -185,6 +185,9 @@ def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
                         continue
                     entry = f"{fqn}{OPTIM_TAG}{name}"
                     kind = rec["states"][name] = _kind(v, p)
+                    if v.is_sparse:  # (torch.optim.SGD's momentum of a sparse gradient): saved dense, loaded sparse
+                        rec.setdefault("sparse", {})[name] = v.sparse_dim()
+                        v = v.to_dense()
                     t = v.detach().unsqueeze(1) if kind == "rows" else v.detach()
                     if fqn in layout and kind != "tensor":
                         out.cut[entry] = _state_cut(fqn, layout, per_row=kind == "rows")
@@ -266,8 +269,10 @@ def read_records(path: str) -> Optional[Dict[str, dict]]:
             states, values = dict(rec["states"]), {k: _decode(v) for k, v in rec["values"].items()}
             if any(k not in KINDS for k in states.values()) or not all(isinstance(k, str) for k in states):
                 raise ValueError(f"the states of '{fqn}' are {states!r}")
+            # states saved dense, loaded sparse with that many sparse dims
+            sparse = {str(k): int(d) for k, d in rec.get("sparse", {}).items() if k in states}
             out[str(fqn)] = {"group": groups[int(rec["group"])], "states": states, "values": values,
-                             "fused": rec.get("fused") is True}
+                             "fused": rec.get("fused") is True, "sparse": sparse}
     except Exception as e:  # noqa: BLE001 - damaged, or not written by fxrec
         raise CheckpointError(f"fxrec.checkpoint: {file} cannot be read as a checkpoint's optimizer state: "
                               f"{type(e).__name__}: {e}") from e
@@ -305,7 +310,8 @@ class Load:
             if spec[0] == "value":
                 return spec[1]
             t = spec[1] if spec[0] == "piece" else staged[spec[1]]
-            return t.squeeze(1) if spec[2] == "rows" else t
+            t = t.squeeze(1) if spec[2] == "rows" else t
+            return t.to_sparse(spec[3]) if spec[3] else t
 
         for target in self.targets:
             o, state, groups, i = target.optimizer, {}, [], 0
@@ -372,6 +378,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
                     continue
                 hps[fqn] = rec["group"]
                 got: dict = {name: ("value", v) for name, v in rec["values"].items()}
+                sparse = rec.get("sparse", {})
                 for name, kind in rec["states"].items():
                     entry = f"{fqn}{OPTIM_TAG}{name}"
                     meta = md.get(entry)
@@ -397,10 +404,10 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
                             continue
                         local = (p.shape[0], 1) if kind == "rows" else tuple(p.shape)
                         t = out.cut_tensors[entry] = torch.empty(local, dtype=dtype, device=p.device)
-                        got[name] = ("piece", t, kind)
+                        got[name] = ("piece", t, kind, sparse.get(name, 0))
                     else:  # zero strides: _load_staged allocates the tensor it reads into
                         out.whole[entry] = torch.empty((), dtype=dtype, device=p.device).expand(tuple(meta.size))
-                        got[name] = ("whole", entry, kind)
+                        got[name] = ("whole", entry, kind, sparse.get(name, 0))
                 target.states.append(got)
             target.groups.append(_group_hyperparameters(hps, strict, problems))
         out.targets.append(target)

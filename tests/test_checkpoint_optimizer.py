@@ -317,3 +317,46 @@ def test_sharded_optimizer_state_resumes_at_world_4_under_another_plan_and_in_on
     for name in got:
         for k in got[name]:
             torch.testing.assert_close(got[name][k], want[name][k], **TOL, msg=f"{k} of {name}")
+
+
+class _SparseMomentum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(50, 8, mode="sum", sparse=True)
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(self.bag(ids, offsets))
+
+
+def test_a_sparse_momentum_buffer_is_saved_dense_and_resumes_sparse(tmp_path):
+    """torch.optim.SGD keeps the momentum of a sparse=True table's gradients as a sparse tensor,
+    which DCP cannot write (the save died inside it, leaving a partial directory)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 50, (12,), generator=g), torch.arange(0, 12, 3)) for _ in range(4)]
+
+    def make():
+        torch.manual_seed(0)
+        fast = fxrec.transform(_SparseMomentum(), batches[0], optimizer=fxrec.optim.SGD(lr=0.1, momentum=0.9))
+        return fast, fast.make_optimizer(torch.optim.SGD, lr=0.1)
+
+    def step(fast, opt, x):
+        opt.zero_grad()
+        fast(*x).sum().backward()
+        opt.step()
+
+    fast, opt = make()
+    for x in batches[:2]:
+        step(fast, opt, x)
+    fxrec.checkpoint.save(fast, str(tmp_path / "ck"), optimizer=opt)
+    again, again_opt = make()
+    fxrec.checkpoint.load(again, str(tmp_path / "ck"), optimizer=again_opt)
+    [state] = again_opt.fallbacks[0].state.values()
+    assert state["momentum_buffer"].is_sparse
+    [before] = opt.fallbacks[0].state.values()
+    torch.testing.assert_close(state["momentum_buffer"].to_dense(), before["momentum_buffer"].to_dense(), rtol=0, atol=0)
+    for x in batches[2:]:
+        step(fast, opt, x)
+        step(again, again_opt, x)
+    for (name, a), (_, b) in zip(fast.state_dict().items(), again.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
