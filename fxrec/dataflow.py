@@ -33,13 +33,13 @@ _MAY_ALIAS = {aten.reshape.default, aten.flatten.using_ints, aten.contiguous.def
 def is_impure(node: fx.Node) -> bool:
     """Whether ``node`` has an effect beyond its result (its place among such nodes is kept). A
     higher-order op (``torch.no_grad()`` / ``torch.autocast`` blocks, control flow) has one where
-    its body does: it is then taken to write everything it is given (see :class:`SideEffects`)."""
+    its body does (:func:`hop_effects`)."""
     if node.op in ("placeholder", "output", "call_module", "call_method"):
         return True
     if node.op != "call_function":
         return False
     if isinstance(node.target, torch._ops.HigherOrderOperator):
-        return _body_has_effects(node)
+        return hop_effects(node)[0]
     try:
         return node.is_impure()
     except Exception:  # noqa: BLE001 - what cannot be told is kept in place
@@ -68,28 +68,31 @@ def bodies(node: fx.Node) -> List[Tuple[fx.GraphModule, List[Optional[fx.Node]]]
     return out
 
 
-def _body_has_effects(node: fx.Node) -> bool:
-    """Whether the graphs a higher-order op runs (its GraphModule arguments) hold an effect: an
-    impure node or an op that writes an argument. True where they cannot be found."""
-    root = node.graph.owning_module
-    if root is None:
-        return True
-    bodies = [a for a in node.all_input_nodes if a.op == "get_attr"]
-    for a in bodies:
-        try:
-            sub = root.get_submodule(a.target)
-        except AttributeError:
-            continue  # a tensor attribute, not a body
-        if not isinstance(sub, fx.GraphModule):
-            continue
-        for n in sub.graph.nodes:
-            if n.op in ("placeholder", "output", "get_attr"):
+def hop_effects(node: fx.Node) -> Tuple[bool, List[fx.Node], List[fx.Node]]:
+    """``(impure, written, aliased)`` of a higher-order op's call, from the graphs it runs:
+    whether they hold an impure node (an assert, a random op) or a write to what they are given;
+    the operands they write in place (or a view of); the operands their results may share memory
+    with (a view of one returned). Where no body can be read: impure, writing and sharing every
+    operand."""
+    found = bodies(node)
+    if not found:
+        operands = list(node.all_input_nodes)
+        return True, operands, operands
+    impure, written, aliased = False, [], []
+    for body, operands in found:
+        nodes = list(body.graph.nodes)
+        effects = SideEffects(nodes)
+        impure = impure or any(n.op not in ("placeholder", "output", "get_attr") and is_impure(n) for n in nodes)
+        returned = {effects.alias_root(x) for x in nodes[-1].all_input_nodes} if nodes[-1].op == "output" else set()
+        holders = [n for n in nodes if n.op == "placeholder"]
+        for h, o in zip(holders, operands):
+            if o is None:
                 continue
-            if is_impure(n):
-                return True
-            if any(a.alias_info is not None and a.alias_info.is_write for a, _ in schema_args(n)):
-                return True
-    return False
+            if h in effects.written:
+                written.append(o)
+            if effects.alias_root(h) in returned:
+                aliased.append(o)
+    return impure or bool(written), written, aliased
 
 
 def schema_args(node: fx.Node):
@@ -141,6 +144,13 @@ class SideEffects:
                 continue
             if n.op == "call_function" and n.target in _MAY_ALIAS and n.args and isinstance(n.args[0], fx.Node):
                 union(n, n.args[0])
+            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+                _, hop_written, hop_aliased = hop_effects(n)
+                for x in hop_aliased:  # its results are (views of) these
+                    union(n, x)
+                if hop_written:
+                    writes.append((n, hop_written, True))
+                continue
             schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
             if schema is None:
                 if is_impure(n) and n.all_input_nodes:
@@ -164,9 +174,10 @@ class SideEffects:
         # The model's inputs may share memory at call time (the same tensor passed twice, or a view
         # of another input): where one is written in place, every input may be.
         inputs = [n for n in nodes if n.op == "placeholder"]
-        if any(find(x) in {find(p) for p in inputs} for _, ws, _ in writes for x in ws):
+        if any(real and find(x) in {find(p) for p in inputs} for _, ws, real in writes for x in ws):
             for p in inputs[1:]:
                 union(p, inputs[0])
+        self.alias_root = find  # the node standing for everything that may share memory with a node
         self.preds: Dict[fx.Node, List[fx.Node]] = {}
         for a, b in zip(impure, impure[1:]):
             self.preds.setdefault(b, []).append(a)

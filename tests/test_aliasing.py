@@ -472,3 +472,34 @@ def test_inputs_that_share_memory_with_one_written_in_place_give_the_plain_model
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     assert got[0].data_ptr() != got[1].data_ptr()
+
+
+class _ViewFromNoGrad(nn.Module):
+    """A view of an input made inside a ``torch.no_grad()`` block, written in place after it: a
+    write to the input, between the lookups of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = nn.EmbeddingBag(50, 4, mode="sum")
+        self.f = nn.EmbeddingBag(50, 4, mode="sum")
+
+    def forward(self, ids, off, ids2, off2):
+        first = self.e(ids, off)
+        with torch.no_grad():
+            v = ids.view(-1)
+        v.clamp_(max=10)
+        return torch.cat([first, self.f(ids, off), self.f(ids2, off2)], 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_view_made_in_a_no_grad_block_and_written_after_it_is_a_write_to_its_input(backend):
+    """(The block's result was not known to share memory with what it was given: the lookup
+    after the write moved before it.)"""
+    torch.manual_seed(0)
+    model = _ViewFromNoGrad()
+    plain = copy.deepcopy(model)
+    x = (torch.randint(0, 40, (10,)), torch.tensor([0, 3, 6]), torch.randint(0, 40, (4,)), torch.tensor([0, 1, 2]))
+    fast = fxrec.transform(model, tuple(t.clone() for t in x), **_kw(backend))
+    want, got = plain(*(t.clone() for t in x)), fast(*(t.clone() for t in x))
+    assert not torch.equal(want[:, :4], want[:, 4:8])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

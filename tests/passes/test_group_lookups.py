@@ -598,3 +598,31 @@ def test_pooled_lookups_the_model_concatenates_share_one_batch_size_and_one_grou
     groups, ctx, _ = groups_of(M.BagList(), M.bag_inputs())
     assert groups == [["bags.0", "bags.1", "bags.2"]]
     assert len({g.key[-1] for g in ctx.groups}) == 1 and ctx.groups[0].key[-1] not in ("", None)
+
+
+class AutocastBetween(nn.Module):
+    """A torch.autocast block between two lookups that writes nothing it is given (an assert of a
+    dtype, a ReLU in place on its own result, dropout inside): the lookups still form one group."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(50, 8, mode="sum")
+        self.b = nn.EmbeddingBag(50, 8, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Dropout(0.0))
+
+    def forward(self, dense, ids_a, off_a, ids_b, off_b):
+        x = self.a(ids_a, off_a)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            d = self.mlp(dense).float()
+        return torch.cat([x, self.b(ids_b, off_b), d], 1)
+
+
+def test_a_block_that_writes_nothing_it_is_given_leaves_the_lookups_around_it_one_group():
+    """(Any effect inside the block made it write everything it was given, every model input with
+    it: the lookups around it split in two groups.)"""
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.rand(4, 4, generator=g), torch.randint(0, 50, (9,), generator=g), torch.tensor([0, 2, 5, 7]),
+              torch.randint(0, 50, (6,), generator=g), torch.tensor([0, 1, 3, 4]))
+    gm, ctx = run_passes(captured(AutocastBetween(), inputs), [annotate_lookups, merge_lookups, group_lookups], inputs)
+    assert [[r.table for r in gr.lookups] for gr in ctx.groups] == [["a", "b"]]
+    assert_inputs_before_users(gm)
