@@ -270,6 +270,11 @@ def _fast_attr_lines(src: str, nodes, root_module: str, fn: str = "fxrec_attr", 
 #: inf, nan, NoneType, pytree, fx_pytree) and Python's builtins (isinstance, len, type, ...)
 _GLOBAL_NAMES = {k: v for k, v in vars(builtins).items() if not k.startswith("_")}
 _GLOBAL_NAMES.update({k: getattr(v, "obj", v) for k, v in getattr(fx.graph, "_custom_builtins", {}).items()})
+#: of those, what the TorchScript form's code can read (its checks, fx's code for the graph): an
+#: argument named so takes another name there (the others, ``input``, ``id``, keep theirs)
+_READ_WHEN_TYPED = set(getattr(fx.graph, "_custom_builtins", {})) | {
+    "len", "isinstance", "list", "tuple", "type", "getattr", "slice", "int", "float", "bool", "str", "range",
+    "min", "max", "abs", "ValueError", "RuntimeError", "AssertionError", "Exception"}
 
 def _give_back(src: str, func: str, prologue: int, shadowed: dict, nodes) -> str:
     """``src`` with each global name an argument hides (``shadowed``: name -> (alias, object)) given
@@ -345,7 +350,8 @@ class StructuredCodeGen(fx.graph.CodeGen):
             if name in _GLOBAL_NAMES:
                 # (a name of its own: fx's namespace would hand back the name it knows the object by)
                 if self.typed:
-                    self._renamed[name] = self._global(f"{name}_arg", object())
+                    if name in _READ_WHEN_TYPED:
+                        self._renamed[name] = self._global(f"{name}_arg", object())
                 else:
                     self._shadowed[name] = (self._global(f"fxrec_global_{name}", object()), _GLOBAL_NAMES[name])
         params, lines, paths = [], [], []
@@ -365,7 +371,7 @@ class StructuredCodeGen(fx.graph.CodeGen):
                 "so (transform with it given, to pass it)", name))
         for k, (expr, _) in enumerate(paths):
             if k in self.none_leaves:
-                shown = expr.replace("'", "")
+                shown = self._shown(expr)
                 lines.append(f"if {expr} is not None: " + self._raise(
                     f"fxrec: input {shown} was None when the model was captured and must stay None", expr))
         bind = [(leaf, expr) for leaf, (expr, _) in zip(leaves, paths) if leaf != expr and leaf not in self._renamed]
@@ -374,6 +380,14 @@ class StructuredCodeGen(fx.graph.CodeGen):
         self._prologue = len(lines)
         head = f"def {self._func_name}(self, {', '.join(params)}){maybe_return_annotation}:"
         return head + "".join(f"\n    {line}" for line in lines)
+
+    def _shown(self, expr: str) -> str:
+        """``expr`` (an input, or a part of one) as errors name it: by the model's argument names."""
+        shown = expr.replace("'", "")
+        for name, renamed in getattr(self, "_renamed", {}).items():
+            if shown == renamed or shown.startswith(renamed + "["):
+                return name + shown[len(renamed):]
+        return shown
 
     def _b(self, name: str) -> str:
         """How the code's first lines (before the inputs are bound) read the global ``name``."""
@@ -397,7 +411,7 @@ class StructuredCodeGen(fx.graph.CodeGen):
     def _length_checks(self, spec, expr: str, lines: List[str]) -> None:
         if spec.is_leaf():
             return
-        shown = expr.replace("'", "")
+        shown = self._shown(expr)
         if spec.type is type(None):
             lines.append(f"if {expr} is not None: " + self._raise(
                 f"fxrec: input {shown} was None when the model was captured and must stay None", expr))

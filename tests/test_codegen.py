@@ -378,3 +378,27 @@ def test_arguments_named_like_the_codes_globals_do_not_hide_them():
     with pytest.raises(ValueError, match="input type was left at its default 2"):
         fast(*batch(4, 1), type=3)
     torch.testing.assert_close(fxrec.export.torchscript(fast)(*batch(5, 2)), model(*batch(5, 2)), rtol=0, atol=0)
+
+
+class BuiltinNamedArguments(torch.nn.Module):
+    """Arguments named like builtins the TorchScript form's code does not read (input, id), and one
+    it does (len, a list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(30, 8, mode="sum") for _ in range(3)])
+
+    def forward(self, input, id, len):
+        return torch.cat([self.bags[0](input), self.bags[1](id), self.bags[2](len[0])], 1)
+
+
+def test_the_torchscript_form_keeps_argument_names_it_can_and_names_the_models_in_errors():
+    """(Every builtin-named argument was renamed, so ``scripted(input=...)`` failed, and errors said
+    ``input len_arg``.)"""
+    model = BuiltinNamedArguments()
+    x = [torch.randint(0, 30, (4, 3)) for _ in range(3)]
+    scripted = fxrec.export.torchscript(fxrec.transform(model, (x[0], x[1], [x[2]])))
+    torch.testing.assert_close(scripted(input=x[0], id=x[1], len_arg=[x[2]]), model(x[0], x[1], [x[2]]),
+                               rtol=0, atol=0)
+    with pytest.raises(Exception, match="input len must have 1 elements"):
+        scripted(x[0], x[1], [])

@@ -185,10 +185,10 @@ def test_a_transformed_model_gives_the_plain_models_numbers_through_both_packing
 
 def test_a_layout_seen_before_reuses_its_starts_on_the_device_and_gives_the_same_offsets(monkeypatch):
     """Where each feature's ids start stays on the device from one call to the next of the same
-    layout (no copy at all in a training loop of one batch shape); a new layout is sent, and past
-    BASES_KEPT layouts new ones are sent every call, never dropped. The offsets are the written-out
-    ones every time, and the inputs are left as they were."""
-    monkeypatch.setattr(packing, "_BASES", {})
+    layout (no copy at all in a training loop of one batch shape); a new layout is sent and kept,
+    the least recently used of BASES_KEPT dropped. The offsets are the written-out ones every
+    time, and the inputs are left as they were."""
+    monkeypatch.setattr(packing, "_BASES", packing.OrderedDict())
     g = torch.Generator().manual_seed(3)
     ids, offs = _bags(g, 4, [5, 7, 2], [torch.int64, torch.int32, torch.int64])
     given = [o.clone() for o in offs]
@@ -207,10 +207,12 @@ def test_a_layout_seen_before_reuses_its_starts_on_the_device_and_gives_the_same
                        written_out(ids2, offs2, [None] * 3, [BAG] * 3)[1])
     assert len(packing._BASES) == 2
     monkeypatch.setattr(packing, "BASES_KEPT", 2)
+    pack(ids, offs, [None] * 3, [BAG] * 3, False)  # the first layout, used again: the most recent
     ids3, offs3 = _bags(g, 4, [4, 4, 4], [torch.int64] * 3)
     assert torch.equal(pack(ids3, offs3, [None] * 3, [BAG] * 3, False)[2],
                        written_out(ids3, offs3, [None] * 3, [BAG] * 3)[1])
-    assert len(packing._BASES) == 2
+    assert len(packing._BASES) == 2 and kept in packing._BASES.values()  # the second layout's was dropped
+    assert [k[2] for k in packing._BASES] == [14, 12]  # (their totals: the first layout's, the third's)
 
 
 def test_offsets_that_do_not_start_at_zero_are_given_as_firsts_by_both_packings(uniform_calls):

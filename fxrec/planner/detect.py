@@ -1,7 +1,8 @@
 """Tables of a model, as the planner needs them, found by fxrec's own detection.
 
-The model is captured (on a copy) exactly as :func:`fxrec.transform` captures it and only the
-``annotate_lookups`` pass runs; its :class:`fxrec.meta.LookupRecord` per lookup gives the table,
+The model is captured (on a copy) exactly as :func:`fxrec.transform` captures it and its
+deciding passes up to grouping run (``annotate_lookups``, ``merge_lookups``, ``group_lookups``);
+the :class:`fxrec.meta.LookupRecord` per lookup gives the table,
 rows, dim, dtype, feature and form. A table looked up by several features appears once, with
 one entry per feature. The ids per sample of each feature are read from the sizes the example
 inputs had (torch.export keeps them as the hints of the symbolic sizes):

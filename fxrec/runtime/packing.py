@@ -11,6 +11,7 @@ TorchScript compiles, so the eager group module (through :func:`pack_pooled` /
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import accumulate
 from operator import attrgetter
 from typing import Dict, List, Optional, Tuple
@@ -261,11 +262,12 @@ def _offsets_at_once(starts: List[Tensor], batch: int, bases: List[int], total: 
     return offsets, firsts
 
 
-#: the ids' starts of layouts seen before, on their device: (device, stream, bases..., total) -> tensor
-_BASES: Dict[tuple, Tensor] = {}
-#: how many layouts :data:`_BASES` keeps (a few KB each); past that, new ones are sent every call.
-#: None is ever dropped: a kernel queued on the device may still read it.
-BASES_KEPT = 256
+#: the ids' starts of the layouts seen last, on their device: (device, stream, total, bases...) -> tensor
+_BASES: "OrderedDict[tuple, Tensor]" = OrderedDict()
+#: how many layouts :data:`_BASES` keeps (a few KB each), the least recently used dropped first.
+#: Dropping one is safe: it was made on the stream of its key and is read only there, so the
+#: caching allocator hands its memory out again only after the kernels queued there before.
+BASES_KEPT = 64
 
 
 @torch.jit.unused
@@ -278,11 +280,14 @@ def _device_bases(bases: List[int], total: int, dev: torch.device) -> Tensor:
     key = (dev, stream, total, *bases)
     kept = _BASES.get(key)
     if kept is not None:
+        _BASES.move_to_end(key)
         return kept
     pinned = torch.tensor(bases + [total], dtype=torch.long, pin_memory=dev.type == "cuda")
     sent = pinned.to(dev, non_blocking=True)
-    if len(_BASES) < BASES_KEPT:
+    if BASES_KEPT > 0:
         _BASES[key] = sent
+        while len(_BASES) > BASES_KEPT:
+            _BASES.popitem(last=False)
     return sent
 
 
