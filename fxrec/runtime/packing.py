@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from itertools import accumulate
 from operator import attrgetter
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
