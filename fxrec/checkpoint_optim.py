@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import OPTIM_TAG, CheckpointError, _fmt, _pieces_of, _read_metadata, _state_cut
-from .runtime.optimizer import CombinedOptimizer
+from .runtime.optimizer import CombinedOptimizer, fused_hyperparameters
 
 INFO_FILE = "fxrec_optimizer.json"
 FORMAT = "fxrec-optimizer/1"
@@ -198,7 +198,7 @@ def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
                             out.agreed[entry] = t
                 out.records[fqn] = rec
     for group in fused:  # their states (and a fused Adam's step count) are the tables' fxrec_fused entries
-        hps = {"lr": _encode(group["lr"])}
+        hps = _hyperparameters(fused_hyperparameters(group), group["tables"][0] if group["tables"] else "")
         for fqn in group["tables"]:
             out.records[fqn] = {"group": hps, "states": {}, "values": {}, "fused": True}
     return out
@@ -299,7 +299,7 @@ class Load:
     cut: Dict[str, tuple] = field(default_factory=dict)
     cut_tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
     targets: List[_Target] = field(default_factory=list)
-    fused_lr: List[Tuple[dict, object]] = field(default_factory=list)
+    fused_lr: List[Tuple[dict, dict]] = field(default_factory=list)  # (fused group, its saved hyperparameters)
 
     def pieces(self, module: torch.nn.Module):
         return _pieces_of(module, self.cut, self.cut_tensors)
@@ -329,8 +329,8 @@ class Load:
             o.load_state_dict({"state": state, "param_groups": groups})
         if isinstance(self.optimizer, CombinedOptimizer):
             self.optimizer._collect_groups()  # load_state_dict replaced the sub-optimizers' group dicts
-            for group, lr in self.fused_lr:
-                group["lr"] = lr
+            for group, hps in self.fused_lr:
+                group.update(hps)
             self.optimizer._sync_fused_lr()
 
 
@@ -413,9 +413,9 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
         out.targets.append(target)
     for g in fused:
         hps = {fqn: rec["group"] for fqn in g["tables"] for rec in [usable(fqn, True)] if rec is not None}
-        lr = _group_hyperparameters(hps, strict, problems)
-        if lr and "lr" in lr:
-            out.fused_lr.append((g, lr["lr"]))
+        saved = _group_hyperparameters(hps, strict, problems)
+        if saved:
+            out.fused_lr.append((g, saved))
     if missing and strict:
         problems.append(f"the checkpoint has no optimizer state for parameters {sorted(missing)} (strict=False "
                         "leaves theirs as it is)")

@@ -853,3 +853,66 @@ def test_adam_arguments_sparse_adam_lacks_are_refused_for_a_sparse_table(kw):
                                          rf"\(sparse=True\), where Adam runs as torch.optim.SparseAdam, which has no {name}"):
         fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.Adam(lr=0.01, **kw))
     fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.Adam(lr=0.01))  # (without them: SparseAdam)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+def test_a_scheduler_resumes_on_the_fused_groups_after_a_load(how, tmp_path):
+    """A scheduler keeps ``initial_lr`` in every param group; a load kept only a fused group's
+    ``lr``, so ``StepLR(opt, ..., last_epoch=n)`` (torch's resume) raised KeyError for it."""
+    model = M.BagList(rows=ROWS)
+    x = M.bag_inputs(rows=ROWS)
+
+    def fresh():
+        fast = fxrec.transform(copy.deepcopy(model), x, optimizer=fxrec.optim.Adagrad(lr=0.1))
+        return fast, fast.make_optimizer(torch.optim.SGD, lr=0.05)
+
+    fast, opt = fresh()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        fast(*x).sum().backward()
+        opt.step()
+        sched.step()
+    again, again_opt = fresh()
+    if how == "state_dict":
+        again.load_state_dict(fast.state_dict())
+        again_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    else:
+        fxrec.checkpoint.save(fast, str(tmp_path / "ck"), optimizer=opt)
+        fxrec.checkpoint.load(again, str(tmp_path / "ck"), optimizer=again_opt)
+    assert [g["initial_lr"] for g in again_opt.param_groups] == [g["initial_lr"] for g in opt.param_groups]
+    resumed = torch.optim.lr_scheduler.StepLR(again_opt, step_size=1, gamma=0.5, last_epoch=2)
+    resumed.load_state_dict(sched.state_dict())
+    for g, want in zip(again_opt.param_groups, opt.param_groups):
+        g["lr"] = want["lr"]  # (the constructor stepped once more)
+    resumed.step()
+    sched.step()
+    assert [g["lr"] for g in again_opt.param_groups] == [g["lr"] for g in opt.param_groups]
+
+
+def test_a_param_group_added_to_the_combined_optimizer_is_stepped_and_zeroed():
+    """(It was appended to a list nothing steps: the new parameters never moved, their gradients
+    piled up.)"""
+    model = M.BagList(rows=ROWS)
+    x = M.bag_inputs(rows=ROWS)
+    fast = fxrec.transform(model, x, optimizer=fxrec.optim.SGD(lr=0.1))
+    head = nn.Linear(fast(*x).shape[1], 1)
+    plain_head = copy.deepcopy(head)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.05)
+    opt.add_param_group({"params": head.parameters(), "lr": 0.2})
+    assert opt.param_groups[-2]["lr"] == 0.2  # (the dense optimizer's, before the fused group)
+    plain_opt = torch.optim.SGD(plain_head.parameters(), lr=0.2)
+    for _ in range(3):
+        out = fast(*x).detach()
+        opt.zero_grad()
+        plain_opt.zero_grad()
+        head(out).sum().backward()
+        plain_head(out).sum().backward()
+        opt.step()
+        plain_opt.step()
+    torch.testing.assert_close(head.weight, plain_head.weight, rtol=0, atol=0)
+    opt.zero_grad()
+    assert head.weight.grad is None
+    with pytest.raises(ValueError, match="no dense optimizer to add a param group to"):
+        from fxrec.runtime.optimizer import CombinedOptimizer
+        CombinedOptimizer(None, [], []).add_param_group({"params": [torch.zeros(1, requires_grad=True)]})

@@ -31,6 +31,12 @@ class FollowLearningRate:
         module.set_learning_rate(self.group["lr"])
 
 
+def fused_hyperparameters(group: dict) -> dict:
+    """A fused group's hyperparameters (``lr``, and what schedulers add: ``initial_lr``), without
+    its parameters and fxrec's own keys."""
+    return {k: v for k, v in group.items() if k not in ("params", "tables", "fxrec_fused")}
+
+
 class CombinedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
@@ -97,6 +103,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
             "fallback": [o.state_dict() for o in self.fallbacks],
             "fused": fused_state,
             "fused_lr": {g["fxrec_fused"]: g["lr"] for g in self.fused_groups},
+            # every other hyperparameter of the fused groups (a scheduler's initial_lr)
+            "fused_groups": {g["fxrec_fused"]: fused_hyperparameters(g) for g in self.fused_groups},
             "fused_step": self.fused_steps(),
         }
 
@@ -142,9 +150,22 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 v.copy_(saved[key])
         self.set_fused_steps(state_dict.get("fused_step", {}), only_given=True)
         for g in self.fused_groups:
+            g.update(state_dict.get("fused_groups", {}).get(g["fxrec_fused"], {}))
             if g["fxrec_fused"] in state_dict.get("fused_lr", {}):
                 g["lr"] = state_dict["fused_lr"][g["fxrec_fused"]]
         self._sync_fused_lr()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Into the dense optimizer (its step and zero_grad are this one's): torch.optim's
+        ``add_param_group`` on this optimizer's list would add a group nothing steps."""
+        if not hasattr(self, "fused_groups"):  # (torch.optim.Optimizer.__init__'s own call)
+            return super().add_param_group(param_group)
+        if self.dense is None:
+            raise ValueError("fxrec: this optimizer has no dense optimizer to add a param group to (the model had no "
+                             "dense parameters when make_optimizer made it): make another optimizer for the new "
+                             "parameters")
+        self.dense.add_param_group(param_group)
+        self._collect_groups()
 
     def __repr__(self) -> str:
         parts = [f"dense: {type(self.dense).__name__ if self.dense is not None else None}"]
