@@ -198,3 +198,24 @@ def test_example_inputs_that_do_not_fit_forward_say_they_are_its_positional_argu
         fxrec.transform(ListModel(), ids)
     model = ListModel()
     torch.testing.assert_close(fxrec.transform(model, (ids,))(ids), model(ids), rtol=0, atol=0)
+
+
+def test_per_sample_weights_follow_the_tables_dtype_after_double():
+    """After ``.double()`` the tables are fp64, and so must their per-sample weights be, as for the
+    plain model (fp64 weights were refused as not float32)."""
+    class Weighted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(30, 8, mode="sum")
+
+        def forward(self, ids, offsets, psw):
+            return self.bag(ids, offsets, per_sample_weights=psw)
+
+    model = Weighted()
+    ids, offsets, psw = torch.arange(1, 9), torch.tensor([0, 2, 4, 6]), torch.rand(8)
+    fast = fxrec.transform(model, (ids, offsets, psw)).double()
+    model.double()
+    torch.testing.assert_close(fast(ids, offsets, psw.double()), model(ids, offsets, psw.double()), rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"feature 'ids' \(table 'bag'\) got per-sample weights of dtype torch.float32; "
+                                        r"they must be torch.float64"):
+        fast(ids, offsets, psw)

@@ -97,12 +97,15 @@ class InputChecks:
                 f"'{self.tables[f.table].name}', which has {rows} rows (valid ids: 0..{rows - 1})"
             )
 
-    def _check_weights(self, psw_list) -> None:
-        """Per-sample weights of the dtype of the group's tables in the user's model (float32, or
-        float16; fp32 tables stored lower by weights_precision= still take float32), as
+    def _check_weights(self, psw_list, weights=None) -> None:
+        """Per-sample weights of the dtype of the group's tables (``weights``: its parameters, of the
+        model's dtype, which ``.double()`` changes; float32 or float16 as captured where none are
+        given; fp32 tables stored lower by weights_precision= still take float32), as
         nn.EmbeddingBag wants its weight's (fbgemm's kernels would take others, converted): else a
         TypeError naming the feature."""
         want = self._psw_dtypes
+        if weights and not self.weights and weights[0].dtype not in want:
+            want = {weights[0].dtype}
         try:  # (the common case in C-level reads: every feature weighted, of that dtype)
             if set(map(_dtype, psw_list)) <= want:
                 return

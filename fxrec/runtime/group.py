@@ -52,7 +52,7 @@ def group_forward(forward):
         if self._bag_features:
             ids_list, offsets_list = self._promote_bags(ids_list, offsets_list)
         if self._any_weighted:
-            self._check_weights(psw_list)
+            self._check_weights(psw_list, params[0] if params else None)
         if exporting():
             self._check_count(ids_list)
             self._assert_inputs(ids_list, offsets_list)
