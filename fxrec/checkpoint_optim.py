@@ -282,7 +282,8 @@ def read_records(path: str) -> Optional[Dict[str, dict]]:
 @dataclass
 class _Target:
     """One torch optimizer's load: per parameter (in its groups' order) the states to give it
-    (name -> ("piece", tensor, kind) | ("whole", entry, kind) | ("value", value)) or None (kept),
+    (name -> ("piece", tensor, kind, sparse dims) | ("whole", entry, kind, sparse dims) | ("value", value);
+    sparse dims 0: loaded dense) or None (kept),
     and per group the hyperparameters to put over its own (or None)."""
 
     optimizer: torch.optim.Optimizer
@@ -350,6 +351,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
 
     names = _names(module)
     subs, fused = _parts(optimizer)
+    tables = getattr(module, "meta", {}).get("fxrec_table_optimizers", {})  # fqn -> (optimizer, sparse)
     out = Load(optimizer)
     missing: List[str] = []
 
@@ -378,7 +380,8 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
                     continue
                 hps[fqn] = rec["group"]
                 got: dict = {name: ("value", v) for name, v in rec["values"].items()}
-                sparse = rec.get("sparse", {})
+                # loaded sparse where saved so, unless the table here makes dense gradients (sparse=False)
+                sparse = rec.get("sparse", {}) if tables.get(fqn, (None, True))[1] else {}
                 for name, kind in rec["states"].items():
                     entry = f"{fqn}{OPTIM_TAG}{name}"
                     meta = md.get(entry)

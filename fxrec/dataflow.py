@@ -53,6 +53,7 @@ def bodies(node: fx.Node) -> List[Tuple[fx.GraphModule, List[Optional[fx.Node]]]
     if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
         return []
     root = node.graph.owning_module
+    name = getattr(node.target, "__name__", "")
     out = []
     for i, a in enumerate(node.args):
         if not isinstance(a, fx.Node) or a.op != "get_attr" or root is None:
@@ -62,10 +63,20 @@ def bodies(node: fx.Node) -> List[Tuple[fx.GraphModule, List[Optional[fx.Node]]]
         except AttributeError:
             continue
         if isinstance(sub, fx.GraphModule):
-            operands = [x if isinstance(x, fx.Node) else None for x in node.args[i + 1:]]
+            if name in _FLAT_OPERANDS:  # the operands follow the body
+                given = list(node.args[i + 1:])
+            elif name == "cond" and len(node.args) > 3 and isinstance(node.args[3], (list, tuple)):
+                given = list(node.args[3])  # cond(pred, true_fn, false_fn, operands)
+            else:
+                given = []  # an op whose operands fxrec does not know how to read: unknown
+            operands = [x if isinstance(x, fx.Node) else None for x in given]
             holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
             out.append((sub, [operands[k] if k < len(operands) else None for k in range(len(holders))]))
     return out
+
+
+#: higher-order ops called as (..., body, *operands): the body's placeholders take the operands
+_FLAT_OPERANDS = ("wrap_with_set_grad_enabled", "wrap_with_autocast")
 
 
 def hop_effects(node: fx.Node) -> Tuple[bool, List[fx.Node], List[fx.Node]]:
@@ -75,24 +86,30 @@ def hop_effects(node: fx.Node) -> Tuple[bool, List[fx.Node], List[fx.Node]]:
     with (a view of one returned). Where no body can be read: impure, writing and sharing every
     operand."""
     found = bodies(node)
-    if not found:
-        operands = list(node.all_input_nodes)
+    if not found or any(o is None for _, operands in found for o in operands):
+        operands = [x for x in node.all_input_nodes if x.op != "get_attr" or not _is_body(node, x)]
         return True, operands, operands
     impure, written, aliased = False, [], []
     for body, operands in found:
         nodes = list(body.graph.nodes)
-        effects = SideEffects(nodes)
-        impure = impure or any(n.op not in ("placeholder", "output", "get_attr") and is_impure(n) for n in nodes)
+        effects = SideEffects(nodes)  # (its bodies' higher-order ops read once each, in there)
+        impure = impure or any(n.op != "placeholder" for n in effects.impure)
         returned = {effects.alias_root(x) for x in nodes[-1].all_input_nodes} if nodes[-1].op == "output" else set()
         holders = [n for n in nodes if n.op == "placeholder"]
         for h, o in zip(holders, operands):
-            if o is None:
-                continue
             if h in effects.written:
                 written.append(o)
             if effects.alias_root(h) in returned:
                 aliased.append(o)
     return impure or bool(written), written, aliased
+
+
+def _is_body(node: fx.Node, a: fx.Node) -> bool:
+    root = node.graph.owning_module
+    try:
+        return root is not None and isinstance(root.get_submodule(a.target), fx.GraphModule)
+    except AttributeError:
+        return False
 
 
 def schema_args(node: fx.Node):
@@ -137,6 +154,15 @@ class SideEffects:
                 if n.op == "placeholder":
                     impure.append(n)
                 continue
+            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+                hop_impure, hop_written, hop_aliased = hop_effects(n)  # (once: it reads the bodies)
+                if hop_impure:
+                    impure.append(n)
+                for x in hop_aliased:  # its results are (views of) these
+                    union(n, x)
+                if hop_written:
+                    writes.append((n, hop_written, True))
+                continue
             if is_impure(n):
                 impure.append(n)
             if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
@@ -144,13 +170,6 @@ class SideEffects:
                 continue
             if n.op == "call_function" and n.target in _MAY_ALIAS and n.args and isinstance(n.args[0], fx.Node):
                 union(n, n.args[0])
-            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
-                _, hop_written, hop_aliased = hop_effects(n)
-                for x in hop_aliased:  # its results are (views of) these
-                    union(n, x)
-                if hop_written:
-                    writes.append((n, hop_written, True))
-                continue
             schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
             if schema is None:
                 if is_impure(n) and n.all_input_nodes:
@@ -178,6 +197,7 @@ class SideEffects:
             for p in inputs[1:]:
                 union(p, inputs[0])
         self.alias_root = find  # the node standing for everything that may share memory with a node
+        self.impure = impure  # the impure nodes, in order (placeholders included)
         self.preds: Dict[fx.Node, List[fx.Node]] = {}
         for a, b in zip(impure, impure[1:]):
             self.preds.setdefault(b, []).append(a)

@@ -65,6 +65,8 @@ class LookupRecord:
     # a pooled lookup's batch size as captured (group_lookups: one name for the sizes it can prove
     # equal, "s20"), or "" (unpooled, or not yet named)
     batch: str = ""
+    # False for a lookup inside a torch.no_grad() block: it makes no gradient (no optimizer needed)
+    grad: bool = True
 
     @property
     def lowerable(self) -> bool:

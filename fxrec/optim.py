@@ -92,6 +92,10 @@ class SGD(EmbeddingOptimizer):
             return "fbgemm's exact SGD has no momentum or weight decay"
         return ""
 
+    def sparse_refusal(self) -> str:
+        return ("its gradients are sparse (sparse=True), which torch.optim.SGD's weight_decay cannot take (it adds "
+                "the dense table to them); make the table dense, or drop weight_decay") if self.weight_decay else ""
+
     def torch_optimizer(self, params, sparse=False):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
                                weight_decay=self.weight_decay, nesterov=self.nesterov)
@@ -115,6 +119,10 @@ class Adagrad(EmbeddingOptimizer):
         if self.lr_decay or self.weight_decay or self.initial_accumulator_value:
             return "fbgemm's exact Adagrad has no lr_decay, weight_decay or initial_accumulator_value"
         return ""
+
+    def sparse_refusal(self) -> str:
+        return ("its gradients are sparse (sparse=True), which torch.optim.Adagrad's weight_decay cannot take; make "
+                "the table dense, or drop weight_decay") if self.weight_decay else ""
 
     def torch_optimizer(self, params, sparse=False):
         return torch.optim.Adagrad(params, lr=self.lr, lr_decay=self.lr_decay, weight_decay=self.weight_decay,

@@ -360,3 +360,27 @@ def test_a_sparse_momentum_buffer_is_saved_dense_and_resumes_sparse(tmp_path):
         step(again, again_opt, x)
     for (name, a), (_, b) in zip(fast.state_dict().items(), again.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_sparse_momentum_loads_dense_into_a_table_made_dense(tmp_path):
+    """A model whose table was made dense (sparse=False) resumes from a checkpoint of its sparse
+    form: the momentum loads dense (a sparse one failed at the first step: add(sparse, dense))."""
+    x = (torch.randint(0, 50, (12,)), torch.arange(0, 12, 3))
+
+    def make(sparse):
+        torch.manual_seed(0)
+        model = _SparseMomentum()
+        model.bag.sparse = sparse
+        fast = fxrec.transform(model, x, optimizer=fxrec.optim.SGD(lr=0.1, momentum=0.9))
+        return fast, fast.make_optimizer(torch.optim.SGD, lr=0.1)
+
+    fast, opt = make(True)
+    fast(*x).sum().backward()
+    opt.step()
+    fxrec.checkpoint.save(fast, str(tmp_path / "ck"), optimizer=opt)
+    dense, dense_opt = make(False)
+    fxrec.checkpoint.load(dense, str(tmp_path / "ck"), optimizer=dense_opt)
+    [state] = dense_opt.fallbacks[0].state.values()
+    assert not state["momentum_buffer"].is_sparse
+    dense(*x).sum().backward()
+    dense_opt.step()

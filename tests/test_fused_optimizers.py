@@ -916,3 +916,33 @@ def test_a_param_group_added_to_the_combined_optimizer_is_stepped_and_zeroed():
     with pytest.raises(ValueError, match="no dense optimizer to add a param group to"):
         from fxrec.runtime.optimizer import CombinedOptimizer
         CombinedOptimizer(None, [], []).add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+@pytest.mark.parametrize("make", [lambda: fxrec.optim.SGD(lr=0.1, weight_decay=0.01),
+                                  lambda: fxrec.optim.Adagrad(lr=0.1, weight_decay=0.01)], ids=["sgd", "adagrad"])
+def test_weight_decay_torch_optim_cannot_apply_to_sparse_gradients_is_refused_naming_the_table(make):
+    """(transform took it, and the first step() failed inside torch without naming the table.)"""
+    model = M.BagList(rows=ROWS)
+    for bag in model.bags:
+        bag.sparse = True
+    with pytest.raises(ValueError, match=r"table 'bags.0' cannot train with .*: its gradients are sparse \(sparse=True\), "
+                                         r"which torch.optim.\w+'s weight_decay cannot take"):
+        fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=make())
+
+
+def test_a_sparse_table_looked_up_only_in_a_no_grad_block_needs_no_optimizer():
+    """It makes no gradient: no optimizer is asked of it (Adam with weight decay was refused for it)."""
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.EmbeddingBag(50, 8, mode="sum", sparse=True)
+            self.e = nn.EmbeddingBag(50, 8, mode="sum")
+
+        def forward(self, ids, off):
+            with torch.no_grad():
+                a = self.frozen(ids, off)
+            return a + self.e(ids, off)
+
+    x = (torch.randint(0, 50, (12,)), torch.arange(0, 12, 3))
+    fast = fxrec.transform(Frozen(), x, optimizer=fxrec.optim.Adam(lr=0.01, weight_decay=0.01))
+    assert set(fast.meta["fxrec_table_optimizers"]) == {"e.weight"}

@@ -165,7 +165,7 @@ def annotate_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not rec.lowerable:
             left += 1
             ctx.logger.debug("%s (%s) not lowered: %s", rec.table, rec.feature, rec.reason)
-    hidden = _annotate_hidden(gm, gm.graph.nodes, {}, names)
+    hidden = _annotate_hidden(gm, gm.graph.nodes, {}, names, True)
     for rec in hidden:
         ctx.logger.debug("%s (%s) not lowered: %s", rec.table, rec.feature, rec.reason)
     return PassResult(gm, False, {"lookups": found + len(hidden), "not_lowerable": left + len(hidden)})
@@ -176,10 +176,11 @@ _BLOCKS = {"wrap_with_set_grad_enabled": "a torch.no_grad() / torch.enable_grad(
            "wrap_with_autocast": "a torch.autocast block"}
 
 
-def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], names: Dict[str, int]):
+def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], names: Dict[str, int], grad: bool):
     """Records for the lookups inside the bodies of higher-order ops among ``nodes`` (``torch.no_grad()``
     and ``torch.autocast`` blocks, at any depth): left as written, with the reason; ``outer`` maps a
-    body's placeholders to the nodes of ``gm``'s graph they take (their weight is ``gm``'s parameter)."""
+    body's placeholders to the nodes of ``gm``'s graph they take (their weight is ``gm``'s parameter);
+    ``grad``: whether gradients are on around ``nodes``."""
     found = []
     for node in list(nodes):
         for body, operands in bodies(node):
@@ -187,6 +188,7 @@ def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], n
             inner = {h: outer.get(o, o) for h, o in zip(holders, operands) if o is not None}
             name = getattr(node.target, "__name__", str(node.target))
             block = _BLOCKS.get(name, f"a {name} block")
+            inside = bool(node.args[0]) if name == "wrap_with_set_grad_enabled" and node.args else grad
             for n in body.graph.nodes:
                 if n.op != "call_function" or n.target not in _BAG_OPS | _EMB_OPS:
                     continue
@@ -197,10 +199,10 @@ def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], n
                 names[base] = names.get(base, 0) + 1
                 why = f"inside {block}, where fxrec does not lower lookups"
                 rec = _replace(rec, feature=base if names[base] == 1 else f"{base}#{names[base]}",
-                               reason=why + (f"; {rec.reason}" if rec.reason else ""))
+                               reason=why + (f"; {rec.reason}" if rec.reason else ""), grad=inside)
                 n.meta[meta.LOOKUP] = rec
                 found.append(rec)
-            found += _annotate_hidden(gm, body.graph.nodes, inner, names)
+            found += _annotate_hidden(gm, body.graph.nodes, inner, names, inside)
     return found
 
 

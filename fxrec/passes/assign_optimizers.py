@@ -35,6 +35,8 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         if isinstance(spec, dict):
             used.update(k for k, v in spec.items() if v is opt)
+        if not rec.grad:
+            continue  # (in a no_grad block: no gradient to step)
         rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=opt)
         assigned += 1
     if isinstance(spec, dict):

@@ -278,9 +278,9 @@ def _device_bases(bases: List[int], total: int, dev: torch.device) -> Tensor:
     copy is ordered before every use there; another stream could read it before it lands)."""
     stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else 0
     key = (dev, stream, total, *bases)
-    kept = _BASES.get(key)
+    kept = _BASES.pop(key, None)  # (then put back as the most recent: no step another thread can undo)
     if kept is not None:
-        _BASES.move_to_end(key)
+        _BASES[key] = kept
         return kept
     pinned = torch.tensor(bases + [total], dtype=torch.long, pin_memory=dev.type == "cuda")
     sent = pinned.to(dev, non_blocking=True)
