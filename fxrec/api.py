@@ -225,7 +225,7 @@ def transform(
     )
     if check_passes:
         def check_against_the_model(g):  # after each pass; as verify: gradients, no fused update
-            with fused_updates_off(g):
+            with fused_updates_off(g), fused_updates_off(reference_model):  # (a transformed model's too)
                 compare_models(reference_model, g, args, kwargs, rtol=rtol, atol=atol)
 
         ctx.reference = check_against_the_model
@@ -280,8 +280,8 @@ def transform(
     preserved["report"] = report
     for k, v in preserved.items():
         setattr(gm, k, v)
-    if verify:
-        with fused_updates_off(gm), _grads_restored(users_own):
+    if verify:  # (the model given may be a transformed one whose fused updates must not run either)
+        with fused_updates_off(gm), fused_updates_off(reference_model), _grads_restored(users_own):
             compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)  # trains nothing
     if max_gradient:  # after verify and check_passes, which compare the gradients with the model's own
         _set_max_gradient(gm, max_gradient)

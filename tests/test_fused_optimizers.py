@@ -946,3 +946,30 @@ def test_a_sparse_table_looked_up_only_in_a_no_grad_block_needs_no_optimizer():
     x = (torch.randint(0, 50, (12,)), torch.arange(0, 12, 3))
     fast = fxrec.transform(Frozen(), x, optimizer=fxrec.optim.Adam(lr=0.01, weight_decay=0.01))
     assert set(fast.meta["fxrec_table_optimizers"]) == {"e.weight"}
+
+
+def test_a_table_parametrized_after_transform_is_refused_by_the_fused_update():
+    """The fused update would write the computed weight, not the parameter: the table was silently
+    never trained."""
+    class Scale(nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    fast = fxrec.transform(M.BagList(rows=ROWS), M.bag_inputs(rows=ROWS), optimizer=fxrec.optim.SGD(lr=0.1))
+    torch.nn.utils.parametrize.register_parametrization(getattr(fast.bags, "0"), "weight", Scale())
+    with pytest.raises(RuntimeError, match=r"tables \['bags.0'\] are computed \(a parametrization registered on them\?\)"):
+        fast(*M.bag_inputs(rows=ROWS)).sum().backward()
+    with torch.no_grad():  # (inference reads the computed weight, as the plain model would)
+        fast(*M.bag_inputs(rows=ROWS))
+
+
+@pytest.mark.parametrize("how", ["verify", "check_passes"])
+def test_verifying_a_transform_of_a_fused_transformed_model_leaves_it_alone(how):
+    """(verify ran the given model's fused update: its tables changed, and verify failed with
+    'no gradient in the original model'.)"""
+    x = M.bag_inputs(rows=ROWS)
+    first = fxrec.transform(M.BagList(rows=ROWS), x, optimizer=fxrec.optim.SGD(lr=0.1))
+    before = {k: v.clone() for k, v in first.state_dict().items()}
+    fxrec.transform(first, x, **{how: True})
+    for k, v in first.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from operator import attrgetter
 from typing import List, Optional, Sequence
 
 import torch
@@ -30,6 +31,9 @@ from .kernels import REFERENCE
 from .output_buffer import ReusedOutput
 from .packing import _FLOAT16, _FLOAT32, FORM_CODES
 from .specs import FUSED_STATE_NAMES, STEPPED, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
+
+
+_is_leaf = attrgetter("is_leaf")
 
 
 def group_forward(forward):
@@ -251,6 +255,10 @@ class EmbeddingGroup(InputChecks, nn.Module):
                 raise RuntimeError(self.stored_lower())
             return self.lookups(ids_list, offsets_list, psw_list, params)
         training = self._training(params, psw_list)
+        if training and self.fused_active and not all(map(_is_leaf, params)):
+            computed = [t.name for t, p in zip(self.tables, params) if not p.is_leaf]
+            self.fused_unusable(f"tables {computed} are computed (a parametrization registered on them?), and a fused "
+                                "update would change the computed values, not the parameters they come from")
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
         if out is None:  # an input the chosen kernel does not take: PyTorch's own answer (and update)
