@@ -98,6 +98,36 @@ def sync_caches(module: torch.nn.Module, drop: bool = False) -> None:
             sync(drop=drop)
 
 
+def bind_tables(module: torch.nn.Module) -> None:
+    """Move the tables of every group of ``module`` that holds them in an fbgemm TBE into it now
+    (their parameters become views of its rows), as the group's first call would. Until then, and
+    again after ``.to()``, a copy or unpickling, a tensor taken from the model (a ``state_dict()``
+    value, ``param.detach()``) is the parameter's storage before the move, which the kernel does not
+    read: call this before taking one. (``transform`` does not do it itself: on a GPU the move
+    would double the tables' memory while the copy it made of the model is still held.)"""
+    from .runtime.group import EmbeddingGroup
+    from .runtime.kernels import FBGEMM
+    from .runtime.kernels.fbgemm import ensure_bound, tbe_optimizer, usable
+
+    for gm in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        for n in gm.graph.nodes:
+            if n.op != "call_module":
+                continue
+            mod = gm.get_submodule(n.target)
+            if isinstance(mod, EmbeddingGroup) and len(n.args) > 3:
+                group, weights = mod, n.args[3]
+            elif isinstance(getattr(mod, "group", None), EmbeddingGroup) and len(n.args) > 1:
+                group, weights = mod.group, n.args[1]  # a sharded model's local lookups
+            else:
+                continue
+            if not (FBGEMM in (group.kernel_train, group.kernel_eval) or group.weights
+                    or tbe_optimizer(group) != "none"):
+                continue
+            params = [gm.get_parameter(w.target) for w in weights]
+            if params and params[0].device.type in ("cpu", "cuda") and usable(params, group):
+                ensure_bound(group, params)
+
+
 _NOT_PICKLED = {"_graph", "_code", "_lineno_map", "_prologue_start", "shape_env", "range_constraints", "meta"}
 
 

@@ -5,10 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fxrec
 from fxrec.runtime import kernels
 from fxrec.runtime.group import EmbeddingGroup
 from fxrec.runtime.kernels import native as native_mod
 from fxrec.runtime.specs import FeatureSpec, FusedSpec, GroupSpec, TableSpec
+from tests import models as M
 
 POOLED = GroupSpec((TableSpec("a", 50, 8), TableSpec("b", 30, 4)),
                    (FeatureSpec("fa", 0, "bag"), FeatureSpec("fb", 1, "single")), "sum")
@@ -350,3 +352,24 @@ def test_fbgemm_dense_backward_weighs_each_id_by_its_sample_weight():
     theirs = weight.clone().requires_grad_()
     (F.embedding_bag(ids, theirs, offs, mode="sum", per_sample_weights=w) * cot).sum().backward()
     torch.testing.assert_close(got, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bind_tables_makes_tensors_taken_before_the_first_call_the_rows_the_kernel_reads():
+    """On fbgemm's kernel the first call moves the tables into the TBE: a state_dict() taken before
+    it is the old storage (training did not show in it, writes through it were not read).
+    fxrec.graph_module.bind_tables moves them first."""
+    from fxrec.graph_module import bind_tables
+
+    model = M.BagList(rows=(50, 40, 30))
+    x = M.bag_inputs(rows=(50, 40, 30))
+    fast = fxrec.transform(model, x, backend="fbgemm")
+    bind_tables(fast)
+    early = fast.state_dict()
+    opt = torch.optim.SGD(fast.parameters(), lr=0.1)
+    fast(*x).sum().backward()
+    opt.step()
+    torch.testing.assert_close(early["bags.0.weight"], fast.state_dict()["bags.0.weight"], rtol=0, atol=0)
+    with torch.no_grad():
+        early["bags.1.weight"].zero_()
+        out = fast(*x)
+    assert not fast.get_parameter("bags.1.weight").any() and out.shape[0] > 0
