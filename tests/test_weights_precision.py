@@ -276,3 +276,15 @@ def test_the_reports_tables_give_the_stored_dtype_and_bytes():
     assert (tables["bags.0"]["dtype"], tables["bags.0"]["bytes"]) == ("float16", 40 * dim * 2)
     assert fast.get_parameter("bags.0.weight").dtype == torch.float16
     assert (tables["bags.1"]["dtype"], tables["bags.1"]["bytes"]) == ("float32", 30 * dim * 4)
+
+
+def test_a_model_converted_to_another_dtype_is_told_why_its_fp16_rows_cannot_run():
+    """(The error blamed features of different batch sizes.)"""
+    plain, fast = fp16_model()
+    fast.double()
+    dense, ids, offsets = M.bag_inputs(rows=ROWS)
+    with pytest.raises(ValueError, match=r"stored in fp16 by fbgemm's kernel, which cannot take their parameters as "
+                                         r"they are now \(torch.float64 on cpu"):
+        fast(dense.double(), ids, offsets)
+    fast.float()
+    fast(*M.bag_inputs(rows=ROWS))

@@ -265,6 +265,13 @@ class EmbeddingGroup(InputChecks, nn.Module):
             held = [t.name for t in self.tables if t.placement == "managed_caching" or t.weights]
             if held and any(i.numel() for i in ids_list):
                 how = f"stored in {self.weights}" if self.weights else "cached in GPU memory"
+                from .kernels.fbgemm import usable
+
+                if params and not usable(params, self):
+                    raise ValueError(
+                        f"fxrec: tables {held} are {how} by fbgemm's kernel, which cannot take their parameters as "
+                        f"they are now ({params[0].dtype} on {params[0].device}: a .double() / .half() / .to() after "
+                        "transform?); convert the model back (.float())")
                 raise ValueError(
                     f"fxrec: tables {held} are {how} by fbgemm's kernel, which cannot take this call (features with "
                     "different batch sizes, or include_last_offset mean bags with ids after offsets[-1]); PyTorch's "
