@@ -600,3 +600,19 @@ def test_tables_read_beyond_the_group_of_their_lookups_are_planned_data_parallel
     # the plan goes through transform's sharded lowering (explain runs it without a process group)
     report = fxrec.explain(ReadBeyondItsGroup(), x, plan=plan)
     assert {e.table for e in report.lookups} == set("awmo")
+
+
+def test_a_saved_plan_keeps_each_tables_own_optimizer_and_old_plans_still_load():
+    """(The plan's optimizer was written over the spec's: a loaded plan had optimizer=None for a table
+    given its own, and re-planning from it sized the table for another optimizer.)"""
+    spec = fxrec.TableSpec("a", 1000, 16, optimizer="adagrad")
+    plan = fxrec.plan(tables=[spec, fxrec.TableSpec("b", 500, 8)], world_size=2, memory_per_rank="1GB",
+                      optimizer="rowwise_adagrad")
+    again = fxrec.ShardingPlan.from_json(plan.to_json())
+    assert again == plan
+    assert again.tables["a"].spec.optimizer == "adagrad" and again.tables["a"].optimizer == "adagrad"
+    assert again.tables["b"].optimizer == "rowwise_adagrad"
+    old = plan.to_dict()  # as plans were saved before: the plan's optimizer under "optimizer"
+    for t in old["tables"].values() if isinstance(old["tables"], dict) else old["tables"]:
+        t["optimizer"] = t.pop("planned_optimizer")
+    assert fxrec.ShardingPlan.from_dict(old).tables["b"].optimizer == "rowwise_adagrad"

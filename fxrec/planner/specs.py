@@ -328,8 +328,8 @@ class TablePlan:
         return sum(s.cost_ms for s in self.shards)
 
     def to_dict(self) -> dict:
-        d = self.spec.to_dict()
-        d.update(sharding=self.sharding, optimizer=self.optimizer, pinned=self.pinned,
+        d = self.spec.to_dict()  # ("optimizer": the spec's own; the one the plan sized it for apart)
+        d.update(sharding=self.sharding, planned_optimizer=self.optimizer, pinned=self.pinned,
                  shards=[s.to_dict() for s in self.shards])
         return d
 
@@ -339,7 +339,8 @@ class TablePlan:
         sharding = d.pop("sharding")
         if sharding not in SHARDING_TYPES:
             raise ValueError(f"fxrec.plan: unknown sharding type {sharding!r} in a saved plan")
-        optimizer = d.pop("optimizer")
+        # plans saved before "planned_optimizer" held the plan's under "optimizer" (the spec's was lost)
+        optimizer = d.pop("planned_optimizer") if "planned_optimizer" in d else d.pop("optimizer")
         pinned = d.pop("pinned")
         shards = d.pop("shards")
         spec = TableSpec.from_dict(d)
