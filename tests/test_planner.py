@@ -616,3 +616,14 @@ def test_a_saved_plan_keeps_each_tables_own_optimizer_and_old_plans_still_load()
     for t in old["tables"].values() if isinstance(old["tables"], dict) else old["tables"]:
         t["optimizer"] = t.pop("planned_optimizer")
     assert fxrec.ShardingPlan.from_dict(old).tables["b"].optimizer == "rowwise_adagrad"
+
+
+def test_a_cuda_plan_counts_a_dim_not_a_multiple_of_4_at_the_width_fbgemm_stores():
+    """(1M x 3 with fused SGD counted 12 MB where the TBE holds 16 MB, as explain's hbm_budget counts.)"""
+    for device, width in (("cuda", 4), ("cpu", 3)):
+        plan = fxrec.plan(tables=[fxrec.TableSpec("a", 1_000_000, 3), fxrec.TableSpec("b", 1_000_000, 6)],
+                          world_size=1, memory_per_rank="1GB", optimizer="sgd", device=device, memory_bandwidth=1e12)
+        assert plan.tables["a"].shards[0].bytes == 1_000_000 * width * 4, device
+    plan = fxrec.plan(tables=[fxrec.TableSpec("a", 1_000, 6, optimizer="adagrad")], world_size=1,
+                      memory_per_rank="1GB", device="cuda", memory_bandwidth=1e12)
+    assert plan.tables["a"].shards[0].bytes == 1_000 * 8 * 4 * 2  # weights and Adagrad's state, 8 columns each

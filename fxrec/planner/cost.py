@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from ..runtime.specs import FUSED_STATE_BYTES
+from ..runtime.specs import FUSED_STATE_BYTES, pad_dim
 from .specs import (
     COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, TableSpec, Topology,
 )
@@ -142,7 +142,10 @@ class CostModel:
     def shard_bytes(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> int:
         """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
         a, b = OPTIMIZER_STATE[opt]
-        n = rows * cols * spec.stored_bytes(sharding) + rows * (a + b * cols)
+        # on CUDA fbgemm's TBE holds the rows (and an element-wise state) padded to a multiple of 4
+        # columns; its gradients are of the real columns
+        stored = pad_dim(cols) if self.topology.device == "cuda" else cols
+        n = rows * stored * spec.stored_bytes(sharding) + rows * (a + b * stored)
         fused = CUDA_FUSED_KINDS if self.topology.device == "cuda" else FUSED_KINDS
         if sharding == DATA_PARALLEL or opt not in fused:
             n += rows * cols * spec.element_bytes  # the dense gradient (a data-parallel shard is the whole table)
