@@ -627,3 +627,14 @@ def test_a_cuda_plan_counts_a_dim_not_a_multiple_of_4_at_the_width_fbgemm_stores
     plan = fxrec.plan(tables=[fxrec.TableSpec("a", 1_000, 6, optimizer="adagrad")], world_size=1,
                       memory_per_rank="1GB", device="cuda", memory_bandwidth=1e12)
     assert plan.tables["a"].shards[0].bytes == 1_000 * 8 * 4 * 2  # weights and Adagrad's state, 8 columns each
+
+
+def test_tables_that_fit_row_wise_are_planned_when_demoting_one_table_at_a_time_does_not_fit():
+    """Two 1M x 128 tables and a small one on 4 ranks: every table row-wise needs 256.8 MB a rank.
+    The search put the second large table column-wise (4 shards of 128 MB) and, finding no layout
+    of it with smaller shards, gave up with a PlanError at 513.6 and 600 MB a rank."""
+    specs = [fxrec.TableSpec("t0", 1_000_000, 128, pooling_factor=1), fxrec.TableSpec("t1", 100_000, 8, pooling_factor=10),
+             fxrec.TableSpec("t2", 1_000_000, 128, pooling_factor=40)]
+    for memory in (513_600_000, 600_000_000):
+        plan = fxrec.plan(tables=specs, world_size=4, memory_per_rank=memory, optimizer="sgd", batch_size=512)
+        assert max(plan.rank_bytes()) <= memory, plan.rank_bytes()

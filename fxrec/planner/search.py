@@ -434,6 +434,9 @@ def _place_with_fallback(tables: List[_Table], choices: List[Option], allowed, t
             dps = [i for i, c in enumerate(choices) if c.sharding == DATA_PARALLEL and tables[i].pin is None]
             demoted = [(i, _demoted(tables[i], choices[i], allowed)) for i in dps] if fail.rank is not None else []
             if not any(d is not None for _, d in demoted):
+                spread = _spread(tables, choices, allowed, topology)
+                if spread is not None:
+                    return spread
                 raise _plan_error(fail, tables, topology)
             for i, d in demoted:
                 if d is not None:
@@ -450,7 +453,28 @@ def _place_with_fallback(tables: List[_Table], choices: List[Option], allowed, t
             if d is not None:
                 choices[i] = d
         batch *= 2
+    spread = _spread(tables, choices, allowed, topology)
+    if spread is not None:
+        return spread
     raise _plan_error(fail, tables, topology)
+
+
+def _spread(tables: List[_Table], choices: List[Option], allowed, topology: Topology):
+    """The last try before giving up: every table that may go row-wise, row-wise (each rank an
+    even share of its rows: the layout that spreads memory the most), the others as they are.
+    (Demoting one table at a time can stop short: the table that does not fit may have no layout
+    with smaller shards while another table's could make room.)"""
+    spread = list(choices)
+    for i, t in enumerate(tables):
+        if (t.pin is None and not t.spec.data_parallel_only and ROW_WISE in allowed
+                and (t.spec.dtype != "fp16" or ROW_WISE in HALF_SHARDINGS)):
+            spread[i] = t.option(ROW_WISE)
+    if spread == list(choices):
+        return None
+    try:
+        return _place(tables, spread, topology, by_memory=True)
+    except _NoFit:
+        return None
 
 
 def _plan_error(nf: _NoFit, tables: List[_Table], topology: Topology) -> PlanError:
