@@ -63,7 +63,7 @@ import torch.fx as fx
 from .. import meta
 from ..dataflow import SideEffects, reaches, reorder
 from ..pass_infra import PassContext, PassResult, compiler_pass
-from ..runtime.specs import pad_dim
+from ..runtime.specs import CUDA_MAX_DIM, pad_dim
 
 aten = torch.ops.aten
 
@@ -77,7 +77,9 @@ def group_key(rec: meta.LookupRecord) -> tuple:
     the optimizer (one TBE runs one), the precision ``weights_precision=`` stores it in (one
     weight buffer), and for pooled lookups the batch size as captured (a pooled group returns one
     ``[B, sum of dims]`` tensor: its features must have one B; a size symbol the model's code
-    never ties to another's is another batch size).
+    never ties to another's is another batch size), and whether the table is wider than fbgemm's
+    CUDA kernels take (those run PyTorch's lookups there: a wide table in a group would take the
+    whole group with it; on any device, so that a model's groups do not depend on it).
     """
     return (
         rec.pooling,
@@ -89,6 +91,7 @@ def group_key(rec: meta.LookupRecord) -> tuple:
         rec.optimizer,
         rec.weights,
         None if rec.pooling == "none" else rec.batch,
+        pad_dim(rec.dim) > CUDA_MAX_DIM,
     )
 
 
@@ -252,7 +255,7 @@ def _reads(x: meta.LookupRecord, y: Optional[meta.LookupRecord], data: bool) -> 
     return f"feature '{x.feature}' must run after '{y.feature}': in-place writes or random numbers order them"
 
 
-_FIELDS = ("pooling", "weighted", "dtype", "device", "sparse", "dim", "optimizer", "weights", "batch")
+_FIELDS = ("pooling", "weighted", "dtype", "device", "sparse", "dim", "optimizer", "weights", "batch", "wide")
 
 
 def _kind_text(key: tuple, field: str) -> str:
@@ -271,6 +274,9 @@ def _kind_text(key: tuple, field: str) -> str:
         return f"stored in {k['weights']}" if k["weights"] else "stored as the model holds it"
     if field == "batch":
         return f"over a batch of {k['batch']}"
+    if field == "wide":
+        return (f"wider than {CUDA_MAX_DIM} columns (fbgemm's CUDA kernels take up to {CUDA_MAX_DIM})" if k["wide"]
+                else f"at most {CUDA_MAX_DIM} columns wide")
     return f"{field} {k[field]}"
 
 
@@ -293,7 +299,7 @@ def key_difference(mine: tuple, theirs: tuple) -> str:
             out.append(f"stored dims differ ({mine[5]} vs {theirs[5]})")
         elif f == "batch":
             out.append(f"batch sizes differ ({mine[8]} vs {theirs[8]}: nothing in the model makes them equal)")
-        elif f in ("pooling", "weighted", "weights"):
+        elif f in ("pooling", "weighted", "weights", "wide"):
             out.append(f"{_kind_text(mine, f)} vs {_kind_text(theirs, f)}")
         else:
             out.append(f"{f} {mine[_FIELDS.index(f)]} vs {theirs[_FIELDS.index(f)]}")

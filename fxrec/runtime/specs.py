@@ -15,6 +15,14 @@ from typing import Optional, Tuple
 DIM_ALIGNMENT = 4
 
 
+# fbgemm's CUDA TBE takes dims up to 2048, but above 1024 (its legacy_max_embedding_dim) its pooled
+# forward hands over to the experimental "TBE v2" kernel. On an H100 (fbgemm-gpu 1.6.0) that gave
+# wrong sums for dims 1028, 1152 and 2048, one table or two, fbgemm called by hand without fxrec
+# (max error 4.6 to 9.7 on N(0, 1) rows; dim 1024 exact): wider tables go to PyTorch's lookups,
+# in groups of their own (group_lookups).
+CUDA_MAX_DIM = 1024
+
+
 def pad_dim(dim: int, align: int = DIM_ALIGNMENT) -> int:
     """``dim`` rounded up to a multiple of ``align``: the width a table is stored with in a TBE
     (the extra columns are zeros no user sees)."""

@@ -283,3 +283,25 @@ def test_explain_for_cuda_inference_runs_every_group_on_fbgemm(quantize):
     assert r.groups and all((g.kernel_eval, g.device, g.placement) == ("fbgemm", "cuda", "device") for g in r.groups)
     want = "int8" if quantize else "float32"
     assert all(set(g.dtypes) == {want} for g in r.groups), [g.dtypes for g in r.groups]
+
+
+class OneWideTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.narrow = nn.EmbeddingBag(1000, 64, mode="sum")
+        self.wide = nn.EmbeddingBag(10, 2048, mode="sum")
+
+    def forward(self, ids, offsets):
+        return torch.cat([self.narrow(ids, offsets), self.wide(ids % 10, offsets)], 1)
+
+
+def test_a_table_wider_than_fbgemms_cuda_kernels_take_is_grouped_apart_and_takes_only_itself_to_pytorch():
+    """(On CUDA it took its whole group to PyTorch's lookups, the narrow table's fused LazyAdam too,
+    and made weights_precision= refuse every table of the group.)"""
+    x = (torch.randint(0, 1000, (8,)), torch.tensor([0, 3, 5]))
+    report = fxrec.explain(OneWideTable(), x, device="cuda", optimizer=fxrec.optim.LazyAdam(lr=0.01))
+    kernels = {tuple(g.tables): g.kernel_train for g in report.groups}
+    assert kernels == {("narrow",): "fbgemm", ("wide",): "reference"}, kernels
+    assert any("wider than 1024 columns" in s for s in report.fragmentation.splits), report.fragmentation
+    fxrec.explain(OneWideTable(), x, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1),
+                  weights_precision={"narrow": "fp16"})

@@ -22,8 +22,8 @@ from torch import nn
 
 from .fbgemm_padding import keeps_padding, mean_without_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
-from ..specs import (CUDA_ONLY, DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths, table_dtype,
-                     weights_dtype)
+from ..specs import (CUDA_MAX_DIM, CUDA_ONLY, DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths,
+                     table_dtype, weights_dtype)
 from . import FBGEMM, Kernel
 from .fbgemm_tbe import CPU_OPTIMIZERS, fbgemm_available, import_error, make_training_tbe, require_fbgemm
 
@@ -252,11 +252,7 @@ def half_refusal(group, mode: str) -> Optional[str]:
     return None
 
 
-# fbgemm's CUDA TBE takes dims up to 2048, but above 1024 (its legacy_max_embedding_dim) its pooled
-# forward hands over to the experimental "TBE v2" kernel. On an H100 (fbgemm-gpu 1.6.0) that gave
-# wrong sums for dims 1028, 1152 and 2048, one table or two, fbgemm called by hand without fxrec
-# (max error 4.6 to 9.7 on N(0, 1) rows; dim 1024 exact): wider tables go to PyTorch's lookups.
-CUDA_MAX_DIM = 1024
+# CUDA_MAX_DIM (fxrec.runtime.specs): the widest table fxrec gives fbgemm's CUDA training TBE.
 # fbgemm's max_D, for its inference (IntNBit) kernels, which do not use "TBE v2" (not run above 1024 on a GPU).
 CUDA_MAX_DIM_QUANTIZED = 2048
 
