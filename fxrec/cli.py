@@ -55,7 +55,10 @@ def parse_size(text: str) -> int:
             f"{text!r} is not a memory size: use a number of bytes or a number with a unit, "
             "e.g. 16GB, 512MiB (KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2)"
         )
-    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if not value < 2 ** 63:  # (1e400 is inf)
+        raise argparse.ArgumentTypeError(f"memory size {text!r} is too large")
+    value = int(value)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"memory size must be more than 0 bytes, got {text!r}")
     return value

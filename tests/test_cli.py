@@ -1,6 +1,7 @@
 """The `fxrec` command line: the console script in a subprocess on the example model and on
 broken model files; argument handling and the plan wiring in-process (fast)."""
 
+import argparse
 import json
 import os
 import shutil
@@ -284,6 +285,8 @@ def test_memory_sizes():
     assert cli.parse_size("512 mib") == 512 * 2**20
     assert cli.parse_size("1.5GB") == 1_500_000_000
     assert cli.parse_size("4096") == 4096
+    with pytest.raises(argparse.ArgumentTypeError, match="'1e400' is too large"):  # (an OverflowError traceback)
+        cli.parse_size("1e400")
 
 
 def test_inspect_for_a_device_not_here_shows_the_decisions_without_building(files, capsys):

@@ -638,3 +638,10 @@ def test_tables_that_fit_row_wise_are_planned_when_demoting_one_table_at_a_time_
     for memory in (513_600_000, 600_000_000):
         plan = fxrec.plan(tables=specs, world_size=4, memory_per_rank=memory, optimizer="sgd", batch_size=512)
         assert max(plan.rank_bytes()) <= memory, plan.rank_bytes()
+
+
+def test_a_pin_whose_ranks_are_not_ranks_is_refused_naming_the_table():
+    for ranks in (True, "0", 1.0):  # (True crashed with "'bool' object is not iterable")
+        with pytest.raises(ValueError, match=r"pin for 'a': ranks .* must be"):
+            fxrec.plan(tables=[fxrec.TableSpec("a", 1000, 16)], world_size=4, memory_per_rank="1MB",
+                       pins={"a": ("table_wise", ranks)})

@@ -217,9 +217,13 @@ def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[s
                 f"fxrec.plan: pin for table {name!r}: unknown sharding type {sharding!r}; use one of {list(SHARDING_TYPES)}"
             )
         if ranks is not None:
-            if isinstance(ranks, int) and not isinstance(ranks, bool):
+            if isinstance(ranks, int):  # (a bool too: refused below as no rank)
                 ranks = (ranks,)
-            ranks = tuple(ranks)
+            try:
+                ranks = tuple(ranks)
+            except TypeError:
+                raise ValueError(f"fxrec.plan: pin for {name!r}: ranks {ranks!r} must be a rank or a list of ranks "
+                                 f"in 0..{W - 1}") from None
             bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < W]
             if bad or not ranks:
                 raise ValueError(f"fxrec.plan: pin for {name!r}: ranks {list(ranks)} must be ranks in 0..{W - 1}")
