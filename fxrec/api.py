@@ -560,7 +560,7 @@ def explain(
         from .passes.shard_groups import plan_decision
 
         for gr in ctx.groups:
-            d = plan_decision(gr, plan)
+            d = plan_decision(gr, plan, ctx.config.device)
             for r in gr.lookups:
                 r.node.meta[meta.DECISION] = d
     notes = _modes_notes(gm) + accepted_sizes(gm)

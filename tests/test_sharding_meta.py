@@ -13,6 +13,8 @@ from torch import nn
 
 import fxrec
 
+from tests import models as M
+
 from .test_sharding import LOCAL_B, Model, global_batch, gloo_group, local_batch, spawn
 
 PINS = {"bags.0": ("table_wise", 1), "bags.1": "row_wise", "bags.2": {"sharding": "column_wise", "ranks": [1, 0]},
@@ -172,3 +174,16 @@ def test_a_meta_model_is_explained_as_a_real_one():
     example = global_batch(LOCAL_B, 0)
     a, b = fxrec.explain(model, example), fxrec.explain(real, example)
     assert [(g.name, g.kernel_train, g.tables) for g in a.groups] == [(g.name, g.kernel_train, g.tables) for g in b.groups]
+
+
+def test_explain_with_a_plan_describes_the_device_asked_for_and_where_the_optimizer_runs():
+    """(It gave the tables' device, cpu, and no optimizer, under notes saying "explained for cuda".)"""
+    model = M.BagList(rows=(50, 40, 30))
+    x = M.bag_inputs(rows=(50, 40, 30))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", device="cuda", memory_bandwidth=1e12,
+                      pins={"bags.0": "row_wise", "bags.1": "table_wise", "bags.2": "table_wise"})
+    for opt, fused in ((fxrec.optim.LazyAdam(lr=0.1), "adam"), (fxrec.optim.SGD(lr=0.1, momentum=0.9), "")):
+        report = fxrec.explain(model, x, device="cuda", plan=plan, optimizer=opt)
+        (group,) = [g for g in report.groups if g.lowered]
+        assert (group.device, group.placement, group.fused) == ("cuda", "device", fused)
+        assert group.optimizer.endswith("fused into backward" if fused else "torch.optim in opt.step()")

@@ -55,6 +55,7 @@ plan does not name.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -215,23 +216,36 @@ def _fused_spec(gr: meta.GroupRecord, plan):
     return spec
 
 
-def plan_decision(gr: meta.GroupRecord, plan) -> meta.GroupDecision:
-    """The group's decision under ``plan`` (fxrec.explain: without checking or rewriting)."""
-    return _decision(gr, [plan.tables[r.table].sharding if r.table in plan.tables else "data_parallel"
-                          for r in gr.lookups])
+def plan_decision(gr: meta.GroupRecord, plan, device: Optional[str] = None) -> meta.GroupDecision:
+    """The group's decision under ``plan`` on ``device`` (default: its tables'), for fxrec.explain:
+    without checking or rewriting; the optimizer fused where the rule table's kernels for that
+    device fuse it (fbgemm's: on CUDA its Adam, LAMB and LARS-SGD too), as the ranks' local
+    groups would."""
+    from ..runtime.kernels.fbgemm import KERNEL
+
+    d = _decision(gr, [plan.tables[r.table].sharding if r.table in plan.tables else "data_parallel"
+                       for r in gr.lookups], device)
+    if gr.optimizer is None:
+        return d
+    spec = _fused_spec(gr, plan)
+    fused = spec.kind if spec is not None and spec.kind in (
+        KERNEL.CUDA_OPTIMIZERS if d.device == "cuda" else KERNEL.CPU_OPTIMIZERS) else ""
+    opt = f"{gr.optimizer.describe()}: " + ("fused into backward" if fused else "torch.optim in opt.step()")
+    return dataclasses.replace(d, fused=fused, optimizer=opt)
 
 
-def _decision(gr: meta.GroupRecord, kinds) -> meta.GroupDecision:
+def _decision(gr: meta.GroupRecord, kinds, device: Optional[str] = None) -> meta.GroupDecision:
     """The group's decision under the plan: how each of its tables is sharded."""
     # data-parallel lookups stay the user's lookups (whole tables, gradients summed over ranks)
     sharded = sorted({k for k in kinds if k != "data_parallel"})
     kernel = "sharded: " + ", ".join(sorted(set(kinds)))
+    device = device or gr.lookups[0].device.split(":")[0]
     return meta.GroupDecision(
         group=gr.name, pooling=gr.pooling, lookups=tuple(LookupEntry.of(r, gr.name) for r in gr.lookups),
-        device=gr.lookups[0].device.split(":")[0], kernel_train=kernel, kernel_eval=kernel, decided_by="sharding plan",
+        device=device, kernel_train=kernel, kernel_eval=kernel, decided_by="sharding plan",
         why="sharding plan: " + "; ".join(f"{r.table} {k}" for r, k in zip(gr.lookups, kinds)),
         dtypes=tuple(r.weights or r.dtype for r in gr.lookups), lowered=bool(sharded),
-        placement="device" if gr.lookups[0].device.startswith("cuda") else "host",
+        placement="device" if device == "cuda" else "host",
     )
 
 
