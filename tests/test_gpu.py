@@ -609,7 +609,7 @@ def test_fbgemms_own_tbe_is_exact_up_to_1024_and_wrong_above_which_is_why_fxrec_
     """fbgemm's TBE called by hand, without fxrec (one table, sum bags of 3 ids), against PyTorch's
     embedding_bag. fbgemm-gpu 1.6.0 on an H100: exact at 1024, off by 4.6 to 9.7 above (its "TBE v2"
     forward). When this fails above 1024, fbgemm got fixed: raise CUDA_MAX_DIM in
-    fxrec/runtime/kernels/fbgemm.py."""
+    fxrec/runtime/specs.py."""
     import warnings
 
     from fbgemm_gpu.split_embedding_configs import EmbOptimType

@@ -624,9 +624,17 @@ def test_a_cuda_plan_counts_a_dim_not_a_multiple_of_4_at_the_width_fbgemm_stores
         plan = fxrec.plan(tables=[fxrec.TableSpec("a", 1_000_000, 3), fxrec.TableSpec("b", 1_000_000, 6)],
                           world_size=1, memory_per_rank="1GB", optimizer="sgd", device=device, memory_bandwidth=1e12)
         assert plan.tables["a"].shards[0].bytes == 1_000_000 * width * 4, device
-    plan = fxrec.plan(tables=[fxrec.TableSpec("a", 1_000, 6, optimizer="adagrad")], world_size=1,
+    for device in ("cuda", "cpu"):  # (on CPU too, the TBE keeps Adagrad's state and the rows)
+        plan = fxrec.plan(tables=[fxrec.TableSpec("a", 1_000, 6, optimizer="adagrad")], world_size=1,
+                          memory_per_rank="1GB", device=device, memory_bandwidth=1e12)
+        assert plan.tables["a"].shards[0].bytes == 1_000 * 8 * 4 * 2, device  # weights and state, 8 columns each
+    # data-parallel tables stay the model's (no TBE); torch.optim's state is of the real columns
+    plan = fxrec.plan(tables=[fxrec.TableSpec("a", 1_000, 3)], world_size=1, memory_per_rank="1GB", optimizer="sgd",
+                      device="cuda", memory_bandwidth=1e12, pins={"a": "data_parallel"})
+    assert plan.tables["a"].shards[0].bytes == 1_000 * 3 * 4 * 2  # weights and gradient
+    plan = fxrec.plan(tables=[fxrec.TableSpec("a", 1_000, 6, optimizer="adam")], world_size=1,
                       memory_per_rank="1GB", device="cuda", memory_bandwidth=1e12)
-    assert plan.tables["a"].shards[0].bytes == 1_000 * 8 * 4 * 2  # weights and Adagrad's state, 8 columns each
+    assert plan.tables["a"].shards[0].bytes == 1_000 * (8 + 2 * 6 + 6) * 4  # rows padded; moments, gradient not
 
 
 def test_tables_that_fit_row_wise_are_planned_when_demoting_one_table_at_a_time_does_not_fit():
@@ -645,3 +653,8 @@ def test_a_pin_whose_ranks_are_not_ranks_is_refused_naming_the_table():
         with pytest.raises(ValueError, match=r"pin for 'a': ranks .* must be"):
             fxrec.plan(tables=[fxrec.TableSpec("a", 1000, 16)], world_size=4, memory_per_rank="1MB",
                        pins={"a": ("table_wise", ranks)})
+
+
+def test_a_memory_size_too_large_for_an_int_is_a_value_error():
+    with pytest.raises(ValueError, match="memory_per_rank '1e400GB' is too large"):  # (an OverflowError)
+        fxrec.plan(tables=[fxrec.TableSpec("a", 1000, 16)], world_size=2, memory_per_rank="1e400GB")

@@ -187,3 +187,13 @@ def test_explain_with_a_plan_describes_the_device_asked_for_and_where_the_optimi
         (group,) = [g for g in report.groups if g.lowered]
         assert (group.device, group.placement, group.fused) == ("cuda", "device", fused)
         assert group.optimizer.endswith("fused into backward" if fused else "torch.optim in opt.step()")
+
+
+def test_explain_with_a_plan_fuses_nothing_for_data_parallel_tables():
+    """(It said "fused into backward" where transform(plan=) steps them with torch.optim.)"""
+    model = M.BagList(rows=(50, 40, 30))
+    x = M.bag_inputs(rows=(50, 40, 30))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB",
+                      pins={t: "data_parallel" for t in ("bags.0", "bags.1", "bags.2")})
+    report = fxrec.explain(model, x, plan=plan, optimizer=fxrec.optim.SGD(lr=0.1))
+    assert [(g.fused, g.optimizer.endswith("torch.optim in opt.step()")) for g in report.groups] == [("", True)]

@@ -228,7 +228,10 @@ def plan_decision(gr: meta.GroupRecord, plan, device: Optional[str] = None) -> m
     if gr.optimizer is None:
         return d
     spec = _fused_spec(gr, plan)
-    fused = spec.kind if spec is not None and spec.kind in (
+    # the local group holds the sharded tables; data-parallel ones stay the model's (torch.optim),
+    # and no kernel fuses an update of the model's own fp16 tables as torch.optim rounds it
+    sharded = [r for r in gr.lookups if r.table in plan.tables and plan.tables[r.table].sharding != "data_parallel"]
+    fused = spec.kind if spec is not None and sharded and not any(r.half for r in sharded) and spec.kind in (
         KERNEL.CUDA_OPTIMIZERS if d.device == "cuda" else KERNEL.CPU_OPTIMIZERS) else ""
     opt = f"{gr.optimizer.describe()}: " + ("fused into backward" if fused else "torch.optim in opt.step()")
     return dataclasses.replace(d, fused=fused, optimizer=opt)

@@ -142,11 +142,15 @@ class CostModel:
     def shard_bytes(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> int:
         """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
         a, b = OPTIMIZER_STATE[opt]
-        # on CUDA fbgemm's TBE holds the rows (and an element-wise state) padded to a multiple of 4
-        # columns; its gradients are of the real columns
-        stored = pad_dim(cols) if self.topology.device == "cuda" else cols
-        n = rows * stored * spec.stored_bytes(sharding) + rows * (a + b * stored)
         fused = CUDA_FUSED_KINDS if self.topology.device == "cuda" else FUSED_KINDS
+        # fbgemm's TBE holds a shard's rows padded to a multiple of 4 columns: on CUDA every sharded
+        # table, on CPU those whose Adagrad states it keeps; the fused state it keeps is padded
+        # too. Data-parallel tables stay the model's, torch.optim's states and gradients are of
+        # the real columns.
+        in_tbe = sharding != DATA_PARALLEL and (self.topology.device == "cuda" or opt in ("adagrad", "rowwise_adagrad"))
+        stored = pad_dim(cols) if in_tbe else cols
+        state = stored if in_tbe and opt in fused else cols
+        n = rows * stored * spec.stored_bytes(sharding) + rows * (a + b * state)
         if sharding == DATA_PARALLEL or opt not in fused:
             n += rows * cols * spec.element_bytes  # the dense gradient (a data-parallel shard is the whole table)
         return n

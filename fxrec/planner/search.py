@@ -25,8 +25,9 @@
    stops that, the same units go in decreasing size onto the rank with the most free memory;
    if that fails too, the table that did not fit (and, doubling each time, the next largest
    movable tables) is demoted to a type that spreads its memory (row-wise) and placement is
-   tried again; when nothing is left to demote, :class:`PlanError` names the table, the bytes it
-   needs, the most free memory it could get and how much is missing.
+   tried again; when nothing is left to demote, every table that may go row-wise is tried
+   row-wise (:func:`_spread`), and if that does not fit either, :class:`PlanError` names the
+   table, the bytes it needs, the most free memory it could get and how much is missing.
 4. Steps 2-3 run for f in :data:`THRESHOLD_FRACTIONS`; the plan with the lowest busiest-rank cost
    (then lowest total) is kept.
 

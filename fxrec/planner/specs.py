@@ -95,8 +95,10 @@ def parse_bytes(value, what: str = "memory_per_rank") -> int:
                 f"fxrec.plan: cannot read {what}={value!r}: write a number of bytes or a number with one of the "
                 f"units B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '16GB' or '512MiB'"
             )
-        number = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else ""))
-        n = int(round(number * _UNITS[unit or "b"]))
+        number = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else "")) * _UNITS[unit or "b"]
+        if not number < 2 ** 63:  # (1e400 is inf)
+            raise ValueError(f"fxrec.plan: {what} {value!r} is too large")
+        n = int(round(number))
     else:
         raise ValueError(f"fxrec.plan: {what} must be an int (bytes) or a string like '16GB', got {type(value).__name__}")
     if n <= 0:
