@@ -23,7 +23,7 @@ against the model with only it turned off:
 * ``packing``: groups of one form packed in list-level steps
   (``fxrec.runtime.packing._pack_uniform``), off: the loop over features;
 * ``bases``: where each feature's ids start in the packed ids stays on the device from one call
-  to the next of the same layout (``fxrec.runtime.packing._device_bases``), off: sent every call.
+  to the next of the same layout (``fxrec.runtime.device_ints.kept_ints_on``), off: sent every call.
 
 ``--sync-free`` (CPU) runs the groups as they run on CUDA (``fxrec.runtime._tracing.sync_free``:
 no value read on the host, the bounds check on the device), so the host's work is CUDA's but
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fxrec  # noqa: E402
 import fxrec.codegen as codegen  # noqa: E402
 from benchmarks.bench_gpu import SHAPES, PlainBags, inputs  # noqa: E402
-from fxrec.runtime import packing  # noqa: E402
+from fxrec.runtime import device_ints, packing  # noqa: E402
 from fxrec.runtime._tracing import sync_free  # noqa: E402
 
 
@@ -137,13 +137,13 @@ def turned_off(change: str, models):
         finally:
             packing._pack_uniform = uniform
     elif change == "bases":
-        kept = packing.BASES_KEPT
-        packing.BASES_KEPT = 0
-        packing._BASES.clear()
+        kept = device_ints.KEEP
+        device_ints.KEEP = 0
+        device_ints.KEPT.clear()
         try:
             yield
         finally:
-            packing.BASES_KEPT = kept
+            device_ints.KEEP = kept
     else:
         raise ValueError(f"bench_host: no change called {change!r}")
 

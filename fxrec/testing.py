@@ -118,7 +118,7 @@ def host_syncs():
 
     def counted_tensor(data, *args, **kwargs):
         # made with pin_memory= given: the caller pins it where there is a GPU and copies it with
-        # non_blocking=True, which does not wait (fxrec.runtime.packing._device_bases)
+        # non_blocking=True, which does not wait (fxrec.runtime.device_ints.ints_on)
         if not isinstance(data, torch.Tensor) and "pin_memory" not in kwargs:
             record.events.append(("torch.tensor(python values)", where()))
         return tensor(data, *args, **kwargs)

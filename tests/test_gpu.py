@@ -759,12 +759,12 @@ def test_the_models_own_code_on_lookup_outputs_runs_on_cuda():
 
 
 def test_calls_of_one_layout_on_two_streams_each_read_their_own_starts():
-    """The packed layout's starts stay on the device between calls (fxrec.runtime.packing._device_bases),
+    """The packed layout's starts stay on the device between calls (fxrec.runtime.device_ints.kept_ints_on),
     one copy per stream: a call on a side stream right after one on the default stream reads its
     own, whose copy is ordered before it on that stream, and both give the plain model's outputs."""
-    from fxrec.runtime import packing
+    from fxrec.runtime import device_ints
 
-    packing._BASES.clear()
+    device_ints.KEPT.clear()
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS)))
     x = cuda(M.bag_inputs(rows=ROWS, seed=1, empty_bags=False))
@@ -777,7 +777,7 @@ def test_calls_of_one_layout_on_two_streams_each_read_their_own_starts():
             got.append(fast(*x))
         torch.cuda.current_stream().wait_stream(side)
         got.append(fast(*x))
-    streams = {key[1] for key in packing._BASES}
-    assert len(streams) == 2, packing._BASES.keys()
+    streams = {key[1] for key in device_ints.KEPT}
+    assert len(streams) == 2, device_ints.KEPT.keys()
     for g in got:
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)

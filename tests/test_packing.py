@@ -3,12 +3,14 @@ ids and offsets, against the layout written out here feature by feature. The com
 form, no padding_idx or include_last_offset, one batch size) are packed in list-level steps
 (_pack_uniform); everything else by the loop over features. Both must give the layout below."""
 
+import collections
+
 import pytest
 import torch
 from torch import nn
 
 import fxrec
-from fxrec.runtime import packing
+from fxrec.runtime import device_ints, packing
 
 BAG, POOLED_SEQ, SINGLE = (packing.FORM_CODES[k] for k in ("bag", "pooled_seq", "single"))
 
@@ -186,18 +188,18 @@ def test_a_transformed_model_gives_the_plain_models_numbers_through_both_packing
 def test_a_layout_seen_before_reuses_its_starts_on_the_device_and_gives_the_same_offsets(monkeypatch):
     """Where each feature's ids start stays on the device from one call to the next of the same
     layout (no copy at all in a training loop of one batch shape); a new layout is sent and kept,
-    the least recently used of BASES_KEPT dropped. The offsets are the written-out ones every
+    the least recently used of device_ints.KEEP dropped. The offsets are the written-out ones every
     time, and the inputs are left as they were."""
-    monkeypatch.setattr(packing, "_BASES", packing.OrderedDict())
+    monkeypatch.setattr(device_ints, "KEPT", collections.OrderedDict())
     g = torch.Generator().manual_seed(3)
     ids, offs = _bags(g, 4, [5, 7, 2], [torch.int64, torch.int32, torch.int64])
     given = [o.clone() for o in offs]
     want = written_out(ids, offs, [None] * 3, [BAG] * 3)[1]
     first = pack(ids, offs, [None] * 3, [BAG] * 3, False)
-    assert len(packing._BASES) == 1
-    kept = next(iter(packing._BASES.values()))
+    assert len(device_ints.KEPT) == 1
+    kept = next(iter(device_ints.KEPT.values()))
     second = pack(ids, offs, [None] * 3, [BAG] * 3, False)
-    assert len(packing._BASES) == 1 and next(iter(packing._BASES.values())) is kept
+    assert len(device_ints.KEPT) == 1 and next(iter(device_ints.KEPT.values())) is kept
     for got in (first, second):
         assert torch.equal(got[2], want) and got[2].dtype == torch.int64
         assert got[5].tolist() == [0, 0, 0]  # each feature's first offset, as given
@@ -205,15 +207,15 @@ def test_a_layout_seen_before_reuses_its_starts_on_the_device_and_gives_the_same
     ids2, offs2 = _bags(g, 4, [3, 7, 2], [torch.int64] * 3)  # another layout: sent, and kept too
     assert torch.equal(pack(ids2, offs2, [None] * 3, [BAG] * 3, False)[2],
                        written_out(ids2, offs2, [None] * 3, [BAG] * 3)[1])
-    assert len(packing._BASES) == 2
-    monkeypatch.setattr(packing, "BASES_KEPT", 2)
+    assert len(device_ints.KEPT) == 2
+    monkeypatch.setattr(device_ints, "KEEP", 2)
     pack(ids, offs, [None] * 3, [BAG] * 3, False)  # the first layout, used again: the most recent
     ids3, offs3 = _bags(g, 4, [4, 4, 4], [torch.int64] * 3)
     assert torch.equal(pack(ids3, offs3, [None] * 3, [BAG] * 3, False)[2],
                        written_out(ids3, offs3, [None] * 3, [BAG] * 3)[1])
     # the second layout's starts were dropped, the first's (used again) and the third's kept
-    assert [list(k[3:]) for k in packing._BASES] == [[0, 5, 12], [0, 4, 8]]
-    assert next(iter(packing._BASES.values())) is kept
+    assert [list(k[2:]) for k in device_ints.KEPT] == [[0, 5, 12, 14], [0, 4, 8, 12]]  # (starts, then the total)
+    assert next(iter(device_ints.KEPT.values())) is kept
 
 
 def test_offsets_that_do_not_start_at_zero_are_given_as_firsts_by_both_packings(uniform_calls):

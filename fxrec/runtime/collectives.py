@@ -17,6 +17,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .device_ints import ints_on
+
 
 # torch 2.13 renamed it (the old name warns); torch 2.11 has only the old one
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -83,13 +85,6 @@ def all_to_all_together(tensors: List[torch.Tensor], out_splits: List[List[int]]
     chunks = torch.split(got, [out_splits[k][r] * nbytes[k] for r in range(world) for k in range(len(tensors))])
     return [torch.cat([chunks[r * len(tensors) + k] for r in range(world)]).view(t.dtype)  # (a copy: aligned)
             for k, t in enumerate(tensors)]
-
-
-def ints_on(values: List[int], device: torch.device) -> torch.Tensor:
-    """Host ints as an int64 tensor on ``device``, sent from pinned memory without the host
-    waiting (the caching host allocator keeps the block until the copy has run)."""
-    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def all_gather_ints(values, device: torch.device, where: str = "") -> List[List[int]]:

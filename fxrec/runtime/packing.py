@@ -11,7 +11,6 @@ TorchScript compiles, so the eager group module (through :func:`pack_pooled` /
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from itertools import accumulate
 from operator import attrgetter
 from typing import List, Optional, Tuple
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ._tracing import exporting, reads_values
+from .device_ints import kept_ints_on
 
 #: FeatureSpec.form as the integer the scriptable packing takes.
 FORM_CODES = {"bag": 0, "pooled_seq": 1, "single": 2, "seq": 3}
@@ -245,50 +245,20 @@ def _offsets_at_once(starts: List[Tensor], batch: int, bases: List[int], total: 
     offsets as given) moved by where its ids start in the packed ids (``bases``), in one add for
     the group, and each feature's first start as it was given. Three tensor ops whatever the
     number of features (kernel launches on CUDA): one concatenation (ending with ``total``), one
-    copy of the firsts, one add. The ids' starts are on the device already where the group saw
-    this layout before on this stream (:func:`_device_bases`); else they go there as one small
-    copy from pinned host memory, which the host does not wait for. Not inside a CUDA graph (a
-    replay would read the pinned block again, by then someone else's), nor in torch.export (the
-    ints are symbolic there), nor in TorchScript: those add one by one."""
+    copy of the firsts, one add. The ids' starts are sent to the device once per layout and
+    stream (:func:`~fxrec.runtime.device_ints.kept_ints_on`). Not inside a CUDA graph (a replay
+    would read a tensor the cache may drop), nor in torch.export (the ints are symbolic there),
+    nor in TorchScript: those add one by one."""
     dev = starts[0].device
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
         unshifted = torch.cat(starts).view(len(starts), batch)
         return _offsets_one_by_one(list(unshifted.unbind(0)), bases, total), unshifted[:, 0]  # (host time: once)
-    shift = _device_bases(bases, total, dev)
+    shift = kept_ints_on(bases + [total], dev)
     offsets = torch.cat(starts + [shift[-1:]])  # (int32 starts become int64 here: the shift is)
     grid = offsets[:-1].view(len(starts), batch)
     firsts = grid[:, 0].clone()
     grid.add_(shift[:-1].view(-1, 1))
     return offsets, firsts
-
-
-#: the ids' starts of the layouts seen last, on their device: (device, stream, total, bases...) -> tensor
-_BASES: "OrderedDict[tuple, Tensor]" = OrderedDict()
-#: how many layouts :data:`_BASES` keeps (a few KB each), the least recently used dropped first.
-#: Dropping one is safe: it was made on the stream of its key and is read only there, so the
-#: caching allocator hands its memory out again only after the kernels queued there before.
-BASES_KEPT = 64
-
-
-@torch.jit.unused
-def _device_bases(bases: List[int], total: int, dev: torch.device) -> Tensor:
-    """``bases + [total]`` as an int64 tensor on ``dev``: kept from an earlier call with the same
-    layout (a training loop's batches of one shape: no copy at all), else sent by a non-blocking
-    copy from pinned memory. On CUDA a kept tensor is used only on the stream it was sent on (the
-    copy is ordered before every use there; another stream could read it before it lands)."""
-    stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else 0
-    key = (dev, stream, total, *bases)
-    kept = _BASES.pop(key, None)  # (then put back as the most recent: no step another thread can undo)
-    if kept is not None:
-        _BASES[key] = kept
-        return kept
-    pinned = torch.tensor(bases + [total], dtype=torch.long, pin_memory=dev.type == "cuda")
-    sent = pinned.to(dev, non_blocking=True)
-    if BASES_KEPT > 0:
-        _BASES[key] = sent
-        while len(_BASES) > BASES_KEPT:
-            _BASES.popitem(last=False)
-    return sent
 
 
 def padding_weights(indices: Tensor, offsets: Tensor, psw: Optional[Tensor], bounds: List[int], forms: List[int],

@@ -1,0 +1,43 @@
+"""Host ints on a device without the host waiting: sent from pinned memory by a non-blocking copy
+(:func:`ints_on`), or kept from an earlier call that sent the same ints (:func:`kept_ints_on`)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import List
+
+import torch
+
+#: the ints sent last by :func:`kept_ints_on`, on their device: (device, stream, *values) -> tensor
+KEPT: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+#: how many :data:`KEPT` holds (a few KB each), the least recently used dropped first. Dropping one
+#: is safe: it was made on the stream of its key and is read only there, so the caching allocator
+#: hands its memory out again only after the kernels queued there before.
+KEEP = 64
+
+
+def ints_on(values: List[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on ``device``, sent from pinned memory without the host
+    waiting (the caching host allocator keeps the block until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def kept_ints_on(values: List[int], device: torch.device) -> torch.Tensor:
+    """:func:`ints_on`, the tensor kept for the next call with the same ints (a training loop's
+    batches of one shape: no copy at all). Not to be written. On CUDA a kept tensor is used only
+    on the stream it was sent on (the copy is ordered before every use there; another stream
+    could read it before it lands); not inside a CUDA graph (a replay would read a tensor this
+    may drop)."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream, *values)
+    kept = KEPT.pop(key, None)  # (then put back as the most recent: no step another thread can undo)
+    if kept is not None:
+        KEPT[key] = kept
+        return kept
+    sent = ints_on(values, device)
+    if KEEP > 0:
+        KEPT[key] = sent
+        while len(KEPT) > KEEP:
+            KEPT.popitem(last=False)
+    return sent
