@@ -49,8 +49,17 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
 
 def scriptable(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of a transformed model that ``torch.jit.script`` compiles (see the module doc)."""
+    from .dataflow import bodies
     from .passes.emit_scriptable import emit_scriptable
 
+    for n in model.graph.nodes:
+        if bodies(n):  # (its body is torch.export's code, which TorchScript does not compile)
+            name = getattr(n.target, "__name__", str(n.target))
+            what = {"wrap_with_set_grad_enabled": "a torch.no_grad() / torch.enable_grad() block",
+                    "wrap_with_autocast": "a torch.autocast block"}.get(name, f"a {name} block")
+            raise ValueError(f"fxrec.export.torchscript: the model's forward has {what} ({n.name}), which fxrec's "
+                             "TorchScript form does not take; serve it as a torch.export program "
+                             "(fxrec.export.program), or move the block out of the model's forward")
     ctx = PassContext(config=Config(), report=Report())
     return PassManager([emit_scriptable]).run(model, ctx)
 

@@ -368,6 +368,8 @@ def test_arguments_named_like_the_codes_globals_do_not_hide_them():
         return ids[0], ids[1], ids[2], [ids[3]], {"a": ids[4]}
 
     fast = fxrec.transform(model, batch(4, 0))
+    # features are named by the model's arguments, not fx's names for them (device_1)
+    assert {e.feature for e in fast.report.lookups} >= {"device", "torch", "len_0"}
     for b in (4, 7):
         x = batch(b, b)
         torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0)

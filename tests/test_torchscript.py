@@ -107,3 +107,23 @@ def test_per_sample_weights_of_another_length_than_the_ids_are_refused_by_every_
                 exported(ids, offsets, psw)
         psw = torch.rand(8)
         torch.testing.assert_close(scripted(ids, offsets, psw), fast(ids, offsets, psw), rtol=0, atol=0)
+
+
+def test_a_model_with_a_no_grad_block_is_refused_by_the_torchscript_form_naming_the_block():
+    """(torch.jit.script failed inside the block's body: "attribute lookup is not defined on builtin".)"""
+    class WithBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.EmbeddingBag(30, 4, mode="sum")
+
+        def forward(self, ids, offsets):
+            with torch.no_grad():
+                ids = ids.clamp(max=29)
+            return self.e(ids, offsets)
+
+    x = (torch.arange(6), torch.tensor([0, 2, 4]))
+    fast = fxrec.transform(WithBlock(), x)
+    with pytest.raises(ValueError, match=r"has a torch.no_grad\(\) / torch.enable_grad\(\) block .*serve it as a "
+                                         r"torch.export program"):
+        fxrec.export.torchscript(fast)
+    torch.testing.assert_close(fxrec.export.program(fast, x).module()(*x), fast(*x), rtol=0, atol=0)
