@@ -247,13 +247,15 @@ def transform(
             for w, spec in zip(n.args[3], gm.get_submodule(n.target).tables):
                 if w.target in table_opts:
                     table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
+    fused_groups = _fused_groups(gm)
+    fused_fqns = {f for _, fs in fused_groups for f in fs}
     for fqn, (opt, sparse) in table_opts.items():
-        why = opt.sparse_refusal() if sparse and fqn not in {f for _, fs in _fused_groups(gm) for f in fs} else ""
+        why = opt.sparse_refusal() if sparse and fqn not in fused_fqns else ""
         if why:
             raise InputError(f"fxrec: table '{fqn[:-len('.weight')] if fqn.endswith('.weight') else fqn}' cannot "
                              f"train with {opt.describe()}: {why}")
     gm.meta["fxrec_table_optimizers"] = table_opts
-    gm.meta["fxrec_fused_groups"] = _fused_groups(gm)
+    gm.meta["fxrec_fused_groups"] = fused_groups
     if plan is None:
         _store_lower_precision(gm)
     if max_gradient:

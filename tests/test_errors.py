@@ -203,15 +203,9 @@ def test_example_inputs_that_do_not_fit_forward_say_they_are_its_positional_argu
 def test_per_sample_weights_follow_the_tables_dtype_after_double():
     """After ``.double()`` the tables are fp64, and so must their per-sample weights be, as for the
     plain model (fp64 weights were refused as not float32)."""
-    class Weighted(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bag = torch.nn.EmbeddingBag(30, 8, mode="sum")
+    from tests.test_torchscript import _Weighted
 
-        def forward(self, ids, offsets, psw):
-            return self.bag(ids, offsets, per_sample_weights=psw)
-
-    model = Weighted()
+    model = _Weighted()
     ids, offsets, psw = torch.arange(1, 9), torch.tensor([0, 2, 4, 6]), torch.rand(8)
     fast = fxrec.transform(model, (ids, offsets, psw)).double()
     model.double()
