@@ -9,7 +9,9 @@ Shapes, variants and method follow ../shared/gpu/README.md's anchors, so the fig
 - ``plain``: a ModuleList of nn.EmbeddingBag(mode="sum") looked up in a loop then torch.cat; its
   training step is forward, backward (sparse gradients: tables made with sparse=True) and
   torch.optim.SGD (or torch.optim.Adagrad, the nearest torch has to row-wise Adagrad);
-  ``plain_cuda_graph`` replays its forward as a CUDA graph, ``plain_compiled`` is torch.compile of
+  ``*_cuda_graph`` (CUDA only) replays the plain forward, and the TBE's and fxrec's forwards and
+  training steps, as CUDA graphs captured on the benchmark's batch (a capture that fails is
+  written to ``cuda_graph_errors`` and its variant left out), ``plain_compiled`` is torch.compile of
   it (skipped with --no-compile: compiling 512 tables takes minutes);
 - ``tbe``: one SplitTableBatchedEmbeddingBagsCodegen over the same tables, written by hand against
   fbgemm's API and fed ids and offsets already packed the way it wants them (what fxrec does for
@@ -178,6 +180,27 @@ def copy_bandwidth(device, timer, rounds):
     return 2 * (1 << 31) / (ms / 1e3)
 
 
+def cuda_graph(fn, errors, key):
+    """``(graph, what the captured call returned)``: ``fn`` captured as a CUDA graph after a warm-up
+    call on a side stream (torch's recipe; the warm-up runs it once more, a training step trains).
+    ``(None, None)`` where capture fails, the error kept in ``errors[key]`` for the JSON: the
+    run goes on without that variant."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    except Exception as e:  # noqa: BLE001 - reported in the JSON
+        errors[key] = f"{type(e).__name__}: {e}"[:800]
+        torch.cuda.synchronize()
+        return None, None
+    return graph, out
+
+
 def train_steps(models, batch, cot, plain, plain_opt):
     """Training-step closures: the plain model with ``plain_opt``; fused ones (fxrec's, the hand TBE)."""
 
@@ -228,17 +251,23 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
     def fwd(m, x):
         def run():
             with torch.no_grad():
-                m(*x)
+                return m(*x)
         return run
 
     fns = {"plain": fwd(plain, batch), "tbe": fwd(tbe, flat), "fxrec": fwd(fast, batch), "fxrec_int8": fwd(int8, batch)}
+    graphs, graph_errors = [], {}
     if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad():
-            fwd(plain, batch)()  # warm-up off the capture (eager already ran above)
-            with torch.cuda.graph(graph):
-                plain(*batch)
-        fns["plain_cuda_graph"] = graph.replay
+        # Each forward replayed as a CUDA graph: the host's work is one replay call a step. fxrec's
+        # is checked against the plain model after a replay.
+        for key in ("plain", "tbe", "fxrec"):
+            graph, out = cuda_graph(fns[key], graph_errors, "forward_" + key)
+            if graph is None:
+                continue
+            graphs.append(graph)
+            fns[key + "_cuda_graph"] = graph.replay
+            if key == "fxrec":
+                graph.replay()
+                torch.testing.assert_close(out, ref, msg=f"{name}: fxrec replayed as a CUDA graph differs from plain")
     if compile_plain:
         compiled = torch.compile(plain)
         fns["plain_compiled"] = fwd(compiled, batch)
@@ -248,8 +277,7 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
     choice = fast.report.groups[0]
     kernel = {"train": choice.kernel_train, "inference": choice.kernel_eval, "why": choice.why}
     del fast, int8, fns, choice, tbe
-    if device.type == "cuda":
-        del graph
+    graphs.clear()
     free(device)
     cot = torch.randn_like(ref)
     train, train_queued, train_host = {}, {}, {}
@@ -260,12 +288,23 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         tbe = hand_written_tbe(plain, cfg, device, opt_name)
         plain_opt = plain_opt_class(plain.parameters(), lr=LR)  # Adagrad's state: a table-sized sum
         steps = train_steps({"tbe": (tbe, flat), "fxrec": (fused, batch)}, batch, cot, plain, plain_opt)
+        if device.type == "cuda":  # forward, backward and the fused update replayed as one graph
+            for key in ("tbe", "fxrec"):
+                graph, _ = cuda_graph(steps[key], graph_errors, f"train_{opt_name}_{key}")
+                if graph is not None:
+                    graphs.append(graph)
+                    steps[key + "_cuda_graph"] = graph.replay
         train[opt_name] = medians(steps, rounds, timer)
         if queue > 1:
             train_host[opt_name] = {}
             train_queued[opt_name] = medians(steps, max(1, rounds // 2), timer, queue, train_host[opt_name])
         del fused, tbe, plain_opt, steps
+        graphs.clear()
         free(device)
+    def graphed_over(times, base):
+        """fxrec replayed as a CUDA graph over ``base`` (the TBE by hand, eager or replayed)."""
+        return times["fxrec_cuda_graph"] / times[base] if "fxrec_cuda_graph" in times and base in times else None
+
     fwd_bytes = cfg["tables"] * cfg["batch"] * cfg["ids_per_bag"] * cfg["dim"] * 4
     return {
         "config": cfg,
@@ -283,6 +322,13 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         "fxrec_over_tbe_queued": None if not train_queued else {
             "forward": forward_queued["fxrec"] / forward_queued["tbe"],
             **{f"train_{o}": t["fxrec"] / t["tbe"] for o, t in train_queued.items()}},
+        # fxrec replayed as a CUDA graph, over the TBE by hand called eagerly and replayed alike
+        "fxrec_cuda_graph_over_tbe": None if device.type != "cuda" else {
+            "forward": graphed_over(forward, "tbe"), **{f"train_{o}": graphed_over(t, "tbe") for o, t in train.items()}},
+        "fxrec_cuda_graph_over_tbe_cuda_graph": None if device.type != "cuda" else {
+            "forward": graphed_over(forward, "tbe_cuda_graph"),
+            **{f"train_{o}": graphed_over(t, "tbe_cuda_graph") for o, t in train.items()}},
+        "cuda_graph_errors": graph_errors or None,
         "forward_rows_read_bytes_per_s": {k: fwd_bytes / (forward[k] / 1e3) for k in ("tbe", "fxrec")},
         "int8_max_abs_error": q_err,
         "kernel": kernel,

@@ -98,6 +98,21 @@ def sync_caches(module: torch.nn.Module, drop: bool = False) -> None:
             sync(drop=drop)
 
 
+def check_bounds(module: torch.nn.Module) -> None:
+    """Wait for the device, then raise the named error (a ``ValueError`` naming the feature, the
+    table and the id, as a call does) if any group of ``module`` has met ids or offsets outside
+    its tables that no call has reported yet. On CUDA a group checks its ids on the device
+    (fbgemm's bounds check: a bad id reads row 0 and is counted) and a call reports what earlier
+    calls counted; calls replayed in a CUDA graph report nothing, so call this after replaying
+    (the feature is named where the graph's inputs still hold the bad ids, i.e. from the last
+    replay). Nothing to do on CPU, where a call reports its own bad ids."""
+    from .runtime.checks import InputChecks
+
+    for m in module.modules():
+        if isinstance(m, InputChecks):
+            m.raise_pending()
+
+
 def bind_tables(module: torch.nn.Module) -> None:
     """Move the tables of every group of ``module`` that holds them in an fbgemm TBE into it now
     (their parameters become views of its rows), as the group's first call would. Until then, and

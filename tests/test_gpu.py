@@ -469,6 +469,98 @@ def test_quantized_inference_replays_as_a_cuda_graph():
         torch.testing.assert_close(out.float(), model(dense, ids, offsets), rtol=0.05, atol=0.05)
 
 
+def capture(fn):
+    """``fn`` captured as a CUDA graph after a warm-up call on a side stream (torch's recipe):
+    ``(graph, what the captured call returned)``. Capturing runs nothing."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad"])
+def test_a_fused_training_step_replays_as_a_cuda_graph(opt):
+    """Forward, backward and fbgemm's fused update captured as one graph, replayed on new values
+    in the graph's input tensors (sizes fixed): after each replay the tables equal those of a twin
+    trained by eager steps on the same values, and the plain model's under torch.optim. (Written
+    without a GPU; docs/gpu.md says whether it has run.)"""
+    fused, plain_opt = {
+        "sgd": (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+        "rowwise_adagrad": (fxrec.optim.RowWiseAdagrad(lr=0.1), lambda p: RowWiseAdagradReference(p, lr=0.1)),
+    }[opt]
+    torch.manual_seed(0)
+    model = M.BagList(rows=ROWS).cuda()
+    model.dense.requires_grad_(False)  # the tables only: their update is inside the captured backward
+    x = cuda(M.bag_inputs(rows=ROWS, seed=0, empty_bags=False))
+    graphed = fxrec.transform(model, x, optimizer=fused)
+    eager = fxrec.transform(model, x, optimizer=copy.deepcopy(fused))
+    ref = copy.deepcopy(model)
+    ref_opt = plain_opt([b.weight for b in ref.bags])
+    dense, ids, offsets = x
+
+    def eager_steps(values):
+        eager(*values).sin().sum().backward()
+        ref_opt.zero_grad()
+        ref(*values).sin().sum().backward()
+        ref_opt.step()
+
+    graph, _ = capture(lambda: graphed(dense, ids, offsets).sin().sum().backward())
+    eager_steps(x)  # the warm-up's step
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 + step)
+        dense.copy_(torch.rand(dense.shape, generator=g))
+        for t, rows in zip(ids, ROWS):
+            t.copy_(torch.randint(0, rows, t.shape, generator=g))
+        graph.replay()
+        eager_steps(tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x))
+        for (k, a), (_, b), (_, c) in zip(eager.state_dict().items(), graphed.state_dict().items(),
+                                          ref.state_dict().items()):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=f"step {step}: {k}, replayed against eager")
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=f"step {step}: {k}, against the plain model")
+    fxrec.graph_module.check_bounds(graphed)  # good ids all along: nothing to report
+
+
+@pytest.mark.parametrize("kind", ["LazyAdam", "PartialRowWiseLamb"])
+def test_capturing_a_fused_step_that_counts_steps_is_refused(kind):
+    """fbgemm's Adam and LAMB read their step count on the host at each call: a replay would
+    repeat the step of its capture, so capture is refused, naming the tables."""
+    model = M.BagList(rows=ROWS).cuda()
+    x = cuda(M.bag_inputs(rows=ROWS, seed=0, empty_bags=False))
+    fast = fxrec.transform(model, x, optimizer=getattr(fxrec.optim, kind)(lr=0.01))
+    with pytest.raises(RuntimeError, match=r"tables \['bags\.0'.*step count of its capture"):
+        capture(lambda: fast(*x).sum().backward())
+    torch.cuda.synchronize()
+    fast(*x).sum().backward()  # and it still trains eagerly
+
+
+def test_bad_ids_replayed_in_a_cuda_graph_are_named_by_check_bounds():
+    """A replay runs no Python, so it reports nothing itself: the device counts the bad id (read
+    as row 0) and fxrec.graph_module.check_bounds names the feature from the graph's inputs."""
+    model = M.BagList(rows=ROWS).cuda().eval()
+    x = cuda(M.bag_inputs(rows=ROWS, seed=7, empty_bags=False))
+    fast = fxrec.transform(model, x)
+    dense, ids, offsets = x
+    with torch.no_grad():
+        graph, out = capture(lambda: fast(dense, ids, offsets))
+    graph.replay()
+    fxrec.graph_module.check_bounds(fast)  # nothing counted
+    ids[1][0] = ROWS[1]  # one past the end of table bags.1
+    graph.replay()
+    with pytest.raises(IndexError, match=rf"id {ROWS[1]} in table 'bags\.1'"):
+        fxrec.graph_module.check_bounds(fast)
+    fxrec.graph_module.check_bounds(fast)  # reported once
+    ids[1][0] = 0
+    graph.replay()
+    fxrec.graph_module.check_bounds(fast)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(dense, ids, offsets), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("opt", ["none", "sgd", "rowwise_adagrad"])
 def test_max_gradient_clamps_as_the_plain_model_with_clamped_outputs_on_fbgemms_cuda_kernel(opt, pooling):

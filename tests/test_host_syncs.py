@@ -158,6 +158,32 @@ def test_every_bad_batch_is_reported_not_only_the_first():
     assert syncs.in_fxrec() == [], syncs.in_fxrec()
 
 
+def test_check_bounds_names_what_the_device_counted_and_no_call_reported():
+    """A call replayed in a CUDA graph runs the device's bounds check and nothing on the host
+    (tests/test_gpu.py replays one). Here that check runs by itself on a bad batch in the
+    group's kept inputs: fxrec.graph_module.check_bounds raises the error naming the feature,
+    once, and nothing where nothing was counted."""
+    model = M.BagList(rows=(50, 80, 30))
+    x = M.bag_inputs(rows=(50, 80, 30), empty_bags=False)
+    fast = fxrec.transform(model, x, optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
+    dense, ids, offsets = x
+    with sync_free():
+        fast(*x)
+    fxrec.graph_module.check_bounds(fast)
+    [group] = [m for m in fast.modules() if m.__dict__.get("_device_bounds") is not None]
+    state = group._device_bounds
+    ids[1][0] = 80  # table bags.1 has 80 rows; the kept inputs are the call's own tensors, as a graph's are
+    starts = torch.tensor([0, ids[0].numel(), ids[0].numel() + ids[1].numel()])
+    packed = torch.cat([o + s for o, s in zip(offsets, starts)] + [torch.tensor([sum(i.numel() for i in ids)])])
+    state.check(torch.cat(ids), packed, None, ids, offsets)  # what a replay runs
+    with pytest.raises(IndexError, match=r"id 80 in table 'bags\.1'"):
+        fxrec.graph_module.check_bounds(fast)
+    fxrec.graph_module.check_bounds(fast)  # reported once
+    ids[1][0] = 0
+    state.check(torch.cat(ids), packed, None, ids, offsets)
+    fxrec.graph_module.check_bounds(fast)  # nothing new counted
+
+
 def test_offsets_that_do_not_start_at_zero_are_named_without_reading_them():
     model = M.BagList(rows=(50, 80, 30))
     x = M.bag_inputs(rows=(50, 80, 30), empty_bags=False)

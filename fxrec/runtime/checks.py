@@ -185,20 +185,33 @@ class InputChecks:
         if not state.cuda:  # (on CUDA the count just sent is seen at the next call)
             self._raise_reported(state)
 
-    def _raise_reported(self, state: "DeviceBoundsCheck") -> None:
-        reported = state.reported()
+    def raise_pending(self) -> None:
+        """The named error for what the device's bounds check has counted and the host not yet
+        heard of (calls replayed in a CUDA graph report nothing themselves). Waits for the device."""
+        state = self.__dict__.get("_device_bounds")
+        if state is None:
+            return
+        if state.cuda:
+            torch.cuda.synchronize(state.counter.device)
+        self._raise_reported(state, wait=True)
+
+    def _raise_reported(self, state: "DeviceBoundsCheck", wait: bool = False) -> None:
+        reported = state.reported(wait)
         if reported is None:
             return
         count, ids_list, offsets_list = reported
-        if offsets_list is None:  # unpooled lookups: ids only
+        if ids_list is None:
+            pass  # (no inputs kept: the message below)
+        elif offsets_list is None:  # unpooled lookups: ids only
             for f, ids in zip(self.features, ids_list):
                 self._check_ids(f, ids)
         else:
             self._check_inputs(ids_list, offsets_list)  # raises, naming the feature, if those inputs are still bad
         raise ValueError(
             f"fxrec: fbgemm's bounds check on {state.counter.device} found {count} ids or offsets outside the tables "
-            f"{[t.name for t in self.tables]} in a recent call (the ids read row 0 instead); the inputs of the last "
-            "call no longer show them (changed in place?)")
+            f"{[t.name for t in self.tables]} in a recent call (the ids read row 0 instead); "
+            + ("the inputs of the last call no longer show them (changed in place?)" if ids_list is not None else
+               "no call's inputs are kept to name the feature"))
 
     def _check_inputs(self, ids_list, offsets_list) -> None:
         self._check_count(ids_list)
@@ -253,7 +266,10 @@ class DeviceBoundsCheck:
             self.counter.add_(more)
         if self.cuda and torch.cuda.is_current_stream_capturing():
             # inside a CUDA graph: the check (and count) is captured, the host copy is not; the
-            # count replays add is read at the next call outside the graph
+            # count replays add is read at the next call outside the graph, or by
+            # fxrec.graph_module.check_bounds. The inputs kept are the graph's own, which hold
+            # the last replay's values.
+            self.inputs = (ids_list, offsets_list)
             return
         if self.cuda:
             self.host.copy_(self.counter, non_blocking=True)  # (on the counter's device's current stream)
@@ -264,14 +280,20 @@ class DeviceBoundsCheck:
             self.host = self.counter
         self.inputs = (ids_list, offsets_list)
 
-    def reported(self):
-        if self.inputs is None or (self.cuda and torch.cuda.is_current_stream_capturing()):
+    def reported(self, wait: bool = False):
+        """``(new problems, ids, offsets)`` where the count grew since last reported, else None. ``wait``:
+        read the count on the device itself (the caller has waited for it), where the host's copy
+        may be older (calls replayed in a CUDA graph send none)."""
+        if self.cuda and torch.cuda.is_current_stream_capturing():
             return None  # (an event may not be queried while a CUDA graph is captured)
-        if self.event is not None and not self.event.query():
-            return None
-        # host memory, written by a copy that has completed (or by the CPU op): no wait
-        count = int(self.host.numpy()[0])
+        if wait:
+            count = int(self.counter.item())
+        else:
+            if self.inputs is None or (self.event is not None and not self.event.query()):
+                return None
+            # host memory, written by a copy that has completed (or by the CPU op): no wait
+            count = int(self.host.numpy()[0])
         if count <= self.seen:
             return None
-        self.seen = count
-        return (count,) + self.inputs
+        count, self.seen = count - self.seen, count
+        return (count,) + (self.inputs or (None, None))

@@ -189,6 +189,12 @@ def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):
                 f"tables {frozen} are frozen (requires_grad=False) and fbgemm's fused kernel would update "
                 "them; give them no optimizer (optimizer={name: ...} for the others), or use backend='native' on CPU"
             )
+        if indices.is_cuda and group._bound is not None and group._bound.optimizer in STEPPED \
+                and torch.cuda.is_current_stream_capturing():
+            group.fused_unusable(
+                f"fbgemm's fused {group._bound.optimizer} reads its step count on the host at each call, and a "
+                "CUDA graph would replay the step count of its capture (its bias correction wrong from the second "
+                "replay on); train it without a CUDA graph")
         return real_columns(group, tbe(indices, offsets, per_sample_weights=psw))
 
     def forward():  # fbgemm counts a fused Adam's step at every forward: a call with no update keeps it
