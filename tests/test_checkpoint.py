@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fxrec
+import fxrec.checkpoint_files
 from tests.test_sharding import gloo_group, local_batch  # one sample slicing for every multi-process test
 from fxrec.checkpoint import CheckpointError
 
@@ -319,7 +320,7 @@ def _spoiled_copy(src, dst, spoil, rewrite_checksums=False):
     shutil.copytree(src, dst)
     spoil(dst)
     if rewrite_checksums:  # as if the file had been written so (checks the layers behind the checksums)
-        fxrec.checkpoint._write_checksums(str(dst))
+        fxrec.checkpoint_files._write_checksums(str(dst))
     return dst
 
 
