@@ -34,6 +34,7 @@ import copy
 import functools
 import inspect
 import os
+import re
 import threading
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -338,8 +339,25 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
              if isinstance(s, int)]
     shown = ", ".join(f"{p} dim {d} = {v}" for p, d, v in fixed[:6]) + (f" and {len(fixed) - 6} more" if len(fixed) > 6
                                                                          else "")
-    notes = [f"input sizes: {len(free)} dynamic size(s) that take any value (batch 1 included)"
-             + (f"; fixed: {shown}" if fixed else "")]
+    # export's other conditions on the sizes (e.g. a transposed input's dim != 1), inputs by name
+    kept = [c for c in guards.conditions if not guards._implied(c)]
+    bound = set()  # the sizes those conditions read
+    for c in kept:
+        for k, d in re.findall(r"\ba(\d+)\.size\(\)\[(\d+)\]", c):
+            shape = guards.shapes[int(k)] if int(k) < len(guards.shapes) else None
+            if shape and int(d) < len(shape):
+                bound.add(shape[int(d)])
+    conditions = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c) for c in kept]
+    free = [s for s in free if s not in bound]
+    held = sorted(s for s in symbols if s in bound)
+    parts = [f"{len(free)} dynamic size(s) that take any value (batch 1 included)"] if free or not held else []
+    if held:
+        parts.append(f"{len(held)} {'more ' if free else ''}dynamic size(s) that meet the conditions below "
+                     f"({'; '.join(guards.sizes_of(s) for s in held)})")
+    notes = ["input sizes: " + ", ".join(parts) + (f"; fixed: {shown}" if fixed else "")]
+    for c in conditions:
+        notes.append(f"the model accepts only inputs with {c} (a condition torch.export's capture of its code "
+                     "kept; other inputs are refused naming it)")
     for s, (lo, hi) in sorted(guards.ranges.items()):
         if lo > 1 or hi is not None:
             where = guards.sizes_of(s)

@@ -220,10 +220,35 @@ def test_any_batch_size_after_an_example_batch_of_two_or_more():
                                          r"example of 2 or more there\)"):
         one(*M.field_inputs(batch=3, seed=1))
     fast = fxrec.transform(model, M.field_inputs(batch=4), backend="fbgemm")
-    assert not any("accepts" in n for n in fast.report.notes), fast.report.notes
-    assert "input sizes: 2 dynamic size(s) that take any value (batch 1 included)" in fast.report.notes
+    # (the batch is free; x's columns meet conditions of the model's code: it reads some of them)
+    assert not any("accepts only size" in n for n in fast.report.notes), fast.report.notes
+    assert any(n.startswith("input sizes: 1 dynamic size(s) that take any value (batch 1 included), 1 more dynamic "
+                            "size(s) that meet the conditions below (x dim 1)") for n in fast.report.notes), fast.report.notes
     assert any(n.startswith("input sizes: ") and "fixed: x dim 0 = 1" in n for n in one.report.notes), one.report.notes
     assert_matches(model, fast, *(M.field_inputs(batch=b, seed=b) for b in (1, 2, 3, 7)))
+
+
+class _Transposed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.EmbeddingBag(30, 8, mode="sum")
+
+    def forward(self, x):  # x: [L, B] ids
+        return self.c(x.t())
+
+
+def test_the_report_lists_the_size_conditions_capture_kept():
+    """torch.export's capture of a transposed [B, L] bag keeps the condition that neither dim is 1:
+    the report said every dynamic size took any value, batch 1 included, and batch 1 was refused."""
+    model = _Transposed()
+    fast = fxrec.transform(model, (torch.randint(0, 30, (3, 4)),))
+    notes = fast.report.notes
+    assert not any("batch 1 included" in n for n in notes), notes
+    assert any("accepts only inputs with x.size()[1] != 1" in n for n in notes), notes
+    with pytest.raises(ValueError, match=r"x\.size\(\)\[1\] != 1"):
+        fast(torch.randint(0, 30, (3, 1)))
+    x = torch.randint(0, 30, (3, 5))
+    torch.testing.assert_close(fast(x), model(x), rtol=1e-6, atol=1e-6)
 
 
 def test_symbolic_traced_graph_module_with_call_module_lookups():
@@ -284,3 +309,30 @@ def test_check_passes_with_a_fused_optimizer_compares_gradients_and_updates_noth
         assert torch.equal(fast.state_dict()[k], v), k
     assert all(p.grad is None for p in fast.parameters())
     assert fast.meta["fxrec_fused_groups"], "the optimizer is still fused"
+
+
+@pytest.mark.parametrize("backend", ["auto", "fbgemm", "native", "reference"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_torch_func_grad_over_the_transformed_model_gives_the_plain_models_gradients(backend, fused):
+    """Under torch.func transforms the groups run PyTorch's own lookups, which those transforms
+    differentiate (fxrec's autograd functions failed inside them, and fbgemm's binding of the
+    tables); nothing is updated by a fused optimizer there, as nothing is in a functional call."""
+    from torch.func import functional_call, grad
+
+    model = M.BagList()
+    x = M.bag_inputs(seed=3)
+    fast = fxrec.transform(model, M.bag_inputs(), backend=backend,
+                           optimizer=fxrec.optim.SGD(lr=0.1) if fused else None)
+    before = {k: v.detach().clone() for k, v in fast.state_dict().items()}
+
+    def grads(m):
+        params = {k: v.detach() for k, v in m.named_parameters()}
+        return grad(lambda p: functional_call(m, p, x).sin().sum())(params)
+
+    want, got = grads(model), grads(fast)
+    assert want.keys() == got.keys()
+    for k in want:  # (a table with an fxrec optimizer gets its gradient sparse, as its torch.optim fallback does)
+        assert got[k].is_sparse == (fused and k.startswith("bags")), k
+        torch.testing.assert_close(got[k].to_dense(), want[k], rtol=1e-5, atol=1e-6, msg=k)
+    for k, v in fast.state_dict().items():
+        assert torch.equal(v, before[k]), k

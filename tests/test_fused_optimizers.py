@@ -973,3 +973,23 @@ def test_verifying_a_transform_of_a_fused_transformed_model_leaves_it_alone(how)
     fxrec.transform(first, x, **{how: True})
     for k, v in first.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("backend", ["auto", "fbgemm", "native"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_fused_model_converted_to_fp16_after_transform_refuses_to_train_naming_the_tables(backend, weighted):
+    """fxrec fuses no optimizer into fp16 tables (its update rounds otherwise than torch.optim's):
+    a model made fp16 by .half() after transform is refused at its first training call, not
+    stepped off by an fp16 step here and there (nor failing inside index_add_ with weights);
+    evaluating it is allowed."""
+    if weighted:
+        model, x = M.WeightedBags(), M.weighted_inputs()
+    else:
+        model, x = M.BagList(), M.bag_inputs()
+    fast = fxrec.transform(model, x, optimizer=fxrec.optim.SGD(lr=0.1), backend=backend).half()
+    half = tuple(t.half() if t.is_floating_point() else t for t in x) if weighted else (x[0].half(), x[1], x[2])
+    with pytest.raises(RuntimeError, match=r"tables \[.*\] train with a fused optimizer, but they are now "
+                                           r"torch\.float16 \(a \.half\(\) / \.to\(\) after transform\?\)"):
+        fast(*half)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*half), model.half()(*half), rtol=0, atol=0)

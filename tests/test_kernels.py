@@ -373,3 +373,71 @@ def test_bind_tables_makes_tensors_taken_before_the_first_call_the_rows_the_kern
         early["bags.1.weight"].zero_()
         out = fast(*x)
     assert not fast.get_parameter("bags.1.weight").any() and out.shape[0] > 0
+
+
+class _WeightedTop(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(50, 8, mode="sum")
+        self.top = torch.nn.Linear(8, 1)
+
+    def forward(self, ids, offsets, w):
+        return self.top(torch.tanh(self.bag(ids, offsets, per_sample_weights=w)))
+
+
+@pytest.mark.parametrize("backend", ["auto", "fbgemm", "native"])
+def test_a_second_backward_through_the_sample_weights_gradient_reaches_the_table(backend):
+    """A penalty on the per-sample weights' gradient (create_graph=True): that gradient is a
+    function of the table's rows, so the second backward gives the table a gradient. PyTorch's
+    own lookup has no such double backward (it raises); the answer is the same model written with
+    ops that have one."""
+    torch.manual_seed(0)
+    model = _WeightedTop()
+    B, L = 4, 3
+    ids, offsets, w0 = torch.randint(0, 50, (B * L,)), torch.arange(0, B * L, L), torch.rand(B * L)
+
+    def written_out(w):
+        return model.top(torch.tanh((model.bag.weight[ids] * w[:, None]).view(B, L, 8).sum(1)))
+
+    fast = fxrec.transform(model, (ids, offsets, w0), backend=backend)
+    grads = []
+    for m, f in ((model, written_out), (fast, lambda w: fast(ids, offsets, w))):
+        w = w0.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(f(w).sum(), [w], create_graph=True)
+        m.zero_grad()
+        (g ** 2).sum().backward()
+        grads.append(dict(m.named_parameters())["bag.weight"].grad)
+    assert grads[0].abs().max() > 0.1
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+class _ZeroedRow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = torch.nn.EmbeddingBag(30, 8, mode="sum")
+        self.top = torch.nn.Linear(8, 1)
+
+    def forward(self, ids, offsets):
+        y = self.top(self.t(ids, offsets))
+        with torch.no_grad():
+            self.t.weight[0].zero_()  # a reserved row kept at zero, after the lookup
+        return y
+
+
+@pytest.mark.parametrize("backend", ["auto", "fbgemm", "native", "reference"])
+def test_a_table_written_between_forward_and_backward_trains_as_the_plain_model(backend):
+    """Without per-sample weights that want a gradient, backward does not read the rows (nor does
+    PyTorch's): writing them in place after the lookup is allowed, in the model or between the
+    calls."""
+    torch.manual_seed(0)
+    model = _ZeroedRow()
+    ids, offsets = torch.randint(0, 30, (12,)), torch.arange(0, 12, 3)
+    fast = fxrec.transform(model, (ids, offsets), backend=backend)
+    for m in (model, fast):
+        y = m(ids, offsets)
+        with torch.no_grad():
+            m.get_parameter("t.weight").mul_(0.5)
+        y.sum().backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), fast.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-6, msg=n)
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)

@@ -42,9 +42,12 @@ class LookupWithGrads(torch.autograd.Function):
         ctx.group = group
         ctx.batch, ctx.bounds = layout[0], layout[1]
         ctx.zero_row = len(layout) > 2 and bool(layout[2])
-        if group.fused_active:  # a fused call here is the reference kernel's: this backward updates
-            # backward updates these in place, so they are not saved (a second forward before
-            # backward, e.g. fast(pos) + fast(neg), must not trip autograd's version check)
+        if group.fused_active or not (psw is not None and ctx.needs_input_grad[5]):
+            # Backward reads the rows only for the per-sample weights' gradient, as PyTorch's
+            # does: otherwise they are not saved, so a write to a table between forward and
+            # backward is allowed, as in the plain model. (A fused call here is the reference
+            # kernel's, whose backward updates them in place: a second forward before backward,
+            # e.g. fast(pos) + fast(neg), must not trip autograd's version check.)
             ctx.save_for_backward(indices, offsets, psw)
             ctx.params = params
         else:
@@ -138,7 +141,8 @@ class LookupWithGrads(torch.autograd.Function):
         if psw is not None and ctx.needs_input_grad[5]:
             parts = []
             for i, f in enumerate(group.features):
-                part = (params[f.table].detach()[table_ids(i)] * piece(i)).sum(1)
+                # (under create_graph a function of the rows too, so a second backward reaches them)
+                part = (params[f.table][table_ids(i)] * piece(i)).sum(1)
                 if ctx.zero_row and skip[i] >= 0:  # a bag's padding ids: no gradient, as PyTorch's
                     part = part.masked_fill(indices[bounds[i] : bounds[i + 1]] == skip[i], 0.0)
                 parts.append(part)

@@ -22,9 +22,10 @@ from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from . import kernels
-from ._tracing import exporting
+from ._tracing import exporting, functorch_active
 from .checks import InputChecks
 from .grad import clamped_by
 from .kernels import REFERENCE
@@ -34,6 +35,14 @@ from .specs import FUSED_STATE_NAMES, STEPPED, FeatureSpec, FusedSpec, GroupSpec
 
 
 _is_leaf = attrgetter("is_leaf")
+_LOWER = (torch.float16, torch.bfloat16)
+
+
+def _syncs_any(ddp, params) -> bool:
+    """Whether DDP ``ddp`` averages the gradient of any of ``params`` (the tables it ignores, and those
+    of modules it was told to leave, as fxrec's sharded models do, it does not)."""
+    synced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+    return any(id(p) in synced for p in params)
 
 
 def group_forward(forward):
@@ -254,11 +263,16 @@ class EmbeddingGroup(InputChecks, nn.Module):
             if self.stored_lower():
                 raise RuntimeError(self.stored_lower())
             return self.lookups(ids_list, offsets_list, psw_list, params)
+        if functorch_active():  # torch.func.grad / vmap / ...: what those transforms can differentiate
+            held = [t.name for t in self.tables if t.placement == "managed_caching" or t.weights]
+            if held:
+                raise RuntimeError(f"fxrec: tables {held} are held by fbgemm's kernel (weights_precision= or unified "
+                                   "memory), which torch.func transforms cannot run; transform without those to use "
+                                   "torch.func")
+            return self.lookups(ids_list, offsets_list, psw_list, params)
         training = self._training(params, psw_list)
-        if training and self.fused_active and not all(map(_is_leaf, params)):
-            computed = [t.name for t, p in zip(self.tables, params) if not p.is_leaf]
-            self.fused_unusable(f"tables {computed} are computed (a parametrization registered on them?), and a fused "
-                                "update would change the computed values, not the parameters they come from")
+        if training and self.fused_active:
+            self._check_fused(params)
         chosen = kernels.get(self.kernel_train if training else self.kernel_eval)
         out = chosen.run(self, ids_list, offsets_list, psw_list, params, training)
         if out is None:  # an input the chosen kernel does not take: PyTorch's own answer (and update)
@@ -278,6 +292,25 @@ class EmbeddingGroup(InputChecks, nn.Module):
                     "lookups would read and update them behind it")
             out = self._fp32(kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training))
         return clamped_by(self, out) if training else out
+
+    def _check_fused(self, params) -> None:
+        """Refuses a training call whose fused update would not be what the model asks for."""
+        if not all(map(_is_leaf, params)):
+            computed = [t.name for t, p in zip(self.tables, params) if not p.is_leaf]
+            self.fused_unusable(f"tables {computed} are computed (a parametrization registered on them?), and a fused "
+                                "update would change the computed values, not the parameters they come from")
+        if params and params[0].dtype in _LOWER and not self.half and not self.weights:
+            self.fused_unusable(
+                f"they are now {params[0].dtype} (a .half() / .to() after transform?), and fxrec fuses no optimizer "
+                "into such tables: its update of fp16 rows rounds otherwise than torch.optim's. Transform the "
+                "converted model, or keep the tables float32 (weights_precision='fp16' stores them in fp16)")
+        ddp = DistributedDataParallel._active_ddp_module  # (set in a DDP's forward, also replicate()'s)
+        if ddp is not None and ddp.process_group.size() > 1 and _syncs_any(ddp, params):
+            self.fused_unusable(
+                f"the model runs in DistributedDataParallel over {ddp.process_group.size()} ranks, which averages "
+                "gradients, and a fused optimizer leaves these tables none: each rank would update its own copy "
+                "from its own batch, and the copies would drift apart. To train tables over ranks, transform with "
+                "plan= (fxrec.plan: fxrec shards or replicates them and keeps them in step) and without DDP")
 
     def _fp32(self, out):
         """Tables stored at a lower precision (weights_precision=): fbgemm's kernel gives fp32, so
