@@ -185,17 +185,25 @@ def cuda_graph(fn, errors, key):
     call on a side stream (torch's recipe; the warm-up runs it once more, a training step trains).
     ``(None, None)`` where capture fails, the error kept in ``errors[key]`` for the JSON: the
     run goes on without that variant."""
+    before = torch.cuda.current_stream()
+    first = []  # the call's own error (a failed capture's end raises another, which would hide it)
     try:
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_stream(before)
         with torch.cuda.stream(stream):
             fn()
-        torch.cuda.current_stream().wait_stream(stream)
+        before.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fn()
+            try:
+                out = fn()
+            except Exception as e:  # noqa: BLE001
+                first.append(e)
+                raise
     except Exception as e:  # noqa: BLE001 - reported in the JSON
+        e = first[0] if first else e
         errors[key] = f"{type(e).__name__}: {e}"[:800]
+        torch.cuda.set_stream(before)  # (torch's graph context leaves its stream current when its end fails)
         torch.cuda.synchronize()
         return None, None
     return graph, out
@@ -217,7 +225,9 @@ def train_steps(models, batch, cot, plain, plain_opt):
 
 def bench_shape(name, cfg, rounds, device, compile_plain, queue):
     """One shape. Memory: the plain model and at most two more copies of its tables at a time
-    (plus torch.optim.Adagrad's state when it trains), so multihot64 fits an 80 GB GPU."""
+    (plus torch.optim.Adagrad's state when it trains), so multihot64 fits an 80 GB GPU; and the
+    CUDA graphs' memory pools of the variants being timed (their outputs and, for a training
+    step, its backward's temporaries), given back before the next ones are made."""
     timer = Timer(device)
     torch.manual_seed(0)
     with torch.device(device):  # the tables are made and initialised where they live
@@ -268,6 +278,7 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
             if key == "fxrec":
                 graph.replay()
                 torch.testing.assert_close(out, ref, msg=f"{name}: fxrec replayed as a CUDA graph differs from plain")
+        graph = out = None  # (the graphs are held in `graphs` until the forwards are timed)
     if compile_plain:
         compiled = torch.compile(plain)
         fns["plain_compiled"] = fwd(compiled, batch)
@@ -294,6 +305,7 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
                 if graph is not None:
                     graphs.append(graph)
                     steps[key + "_cuda_graph"] = graph.replay
+                graph = None  # (held in `graphs` until this optimizer's steps are timed)
         train[opt_name] = medians(steps, rounds, timer)
         if queue > 1:
             train_host[opt_name] = {}

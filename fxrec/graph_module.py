@@ -99,13 +99,14 @@ def sync_caches(module: torch.nn.Module, drop: bool = False) -> None:
 
 
 def check_bounds(module: torch.nn.Module) -> None:
-    """Wait for the device, then raise the named error (a ``ValueError`` naming the feature, the
-    table and the id, as a call does) if any group of ``module`` has met ids or offsets outside
-    its tables that no call has reported yet. On CUDA a group checks its ids on the device
-    (fbgemm's bounds check: a bad id reads row 0 and is counted) and a call reports what earlier
-    calls counted; calls replayed in a CUDA graph report nothing, so call this after replaying
-    (the feature is named where the graph's inputs still hold the bad ids, i.e. from the last
-    replay). Nothing to do on CPU, where a call reports its own bad ids."""
+    """Wait for the device, then raise the error a call raises (``IndexError`` naming the
+    feature, the table and the id; a ``ValueError`` with the count where the inputs the group last
+    saw no longer hold them) if any group of ``module`` has met ids or offsets outside its tables
+    that no call has reported yet. On CUDA a group checks its ids on the device (fbgemm's bounds
+    check: a bad id reads row 0 and is counted) and a call reports what earlier calls counted;
+    calls replayed in a CUDA graph report nothing, so call this after replaying (the group's
+    inputs are then the graph's own, holding the last replay's values). Nothing to do on CPU,
+    where a call reports its own bad ids."""
     from .runtime.checks import InputChecks
 
     for m in module.modules():

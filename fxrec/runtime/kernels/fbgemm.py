@@ -160,18 +160,25 @@ def tbe_dims(group) -> List[int]:
     return stored_widths(group.tables, group.pooling, [DIM_ALIGNMENT] * len(group.tables))
 
 
-def real_columns(group, out: torch.Tensor) -> torch.Tensor:
-    """A pooled TBE output ``[B, sum of stored widths]`` as the group's ``[B, sum of dims]``: the
-    padding columns dropped (one index_select; its backward gives them a zero gradient). The
-    index is made once per device."""
-    if group.pooling == "none":
-        return out  # unpack_sequence takes each feature's columns
+def real_columns_on(group, device: torch.device) -> Optional[torch.Tensor]:
+    """Where a pooled TBE output's real columns are among its stored ones (a long tensor on
+    ``device``, made once per device: no host-to-device copy a call), or None where none is
+    padding."""
     cache = group.__dict__.setdefault("_tbe_columns", {})
-    idx = cache.get(out.device)
+    idx = cache.get(device)
     if idx is None:
         cols = real_columns_index(group.tables, group.features, tbe_dims(group))
-        idx = cache[out.device] = torch.tensor(cols, dtype=torch.long, device=out.device) if cols else False
-    return out if idx is False else out.index_select(1, idx)
+        idx = cache[device] = torch.tensor(cols, dtype=torch.long, device=device) if cols else False
+    return None if idx is False else idx
+
+
+def real_columns(group, out: torch.Tensor) -> torch.Tensor:
+    """A pooled TBE output ``[B, sum of stored widths]`` as the group's ``[B, sum of dims]``: the
+    padding columns dropped (one index_select; its backward gives them a zero gradient)."""
+    if group.pooling == "none":
+        return out  # unpack_sequence takes each feature's columns
+    idx = real_columns_on(group, out.device)
+    return out if idx is None else out.index_select(1, idx)
 
 
 def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):

@@ -8,8 +8,7 @@ from typing import List, Optional
 
 import torch
 
-from ..specs import real_columns_index
-from .fbgemm import tbe_dims
+from .fbgemm import real_columns_on
 from .fbgemm_tbe import tbe_flat_weights
 
 
@@ -36,11 +35,9 @@ def dense_grads(group, grad_out: torch.Tensor, indices: torch.Tensor, offsets: t
     of which each table's is a view (its real columns)."""
     tbe = group._bound.tbe
     flat = tbe_flat_weights(tbe).detach().requires_grad_()  # the same storage, a leaf here
-    cols = real_columns_index(group.tables, group.features, tbe_dims(group))
-    if cols:  # the output had its padding columns dropped: they get a zero gradient
-        stored = grad_out.new_zeros(grad_out.shape[0], int(tbe.total_D))
-        stored[:, cols] = grad_out
-        grad_out = stored
+    cols = real_columns_on(group, grad_out.device)  # (made at the forward: no copy from the host here)
+    if cols is not None:  # the output had its padding columns dropped: they get a zero gradient
+        grad_out = grad_out.new_zeros(grad_out.shape[0], int(tbe.total_D)).index_copy_(1, cols, grad_out)
     with torch.enable_grad():
         out = torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
             dev_weights=flat, weights_offsets=tbe.weights_offsets, D_offsets=tbe.D_offsets, total_D=tbe.total_D,
