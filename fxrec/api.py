@@ -485,7 +485,9 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
     backward (their learning rate is the fused group's ``"lr"`` in ``param_groups``); tables
     whose optimizer is not fused get the torch.optim namesake, stepped in ``step()``.
     """
-    table_opts = transformed.meta.get("fxrec_table_optimizers", {})
+    from .runtime.optimizer import Unit
+
+    table_opts = transformed.meta.get("fxrec_table_optimizers", {})  # every table of the model, on every rank
     fused = []
     fused_names = set()
     for name, fqns in transformed.meta.get("fxrec_fused_groups", []):
@@ -493,15 +495,23 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
         if mod.fused_active:
             fused.append((name, mod, [transformed.get_parameter(f) for f in fqns], list(fqns)))
             fused_names.update(fqns)
+    # One param group per table optimizer (configuration), in the order of the tables it first
+    # serves: the same on every rank and under any plan, whichever tables a rank holds and fuses.
     by_config: Dict = {}
+    for fqn, config in table_opts.items():
+        by_config.setdefault(config, []).append(fqn)
     held = dict(transformed.named_parameters())  # with a plan: the tables this rank holds
-    for fqn, (opt, sparse) in table_opts.items():
-        if fqn not in fused_names and fqn in held:
-            by_config.setdefault((opt, sparse), []).append(held[fqn])
-    fallbacks = [opt.torch_optimizer(params, sparse=sparse) for (opt, sparse), params in by_config.items()]
+    fallbacks, units = [], []
+    for (opt, sparse), fqns in by_config.items():
+        mine = [held[f] for f in fqns if f not in fused_names and f in held]
+        if mine:
+            fallbacks.append(opt.torch_optimizer(mine, sparse=sparse))
+        members = set(fqns)
+        units.append(Unit(fqns[0], opt.lr, len(fallbacks) - 1 if mine else None,
+                          [i for i, (_, _, _, names) in enumerate(fused) if names and names[0] in members]))
     dense_params = [p for n, p in transformed.named_parameters() if p.requires_grad and n not in table_opts]
     dense = dense_optimizer(dense_params, **kwargs) if dense_params else None
-    return CombinedOptimizer(dense, fallbacks, fused)
+    return CombinedOptimizer(dense, fallbacks, fused, units)
 
 
 def _modes_notes(gm: fx.GraphModule) -> list:

@@ -82,7 +82,7 @@ _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 # the directory's files (integrity, all-or-nothing writes) and DCP's planners, in their own modules
 from .checkpoint_files import (CHECKSUMS, _PARTIAL, CheckpointError, _commit, _read_metadata,  # noqa: E402
-                               add_checksums, verify)
+                               add_checksums, check_replaceable, verify)
 from .checkpoint_planners import _dcp, _Pieces, _planners  # noqa: E402
 
 # --------------------------------------------------------------------------- what a model holds
@@ -162,7 +162,10 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
         raise FileNotFoundError(f"fxrec.checkpoint: no checkpoint directory at {path!s}")
     md = _read_metadata(path).state_dict_metadata
     problems = []
+    other = _fused.other_states(expected, md)  # (their states are reported below, not by shape)
     for key, shape in sorted(expected.items()):
+        if FUSED_TAG in key and key.split(FUSED_TAG)[0] in other:
+            continue
         what = "table" if key in tables else "entry"
         got = md.get(key)
         if got is None:
@@ -178,10 +181,10 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
         extra = sorted(k for k in set(md) - set(expected) if not _is_optimizer_entry(k))
         if extra:
             problems.append(f"the checkpoint has entries the model does not: {extra} (strict=False ignores them)")
-    other = _fused.other_states(expected, md)
     if strict:
         problems += [f"table '{fqn}' has the fused optimizer states {there} in the checkpoint, another optimizer's than "
-                     f"the model's fused one, which keeps {here} (strict=False leaves them as they are)"
+                     f"the model's fused one, which keeps {here} (or of other shapes) (strict=False leaves them as "
+                     "they are)"
                      for fqn, (there, here) in other.items()]
     problems += list(optimizer_problems)
     if problems:
@@ -348,6 +351,7 @@ def save_model(model: torch.nn.Module, path, *, optimizer: Optional[torch.optim.
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.save_model: the model is sharded (transformed with plan=): "
                            "use fxrec.checkpoint.save on every rank")
+    check_replaceable(path)  # before anything is written (again when the write is done)
     tmp = str(path) + _PARTIAL
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that did not finish
     with warnings.catch_warnings():
@@ -433,12 +437,13 @@ def _one_directory(tmp: str, path: str, rank: int, process_group) -> None:
     token = [None, None]  # (the mark, or rank 0's error making the directory)
     if rank == 0:
         try:
+            check_replaceable(path)  # (again when the write is done)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
             token[0] = uuid.uuid4().hex
             with open(os.path.join(tmp, _MARK), "w") as fh:
                 fh.write(token[0])
-        except OSError as e:
+        except (OSError, CheckpointError) as e:
             token[1] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(token, src=dist.get_global_rank(process_group, 0) if process_group else 0,
                                group=process_group)

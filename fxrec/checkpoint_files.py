@@ -18,6 +18,9 @@ class CheckpointError(ValueError):
     damaged, incomplete or not written by fxrec.checkpoint; the message names the table or the file."""
 
 
+CheckpointError.__module__ = "fxrec.checkpoint"  # (its public name)
+
+
 CHECKSUMS = "fxrec_checksums.json"
 _PARTIAL = ".fxrec-partial"
 _OLD = ".fxrec-old"
@@ -147,10 +150,32 @@ def add_checksums(path) -> None:
     _write_checksums(path)
 
 
+def check_replaceable(path: str) -> None:
+    """Raises :class:`CheckpointError` where a save to ``path`` would replace something that is not
+    a checkpoint: a file, or a directory holding other things than a checkpoint (one with DCP's
+    ``.metadata`` or fxrec's checksums is replaced whole, an empty one taken)."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path) or os.path.islink(path):
+        raise CheckpointError(f"fxrec.checkpoint: {path} exists and is not a directory; a checkpoint is written as a "
+                              "directory of that name: remove it or choose another path")
+    entries = os.listdir(path)
+    if entries and ".metadata" not in entries and CHECKSUMS not in entries:
+        raise CheckpointError(f"fxrec.checkpoint: {path} is a directory holding {len(entries)} entries (e.g. "
+                              f"{sorted(entries)[0]!r}) and no checkpoint; saving would replace it whole: choose "
+                              "another path (a new or empty directory, or an earlier checkpoint)")
+
+
 def _commit(tmp: str, path: str) -> None:
-    """Checksums into ``tmp``, then ``tmp`` renamed to ``path``. An existing ``path`` is moved to
-    ``<path>.fxrec-old`` first and removed after (two renames: if the process dies between them,
-    the previous checkpoint is whole at ``<path>.fxrec-old``)."""
+    """Checksums into ``tmp``, then ``tmp`` renamed to ``path``. An existing ``path`` (a
+    checkpoint: :func:`check_replaceable`) is moved to ``<path>.fxrec-old`` first and removed
+    after (two renames: if the process dies between them, the previous checkpoint is whole at
+    ``<path>.fxrec-old``)."""
+    try:
+        check_replaceable(path)
+    except CheckpointError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _write_checksums(tmp)
     old = None
     if os.path.exists(path):

@@ -99,8 +99,9 @@ def split_states(states: Dict[str, torch.Tensor], layout: dict,
 
 def other_states(expected, md) -> Dict[str, Tuple[List[str], List[str]]]:
     """Tables with fused states here and in the checkpoint where the checkpoint has one the model's
-    optimizer does not keep (another fused optimizer saved them): fqn -> (the checkpoint's state
-    names, the model's). Fewer (no step count) is not another optimizer: those load."""
+    optimizer does not keep, or one of another shape (another fused optimizer saved them: row-wise
+    Adagrad's ``[rows, 1]`` ``sum`` where Adagrad keeps ``[rows, dim]``): fqn -> (the checkpoint's
+    state names, the model's). Fewer (no step count) is not another optimizer: those load."""
     def names(keys):
         out: Dict[str, set] = {}
         for k in keys:
@@ -109,6 +110,14 @@ def other_states(expected, md) -> Dict[str, Tuple[List[str], List[str]]]:
                 out.setdefault(fqn, set()).add(state)
         return out
 
+    def reshaped(fqn: str, states: set) -> bool:
+        for state in states:
+            key = f"{fqn}{FUSED_TAG}{state}"
+            shape, got = expected.get(key), getattr(md.get(key), "size", None)
+            if shape is not None and got is not None and tuple(got) != tuple(shape):
+                return True
+        return False
+
     here, there = names(expected), names(md)
     return {fqn: (sorted(there[fqn]), sorted(states)) for fqn, states in here.items()
-            if fqn in there and there[fqn] - states}
+            if fqn in there and (there[fqn] - states or reshaped(fqn, states & there[fqn]))}

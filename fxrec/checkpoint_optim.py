@@ -119,7 +119,7 @@ def _kind(state: torch.Tensor, p: torch.Tensor) -> str:
 def _hyperparameters(group: dict, fqn: str) -> dict:
     out = {}
     for k, v in group.items():
-        if k in ("params", "param_names"):
+        if k in ("params", "param_names", "tables", "fxrec_fused"):  # (the last two: fxrec's, not hyperparameters)
             continue
         try:
             out[k] = _encode(v)
@@ -156,9 +156,17 @@ class Saved:
             json.dump({"format": FORMAT, "groups": groups, "params": params}, f, indent=1, sort_keys=True)
 
 
+def _steppers(optimizer) -> Dict[str, str]:
+    """What steps each fused table of a CombinedOptimizer (by fqn): ``"fused <kind>"``."""
+    if not isinstance(optimizer, CombinedOptimizer):
+        return {}
+    return {f: f"fused {mod.fused.kind}" for _, mod, _, fqns in optimizer.fused for f in fqns}
+
+
 def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
     names = _names(module)
     subs, fused = _parts(optimizer)
+    steppers = _steppers(optimizer)
     out = Saved()
     for o in subs:
         sd = o.state_dict()  # torch's format: states by index, in the order of the groups' params
@@ -171,7 +179,7 @@ def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
             for i in group["params"]:
                 p = flat[i]
                 fqn = _fqn(names, p)
-                rec = {"group": _hyperparameters(group, fqn), "states": {}, "values": {}}
+                rec = {"group": _hyperparameters(group, fqn), "states": {}, "values": {}, "optimizer": type(o).__name__}
                 for name, v in sd["state"].get(i, {}).items():
                     if not isinstance(name, str) or OPTIM_TAG in name:
                         raise CheckpointError(f"fxrec.checkpoint: {type(o).__name__}'s state {name!r} of parameter "
@@ -200,7 +208,7 @@ def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
     for group in fused:  # their states (and a fused Adam's step count) are the tables' fxrec_fused entries
         hps = _hyperparameters(fused_hyperparameters(group), group["tables"][0] if group["tables"] else "")
         for fqn in group["tables"]:
-            out.records[fqn] = {"group": hps, "states": {}, "values": {}, "fused": True}
+            out.records[fqn] = {"group": hps, "states": {}, "values": {}, "fused": True, "optimizer": steppers[fqn]}
     return out
 
 
@@ -271,8 +279,11 @@ def read_records(path: str) -> Optional[Dict[str, dict]]:
                 raise ValueError(f"the states of '{fqn}' are {states!r}")
             # states saved dense, loaded sparse with that many sparse dims
             sparse = {str(k): int(d) for k, d in rec.get("sparse", {}).items() if k in states}
+            stepper = rec.get("optimizer")  # (None in checkpoints written before it was recorded)
+            if stepper is not None and not isinstance(stepper, str):
+                raise ValueError(f"the optimizer of '{fqn}' is {stepper!r}")
             out[str(fqn)] = {"group": groups[int(rec["group"])], "states": states, "values": values,
-                             "fused": rec.get("fused") is True, "sparse": sparse}
+                             "fused": rec.get("fused") is True, "sparse": sparse, "optimizer": stepper}
     except Exception as e:  # noqa: BLE001 - damaged, or not written by fxrec
         raise CheckpointError(f"fxrec.checkpoint: {file} cannot be read as a checkpoint's optimizer state: "
                               f"{type(e).__name__}: {e}") from e
@@ -355,7 +366,9 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
     out = Load(optimizer)
     missing: List[str] = []
 
-    def usable(fqn: str, fused_here: bool) -> Optional[dict]:
+    steppers = _steppers(optimizer)
+
+    def usable(fqn: str, fused_here: bool, stepper: str) -> Optional[dict]:
         rec = records.get(fqn)
         if rec is None:
             missing.append(fqn)
@@ -366,6 +379,12 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
                     f"{'fused' if fused_here else 'stepped by torch.optim'} here: its state is not converted "
                     "(strict=False leaves it as it is)")
             return None
+        elif rec["optimizer"] is not None and rec["optimizer"] != stepper:
+            if strict:  # another optimizer's states and hyperparameters (Adam's into SGD's) would be taken as its own
+                problems.append(f"'{fqn}' was saved with the state of {rec['optimizer']} and is stepped by {stepper} "
+                                "here: its state and hyperparameters are not converted (strict=False leaves them as "
+                                "they are)")
+            return None
         return rec
 
     for o in subs:
@@ -374,7 +393,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
             hps: Dict[str, dict] = {}
             for p in g["params"]:
                 fqn = _fqn(names, p)
-                rec = usable(fqn, False)
+                rec = usable(fqn, False, type(o).__name__)
                 if rec is None:
                     target.states.append(None)
                     continue
@@ -415,7 +434,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
             target.groups.append(_group_hyperparameters(hps, strict, problems))
         out.targets.append(target)
     for g in fused:
-        hps = {fqn: rec["group"] for fqn in g["tables"] for rec in [usable(fqn, True)] if rec is not None}
+        hps = {fqn: rec["group"] for fqn in g["tables"] for rec in [usable(fqn, True, steppers[fqn])] if rec is not None}
         saved = _group_hyperparameters(hps, strict, problems)
         if saved:
             out.fused_lr.append((g, saved))

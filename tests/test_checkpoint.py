@@ -412,6 +412,27 @@ def test_save_is_renamed_into_place_and_replaces_an_older_checkpoint(tmp_path):
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
+def test_save_refuses_to_replace_what_is_not_a_checkpoint(tmp_path):
+    """A directory of other things (a run's logs and earlier checkpoints) was replaced whole, and
+    a file in the way too; an empty directory is taken."""
+    run = tmp_path / "run"
+    (run / "step_100").mkdir(parents=True)
+    (run / "train.log").write_text("log")
+    (tmp_path / "file").write_text("not a directory")
+    torch.manual_seed(5)
+    model = Model()
+    for where, what in ((run, r"run is a directory holding 2 entries \(e\.g\. 'step_100'\) and no checkpoint"),
+                        (tmp_path / "file", r"file exists and is not a directory")):
+        with pytest.raises(CheckpointError, match=what):
+            fxrec.checkpoint.save_model(model, where)
+    assert sorted(p.name for p in run.iterdir()) == ["step_100", "train.log"]
+    assert (tmp_path / "file").read_text() == "not a directory"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".fxrec-partial")]
+    (tmp_path / "empty").mkdir()
+    fxrec.checkpoint.save_model(model, tmp_path / "empty")
+    fxrec.checkpoint.verify(tmp_path / "empty")
+
+
 def test_a_metadata_that_points_outside_the_directory_or_an_empty_manifest_is_refused(tmp_path):
     import json
     import pickle

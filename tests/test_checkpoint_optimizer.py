@@ -384,3 +384,119 @@ def test_a_sparse_momentum_loads_dense_into_a_table_made_dense(tmp_path):
     assert not state["momentum_buffer"].is_sparse
     dense(*x).sum().backward()
     dense_opt.step()
+
+
+# Two table optimizers of other learning rates (two param groups), fused on CPU; bags.1 and single
+# train with the dense optimizer.
+SCHED_OPT = {"bags.0": fxrec.optim.SGD(lr=0.1), "bags.2": fxrec.optim.Adagrad(lr=0.3)}
+
+
+def _sched_run(fast, rank, world, steps, lam=lambda e: 0.5 ** e, opt=None, sched=None):
+    opt = opt or fast.make_optimizer(torch.optim.SGD, lr=0.01)
+    sched = sched or torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    for s in steps:
+        x = global_batch(_CKPT_G, s) if world == 1 else local_batch(global_batch(_CKPT_G, s), rank, _CKPT_G // world)
+        opt.zero_grad()
+        fast(*x).sum().backward()
+        opt.step()
+        sched.step()
+    return opt, sched
+
+
+def _table_lrs(opt):
+    return {t: g["lr"] for g in opt.param_groups for t in g.get("tables") or [None]}
+
+
+def _sched_worker(rank, world, init_file, root, pins, phase):
+    with gloo_group(rank, world, init_file):
+        example = local_batch(global_batch(_CKPT_G, 0), rank, _CKPT_G // world)
+        plan = fxrec.plan(model(0), example, world_size=world, memory_per_rank="1GB", pins=pins)
+        fast = fxrec.transform(model(0), example, plan=plan, optimizer=SCHED_OPT)
+        if phase == "save":
+            opt, sched = _sched_run(fast, rank, world, range(2))
+            fxrec.checkpoint.save(fast, os.path.join(root, "ck"), optimizer=opt)
+            if rank == 0:
+                torch.save(sched.state_dict(), os.path.join(root, "sched.pt"))
+            return
+        opt = fast.make_optimizer(torch.optim.SGD, lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e)
+        fxrec.checkpoint.load(fast, os.path.join(root, "ck"), optimizer=opt)
+        sched.load_state_dict(torch.load(os.path.join(root, "sched.pt")))
+        _sched_run(fast, rank, world, range(2, 4), opt=opt, sched=sched)
+        torch.save([g["lr"] for g in opt.param_groups], os.path.join(root, f"lrs_{rank}.pt"))
+
+
+def test_a_scheduler_resumes_onto_the_same_groups_on_every_rank_and_under_another_plan(tmp_path):
+    """One param group per table optimizer, the same list on every rank whatever tables it holds:
+    a LambdaLR (per-group lists: base_lrs) saved on rank 0 resumes on every rank, with the owners
+    of the tables swapped, as in one uninterrupted process. (The groups were one per fused group a
+    rank held: rank 1 resumed table bags.0 at bags.2's rate.)"""
+    single = fxrec.transform(model(0), global_batch(_CKPT_G, 0), optimizer=SCHED_OPT)
+    want, _ = _sched_run(single, 0, 1, range(4))
+    want = [g["lr"] for g in want.param_groups]
+    assert len(want) == 3 and want[1] != want[2], want  # the dense group, then SGD's and Adagrad's
+    spawn(_sched_worker, 2, str(tmp_path), {"bags.0": ("table_wise", 1), "bags.2": ("table_wise", 0)}, "save")
+    spawn(_sched_worker, 2, str(tmp_path), {"bags.0": ("table_wise", 0), "bags.2": ("table_wise", 1)}, "load")
+    for rank in range(2):
+        assert torch.load(tmp_path / f"lrs_{rank}.pt") == pytest.approx(want), rank
+
+
+def test_the_param_groups_are_the_dense_optimizers_then_one_per_table_optimizer():
+    """In the order of the tables each first serves; the tables it fuses listed under "tables",
+    those it steps by torch.optim (Adam, never fused on CPU) as its group's params."""
+    opts = {"bags.0": fxrec.optim.SGD(lr=0.1), "bags.1": fxrec.optim.Adam(lr=0.05),
+            "bags.2": fxrec.optim.SGD(lr=0.1), "single": fxrec.optim.Adagrad(lr=0.3)}
+    fast = fxrec.transform(model(0), global_batch(_CKPT_G, 0), optimizer=opts)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.01)
+    names = {id(p): n for n, p in fast.named_parameters()}
+    groups = [(g["lr"], sorted(g["tables"]), sorted(names[id(p)] for p in g["params"])) for g in opt.param_groups[1:]]
+    assert groups == [(0.1, ["bags.0.weight", "bags.2.weight"], ["bags.0.weight", "bags.2.weight"]),
+                      (0.05, [], ["bags.1.weight"]),
+                      (0.3, ["single.weight"], ["single.weight"])], groups
+    assert sorted(names[id(p)] for p in opt.param_groups[0]["params"]) == ["top.bias", "top.weight"]
+
+
+class _One(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 8, mode="sum")
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(self.emb(ids, offsets)).sum()
+
+
+@pytest.mark.parametrize("saved, loaded, what", [
+    ("LazyAdam", "PartialRowWiseAdam", "LazyAdamTorch and is stepped by PartialRowWiseAdamTorch"),
+    ("LazyAdam", "SGD", "LazyAdamTorch and is stepped by SGD"),
+    ("PartialRowWiseAdam", "LazyAdam", "PartialRowWiseAdamTorch and is stepped by LazyAdamTorch"),
+    ("Adagrad", "SGD", "fused adagrad and is stepped by fused sgd"),
+])
+def test_another_optimizers_state_is_refused_naming_both_and_left_alone_without_strict(tmp_path, saved, loaded, what):
+    """Adam's moments were taken for SGD's (its momentum restarted, its lr Adam's), a per-row
+    state loaded where a per-element one belongs (failing at the next step), a fused Adagrad's lr
+    given to a fused SGD."""
+    ids, offsets = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 4])
+    kwargs = {"SGD": dict(lr=0.5, momentum=0.9) if saved != "Adagrad" else dict(lr=0.5)}
+
+    def make(kind):
+        torch.manual_seed(0)
+        fast = fxrec.transform(_One(), (ids, offsets), optimizer=getattr(fxrec.optim, kind)(**kwargs.get(kind, {"lr": 0.05})))
+        return fast, fast.make_optimizer(torch.optim.SGD, lr=0.01)
+
+    fast, opt = make(saved)
+    for _ in range(2):
+        opt.zero_grad()
+        fast(ids, offsets).backward()
+        opt.step()
+    fxrec.checkpoint.save_model(fast, tmp_path / "ck", optimizer=opt)
+    again, again_opt = make(loaded)
+    with pytest.raises(CheckpointError, match=rf"'emb\.weight' was saved with the state of {what} here"):
+        fxrec.checkpoint.load_into_model(again, tmp_path / "ck", optimizer=again_opt)
+    lrs = [g["lr"] for g in again_opt.param_groups]
+    fxrec.checkpoint.load_into_model(again, tmp_path / "ck", optimizer=again_opt, strict=False)
+    assert [g["lr"] for g in again_opt.param_groups] == lrs  # the table's group kept its own
+    for _ in range(2):  # and it trains
+        again_opt.zero_grad()
+        again(ids, offsets).backward()
+        again_opt.step()

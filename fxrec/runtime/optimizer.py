@@ -1,11 +1,16 @@
 """One optimizer for a transformed model: dense parameters, fallback tables, fused tables.
 
 ``CombinedOptimizer`` is a ``torch.optim.Optimizer`` so that ``torch.optim.lr_scheduler`` works
-on it. Its ``param_groups`` are, in order, the dense optimizer's groups, the fallback
-optimizers' groups (tables whose optimizer runs in ``step()``), and one group per fused TBE
-(tables updated inside backward; their ``params`` are listed for reference and never get
-gradients). Changing a fused group's ``"lr"`` (by hand or by a scheduler) reaches the kernel at
-the next forward.
+on it. Its ``param_groups`` are the dense optimizer's groups, then one group per table
+optimizer of the model (each distinct optimizer given to ``transform`` for tables, in the order
+of the tables it first serves): the same groups, in the same order, on every rank of a sharded
+model and under any plan, device or world size, so a scheduler's state (its per-group lists,
+``base_lrs``) resumes onto the groups it was saved from. A table optimizer's group drives the
+tables it serves however they train here: the torch.optim fallback of tables it does not fuse
+(the group is that optimizer's own, so it carries its hyperparameters and ``params``) and the
+fused TBEs of the tables it fuses (updated inside backward; changing the group's ``"lr"``, by hand
+or by a scheduler, reaches their kernels at the next forward). A group of a table optimizer
+this rank holds no tables of has no ``params``.
 """
 
 from __future__ import annotations
@@ -16,25 +21,39 @@ import torch
 
 from .group import EmbeddingGroup
 
+#: Keys fxrec adds to a table optimizer's param group (not hyperparameters).
+UNIT_KEYS = ("params", "tables", "fxrec_fused")
+
+
+class Unit:
+    """One table optimizer of the model on this rank: its param group (``group``: the fallback
+    optimizer's own dict where this rank has tables it does not fuse, else one of its own), the
+    index of that fallback in ``CombinedOptimizer.fallbacks`` (or None), and those of its fused
+    groups in ``CombinedOptimizer.fused``."""
+
+    def __init__(self, name: str, lr: float, fallback: Optional[int], fused: Sequence[int]):
+        self.name, self.fallback, self.fused = name, fallback, list(fused)
+        self.group: dict = {"params": [], "lr": float(lr)}
+
 
 class FollowLearningRate:
-    """Forward pre-hook of a fused group: its learning rate follows the optimizer's param group
-    (schedulers set ``"lr"`` there). A link to one optimizer: a copy or a pickled group does not
-    carry it (see ``EmbeddingGroup.__getstate__``) and keeps the learning rate it had."""
+    """Forward pre-hook of a fused group: its learning rate follows its table optimizer's param
+    group (schedulers set ``"lr"`` there). A link to one optimizer: a copy or a pickled group does
+    not carry it (see ``EmbeddingGroup.__getstate__``) and keeps the learning rate it had."""
 
     fxrec_optimizer_link = True
 
-    def __init__(self, group: dict):
-        self.group = group
+    def __init__(self, unit: Unit):
+        self.unit = unit
 
     def __call__(self, module, args) -> None:
-        module.set_learning_rate(self.group["lr"])
+        module.set_learning_rate(self.unit.group["lr"])
 
 
 def fused_hyperparameters(group: dict) -> dict:
-    """A fused group's hyperparameters (``lr``, and what schedulers add: ``initial_lr``), without
-    its parameters and fxrec's own keys."""
-    return {k: v for k, v in group.items() if k not in ("params", "tables", "fxrec_fused")}
+    """A table optimizer's group's hyperparameters (``lr``, and what schedulers add:
+    ``initial_lr``), without its parameters and fxrec's own keys."""
+    return {k: v for k, v in group.items() if k not in UNIT_KEYS}
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
@@ -43,6 +62,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         dense: Optional[torch.optim.Optimizer],
         fallbacks: Sequence[torch.optim.Optimizer],
         fused: Sequence[Tuple[str, EmbeddingGroup, List[torch.nn.Parameter], List[str]]],
+        units: Optional[Sequence[Unit]] = None,
     ):
         # torch.optim.Optimizer.__init__ sets up the hook tables that step() wrappers and
         # schedulers use; the real groups are the sub-optimizers' own dicts, shared below.
@@ -50,29 +70,46 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.dense = dense
         self.fallbacks = list(fallbacks)
         self.fused = list(fused)
-        self.fused_groups: List[dict] = []
-        for name, mod, params, names in self.fused:
-            group = {"params": list(params), "lr": mod.fused.lr, "fxrec_fused": name, "tables": list(names)}
-            self.fused_groups.append(group)
-            old = getattr(mod, "_fxrec_lr_hook", None)
-            if old is not None:
-                old.remove()
-            mod._fxrec_lr_hook = mod.register_forward_pre_hook(FollowLearningRate(group))
+        if units is None:  # one unit per fallback and per fused group, in that order
+            units = [Unit(f"fallback {i}", o.param_groups[0]["lr"], i, []) for i, o in enumerate(self.fallbacks)]
+            units += [Unit(name, mod.fused.lr, None, [i]) for i, (name, mod, _, _) in enumerate(self.fused)]
+        self.units = list(units)
+        for unit in self.units:
+            for i in unit.fused:
+                _, mod, _, _ = self.fused[i]
+                old = getattr(mod, "_fxrec_lr_hook", None)
+                if old is not None:
+                    old.remove()
+                mod._fxrec_lr_hook = mod.register_forward_pre_hook(FollowLearningRate(unit))
         self._collect_groups()
         self.state = {}
+
+    @property
+    def fused_groups(self) -> List[dict]:
+        """The param groups of the table optimizers that fuse tables on this rank."""
+        return [u.group for u in self.units if u.fused]
 
     def _collect_groups(self) -> None:
         # The sub-optimizers' own dicts, so a scheduler's change of "lr" is what they use.
         # (torch.optim.Optimizer.load_state_dict replaces those dicts: collected again there.)
-        self.param_groups = (
-            (list(self.dense.param_groups) if self.dense is not None else [])
-            + [g for o in self.fallbacks for g in o.param_groups]
-            + self.fused_groups
-        )
+        for unit in self.units:
+            if unit.fallback is not None:
+                unit.group = self.fallbacks[unit.fallback].param_groups[0]
+            else:
+                unit.group["params"] = [p for i in unit.fused for p in self.fused[i][2]]
+            unit.group["fxrec_fused"] = unit.name
+            unit.group["tables"] = [f for i in unit.fused for f in self.fused[i][3]]
+        self.param_groups = (list(self.dense.param_groups) if self.dense is not None else []) + [
+            u.group for u in self.units]
 
     def _sync_fused_lr(self) -> None:
-        for (_, mod, _, _), group in zip(self.fused, self.fused_groups):
-            mod.set_learning_rate(group["lr"])
+        for unit in self.units:
+            for i in unit.fused:
+                self.fused[i][1].set_learning_rate(unit.group["lr"])
+
+    def _unit_of(self) -> Dict[str, Unit]:
+        """Each fused group's (by name) table optimizer."""
+        return {self.fused[i][0]: unit for unit in self.units for i in unit.fused}
 
     def step(self, closure=None):
         loss = None
@@ -102,9 +139,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
             "dense": self.dense.state_dict() if self.dense is not None else None,
             "fallback": [o.state_dict() for o in self.fallbacks],
             "fused": fused_state,
-            "fused_lr": {g["fxrec_fused"]: g["lr"] for g in self.fused_groups},
-            # every other hyperparameter of the fused groups (a scheduler's initial_lr)
-            "fused_groups": {g["fxrec_fused"]: fused_hyperparameters(g) for g in self.fused_groups},
+            "fused_lr": {name: unit.group["lr"] for name, unit in self._unit_of().items()},
+            # every other hyperparameter of the fused groups' table optimizers (a scheduler's initial_lr)
+            "fused_groups": {name: fused_hyperparameters(unit.group) for name, unit in self._unit_of().items()},
             "fused_step": self.fused_steps(),
         }
 
@@ -149,16 +186,16 @@ class CombinedOptimizer(torch.optim.Optimizer):
             for key, v in fused:
                 v.copy_(saved[key])
         self.set_fused_steps(state_dict.get("fused_step", {}), only_given=True)
-        for g in self.fused_groups:
-            g.update(state_dict.get("fused_groups", {}).get(g["fxrec_fused"], {}))
-            if g["fxrec_fused"] in state_dict.get("fused_lr", {}):
-                g["lr"] = state_dict["fused_lr"][g["fxrec_fused"]]
+        for name, unit in self._unit_of().items():
+            unit.group.update(state_dict.get("fused_groups", {}).get(name, {}))
+            if name in state_dict.get("fused_lr", {}):
+                unit.group["lr"] = state_dict["fused_lr"][name]
         self._sync_fused_lr()
 
     def add_param_group(self, param_group: dict) -> None:
         """Into the dense optimizer (its step and zero_grad are this one's): torch.optim's
         ``add_param_group`` on this optimizer's list would add a group nothing steps."""
-        if not hasattr(self, "fused_groups"):  # (torch.optim.Optimizer.__init__'s own call)
+        if not hasattr(self, "units"):  # (torch.optim.Optimizer.__init__'s own call)
             return super().add_param_group(param_group)
         if self.dense is None:
             raise ValueError("fxrec: this optimizer has no dense optimizer to add a param group to (the model had no "
