@@ -569,8 +569,11 @@ def explain(
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)
     if plan is not None:
-        from .passes.shard_groups import plan_decision
+        from .passes.shard_groups import _sharding, plan_decision
 
+        for gr in ctx.groups:  # transform's refusals of the plan first (a table it does not name, other sizes)
+            for r in gr.lookups:
+                _sharding(ctx, r)
         for gr in ctx.groups:
             d = plan_decision(gr, plan, ctx.config.device)
             for r in gr.lookups:

@@ -164,6 +164,47 @@ def _pinned_plan(**kw):
     return fxrec.plan(tables=tables, world_size=8, hosts=2, memory_per_rank="1MB", pins=pins, **kw), pins
 
 
+def _edited(plan, table, edit):
+    d = plan.to_dict()
+    tp = next(t for t in d["tables"] if t["name"] == table)
+    edit(tp)
+    return d
+
+
+@pytest.mark.parametrize("table, edit, what", [
+    ("rw", lambda t: t["shards"].__setitem__(slice(0, 2), [dict(t["shards"][1], rank=0), dict(t["shards"][0], rank=1)]),
+     r"'rw' is planned row_wise, but its shards are .* where the rows are cut"),
+    ("rw", lambda t: t["shards"].pop(0), r"'rw' is planned row_wise"),
+    ("tw", lambda t: t["shards"][0].update(rank=8), r"'tw' is planned table_wise, but a shard is on rank 8, outside "
+                                                     r"world_size 8"),
+    ("tw", lambda t: t["shards"][0].update(rank=-1), r"a shard's rank is -1, not an int >= 0"),
+    ("tw", lambda t: t["shards"].append(dict(t["shards"][0], rank=0)), r"'tw' is planned table_wise, but its shards"),
+    ("cw", lambda t: t["shards"][1].update(col_offset=0), r"'cw' is planned column_wise, but its column shards"),
+    ("cw", lambda t: t["shards"][1].update(rank=t["shards"][0]["rank"]), r"two of its column shards are on one rank"),
+    ("twrw", lambda t: t["shards"][0].update(num_rows=1), r"'twrw' is planned table_row_wise"),
+    ("dp", lambda t: t["shards"].pop(), r"'dp' is planned data_parallel, but its shards"),
+    ("tw", lambda t: t["shards"][0].update(bytes=float("nan")), r"a shard's bytes is nan"),
+    ("tw", lambda t: t.update(pooled="false"), r"pooled must be true or false, got 'false'"),
+])
+def test_a_plan_whose_shards_are_not_the_layout_the_shard_pass_cuts_is_refused_naming_the_table(table, edit, what):
+    """A plan edited by hand: a row block on another rank than its ids are sent to gave wrong
+    outputs without an error; ranks out of range or missing shards failed deep inside transform."""
+    plan, _ = _pinned_plan(optimizer={"cw*": "adagrad", "*": "rowwise_adagrad"})
+    assert ShardingPlan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(ValueError, match=what):
+        ShardingPlan.from_dict(_edited(plan, table, edit))
+
+
+def test_explain_refuses_the_plans_transform_refuses():
+    """A plan for another model, or for tables of other sizes, was shown as sharded (or data_parallel)."""
+    model, x = M.BagList(rows=(40, 30, 20)), M.bag_inputs(rows=(40, 30, 20))
+    other = fxrec.plan(M.BagList(rows=(40, 30, 21)), M.bag_inputs(rows=(40, 30, 20)), world_size=2, memory_per_rank="1GB")
+    with pytest.raises(ValueError, match=r"the plan has table 'bags\.2' as 21 x 8, the model as 20 x 8"):
+        fxrec.explain(model, x, plan=other)
+    with pytest.raises(ValueError, match=r"the plan does not name table"):
+        fxrec.explain(M.FieldDict(), M.field_inputs(), plan=other)
+
+
 def test_every_sharding_type_has_its_exact_layout_and_pins_are_kept():
     # (row-wise Adagrad's per-row state is refused on column shards: the column-wise tables take Adagrad)
     plan, pins = _pinned_plan(optimizer={"cw*": "adagrad", "*": "rowwise_adagrad"})
@@ -658,3 +699,15 @@ def test_a_pin_whose_ranks_are_not_ranks_is_refused_naming_the_table():
 def test_a_memory_size_too_large_for_an_int_is_a_value_error():
     with pytest.raises(ValueError, match="memory_per_rank '1e400GB' is too large"):  # (an OverflowError)
         fxrec.plan(tables=[fxrec.TableSpec("a", 1000, 16)], world_size=2, memory_per_rank="1e400GB")
+
+
+def test_a_shard_stored_in_fp16_is_counted_at_the_width_its_tbe_stores():
+    """On CPU too only fbgemm's TBE holds a table stored in fp16 (weights_precision=), its rows
+    padded to a multiple of 4 columns: a 1000 x 6 table takes 1000 x 8 x 2 bytes (counted 1000 x 6
+    x 2 before). Without weights_precision, fused SGD on CPU keeps the model's own 6 columns."""
+    plan = fxrec.plan(tables=[TableSpec("a", 1000, 6, weights="fp16")], world_size=2, memory_per_rank="1GB",
+                      optimizer="sgd", pins={"a": ("table_wise", 0)})
+    assert plan["a"].shards[0].bytes == 1000 * 8 * 2
+    plan = fxrec.plan(tables=[TableSpec("a", 1000, 6)], world_size=2, memory_per_rank="1GB", optimizer="sgd",
+                      pins={"a": ("table_wise", 0)})
+    assert plan["a"].shards[0].bytes == 1000 * 6 * 4

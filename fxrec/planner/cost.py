@@ -144,10 +144,12 @@ class CostModel:
         a, b = OPTIMIZER_STATE[opt]
         fused = CUDA_FUSED_KINDS if self.topology.device == "cuda" else FUSED_KINDS
         # fbgemm's TBE holds a shard's rows padded to a multiple of 4 columns: on CUDA every sharded
-        # table, on CPU those whose Adagrad states it keeps; the fused state it keeps is padded
+        # table, on CPU those whose Adagrad states it keeps and those stored in fp16/bf16
+        # (weights_precision=: only its TBE holds them so); the fused state it keeps is padded
         # too. Data-parallel tables stay the model's, torch.optim's states and gradients are of
         # the real columns.
-        in_tbe = sharding != DATA_PARALLEL and (self.topology.device == "cuda" or opt in ("adagrad", "rowwise_adagrad"))
+        in_tbe = sharding != DATA_PARALLEL and (self.topology.device == "cuda" or opt in ("adagrad", "rowwise_adagrad")
+                                                or bool(spec.weights))
         stored = pad_dim(cols) if in_tbe else cols
         state = stored if in_tbe and opt in fused else cols
         n = rows * stored * spec.stored_bytes(sharding) + rows * (a + b * state)

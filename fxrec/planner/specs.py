@@ -160,7 +160,8 @@ class TableSpec:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"fxrec.plan: table {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "pooled", bool(self.pooled))
+        if not isinstance(self.pooled, bool):
+            raise ValueError(f"fxrec.plan: table {self.name!r}: pooled must be true or false, got {self.pooled!r}")
         if self.weights not in ("", "fp16", "bf16"):
             raise ValueError(f"fxrec.plan: table {self.name!r}: weights {self.weights!r} is not '', 'fp16' or 'bf16'")
         if self.weights and dtype != "fp32":
@@ -349,6 +350,65 @@ class TablePlan:
         return cls(spec, sharding, tuple(Shard(table=spec.name, **s) for s in shards), optimizer, pinned)
 
 
+def check_shards(tp: "TablePlan", topology: "Topology") -> None:
+    """Raises ValueError naming the table where its shards are not the layout the shard pass
+    cuts for its sharding type (:mod:`fxrec.planner.layout`; a plan edited by hand, or for
+    another world size): a block of rows on another rank than the ids are sent to would give
+    wrong outputs without an error."""
+    from .layout import COLUMN_ALIGNMENT, row_blocks
+
+    name, R, D, W = tp.spec.name, tp.spec.num_rows, tp.spec.dim, topology.world_size
+
+    def bad(why: str):
+        raise ValueError(f"fxrec.plan: table {name!r} is planned {tp.sharding}, but {why}")
+
+    for sh in tp.shards:
+        if sh.table != name:
+            bad(f"one of its shards names table {sh.table!r}")
+        for f in ("rank", "row_offset", "num_rows", "col_offset", "num_cols", "bytes"):
+            v = getattr(sh, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                bad(f"a shard's {f} is {v!r}, not an int >= 0")
+        if isinstance(sh.cost_ms, bool) or not isinstance(sh.cost_ms, (int, float)) or not math.isfinite(sh.cost_ms) \
+                or sh.cost_ms < 0:
+            bad(f"a shard's cost_ms is {sh.cost_ms!r}, not a number >= 0")
+        if sh.rank >= W:
+            bad(f"a shard is on rank {sh.rank}, outside world_size {W}")
+    got = sorted((sh.rank, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols) for sh in tp.shards)
+    if tp.sharding == "table_wise":
+        if len(got) != 1 or got[0][1:] != (0, R, 0, D):
+            bad(f"its shards are {got} (rank, row offset, rows, column offset, columns), not one of {R} x {D}")
+    elif tp.sharding in ("row_wise", "table_row_wise"):
+        ranks = tuple(g[0] for g in got)
+        if tp.sharding == "row_wise":
+            want_ranks = tuple(range(W))
+        else:
+            per = topology.ranks_per_host or W
+            want_ranks = topology.host_ranks(ranks[0] // per) if ranks and topology.ranks_per_host else tuple(range(W))
+        want = [(r, o, n, 0, D) for r, (o, n) in zip(want_ranks, row_blocks(R, len(want_ranks)))]
+        if got != want:
+            bad(f"its shards are {got} (rank, row offset, rows, column offset, columns), where the rows are cut "
+                f"{want}: ids are sent to the ranks by that cut")
+    elif tp.sharding == "column_wise":
+        ranks = [g[0] for g in got]
+        if len(set(ranks)) != len(ranks):
+            bad(f"two of its column shards are on one rank ({ranks})")
+        cols = sorted((g[3], g[4]) for g in got)
+        edge = 0
+        for off, width in cols:
+            if off != edge or width <= 0 or width % COLUMN_ALIGNMENT:
+                bad(f"its column shards {cols} (offset, columns) do not cut its {D} columns into consecutive pieces "
+                    f"of a multiple of {COLUMN_ALIGNMENT} columns")
+            edge += width
+        if edge != D or any(g[1:3] != (0, R) for g in got):
+            bad(f"its shards {got} (rank, row offset, rows, column offset, columns) do not cover its {R} x {D} "
+                "exactly, each with every row")
+    elif tp.sharding == "data_parallel":
+        want = [(r, 0, R, 0, D) for r in range(W)]
+        if got != want:
+            bad(f"its shards are {got}, not the whole table on each of the {W} ranks")
+
+
 @dataclass(frozen=True)
 class ShardingPlan:
     """Where every embedding table goes: ``plan.tables[name]`` is a :class:`TablePlan`.
@@ -364,6 +424,16 @@ class ShardingPlan:
     batch_size: int
     optimizer: str = "none"
     notes: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"fxrec.plan: batch_size must be an int >= 1, got {self.batch_size!r}")
+        if not isinstance(self.optimizer, str):
+            raise ValueError(f"fxrec.plan: optimizer must be a string, got {self.optimizer!r}")
+        if not isinstance(self.notes, tuple) or not all(isinstance(n, str) for n in self.notes):
+            raise ValueError(f"fxrec.plan: notes must be strings, got {self.notes!r}")
+        for tp in self.tables.values():
+            check_shards(tp, self.topology)
 
     # ----------------------------------------------------------------- queries
     def __getitem__(self, table: str) -> TablePlan:
@@ -434,7 +504,8 @@ class ShardingPlan:
         tables = [TablePlan.from_dict(t) for t in d["tables"]]
         return cls(
             topology=Topology.from_dict(d["topology"]), tables={t.name: t for t in tables},
-            batch_size=d["batch_size"], optimizer=d["optimizer"], notes=tuple(d["notes"]),
+            batch_size=d["batch_size"], optimizer=d["optimizer"],
+            notes=tuple(d["notes"]) if isinstance(d["notes"], list) else d["notes"],
         )
 
     @classmethod
