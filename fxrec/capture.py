@@ -220,7 +220,13 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
             ep = export_dynamic(model, args, kwargs, lean_bags=True)
     except Exception as e:
         raise _capture_error(model, e) from e
-    gm = _unlifted(ep)
+    try:
+        gm = _unlifted(ep)
+    except SyntaxError as e:  # torch writes module names into generated code unescaped
+        odd = [n for n, _ in model.named_modules() if any(c in n for c in "\"'\\\n\r")]
+        raise CaptureError(f"fxrec: torch.export's code for this model does not compile ({e.msg}); "
+                           + (f"module names {odd[:3]} hold quotes, backslashes or line breaks, which torch "
+                              "writes into that code as they are: rename them" if odd else "")) from e
     _install_input_guards(gm, ep)
     _structured_forward(gm, _defaults_left(model, args, kwargs))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
@@ -339,25 +345,19 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
              if isinstance(s, int)]
     shown = ", ".join(f"{p} dim {d} = {v}" for p, d, v in fixed[:6]) + (f" and {len(fixed) - 6} more" if len(fixed) > 6
                                                                          else "")
-    # export's other conditions on the sizes (e.g. a transposed input's dim != 1), inputs by name
-    kept = [c for c in guards.conditions if not guards._implied(c)]
-    bound = set()  # the sizes those conditions read
-    for c in kept:
-        for k, d in re.findall(r"\ba(\d+)\.size\(\)\[(\d+)\]", c):
-            shape = guards.shapes[int(k)] if int(k) < len(guards.shapes) else None
-            if shape and int(d) < len(shape):
-                bound.add(shape[int(d)])
-    conditions = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c) for c in kept]
-    free = [s for s in free if s not in bound]
-    held = sorted(s for s in symbols if s in bound)
-    parts = [f"{len(free)} dynamic size(s) that take any value (batch 1 included)"] if free or not held else []
-    if held:
-        parts.append(f"{len(held)} {'more ' if free else ''}dynamic size(s) that meet the conditions below "
-                     f"({'; '.join(guards.sizes_of(s) for s in held)})")
+    # export's other conditions on the sizes: those a size of 1 breaks (a transposed [B, L] bag's
+    # `!= 1`), found by trying each size at 1 with the others at 16
+    refused = _refused_at_one(guards, symbols)
+    free = [s for s in free if s not in refused]
+    parts = [f"{len(free)} dynamic size(s) that take any value (batch 1 included)"] if free or not refused else []
+    if refused:
+        parts.append(f"{len(refused)} {'more ' if free else ''}dynamic size(s) that conditions of the model's code "
+                     "restrict (below)")
     notes = ["input sizes: " + ", ".join(parts) + (f"; fixed: {shown}" if fixed else "")]
-    for c in conditions:
-        notes.append(f"the model accepts only inputs with {c} (a condition torch.export's capture of its code "
-                     "kept; other inputs are refused naming it)")
+    for sym, conds in sorted(refused.items()):
+        named = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c) for c in conds]
+        notes.append(f"size 1 in {guards.sizes_of(sym)} is refused: the model's code needs {' and '.join(named)} "
+                     "(conditions torch.export's capture of it kept; other sizes may break them too)")
     for s, (lo, hi) in sorted(guards.ranges.items()):
         if lo > 1 or hi is not None:
             where = guards.sizes_of(s)
@@ -368,6 +368,55 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
             if s in (0, 1):
                 notes.append(f"input {guards.paths[k]} accepts only size {s} in dim {d} (fixed at capture)")
     return notes
+
+
+def _refused_at_one(guards, symbols) -> Dict[str, List[str]]:
+    """Per dynamic size (symbol), the conditions of ``guards`` that inputs with that size 1 and
+    every other size 16 (a size's own bounds respected) break, where 16 everywhere keeps them:
+    what a batch (or length) of 1 meets. Conditions that only say two sizes are equal are left
+    out (setting one of them alone to 1 breaks them, not the model). {} where a condition cannot
+    be evaluated so."""
+    from .runtime.input_guards import _namespace
+
+    ref = re.compile(r"\ba\d+\.size\(\)\[\d+\]")
+
+    def restricts(c: str) -> bool:
+        if "==" in c and not re.search(r"[<>]|!=", c):
+            left, right = c.split("==", 1)
+            return not (ref.search(left) and ref.search(right))  # a size against a number
+        return True
+
+    kept = [c for c in guards.conditions if not guards._implied(c) and restricts(c)]
+    if not kept or any(shape is None for shape in guards.shapes):
+        return {}
+    ns = _namespace()
+
+    def broken(values: Dict[str, int]) -> List[str]:
+        env = {**ns, **values}
+        fakes = {}
+        for k, shape in enumerate(guards.shapes):
+            dims = [x if isinstance(x, int) else int(eval(x, env)) for x in shape]  # noqa: S307 - export's own
+            fakes[f"a{k}"] = torch.empty([max(d, 0) for d in dims], device="meta")
+        env.update(fakes)
+        return [c for c in kept if not eval(c, env)]  # noqa: S307 - export's own conditions (how they are checked)
+
+    def typical(sym: str) -> int:
+        lo, hi = guards.ranges.get(sym, (0, None))
+        return max(lo, 16) if hi is None else min(max(lo, 16), hi)
+
+    try:
+        base = {sym: typical(sym) for sym in symbols}
+        if broken(base):
+            return {}
+        out = {}
+        for sym in sorted(symbols):
+            if guards.ranges.get(sym, (0, None))[0] <= 1:
+                failed = broken({**base, sym: 1})
+                if failed:
+                    out[sym] = failed
+        return out
+    except Exception:  # noqa: BLE001 - a condition this probe cannot evaluate: no claim either way
+        return {}
 
 
 _LITERALS = (type(None), bool, int, float, str)

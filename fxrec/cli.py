@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
 import io
 import logging
@@ -119,11 +120,20 @@ def _import_file(path: str):
     if added:
         sys.path.insert(0, directory)
     try:
-        if all(p.isidentifier() for p in parts):
+        if all(p.isidentifier() for p in parts) and path.endswith(".py"):
             loaded = sys.modules.get(name)
-            if loaded is None or os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+            if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+                return loaded
+            # imported by its name (relative imports, pickling) only where that name finds this very
+            # file: a package or an extension module of the same name beside it would win otherwise
+            try:
+                found = importlib.util.find_spec(name) if loaded is None else None
+            except (ImportError, ValueError):
+                found = None
+            if found is not None and found.origin and os.path.abspath(found.origin) == path:
                 return importlib.import_module(name)
-        spec = importlib.util.spec_from_file_location(f"_fxrec_model_{abs(hash(path))}", path)
+        name = f"_fxrec_model_{abs(hash(path))}"  # (Python source whatever its suffix)
+        spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.SourceFileLoader(name, path))
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)

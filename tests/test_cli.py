@@ -218,6 +218,17 @@ def test_missing_model_file_exits_1(capsys):
     assert "model file 'no/such/model.py' does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, beside", [("model.py", "model/__init__.py"), ("model.txt", "model.py")])
+def test_the_model_file_named_is_the_one_run(tmp_path, capsys, name, beside):
+    """A package, or a .py, of the file's name beside it was imported in its place (Python's
+    finder picks those first)."""
+    (tmp_path / name).write_text(TINY)
+    (tmp_path / beside).parent.mkdir(exist_ok=True)
+    (tmp_path / beside).write_text("def small():\n    raise RuntimeError('the wrong file ran')\n")
+    assert cli.main(["inspect", str(tmp_path / name) + ":small", *FAST, "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["summary"]["lowered"] == 3
+
+
 def test_inspect_json(files, tmp_path, capsys):
     out = tmp_path / "report.json"
     assert cli.main(["inspect", files["tiny_model"] + ":small", *FAST, "--json", "-o", str(out)]) == 0

@@ -223,7 +223,8 @@ def test_any_batch_size_after_an_example_batch_of_two_or_more():
     # (the batch is free; x's columns meet conditions of the model's code: it reads some of them)
     assert not any("accepts only size" in n for n in fast.report.notes), fast.report.notes
     assert any(n.startswith("input sizes: 1 dynamic size(s) that take any value (batch 1 included), 1 more dynamic "
-                            "size(s) that meet the conditions below (x dim 1)") for n in fast.report.notes), fast.report.notes
+                            "size(s) that conditions of the model's code restrict") for n in fast.report.notes), fast.report.notes
+    assert any(n.startswith("size 1 in x dim 1 is refused") for n in fast.report.notes), fast.report.notes
     assert any(n.startswith("input sizes: ") and "fixed: x dim 0 = 1" in n for n in one.report.notes), one.report.notes
     assert_matches(model, fast, *(M.field_inputs(batch=b, seed=b) for b in (1, 2, 3, 7)))
 
@@ -244,7 +245,7 @@ def test_the_report_lists_the_size_conditions_capture_kept():
     fast = fxrec.transform(model, (torch.randint(0, 30, (3, 4)),))
     notes = fast.report.notes
     assert not any("batch 1 included" in n for n in notes), notes
-    assert any("accepts only inputs with x.size()[1] != 1" in n for n in notes), notes
+    assert any("size 1 in x dim 1 is refused: the model's code needs x.size()[1] != 1" in n for n in notes), notes
     with pytest.raises(ValueError, match=r"x\.size\(\)\[1\] != 1"):
         fast(torch.randint(0, 30, (3, 1)))
     x = torch.randint(0, 30, (3, 5))

@@ -106,6 +106,23 @@ def test_capture_error_names_user_file_and_line():
         fxrec.transform(Bad(), (torch.tensor([1, 2]),))
 
 
+class _QuotedName(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tabs = torch.nn.ModuleDict({'user "id"': torch.nn.EmbeddingBag(10, 4, mode="sum")})
+
+    def forward(self, i, o):
+        return self.tabs['user "id"'](i, o)
+
+
+def test_a_module_name_torch_cannot_write_into_code_is_a_capture_error_naming_it():
+    """torch writes module names into its generated code unescaped: a bare SyntaxError before."""
+    x = (torch.randint(0, 10, (6,)), torch.tensor([0, 2, 4]))
+    for call in (lambda: fxrec.transform(_QuotedName(), x), lambda: fxrec.explain(_QuotedName(), x)):
+        with pytest.raises(fxrec.CaptureError, match=r"module names \['tabs\.user \"id\"'\] hold quotes"):
+            call()
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="backend"):
         fxrec.transform(M.BagList(), M.bag_inputs(), backend="gpu")
