@@ -121,6 +121,10 @@ class Report:
         quant = {q.table: q for q in self.quantization}
         # a lookup's table as weights_precision= stores it (the group's dtypes: one a lookup, by feature)
         stored = {f: _STORED[dt] for g in self.groups for f, dt in zip(g.features, g.dtypes) if dt in _STORED}
+        # integer-quantized tables the quantization pass has not measured (fxrec.explain): fbgemm's
+        # packed rows (bits a value, a 4-byte scale and bias, rounded to the row alignment: 16 on CUDA)
+        packed = {f: (dt, 16 if g.device == "cuda" else 1) for g in self.groups for f, dt in zip(g.features, g.dtypes)
+                  if dt in _INT_BITS}
         out: Dict[str, Dict[str, Any]] = {}
         for e in self.lookups:
             dtype = stored.get(e.feature) or e.dtype or "float32"
@@ -135,6 +139,11 @@ class Report:
                 t["pooling"].append(e.pooling)
             if e.group is not None and e.group not in t["groups"]:
                 t["groups"].append(e.group)
+            if e.feature in packed and e.table not in quant:
+                dt, align = packed[e.feature]
+                bits, multiple = _INT_BITS[dt]
+                row = -(-e.dim // multiple) * multiple * bits // 8 + 4  # (dims padded to what fbgemm packs)
+                t["dtype"], t["bytes"] = dt, e.rows * (-(-row // align) * align)
         for name, t in out.items():
             t["pooling"] = ",".join(t["pooling"])
             if name in quant:
@@ -318,6 +327,8 @@ def _bytes(n: int) -> str:
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
 #: weights_precision= names, as the dtype a table is stored in
 _STORED = {"fp16": "float16", "bf16": "bfloat16"}
+#: bits a value of the integer dtypes quantize= takes, and the multiple fbgemm pads their dims to
+_INT_BITS = {"int8": (8, 4), "int4": (4, 8), "int2": (2, 16)}
 
 
 def _became(g: GroupEntry, quantization: List[QuantEntry]) -> str:

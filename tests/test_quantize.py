@@ -345,3 +345,31 @@ def test_a_state_dict_of_other_quantized_dtypes_is_refused_naming_the_tables():
     torch.testing.assert_close(fp16(*inputs), before, rtol=0, atol=0)
     fp16.load_state_dict(fxrec.transform(model, inputs, mode="inference",
                                          quantize={"bags.0": "int8", "*": "fp16"}).state_dict())
+
+
+class _ThreeWidths(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(1000, 18, mode="sum")
+        self.b = torch.nn.EmbeddingBag(100, 12, mode="sum")
+        self.c = torch.nn.EmbeddingBag(50, 20, mode="sum")
+
+    def forward(self, i, o):
+        return torch.cat([self.a(i, o), self.b(i % 100, o), self.c(i % 50, o)], 1)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4", "int2", {"a": "int8", "b": "int4", "c": "int2"}])
+def test_explain_gives_the_dtypes_and_bytes_transform_stores(quantize):
+    """explain runs no quantization: it reported integer-quantized tables as fp32 (float32, 4 bytes
+    a value). On CUDA the rows are packed at 16 bytes (fbgemm's own sizes)."""
+    from fxrec.runtime.kernels.fbgemm_nbit import packed_bytes
+
+    x = (torch.randint(0, 1000, (8,)), torch.arange(0, 8, 2))
+    said = fxrec.explain(_ThreeWidths().eval(), x, device="cpu", mode="inference", quantize=quantize).tables
+    made = fxrec.transform(_ThreeWidths().eval(), x, mode="inference", quantize=quantize).report.tables
+    assert [(t["dtype"], t["bytes"]) for t in said] == [(t["dtype"], t["bytes"]) for t in made]
+    cuda = fxrec.explain(_ThreeWidths().eval(), x, device="cuda", mode="inference", quantize=quantize).tables
+    pad = {"int8": 4, "int4": 8, "int2": 16}
+    want = [packed_bytes([(t["rows"], -(-t["dim"] // pad[t["dtype"]]) * pad[t["dtype"]], t["dtype"])], 16)[0]
+            for t in made]
+    assert [t["bytes"] for t in cuda] == want
