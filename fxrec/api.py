@@ -495,20 +495,24 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
         if mod.fused_active:
             fused.append((name, mod, [transformed.get_parameter(f) for f in fqns], list(fqns)))
             fused_names.update(fqns)
-    # One param group per table optimizer (configuration), in the order of the tables it first
-    # serves: the same on every rank and under any plan, whichever tables a rank holds and fuses.
-    by_config: Dict = {}
-    for fqn, config in table_opts.items():
-        by_config.setdefault(config, []).append(fqn)
+    # One param group per table optimizer, in the order of the tables it first serves: the same on
+    # every rank and under any plan, whichever tables a rank holds and fuses. (A table's sparse
+    # flag here is its gradients' as lowered, which a plan changes: it splits a table optimizer
+    # only where the torch class differs, Adam's, whose tables are never lowered so.)
+    by_unit: Dict = {}
+    for fqn, (opt, sparse) in table_opts.items():
+        by_unit.setdefault((opt, sparse) if opt.SPARSE_CLASS else (opt, None), []).append((fqn, sparse))
     held = dict(transformed.named_parameters())  # with a plan: the tables this rank holds
+    position = {f: i for i, f in enumerate(table_opts)}
     fallbacks, units = [], []
-    for (opt, sparse), fqns in by_config.items():
-        mine = [held[f] for f in fqns if f not in fused_names and f in held]
+    for (opt, _), items in by_unit.items():
+        mine = [(f, sparse) for f, sparse in items if f not in fused_names and f in held]
         if mine:
-            fallbacks.append(opt.torch_optimizer(mine, sparse=sparse))
-        members = set(fqns)
-        units.append(Unit(fqns[0], opt.lr, len(fallbacks) - 1 if mine else None,
-                          [i for i, (_, _, _, names) in enumerate(fused) if names and names[0] in members]))
+            fallbacks.append(opt.torch_optimizer([held[f] for f, _ in mine], sparse=any(sp for _, sp in mine)))
+        members = {f for f, _ in items}
+        units.append(Unit(items[0][0], opt.lr, len(fallbacks) - 1 if mine else None,
+                          [i for i, (_, _, _, names) in enumerate(fused) if names and names[0] in members],
+                          [f for f, _ in mine], position[mine[0][0]] if mine else 0))
     dense_params = [p for n, p in transformed.named_parameters() if p.requires_grad and n not in table_opts]
     dense = dense_optimizer(dense_params, **kwargs) if dense_params else None
     return CombinedOptimizer(dense, fallbacks, fused, units)

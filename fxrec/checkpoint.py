@@ -448,6 +448,8 @@ def _one_directory(tmp: str, path: str, rank: int, process_group) -> None:
     dist.broadcast_object_list(token, src=dist.get_global_rank(process_group, 0) if process_group else 0,
                                group=process_group)
     if token[1] is not None:  # every rank raises it (they would otherwise wait for rank 0)
+        if token[1].startswith("CheckpointError: "):  # (check_replaceable: the path names itself)
+            raise CheckpointError(token[1][len("CheckpointError: "):] + "; nothing was written")
         raise CheckpointError(f"fxrec.checkpoint.save: rank 0 could not make {tmp}: {token[1]}; nothing was written")
 
     def sees_it():

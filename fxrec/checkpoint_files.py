@@ -156,7 +156,10 @@ def check_replaceable(path: str) -> None:
     ``.metadata`` or fxrec's checksums is replaced whole, an empty one taken)."""
     if not os.path.lexists(path):
         return
-    if not os.path.isdir(path) or os.path.islink(path):
+    if os.path.islink(path):
+        raise CheckpointError(f"fxrec.checkpoint: {path} is a symbolic link (to {os.readlink(path)}); a save replaces "
+                              "what is at its path: save to the directory itself, or remove the link first")
+    if not os.path.isdir(path):
         raise CheckpointError(f"fxrec.checkpoint: {path} exists and is not a directory; a checkpoint is written as a "
                               "directory of that name: remove it or choose another path")
     entries = os.listdir(path)

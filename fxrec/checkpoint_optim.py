@@ -341,8 +341,9 @@ class Load:
             o.load_state_dict({"state": state, "param_groups": groups})
         if isinstance(self.optimizer, CombinedOptimizer):
             self.optimizer._collect_groups()  # load_state_dict replaced the sub-optimizers' group dicts
+            current = {u.name: u.group for u in self.optimizer.units}  # (a fused group's may be one of those)
             for group, hps in self.fused_lr:
-                group.update(hps)
+                current.get(group.get("fxrec_fused"), group).update(hps)
             self.optimizer._sync_fused_lr()
 
 

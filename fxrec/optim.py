@@ -24,7 +24,7 @@ dense parameters with the given class, embedding tables with theirs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import ClassVar, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -43,6 +43,10 @@ class EmbeddingOptimizer:
 
     def fused_unsupported_reason(self) -> str:
         return ""
+
+    #: Whether :meth:`torch_optimizer` picks another torch class for tables of sparse gradients
+    #: (Adam: SparseAdam): such tables then get a param group of their own.
+    SPARSE_CLASS: ClassVar[bool] = False
 
     def torch_optimizer(self, params, sparse: bool = False) -> torch.optim.Optimizer:
         """The fallback: the same update done by a torch optimizer on PyTorch's gradients
@@ -184,6 +188,8 @@ class Adam(EmbeddingOptimizer):
         given = [n for n, v in (("weight_decay", self.weight_decay), ("amsgrad", self.amsgrad)) if v]
         return (f"its gradients are sparse (sparse=True), where Adam runs as torch.optim.SparseAdam, which has no "
                 f"{' and no '.join(given)}; make the table dense, or drop them") if given else ""
+
+    SPARSE_CLASS: ClassVar[bool] = True
 
     def torch_optimizer(self, params, sparse=False):
         if sparse:

@@ -431,6 +431,9 @@ def test_save_refuses_to_replace_what_is_not_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     fxrec.checkpoint.save_model(model, tmp_path / "empty")
     fxrec.checkpoint.verify(tmp_path / "empty")
+    (tmp_path / "latest").symlink_to(tmp_path / "empty")  # a link to a checkpoint: named as a link
+    with pytest.raises(CheckpointError, match=r"latest is a symbolic link \(to .*empty\)"):
+        fxrec.checkpoint.save_model(model, tmp_path / "latest")
 
 
 def test_a_metadata_that_points_outside_the_directory_or_an_empty_manifest_is_refused(tmp_path):

@@ -500,3 +500,54 @@ def test_another_optimizers_state_is_refused_naming_both_and_left_alone_without_
         again_opt.zero_grad()
         again(ids, offsets).backward()
         again_opt.step()
+
+
+class _SumAndMean(nn.Module):
+    """One SGD for a sum bag (fused) and a mean bag whose weight is also read outside its lookup
+    (left as written: stepped by torch.optim with dense gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(20, 8, mode="sum")
+        self.c = nn.EmbeddingBag(20, 8, mode="mean")
+        self.top = nn.Linear(16, 1)
+
+    def forward(self, ids, offsets):
+        y = torch.cat([self.a(ids, offsets), self.c(ids, offsets)], 1)
+        return self.top(y).sum() + 0.01 * self.c.weight.sum()
+
+
+def test_one_table_optimizer_is_one_group_however_its_tables_are_lowered():
+    """Its tables' gradients are sparse where lowered and dense where not (and under a plan, dense
+    for both): keyed by that, one optimizer made two groups here and one under a plan. Only a
+    torch class that depends on it (Adam's SparseAdam) splits a group."""
+    ids, offsets = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 4])
+    fast = fxrec.transform(_SumAndMean(), (ids, offsets), optimizer=fxrec.optim.SGD(lr=0.1))
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.01)
+    names = {id(p): n for n, p in fast.named_parameters()}
+    assert [(g["lr"], g["tables"], [names[id(p)] for p in g["params"]]) for g in opt.param_groups[1:]] == [
+        (0.1, ["a.weight"], ["c.weight"])]
+
+
+def test_a_saved_state_loads_into_the_fallbacks_that_step_its_tables():
+    """Matched by the tables each steps (they were matched by position, which another ordering of
+    the table optimizers changed); a state saved before the tables were recorded loads by their
+    order; one whose tables are not this optimizer's is refused before anything is loaded."""
+    opts = {"bags.0": fxrec.optim.Adam(lr=0.05), "bags.2": fxrec.optim.Adagrad(lr=0.1, lr_decay=0.01)}
+    fast, opt = single_process(model(0), opts)
+    x = global_batch(_CKPT_G, 1)
+    opt.zero_grad()
+    fast(*x).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["fallback_tables"] == [["bags.0.weight"], ["bags.2.weight"]]
+    for saved in (sd, {k: v for k, v in sd.items() if k != "fallback_tables"}):
+        again, again_opt = single_process(model(0), opts)
+        again_opt.load_state_dict(copy.deepcopy(saved))
+        for a, b in zip(again_opt.fallbacks, opt.fallbacks):
+            assert type(a) is type(b) and a.param_groups[0]["lr"] == b.param_groups[0]["lr"]
+            assert [sorted(s) for s in a.state.values()] == [sorted(s) for s in b.state.values()]
+    wrong = dict(sd, fallback_tables=[["bags.2.weight"], ["bags.9.weight"]])
+    again, again_opt = single_process(model(0), opts)
+    with pytest.raises(ValueError, match=r"stepping the tables \[\['bags.2.weight'\], \['bags.9.weight'\]\]"):
+        again_opt.load_state_dict(wrong)

@@ -4,6 +4,7 @@ the tables would be updated by each rank alone and drift apart, so the call is r
 the tables (unless the user told DDP to leave the tables)."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -40,6 +41,11 @@ def _plain_worker(rank, world, init_file):
             both = [torch.empty_like(b) for _ in range(world)]
             dist.all_gather(both, b.contiguous())
             assert torch.equal(both[0], both[1]), f"{name} differs between the ranks"
+        # DDP's reducer freed (by the cycle collector) after the process group is destroyed can
+        # deadlock: its destructor joins gloo's thread holding the GIL, which that thread needs to
+        # free the last all_gather's tensors
+        del models, opts
+        gc.collect()
 
 
 def test_a_model_without_a_fused_optimizer_trains_in_ddp_as_the_plain_model():
@@ -60,8 +66,11 @@ def _fused_worker(rank, world, init_file):
         left = fxrec.transform(M.BagList(), _batch(rank, 0), optimizer=fxrec.optim.SGD(lr=0.1))
         DDP._set_params_and_buffers_to_ignore_for_model(left, [f"bags.{i}.weight" for i in range(3)])
         before = left.get_parameter("bags.0.weight").detach().clone()
-        DDP(left)(*_batch(rank, 1)).sum().backward()
+        wrapped_left = DDP(left)
+        wrapped_left(*_batch(rank, 1)).sum().backward()
         assert not torch.equal(left.get_parameter("bags.0.weight").detach(), before)
+        del wrapped, wrapped_left
+        gc.collect()  # (see _plain_worker)
 
 
 def test_a_fused_optimizer_in_ddp_is_refused_naming_the_tables():

@@ -441,3 +441,17 @@ def test_a_table_written_between_forward_and_backward_trains_as_the_plain_model(
     for (n, a), (_, b) in zip(model.named_parameters(), fast.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-6, msg=n)
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("backend", ["auto", "native", "reference"])
+def test_a_second_backward_through_the_sample_weights_gradient_of_fused_tables_is_refused(backend):
+    """A fused optimizer updates the tables in the first backward: the second's part for them
+    would be a table-sized gradient nothing applies (it was left in .grad)."""
+    torch.manual_seed(0)
+    ids, offsets, w0 = torch.randint(0, 50, (12,)), torch.arange(0, 12, 3), torch.rand(12)
+    fast = fxrec.transform(_WeightedTop(), (ids, offsets, w0), backend=backend, optimizer=fxrec.optim.SGD(lr=0.1))
+    w = w0.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"tables \['bag'\] train with a fused optimizer.*create_graph=True"):
+        torch.autograd.grad(fast(ids, offsets, w).sum(), [w], create_graph=True)
+    (g,) = torch.autograd.grad(fast(ids, offsets, w).sum(), [w])  # without create_graph: as before
+    assert g.shape == w.shape

@@ -139,6 +139,11 @@ class LookupWithGrads(torch.autograd.Function):
 
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[5]:
+            if group.fused_active and torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"fxrec: tables {[t.name for t in group.tables]} train with a fused optimizer, which updates them "
+                    "in this backward: a backward with create_graph=True through their per-sample weights' gradient "
+                    "would leave the tables' part of a second backward unapplied; transform without optimizer= for it")
             parts = []
             for i, f in enumerate(group.features):
                 # (under create_graph a function of the rows too, so a second backward reaches them)

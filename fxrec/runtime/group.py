@@ -41,8 +41,11 @@ _LOWER = (torch.float16, torch.bfloat16)
 def _syncs_any(ddp, params) -> bool:
     """Whether DDP ``ddp`` averages the gradient of any of ``params`` (the tables it ignores, and those
     of modules it was told to leave, as fxrec's sharded models do, it does not)."""
-    synced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
-    return any(id(p) in synced for p in params)
+    params_now = getattr(ddp, "_module_parameters", ())
+    kept = ddp.__dict__.get("_fxrec_synced")
+    if kept is None or kept[0] is not params_now:  # (once per DDP and list of its parameters)
+        kept = ddp.__dict__["_fxrec_synced"] = (params_now, {id(p) for p in params_now})
+    return any(id(p) in kept[1] for p in params)
 
 
 def group_forward(forward):

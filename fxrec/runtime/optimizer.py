@@ -31,8 +31,12 @@ class Unit:
     index of that fallback in ``CombinedOptimizer.fallbacks`` (or None), and those of its fused
     groups in ``CombinedOptimizer.fused``."""
 
-    def __init__(self, name: str, lr: float, fallback: Optional[int], fused: Sequence[int]):
+    def __init__(self, name: str, lr: float, fallback: Optional[int], fused: Sequence[int],
+                 fallback_tables: Sequence[str] = (), order: int = 0):
         self.name, self.fallback, self.fused = name, fallback, list(fused)
+        # the tables its fallback steps, and where the first of them is in the model's table order
+        # (how the fallbacks were ordered before they were saved by their tables)
+        self.fallback_tables, self.order = list(fallback_tables), order
         self.group: dict = {"params": [], "lr": float(lr)}
 
 
@@ -71,7 +75,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.fallbacks = list(fallbacks)
         self.fused = list(fused)
         if units is None:  # one unit per fallback and per fused group, in that order
-            units = [Unit(f"fallback {i}", o.param_groups[0]["lr"], i, []) for i, o in enumerate(self.fallbacks)]
+            units = [Unit(f"fallback {i}", o.param_groups[0]["lr"], i, [], order=i) for i, o in enumerate(self.fallbacks)]
             units += [Unit(name, mod.fused.lr, None, [i]) for i, (name, mod, _, _) in enumerate(self.fused)]
         self.units = list(units)
         for unit in self.units:
@@ -138,6 +142,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return {
             "dense": self.dense.state_dict() if self.dense is not None else None,
             "fallback": [o.state_dict() for o in self.fallbacks],
+            # the tables each steps: a load matches them by these, not by position
+            "fallback_tables": [self._fallback_unit(i).fallback_tables for i in range(len(self.fallbacks))],
             "fused": fused_state,
             "fused_lr": {name: unit.group["lr"] for name, unit in self._unit_of().items()},
             # every other hyperparameter of the fused groups' table optimizers (a scheduler's initial_lr)
@@ -177,10 +183,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
             if tuple(saved[key].shape) != tuple(v.shape):  # e.g. a partial row-wise Adam's [rows]
                 raise ValueError(f"fxrec: optimizer state '{key}' is {tuple(saved[key].shape)} in the state dict and "
                                  f"{tuple(v.shape)} here (another fused optimizer's?); nothing was loaded")
+        order = self._saved_fallback_order(state_dict)
         if self.dense is not None:
             self.dense.load_state_dict(state_dict["dense"])
-        for o, sd in zip(self.fallbacks, state_dict["fallback"]):
-            o.load_state_dict(sd)
+        for i, sd in zip(order, state_dict["fallback"]):
+            self.fallbacks[i].load_state_dict(sd)
         self._collect_groups()
         with torch.no_grad():
             for key, v in fused:
@@ -191,6 +198,23 @@ class CombinedOptimizer(torch.optim.Optimizer):
             if name in state_dict.get("fused_lr", {}):
                 unit.group["lr"] = state_dict["fused_lr"][name]
         self._sync_fused_lr()
+
+    def _fallback_unit(self, i: int) -> Unit:
+        return next(u for u in self.units if u.fallback == i)
+
+    def _saved_fallback_order(self, state_dict: Dict) -> List[int]:
+        """Which of this optimizer's fallbacks each saved one is: by the tables it steps, or, in a
+        state saved before those were recorded, in the order of each one's first table."""
+        saved = state_dict.get("fallback_tables")
+        if saved is None or not any(saved):
+            return [u.fallback for u in sorted((u for u in self.units if u.fallback is not None), key=lambda u: u.order)]
+        mine = {tuple(u.fallback_tables): u.fallback for u in self.units if u.fallback is not None}
+        order = [mine.get(tuple(tables)) for tables in saved]
+        if None in order or sorted(order) != list(range(len(self.fallbacks))):
+            raise ValueError(f"fxrec: this optimizer state was saved with torch.optim fallbacks stepping the tables "
+                             f"{saved}, and this optimizer's step {[u.fallback_tables for u in self.units if u.fallback is not None]}"
+                             "; nothing was loaded")
+        return order
 
     def add_param_group(self, param_group: dict) -> None:
         """Into the dense optimizer (its step and zero_grad are this one's): torch.optim's
