@@ -16,6 +16,11 @@ from .checkpoint_files import _read_metadata
 _Pieces = Dict[str, Tuple[torch.Size, List[Tuple[torch.Size, torch.Size, torch.Tensor]]]]
 
 
+def _views(pieces: _Pieces) -> Dict[Tuple[str, tuple], torch.Tensor]:
+    """Each piece's local view by (fqn, chunk offsets): what the planners hand DCP to read or write."""
+    return {(fqn, tuple(off)): view for fqn, (_, ps) in pieces.items() for off, _, view in ps}
+
+
 # torch.distributed.checkpoint is imported on first use (it adds ~0.3 s to ``import fxrec``).
 _PLANNERS = None
 
@@ -42,8 +47,7 @@ def _planners():
 
         def __init__(self, pieces: _Pieces):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self._pieces = pieces
-            self._views = {(fqn, tuple(off)): view for fqn, (_, ps) in pieces.items() for off, _, view in ps}
+            self._pieces, self._views = pieces, _views(pieces)
 
         def create_local_plan(self) -> SavePlan:
             plan = super().create_local_plan()
@@ -77,8 +81,7 @@ def _planners():
 
         def __init__(self, pieces: _Pieces):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self._pieces = pieces
-            self._views = {(fqn, tuple(off)): view for fqn, (_, ps) in pieces.items() for off, _, view in ps}
+            self._pieces, self._views = pieces, _views(pieces)
 
         def create_local_plan(self) -> LoadPlan:
             plan = super().create_local_plan()
