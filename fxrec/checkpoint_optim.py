@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import OPTIM_TAG, CheckpointError, _fmt, _pieces_of, _read_metadata, _state_cut
-from .runtime.optimizer import CombinedOptimizer, fused_hyperparameters
+from .runtime.optimizer import UNIT_KEYS, CombinedOptimizer, fused_hyperparameters
 
 INFO_FILE = "fxrec_optimizer.json"
 FORMAT = "fxrec-optimizer/1"
@@ -119,7 +119,7 @@ def _kind(state: torch.Tensor, p: torch.Tensor) -> str:
 def _hyperparameters(group: dict, fqn: str) -> dict:
     out = {}
     for k, v in group.items():
-        if k in ("params", "param_names", "tables", "fxrec_fused"):  # (the last two: fxrec's, not hyperparameters)
+        if k in UNIT_KEYS or k == "param_names":  # (fxrec's own keys of a group are not hyperparameters)
             continue
         try:
             out[k] = _encode(v)
