@@ -147,6 +147,7 @@ class GroupDecision:
     fused_by: str = ""
     optimizer: str = ""  # the table optimizer and where it runs, as text
     dtypes: Tuple[str, ...] = ()  # per table, as stored
+    quantized: bool = False  # an inference group of quantize='s tables (``dtypes`` are quantize='s names)
     placement: str = "host"  # host (CPU memory) | device (accelerator memory) | how place_tables split it
     lowered: bool = True
     timings_ms: Tuple[Tuple[str, float], ...] = ()

@@ -62,6 +62,7 @@ class GroupEntry:
     fused: str = ""  # the optimizer applied inside backward, if any
     dtypes: List[str] = field(default_factory=list)
     placement: str = ""
+    quantized: bool = False  # an inference group of quantize='s tables (its dtypes are quantize='s names)
     # tables stored wider than their dim (a kernel's alignment): [table, dim, stored width, extra bytes]
     padding: List[Tuple[str, int, int, int]] = field(default_factory=list)
 
@@ -121,10 +122,10 @@ class Report:
         quant = {q.table: q for q in self.quantization}
         # a lookup's table as weights_precision= stores it (the group's dtypes: one a lookup, by feature)
         stored = {f: _STORED[dt] for g in self.groups for f, dt in zip(g.features, g.dtypes) if dt in _STORED}
-        # integer-quantized tables the quantization pass has not measured (fxrec.explain): fbgemm's
-        # packed rows (bits a value, a 4-byte scale and bias, rounded to the row alignment: 16 on CUDA)
-        packed = {f: (dt, 16 if g.device == "cuda" else 1) for g in self.groups for f, dt in zip(g.features, g.dtypes)
-                  if dt in _INT_BITS}
+        # quantized tables the quantization pass has not measured (fxrec.explain): their dtype as
+        # quantize= names it, and fbgemm's packed rows (the dim padded as the group stores it, a scale
+        # and bias for integers, rounded to the row alignment: 16 bytes on CUDA)
+        packed = {f: (dt, g) for g in self.groups if g.quantized for f, dt in zip(g.features, g.dtypes)}
         out: Dict[str, Dict[str, Any]] = {}
         for e in self.lookups:
             dtype = stored.get(e.feature) or e.dtype or "float32"
@@ -140,10 +141,9 @@ class Report:
             if e.group is not None and e.group not in t["groups"]:
                 t["groups"].append(e.group)
             if e.feature in packed and e.table not in quant:
-                dt, align = packed[e.feature]
-                bits, multiple = _INT_BITS[dt]
-                row = -(-e.dim // multiple) * multiple * bits // 8 + 4  # (dims padded to what fbgemm packs)
-                t["dtype"], t["bytes"] = dt, e.rows * (-(-row // align) * align)
+                dt, g = packed[e.feature]
+                width = next((w for name, _, w, _ in g.padding if name == e.table), e.dim)
+                t["dtype"], t["bytes"] = dt, _packed_bytes(e.rows, width, dt, g.device)
         for name, t in out.items():
             t["pooling"] = ",".join(t["pooling"])
             if name in quant:
@@ -306,6 +306,7 @@ def build_report(gm, passes=(), pass_runs=(), notes=(), plan_per_rank=()) -> Rep
                 lowered=d.lowered, kernel_train=d.kernel_train, kernel_eval=d.kernel_eval, why=d.why,
                 timings_ms=dict(d.timings_ms), optimizer=d.optimizer, decided_by=d.decided_by, device=d.device,
                 fused=d.fused, dtypes=list(d.dtypes), placement=d.placement,
+                quantized=getattr(d, "quantized", False),  # (older pickles have none)
                 padding=[tuple(x) for x in getattr(d, "padding", ())],  # older pickles have none
             ))
         elif meta.LOOKUP in n.meta:
@@ -327,8 +328,15 @@ def _bytes(n: int) -> str:
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
 #: weights_precision= names, as the dtype a table is stored in
 _STORED = {"fp16": "float16", "bf16": "bfloat16"}
-#: bits a value of the integer dtypes quantize= takes, and the multiple fbgemm pads their dims to
-_INT_BITS = {"int8": (8, 4), "int4": (4, 8), "int2": (2, 16)}
+
+
+def _packed_bytes(rows: int, width: int, dtype: str, device: str) -> int:
+    """A quantized table's bytes in fbgemm's inference TBE on ``device``."""
+    import torch
+
+    from .runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
+
+    return packed_bytes([(rows, width, dtype)], row_alignment(torch.device(device or "cpu")))[0]
 
 
 def _became(g: GroupEntry, quantization: List[QuantEntry]) -> str:

@@ -347,29 +347,37 @@ def test_a_state_dict_of_other_quantized_dtypes_is_refused_naming_the_tables():
                                          quantize={"bags.0": "int8", "*": "fp16"}).state_dict())
 
 
-class _ThreeWidths(torch.nn.Module):
+class _FourWidths(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.a = torch.nn.EmbeddingBag(1000, 18, mode="sum")
         self.b = torch.nn.EmbeddingBag(100, 12, mode="sum")
         self.c = torch.nn.EmbeddingBag(50, 20, mode="sum")
+        self.d = torch.nn.EmbeddingBag(30, 5, mode="sum")
 
     def forward(self, i, o):
-        return torch.cat([self.a(i, o), self.b(i % 100, o), self.c(i % 50, o)], 1)
+        return torch.cat([self.a(i, o), self.b(i % 100, o), self.c(i % 50, o), self.d(i % 30, o)], 1)
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4", "int2", {"a": "int8", "b": "int4", "c": "int2"}])
+@pytest.mark.parametrize("quantize", ["int8", "int4", "int2", "fp16", "fp32",
+                                      {"a": "int8", "b": "int4", "c": "int2", "d": "fp16"},
+                                      {"a": "fp16", "b": "fp32", "c": "int8", "d": "int8"}])
 def test_explain_gives_the_dtypes_and_bytes_transform_stores(quantize):
     """explain runs no quantization: it reported integer-quantized tables as fp32 (float32, 4 bytes
-    a value). On CUDA the rows are packed at 16 bytes (fbgemm's own sizes)."""
+    a value), quantize="fp16" tables as float16 at their unpadded size, and "fp32" ones as
+    float32, where transform says fp16 and fp32. On CUDA the rows are packed at 16 bytes (fbgemm's
+    own sizes, the dims padded to the dtype's multiple)."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
     from fxrec.runtime.kernels.fbgemm_nbit import packed_bytes
 
     x = (torch.randint(0, 1000, (8,)), torch.arange(0, 8, 2))
-    said = fxrec.explain(_ThreeWidths().eval(), x, device="cpu", mode="inference", quantize=quantize).tables
-    made = fxrec.transform(_ThreeWidths().eval(), x, mode="inference", quantize=quantize).report.tables
+    said = fxrec.explain(_FourWidths().eval(), x, device="cpu", mode="inference", quantize=quantize).tables
+    made = fxrec.transform(_FourWidths().eval(), x, mode="inference", quantize=quantize).report.tables
     assert [(t["dtype"], t["bytes"]) for t in said] == [(t["dtype"], t["bytes"]) for t in made]
-    cuda = fxrec.explain(_ThreeWidths().eval(), x, device="cuda", mode="inference", quantize=quantize).tables
-    pad = {"int8": 4, "int4": 8, "int2": 16}
+    assert [t["dtype"] for t in made] == [quantize if isinstance(quantize, str) else quantize[n] for n in "abcd"]
+    cuda = fxrec.explain(_FourWidths().eval(), x, device="cuda", mode="inference", quantize=quantize).tables
+    pad = {dt: SparseType(dt).align_size() for dt in ("fp32", "fp16", "int8", "int4", "int2")}
     want = [packed_bytes([(t["rows"], -(-t["dim"] // pad[t["dtype"]]) * pad[t["dtype"]], t["dtype"])], 16)[0]
             for t in made]
     assert [t["bytes"] for t in cuda] == want

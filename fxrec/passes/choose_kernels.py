@@ -137,7 +137,7 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
         fused=gr.fused.kind if gr.fused else "", fused_by=k_train if gr.fused else "",
         optimizer=_optimizer_text(gr),
         dtypes=tuple(gr.quant.get(p) or t.weights or t.dtype for p, t in zip(gr.tables, spec.tables)),
-        placement="device" if device == "cuda" else "host",
+        placement="device" if device == "cuda" else "host", quantized=bool(gr.quant),
         padding=_padding(gr, spec, k_train if training else None, k_eval),
     )
 
