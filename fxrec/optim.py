@@ -58,8 +58,41 @@ class EmbeddingOptimizer:
         return ""
 
     def describe(self) -> str:
-        args = ", ".join(f"{k}={v}" for k, v in asdict(self).items())
+        args = ", ".join(f"{k}={v}" for k, v in asdict(self).items()
+                         if k not in TORCH_OPTIONS or v != TORCH_OPTIONS[k])
         return f"{type(self).__name__}({args})"
+
+
+#: torch.optim's keyword arguments (SGD, Adagrad, Adam) that choose how its step is computed, or
+#: ascend, with their defaults: passed on to the torch.optim fallback. fbgemm's update has none of
+#: them: ``maximize``, ``differentiable`` and ``capturable`` keep a table off the fused update (the
+#: fallback then does what torch.optim does, its errors included); ``foreach`` and ``fused`` pick
+#: torch.optim's implementation and say nothing of fbgemm's. ``describe`` shows those set.
+TORCH_OPTIONS = {"maximize": False, "foreach": None, "differentiable": False, "fused": None,
+                 "capturable": False, "decoupled_weight_decay": False}
+
+
+def _torch_options(opt) -> dict:
+    """``opt``'s torch.optim options (:data:`TORCH_OPTIONS`) as keyword arguments."""
+    return {k: getattr(opt, k) for k in TORCH_OPTIONS if hasattr(opt, k)}
+
+
+def _unfusable_options(opt) -> str:
+    """Why ``opt``'s torch.optim options keep it off fbgemm's fused update, or ""."""
+    given = [k for k in ("maximize", "differentiable", "capturable") if getattr(opt, k, False)]
+    return f"fbgemm's update has no {', '.join(given)}" if given else ""
+
+
+def _sparse_refusal(opt, torch_class: str) -> str:
+    given = _sparse_options(opt, torch_class)
+    return (f"its gradients are sparse (sparse=True), which torch.optim.{torch_class} cannot take with "
+            f"{' and '.join(f'{k}=True' for k in given)}; make the table dense, or drop it") if given else ""
+
+
+def _sparse_options(opt, torch_class: str) -> list:
+    """``opt``'s torch.optim options that ``torch_class`` cannot take for sparse gradients."""
+    kinds = {"SparseAdam": ("foreach", "fused", "capturable", "differentiable")}
+    return [k for k in kinds.get(torch_class, ("fused",)) if getattr(opt, k, None)]
 
 
 def _check_numbers(opt, names: Sequence[str]) -> None:
@@ -82,6 +115,10 @@ class SGD(EmbeddingOptimizer):
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    maximize: bool = False
+    foreach: Optional[bool] = None
+    differentiable: bool = False
+    fused: Optional[bool] = None
 
     def __post_init__(self):
         _check_numbers(self, ("lr", "momentum", "weight_decay"))  # (torch.optim.SGD does not check dampening)
@@ -94,15 +131,17 @@ class SGD(EmbeddingOptimizer):
     def fused_unsupported_reason(self) -> str:
         if self.momentum or self.weight_decay or self.nesterov:
             return "fbgemm's exact SGD has no momentum or weight decay"
-        return ""
+        return _unfusable_options(self)
 
     def sparse_refusal(self) -> str:
-        return ("its gradients are sparse (sparse=True), which torch.optim.SGD's weight_decay cannot take (it adds "
-                "the dense table to them); make the table dense, or drop weight_decay") if self.weight_decay else ""
+        if self.weight_decay:
+            return ("its gradients are sparse (sparse=True), which torch.optim.SGD's weight_decay cannot take (it "
+                    "adds the dense table to them); make the table dense, or drop weight_decay")
+        return _sparse_refusal(self, "SGD")
 
     def torch_optimizer(self, params, sparse=False):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
-                               weight_decay=self.weight_decay, nesterov=self.nesterov)
+                               weight_decay=self.weight_decay, nesterov=self.nesterov, **_torch_options(self))
 
 
 @dataclass(frozen=True)
@@ -112,6 +151,10 @@ class Adagrad(EmbeddingOptimizer):
     weight_decay: float = 0.0
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
+    foreach: Optional[bool] = None
+    maximize: bool = False
+    differentiable: bool = False
+    fused: Optional[bool] = None
 
     def __post_init__(self):
         _check_numbers(self, ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"))
@@ -122,15 +165,18 @@ class Adagrad(EmbeddingOptimizer):
     def fused_unsupported_reason(self) -> str:
         if self.lr_decay or self.weight_decay or self.initial_accumulator_value:
             return "fbgemm's exact Adagrad has no lr_decay, weight_decay or initial_accumulator_value"
-        return ""
+        return _unfusable_options(self)
 
     def sparse_refusal(self) -> str:
-        return ("its gradients are sparse (sparse=True), which torch.optim.Adagrad's weight_decay cannot take; make "
-                "the table dense, or drop weight_decay") if self.weight_decay else ""
+        if self.weight_decay:
+            return ("its gradients are sparse (sparse=True), which torch.optim.Adagrad's weight_decay cannot take; "
+                    "make the table dense, or drop weight_decay")
+        return _sparse_refusal(self, "Adagrad")
 
     def torch_optimizer(self, params, sparse=False):
         return torch.optim.Adagrad(params, lr=self.lr, lr_decay=self.lr_decay, weight_decay=self.weight_decay,
-                                   initial_accumulator_value=self.initial_accumulator_value, eps=self.eps)
+                                   initial_accumulator_value=self.initial_accumulator_value, eps=self.eps,
+                                   **_torch_options(self))
 
 
 #: RowWiseAdagrad's weight_decay_mode values (fbgemm's WeightDecayMode.L2 and .DECOUPLE).
@@ -176,6 +222,12 @@ class Adam(EmbeddingOptimizer):
     eps: float = 1e-8
     weight_decay: float = 0.0
     amsgrad: bool = False
+    foreach: Optional[bool] = None
+    maximize: bool = False
+    capturable: bool = False
+    differentiable: bool = False
+    fused: Optional[bool] = None
+    decoupled_weight_decay: bool = False
 
     def __post_init__(self):
         _betas_tuple(self, "Adam")
@@ -186,6 +238,7 @@ class Adam(EmbeddingOptimizer):
 
     def sparse_refusal(self) -> str:
         given = [n for n, v in (("weight_decay", self.weight_decay), ("amsgrad", self.amsgrad)) if v]
+        given += _sparse_options(self, "SparseAdam")
         return (f"its gradients are sparse (sparse=True), where Adam runs as torch.optim.SparseAdam, which has no "
                 f"{' and no '.join(given)}; make the table dense, or drop them") if given else ""
 
@@ -193,9 +246,9 @@ class Adam(EmbeddingOptimizer):
 
     def torch_optimizer(self, params, sparse=False):
         if sparse:
-            return torch.optim.SparseAdam(params, lr=self.lr, betas=self.betas, eps=self.eps)
+            return torch.optim.SparseAdam(params, lr=self.lr, betas=self.betas, eps=self.eps, maximize=self.maximize)
         return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                                weight_decay=self.weight_decay, amsgrad=self.amsgrad)
+                                weight_decay=self.weight_decay, amsgrad=self.amsgrad, **_torch_options(self))
 
 
 @dataclass(frozen=True)

@@ -993,3 +993,58 @@ def test_a_fused_model_converted_to_fp16_after_transform_refuses_to_train_naming
         fast(*half)
     with torch.no_grad():
         torch.testing.assert_close(fast(*half), model.half()(*half), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "Adam"])
+def test_each_optimizer_takes_every_argument_of_its_torch_optim_namesake_with_its_defaults(name):
+    """The docs say so; maximize, foreach, fused, differentiable (and Adam's capturable and
+    decoupled_weight_decay) were a TypeError."""
+    ours = inspect.signature(getattr(fxrec.optim, name)).parameters
+    theirs = {k: p for k, p in inspect.signature(getattr(torch.optim, name)).parameters.items() if k != "params"}
+    missing = sorted(set(theirs) - set(ours))
+    assert not missing, f"fxrec.optim.{name} lacks torch.optim.{name}'s {missing}"
+    for k, p in theirs.items():
+        assert ours[k].default == p.default or (isinstance(p.default, tuple) and tuple(ours[k].default) == p.default), k
+
+
+@pytest.mark.parametrize("opt_cfg,torch_opt,fused", [
+    (fxrec.optim.SGD(lr=0.1, maximize=True), lambda p: torch.optim.SGD(p, lr=0.1, maximize=True), False),
+    (fxrec.optim.Adagrad(lr=0.1, maximize=True), lambda p: torch.optim.Adagrad(p, lr=0.1, maximize=True), False),
+    (fxrec.optim.SGD(lr=0.1, momentum=0.9, foreach=False),
+     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False), False),
+    (fxrec.optim.SGD(lr=0.1, foreach=True), lambda p: torch.optim.SGD(p, lr=0.1, foreach=True), True),
+    (fxrec.optim.Adagrad(lr=0.1, fused=True), lambda p: torch.optim.Adagrad(p, lr=0.1, fused=True), True),
+    (fxrec.optim.Adam(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
+     lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), False),
+    (fxrec.optim.Adam(lr=0.01, maximize=True, foreach=False), lambda p: torch.optim.Adam(p, lr=0.01, maximize=True), False),
+], ids=["sgd_maximize", "adagrad_maximize", "sgd_momentum_foreach", "sgd_foreach", "adagrad_fused",
+        "adam_decoupled", "adam_maximize"])
+def test_torch_optim_options_train_as_torch_optim_does(opt_cfg, torch_opt, fused):
+    """maximize ascends (off fbgemm's fused update, which has none); foreach and fused pick
+    torch.optim's implementation, and leave fbgemm's fused update as it was; Adam's
+    decoupled_weight_decay is AdamW."""
+    ref, fast, _ = train_both(lambda: M.BagList(rows=ROWS), duplicate_heavy_inputs, opt_cfg, torch_opt, steps=4)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+    said = fast.report.groups[0].optimizer
+    assert ("fused" in said) == fused, said
+    if "maximize" in opt_cfg.describe():
+        assert "maximize=True" in said
+    if "maximize" in opt_cfg.describe() and not isinstance(opt_cfg, fxrec.optim.Adam):  # (Adam: never fused)
+        assert "fbgemm's update has no maximize" in fast.report.groups[0].why
+
+
+@pytest.mark.parametrize("make,what", [
+    (lambda: fxrec.optim.SGD(lr=0.1, momentum=0.5, fused=True), r"which torch.optim.SGD cannot take with fused=True"),
+    (lambda: fxrec.optim.Adagrad(lr=0.1, lr_decay=0.1, fused=True), r"which torch.optim.Adagrad cannot take with fused=True"),
+    (lambda: fxrec.optim.Adam(lr=0.1, foreach=True), r"where Adam runs as torch.optim.SparseAdam, which has no foreach"),
+    (lambda: fxrec.optim.Adam(lr=0.1, capturable=True), r"where Adam runs as torch.optim.SparseAdam, which has no capturable"),
+], ids=["sgd", "adagrad", "adam_foreach", "adam_capturable"])
+def test_torch_optim_options_its_sparse_step_cannot_take_are_refused_naming_the_table(make, what):
+    """(torch.optim failed at the first step() without naming the table, or SparseAdam dropped them.)"""
+    model = M.BagList(rows=ROWS)
+    for bag in model.bags:
+        bag.sparse = True
+    with pytest.raises(ValueError, match=r"table 'bags.0' cannot train with .*: its gradients are sparse \(sparse=True\), "
+                                         + what):
+        fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=make())
