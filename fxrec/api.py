@@ -192,6 +192,11 @@ def transform(
     if on_meta and quantize is not None:
         raise InputError("fxrec: quantize= quantizes the model's trained tables, and a model on the meta device has "
                          "no values: build it on a real device (or load its checkpoint into it) to serve it quantized")
+    if quantize is not None and (verify or check_passes):
+        raise InputError("fxrec: verify and check_passes compare outputs and table gradients with the model's own; "
+                         "quantize= stores the tables quantized and untrainable (no gradients), so they cannot agree: "
+                         "the report's Quantization section (fast.report.quantization) gives each table's error "
+                         "against the model's lookups on the example inputs")
     if on_meta and (verify or check_passes):
         raise InputError("fxrec: verify and check_passes compare with the model's own outputs, which a model on the "
                          "meta device has none of")

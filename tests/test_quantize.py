@@ -381,3 +381,15 @@ def test_explain_gives_the_dtypes_and_bytes_transform_stores(quantize):
     want = [packed_bytes([(t["rows"], -(-t["dim"] // pad[t["dtype"]]) * pad[t["dtype"]], t["dtype"])], 16)[0]
             for t in made]
     assert [t["bytes"] for t in cuda] == want
+
+
+@pytest.mark.parametrize("check", ["verify", "check_passes"])
+@pytest.mark.parametrize("quantize", ["int8", "fp32"])
+def test_verify_and_check_passes_with_quantize_are_refused_pointing_at_the_measured_errors(check, quantize):
+    """They compare table gradients, which quantized tables have none of: both crashed inside the
+    diagnosis (EmbeddingGroup.lookups() missing 'params'; check_passes blamed lower_groups)."""
+    model = nn.EmbeddingBag(300, 12, mode="sum").eval()
+    x = (torch.randint(0, 300, (8,)), torch.arange(4) * 2)
+    with pytest.raises(ValueError, match=r"verify and check_passes .* quantize= stores the tables quantized .*"
+                                              r"fast.report.quantization"):
+        fxrec.transform(model, x, mode="inference", quantize=quantize, **{check: True})
