@@ -82,13 +82,15 @@ def _dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
-def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], lean_bags: bool = False):
+def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], lean_bags: bool = False,
+                   warn_as: str = ""):
     """torch.export, non-strict, every dim dynamic (see :func:`_dynamic_shapes`). Sizes are captured
     size-obliviously (torch's ``backed_size_oblivious``): without it, export takes every dynamic size
     to be 2 or more, so a model captured on a batch of 3 refuses a batch of 1. Where that capture
     fails, the ordinary one is tried (the report then names the sizes the model accepts).
     ``lean_bags``: embedding bags are traced as :mod:`fxrec.capture_bags` describes (same program,
-    less time)."""
+    less time). ``warn_as``: a caller that reports no sizes (``fxrec.export.program``) is named in
+    a warning when the ordinary capture is used."""
     dynamic = _dynamic_shapes(model, args, kwargs)
 
     def run():
@@ -107,8 +109,16 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
         try:
             with config.patch(backed_size_oblivious=True):
                 return run()
-        except Exception:  # noqa: BLE001 - the ordinary capture below says what is wrong
-            pass
+        except Exception as e:  # noqa: BLE001 - the ordinary capture below says what is wrong
+            if warn_as:
+                import warnings
+
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                warnings.warn(f"{warn_as}: torch.export could not capture the sizes size-obliviously "
+                              f"({type(e).__name__}: {first}); captured the ordinary way, which takes every "
+                              "dynamic size to be at least 2 and may keep conditions of the example's sizes: "
+                              "the program's range_constraints and guards say which sizes it accepts",
+                              stacklevel=3)
     return run()
 
 

@@ -41,7 +41,7 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
 
     sync_caches(model)  # the exported program holds the parameters: with the cached rows written back
     with torch.no_grad():
-        ep = export_dynamic(model, args, kwargs)
+        ep = export_dynamic(model, args, kwargs, warn_as="fxrec.export.program")
     if path is not None:
         torch.export.save(ep, path)
     return ep

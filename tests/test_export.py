@@ -108,3 +108,82 @@ def test_an_exported_unpooled_group_of_two_widths_takes_a_single_id(quantize):
         for w, g in zip(want, got):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
             assert g.is_contiguous()
+
+
+class MeanOfRows(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(50, 4)
+
+    def forward(self, x):
+        return self.e(x).mean(1)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp32"])
+def test_an_exported_quantized_mean_of_no_rows_is_nan_as_pytorchs(quantize):
+    """(The program gave 0.0: the eager group's branch on L == 0 was settled once, at the
+    example's L, by the capture.)"""
+    model = MeanOfRows().eval()
+    fast = fxrec.transform(model, (torch.randint(0, 50, (4, 3)),), mode="inference", quantize=quantize)
+    program = fxrec.export.program(fast, (torch.randint(0, 50, (4, 3)),)).module()
+    with torch.no_grad():
+        empty = torch.zeros(2, 0, dtype=torch.long)
+        assert model(empty).isnan().all() and program(empty).isnan().all() and fast(empty).isnan().all()
+        x = torch.randint(0, 50, (3, 2))
+        torch.testing.assert_close(program(x), fast(x), rtol=0, atol=0)
+
+
+class HistoryAndCandidate(torch.nn.Module):
+    """[B, L] histories and candidates summed, and a one-id user feature, in one pooled group."""
+
+    def __init__(self):
+        super().__init__()
+        self.item = torch.nn.Embedding(60, 8)
+        self.cand = torch.nn.Embedding(40, 8)
+        self.user = torch.nn.Embedding(30, 8)
+
+    def forward(self, hist, cand, user):
+        return torch.cat([self.item(hist).sum(1), self.cand(cand).sum(1), self.user(user)], 1)
+
+
+class PaddedMeans(torch.nn.Module):
+    """Mean bags with a padding_idx, of 1-D ids and offsets and of 2-D ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(30, 8, mode="mean", padding_idx=2)
+        self.d = torch.nn.EmbeddingBag(25, 8, mode="mean", padding_idx=24)
+
+    def forward(self, a, ao, d):
+        return torch.cat([self.a(a, ao), self.d(d)], 1)
+
+
+def _history_inputs(b, lh, lc):
+    return torch.randint(0, 60, (b, lh)), torch.randint(0, 40, (b, lc)), torch.randint(0, 30, (b,))
+
+
+def _padded_inputs(b, length):
+    a = torch.randint(0, 30, (b * length,))
+    a[::2] = 2
+    return a, torch.arange(0, b * length, length), torch.randint(20, 25, (b, length))
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp32"])
+@pytest.mark.parametrize("case", ["history", "padded"])
+def test_an_exported_quantized_program_takes_the_sizes_the_eager_model_takes(case, quantize):
+    """The program kept conditions of the example's sizes: two lengths equal, or a length not 1
+    (the packing compared lengths to reuse a range), and a batch of 3 or more (repeat_interleave's
+    unbacked size failed the size-oblivious capture, which fell back to the ordinary one without
+    a word)."""
+    model, make = (HistoryAndCandidate(), _history_inputs) if case == "history" else (PaddedMeans(), _padded_inputs)
+    model.eval()
+    example = make(4, 3, 3) if case == "history" else make(4, 3)
+    fast = fxrec.transform(model, example, mode="inference", quantize=quantize)
+    program = fxrec.export.program(fast, example).module()
+    sizes = [(5, 2, 1), (1, 1, 1), (2, 4, 1), (3, 1, 6), (0, 3, 3)] if case == "history" else [(2, 3), (1, 3), (1, 1), (5, 2), (0, 3)]
+    for size in sizes:
+        x = make(*size)
+        with torch.no_grad():
+            torch.testing.assert_close(program(*x), fast(*x), rtol=0, atol=0, msg=str(size))
+            if quantize == "fp32":
+                torch.testing.assert_close(program(*x), model(*x), msg=str(size))

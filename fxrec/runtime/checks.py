@@ -135,6 +135,27 @@ class InputChecks:
                 f"at {n}; got first={first}, last={last}, decreasing={bad_order}"
             )
 
+    def _nan_where_mean_of_none(self, out, ids_list):
+        """``out`` with PyTorch's NaN in the columns of features that mean-pool ``[B, 0]`` ids (the
+        kernel gives 0 there). A length is a symbol under torch.export, which settles a branch on
+        it once, at the example's: each such feature's columns are multiplied by ``L / L``
+        instead (1, exactly, for ``L > 0``; NaN for 0)."""
+        if not exporting():
+            cols = self._empty_mean_columns(ids_list)
+            if cols:
+                out[:, cols] = float("nan")
+            return out
+        if self.pooling != "mean" or not any(f.form == "pooled_seq" for f in self.features):
+            return out
+        scales = []
+        for f, ids, d in zip(self.features, ids_list, self.dims):
+            if f.form == "pooled_seq" and ids.dim() == 2:
+                length = torch.scalar_tensor(ids.shape[1], dtype=out.dtype, device=out.device)
+                scales.append((length / length).expand(d))
+            else:
+                scales.append(out.new_ones(d))
+        return out * torch.cat(scales)
+
     def _empty_mean_columns(self, ids_list) -> List[int]:
         """Output columns of the features that mean-pool ``[B, 0]`` ids: PyTorch's answer there is NaN."""
         cols, start = [], 0

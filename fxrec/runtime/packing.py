@@ -142,11 +142,11 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             flat = ids.reshape(-1)
             if length == 0 and mean and not empty_means:
                 return -1, nothing, nothing, None, [0], None  # PyTorch's mean of no rows is NaN
-            start = _range(ranges, range_lengths, b, length, dev)
+            start = _range(ranges, range_lengths, b, length, dev, tracing)
         else:  # one id per sample
             b = ids.shape[0]
             flat = ids
-            start = _range(ranges, range_lengths, b, 1, dev)
+            start = _range(ranges, range_lengths, b, 1, dev, tracing)
         if batch < 0:
             batch = b
         elif b != batch:
@@ -277,21 +277,23 @@ def padding_weights(indices: Tensor, offsets: Tensor, psw: Optional[Tensor], bou
         counted = keep.to(torch.long)  # (counted in integers: exact however many ids)
         before = torch.cat([counted.new_zeros(1), counted.cumsum(0)])
         kept = (before[offsets[1:]] - before[offsets[:-1]]).clamp(min=1).to(torch.float32)
-        lengths = offsets.diff()
-        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device), lengths,
-                                      output_size=indices.numel())
+        # each id's bag: how many bags end at or before it (not repeat_interleave, whose size
+        # torch.export leaves unbacked, failing the capture of a quantized program)
+        bag = torch.searchsorted(offsets[1:], torch.arange(indices.numel(), device=indices.device), right=True)
         keep = keep / kept[bag]
     if psw is not None:  # (where, not a product: an inf or NaN weight of a padding id stays out, as in PyTorch)
         keep = torch.where(keep == 0, keep, psw * keep)
     return keep
 
 
-def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: torch.device) -> Tensor:
+def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: torch.device,
+           tracing: bool = False) -> Tensor:
     """``[0, length, 2 * length, ...]`` (b of them; zeros for length 0), made once per length and
     call. (A product, not ``arange``'s step: torch.export writes no size guard that divides by a
-    length that may be 0, nor a branch on it.)"""
+    length that may be 0, nor a branch on it.) ``tracing``: made anew each time, since comparing
+    two lengths would make torch.export keep their equality (or inequality) as a guard."""
     for k in range(len(lengths)):
-        if lengths[k] == length and ranges[k].numel() == b:
+        if not tracing and lengths[k] == length and ranges[k].numel() == b:
             return ranges[k]
     r = torch.arange(b, device=dev) * length
     ranges.append(r)

@@ -161,10 +161,7 @@ class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
         if padded:  # the padding ids stay, weighing 0 (mean: the others 1 / ids that are not padding)
             psw = padding_weights(indices, offsets, psw, bounds, self._forms, self._pads, self.pooling == "mean")
         out = _lookup(self, indices, offsets, psw, summed=padded)
-        nan_cols = self._empty_mean_columns(ids_list)
-        if nan_cols:  # a mean of no rows, as PyTorch gives it
-            out[:, nan_cols] = float("nan")
-        return out
+        return self._nan_where_mean_of_none(out, ids_list)  # a mean of no rows, as PyTorch gives it
 
     def _out_dtype(self) -> torch.dtype:
         return torch.float16 if self.output_dtype == "fp16" else torch.float32
