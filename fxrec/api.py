@@ -175,6 +175,9 @@ def transform(
     check_weights_precision(weights_precision, mode, compares=verify or check_passes)
     if output_dtype not in ("fp32", "fp16"):
         raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
+    if output_dtype != "fp32" and quantize is None:
+        raise ValueError("fxrec: output_dtype is the dtype of quantized tables' lookups: it needs quantize= "
+                         "(mode='inference'); the model's own lookups give its tables' dtype")
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     max_gradient = _check_max_gradient(max_gradient, mode)

@@ -393,3 +393,29 @@ def test_verify_and_check_passes_with_quantize_are_refused_pointing_at_the_measu
     with pytest.raises(ValueError, match=r"verify and check_passes .* quantize= stores the tables quantized .*"
                                               r"fast.report.quantization"):
         fxrec.transform(model, x, mode="inference", quantize=quantize, **{check: True})
+
+
+def test_fp16_outputs_the_models_code_cannot_take_are_named_as_output_dtypes_doing():
+    """(A PassError from measure_quantization with torch's bare dtype message.)"""
+    class Linear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.EmbeddingBag(300, 12, mode="sum")
+            self.lin = nn.Linear(12, 1)
+
+        def forward(self, ids, offs):
+            return self.lin(self.a(ids, offs))
+
+    x = (torch.randint(0, 300, (8,)), torch.arange(4) * 2)
+    with pytest.raises(ValueError, match=r"output_dtype='fp16' gives the lookups' outputs in fp16, and the model's "
+                                         r"code fails on them \(RuntimeError: mat1 and mat2 must have the same dtype"):
+        fxrec.transform(Linear().eval(), x, mode="inference", quantize="int8", output_dtype="fp16")
+    fast = fxrec.transform(Linear().eval(), x, mode="inference", quantize="int8")  # fp32 outputs: fine
+    assert fast(*x).dtype == torch.float32
+
+
+def test_output_dtype_without_quantize_is_refused():
+    """(It was ignored: the outputs stayed fp32.)"""
+    x = (torch.randint(0, 300, (8,)), torch.arange(4) * 2)
+    with pytest.raises(ValueError, match=r"output_dtype is the dtype of quantized tables' lookups: it needs quantize="):
+        fxrec.transform(nn.EmbeddingBag(300, 12).eval(), x, mode="inference", output_dtype="fp16")

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
-from ..pass_infra import PassContext, PassResult, compiler_pass
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..report import QuantEntry
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 
@@ -35,6 +35,12 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     try:
         with torch.no_grad():
             gm(*copy.deepcopy(ctx.example_args), **copy.deepcopy(ctx.example_kwargs))
+    except RuntimeError as e:
+        if ctx.config.output_dtype != "fp16":
+            raise
+        raise InputError(f"fxrec: output_dtype='fp16' gives the lookups' outputs in fp16, and the model's code fails "
+                         f"on them ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): convert them "
+                         "with .float() where the model needs fp32, or keep output_dtype='fp32'") from e
     finally:
         for h in handles:
             h.remove()
