@@ -66,6 +66,10 @@ def test_scripted_model_names_the_feature_of_a_bad_id():
         ids[1][0] = 800  # table bags.1 has 800 rows
         with pytest.raises(Exception, match=r"feature 'ids_1' \(table 'bags.1'\) looks up id 800"):
             sm(dense, ids, offs)
+        ids[1] = ids[1].double()  # (the dtype was named by its number in TorchScript: "dtype 7")
+        with pytest.raises(Exception, match=r"feature 'ids_1' \(table 'bags.1'\) got ids of dtype torch.float64; "
+                                            r"embedding ids must be int64 or int32"):
+            sm(dense, ids, offs)
 
 
 def test_original_and_transformed_models_are_untouched_by_scripting():

@@ -32,6 +32,27 @@ _Q_BUFFERS = ("q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_o
               "q_D_offsets", "q_lxu_cache_weights", "q_lxu_cache_locations", "q_columns")
 
 
+def _dtype_name(dt: torch.dtype) -> str:
+    """A dtype's name, in TorchScript too (where ``str`` gives its number)."""
+    if dt == torch.float32:
+        return "torch.float32"
+    if dt == torch.float64:
+        return "torch.float64"
+    if dt == torch.float16:
+        return "torch.float16"
+    if dt == torch.bfloat16:
+        return "torch.bfloat16"
+    if dt == torch.uint8:
+        return "torch.uint8"
+    if dt == torch.int8:
+        return "torch.int8"
+    if dt == torch.int16:
+        return "torch.int16"
+    if dt == torch.bool:
+        return "torch.bool"
+    return str(dt)
+
+
 class _ServingGroup(nn.Module):
     """Specs as plain lists (what TorchScript can hold), input checks, and the quantized buffers."""
 
@@ -93,7 +114,7 @@ class _ServingGroup(nn.Module):
             ids = ids_list[i]
             where = "feature '" + self.names[i] + "' (table '" + self.table_names[i] + "')"
             if ids.dtype != torch.int64 and ids.dtype != torch.int32:
-                raise TypeError("fxrec: " + where + " got ids of dtype " + str(ids.dtype)
+                raise TypeError("fxrec: " + where + " got ids of dtype " + _dtype_name(ids.dtype)
                                 + "; embedding ids must be int64 or int32")
             good = ((ids >= 0) & (ids < self.rows[i])).all()
             k = self.off_index[i]
