@@ -6,6 +6,7 @@ summing communication hook), except tables with sparse gradients, which keep one
 import copy
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -90,3 +91,51 @@ def _transform_root_table(rank, world):
 def test_a_module_holding_a_sharded_table_and_a_dense_parameter_is_refused_naming_both(tmp_path):
     msg = error_of(tmp_path, 2, _transform_root_table)
     assert "['table']" in msg and "'scale'" in msg and "modules of their own" in msg, msg
+
+
+def _accumulating_worker(rank, world, init_file, how):
+    """Three steps of SparseModel, each with two backward calls: ``accumulate``, forward and
+    backward on two micro-batches then one step (``.grad`` zeroed to None or to zeros between
+    steps); ``retain``, one forward and two losses' backward calls (retain_graph)."""
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = SparseModel()
+        ref = copy.deepcopy(model)
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        pins = {"bags.0": "row_wise", "bags.1": "data_parallel", "bags.2": "data_parallel", "single": ("table_wise", 1)}
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        fast = fxrec.transform(model, example, plan=plan)
+        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            zeros = how == "accumulate_zeros"
+            ref_opt.zero_grad(set_to_none=not zeros)
+            opt.zero_grad(set_to_none=not zeros)
+            if how == "retain":
+                x = global_batch(LOCAL_B * world, step + 1)
+                want, got = ref(*x), fast(*local_batch(x, rank, LOCAL_B))
+                for loss in (lambda y: y.sum(), lambda y: (y * y).sum()):
+                    loss(want).backward(retain_graph=True)
+                    loss(got).backward(retain_graph=True)
+            else:
+                for micro in range(2):
+                    x = global_batch(LOCAL_B * world, 10 * step + micro + 1)
+                    ref(*x).sum().backward()
+                    fast(*local_batch(x, rank, LOCAL_B)).sum().backward()
+            for name in ("mlp.0.weight", "mlp.2.bias", "bags.2.weight"):  # (DDP's; bags.1's hook sums anyway)
+                torch.testing.assert_close(fast.get_parameter(name).grad, ref.get_parameter(name).grad,
+                                           msg=f"step {step}: {name}")
+            ref_opt.step()
+            opt.step()
+        params = dict(fast.named_parameters())
+        for name in ("mlp.0.weight", "mlp.2.bias", "bags.1.weight", "bags.2.weight"):
+            torch.testing.assert_close(params[name].detach(), ref.get_parameter(name).detach(), msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["accumulate", "accumulate_zeros", "retain"])
+def test_two_backward_calls_a_step_give_one_process_gradients(how):
+    """DDP all-reduces each .grad as it stands after a backward: with gradient accumulation the
+    first micro-batch's sum was counted once per rank (12 where one process has 8), and a second
+    backward through one forward was not summed over ranks at all."""
+    spawn(_accumulating_worker, 2, how)

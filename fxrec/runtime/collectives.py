@@ -2,7 +2,7 @@
 
 Plain functions: ``all_to_all`` (variable splits; its backward is the all-to-all back),
 ``all_to_all_together`` (several tensors, any dtypes, in one all-to-all; no gradient),
-``replicate_whole`` (DDP's reducer for the parameters whole on every rank, summing) and
+``replicate_whole`` (DDP's reducer for the parameters whole on every rank, summing: :class:`ExactSums`) and
 ``all_reduce_grad`` (a gradient hook that sums one parameter's sparse gradient over ranks). They run on
 whatever process group is initialised (gloo on CPU; written for NCCL on CUDA, not yet run there). A collective that fails —
 usually because another rank did not arrive within the process group's timeout — raises
@@ -120,11 +120,74 @@ def all_reduce_grad(name: str):
     return hook
 
 
-def _sum_buckets(group, bucket):
-    """DDP communication hook: the bucket's gradients summed over ranks (DDP's own hook averages;
-    fxrec's sharded tables get summed gradients, so the dense parameters do too)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+class ExactSums:
+    """DDP's reduction of a module's whole parameters, summing, kept what one process computes
+    when ``backward`` runs more than once per step. DDP all-reduces each parameter's ``.grad``
+    as it stands after a backward, and only in the first backward after a forward:
+
+    * gradient accumulation (forward and backward on several micro-batches, then one step): the
+      ``.grad`` already holds the previous micro-batches' sum, the same on every rank, which a sum
+      over ranks would count ``world`` times. Each parameter's gradient hook (before the
+      accumulation) sets that sum aside and DDP sums this backward's gradients alone; the
+      communication hook adds it back once the bucket is summed. A parameter unused here while
+      DDP reduces its bucket (``find_unused_parameters``) has its earlier sum in the bucket:
+      the communication hook moves it out the same way.
+    * a second backward through one forward (``retain_graph=True``): DDP reduces nothing, so the
+      gradient hook sums it over ranks itself (one all-reduce a parameter, not overlapped).
+
+    One backward per forward, into ``.grad`` that are None, takes DDP's buckets as they are."""
+
+    def __init__(self, module: torch.nn.Module, params: List[torch.Tensor]):
+        self.fired: set = set()  # ids of the parameters whose gradient hook ran since the last forward
+        self.before: dict = {}  # id -> the .grad accumulated before this backward, set aside
+        module.register_forward_pre_hook(self._forward)
+        for p in params:
+            p.register_hook(self._gradient_hook(p))
+
+    def _forward(self, module, args):
+        self.fired.clear()
+        self.before.clear()
+
+    def _gradient_hook(self, p: torch.Tensor):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if id(p) in self.fired:  # a second backward since the forward: DDP will not reduce it
+                g = grad.clone()
+                try:
+                    dist.all_reduce(g)
+                except Exception as e:  # noqa: BLE001
+                    raise _fail("all_reduce", "a second backward through one forward", e) from e
+                return g
+            self.fired.add(id(p))
+            if p.grad is not None:  # accumulation: DDP is to sum this backward's gradient alone
+                self.before[id(p)] = p.grad
+                p.grad = None
+            return grad
+
+        return hook
+
+    def comm_hook(self, bucket):
+        """DDP communication hook: the bucket summed over ranks, each parameter's earlier sum
+        added back (DDP's own hook averages; fxrec's sharded tables get summed gradients, so the
+        dense parameters do too)."""
+        params, grads = bucket.parameters(), bucket.gradients()
+        for p, g in zip(params, grads):
+            if id(p) not in self.fired and p.grad is not None:  # unused here: its bucket slot holds .grad
+                self.before[id(p)] = p.grad.clone()
+                g.zero_()
+        work = dist.all_reduce(bucket.buffer(), async_op=True)
+
+        def add_back(fut):
+            for p, g in zip(params, grads):
+                prev = self.before.pop(id(p), None)
+                if prev is not None:
+                    g.add_(prev)
+            return fut.value()[0]
+
+        return work.get_future().then(add_back)
+
+
+def _exact_sums_hook(state: ExactSums, bucket):
+    return state.comm_hook(bucket)
 
 
 def replicate_whole(module: torch.nn.Module, leave: set, unused: bool) -> List[str]:
@@ -155,7 +218,7 @@ def replicate_whole(module: torch.nn.Module, leave: set, unused: bool) -> List[s
     device = params[kept[0]].device
     replicate(module, ignored_modules=[module.get_submodule(o) for o in owners], device_id=device,
               find_unused_parameters=unused)
-    module.register_comm_hook(None, _sum_buckets)
+    module.register_comm_hook(ExactSums(module, [params[n] for n in kept]), _exact_sums_hook)
     # DDP's set-up (a broadcast of the parameters from rank 0) now, while every rank is here, not
     # hidden in the first forward
     try:
