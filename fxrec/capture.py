@@ -238,7 +238,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
                            + (f"module names {odd[:3]} hold quotes, backslashes or line breaks, which torch "
                               "writes into that code as they are: rename them" if odd else "")) from e
     _install_input_guards(gm, ep)
-    _structured_forward(gm, _defaults_left(model, args, kwargs))
+    _structured_forward(gm, _defaults_left(model, args, kwargs), _dict_order_matters(model, args, kwargs))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
 
     def recapture() -> fx.GraphModule:  # every module in the other mode than its own
@@ -454,7 +454,50 @@ def _defaults_left(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
     return out
 
 
-def _structured_forward(gm: fx.GraphModule, defaults: Sequence[Tuple[str, Any]] = ()) -> None:
+def _reordered(tree):
+    """``tree`` with every dict of two or more keys in the reverse order (nothing else changed)."""
+    if isinstance(tree, dict) and type(tree) is dict:
+        items = [(k, _reordered(v)) for k, v in tree.items()]
+        return dict(reversed(items)) if len(items) > 1 else dict(items)
+    if type(tree) in (list, tuple):
+        return type(tree)(_reordered(x) for x in tree)
+    return tree
+
+
+def _dict_order_matters(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether the model's output depends on the order of the keys of its dict inputs (its code
+    iterates one: ``for k, v in feats.items()``), found by running it on the example with every
+    dict of two or more keys reversed (random state and buffers kept). The captured graph reads a
+    dict by key in the captured order whatever order it is given, so such a model takes its dicts
+    only in that order. True, without a run, for a model with tensors on the meta device."""
+    if not _has_dicts((args, kwargs)):
+        return False
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        return True
+    from .verify import buffers_kept
+
+    outs = []
+    for tree in ((args, kwargs), _reordered((args, kwargs))):
+        with buffers_kept(model), torch.no_grad():
+            torch.manual_seed(0)
+            a, k = copy.deepcopy(tree)
+            outs.append(model(*a, **k))
+    try:
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, equal_nan=True)
+    except (AssertionError, TypeError, ValueError):
+        return True
+    return False
+
+
+def _has_dicts(tree) -> bool:
+    if isinstance(tree, dict):
+        return len(tree) > 1 or any(_has_dicts(v) for v in tree.values())
+    if type(tree) in (list, tuple):
+        return any(_has_dicts(x) for x in tree)
+    return False
+
+
+def _structured_forward(gm: fx.GraphModule, defaults: Sequence[Tuple[str, Any]] = (), dict_order: bool = False) -> None:
     """Give ``gm`` a ``forward`` that takes the model's own arguments and reads the tensors out of
     them by index (see :mod:`fxrec.codegen`), instead of export's per-call pytree flatten and
     structure check; list lengths are still checked, with a message that names the input. The caller
@@ -465,6 +508,6 @@ def _structured_forward(gm: fx.GraphModule, defaults: Sequence[Tuple[str, Any]] 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     none_leaves = [k for k, n in enumerate(placeholders) if "val" in n.meta and n.meta["val"] is None]
     gm.graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.orig_args, none_leaves=none_leaves,
-                                          defaults=defaults)
+                                          defaults=defaults, dict_order=dict_order)
     if hasattr(gm, "validate_inputs"):
         gm.validate_inputs = False  # the generated forward checks what it reads

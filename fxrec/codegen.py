@@ -298,8 +298,12 @@ class StructuredCodeGen(fx.graph.CodeGen):
     """Writes ``forward`` with the model's own arguments (typed for TorchScript when ``typed``)
     and returns the model's own output structure."""
 
-    def __init__(self, in_spec, out_spec, arg_names: List[str], typed: bool = False, none_leaves=(), defaults=()):
+    def __init__(self, in_spec, out_spec, arg_names: List[str], typed: bool = False, none_leaves=(), defaults=(),
+                 dict_order: bool = False):
         super().__init__()
+        # the model's output depends on the order of its dicts' keys (its code iterates them): a
+        # dict must come in the captured order (otherwise any order: the graph reads them by key)
+        self.dict_order = dict_order
         self.in_spec, self.out_spec, self.arg_names, self.typed = in_spec, out_spec, list(arg_names), typed
         self.none_leaves = set(none_leaves)  # input leaves that were None when the model was captured
         # (name, value): the model's trailing arguments the example left at their defaults (None,
@@ -419,12 +423,24 @@ class StructuredCodeGen(fx.graph.CodeGen):
         n = spec.num_children
         if self.typed:  # (TorchScript checks the types itself)
             lines.append(f"if {self._b('len')}({expr}) != {n}: " + self._raise(f"fxrec: input {shown} must have {n} elements"))
+            if spec.type is dict and getattr(self, "dict_order", False) and n > 1:
+                order = "[" + ", ".join(repr(k) for k in spec.context) + "]"
+                lines.append(f"if {self._b('list')}({expr}.keys()) != {order}: " + self._raise(
+                    f"fxrec: input {shown} has its keys in another order than the example's, and the model's output "
+                    "depends on that order: pass the keys in the example's order"))
         elif spec.type is dict:  # the captured keys, in any order
             keys = "{" + ", ".join(repr(k) for k in spec.context) + "}" if n else "set()"
             kinds = self._global("fxrec_mappings", MAPPINGS)
             lines.append(f"if not {self._b('isinstance')}({expr}, {kinds}) or {expr}.keys() != {keys}: " + self._raise(
                 f"fxrec: input {shown} must have {n} elements (a dict with keys {', '.join(map(repr, spec.context))})",
                 expr))
+            if getattr(self, "dict_order", False) and n > 1:  # (older pickles have no dict_order)
+                order = "[" + ", ".join(repr(k) for k in spec.context) + "]"
+                lines.append(f"if {self._b('list')}({expr}) != {order}: " + self._raise(
+                    f"fxrec: input {shown} has its keys in another order than the example's "
+                    f"({', '.join(map(repr, spec.context))}), and the model's output depends on that order (its code "
+                    "iterates the dict: found on the example inputs); the transformed model follows the example's "
+                    "order, so pass the keys in that order", expr))
         else:  # a list or a tuple (or what the model's own code indexes alike)
             other = self._global("fxrec_sequence", fxrec_sequence)
             lines.append(f"if (not {self._b('isinstance')}({expr}, ({self._b('list')}, {self._b('tuple')})) and not "

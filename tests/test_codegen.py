@@ -404,3 +404,30 @@ def test_the_torchscript_form_keeps_argument_names_it_can_and_names_the_models_i
                                rtol=0, atol=0)
     with pytest.raises(Exception, match="input len must have 1 elements"):
         scripted(x[0], x[1], [])
+
+
+class IteratesItsDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tables = nn.ModuleDict({k: nn.EmbeddingBag(50, 4) for k in ("user", "item")})
+
+    def forward(self, feats):
+        return torch.cat([self.tables[k](v) for k, v in feats.items()], 1)
+
+
+def test_a_model_that_iterates_its_dict_takes_it_only_in_the_examples_key_order():
+    """The graph reads a dict by key in the captured order: another order gave the example
+    order's numbers where the model gives others (its concatenation follows the dict). A model
+    that reads its dict by key takes any order (test above)."""
+    model = IteratesItsDict()
+    fast = fxrec.transform(model, ({"user": torch.randint(0, 50, (4, 3)), "item": torch.randint(0, 50, (4, 3))},))
+    u, i = torch.randint(0, 50, (2, 3)), torch.randint(0, 50, (2, 3))
+    torch.testing.assert_close(fast({"user": u, "item": i}), model({"user": u, "item": i}), rtol=0, atol=0)
+    scripted = fxrec.export.torchscript(fast)
+    torch.testing.assert_close(scripted({"user": u, "item": i}), model({"user": u, "item": i}), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"input feats has its keys in another order than the example's \('user', "
+                                         r"'item'\), and the model's output depends on that order .* got a dict with "
+                                         r"keys 'item', 'user'"):
+        fast({"item": i, "user": u})
+    with pytest.raises(Exception, match="input feats has its keys in another order than the example's"):
+        scripted({"item": i, "user": u})

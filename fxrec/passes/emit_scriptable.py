@@ -116,5 +116,5 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if isinstance(mod, InputGuards):
             delattr(gm, name)
     graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.arg_names, typed=True,
-                                       none_leaves=info.none_leaves)
+                                       none_leaves=info.none_leaves, dict_order=getattr(info, "dict_order", False))
     return PassResult(fx.GraphModule(gm, graph, class_name="FxrecScriptable"), True, stats)
