@@ -225,11 +225,18 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
         raise TypeError(f"fxrec.transform needs an nn.Module, got {type(model).__name__}")
     _check_call(model, args, kwargs)
     reads = TrainingReads(model)
+    held = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
     try:
         with reads:
             ep = export_dynamic(model, args, kwargs, lean_bags=True)
     except Exception as e:
         raise _capture_error(model, e) from e
+    made = sorted(({n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}) - held)
+    if made:
+        # (their weights are then drawn anew in the graph at every call, and trained by nothing)
+        raise CaptureError(f"fxrec: the model's forward created {made[:6]}{' ...' if len(made) > 6 else ''} while it "
+                           "was captured; a transformed model cannot hold what its forward creates: run the model "
+                           "once on an example input before fxrec.transform, so that they exist")
     try:
         gm = _unlifted(ep)
     except SyntaxError as e:  # torch writes module names into generated code unescaped

@@ -384,3 +384,32 @@ def test_a_padding_idx_outside_the_table_is_a_capture_error():
 
     with pytest.raises(C.CaptureError, match="padding_idx must be within the number of embeddings"):
         captured(Functional(), (torch.randint(0, 30, (6,)), torch.arange(0, 6, 2)))
+
+
+class LazyTables(nn.Module):
+    """Tables made by forward's first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = nn.ModuleDict()
+
+    def forward(self, feats):
+        for k in feats:
+            if k not in self.tables:
+                self.tables[k] = nn.EmbeddingBag(50, 4)
+        return torch.cat([self.tables[k](v) for k, v in feats.items()], 1)
+
+
+def test_modules_the_forward_creates_while_captured_are_refused_by_name():
+    """(The transformed model held no parameters and drew its tables anew at every call; the
+    report named them after the init op, 'normal_'.) Run once first, the model transforms."""
+    x = ({"a": torch.randint(0, 50, (4, 3)), "b": torch.randint(0, 50, (4, 2))},)
+    with pytest.raises(fxrec.CaptureError, match=r"the model's forward created \['tables.a', 'tables.a.weight', "
+                                                 r"'tables.b', 'tables.b.weight'\] while it was captured.*run the model "
+                                                 r"once on an example input before fxrec.transform"):
+        fxrec.transform(LazyTables(), x)
+    model = LazyTables()
+    model(*x)
+    fast = fxrec.transform(model, x)
+    torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0)
+    assert [t for t in fast.report.tables] and {t["name"] for t in fast.report.tables} == {"tables.a", "tables.b"}
