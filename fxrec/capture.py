@@ -29,6 +29,7 @@ tie inputs that a model leaves apart, so it is not done.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -74,12 +75,36 @@ def _dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[
     def spec(x):
         if isinstance(x, torch.Tensor):
             return {i: Dim.AUTO for i in range(x.dim()) if x.shape[i] > 1} if x.dim() else None
+        if _custom_node(x):  # torch takes a registered class's sizes as a list, in its flattened order
+            return [shapes(c) for c in pytree.SUPPORTED_NODES[type(x)].flatten_fn(x)[0]]
         return None
 
-    if not kwargs:
-        return pytree.tree_map(spec, args)
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+    def shapes(tree):
+        return pytree.tree_map(spec, tree, is_leaf=_custom_node)
+
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        params = ()
+    if any(p.kind is p.VAR_KEYWORD for p in params) and kwargs:
+        names = [p.name for p in params if p.kind is p.VAR_KEYWORD]
+        raise CaptureError(f"fxrec: {type(model).__name__}.forward takes **{names[0]}, for which torch.export "
+                           "takes no dynamic sizes (it fails with 'Must provide a tree_name'): name the "
+                           f"arguments, or take them as one dict argument")
+    if not kwargs and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return shapes(args)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)  # (*args: one tuple, as torch binds it)
+    return {name: shapes(value) for name, value in bound.arguments.items()}
+
+
+#: pytree's own containers, whose sizes torch.export takes in their own structure
+_CONTAINERS = (list, tuple, dict, collections.OrderedDict, collections.defaultdict, collections.deque)
+
+
+def _custom_node(x) -> bool:
+    """A registered pytree class (``torch.export.register_dataclass``, ``register_pytree_node``)."""
+    return (type(x) in pytree.SUPPORTED_NODES and type(x) not in _CONTAINERS
+            and not (isinstance(x, tuple) and hasattr(type(x), "_fields")))
 
 
 def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], lean_bags: bool = False,
@@ -229,6 +254,8 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     try:
         with reads:
             ep = export_dynamic(model, args, kwargs, lean_bags=True)
+    except CaptureError:  # (fxrec's own, saying what to do)
+        raise
     except Exception as e:
         raise _capture_error(model, e) from e
     made = sorted(({n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}) - held)

@@ -4,6 +4,7 @@ input checks, torch's settings outside the capture."""
 
 import contextlib
 import copy
+import dataclasses
 import re
 import threading
 from typing import List
@@ -413,3 +414,64 @@ def test_modules_the_forward_creates_while_captured_are_refused_by_name():
     fast = fxrec.transform(model, x)
     torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0)
     assert [t for t in fast.report.tables] and {t["name"] for t in fast.report.tables} == {"tables.a", "tables.b"}
+
+
+@dataclasses.dataclass
+class _Feature:
+    values: torch.Tensor
+    offsets: torch.Tensor
+
+
+torch.export.register_dataclass(_Feature)
+
+
+class _DataclassInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(50, 8, mode="sum")
+
+    def forward(self, f: _Feature):
+        return self.bag(f.values, f.offsets)
+
+
+class _VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.ModuleList(nn.EmbeddingBag(50, 4) for _ in range(2))
+
+    def forward(self, *ids):
+        return torch.cat([t(i) for t, i in zip(self.t, ids)], 1)
+
+
+class _VarKeywords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.ModuleDict({k: nn.EmbeddingBag(50, 4) for k in "ab"})
+
+    def forward(self, **feats):
+        return torch.cat([self.t[k](feats[k]) for k in sorted(feats)], 1)
+
+
+def test_inputs_of_a_registered_dataclass_and_a_varargs_forward_are_captured_with_dynamic_sizes():
+    """torch.export takes both; fxrec failed inside it ('Node type mismatch; expected list',
+    'inputs has 1 elements, but dynamic_shapes has 2'): its dynamic sizes did not have torch's form."""
+    model = _DataclassInput()
+    fast = fxrec.transform(model, (_Feature(torch.randint(0, 50, (8,)), torch.arange(0, 8, 2)),))
+    x = _Feature(torch.randint(0, 50, (3,)), torch.tensor([0]))  # another batch and number of ids
+    torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    fast(x).sum().backward()
+    model(x).sum().backward()
+    torch.testing.assert_close(fast.get_parameter("bag.weight").grad, model.bag.weight.grad)
+    model = _VarArgs()
+    fast = fxrec.transform(model, tuple(torch.randint(0, 50, (4, 3)) for _ in range(2)))
+    x = tuple(torch.randint(0, 50, (1, 5)) for _ in range(2))
+    torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0)
+    assert fast.report.groups and all(g.lowered for g in fast.report.groups)
+
+
+def test_a_var_keyword_forward_is_refused_saying_what_to_do():
+    """(torch.export takes no dynamic sizes for **kwargs: 'Must provide a tree_name'.)"""
+    ids = {k: torch.randint(0, 50, (4, 3)) for k in "ab"}
+    with pytest.raises(fxrec.CaptureError, match=r"_VarKeywords.forward takes \*\*feats, for which torch.export takes "
+                                                 r"no dynamic sizes .* name the arguments, or take them as one dict"):
+        fxrec.transform(_VarKeywords(), (), ids)
