@@ -392,6 +392,14 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
     # export's other conditions on the sizes: those a size of 1 breaks (a transposed [B, L] bag's
     # `!= 1`), found by trying each size at 1 with the others at 16
     refused = _refused_at_one(guards, symbols)
+    if refused is None:  # conditions the probe cannot try: named as they are, no claim of any value
+        conds = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c)
+                 for c in guards.conditions if not guards._implied(c)]
+        notes = [f"input sizes: {len(symbols)} dynamic size(s), under conditions of the model's code (below)"
+                 + (f"; fixed: {shown}" if fixed else "")]
+        notes += [f"the model's code needs {c} (a condition torch.export's capture of it kept: its own, or of a "
+                  "torch function it calls)" for c in conds]
+        return notes + _bounds_and_fixed(guards)
     free = [s for s in free if s not in refused]
     parts = [f"{len(free)} dynamic size(s) that take any value (batch 1 included)"] if free or not refused else []
     if refused:
@@ -402,6 +410,12 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
         named = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c) for c in conds]
         notes.append(f"size 1 in {guards.sizes_of(sym)} is refused: the model's code needs {' and '.join(named)} "
                      "(conditions torch.export's capture of it kept; other sizes may break them too)")
+    return notes + _bounds_and_fixed(guards)
+
+
+def _bounds_and_fixed(guards) -> List[str]:
+    """Report notes: each size's bounds, and each dim fixed at 0 or 1."""
+    notes = []
     for s, (lo, hi) in sorted(guards.ranges.items()):
         if lo > 1 or hi is not None:
             where = guards.sizes_of(s)
@@ -414,12 +428,12 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
     return notes
 
 
-def _refused_at_one(guards, symbols) -> Dict[str, List[str]]:
+def _refused_at_one(guards, symbols) -> Optional[Dict[str, List[str]]]:
     """Per dynamic size (symbol), the conditions of ``guards`` that inputs with that size 1 and
     every other size 16 (a size's own bounds respected) break, where 16 everywhere keeps them:
     what a batch (or length) of 1 meets. Conditions that only say two sizes are equal are left
-    out (setting one of them alone to 1 breaks them, not the model). {} where a condition cannot
-    be evaluated so."""
+    out (setting one of them alone to 1 breaks them, not the model). None where the conditions
+    cannot be evaluated so (or 16 everywhere breaks one): no claim either way."""
     from .runtime.input_guards import _namespace
 
     ref = re.compile(r"\ba\d+\.size\(\)\[\d+\]")
@@ -431,8 +445,10 @@ def _refused_at_one(guards, symbols) -> Dict[str, List[str]]:
         return True
 
     kept = [c for c in guards.conditions if not guards._implied(c) and restricts(c)]
-    if not kept or any(shape is None for shape in guards.shapes):
+    if not kept:
         return {}
+    if any(shape is None for shape in guards.shapes):
+        return None
     ns = _namespace()
 
     def broken(values: Dict[str, int]) -> List[str]:
@@ -451,7 +467,7 @@ def _refused_at_one(guards, symbols) -> Dict[str, List[str]]:
     try:
         base = {sym: typical(sym) for sym in symbols}
         if broken(base):
-            return {}
+            return None
         out = {}
         for sym in sorted(symbols):
             if guards.ranges.get(sym, (0, None))[0] <= 1:
@@ -460,7 +476,7 @@ def _refused_at_one(guards, symbols) -> Dict[str, List[str]]:
                     out[sym] = failed
         return out
     except Exception:  # noqa: BLE001 - a condition this probe cannot evaluate: no claim either way
-        return {}
+        return None
 
 
 _LITERALS = (type(None), bool, int, float, str)

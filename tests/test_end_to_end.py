@@ -252,6 +252,32 @@ def test_the_report_lists_the_size_conditions_capture_kept():
     torch.testing.assert_close(fast(x), model(x), rtol=1e-6, atol=1e-6)
 
 
+class _SlicedBagAndCheck(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(40, 4)
+        self.e = torch.nn.Embedding(40, 4)
+
+    def forward(self, h):
+        b, length = h.shape
+        torch._check(length % 3 == 0)
+        return self.bag(h[:, :2]) + self.e(h.reshape(b, length // 3, 3)).sum((1, 2))
+
+
+def test_the_report_claims_no_size_takes_any_value_where_its_probe_cannot_tell():
+    """Conditions its probe of sizes 16 and 1 cannot try (here 16 breaks L % 3 == 0): the report
+    said both sizes took any value, batch 1 included, and batch 1 was refused; the model's own
+    check was not named."""
+    fast = fxrec.transform(_SlicedBagAndCheck(), (torch.randint(0, 40, (4, 6)),))
+    notes = fast.report.notes
+    assert not any("any value" in n for n in notes), notes
+    assert any(n.startswith("input sizes: 2 dynamic size(s), under conditions of the model's code") for n in notes), notes
+    assert any("the model's code needs (h.size()[1] % 3) == 0" in n for n in notes), notes
+    assert any("the model's code needs h.size()[0] != 1" in n for n in notes), notes
+    with pytest.raises(ValueError, match=r"h\.size\(\)\[0\] != 1"):
+        fast(torch.randint(0, 40, (1, 6)))
+
+
 def test_symbolic_traced_graph_module_with_call_module_lookups():
     """A model the user already traced with torch.fx (lookups as call_module nodes) is lowered too."""
 

@@ -293,7 +293,8 @@ class InputGuards(torch.nn.Module):
             for c in self.conditions:
                 try:
                     ok = bool(eval(c, _namespace(), {f"a{k}": x for k, x in enumerate(inputs)}))  # noqa: S307
-                    why = "break a condition on their sizes that the model's code relied on when it was captured"
+                    why = ("break a condition on their sizes that the model's code (or a torch function it calls) relied on "
+                           "when it was captured")
                 except ZeroDivisionError:
                     ok, why = False, "make a size the model's code divides by 0"
                 except Exception:  # noqa: BLE001 - an input that is not a tensor: named above
