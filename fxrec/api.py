@@ -185,6 +185,12 @@ def transform(
     hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
+    from torch.utils import _pytree
+
+    if any(isinstance(x, torch.Tensor) and x.is_meta for x in _pytree.tree_leaves((args, kwargs))):
+        raise InputError("fxrec: example inputs on the meta device (the meta model of a plan still takes real "
+                         "example inputs: each rank's local batch); their device would be the transformed "
+                         "model's, and their ids have no values to check")
     if plan is not None:
         _check_same_plan(plan, args)
     on_meta = meta_names(model)

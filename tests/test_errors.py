@@ -230,3 +230,11 @@ def test_per_sample_weights_follow_the_tables_dtype_after_double():
     with pytest.raises(TypeError, match=r"feature 'ids' \(table 'bag'\) got per-sample weights of dtype torch.float32; "
                                         r"they must be torch.float64"):
         fast(ids, offsets, psw)
+
+
+def test_example_inputs_on_the_meta_device_are_refused():
+    """(They were taken, and the first real call failed naming offsets 'on meta' it was not given.)"""
+    model = torch.nn.EmbeddingBag(50, 4)
+    x = (torch.randint(0, 50, (8,), device="meta"), torch.arange(0, 8, 2, device="meta"))
+    with pytest.raises(ValueError, match="fxrec: example inputs on the meta device"):
+        fxrec.transform(model, x)
