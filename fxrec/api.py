@@ -35,6 +35,10 @@ def write_back(transformed: torch.nn.Module, model: torch.nn.Module) -> None:
     The transformed model's ``state_dict()`` has the original model's keys, so this is a strict
     ``load_state_dict``; it raises naming the keys when the two models do not match.
     """
+    if getattr(transformed, "meta", {}).get("fxrec_plan") is not None:
+        raise ValueError("fxrec.write_back: a sharded model holds only this rank's shards of its tables; save it "
+                         "with fxrec.checkpoint.save (every rank) and load that into the plain model with "
+                         "fxrec.checkpoint.load_into_model (docs/sharding.md)")
     missing, unexpected = model.load_state_dict(transformed.state_dict(), strict=False)
     if missing or unexpected:
         raise KeyError(

@@ -45,6 +45,11 @@ def _worker(rank, world, init_file):
         plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
         fast = fxrec.transform(model, example, plan=plan)
         assert type(fast).__name__.startswith("DDP"), type(fast)  # DDP's reducer, in place
+        try:  # (torch's size mismatch from load_state_dict, which did not say what to do)
+            fxrec.write_back(fast, copy.deepcopy(model))
+            raise AssertionError("write_back of a sharded model was taken")
+        except ValueError as e:
+            assert "a sharded model holds only this rank's shards" in str(e) and "load_into_model" in str(e), e
         opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
         for step in range(5):
             x = global_batch(LOCAL_B * world, step + 1)
