@@ -460,7 +460,7 @@ def _check_same_plan(plan, args) -> None:
 def _sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:
     """Every parameter that is not a table shard is whole on every rank: sum its gradient. DDP
     (``replicate_whole``) does it for all of them but the tables with sparse gradients, which DDP's
-    communication hooks cannot take: those keep one all-reduce each (sparse on gloo, dense on NCCL)."""
+    communication hooks cannot take: those keep a hook each, which sums them sparse (``sparse_sum``)."""
     from .runtime.collectives import all_reduce_grad, replicate_whole
 
     sharded = gm.meta.get("fxrec_sharded_params", {})

@@ -1,7 +1,7 @@
 """The parameters whole on every rank of a sharded model (dense layers, data-parallel tables):
 their gradients are summed over ranks by DDP's reducer (torch's composable ``replicate``, with a
-summing communication hook), except tables with sparse gradients, which keep one all-reduce each
-(DDP's hooks cannot take sparse tensors). gloo, world size 2, against the plain model."""
+summing communication hook), except tables with sparse gradients, which keep a hook each that sums
+them sparse (DDP's hooks cannot take sparse tensors). gloo, world size 2, against the plain model."""
 
 import copy
 import os
@@ -144,3 +144,30 @@ def test_two_backward_calls_a_step_give_one_process_gradients(how):
     first micro-batch's sum was counted once per rank (12 where one process has 8), and a second
     backward through one forward was not summed over ranks at all."""
     spawn(_accumulating_worker, 2, how)
+
+
+def _sparse_sum_worker(rank, world, init_file):
+    from fxrec.runtime.collectives import sparse_sum
+
+    with gloo_group(rank, world, init_file):
+        rows = {0: [[3, 1, 3, 7]], 1: [[]], 2: [[7, 0]]}[rank]  # overlapping rows; none on rank 1
+        g = torch.Generator().manual_seed(rank)
+        grad = torch.sparse_coo_tensor(torch.tensor(rows, dtype=torch.long).view(1, -1),
+                                       torch.randn(len(rows[0]), 5, generator=g), (10, 5))
+        got = sparse_sum(grad, "a test gradient")
+        want = torch.zeros(10, 5)
+        for r in range(world):
+            rr = {0: [3, 1, 3, 7], 1: [], 2: [7, 0]}[r]
+            want.index_add_(0, torch.tensor(rr, dtype=torch.long), torch.randn(len(rr), 5, generator=torch.Generator().manual_seed(r)))
+        assert got.is_sparse and got.is_coalesced()
+        assert got.indices()[0].tolist() == [0, 1, 3, 7]  # the rows some rank holds, each once
+        torch.testing.assert_close(got.to_dense(), want)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_a_sparse_gradient_is_summed_over_ranks_sparse_by_gathering_rows():
+    """NCCL has no sparse all-reduce: the sum was dense there (a table-sized gradient, which
+    torch.optim.SparseAdam refuses, so Adam on a sparse=True table failed at its first step). Rows
+    are gathered and coalesced instead, on every backend; here gloo, one rank holding no rows."""
+    spawn(_sparse_sum_worker, 3)

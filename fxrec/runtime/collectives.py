@@ -3,7 +3,7 @@
 Plain functions: ``all_to_all`` (variable splits; its backward is the all-to-all back),
 ``all_to_all_together`` (several tensors, any dtypes, in one all-to-all; no gradient),
 ``replicate_whole`` (DDP's reducer for the parameters whole on every rank, summing: :class:`ExactSums`) and
-``all_reduce_grad`` (a gradient hook that sums one parameter's sparse gradient over ranks). They run on
+``all_reduce_grad`` (a gradient hook that sums one parameter's sparse gradient over ranks, sparse). They run on
 whatever process group is initialised (gloo on CPU; written for NCCL on CUDA, not yet run there). A collective that fails —
 usually because another rank did not arrive within the process group's timeout — raises
 :class:`CollectiveError` naming the collective, the graph step that called it and this rank.
@@ -102,22 +102,50 @@ def all_gather_ints(values, device: torch.device, where: str = "") -> List[List[
 
 
 def all_reduce_grad(name: str):
-    """A gradient hook summing the gradient over ranks (data-parallel parameters)."""
+    """A gradient hook summing the gradient over ranks (data-parallel parameters); a sparse one
+    stays sparse (:func:`sparse_sum`)."""
 
     def hook(grad: torch.Tensor) -> Optional[torch.Tensor]:
-        if grad.is_sparse and dist.get_backend() == "gloo":
-            g = grad.coalesce()  # sparse stays sparse: gloo sums sparse tensors
-        else:
-            # NCCL has no sparse all-reduce: the summed gradient is dense (a data-parallel table
-            # created with sparse=True gets a dense gradient, which torch.optim takes too)
-            g = grad.to_dense() if grad.is_sparse else grad.clone()
+        where = f"the gradient of '{name}'"
+        if grad.is_sparse:
+            return sparse_sum(grad, where)
+        g = grad.clone()
         try:
             dist.all_reduce(g)
         except Exception as e:  # noqa: BLE001
-            raise _fail("all_reduce", f"the gradient of '{name}'", e) from e
+            raise _fail("all_reduce", where, e) from e
         return g
 
     return hook
+
+
+def sparse_sum(grad: torch.Tensor, where: str) -> torch.Tensor:
+    """A sparse gradient summed over ranks, sparse: every rank's rows and their values gathered
+    (after one exchange of how many, which the host reads: the gathered tensors' sizes), then
+    coalesced, which sums a row several ranks hold. Not ``all_reduce``: NCCL has no sparse one, and
+    a dense sum would be a table-sized gradient that ``torch.optim.SparseAdam`` refuses; the
+    same code on gloo and NCCL."""
+    g = grad.coalesce()
+    idx, vals = g.indices(), g.values()
+    n = idx.shape[1]
+    counts = [c[0] for c in all_gather_ints([n], idx.device, where + " (row counts)")]
+    most, world = max(counts), len(counts)
+    idx_pad = idx.new_zeros(idx.shape[0], most)
+    idx_pad[:, :n] = idx
+    val_pad = vals.new_zeros((most,) + tuple(vals.shape[1:]))
+    val_pad[:n] = vals
+    idx_all = idx_pad.new_empty(world * idx_pad.numel())
+    val_all = val_pad.new_empty(world * val_pad.numel())
+    try:
+        _all_gather_single(idx_all, idx_pad.reshape(-1))
+        _all_gather_single(val_all, val_pad.reshape(-1))
+    except Exception as e:  # noqa: BLE001
+        raise _fail("all_gather", where, e) from e
+    idx_all = idx_all.view(world, idx.shape[0], most)
+    val_all = val_all.view((world, most) + tuple(vals.shape[1:]))
+    rows = torch.cat([idx_all[r, :, :c] for r, c in enumerate(counts)], 1)
+    values = torch.cat([val_all[r, :c] for r, c in enumerate(counts)])
+    return torch.sparse_coo_tensor(rows, values, grad.shape).coalesce()
 
 
 class ExactSums:
