@@ -196,6 +196,7 @@ def transform(
                          "example inputs: each rank's local batch); their device would be the transformed "
                          "model's, and their ids have no values to check")
     if plan is not None:
+        _check_rank_device(model, args, kwargs)
         _check_same_plan(plan, args)
     on_meta = meta_names(model)
     if on_meta and plan is None:
@@ -413,6 +414,26 @@ def _check_plan(plan, optimizer, mode: str, quantize) -> int:
         raise ValueError(f"fxrec: the plan is for world size {plan.topology.world_size}, the process group "
                          f"has {dist.get_world_size()} ranks")
     return dist.get_rank()
+
+
+def _check_rank_device(model, args, kwargs) -> None:
+    """Under NCCL: the model, the example and the current CUDA device agree (see
+    :func:`fxrec.runtime.collectives.check_rank_device`)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.utils import _pytree
+
+    from .runtime.collectives import check_rank_device
+
+    backend = str(dist.get_backend())
+    if backend != "nccl":
+        return
+    local = os.environ.get("LOCAL_RANK")
+    tables = {t.device for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta}
+    inputs = {x.device for x in _pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+    check_rank_device(backend, torch.cuda.current_device(), int(local) if local is not None and local.isdigit() else None,
+                      tables, inputs)
 
 
 def _check_same_plan(plan, args) -> None:

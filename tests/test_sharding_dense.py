@@ -171,3 +171,21 @@ def test_a_sparse_gradient_is_summed_over_ranks_sparse_by_gathering_rows():
     torch.optim.SparseAdam refuses, so Adam on a sparse=True table failed at its first step). Rows
     are gathered and coalesced instead, on every backend; here gloo, one rank holding no rows."""
     spawn(_sparse_sum_worker, 3)
+
+
+def test_under_nccl_a_rank_whose_current_cuda_device_tables_or_inputs_disagree_is_told_what_to_do():
+    """(NCCL, read from torch's sources: object collectives and DDP use the current CUDA device, and
+    NCCL takes CUDA tensors only; without torch.cuda.set_device every rank of a host runs on cuda:0,
+    which NCCL refuses or hangs on.) A CPU check of the rule: no GPU here."""
+    from fxrec.runtime.collectives import check_rank_device
+
+    cuda = [torch.device("cuda", 1)]
+    check_rank_device("nccl", 1, 1, cuda, cuda)  # as it should be
+    check_rank_device("gloo", 0, 1, [torch.device("cpu")], [torch.device("cpu")])  # not NCCL: nothing
+    with pytest.raises(ValueError, match=r"this rank \(LOCAL_RANK=1\) has cuda:0 as its current CUDA device.*"
+                                         r"torch.cuda.set_device\(local_rank\)"):
+        check_rank_device("nccl", 0, 1, [torch.device("cuda", 0)], [torch.device("cuda", 0)])
+    with pytest.raises(ValueError, match=r"the model's tensors are on \['cuda:0'\].*current CUDA device, cuda:1"):
+        check_rank_device("nccl", 1, None, [torch.device("cuda", 0)], cuda)
+    with pytest.raises(ValueError, match=r"the example inputs are on \['cpu'\]"):
+        check_rank_device("nccl", 1, 1, cuda, [torch.device("cpu")])

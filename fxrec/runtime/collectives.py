@@ -87,6 +87,26 @@ def all_to_all_together(tensors: List[torch.Tensor], out_splits: List[List[int]]
             for k, t in enumerate(tensors)]
 
 
+def check_rank_device(backend: str, current: Optional[int], local_rank: Optional[int], tables, inputs) -> None:
+    """Under NCCL a rank's collectives run on its current CUDA device and take CUDA tensors only:
+    an error saying what to do where ``tables`` (the devices of the model's tensors) or ``inputs``
+    (the example's) are elsewhere, or where the current device is not the rank's ``LOCAL_RANK``
+    (torch.cuda.set_device was not called: every rank of a host would run on cuda:0, which NCCL
+    refuses or hangs on). Other backends: nothing."""
+    if backend != "nccl":
+        return
+    todo = ("call torch.cuda.set_device(local_rank) before dist.init_process_group (or pass it device_id=), "
+            "and build the model and its inputs on that device")
+    if local_rank is not None and current is not None and current != local_rank:
+        raise ValueError(f"fxrec: this rank (LOCAL_RANK={local_rank}) has cuda:{current} as its current CUDA device, "
+                         f"on which NCCL runs its collectives: {todo}")
+    for what, devices in (("the model's tensors", tables), ("the example inputs", inputs)):
+        other = sorted({str(d) for d in devices if d.type != "cuda" or (d.index is not None and d.index != current)})
+        if other:
+            raise ValueError(f"fxrec: {what} are on {other}, and NCCL exchanges tensors on this rank's current CUDA "
+                             f"device, cuda:{current}: {todo}")
+
+
 def all_gather_ints(values, device: torch.device, where: str = "") -> List[List[int]]:
     """Every rank's ints (as many on every rank), exchanged on ``device``: the device of the
     tensors they describe (NCCL takes only CUDA tensors; gloo either). ``values``: a list of
