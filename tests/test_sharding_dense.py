@@ -189,3 +189,12 @@ def test_under_nccl_a_rank_whose_current_cuda_device_tables_or_inputs_disagree_i
         check_rank_device("nccl", 1, None, [torch.device("cuda", 0)], cuda)
     with pytest.raises(ValueError, match=r"the example inputs are on \['cpu'\]"):
         check_rank_device("nccl", 1, 1, cuda, [torch.device("cpu")])
+
+
+def test_the_two_gpu_nccl_worker_runs_on_gloo(tmp_path):
+    """tests/test_gpu.py's two-GPU test has never run (the GPU machines have one GPU): its worker,
+    the same code on gloo and the CPU, so that it is known to be right but for NCCL itself."""
+    from tests.test_gpu import TWO_GPU_PINS, _nccl_worker
+
+    spawn(_nccl_worker, 2, str(tmp_path), TWO_GPU_PINS, "sgd", "gloo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
