@@ -487,7 +487,7 @@ def _sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:
     sharded = gm.meta.get("fxrec_sharded_params", {})
     params = dict(gm.named_parameters())
     sparse = {r.param for r in records if r.sparse and r.param in params and r.param not in sharded}
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}  # (export keeps unread ones)
     unused = any(p.requires_grad and n not in used for n, p in params.items() if n not in sharded)
     replicate_whole(gm, set(sharded) | sparse, unused)
     for name in sparse:

@@ -4,6 +4,7 @@ summing communication hook), except tables with sparse gradients, which keep a h
 them sparse (DDP's hooks cannot take sparse tensors). gloo, world size 2, against the plain model."""
 
 import copy
+import gc
 import os
 
 import pytest
@@ -115,12 +116,21 @@ def _accumulating_worker(rank, world, init_file, how):
             zeros = how == "accumulate_zeros"
             ref_opt.zero_grad(set_to_none=not zeros)
             opt.zero_grad(set_to_none=not zeros)
-            if how == "retain":
+            if how in ("retain", "retain_no_grad_between"):
                 x = global_batch(LOCAL_B * world, step + 1)
                 want, got = ref(*x), fast(*local_batch(x, rank, LOCAL_B))
-                for loss in (lambda y: y.sum(), lambda y: (y * y).sum()):
+                for k, loss in enumerate((lambda y: y.sum(), lambda y: (y * y).sum())):
+                    if k and how == "retain_no_grad_between":  # (DDP's state is not reset by it)
+                        with torch.no_grad():
+                            fast(*local_batch(x, rank, LOCAL_B))
                     loss(want).backward(retain_graph=True)
                     loss(got).backward(retain_graph=True)
+            elif how == "no_sync":  # DDP's own accumulation: sync off but for the last micro-batch
+                for micro in range(3):
+                    x = global_batch(LOCAL_B * world, 10 * step + micro + 1)
+                    fast.set_requires_gradient_sync(micro == 2)
+                    ref(*x).sum().backward()
+                    fast(*local_batch(x, rank, LOCAL_B)).sum().backward()
             else:
                 for micro in range(2):
                     x = global_batch(LOCAL_B * world, 10 * step + micro + 1)
@@ -138,11 +148,13 @@ def _accumulating_worker(rank, world, init_file, how):
     os._exit(0)
 
 
-@pytest.mark.parametrize("how", ["accumulate", "accumulate_zeros", "retain"])
+@pytest.mark.parametrize("how", ["accumulate", "accumulate_zeros", "retain", "retain_no_grad_between", "no_sync"])
 def test_two_backward_calls_a_step_give_one_process_gradients(how):
     """DDP all-reduces each .grad as it stands after a backward: with gradient accumulation the
     first micro-batch's sum was counted once per rank (12 where one process has 8), and a second
-    backward through one forward was not summed over ranks at all."""
+    backward through one forward was not summed over ranks at all. DDP's own no_sync accumulation,
+    and a no_grad forward between two backward calls, keep working (a first form of the fix lost
+    their gradients)."""
     spawn(_accumulating_worker, 2, how)
 
 
@@ -198,3 +210,54 @@ def test_the_two_gpu_nccl_worker_runs_on_gloo(tmp_path):
 
     spawn(_nccl_worker, 2, str(tmp_path), TWO_GPU_PINS, "sgd", "gloo")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
+
+
+class _TwoHeadsAndASpare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(40, 8, mode="sum")
+        self.h1 = nn.Linear(8, 1)
+        self.h2 = nn.Linear(8, 1)
+        self.spare = nn.Linear(2, 2)  # never used
+
+    def forward(self, ids, offsets):
+        e = self.bag(ids, offsets)
+        return self.h1(e).squeeze(1), self.h2(e).squeeze(1)
+
+
+def _spare_worker(rank, world, init_file):
+    def batch(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, 40, (12,), generator=g), torch.arange(0, 12, 3)
+
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = _TwoHeadsAndASpare()
+        ref = copy.deepcopy(model)
+        plan = fxrec.plan(model, batch(rank), world_size=world, memory_per_rank="1GB", pins={"bag": "row_wise"})
+        fast = fxrec.transform(model, batch(rank), plan=plan)
+        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(2):
+            for micro in range(2):
+                xs = [batch(10 * step + 3 * micro + r + 1) for r in range(world)]
+                a, b = fast(*xs[rank])
+                (a.sum() + (b * b).sum()).backward()
+                for x in xs:
+                    ra, rb = ref(*x)
+                    (ra.sum() + (rb * rb).sum()).backward()
+            for name in ("h1.weight", "h2.weight", "h2.bias"):
+                torch.testing.assert_close(fast.get_parameter(name).grad, ref.get_parameter(name).grad, msg=name)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        del fast, opt
+        gc.collect()
+        dist.barrier()
+    os._exit(0)
+
+
+def test_a_dense_parameter_the_forward_never_uses_is_left_out_of_ddps_reduction():
+    """Export keeps a get_attr for every parameter, read or not: fxrec took every parameter to be
+    used, and DDP failed at the second step ("Expected to have finished reduction")."""
+    spawn(_spare_worker, 2)

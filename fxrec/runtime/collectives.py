@@ -171,7 +171,8 @@ def sparse_sum(grad: torch.Tensor, where: str) -> torch.Tensor:
 class ExactSums:
     """DDP's reduction of a module's whole parameters, summing, kept what one process computes
     when ``backward`` runs more than once per step. DDP all-reduces each parameter's ``.grad``
-    as it stands after a backward, and only in the first backward after a forward:
+    as it stands after a backward, and only in the first backward after a forward that had
+    gradients on and sync on:
 
     * gradient accumulation (forward and backward on several micro-batches, then one step): the
       ``.grad`` already holds the previous micro-batches' sum, the same on every rank, which a sum
@@ -180,34 +181,56 @@ class ExactSums:
       communication hook adds it back once the bucket is summed. A parameter unused here while
       DDP reduces its bucket (``find_unused_parameters``) has its earlier sum in the bucket:
       the communication hook moves it out the same way.
+    * a ``.grad`` accumulated with sync off (``set_requires_gradient_sync(False)``, DDP's
+      ``no_sync``) is this rank's own: it is left in place, and DDP sums it with the new one.
     * a second backward through one forward (``retain_graph=True``): DDP reduces nothing, so the
       gradient hook sums it over ranks itself (one all-reduce a parameter, not overlapped).
 
-    One backward per forward, into ``.grad`` that are None, takes DDP's buckets as they are."""
+    A forward without gradients (``no_grad``, eval) changes nothing: DDP's state is not reset by
+    it either. One backward per forward, into ``.grad`` that are None, takes DDP's buckets as
+    they are."""
 
     def __init__(self, module: torch.nn.Module, params: List[torch.Tensor]):
-        self.fired: set = set()  # ids of the parameters whose gradient hook ran since the last forward
-        self.before: dict = {}  # id -> the .grad accumulated before this backward, set aside
+        self.module = module
+        self.reduces = False  # DDP reduces the next backward (the last forward had gradients and sync on)
+        self.fired: set = set()  # ids of the parameters whose gradient hook ran since that forward
+        self.local: set = set()  # ids of the parameters whose .grad holds this rank's own gradients
+        self.before: dict = {}  # id -> (parameter, its .grad before this backward), set aside
         module.register_forward_pre_hook(self._forward)
         for p in params:
             p.register_hook(self._gradient_hook(p))
 
     def _forward(self, module, args):
-        self.fired.clear()
+        if not torch.is_grad_enabled():
+            return
+        for p, prev in self.before.values():  # (a backward DDP did not finish: put them back)
+            p.grad = prev if p.grad is None else p.grad + prev
         self.before.clear()
+        self.fired.clear()
+        from torch.distributed._composable.replicate import replicate
+
+        self.reduces = not getattr(replicate.state(module), "_no_sync", False)
 
     def _gradient_hook(self, p: torch.Tensor):
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            if id(p) in self.fired:  # a second backward since the forward: DDP will not reduce it
+            key = id(p)
+            if p.grad is None:
+                self.local.discard(key)
+            if not self.reduces:  # sync off: DDP leaves this rank's gradients in .grad
+                self.local.add(key)
+                return grad
+            if key in self.fired:  # a second backward since the forward: DDP will not reduce it
                 g = grad.clone()
                 try:
                     dist.all_reduce(g)
                 except Exception as e:  # noqa: BLE001
                     raise _fail("all_reduce", "a second backward through one forward", e) from e
                 return g
-            self.fired.add(id(p))
-            if p.grad is not None:  # accumulation: DDP is to sum this backward's gradient alone
-                self.before[id(p)] = p.grad
+            self.fired.add(key)
+            if key in self.local:  # this rank's own sum: DDP sums it with the new gradient
+                self.local.discard(key)
+            elif p.grad is not None:  # the sum over ranks so far: DDP is to sum the new gradient alone
+                self.before[key] = (p, p.grad)
                 p.grad = None
             return grad
 
@@ -219,15 +242,22 @@ class ExactSums:
         dense parameters do too)."""
         params, grads = bucket.parameters(), bucket.gradients()
         for p, g in zip(params, grads):
-            if id(p) not in self.fired and p.grad is not None:  # unused here: its bucket slot holds .grad
-                self.before[id(p)] = p.grad.clone()
-                g.zero_()
+            key = id(p)
+            if key not in self.fired and p.grad is not None:  # unused here: its bucket slot holds .grad
+                if key in self.local:
+                    self.local.discard(key)  # (this rank's own: summed with the others')
+                else:
+                    self.before[key] = (p, p.grad.clone())
+                    g.zero_()
         work = dist.all_reduce(bucket.buffer(), async_op=True)
 
         def add_back(fut):
             for p, g in zip(params, grads):
-                prev = self.before.pop(id(p), None)
-                if prev is not None:
+                kept = self.before.pop(id(p), None)
+                if kept is not None:
+                    prev = kept[1]
+                    if prev.is_cuda:  # (used on this callback's stream: not freed before the add ran)
+                        prev.record_stream(torch.cuda.current_stream(prev.device))
                     g.add_(prev)
             return fut.value()[0]
 
