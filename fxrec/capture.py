@@ -86,11 +86,11 @@ def _dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[
         params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):
         params = ()
-    if any(p.kind is p.VAR_KEYWORD for p in params) and kwargs:
-        names = [p.name for p in params if p.kind is p.VAR_KEYWORD]
-        raise CaptureError(f"fxrec: {type(model).__name__}.forward takes **{names[0]}, for which torch.export "
+    var_kw = [p.name for p in params if p.kind is p.VAR_KEYWORD]
+    if var_kw and kwargs and var_kw[0] in inspect.signature(model.forward).bind(*args, **kwargs).arguments:
+        raise CaptureError(f"fxrec: {type(model).__name__}.forward takes **{var_kw[0]}, for which torch.export "
                            "takes no dynamic sizes (it fails with 'Must provide a tree_name'): name the "
-                           f"arguments, or take them as one dict argument")
+                           "arguments, or take them as one dict argument")
     if not kwargs and not any(p.kind is p.VAR_POSITIONAL for p in params):
         return shapes(args)
     bound = inspect.signature(model.forward).bind(*args, **kwargs)  # (*args: one tuple, as torch binds it)
@@ -531,8 +531,15 @@ def _dict_order_matters(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: D
         with buffers_kept(model), torch.no_grad():
             torch.manual_seed(0)
             a, k = copy.deepcopy(tree)
-            outs.append(model(*a, **k))
-    try:
+            try:
+                outs.append(model(*a, **k))
+            except Exception:  # noqa: BLE001 - e.g. `dense, ids = feats.values()`: the order matters
+                if not outs:
+                    raise
+                return True
+    if pytree.tree_structure(outs[0]) != pytree.tree_structure(outs[1]):  # (an output dict in the input's order)
+        return True
+    try:  # exactly: the transformed model computes in the example's order, bit for bit
         torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, equal_nan=True)
     except (AssertionError, TypeError, ValueError):
         return True

@@ -426,8 +426,9 @@ class StructuredCodeGen(fx.graph.CodeGen):
             if spec.type is dict and getattr(self, "dict_order", False) and n > 1:
                 order = "[" + ", ".join(repr(k) for k in spec.context) + "]"
                 lines.append(f"if {self._b('list')}({expr}.keys()) != {order}: " + self._raise(
-                    f"fxrec: input {shown} has its keys in another order than the example's, and the model's output "
-                    "depends on that order: pass the keys in the example's order"))
+                    f"fxrec: input {shown} has its keys in another order than the example's "
+                    f"({', '.join(map(repr, spec.context))}), and the model's output depends on that order: pass the "
+                    "keys in the example's order"))
         elif spec.type is dict:  # the captured keys, in any order
             keys = "{" + ", ".join(repr(k) for k in spec.context) + "}" if n else "set()"
             kinds = self._global("fxrec_mappings", MAPPINGS)

@@ -26,7 +26,8 @@ def buffers_kept(*modules: torch.nn.Module) -> Iterator[None]:
 
     saved = [(b, b.detach().clone()) for m in modules for sub in m.modules() if not isinstance(sub, EmbeddingGroup)
              for b in sub.buffers(recurse=False)]
-    with torch.random.fork_rng(devices=[]):
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):  # (manual_seed inside also seeds every CUDA device)
         try:
             yield
         finally:

@@ -475,3 +475,21 @@ def test_a_var_keyword_forward_is_refused_saying_what_to_do():
     with pytest.raises(fxrec.CaptureError, match=r"_VarKeywords.forward takes \*\*feats, for which torch.export takes "
                                                  r"no dynamic sizes .* name the arguments, or take them as one dict"):
         fxrec.transform(_VarKeywords(), (), ids)
+
+
+class _NamedAndVarKeywords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(50, 4)
+
+    def forward(self, ids, offsets=None, **extra):
+        return self.bag(ids, offsets)
+
+
+def test_keywords_that_bind_to_named_arguments_of_a_forward_with_var_keywords_are_taken():
+    """(A first form of the **kwargs refusal refused any keyword given to such a forward.)"""
+    model = _NamedAndVarKeywords()
+    ids, offsets = torch.randint(0, 50, (8,)), torch.arange(0, 8, 2)
+    fast = fxrec.transform(model, (ids,), {"offsets": offsets})
+    x = (torch.randint(0, 50, (5,)),), {"offsets": torch.tensor([0, 2])}
+    torch.testing.assert_close(fast(*x[0], **x[1]), model(*x[0], **x[1]), rtol=0, atol=0)

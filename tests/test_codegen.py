@@ -431,3 +431,27 @@ def test_a_model_that_iterates_its_dict_takes_it_only_in_the_examples_key_order(
         fast({"item": i, "user": u})
     with pytest.raises(Exception, match="input feats has its keys in another order than the example's"):
         scripted({"item": i, "user": u})
+
+
+class UnpacksItsDict(nn.Module):
+    """Unpacks the dict's values by position: the reversed order fails in the model itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.EmbeddingBag(50, 8)
+        self.la = nn.Linear(4, 1)
+        self.lb = nn.Linear(8, 1)
+
+    def forward(self, feats):
+        dense, ids = feats.values()
+        return self.la(dense) + self.lb(self.b(ids))
+
+
+def test_a_model_that_fails_on_its_dict_in_another_order_transforms_and_takes_the_examples_order():
+    """(transform raised the model's own error from its run on the reversed keys.)"""
+    model = UnpacksItsDict()
+    x = {"dense": torch.randn(4, 4), "ids": torch.randint(0, 50, (4, 3))}
+    fast = fxrec.transform(model, (x,))
+    torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="input feats has its keys in another order than the example's"):
+        fast({"ids": x["ids"], "dense": x["dense"]})

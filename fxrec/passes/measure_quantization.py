@@ -36,7 +36,7 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         with torch.no_grad():
             gm(*copy.deepcopy(ctx.example_args), **copy.deepcopy(ctx.example_kwargs))
     except RuntimeError as e:
-        if ctx.config.output_dtype != "fp16":
+        if ctx.config.output_dtype != "fp16" or not any(w in str(e) for w in ("dtype", "Half", "half")):
             raise
         raise InputError(f"fxrec: output_dtype='fp16' gives the lookups' outputs in fp16, and the model's code fails "
                          f"on them ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): convert them "

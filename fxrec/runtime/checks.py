@@ -150,8 +150,8 @@ class InputChecks:
         scales = []
         for f, ids, d in zip(self.features, ids_list, self.dims):
             if f.form == "pooled_seq" and ids.dim() == 2:
-                length = torch.scalar_tensor(ids.shape[1], dtype=out.dtype, device=out.device)
-                scales.append((length / length).expand(d))
+                length = torch.scalar_tensor(ids.shape[1], dtype=torch.float32, device=out.device)  # (fp16: inf from 65520)
+                scales.append((length / length).to(out.dtype).expand(d))
             else:
                 scales.append(out.new_ones(d))
         return out * torch.cat(scales)
