@@ -36,15 +36,20 @@ class SparseModel(nn.Module):
         return self.mlp(torch.cat(parts, 1)).squeeze(1)
 
 
+def _sharded_sparse_model(rank, world):
+    """SparseModel, a copy of it, and it sharded: a row-wise, two data-parallel and a table-wise table."""
+    torch.manual_seed(0)
+    model = SparseModel()
+    ref = copy.deepcopy(model)
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    pins = {"bags.0": "row_wise", "bags.1": "data_parallel", "bags.2": "data_parallel", "single": ("table_wise", 1)}
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+    return model, ref, fxrec.transform(model, example, plan=plan)
+
+
 def _worker(rank, world, init_file):
     with gloo_group(rank, world, init_file):
-        torch.manual_seed(0)
-        model = SparseModel()
-        ref = copy.deepcopy(model)
-        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-        pins = {"bags.0": "row_wise", "bags.1": "data_parallel", "bags.2": "data_parallel", "single": ("table_wise", 1)}
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
-        fast = fxrec.transform(model, example, plan=plan)
+        model, ref, fast = _sharded_sparse_model(rank, world)
         assert type(fast).__name__.startswith("DDP"), type(fast)  # DDP's reducer, in place
         try:  # (torch's size mismatch from load_state_dict, which did not say what to do)
             fxrec.write_back(fast, copy.deepcopy(model))
@@ -104,13 +109,7 @@ def _accumulating_worker(rank, world, init_file, how):
     backward on two micro-batches then one step (``.grad`` zeroed to None or to zeros between
     steps); ``retain``, one forward and two losses' backward calls (retain_graph)."""
     with gloo_group(rank, world, init_file):
-        torch.manual_seed(0)
-        model = SparseModel()
-        ref = copy.deepcopy(model)
-        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-        pins = {"bags.0": "row_wise", "bags.1": "data_parallel", "bags.2": "data_parallel", "single": ("table_wise", 1)}
-        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
-        fast = fxrec.transform(model, example, plan=plan)
+        model, ref, fast = _sharded_sparse_model(rank, world)
         opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
         for step in range(3):
             zeros = how == "accumulate_zeros"

@@ -34,22 +34,12 @@ _Q_BUFFERS = ("q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_o
 
 def _dtype_name(dt: torch.dtype) -> str:
     """A dtype's name, in TorchScript too (where ``str`` gives its number)."""
-    if dt == torch.float32:
-        return "torch.float32"
-    if dt == torch.float64:
-        return "torch.float64"
-    if dt == torch.float16:
-        return "torch.float16"
-    if dt == torch.bfloat16:
-        return "torch.bfloat16"
-    if dt == torch.uint8:
-        return "torch.uint8"
-    if dt == torch.int8:
-        return "torch.int8"
-    if dt == torch.int16:
-        return "torch.int16"
-    if dt == torch.bool:
-        return "torch.bool"
+    known = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
+             torch.bool]
+    names = ["float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "bool"]
+    for i in range(len(known)):
+        if dt == known[i]:
+            return "torch." + names[i]
     return str(dt)
 
 
