@@ -205,6 +205,30 @@ def test_explain_refuses_the_plans_transform_refuses():
         fxrec.explain(M.FieldDict(), M.field_inputs(), plan=other)
 
 
+def test_a_plan_made_for_another_optimizer_is_refused_for_training_and_taken_for_serving():
+    """A plan sized for SGD, trained with Adagrad: each rank held twice the bytes the plan (and the
+    report) gave, over memory_per_rank, without a word."""
+    model, x = M.BagList(rows=(40, 30, 20)), M.bag_inputs(rows=(40, 30, 20))
+    sgd = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", optimizer="sgd")
+    with pytest.raises(ValueError, match=r"the plan sized table 'bags\.0' for optimizer 'sgd' .* and transform trains "
+                                         r"it with 'adagrad'.* give fxrec.plan and transform the same optimizer"):
+        fxrec.explain(model, x, plan=sgd, optimizer=fxrec.optim.Adagrad(lr=0.1))
+    with pytest.raises(ValueError, match=r"for optimizer 'sgd' .* trains it with 'none'"):
+        fxrec.explain(model, x, plan=sgd)  # (no optimizer: a dense gradient the plan did not count)
+    fxrec.explain(model, x, plan=sgd, optimizer=fxrec.optim.SGD(lr=0.1))
+    fxrec.explain(model.eval(), x, plan=sgd, mode="inference")  # serving holds no optimizer
+
+
+def test_optimizer_keys_of_a_plan_that_match_no_table_are_refused():
+    """A typo ({'usr': ...} for table 'user') planned the table with no optimizer state, silently."""
+    model, x = M.BagList(rows=(40, 30, 20)), M.bag_inputs(rows=(40, 30, 20))
+    with pytest.raises(ValueError, match=r"fxrec.plan: optimizer keys \['bag\.0'\] match no table; the tables are "
+                                         r"\['bags\.0', 'bags\.1', 'bags\.2'\]"):
+        fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", optimizer={"bag.0": "adagrad", "*": "sgd"})
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", optimizer={"bags.0": "adagrad", "*": "sgd"})
+    assert [plan[f"bags.{i}"].optimizer for i in range(3)] == ["adagrad", "sgd", "sgd"]
+
+
 def test_every_sharding_type_has_its_exact_layout_and_pins_are_kept():
     # (row-wise Adagrad's per-row state is refused on column shards: the column-wise tables take Adagrad)
     plan, pins = _pinned_plan(optimizer={"cw*": "adagrad", "*": "rowwise_adagrad"})

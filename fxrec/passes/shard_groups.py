@@ -91,6 +91,14 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
     if (tp.spec.num_rows, tp.spec.dim) != (rec.num_rows, rec.dim):
         raise InputError(f"fxrec: the plan has table '{rec.table}' as {tp.spec.num_rows} x {tp.spec.dim}, "
                          f"the model as {rec.num_rows} x {rec.dim}")
+    from ..planner.cost import optimizer_kind
+
+    trains = optimizer_kind(rec.optimizer)
+    if ctx.config.mode == "training" and tp.optimizer != trains:  # (its state, or a dense gradient, is not
+        # what the plan counted on each rank; serving holds no optimizer, whatever the plan was made for)
+        raise InputError(f"fxrec: the plan sized table '{rec.table}' for optimizer '{tp.optimizer}' "
+                         f"(fxrec.plan(optimizer=...)), and transform trains it with '{trains}', whose memory on "
+                         "each rank is another: give fxrec.plan and transform the same optimizer")
     if tp.sharding == "column_wise" and len({sh.rank for sh in tp.shards}) != len(tp.shards):
         raise InputError(f"fxrec: table '{rec.table}' is planned column_wise with two shards on one rank; "
                          "each column shard needs its own rank")

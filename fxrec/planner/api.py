@@ -282,6 +282,10 @@ def _optimizers(specs: Sequence[TableSpec], optimizer):
     """Per-table optimizer kinds, and the plan's label for them."""
     if isinstance(optimizer, dict):
         resolved = {pattern: optimizer_kind(o) for pattern, o in optimizer.items()}
+        unused = [k for k in resolved if not any(k == s.name or fnmatch.fnmatchcase(s.name, k) for s in specs)]
+        if unused:  # (as transform's optimizer= and plan's weights_precision= keys)
+            raise ValueError(f"fxrec.plan: optimizer keys {unused} match no table; the tables are "
+                             f"{sorted(s.name for s in specs)}")
         kinds = []
         for s in specs:
             kind = "none"
