@@ -4,6 +4,7 @@ Expected values are computed here from the definitions (block sizes, byte counts
 formulas of fxrec/planner/cost.py), not read back from the planner's own summaries.
 """
 
+import json
 import math
 import random
 import time
@@ -193,6 +194,23 @@ def test_a_plan_whose_shards_are_not_the_layout_the_shard_pass_cuts_is_refused_n
     assert ShardingPlan.from_dict(plan.to_dict()) == plan
     with pytest.raises(ValueError, match=what):
         ShardingPlan.from_dict(_edited(plan, table, edit))
+
+
+def test_a_damaged_plan_file_is_a_value_error_saying_so():
+    """(Missing keys, an extra shard field or a JSON list were KeyError / TypeError /
+    AttributeError; a table listed twice kept the last; ranks over memory_per_rank loaded.)"""
+    plan, _ = _pinned_plan(optimizer={"cw*": "adagrad", "*": "rowwise_adagrad"})
+    d = plan.to_dict()
+    for broken, what in (
+            ({k: v for k, v in d.items() if k != "tables"}, r"not a valid sharding plan \(KeyError: 'tables'\)"),
+            (_edited(plan, "tw", lambda t: t.pop("pinned")), r"not a valid sharding plan \(KeyError: 'pinned'\)"),
+            (_edited(plan, "tw", lambda t: t["shards"][0].update(x=1)), r"not a valid sharding plan \(TypeError"),
+            ([d], r"not a saved sharding plan \(a JSON list"),
+            (dict(d, tables=d["tables"] + d["tables"][:1]), r"lists tables \['tw'\] more than once"),
+            (dict(d, topology=dict(d["topology"], memory_per_rank=10)), r"puts \d+ bytes on rank \d, more than its "
+                                                                       r"memory_per_rank \(10\)")):
+        with pytest.raises(ValueError, match=what):
+            ShardingPlan.from_json(json.dumps(broken))
 
 
 def test_explain_refuses_the_plans_transform_refuses():

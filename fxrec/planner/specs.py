@@ -497,16 +497,29 @@ class ShardingPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ShardingPlan":
+        if not isinstance(d, dict):
+            raise ValueError(f"fxrec.plan: not a saved sharding plan (a JSON {type(d).__name__}, not an object)")
         if d.get("format") != PLAN_FORMAT:
             raise ValueError(f"fxrec.plan: not a saved sharding plan (format {d.get('format')!r})")
         if d.get("version") != PLAN_VERSION:
             raise ValueError(f"fxrec.plan: sharding plan version {d.get('version')!r}, this fxrec reads {PLAN_VERSION}")
-        tables = [TablePlan.from_dict(t) for t in d["tables"]]
-        return cls(
-            topology=Topology.from_dict(d["topology"]), tables={t.name: t for t in tables},
-            batch_size=d["batch_size"], optimizer=d["optimizer"],
-            notes=tuple(d["notes"]) if isinstance(d["notes"], list) else d["notes"],
-        )
+        try:
+            tables = [TablePlan.from_dict(t) for t in d["tables"]]
+            plan = cls(
+                topology=Topology.from_dict(d["topology"]), tables={t.name: t for t in tables},
+                batch_size=d["batch_size"], optimizer=d["optimizer"],
+                notes=tuple(d["notes"]) if isinstance(d["notes"], list) else d["notes"],
+            )
+        except (KeyError, TypeError, AttributeError) as e:  # (a file edited or cut: what is missing or odd)
+            raise ValueError(f"fxrec.plan: not a valid sharding plan ({type(e).__name__}: {e})") from None
+        twice = sorted({t.name for t in tables if sum(u.name == t.name for u in tables) > 1})
+        if twice:
+            raise ValueError(f"fxrec.plan: the saved plan lists tables {twice} more than once")
+        over = [(r, b) for r, b in enumerate(plan.rank_bytes()) if b > plan.topology.memory_per_rank]
+        if over:
+            raise ValueError(f"fxrec.plan: the saved plan puts {over[0][1]} bytes on rank {over[0][0]}, more than its "
+                             f"memory_per_rank ({plan.topology.memory_per_rank}): not a plan fxrec.plan makes")
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> "ShardingPlan":
