@@ -279,7 +279,7 @@ def transform(
         _store_lower_precision(gm)
     if max_gradient:
         _clamp_lookup_gradients(gm, records)
-    notes = _modes_notes(gm) + accepted_sizes(gm)
+    notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget)
     if max_gradient:
         notes.append(f"embedding outputs' gradients clamped to [-{max_gradient:g}, {max_gradient:g}] (max_gradient)")
     plan_per_rank = []
@@ -557,6 +557,17 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
     return CombinedOptimizer(dense, fallbacks, fused, units)
 
 
+def _placement_note(gm: fx.GraphModule, hbm_budget) -> list:
+    """A report note where ``hbm_budget=`` was given and no group runs on CUDA (it places GPU memory)."""
+    if hbm_budget is None:
+        return []
+    devices = {n.meta[meta.DECISION].device for n in gm.graph.nodes if meta.DECISION in n.meta}
+    if "cuda" in devices:
+        return []
+    return [f"hbm_budget= places tables in GPU memory, and no group runs on CUDA here "
+            f"({', '.join(sorted(devices)) or 'no groups'}): it changed nothing"]
+
+
 def _modes_notes(gm: fx.GraphModule) -> list:
     info = gm.meta.get(MODES_KEY)
     if info is None:
@@ -621,7 +632,7 @@ def explain(
             d = plan_decision(gr, plan, ctx.config.device)
             for r in gr.lookups:
                 r.node.meta[meta.DECISION] = d
-    notes = _modes_notes(gm) + accepted_sizes(gm)
+    notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget)
     notes.append(f"explained for device {ctx.config.device}: nothing was built; transform on that device gives "
                  "these decisions")
     return build_report(gm, ctx.report.passes, ctx.report.pass_runs, notes)

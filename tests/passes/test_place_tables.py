@@ -236,3 +236,12 @@ def test_a_group_told_to_cache_on_cuda_runs_from_host_memory_on_cpu_and_syncs_as
     torch.testing.assert_close(w.detach(), want)
     twin = copy.deepcopy(g)
     assert twin.tables[0].placement == "managed_caching"
+
+
+def test_hbm_budget_where_no_group_runs_on_cuda_is_noted_as_changing_nothing():
+    """(explain(device="cpu", hbm_budget=...) said nothing of it.)"""
+    r = fxrec.explain(ThreeTables(), INPUTS, device="cpu", hbm_budget="1KB")
+    assert any("hbm_budget= places tables in GPU memory, and no group runs on CUDA here (cpu): it changed nothing"
+               in n for n in r.notes), r.notes
+    r = fxrec.explain(ThreeTables(), INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="200MB")
+    assert not any("hbm_budget=" in n for n in r.notes), r.notes
