@@ -292,8 +292,7 @@ def transform(
         if mode == "training":
             _sum_gradients_over_ranks(gm, records)
         notes.append(_rank_note(plan, rank))
-        plan_per_rank = [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
-                         for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
+        plan_per_rank = _plan_per_rank(plan)
     # the report, built once from the graph after the pipeline (every pipeline the same way)
     report = build_report(gm, report.passes, report.pass_runs, notes, plan_per_rank)
     # GraphModule keeps these attributes through deepcopy (TransformedModule through pickle too).
@@ -495,6 +494,12 @@ def _sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:
             params[name].register_hook(all_reduce_grad(name))
 
 
+def _plan_per_rank(plan) -> list:
+    """The report's per-rank figures of a plan: its bytes and estimated cost on each rank."""
+    return [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
+            for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
+
+
 def _rank_note(plan, rank: int) -> str:
     mine = [f"{s.table} ({plan.tables[s.table].sharding}, rows {s.row_offset}..{s.row_offset + s.num_rows})"
             for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
@@ -633,9 +638,15 @@ def explain(
             for r in gr.lookups:
                 r.node.meta[meta.DECISION] = d
     notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget)
+    if plan is not None:  # (transform's report has its own rank's note; here every rank's, as the plan says)
+        world = plan.topology.world_size
+        notes += [_rank_note(plan, r) for r in range(min(world, 8))]
+        if world > 8:
+            notes.append(f"(ranks 8 to {world - 1}: see the plan)")
     notes.append(f"explained for device {ctx.config.device}: nothing was built; transform on that device gives "
                  "these decisions")
-    return build_report(gm, ctx.report.passes, ctx.report.pass_runs, notes)
+    return build_report(gm, ctx.report.passes, ctx.report.pass_runs, notes,
+                        _plan_per_rank(plan) if plan is not None else ())
 
 
 def _check_placement(hbm_budget, cache_load_factor, plan) -> Optional[int]:

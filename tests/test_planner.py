@@ -233,8 +233,11 @@ def test_a_plan_made_for_another_optimizer_is_refused_for_training_and_taken_for
         fxrec.explain(model, x, plan=sgd, optimizer=fxrec.optim.Adagrad(lr=0.1))
     with pytest.raises(ValueError, match=r"for optimizer 'sgd' .* trains it with 'none'"):
         fxrec.explain(model, x, plan=sgd)  # (no optimizer: a dense gradient the plan did not count)
-    fxrec.explain(model, x, plan=sgd, optimizer=fxrec.optim.SGD(lr=0.1))
+    report = fxrec.explain(model, x, plan=sgd, optimizer=fxrec.optim.SGD(lr=0.1))
     fxrec.explain(model.eval(), x, plan=sgd, mode="inference")  # serving holds no optimizer
+    # (explain(plan=) gave no per-rank figures, which transform's report has)
+    assert [r["bytes"] for r in report.plan_per_rank] == sgd.rank_bytes()
+    assert [n.startswith("rank 0 of 2: holds") for n in report.notes].count(True) == 1, report.notes
 
 
 def test_optimizer_keys_of_a_plan_that_match_no_table_are_refused():
