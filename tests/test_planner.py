@@ -250,6 +250,33 @@ def test_optimizer_keys_of_a_plan_that_match_no_table_are_refused():
     assert [plan[f"bags.{i}"].optimizer for i in range(3)] == ["adagrad", "sgd", "sgd"]
 
 
+class _Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.EmbeddingBag(300, 1100, mode="sum")
+
+    def forward(self, i, o):
+        return self.wide(i, o)
+
+
+def test_a_cuda_plan_counts_a_table_wider_than_fbgemms_cuda_kernels_take_as_unfused():
+    """Over 1024 columns fbgemm's CUDA kernels are not used: the rank runs PyTorch's lookups with a
+    dense gradient and torch.optim's state. The plan counted it fused (no gradient: half the bytes)
+    and explain(plan=, device="cuda") said fused, where one process said torch.optim."""
+    m, x = _Wide(), (torch.randint(0, 300, (8,)), torch.arange(0, 8, 2))
+    opt = fxrec.optim.RowWiseAdagrad(lr=0.1)
+    p = fxrec.plan(m, x, world_size=2, memory_per_rank="1GB", optimizer=opt, device="cuda",
+                   pins={"wide": ("table_wise", 0)})
+    assert p.rank_bytes()[0] == 300 * 1100 * 4 * 2 + 300 * 4  # weights, dense gradient, one state a row
+    said = fxrec.explain(m, x, device="cuda", optimizer=opt, plan=p).groups[0]
+    assert said.fused == "" and said.optimizer.endswith("torch.optim in opt.step()"), said
+    # column shards of 1024 or fewer are fbgemm's, fused: no gradient
+    narrow = fxrec.plan(m, x, world_size=2, memory_per_rank="1GB", optimizer="adagrad", device="cuda",
+                        pins={"wide": "column_wise"})
+    assert max(sh.num_cols for sh in narrow["wide"].shards) <= 1024
+    assert fxrec.explain(m, x, device="cuda", optimizer=fxrec.optim.Adagrad(lr=0.1), plan=narrow).groups[0].fused
+
+
 def test_every_sharding_type_has_its_exact_layout_and_pins_are_kept():
     # (row-wise Adagrad's per-row state is refused on column shards: the column-wise tables take Adagrad)
     plan, pins = _pinned_plan(optimizer={"cw*": "adagrad", "*": "rowwise_adagrad"})

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from ..runtime.specs import FUSED_STATE_BYTES, pad_dim
+from ..runtime.specs import CUDA_MAX_DIM, FUSED_STATE_BYTES, pad_dim
 from .specs import (
     COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, TableSpec, Topology,
 )
@@ -142,14 +142,18 @@ class CostModel:
     def shard_bytes(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> int:
         """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
         a, b = OPTIMIZER_STATE[opt]
-        fused = CUDA_FUSED_KINDS if self.topology.device == "cuda" else FUSED_KINDS
+        cuda = self.topology.device == "cuda"
+        # fbgemm's CUDA kernels take dims up to CUDA_MAX_DIM: a wider piece runs on PyTorch's lookups,
+        # with a dense gradient and torch.optim's state (its local group's other tables too: not counted)
+        wide = cuda and pad_dim(cols) > CUDA_MAX_DIM
+        fused = () if wide else CUDA_FUSED_KINDS if cuda else FUSED_KINDS
         # fbgemm's TBE holds a shard's rows padded to a multiple of 4 columns: on CUDA every sharded
         # table, on CPU those whose Adagrad states it keeps and those stored in fp16/bf16
         # (weights_precision=: only its TBE holds them so); the fused state it keeps is padded
         # too. Data-parallel tables stay the model's, torch.optim's states and gradients are of
         # the real columns.
-        in_tbe = sharding != DATA_PARALLEL and (self.topology.device == "cuda" or opt in ("adagrad", "rowwise_adagrad")
-                                                or bool(spec.weights))
+        in_tbe = not wide and sharding != DATA_PARALLEL and (cuda or opt in ("adagrad", "rowwise_adagrad")
+                                                             or bool(spec.weights))
         stored = pad_dim(cols) if in_tbe else cols
         state = stored if in_tbe and opt in fused else cols
         n = rows * stored * spec.stored_bytes(sharding) + rows * (a + b * state)
