@@ -36,7 +36,7 @@ def single_process(model, table_opt=TABLE_OPT):
 
 def sharded(model, world, rank, pins):
     example = local_batch(global_batch(_CKPT_G, 0), rank, _CKPT_G // world)
-    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, optimizer=TABLE_OPT)
     fast = fxrec.transform(copy.deepcopy(model), example, plan=plan, optimizer=TABLE_OPT)
     return fast, fast.make_optimizer(torch.optim.Adam, lr=0.01), plan
 
@@ -411,7 +411,7 @@ def _table_lrs(opt):
 def _sched_worker(rank, world, init_file, root, pins, phase):
     with gloo_group(rank, world, init_file):
         example = local_batch(global_batch(_CKPT_G, 0), rank, _CKPT_G // world)
-        plan = fxrec.plan(model(0), example, world_size=world, memory_per_rank="1GB", pins=pins)
+        plan = fxrec.plan(model(0), example, world_size=world, memory_per_rank="1GB", pins=pins, optimizer=SCHED_OPT)
         fast = fxrec.transform(model(0), example, plan=plan, optimizer=SCHED_OPT)
         if phase == "save":
             opt, sched = _sched_run(fast, rank, world, range(2))
