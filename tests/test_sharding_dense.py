@@ -47,6 +47,13 @@ def _sharded_sparse_model(rank, world):
     return model, ref, fxrec.transform(model, example, plan=plan)
 
 
+def _assert_whole_parameters_alike(fast, ref):
+    """The parameters every rank holds whole (dense layers, data-parallel tables) equal the plain model's."""
+    params = dict(fast.named_parameters())
+    for name in ("mlp.0.weight", "mlp.2.bias", "bags.1.weight", "bags.2.weight"):
+        torch.testing.assert_close(params[name].detach(), ref.get_parameter(name).detach(), msg=name)
+
+
 def _worker(rank, world, init_file):
     with gloo_group(rank, world, init_file):
         model, ref, fast = _sharded_sparse_model(rank, world)
@@ -69,9 +76,7 @@ def _worker(rank, world, init_file):
             assert fast.get_parameter("bags.1.weight").grad.is_sparse  # summed sparse, as the model makes it
             ref_opt.step()
             opt.step()
-        params = dict(fast.named_parameters())
-        for name in ("mlp.0.weight", "mlp.2.bias", "bags.1.weight", "bags.2.weight"):
-            torch.testing.assert_close(params[name].detach(), ref.get_parameter(name).detach(), msg=name)
+        _assert_whole_parameters_alike(fast, ref)
         dist.barrier()
     os._exit(0)
 
@@ -140,9 +145,7 @@ def _accumulating_worker(rank, world, init_file, how):
                                            msg=f"step {step}: {name}")
             ref_opt.step()
             opt.step()
-        params = dict(fast.named_parameters())
-        for name in ("mlp.0.weight", "mlp.2.bias", "bags.1.weight", "bags.2.weight"):
-            torch.testing.assert_close(params[name].detach(), ref.get_parameter(name).detach(), msg=name)
+        _assert_whole_parameters_alike(fast, ref)
         dist.barrier()
     os._exit(0)
 
