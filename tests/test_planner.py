@@ -225,7 +225,8 @@ def test_explain_refuses_the_plans_transform_refuses():
 
 def test_a_plan_made_for_another_optimizer_is_refused_for_training_and_taken_for_serving():
     """A plan sized for SGD, trained with Adagrad: each rank held twice the bytes the plan (and the
-    report) gave, over memory_per_rank, without a word."""
+    report) gave, over memory_per_rank, without a word. A plan made without optimizer= is taken
+    with a warning."""
     model, x = M.BagList(rows=(40, 30, 20)), M.bag_inputs(rows=(40, 30, 20))
     sgd = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", optimizer="sgd")
     with pytest.raises(ValueError, match=r"the plan sized table 'bags\.0' for optimizer 'sgd' .* and transform trains "
@@ -233,6 +234,9 @@ def test_a_plan_made_for_another_optimizer_is_refused_for_training_and_taken_for
         fxrec.explain(model, x, plan=sgd, optimizer=fxrec.optim.Adagrad(lr=0.1))
     with pytest.raises(ValueError, match=r"for optimizer 'sgd' .* trains it with 'none'"):
         fxrec.explain(model, x, plan=sgd)  # (no optimizer: a dense gradient the plan did not count)
+    unsized = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB")  # (made without optimizer=: a warning)
+    with pytest.warns(UserWarning, match=r"for optimizer 'none' .* trains it with 'adagrad'.* made without optimizer="):
+        fxrec.explain(model, x, plan=unsized, optimizer=fxrec.optim.Adagrad(lr=0.1))
     report = fxrec.explain(model, x, plan=sgd, optimizer=fxrec.optim.SGD(lr=0.1))
     fxrec.explain(model.eval(), x, plan=sgd, mode="inference")  # serving holds no optimizer
     # (explain(plan=) gave no per-rank figures, which transform's report has)

@@ -96,9 +96,14 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
     trains = optimizer_kind(rec.optimizer)
     if ctx.config.mode == "training" and tp.optimizer != trains:  # (its state, or a dense gradient, is not
         # what the plan counted on each rank; serving holds no optimizer, whatever the plan was made for)
-        raise InputError(f"fxrec: the plan sized table '{rec.table}' for optimizer '{tp.optimizer}' "
-                         f"(fxrec.plan(optimizer=...)), and transform trains it with '{trains}', whose memory on "
-                         "each rank is another: give fxrec.plan and transform the same optimizer")
+        said = (f"the plan sized table '{rec.table}' for optimizer '{tp.optimizer}' (fxrec.plan(optimizer=...)), "
+                f"and transform trains it with '{trains}', whose memory on each rank is another")
+        if tp.optimizer != "none":
+            raise InputError(f"fxrec: {said}: give fxrec.plan and transform the same optimizer")
+        import warnings
+
+        warnings.warn(f"fxrec: {said} (the plan was made without optimizer=): the ranks may hold more than it "
+                      "counts; make it with the optimizer transform trains with", stacklevel=2)
     if tp.sharding == "column_wise" and len({sh.rank for sh in tp.shards}) != len(tp.shards):
         raise InputError(f"fxrec: table '{rec.table}' is planned column_wise with two shards on one rank; "
                          "each column shard needs its own rank")
