@@ -286,12 +286,10 @@ def padding_weights(indices: Tensor, offsets: Tensor, psw: Optional[Tensor], bou
     return keep
 
 
-def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: torch.device,
-           tracing: bool = False) -> Tensor:
-    """``[0, length, 2 * length, ...]`` (b of them; zeros for length 0), made once per length and
-    call. (A product, not ``arange``'s step: torch.export writes no size guard that divides by a
-    length that may be 0, nor a branch on it.) ``tracing``: made anew each time, since comparing
-    two lengths would make torch.export keep their equality (or inequality) as a guard."""
+def _range(ranges: List[Tensor], lengths: List[int], b: int, length: int, dev: torch.device, tracing: bool = False):
+    """``[0, length, 2 * length, ...]`` (b of them; zeros for length 0), made once per length and call
+    (``tracing``: each time, as torch.export would keep a comparison of two lengths as a guard). A
+    product, not ``arange``'s step: torch.export writes no guard dividing by a length that may be 0."""
     for k in range(len(lengths)):
         if not tracing and lengths[k] == length and ranges[k].numel() == b:
             return ranges[k]
