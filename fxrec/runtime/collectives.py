@@ -150,6 +150,8 @@ def sparse_sum(grad: torch.Tensor, where: str) -> torch.Tensor:
     n = idx.shape[1]
     counts = [c[0] for c in all_gather_ints([n], idx.device, where + " (row counts)")]
     most, world = max(counts), len(counts)
+    if most == 0:  # (no rank holds a row: nothing to gather)
+        return g
     idx_pad = idx.new_zeros(idx.shape[0], most)
     idx_pad[:, :n] = idx
     val_pad = vals.new_zeros((most,) + tuple(vals.shape[1:]))
@@ -191,7 +193,6 @@ class ExactSums:
     they are."""
 
     def __init__(self, module: torch.nn.Module, params: List[torch.Tensor]):
-        self.module = module
         self.reduces = False  # DDP reduces the next backward (the last forward had gradients and sync on)
         self.fired: set = set()  # ids of the parameters whose gradient hook ran since that forward
         self.local: set = set()  # ids of the parameters whose .grad holds this rank's own gradients
