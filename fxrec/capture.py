@@ -506,7 +506,7 @@ def _defaults_left(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
 
 def _reordered(tree):
     """``tree`` with every dict of two or more keys in the reverse order (nothing else changed)."""
-    if isinstance(tree, dict) and type(tree) is dict:
+    if type(tree) is dict:
         items = [(k, _reordered(v)) for k, v in tree.items()]
         return dict(reversed(items)) if len(items) > 1 else dict(items)
     if type(tree) in (list, tuple):
