@@ -243,9 +243,11 @@ def _capture_error(model: torch.nn.Module, e: BaseException) -> CaptureError:
     )
 
 
-def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> TransformedModule:
+def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+            probe_dict_order: bool = True) -> TransformedModule:
     """``model`` (which fxrec owns: a copy of the user's) as a :class:`TransformedModule` (see the
-    module doc)."""
+    module doc). ``probe_dict_order``: run the model to learn whether its dicts' key order matters
+    (:func:`_dict_order_matters`; fxrec.explain, whose graph is never called, leaves it out)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxrec.transform needs an nn.Module, got {type(model).__name__}")
     _check_call(model, args, kwargs)
@@ -272,7 +274,8 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
                            + (f"module names {odd[:3]} hold quotes, backslashes or line breaks, which torch "
                               "writes into that code as they are: rename them" if odd else "")) from e
     _install_input_guards(gm, ep)
-    _structured_forward(gm, _defaults_left(model, args, kwargs), _dict_order_matters(model, args, kwargs))
+    _structured_forward(gm, _defaults_left(model, args, kwargs),
+                        probe_dict_order and _dict_order_matters(model, args, kwargs))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
 
     def recapture() -> fx.GraphModule:  # every module in the other mode than its own

@@ -455,3 +455,24 @@ def test_a_model_that_fails_on_its_dict_in_another_order_transforms_and_takes_th
     torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="input feats has its keys in another order than the example's"):
         fast({"ids": x["ids"], "dense": x["dense"]})
+
+
+class CountsRealCalls(IteratesItsDict):
+    """IteratesItsDict, counting the calls on real tensors (capture traces on fake ones)."""
+
+    calls = 0
+
+    def forward(self, feats):
+        if not isinstance(feats["user"], torch._subclasses.FakeTensor):
+            type(self).calls += 1
+        return super().forward(feats)
+
+
+def test_only_transform_runs_the_model_to_learn_whether_its_dict_order_matters():
+    """explain's graph is never called: it leaves the two runs of the model out."""
+    x = ({"user": torch.randint(0, 50, (4, 3)), "item": torch.randint(0, 50, (4, 3))},)
+    CountsRealCalls.calls = 0
+    fxrec.explain(CountsRealCalls(), x)
+    assert CountsRealCalls.calls == 0
+    fxrec.transform(CountsRealCalls(), x)
+    assert CountsRealCalls.calls == 2  # the example's order, then the keys reversed
