@@ -660,10 +660,7 @@ def _check_placement(hbm_budget, cache_load_factor, plan) -> Optional[int]:
         raise ValueError("fxrec: with a plan, the planner places the tables (memory_per_rank=); hbm_budget is for one GPU")
     from .planner.specs import parse_bytes
 
-    budget = parse_bytes(hbm_budget, "hbm_budget")
-    if budget <= 0:
-        raise ValueError(f"fxrec: hbm_budget must be positive, got {hbm_budget!r}")
-    return budget
+    return parse_bytes(hbm_budget, "hbm_budget", "fxrec")
 
 
 def _tables_device(model: torch.nn.Module) -> str:

@@ -21,7 +21,6 @@ import importlib.util
 import io
 import logging
 import os
-import re
 import statistics
 import sys
 import threading
@@ -33,12 +32,6 @@ from .api import BACKENDS, DEVICES
 
 PROG = "fxrec"
 
-_SIZE_UNITS = {
-    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
 class CLIError(Exception):
     """An error the command reports in one paragraph and exit status 1."""
 
@@ -48,21 +41,13 @@ def _paragraph(text: str) -> str:
 
 
 def parse_size(text: str) -> int:
-    """``"16GB"`` -> 16 * 10**9 bytes; GB/MB/KB/TB are powers of ten, GiB/MiB/KiB/TiB powers of
-    two (the planner's convention); a plain number is bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a memory size: use a number of bytes or a number with a unit, "
-            "e.g. 16GB, 512MiB (KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2)"
-        )
-    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-    if not value < 2 ** 63:  # (1e400 is inf)
-        raise argparse.ArgumentTypeError(f"memory size {text!r} is too large")
-    value = int(value)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"memory size must be more than 0 bytes, got {text!r}")
-    return value
+    """``"16GB"`` -> 16 * 10**9 bytes, read by the planner's :func:`fxrec.planner.parse_bytes` (GB/MB/KB/TB
+    powers of ten, GiB/MiB/KiB/TiB powers of two, a plain number bytes), so the CLI and the API agree."""
+    from .planner.specs import parse_bytes
+    try:
+        return parse_bytes(text, "memory size", "fxrec plan")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_int(text: str) -> int:

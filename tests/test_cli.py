@@ -179,7 +179,7 @@ def test_model_that_cannot_be_captured(script, files):
 @pytest.mark.parametrize("argv, message", [
     (["inspect", "nocolon"], "name the factory as FILE.py:FACTORY"),
     (["plan", "m.py:f", "--world-size", "0", "--memory-per-rank", "1GB"], "must be 1 or more"),
-    (["plan", "m.py:f", "--world-size", "8", "--memory-per-rank", "16XB"], "'16XB' is not a memory size"),
+    (["plan", "m.py:f", "--world-size", "8", "--memory-per-rank", "16XB"], "cannot read memory size='16XB'"),
     (["plan", "m.py:f", "--world-size", "8"], "--memory-per-rank"),
     (["draw", "m.py:f"], "-o/--output"),
     (["draw", "m.py:f", "-o", "g.svg", "--before", "a", "--after", "b"], "not allowed with"),
@@ -298,6 +298,16 @@ def test_memory_sizes():
     assert cli.parse_size("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError, match="'1e400' is too large"):  # (an OverflowError traceback)
         cli.parse_size("1e400")
+
+
+def test_memory_sizes_read_as_the_api_reads_them():
+    # One parser: the CLI took "1.5e9" as bytes only by luck and refused ".5GB" and "1E9", which
+    # fxrec.plan(memory_per_rank=...) takes.
+    for text in (".5GB", "1E9", "1.5e9", "2.GiB", "16 gb", "4096"):
+        assert cli.parse_size(text) == fxrec.planner.parse_bytes(text), text
+    for bad in ("16G", "-1GB", "0", "", "GB"):
+        with pytest.raises(argparse.ArgumentTypeError, match="memory size"):
+            cli.parse_size(bad)
 
 
 def test_inspect_for_a_device_not_here_shows_the_decisions_without_building(files, capsys):

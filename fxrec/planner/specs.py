@@ -73,36 +73,36 @@ class PlanError(ValueError):
         self.missing_bytes = None if needed_bytes is None or free_bytes is None else needed_bytes - free_bytes
 
 
-def parse_bytes(value, what: str = "memory_per_rank") -> int:
+def parse_bytes(value, what: str = "memory_per_rank", who: str = "fxrec.plan") -> int:
     """A byte count from an int (bytes) or a string such as ``"16GB"``, ``"512 MiB"``, ``"1.5e9"``.
 
     GB/MB/KB/TB are powers of ten, GiB/MiB/KiB/TiB powers of two (case does not matter).
     Raises ValueError for anything else (negative, zero, unknown unit, ``"16G"``, a bool).
     """
     if isinstance(value, bool):
-        raise ValueError(f"fxrec.plan: {what} must be a number of bytes or a string like '16GB', got {value!r}")
+        raise ValueError(f"{who}: {what} must be a number of bytes or a string like '16GB', got {value!r}")
     if isinstance(value, int):
         n = value
     elif isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"fxrec.plan: {what} must be finite, got {value!r}")
+            raise ValueError(f"{who}: {what} must be finite, got {value!r}")
         n = int(round(value))
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         unit = m.group(3).lower() if m else None
         if m is None or (unit and unit not in _UNITS):
             raise ValueError(
-                f"fxrec.plan: cannot read {what}={value!r}: write a number of bytes or a number with one of the "
+                f"{who}: cannot read {what}={value!r}: write a number of bytes or a number with one of the "
                 f"units B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '16GB' or '512MiB'"
             )
         number = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else "")) * _UNITS[unit or "b"]
         if not number < 2 ** 63:  # (1e400 is inf)
-            raise ValueError(f"fxrec.plan: {what} {value!r} is too large")
+            raise ValueError(f"{who}: {what} {value!r} is too large")
         n = int(round(number))
     else:
-        raise ValueError(f"fxrec.plan: {what} must be an int (bytes) or a string like '16GB', got {type(value).__name__}")
+        raise ValueError(f"{who}: {what} must be an int (bytes) or a string like '16GB', got {type(value).__name__}")
     if n <= 0:
-        raise ValueError(f"fxrec.plan: {what} must be positive, got {value!r}")
+        raise ValueError(f"{who}: {what} must be positive, got {value!r}")
     return n
 
 
