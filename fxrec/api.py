@@ -619,7 +619,7 @@ def explain(
     hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
-    gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs, probe_dict_order=False)
+    gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs, for_calls=False)
     ctx = PassContext(
         config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
                       device=device or _tables_device(model), hbm_budget=hbm_budget,

@@ -244,10 +244,12 @@ def _capture_error(model: torch.nn.Module, e: BaseException) -> CaptureError:
 
 
 def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-            probe_dict_order: bool = True) -> TransformedModule:
+            for_calls: bool = True) -> TransformedModule:
     """``model`` (which fxrec owns: a copy of the user's) as a :class:`TransformedModule` (see the
-    module doc). ``probe_dict_order``: run the model to learn whether its dicts' key order matters
-    (:func:`_dict_order_matters`; fxrec.explain, whose graph is never called, leaves it out)."""
+    module doc). ``for_calls``: learn what calling the graph needs: whether the model's dicts' key
+    order matters (:func:`_dict_order_matters`, two runs of the model) and the input conditions of its
+    other mode (:func:`_bind_mode_conditions`, a second capture); fxrec.explain, whose graph is never
+    called, leaves them out."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxrec.transform needs an nn.Module, got {type(model).__name__}")
     _check_call(model, args, kwargs)
@@ -273,23 +275,70 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
         raise CaptureError(f"fxrec: torch.export's code for this model does not compile ({e.msg}); "
                            + (f"module names {odd[:3]} hold quotes, backslashes or line breaks, which torch "
                               "writes into that code as they are: rename them" if odd else "")) from e
-    _install_input_guards(gm, ep)
+    paths = _install_input_guards(gm, ep)
     _structured_forward(gm, _defaults_left(model, args, kwargs),
-                        probe_dict_order and _dict_order_matters(model, args, kwargs))
+                        for_calls and _dict_order_matters(model, args, kwargs))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
 
-    def recapture() -> fx.GraphModule:  # every module in the other mode than its own
-        flags = {m: m.training for m in model.modules()}
-        for m, f in flags.items():
-            m.training = not f
-        try:
-            return _unlifted(export_dynamic(model, args, kwargs, lean_bags=True))
-        finally:
-            for m, f in flags.items():
-                m.training = f
+    other: Dict[str, Any] = {}
 
-    gm.meta[MODES_KEY] = bind_modes(gm, model, reads, recapture)
+    def recapture() -> fx.GraphModule:  # every module in the other mode than its own (once)
+        if "gm" not in other:
+            flags = {m: m.training for m in model.modules()}
+            for m, f in flags.items():
+                m.training = not f
+            try:
+                other["ep"] = export_dynamic(model, args, kwargs, lean_bags=True)
+                other["gm"] = _unlifted(other["ep"])
+            finally:
+                for m, f in flags.items():
+                    m.training = f
+        return other["gm"]
+
+    gm.meta[MODES_KEY] = info = bind_modes(gm, model, reads, recapture)
+    if for_calls and info.switchable:
+        _bind_mode_conditions(gm, paths, recapture, other, model.training)
     return gm
+
+
+#: ops whose size checks hold in one mode only (batch norm's and instance norm's `more than 1 value
+#: per channel`, in training mode)
+_CHECKED_IN_ONE_MODE = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
+
+
+def _bind_mode_conditions(gm: fx.GraphModule, paths: List[str], recapture, other: Dict[str, Any],
+                          training: bool) -> None:
+    """Give the input guards the size conditions of the model's other mode where they differ from the
+    captured mode's, and the flags of the modules that follow the mode, so that ``fast.eval()`` after a
+    training-mode capture takes a batch of 1 that only batch norm's training-mode check refused, and
+    ``fast.train()`` after an eval-mode capture refuses one (batch norm would otherwise train on it and
+    write NaN into its running variance, where the plain model raises). The other mode's conditions
+    come from capturing the model in it, done only where a batch or instance norm follows the mode
+    (their checks are the ones known to differ) or where :func:`bind_modes` captured it anyway."""
+    guards = input_guards(gm)
+    flags = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(n.target, str)
+             and (n.target == "training" or n.target.endswith(".training"))]
+    call = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == GUARDS_NAME), None)
+    if guards is None or call is None or not flags:
+        return
+    norms = any(n.op == "call_function" and n.target in _CHECKED_IN_ONE_MODE and isinstance(n.args[5], fx.Node)
+                for n in gm.graph.nodes if len(n.args) > 5)
+    if not norms and "ep" not in other:
+        return
+    try:
+        recapture()
+    except Exception:  # noqa: BLE001 - the other mode cannot be captured: the captured mode's conditions stay
+        return
+    theirs = _export_conditions(other["ep"], paths)
+    if set(theirs) == set(guards.conditions):
+        return
+    guards.set_other_mode(not training, theirs)
+    call.kwargs = {"modes": tuple(flags)}
+    first = min(flags, key=lambda n: list(gm.graph.nodes).index(n))
+    if list(gm.graph.nodes).index(first) > list(gm.graph.nodes).index(call):  # (the flags are read first)
+        for f in flags:
+            call.prepend(f)
+    gm.recompile()
 
 
 def _check_call(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -316,14 +365,29 @@ def input_guards(gm: torch.nn.Module) -> Optional[InputGuards]:
     return mod if isinstance(mod, InputGuards) else None
 
 
-def _install_input_guards(gm: fx.GraphModule, ep) -> None:
+def _export_conditions(ep, paths: List[str]) -> List[str]:
+    """export's guards of ``ep`` on its inputs' sizes other than their shapes and ranges, over the
+    inputs named ``a0``, ``a1``, ... (export names them ``L['ids'][2]``; ``paths`` are the inputs' paths
+    in that form, in order)."""
+    sources = sorted(((f"L[{p.split('[', 1)[0]!r}]" + p[len(p.split("[", 1)[0]):], f"a{k}")
+                      for k, p in enumerate(paths)), key=lambda x: -len(x[0]))
+    conditions = []
+    for g in getattr(ep, "_guards_code", None) or []:
+        for src, arg in sources:
+            g = g.replace(src, arg)
+        if "L[" not in g:
+            conditions.append(g)
+    return conditions
+
+
+def _install_input_guards(gm: fx.GraphModule, ep) -> List[str]:
     """Put :class:`InputGuards` where export's guard function (``_guards_fn``) goes, built from the
     same facts: the placeholders' symbolic shapes, the range of each size, and export's other guards.
     (:func:`_unlifted` asks torch not to build its own; one it builds anyway is removed.) The caller
-    recompiles ``gm``."""
+    recompiles ``gm``. Returns the inputs' paths (``ids[2]``), in order."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
-        return
+        return []
     info = getattr(gm.graph._codegen, "pytree_info", None)
     try:
         paths = leaf_paths(info.in_spec, info.orig_args)
@@ -361,15 +425,7 @@ def _install_input_guards(gm: fx.GraphModule, ep) -> None:
             lo = int(vr.lower) if isinstance(vr.lower, sympy.Integer) else 0
             hi = int(vr.upper) if isinstance(vr.upper, sympy.Integer) else None
             ranges[str(sym)] = (max(lo, 0), hi)
-    # export's other guards name inputs as L['ids'][2]; the check function calls them a0, a1, ...
-    sources = sorted(((f"L[{p.split('[', 1)[0]!r}]" + p[len(p.split("[", 1)[0]):], f"a{k}")
-                      for k, p in enumerate(paths)), key=lambda x: -len(x[0]))
-    conditions = []
-    for g in getattr(ep, "_guards_code", None) or []:
-        for src, arg in sources:
-            g = g.replace(src, arg)
-        if "L[" not in g:
-            conditions.append(g)
+    conditions = _export_conditions(ep, paths)
     guards = InputGuards([p.replace("'", "") for p in paths], shapes, ranges, conditions, values)
     for old in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(old)
@@ -378,6 +434,7 @@ def _install_input_guards(gm: fx.GraphModule, ep) -> None:
     gm.add_submodule(GUARDS_NAME, guards)
     with gm.graph.inserting_after(placeholders[-1]):
         gm.graph.call_module(GUARDS_NAME, tuple(placeholders))  # the whole model's: no nn_module_stack
+    return paths
 
 
 def accepted_sizes(gm: torch.nn.Module) -> List[str]:
@@ -396,7 +453,7 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
     # `!= 1`), found by trying each size at 1 with the others at 16
     refused = _refused_at_one(guards, symbols)
     if refused is None:  # conditions the probe cannot try: named as they are, no claim of any value
-        conds = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c)
+        conds = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c) + guards._mode_only(c)
                  for c in guards.conditions if not guards._implied(c)]
         notes = [f"input sizes: {len(symbols)} dynamic size(s), under conditions of the model's code (below)"
                  + (f"; fixed: {shown}" if fixed else "")]
@@ -410,7 +467,8 @@ def accepted_sizes(gm: torch.nn.Module) -> List[str]:
                      "restrict (below)")
     notes = ["input sizes: " + ", ".join(parts) + (f"; fixed: {shown}" if fixed else "")]
     for sym, conds in sorted(refused.items()):
-        named = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c) for c in conds]
+        named = [re.sub(r"\ba(\d+)\b", lambda m: guards.paths[int(m.group(1))], c) + guards._mode_only(c)
+                 for c in conds]
         notes.append(f"size 1 in {guards.sizes_of(sym)} is refused: the model's code needs {' and '.join(named)} "
                      "(conditions torch.export's capture of it kept; other sizes may break them too)")
     return notes + _bounds_and_fixed(guards)

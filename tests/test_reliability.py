@@ -78,6 +78,46 @@ def test_train_and_eval_switch_dropout_and_batch_norm_as_the_original(captured_i
     assert any("train()/eval() switch" in n for n in fast.report.notes), fast.report.notes
 
 
+class NormedBags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 4, mode="sum")
+        self.bn = nn.BatchNorm1d(4)
+        self.bn2 = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids, offsets):
+        return self.out(self.bn2(self.bn(self.emb(ids, offsets))))
+
+
+@pytest.mark.parametrize("captured_in", ["train", "eval"])
+def test_batch_one_is_refused_in_training_mode_only_as_batch_norm_refuses_it(captured_in):
+    """torch's batch norm refuses one value per channel in training mode only. A training-mode capture
+    kept that check in eval mode (batch 1 refused after .eval()); an eval-mode capture had none, and
+    after .train() a batch of 1 wrote NaN into the running variance where the plain model raises."""
+    model = NormedBags().train(captured_in == "train")
+    fast = fxrec.transform(model, mode_inputs()[1:], backend="fbgemm")
+    one = mode_inputs(batch=1, seed=5)[1:]
+    for step, m in enumerate([fast, copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))]):
+        for x in (m, model):
+            x.eval()
+        torch.testing.assert_close(m(*one), model(*one), msg=f"copy {step}")
+        for x in (m, model):
+            x.train()
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+            model(*one)
+        with pytest.raises(ValueError, match=r"offsets.size\(\)\[0\] != 1 \(in training mode only\)"):
+            m(*one)
+        for name in ("bn.running_var", "bn2.running_var", "bn.running_mean"):  # (the plain bn counted the refused call)
+            torch.testing.assert_close(m.get_buffer(name), model.get_buffer(name), msg=name)
+    fast.train(), model.train()
+    fast.bn.eval(), model.bn.eval()  # modes mixed: bn2 still refuses
+    with pytest.raises(ValueError, match="in training mode only"):
+        fast(*one)
+    fast.bn2.eval(), model.bn2.eval()  # every batch norm in eval: taken, in a model in training mode
+    torch.testing.assert_close(fast(*one), model(*one))
+
+
 def test_a_parent_module_switches_the_transformed_model():
     fast = fxrec.transform(WithModes(), mode_inputs(), backend="native")
     parent = nn.Sequential()

@@ -73,7 +73,37 @@ class InputGuards(torch.nn.Module):
         # a sharded model's first exchange of a step, (input dist, ints sent, flag at, rank): set
         # by shard_groups; a rank whose inputs fail joins it (see forward)
         self.first_exchange: Optional[Tuple[str, int, int, int]] = None
+        # (training flag of the other mode, its conditions) where they differ from ``conditions``:
+        # set by capture, whose call then passes the mode-following modules' flags (see active)
+        self.other_mode: Optional[Tuple[bool, List[str]]] = None
         self._fn = self._build()
+        self._fns: Dict[Tuple[str, ...], object] = {}
+
+    def set_other_mode(self, training: bool, conditions: Sequence[str]) -> None:
+        """The conditions of the other mode (``training``): batch norm refuses batch 1 in training only."""
+        self.other_mode = (bool(training), list(conditions))
+        self._fns = {}
+
+    def active(self, modes: Sequence[bool] = ()) -> List[str]:
+        """The conditions for mode-following modules with the ``training`` flags ``modes``: the other
+        mode's when all are in it, both modes' when they are mixed, else the captured mode's."""
+        other = getattr(self, "other_mode", None)  # (absent from guards pickled before it was)
+        there = [bool(m) == other[0] for m in modes] if other else []
+        if not any(there):
+            return self.conditions
+        return other[1] if all(there) else self.conditions + [c for c in other[1] if c not in self.conditions]
+
+    def _mode_only(self, condition: str) -> str:
+        other = getattr(self, "other_mode", None)
+        if other is None or (condition in self.conditions) == (condition in other[1]):
+            return ""
+        return f" (in {'training' if (condition in other[1]) == other[0] else 'eval'} mode only)"
+
+    def _check_fn(self, modes: Sequence[bool]):
+        conditions = self.active(modes)
+        if conditions is not self.conditions and tuple(conditions) not in self._fns:
+            self._fns[tuple(conditions)] = self._build(conditions)
+        return self._fn if conditions is self.conditions else self._fns[tuple(conditions)]
 
     # ------------------------------------------------------------------ the fast check
     def _symbol_sources(self) -> Dict[str, str]:
@@ -104,7 +134,7 @@ class InputGuards(torch.nn.Module):
             return False
         return isinstance(sx[dx], str) and sx[dx] == sy[dy]
 
-    def _build(self):
+    def _build(self, conditions: Optional[List[str]] = None):
         """The check as one generated function of the inputs, ``_check(*a)``, that reads each tensor
         input's dims and sizes by C-level ``map``s (a 1-D input's size is its ``numel``, the
         cheapest read) into one list ``z``, then compares whole tuples of it: the fixed sizes
@@ -112,6 +142,7 @@ class InputGuards(torch.nn.Module):
         binding (one comparison for all), each range's bound against the least or greatest of
         its symbols. Derived sizes, values and conditions are a line each. Only builtins and
         tuple displays: torch.compile traces it without a graph break."""
+        conditions = self.conditions if conditions is None else conditions
         bound = self._symbol_sources()
         ns = _namespace()
         lines = ["def _check(*a):"]
@@ -161,7 +192,7 @@ class InputGuards(torch.nn.Module):
                    if isinstance(s, str) and s not in first]
         for sym in sorted(first):  # the symbols the lines below name
             if any(re.search(rf"\b{re.escape(sym)}\b", e) for _, e in derived) or any(
-                    re.search(rf"\b{re.escape(sym)}\b", c) for c in self.conditions):
+                    re.search(rf"\b{re.escape(sym)}\b", c) for c in conditions):
                 lines.append(f"    {sym} = z[{first[sym]}]")
         for i, expr in derived:
             lines.append(f"    if z[{i}] != ({expr}): return False")
@@ -176,7 +207,7 @@ class InputGuards(torch.nn.Module):
             lines.append(f"    if min({getter(places)}) < {lo}: return False")
         for hi, places in sorted(highs.items()):
             lines.append(f"    if max({getter(places)}) > {hi}: return False")
-        named = {int(m) for c in self.conditions if not self._implied(c) for m in re.findall(r"\ba(\d+)\b", c)}
+        named = {int(m) for c in conditions if not self._implied(c) for m in re.findall(r"\ba(\d+)\b", c)}
         named |= set(self.values)
         for k in sorted(named):
             lines.append(f"    a{k} = a[{k}]")
@@ -185,7 +216,7 @@ class InputGuards(torch.nn.Module):
                 lines.append(f"    if not (isinstance(a{k}, float) and math.isnan(a{k})): return False")
             else:
                 lines.append(f"    if type(a{k}) is not {type(v).__name__} or a{k} != {v!r}: return False")
-        for c in self.conditions:
+        for c in conditions:
             if not self._implied(c):
                 lines.append(f"    if not ({c}): return False")
         lines.append("    return True")
@@ -193,21 +224,24 @@ class InputGuards(torch.nn.Module):
         exec("\n".join(lines), ns)  # noqa: S102 - code made from the captured shapes above
         return ns["_check"]
 
-    def forward(self, *inputs) -> None:
+    def forward(self, *inputs, modes: Sequence[bool] = ()) -> None:
+        """Raise InputShapeError naming what is wrong unless ``inputs`` fit; ``modes``: the
+        ``training`` flags of the modules that follow the mode (see :meth:`active`)."""
         if exporting() or torch.jit.is_tracing():
             return  # the tracer records its own guards
+        check = self._check_fn(modes)
         if compiling():  # torch.compile traces the check: its comparisons become its guards
             # (a None or an int where a tensor goes fails the check's size reads: named here first)
             tensors = all(isinstance(x, torch.Tensor) for x, shape in zip(inputs, self.shapes) if shape is not None)
-            if len(inputs) != len(self.paths) or not tensors or not self._fn(*inputs):
-                raise InputShapeError(self.explain(inputs))
+            if len(inputs) != len(self.paths) or not tensors or not check(*inputs):
+                raise InputShapeError(self.explain(inputs, modes))
             return
         try:
-            ok = len(inputs) == len(self.paths) and self._fn(*inputs)
+            ok = len(inputs) == len(self.paths) and check(*inputs)
         except Exception:  # noqa: BLE001 - e.g. a condition divides by a size that is 0 here
             ok = False
         if not ok:
-            error = InputShapeError(self.explain(inputs))
+            error = InputShapeError(self.explain(inputs, modes))
             self._stop_every_rank(error, inputs)
             raise error
 
@@ -235,8 +269,8 @@ class InputGuards(torch.nn.Module):
         role = self.roles.get(k)
         return f"input {self.paths[k]}" + (f" ({role})" if role else "")
 
-    def explain(self, inputs: Sequence) -> str:
-        """Every broken fact, in words."""
+    def explain(self, inputs: Sequence, modes: Sequence[bool] = ()) -> str:
+        """Every broken fact, in words (``modes``: as for :meth:`forward`)."""
         if len(inputs) != len(self.paths):
             return f"fxrec: the model takes {len(self.paths)} input tensors, got {len(inputs)}"
         problems: List[str] = []
@@ -290,7 +324,7 @@ class InputGuards(torch.nn.Module):
                     span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
                     problems.append(f"{self._name(k)} has size {values[s]} in dim {d}; the model accepts {span} there")
         if not problems:
-            for c in self.conditions:
+            for c in self.active(modes):
                 try:
                     ok = bool(eval(c, _namespace(), {f"a{k}": x for k, x in enumerate(inputs)}))  # noqa: S307
                     why = ("break a condition on their sizes that the model's code (or a torch function it calls) relied on "
@@ -300,7 +334,7 @@ class InputGuards(torch.nn.Module):
                 except Exception:  # noqa: BLE001 - an input that is not a tensor: named above
                     ok, why = False, "do not fit a condition on their sizes"
                 if not ok:
-                    problems.append(f"the inputs {why}: {self._in_words(c)}")
+                    problems.append(f"the inputs {why}: {self._in_words(c)}{self._mode_only(c)}")
         if not problems:
             problems.append("the inputs do not fit the sizes the model was captured for")
         return "fxrec: " + "; ".join(problems)
@@ -354,11 +388,13 @@ class InputGuards(torch.nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_fn", None)
+        state.pop("_fns", None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._fn = self._build()
+        self._fns = {}
 
     def extra_repr(self) -> str:
         return f"inputs={len(self.paths)}, conditions={len(self.conditions)}"
