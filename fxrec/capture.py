@@ -38,6 +38,7 @@ import os
 import re
 import threading
 import traceback
+from itertools import chain
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import sympy
@@ -275,6 +276,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
         raise CaptureError(f"fxrec: torch.export's code for this model does not compile ({e.msg}); "
                            + (f"module names {odd[:3]} hold quotes, backslashes or line breaks, which torch "
                               "writes into that code as they are: rename them" if odd else "")) from e
+    _one_name_per_tensor(gm)
     paths = _install_input_guards(gm, ep)
     _structured_forward(gm, _defaults_left(model, args, kwargs),
                         for_calls and _dict_order_matters(model, args, kwargs))
@@ -339,6 +341,32 @@ def _bind_mode_conditions(gm: fx.GraphModule, paths: List[str], recapture, other
         for f in flags:
             call.prepend(f)
     gm.recompile()
+
+
+def _one_name_per_tensor(gm: fx.GraphModule) -> None:
+    """One ``get_attr`` node per parameter or buffer, by the name ``named_parameters()`` gives it:
+    torch.export reads a tied weight (``out.weight = emb.weight``, two tables sharing one) by each
+    module's own name, which made two tables of one, named after the alias that state_dict's keys
+    and ``optimizer=`` do not use. The caller recompiles ``gm``."""
+    canonical = {id(t): n for n, t in chain(gm.named_parameters(), gm.named_buffers())}
+    first: Dict[str, fx.Node] = {}
+    for n in list(gm.graph.nodes):
+        if n.op != "get_attr" or not isinstance(n.target, str):
+            continue
+        try:
+            t = gm.get_parameter(n.target)
+        except AttributeError:
+            try:
+                t = gm.get_buffer(n.target)
+            except AttributeError:
+                continue
+        name = canonical.get(id(t), n.target)
+        if name in first:
+            n.replace_all_uses_with(first[name])
+            gm.graph.erase_node(n)
+        else:
+            first[name] = n
+            n.target = name
 
 
 def _check_call(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:

@@ -206,3 +206,69 @@ def test_ten_fused_steps_match_torch_optim(name, backend, opt):
         torch.testing.assert_close(got[k], a, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k} after 10 steps of {opt}: {m}")
     not_fused = [(g.name, g.optimizer) for g in fast.report.groups if not g.fused]
     assert not not_fused, f"{opt} not fused into backward: {not_fused}\n{fast.report}"
+
+
+# --------------------------------------------------------------------------- tied weights
+class TiedOutput(nn.Module):
+    """SASRec-style: the item table is also the output layer's weight (scores over every item)."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(30, 8)
+        self.out = nn.Linear(8, 30, bias=False)
+        self.out.weight = self.items.weight
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, seq):
+        return self.out(self.mix(self.items(seq).mean(1)))
+
+
+class TiedTables(nn.Module):
+    """Two features read one table through two modules that share its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Embedding(30, 8)
+        self.doc = nn.Embedding(30, 8)
+        self.doc.weight = self.query.weight
+        self.mix = nn.Linear(16, 1)
+
+    def forward(self, q, d):
+        return self.mix(torch.cat([self.query(q).mean(1), self.doc(d).sum(1)], 1))
+
+
+def _tied_inputs(cls, seed):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, 30, (4, 3), generator=g)
+    return (seq,) if cls is TiedOutput else (seq, torch.randint(0, 30, (4, 2), generator=g))
+
+
+@pytest.mark.parametrize("cls", [TiedOutput, TiedTables])
+@pytest.mark.parametrize("table_opt, torch_opt", [
+    (lambda: fxrec.optim.Adagrad(lr=0.1), lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
+    (lambda: {"query": fxrec.optim.Adam(lr=0.01), "items.weight": fxrec.optim.Adam(lr=0.01)},
+     lambda ps: torch.optim.Adam(ps, lr=0.01)),
+], ids=["adagrad", "adam-by-name"])
+def test_a_tied_table_trains_with_the_table_optimizer_under_its_own_name(cls, table_opt, torch_opt):
+    """torch.export reads a tied weight by each module's name: fxrec made two tables of it, named after
+    the alias state_dict and optimizer= do not use, and make_optimizer gave it to the dense optimizer."""
+    torch.manual_seed(0)
+    model = cls()
+    table = "items" if cls is TiedOutput else "query"
+    opt_arg = table_opt()
+    if isinstance(opt_arg, dict):
+        opt_arg = {k: v for k, v in opt_arg.items() if k.split(".")[0] == table}
+    fast = fxrec.transform(model, _tied_inputs(cls, 0), optimizer=opt_arg)
+    assert {r.table for r in fast.report.lookups} == {table}  # one table, by the name named_parameters() gives
+    dense = [p for n, p in model.named_parameters() if not n.startswith(table)]
+    ref_opts = [torch_opt([getattr(model, table).weight]), torch.optim.SGD(dense, lr=0.05)]
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.05)
+    for step in range(3):
+        x = _tied_inputs(cls, step + 1)
+        model(*x).square().sum().backward()
+        fast(*x).square().sum().backward()
+        for o in ref_opts:
+            o.step(), o.zero_grad()
+        opt.step(), opt.zero_grad()
+    torch.testing.assert_close(fast.state_dict()[f"{table}.weight"], getattr(model, table).weight)
+    torch.testing.assert_close(fast.state_dict()["mix.weight"], model.mix.weight)
