@@ -32,7 +32,7 @@ from .group_module import build_group_module, group_inputs, group_spec
 from .passes.choose_kernels import pick, replace_kernels
 from .pass_infra import PassContext
 from .runtime import kernels
-from .verify import buffers_kept
+from .verify import buffers_kept, written_in_forward
 
 TIE = 1.10  # within 10 % counts as a tie on these noisy machines: the rule's choice stays
 
@@ -88,7 +88,7 @@ class Autotuner:
             wanted = {x for g in self.ctx.groups for r in g.lookups
                       for x in (r.weight, r.ids, r.offsets, r.per_sample_weights) if isinstance(x, fx.Node)}
             rec = _Recorder(self.gm, wanted)
-            with torch.no_grad(), buffers_kept(self.gm):  # must not count a batch or move statistics
+            with torch.no_grad(), buffers_kept(self.gm, params=written_in_forward(self.gm)):  # must not count a batch or move statistics
                 rec.run(*copy.deepcopy(self.ctx.example_args), **copy.deepcopy(self.ctx.example_kwargs))
             self._values = rec.values
         if not all(r.ids in self._values for r in gr.lookups):

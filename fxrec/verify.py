@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
+import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 
@@ -19,13 +20,16 @@ def _float_leaves(out) -> List[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def buffers_kept(*modules: torch.nn.Module) -> Iterator[None]:
+def buffers_kept(*modules: torch.nn.Module, params: Sequence[str] = ()) -> Iterator[None]:
     """Run models without leaving a trace in their buffers (batch norm's running statistics and
-    counter, anything the model's code updates in place) or in torch's random state."""
+    counter, anything the model's code updates in place), in the tables their forward writes (the
+    rows a ``max_norm`` table renormalises, the parameters ``params`` names), or in torch's random
+    state."""
     from .runtime.group import EmbeddingGroup  # (its buffers are tables: never written by a forward)
 
     saved = [(b, b.detach().clone()) for m in modules for sub in m.modules() if not isinstance(sub, EmbeddingGroup)
              for b in sub.buffers(recurse=False)]
+    saved += [(p, p.detach().clone()) for p in _written_params(modules, params)]
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):  # (manual_seed inside also seeds every CUDA device)
         try:
@@ -36,10 +40,33 @@ def buffers_kept(*modules: torch.nn.Module) -> Iterator[None]:
                     b.copy_(old)
 
 
-def _run(model, args, kwargs, seed: int):
+def written_in_forward(gm: torch.nn.Module) -> List[str]:
+    """The parameters a captured graph's forward writes in place (``max_norm``'s renormalisation,
+    a weight changed under ``no_grad``), by name."""
+    from .passes.annotate_lookups import _mutated_in_graph
+
+    graph = getattr(gm, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return []
+    named = {n for n, _ in gm.named_parameters()}
+    return [n.target for n in graph.nodes if n.op == "get_attr" and n.target in named and _mutated_in_graph(n)]
+
+
+def _written_params(modules, names: Sequence[str]) -> List[torch.Tensor]:
+    found: Dict[int, torch.Tensor] = {}
+    for m in modules:
+        held = dict(m.named_parameters())
+        for p in [held[n] for n in names if n in held] + [
+                sub.weight for sub in m.modules() if getattr(sub, "max_norm", None) is not None
+                and isinstance(getattr(sub, "weight", None), torch.Tensor)]:
+            found[id(p)] = p
+    return list(found.values())
+
+
+def _run(model, args, kwargs, seed: int, written: Sequence[str] = ()):
     for p in model.parameters():
         p.grad = None
-    with buffers_kept(model):
+    with buffers_kept(model, params=written):
         torch.manual_seed(seed)  # the same dropout masks in both models
         out = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
     leaves = _float_leaves(out)
@@ -65,8 +92,9 @@ def compare_models(
     kwargs: Dict[str, Any], rtol: float = 1.3e-6, atol: float = 1e-5, seed: int = 0,
 ) -> Dict[str, float]:
     """Raise VerificationError unless outputs and parameter gradients agree; return the max diffs."""
-    ref_out, ref_grads = _run(reference, args, kwargs, seed)
-    new_out, new_grads = _run(transformed, args, kwargs, seed)
+    written = written_in_forward(transformed)  # (left as they were in both models)
+    ref_out, ref_grads = _run(reference, args, kwargs, seed, written)
+    new_out, new_grads = _run(transformed, args, kwargs, seed, written)
     problems: List[str] = []
     diffs: Dict[str, float] = {}
     if len(ref_out) != len(new_out):

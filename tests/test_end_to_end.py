@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import fxrec
 from fxrec.testing import assert_matches, embedding_ops, group_calls
@@ -322,6 +323,37 @@ def test_verify_compares_with_the_model_itself_and_puts_its_gradients_back():
         p.grad = torch.full_like(p, 7.0)
     fxrec.transform(model, M.bag_inputs(), verify=True, check_passes=True)
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
+
+
+class RenormedDict(nn.Module):
+    """A max_norm table renormalises the rows it reads, in forward; the features come in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(30, 8, max_norm=0.5)
+        self.b = nn.EmbeddingBag(30, 8)
+
+    def forward(self, feats):
+        return torch.cat([self.a(*feats["x"]), self.b(*feats["y"])], 1)
+
+
+@pytest.mark.parametrize("kw", [dict(verify=True), dict(check_passes=True), dict(autotune=True), {}],
+                         ids=["verify", "check_passes", "autotune", "dict-order-probe"])
+def test_transform_leaves_a_max_norm_table_as_it_was_in_both_models(kw):
+    """verify=, check_passes=, autotune= and the dict-order probe run the model's forward, which
+    renormalised the example's rows of the user's table (verify) or of the transformed one."""
+    torch.manual_seed(0)
+    model = RenormedDict()
+    g = torch.Generator().manual_seed(1)
+    ids, offsets = torch.randint(0, 30, (12,), generator=g), torch.arange(0, 12, 3)
+    x = ({"x": (ids, offsets), "y": (ids.flip(0), offsets)},)
+    before = model.a.weight.detach().clone()
+    fast = fxrec.transform(model, x, **kw)
+    assert torch.equal(model.a.weight, before)
+    assert torch.equal(fast.state_dict()["a.weight"], before)
+    torch.testing.assert_close(fast(*x), model(*x))
+    torch.testing.assert_close(fast.state_dict()["a.weight"], model.a.weight)
+    assert not torch.equal(model.a.weight, before)  # (the table does renormalise)
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "fbgemm"])
