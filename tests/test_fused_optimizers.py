@@ -1048,3 +1048,40 @@ def test_torch_optim_options_its_sparse_step_cannot_take_are_refused_naming_the_
     with pytest.raises(ValueError, match=r"table 'bags.0' cannot train with .*: its gradients are sparse \(sparse=True\), "
                                          + what):
         fxrec.transform(model, M.bag_inputs(rows=ROWS), optimizer=make())
+
+
+class FactorisedBags(nn.Module):
+    """Matrix factorisation: no dense layer, so the lookups are all that backward reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.user = nn.EmbeddingBag(30, 8)
+        self.item = nn.Embedding(40, 8)
+
+    def forward(self, ids, offsets, item):
+        return (self.user(ids, offsets) * self.item(item)).sum(1)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "fbgemm", "native"])
+@pytest.mark.parametrize("opt", [fxrec.optim.SGD(lr=0.1), fxrec.optim.Adagrad(lr=0.1), fxrec.optim.RowWiseAdagrad(lr=0.1)],
+                         ids=["sgd", "adagrad", "rowwise_adagrad"])
+def test_an_empty_batch_backpropagates_through_fused_groups_and_updates_nothing(backend, opt):
+    """The plain model's loss on an empty batch back-propagates; with a fused optimizer the output
+    had no grad_fn and loss.backward() raised."""
+    model = FactorisedBags()
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(0, 30, (12,), generator=g), torch.arange(0, 12, 3), torch.randint(0, 40, (4,), generator=g))
+    kw = {} if backend == "auto" else {"backend": backend}
+    fast = fxrec.transform(model, x, optimizer=copy.deepcopy(opt), **kw)
+    empty = (torch.zeros(0, dtype=torch.long),) * 3
+    model(*empty).sum().backward()
+    before = {k: v.clone() for k, v in fast.state_dict().items()}
+    out = fast(*empty)
+    assert out.shape == (0,) and out.requires_grad
+    out.sum().backward()
+    for k, v in fast.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with torch.no_grad():
+        assert not fast(*empty).requires_grad
+    fast(*x).sum().backward()  # and the next batch trains
+    assert not torch.equal(fast.state_dict()["user.weight"], before["user.weight"])

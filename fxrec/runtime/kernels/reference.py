@@ -63,6 +63,16 @@ def lookups(group, ids_list, offsets_list, psw_list, params, out: Optional[torch
     return torch.cat(outs, 1) if out is None else torch.cat(outs, 1, out=out)
 
 
+def _empty_batch(group, ids_list, offsets_list, psw_list, params):
+    """An empty batch of a group with a fused optimizer: nothing to update, so the (empty) outputs
+    leave the tables out of autograd; where gradients are recorded they still require one, so that
+    ``loss.backward()`` runs as on the plain model (it raised: "does not require grad")."""
+    with torch.no_grad():
+        out = lookups(group, ids_list, offsets_list, psw_list, params)
+    grad = torch.is_grad_enabled()
+    return [o.requires_grad_(grad) for o in out] if isinstance(out, list) else out.requires_grad_(grad)
+
+
 def _batch(group, ids_list, offsets_list) -> int:
     """The one batch size of a pooled group's features, or -1 where they differ or a shape is odd."""
     batch = -1
@@ -150,8 +160,7 @@ class ReferenceKernel(Kernel):
                 if any(ids.numel() for ids in ids_list):
                     group.fused_unusable(f"only fbgemm's kernel fuses {group.fused.kind}, and it cannot take this call "
                                          "(features with different batch sizes, or tables not float32 on one device)")
-                with torch.no_grad():  # empty batch: nothing to update
-                    return lookups(group, ids_list, offsets_list, psw_list, params)
+                return _empty_batch(group, ids_list, offsets_list, psw_list, params)
             if group.fused.kind != "sgd":
                 from .fbgemm import ensure_bound, usable
 
@@ -164,8 +173,7 @@ class ReferenceKernel(Kernel):
                 return out
             if any(ids.numel() for ids in ids_list):
                 group.fused_unusable("its features have different batch sizes (or a [B, 0] id tensor is mean-pooled)")
-            with torch.no_grad():  # empty batch: nothing to update
-                return lookups(group, ids_list, offsets_list, psw_list, params)
+            return _empty_batch(group, ids_list, offsets_list, psw_list, params)
         _check_offsets_order(group, ids_list, offsets_list)
         try:
             if not training and group.pooling != "none" and group.reuse_output:
