@@ -202,6 +202,59 @@ def test_sparse_gradients_still_leave_the_padding_ids_out():
     torch.testing.assert_close(got.values(), want.values())
 
 
+class PaddedSequences(nn.Module):
+    """nn.Embedding's padding ids in [B, L] sequences pooled by the model's own code."""
+
+    def __init__(self, sparse, pool):
+        super().__init__()
+        self.pool = pool
+        # (from_pretrained: the padding row is not zero, so a step that moves it shows)
+        self.e = nn.Embedding.from_pretrained(torch.randn(30, 8), freeze=False, padding_idx=0, sparse=sparse)
+
+    def forward(self, x):
+        y = self.e(x)
+        return y.sum(1) if self.pool == "sum" else y.mean(1)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+@pytest.mark.parametrize("pool", ["sum", "mean"])
+@pytest.mark.parametrize("opt_name", ["none", "lazy_adam", "partial_rowwise_adam"])
+def test_sparse_gradients_of_sequences_leave_their_padding_ids_out(sparse, pool, opt_name):
+    """The lookups of [B, L] sequences kept their padding ids in sparse gradients (as zero entries):
+    a lazy optimizer with weight decay then moved the padding row, where PyTorch's leaves it."""
+    torch.manual_seed(0)
+    model = PaddedSequences(sparse, pool)
+    opts = {"lazy_adam": (fxrec.optim.LazyAdam, fxrec.optim.LazyAdamTorch),
+            "partial_rowwise_adam": (fxrec.optim.PartialRowWiseAdam, fxrec.optim.PartialRowWiseAdamTorch)}
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, 30, (4, 3), generator=g) for _ in range(3)]
+    for x in xs:
+        x[:, 0] = 0
+    pad = model.e.weight[0].detach().clone()
+    if opt_name == "none":
+        fast = fxrec.transform(copy.deepcopy(model), (xs[0],))
+        model(xs[1]).sin().sum().backward()
+        fast(xs[1]).sin().sum().backward()
+        want, got = model.e.weight.grad, fast.e.weight.grad
+        if sparse:
+            want, got = want.coalesce(), got.coalesce()
+            assert torch.equal(got.indices(), want.indices()) and 0 not in got.indices()
+            want, got = want.values(), got.values()
+        torch.testing.assert_close(got, want)
+        return
+    ours, theirs = opts[opt_name]
+    fast = fxrec.transform(copy.deepcopy(model), (xs[0],), optimizer=ours(lr=0.1, weight_decay=0.1))
+    opt = fast.make_optimizer()
+    ref = theirs(model.parameters(), lr=0.1, weight_decay=0.1)
+    for x in xs:
+        model(x).sin().sum().backward()
+        fast(x).sin().sum().backward()
+        ref.step(), ref.zero_grad()
+        opt.step(), opt.zero_grad()
+    assert torch.equal(fast.state_dict()["e.weight"][0], pad)
+    torch.testing.assert_close(fast.state_dict()["e.weight"], model.e.weight)
+
+
 def test_cached_tables_keep_dropping_padding_ids_and_mean_bags_no_longer_do():
     from fxrec.runtime.kernels.fbgemm_padding import zero_row_tables
     from fxrec.runtime.specs import FeatureSpec, GroupSpec, TableSpec
