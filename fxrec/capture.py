@@ -278,6 +278,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
                               "writes into that code as they are: rename them" if odd else "")) from e
     _one_name_per_tensor(gm)
     paths = _install_input_guards(gm, ep)
+    _name_inputs(gm, paths)
     _structured_forward(gm, _defaults_left(model, args, kwargs),
                         for_calls and _dict_order_matters(model, args, kwargs))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
@@ -341,6 +342,21 @@ def _bind_mode_conditions(gm: fx.GraphModule, paths: List[str], recapture, other
         for f in flags:
             call.prepend(f)
     gm.recompile()
+
+
+def _name_inputs(gm: fx.GraphModule, paths: List[str]) -> None:
+    """Each input placeholder's name as the model spells it (``meta.INPUT_NAME``), where it differs
+    from torch.export's only in case: export lower-cases them (``userIds`` became feature ``userids``
+    in the report and in errors)."""
+    from . import meta
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(paths) != len(placeholders):
+        return
+    for n, path in zip(placeholders, paths):
+        spelled = re.sub(r"[^0-9A-Za-z_]+", "_", path.replace("'", "")).strip("_")
+        if spelled != n.name and spelled.lower() == n.name.lower():
+            n.meta[meta.INPUT_NAME] = spelled
 
 
 def _one_name_per_tensor(gm: fx.GraphModule) -> None:

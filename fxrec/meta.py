@@ -23,6 +23,9 @@ ORIGIN = "fxrec_origin"
 DECISION = "fxrec_decision"
 #: On a quantized group's call: its tables' :class:`fxrec.report.QuantEntry` (``measure_quantization``).
 QUANT = "fxrec_quant"
+#: On an input placeholder: its name as the model's code spells it (``userIds``, ``feats_ItemIDs``;
+#: torch.export lower-cases the placeholder's own), written by capture.
+INPUT_NAME = "fxrec_input_name"
 #: In ``gm.meta``: a tuple of :class:`RemovedLookup`, the lookups ``merge_lookups`` removed.
 REMOVED = "fxrec_removed_lookups"
 #: In ``gm.meta``: a :class:`Fragmentation`, how many groups ``group_lookups`` made and why.

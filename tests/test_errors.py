@@ -238,3 +238,25 @@ def test_example_inputs_on_the_meta_device_are_refused():
     x = (torch.randint(0, 50, (8,), device="meta"), torch.arange(0, 8, 2, device="meta"))
     with pytest.raises(ValueError, match="fxrec: example inputs on the meta device"):
         fxrec.transform(model, x)
+
+
+class CamelCaseInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user = torch.nn.EmbeddingBag(30, 4)
+        self.item = torch.nn.EmbeddingBag(30, 4)
+
+    def forward(self, userIds, feats):  # noqa: N803 - as models name them
+        return torch.cat([self.user(userIds), self.item(feats["ItemIDs"])], 1)
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "native", "reference"])
+def test_features_keep_the_case_of_the_models_names(backend):
+    """torch.export lower-cases its input names: the report and errors said feature 'userids'."""
+    x = torch.randint(0, 30, (4, 2))
+    fast = fxrec.transform(CamelCaseInputs(), (x, {"ItemIDs": x, "Other": x}), backend=backend)
+    assert sorted(r.feature for r in fast.report.lookups) == ["feats_ItemIDs", "userIds"]
+    bad = x.clone()
+    bad[0, 0] = 30
+    with pytest.raises(IndexError, match=r"feature 'userIds'.*id 30.*table 'user'"):
+        fast(bad, {"ItemIDs": x, "Other": x})

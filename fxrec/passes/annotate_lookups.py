@@ -80,7 +80,9 @@ def describe_ids(node: fx.Node, depth: int = 0, outer: Optional[Dict[fx.Node, fx
     if depth > 12 or not isinstance(node, fx.Node):
         return str(node)
     if node.op == "placeholder":  # (by the model's argument: fx renames a node named like a global, device_1)
-        return describe_ids(outer[node], depth + 1) if outer and node in outer else str(node.target)
+        if outer and node in outer:
+            return describe_ids(outer[node], depth + 1)
+        return node.meta.get(meta.INPUT_NAME, str(node.target))
     if node.op == "call_function":
         if node.target in _PASS_THROUGH:
             return describe_ids(node.args[0], depth + 1, outer)
