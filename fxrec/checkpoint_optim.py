@@ -347,6 +347,11 @@ class Load:
             self.optimizer._sync_fused_lr()
 
 
+#: steppers with no state, the same update fused or stepped by torch.optim (a table may move between
+#: the two with the plan: data-parallel tables are stepped by torch.optim)
+_STATELESS = {"SGD", "fused sgd"}
+
+
 def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, strict: bool,
               problems: List[str]) -> Optional[Load]:
     """What :func:`fxrec.checkpoint.load` reads for ``optimizer`` on this rank (``layout``: its
@@ -374,6 +379,8 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
         if rec is None:
             missing.append(fqn)
         elif rec["fused"] != fused_here:
+            if not rec["states"] and {rec["optimizer"], stepper} <= _STATELESS:
+                return rec  # plain SGD, fused or not, keeps no state: its hyperparameters are all there is
             if strict:
                 problems.append(
                     f"'{fqn}' was saved with {'a fused' if rec['fused'] else 'a torch.optim'} optimizer and is "

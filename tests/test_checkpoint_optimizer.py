@@ -556,3 +556,53 @@ def test_a_saved_state_loads_into_the_fallbacks_that_step_its_tables():
     again, again_opt = single_process(model(0), opts)
     with pytest.raises(ValueError, match=r"stepping the tables \[\['bags.2.weight'\], \['bags.9.weight'\]\]"):
         again_opt.load_state_dict(wrong)
+
+
+# fxrec.optim.SGD, without state: fused in one process, stepped by torch.optim where data-parallel
+SGD_OPT = {"bags.0": fxrec.optim.SGD(lr=0.1), "bags.2": fxrec.optim.SGD(lr=0.1)}
+
+
+def _sgd_worker(rank, world, init_file, root, phase):
+    with gloo_group(rank, world, init_file):
+        example = local_batch(global_batch(_CKPT_G, 0), rank, _CKPT_G // world)
+        pins = {"bags.0": "data_parallel", "bags.1": ("table_wise", 0), "bags.2": ("table_wise", 1), "single": "row_wise"}
+        plan = fxrec.plan(model(0), example, world_size=world, memory_per_rank="1GB", pins=pins, optimizer=SGD_OPT)
+        fast = fxrec.transform(model(0), example, plan=plan, optimizer=SGD_OPT)
+        opt = fast.make_optimizer(torch.optim.SGD, lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e)
+        if phase == "save":
+            _sched_run(fast, rank, world, range(2), opt=opt, sched=sched)
+            fxrec.checkpoint.save(fast, os.path.join(root, "saved_sharded"), optimizer=opt)
+        else:
+            fxrec.checkpoint.load(fast, os.path.join(root, "saved_single"), optimizer=opt)  # strict
+            sched.load_state_dict(torch.load(os.path.join(root, "sched.pt")))
+            _sched_run(fast, rank, world, range(2, 4), opt=opt, sched=sched)
+            fxrec.checkpoint.save(fast, os.path.join(root, "resumed_sharded"))
+        del fast, opt, sched
+        gc.collect()
+
+
+def test_a_table_trained_with_sgd_moves_between_data_parallel_and_fused(tmp_path):
+    """Plain SGD has no state, so a table stepped by torch.optim where it was data-parallel resumes fused
+    in one process, and back (strict loads refused it: 'saved with a torch.optim optimizer and is fused
+    here'), as the uninterrupted run."""
+    single = fxrec.transform(model(0), global_batch(_CKPT_G, 0), optimizer=SGD_OPT)
+    assert {t for _, _, _, ts in single.make_optimizer().fused for t in ts} == {"bags.0.weight", "bags.2.weight"}
+    want_opt, _ = _sched_run(single, 0, 1, range(4))
+    spawn(_sgd_worker, 2, str(tmp_path), "save")
+    resumed = fxrec.transform(model(0), global_batch(_CKPT_G, 0), optimizer=SGD_OPT)
+    opt = resumed.make_optimizer(torch.optim.SGD, lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e)
+    fxrec.checkpoint.load(resumed, str(tmp_path / "saved_sharded"), optimizer=opt)  # strict
+    sched.last_epoch, sched._step_count = 2, 3  # (the schedule's place: two steps were taken)
+    torch.save(sched.state_dict(), tmp_path / "sched.pt")
+    fxrec.checkpoint.save(resumed, str(tmp_path / "saved_single"), optimizer=opt)
+    _sched_run(resumed, 0, 1, range(2, 4), opt=opt, sched=sched)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([g["lr"] for g in want_opt.param_groups])
+    for k, v in single.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, **TOL, msg=k)
+    spawn(_sgd_worker, 2, str(tmp_path), "load")  # and back: fused in one process, data-parallel at world 2
+    back = fxrec.transform(model(0), global_batch(_CKPT_G, 0))
+    fxrec.checkpoint.load_into_model(back, str(tmp_path / "resumed_sharded"))
+    for k, v in single.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v, **TOL, msg=k)
