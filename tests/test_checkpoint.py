@@ -270,6 +270,27 @@ def test_checkpoint_reshards_across_plans_world_sizes_and_into_one_process(tmp_p
         assert torch.equal(back.state_dict()[name], value), name
 
 
+def test_float_tables_into_a_quantized_model_are_refused_saying_what_to_do(tmp_path):
+    """The error named the quantized group's internal entries (q_weights, q_D_offsets, ...)."""
+    torch.manual_seed(0)
+    model = Model()
+    fxrec.checkpoint.save_model(model, tmp_path / "float")
+    x = global_batch(8, 0)
+    served = fxrec.transform(Model(), x, mode="inference", quantize="int8")
+    before = {k: v.clone() for k, v in served.state_dict().items() if isinstance(v, torch.Tensor)}
+    for load in (fxrec.checkpoint.load, fxrec.checkpoint.load_into_model):
+        with pytest.raises(CheckpointError, match=r"holds float tables.*load the checkpoint into the plain model"):
+            load(served, tmp_path / "float")
+    for k, v in served.state_dict().items():
+        assert not isinstance(v, torch.Tensor) or torch.equal(v, before[k]), k
+    fxrec.checkpoint.load_into_model(plain := Model(), tmp_path / "float")  # what the error says, works
+    again = fxrec.transform(plain, x, mode="inference", quantize="int8")
+    torch.testing.assert_close(again(*x), model(*x), rtol=0.05, atol=0.05)
+    fxrec.checkpoint.save_model(again, tmp_path / "packed")  # a quantized model's own checkpoint loads
+    fxrec.checkpoint.load_into_model(served, tmp_path / "packed")
+    torch.testing.assert_close(served(*x), again(*x))
+
+
 def test_single_process_round_trip_and_errors_name_the_table_and_both_shapes(tmp_path):
     torch.manual_seed(0)
     model = Model()
