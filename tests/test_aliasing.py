@@ -439,6 +439,26 @@ def test_an_in_place_write_inside_a_no_grad_block_stays_between_the_lookups(what
     torch.testing.assert_close(fast.e.weight, plain.e.weight, rtol=0, atol=0)
 
 
+def test_a_table_written_in_a_no_grad_block_keeps_its_name_and_its_table_optimizer():
+    """The lookup after the write reads the block's output: the table was reported as 'getitem', as
+    no parameter, and make_optimizer gave it to the dense optimizer instead of optimizer=."""
+    torch.manual_seed(0)
+    model = _WriteInNoGrad("weight")
+    plain = copy.deepcopy(model)
+    fast = fxrec.transform(model, (torch.randint(0, 40, (10,)),), optimizer=fxrec.optim.Adagrad(lr=0.1))
+    assert {e.table for e in fast.report.lookups} == {"e"}
+    assert any("modified in place by mul_" in e.reason for e in fast.report.lookups)
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.5)
+    ref = torch.optim.Adagrad(plain.parameters(), lr=0.1)
+    for step in range(3):
+        ids = torch.randint(0, 40, (10,), generator=torch.Generator().manual_seed(step))
+        sum(o.square().sum() for o in plain(ids.clone())).backward()
+        sum(o.square().sum() for o in fast(ids.clone())).backward()
+        ref.step(), ref.zero_grad()
+        opt.step(), opt.zero_grad()
+    torch.testing.assert_close(fast.e.weight, plain.e.weight)
+
+
 class _WritesOneInput(nn.Module):
     def __init__(self):
         super().__init__()

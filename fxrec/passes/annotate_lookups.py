@@ -25,6 +25,7 @@ pads the table it stores (:func:`fxrec.runtime.specs.pad_dim`).
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from typing import Dict, Optional
@@ -37,6 +38,7 @@ from ..dataflow import bodies
 from ..pass_infra import PassContext, PassResult, compiler_pass
 
 aten = torch.ops.aten
+_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 _BAG_OPS = {
     aten.embedding_bag.padding_idx,
@@ -141,6 +143,33 @@ def _mutated_in_graph(weight: fx.Node) -> Optional[str]:
     return None
 
 
+def _written_in_a_block(gm: fx.GraphModule, weight: fx.Node) -> Optional[tuple]:
+    """(the parameter's get_attr node, the op) where ``weight`` is a parameter an op of a ``no_grad``
+    block (``torch.no_grad(): self.emb.weight.mul_(0.5)``, captured as a higher-order op with a body)
+    writes in place and returns; else None."""
+    if not (weight.op == "call_function" and weight.target is operator.getitem and isinstance(weight.args[0], fx.Node)):
+        return None
+    block, k = weight.args[0], weight.args[1]
+    if block.op != "call_function" or block.target is not _SET_GRAD or len(block.args) < 2 \
+            or not isinstance(block.args[1], fx.Node) or block.args[1].op != "get_attr":
+        return None
+    body = getattr(gm, str(block.args[1].target), None)
+    if not isinstance(body, fx.GraphModule):
+        return None
+    out = next(n for n in body.graph.nodes if n.op == "output").args[0]
+    res = out[k] if isinstance(out, (tuple, list)) and isinstance(k, int) and k < len(out) else None
+    schema = getattr(getattr(res, "target", None), "_schema", None)
+    if schema is None or not res.args or not schema.arguments or schema.arguments[0].alias_info is None \
+            or not schema.arguments[0].alias_info.is_write or res.args[0].op != "placeholder":
+        return None
+    inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    j = inputs.index(res.args[0])
+    src = block.args[2 + j] if 2 + j < len(block.args) else None
+    if isinstance(src, fx.Node) and _param_fqn(gm, src) is not None:
+        return src, getattr(res.target, "__name__", str(res.target))
+    return None
+
+
 def _arg(node: fx.Node, i: int, name: str, default):
     if len(node.args) > i:
         return node.args[i]
@@ -225,10 +254,14 @@ def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None)
     if wval is None or wval.dim() != 2:
         return None
     fqn = _param_fqn(gm, weight)
+    reasons = []
+    written = _written_in_a_block(gm, weight) if fqn is None else None
+    if written is not None:  # the table itself, written in place in a no_grad block: left alone, its own name
+        fqn = _param_fqn(gm, written[0])
+        reasons.append(f"the table is modified in place by {written[1]} in forward")
     param = fqn if fqn is not None else weight.name
     table = param[: -len(".weight")] if param.endswith(".weight") else param
     num_rows, dim = int(wval.shape[0]), int(wval.shape[1])
-    reasons = []
     if fqn is None:
         reasons.append("the weight is not a parameter of the model (a buffer, or computed in forward)")
     if wval.dtype not in LOWERED_DTYPES:
