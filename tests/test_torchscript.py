@@ -72,6 +72,35 @@ def test_scripted_model_names_the_feature_of_a_bad_id():
             sm(dense, ids, offs)
 
 
+class _TwoBags(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(30, 8, mode="sum")
+        self.b = torch.nn.EmbeddingBag(30, 8, mode="sum")
+
+    def forward(self, ia, oa, ib, ob):
+        return torch.cat([self.a(ia, oa), self.b(ib, ob)], 1)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_scripted_serving_names_the_feature_of_ids_of_another_shape_or_batch(quantize):
+    """2-D ids with offsets: PyTorch and the eager model raise, the quantized scripted module pooled
+    them as if flattened; features of different batch sizes failed in torch.cat naming none."""
+    model = _TwoBags().eval()
+    ids, offsets = torch.randint(0, 30, (12,)), torch.arange(0, 12, 3)
+    scripted = fxrec.export.torchscript(fxrec.transform(model, (ids, offsets, ids, offsets), mode="inference",
+                                                        quantize=quantize))
+    with pytest.raises(Exception, match=r"feature 'ia' \(table 'a'\) got ids of shape \[4, 3\]; it takes 1-D ids "
+                                        "with offsets"):
+        scripted(ids.view(4, 3), offsets, ids, offsets)
+    with pytest.raises(Exception, match=r"different batch sizes"):
+        scripted(ids, offsets, ids, offsets[:3])
+    with torch.no_grad():
+        want = model(ids, offsets, ids, offsets)
+    torch.testing.assert_close(scripted(ids, offsets, ids, offsets), want,
+                               **({} if quantize is None else dict(rtol=0.05, atol=0.05)))
+
+
 def test_original_and_transformed_models_are_untouched_by_scripting():
     model = M.BagList(rows=ROWS, dim=16).eval()
     fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), backend="fbgemm")

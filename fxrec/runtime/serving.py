@@ -106,8 +106,12 @@ class _ServingGroup(nn.Module):
             if ids.dtype != torch.int64 and ids.dtype != torch.int32:
                 raise TypeError("fxrec: " + where + " got ids of dtype " + _dtype_name(ids.dtype)
                                 + "; embedding ids must be int64 or int32")
-            good = ((ids >= 0) & (ids < self.rows[i])).all()
             k = self.off_index[i]
+            want = 2 if self.forms[i] == 1 else (1 if k >= 0 or self.forms[i] == 2 else ids.dim())
+            if ids.dim() != want:  # (2-D ids with offsets: pooled as if flattened, where PyTorch raises)
+                raise ValueError("fxrec: " + where + " got ids of shape " + str(list(ids.shape)) + "; it takes "
+                                 + str(want) + "-D ids" + (" with offsets" if k >= 0 else ""))
+            good = ((ids >= 0) & (ids < self.rows[i])).all()
             if k >= 0:
                 off = offsets_list[k]
                 if off.dim() != 1 or (off.dtype != torch.int64 and off.dtype != torch.int32):
@@ -186,8 +190,13 @@ class ServingPooledGroup(_ServingGroup):
         self._check(ids_list, offsets_list)
         if not self.quantized:  # the reference kernel's lookups (the same function)
             offs, psws = self._per_feature(ids_list, offsets_list, psw_list)
-            return torch.cat(lookup_each(ids_list, offs, psws, weights, self.feature_table, self.forms, self.pads,
-                                         self.ilos, self.no_sparse, self.pooling), 1)
+            outs = lookup_each(ids_list, offs, psws, weights, self.feature_table, self.forms, self.pads,
+                               self.ilos, self.no_sparse, self.pooling)
+            batches = [o.shape[0] for o in outs]
+            if min(batches) != max(batches):  # (torch.cat's own error names no feature)
+                raise ValueError("fxrec: the features " + str(self.names) + " of the group of tables "
+                                 + str(self.table_names) + " have different batch sizes " + str(batches))
+            return torch.cat(outs, 1)
         return self._pack_and_lookup(ids_list, offsets_list, psw_list)
 
     def _pack_and_lookup(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor]) -> Tensor:
