@@ -211,6 +211,14 @@ def test_a_damaged_plan_file_is_a_value_error_saying_so():
                                                                        r"memory_per_rank \(10\)")):
         with pytest.raises(ValueError, match=what):
             ShardingPlan.from_json(json.dumps(broken))
+    # a huge world_size: refused before listing every rank (a billion took all the memory there is)
+    for sharding in ("row_wise", "data_parallel"):
+        edited = fxrec.plan(tables=[TableSpec("t", 100, 8)], world_size=2, memory_per_rank="1GB",
+                            pins={"t": sharding}).to_dict()
+        edited["topology"]["world_size"] = 10**12
+        with pytest.raises(ValueError, match=rf"planned {sharding}, but it has 2 shards, where it has one on each of "
+                                             r"1000000000000 ranks"):
+            ShardingPlan.from_json(json.dumps(edited))
 
 
 def test_explain_refuses_the_plans_transform_refuses():

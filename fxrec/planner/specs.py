@@ -375,6 +375,9 @@ def check_shards(tp: "TablePlan", topology: "Topology") -> None:
         if sh.rank >= W:
             bad(f"a shard is on rank {sh.rank}, outside world_size {W}")
     got = sorted((sh.rank, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols) for sh in tp.shards)
+    every = {"row_wise": W, "data_parallel": W, "table_row_wise": topology.ranks_per_host or W}.get(tp.sharding)
+    if every is not None and len(got) != every:  # (first: the layouts below list every rank)
+        bad(f"it has {len(got)} shards, where it has one on each of {every} ranks")
     if tp.sharding == "table_wise":
         if len(got) != 1 or got[0][1:] != (0, R, 0, D):
             bad(f"its shards are {got} (rank, row offset, rows, column offset, columns), not one of {R} x {D}")
