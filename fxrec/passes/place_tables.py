@@ -33,7 +33,7 @@ from typing import Dict, List, Tuple
 import torch.fx as fx
 
 from .. import meta
-from ..pass_infra import PassContext, PassResult, compiler_pass
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.kernels import FBGEMM
 from ..runtime.specs import FUSED_STATE_BYTES, pad_dim
 
@@ -155,7 +155,7 @@ def place_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:  # a small table cached at its group's widest width can cost more than it saves
             del placements[p]
     if need > budget:
-        raise ValueError(
+        raise InputError(
             f"fxrec: the embedding tables need {_fmt(need)} of GPU memory (weights, fused optimizer states, and "
             f"dense gradients where training has no fused optimizer) with every table that may leave it, and saves "
             f"memory doing so, in unified memory (cache_load_factor={lf}), more than hbm_budget={_fmt(budget)}: "
