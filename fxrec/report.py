@@ -342,7 +342,8 @@ def _packed_bytes(rows: int, width: int, dtype: str, device: str) -> int:
 def _became(g: GroupEntry, quantization: List[QuantEntry]) -> str:
     if not g.lowered:
         return "plain lookups (left as written)"
-    dtypes = sorted({q.dtype for q in quantization if q.table in g.tables})
+    # (explain measures nothing: the group's own dtypes then)
+    dtypes = sorted({q.dtype for q in quantization if q.table in g.tables} or (set(g.dtypes) if g.quantized else set()))
     if dtypes:
         return f"one quantized group module ({', '.join(dtypes)} tables)"
     if g.kernel_train.startswith("sharded"):

@@ -372,9 +372,13 @@ def test_explain_gives_the_dtypes_and_bytes_transform_stores(quantize):
     from fxrec.runtime.kernels.fbgemm_nbit import packed_bytes
 
     x = (torch.randint(0, 1000, (8,)), torch.arange(0, 8, 2))
-    said = fxrec.explain(_FourWidths().eval(), x, device="cpu", mode="inference", quantize=quantize).tables
-    made = fxrec.transform(_FourWidths().eval(), x, mode="inference", quantize=quantize).report.tables
+    said_report = fxrec.explain(_FourWidths().eval(), x, device="cpu", mode="inference", quantize=quantize)
+    made_report = fxrec.transform(_FourWidths().eval(), x, mode="inference", quantize=quantize).report
+    said, made = said_report.tables, made_report.tables
     assert [(t["dtype"], t["bytes"]) for t in said] == [(t["dtype"], t["bytes"]) for t in made]
+    # (explain said "one group module, kernel fbgemm" where transform says quantized, from its measurements)
+    became = [g["became"] for g in said_report.to_dict()["groups"]]
+    assert became == [g["became"] for g in made_report.to_dict()["groups"]] and "quantized" in became[0]
     assert [t["dtype"] for t in made] == [quantize if isinstance(quantize, str) else quantize[n] for n in "abcd"]
     cuda = fxrec.explain(_FourWidths().eval(), x, device="cuda", mode="inference", quantize=quantize).tables
     pad = {dt: SparseType(dt).align_size() for dt in ("fp32", "fp16", "int8", "int4", "int2")}
