@@ -126,12 +126,14 @@ class Report:
         # quantize= names it, and fbgemm's packed rows (the dim padded as the group stores it, a scale
         # and bias for integers, rounded to the row alignment: 16 bytes on CUDA)
         packed = {f: (dt, g) for g in self.groups if g.quantized for f, dt in zip(g.features, g.dtypes)}
+        # a table stored wider than its dim (fbgemm's TBE pads it to a multiple of 4 columns)
+        widths = {(g.name, name): w for g in self.groups for name, _, w, _ in g.padding}
         out: Dict[str, Dict[str, Any]] = {}
         for e in self.lookups:
             dtype = stored.get(e.feature) or e.dtype or "float32"
             t = out.setdefault(e.table, {
                 "name": e.table, "rows": e.rows, "dim": e.dim, "pooling": [], "dtype": dtype,
-                "bytes": e.rows * e.dim * _ITEMSIZE.get(dtype, 4), "lookups": 0,
+                "bytes": e.rows * widths.get((e.group, e.table), e.dim) * _ITEMSIZE.get(dtype, 4), "lookups": 0,
                 "features": [], "groups": [],
             })
             t["lookups"] += 1

@@ -288,3 +288,27 @@ def test_a_model_converted_to_another_dtype_is_told_why_its_fp16_rows_cannot_run
         fast(dense.double(), ids, offsets)
     fast.float()
     fast(*M.bag_inputs(rows=ROWS))
+
+
+class _OddWidths(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(500, 5, mode="sum")  # stored 8 wide in fbgemm's TBE
+        self.b = torch.nn.EmbeddingBag(500, 12, mode="sum")
+
+    def forward(self, i, o):
+        return torch.cat([self.a(i, o), self.b(i, o)], 1)
+
+
+@pytest.mark.parametrize("precision", [None, "fp16"])
+def test_the_reports_table_bytes_count_the_columns_the_tbe_pads(precision):
+    """report.tables gave rows x dim for a table fbgemm stores padded (dim 5 in 8 columns)."""
+    x = (torch.randint(0, 500, (12,)), torch.arange(0, 12, 3))
+    kw = {} if precision is None else {"weights_precision": precision}
+    fast = fxrec.transform(_OddWidths(), x, backend="fbgemm", optimizer=fxrec.optim.SGD(lr=0.1), **kw)
+    fxrec.graph_module.bind_tables(fast)
+    for t in fast.report.tables:
+        p = fast.get_parameter(t["name"] + ".weight")
+        assert t["bytes"] == p.shape[0] * p.stride(0) * p.element_size(), t
+    said = fxrec.explain(_OddWidths(), x, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), **kw).tables
+    assert [t["bytes"] for t in said] == [t["bytes"] for t in fast.report.tables]
