@@ -606,3 +606,25 @@ def test_a_table_trained_with_sgd_moves_between_data_parallel_and_fused(tmp_path
     fxrec.checkpoint.load_into_model(back, str(tmp_path / "resumed_sharded"))
     for k, v in single.state_dict().items():
         torch.testing.assert_close(back.state_dict()[k], v, **TOL, msg=k)
+
+
+class _OneBag(nn.Module):
+    def __init__(self, rows):
+        super().__init__()
+        self.a = nn.EmbeddingBag(rows, 8, mode="sum")
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, i, o):
+        return self.top(self.a(i, o)).squeeze(1)
+
+
+def test_a_resized_table_with_fused_states_is_named_without_blaming_another_optimizer(tmp_path):
+    """Its fused Adagrad states, resized with it, were called another optimizer's."""
+    x = (torch.randint(0, 40, (8,)), torch.arange(0, 8, 2))
+    fast = fxrec.transform(_OneBag(40), x, optimizer=fxrec.optim.Adagrad(lr=0.1))
+    fast(*x).sum().backward()
+    fxrec.checkpoint.save_model(fast, tmp_path / "ck")
+    bigger = fxrec.transform(_OneBag(41), x, optimizer=fxrec.optim.Adagrad(lr=0.1))
+    with pytest.raises(CheckpointError, match=r"'a\.weight' is 40 x 8 in the checkpoint and 41 x 8 in the model") as e:
+        fxrec.checkpoint.load_into_model(bigger, tmp_path / "ck")
+    assert "another optimizer" not in str(e.value)
