@@ -9,7 +9,8 @@ computations (merge_lookups) need the same facts: what besides data flow orders 
   that argument (or of a view of it) stays on the side of the write it was on;
 * :func:`reorder`: a stable topological sort under those edges, with extra "places" (a set of
   inputs that must all come before a set of users);
-* :func:`reaches`: whether one node is reached from others, walking back.
+* :func:`reaches`: whether one node is reached from others, walking back;
+* :func:`reads_contiguous`: whether a user needs a tensor laid out as a contiguous one.
 
 These know nothing of lookups or groups.
 """
@@ -28,6 +29,14 @@ aten = torch.ops.aten
 # Ops whose result may share storage with their first argument though their schema does not say so.
 _MAY_ALIAS = {aten.reshape.default, aten.flatten.using_ints, aten.contiguous.default, aten.reshape_as.default,
               aten.view_as.default, aten.expand_as.default, aten.unflatten.int}
+
+# Ops that need their first argument laid out as a contiguous tensor (as PyTorch's lookups give
+# theirs): a view refuses some shapes of a column slice ("view size is not compatible with input
+# tensor's size and stride"), and an ``as_strided`` reads memory by strides (other columns).
+# Every other op gives the same values whatever the layout (``reshape`` copies where it must).
+_READS_LAYOUT = {aten.view.default, aten.view.dtype, aten._unsafe_view.default, aten.view_as.default,
+                 aten.view_copy.default, aten.as_strided.default, aten.as_strided_copy.default,
+                 aten.view_as_complex.default}
 
 
 def is_impure(node: fx.Node) -> bool:
@@ -248,6 +257,55 @@ def reaches(start: fx.Node, targets: Set[fx.Node], preds: Callable[[fx.Node], Li
             return n
         todo.extend(preds(n))
     return None
+
+
+def reads_contiguous(node: fx.Node, user: fx.Node, top: bool = True) -> bool:
+    """Whether ``user`` needs ``node``'s value laid out as a contiguous tensor, itself or through
+    views of it that it (or what reads them) makes: an op of ``_READS_LAYOUT`` (a ``.view``; the
+    ``.contiguous()`` the model wrote before it is gone from the capture when its tensor was
+    contiguous there), a higher-order op whose body does (or whose body cannot be read), or, with
+    ``top``, the graph's output (the caller gets the tensor and may ``.view`` it too). Following
+    ``aten.contiguous`` stops: what it gives is contiguous."""
+    todo, seen = [(node, user)], set()
+    while todo:
+        x, u = todo.pop()
+        if (x, u) in seen:
+            continue
+        seen.add((x, u))
+        if u.op == "output":
+            if top:
+                return True
+            continue
+        if u.op != "call_function":
+            continue
+        if u.target in _READS_LAYOUT and u.args and u.args[0] is x:
+            return True
+        if isinstance(u.target, torch._ops.HigherOrderOperator):
+            found = bodies(u)
+            if not found or any(o is None for _, operands in found for o in operands):
+                return True
+            for body, operands in found:
+                holders = [n for n in body.graph.nodes if n.op == "placeholder"]
+                if any(o is x and any(reads_contiguous(h, w, top=False) for w in h.users)
+                       for h, o in zip(holders, operands)):
+                    return True
+            if x in hop_effects(u)[2]:  # its results are views of x
+                todo.extend((u, w) for w in u.users)
+        elif _is_view(x, u):
+            todo.extend((u, w) for w in u.users)
+    return False
+
+
+def _is_view(x: fx.Node, u: fx.Node) -> bool:
+    """Whether ``u``'s result may share memory with ``x`` (the same tensor, or a view of it)."""
+    if u.target is aten.contiguous.default:
+        return False
+    if u.target is operator.getitem or u.target in _MAY_ALIAS:
+        return bool(u.args) and u.args[0] is x
+    schema = getattr(u.target, "_schema", None)
+    if schema is None or not any(r.alias_info is not None for r in schema.returns):
+        return False
+    return any(a.alias_info is not None and x in nodes for a, nodes in schema_args(u))
 
 
 def reorder(graph: fx.Graph, nodes: List[fx.Node], effects: SideEffects,

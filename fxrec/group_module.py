@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from . import meta
-from .dataflow import SideEffects
+from .dataflow import SideEffects, reads_contiguous
 from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from .runtime.group import EmbeddingGroup
 from .runtime.specs import FeatureSpec, GroupSpec, TableSpec
@@ -117,24 +117,38 @@ def hand_outputs(graph: fx.Graph, call: fx.Node, recs: Sequence[meta.LookupRecor
     insertion point): item i of one ``split_with_sizes`` of a pooled ``[B, sum of dims]`` output
     by columns (not one slice each: the backward of k slices of a tensor makes k zero tensors of
     its whole size, a split's one ``cat``), else item i of a list; the parts carry the original
-    output's ``val`` and name it as their origin. An output the model writes in place (in
-    ``written``: ``a += b``) is given a copy of its part, a tensor of its own as the lookup's was
-    (autograd refuses in-place writes to a split's parts, and the write would reach the other
-    parts' storage)."""
+    output's ``val`` and name it as their origin. The parts are not laid out as the lookups'
+    outputs were (a column slice of the group's output; a piece of what the output dist received),
+    so a part is copied where that shows:
+
+    * an output the model writes in place (in ``written``: ``a += b``) is given a copy of its part
+      (``aten.clone``), a tensor of its own as the lookup's was (autograd refuses in-place writes
+      to a split's parts, and the write would reach the other parts' storage);
+    * the users that read an output as a contiguous tensor (``b.view(-1)``, and the model's
+      caller where it is returned: ``dataflow.reads_contiguous``) are given it made contiguous
+      (``aten.contiguous``: a copy only where the part is not); the other users read the part
+      itself (a ``cat`` of it stays foldable: fold_concat)."""
     if pooled:
         call = graph.call_function(torch.ops.aten.split_with_sizes.default, (call, [r.dim for r in recs], 1))
         call.meta[meta.ORIGIN] = [r.output.name for r in recs]
     for i, rec in enumerate(recs):
         out = graph.call_function(operator.getitem, (call, i))
         parts = [out]
+        readers = []
         if rec.output in written:
             out = graph.call_function(torch.ops.aten.clone.default, (out,))
             parts.append(out)
+        else:
+            readers = [u for u in rec.output.users if reads_contiguous(rec.output, u)]
+            if readers:
+                parts.append(graph.call_function(torch.ops.aten.contiguous.default, (out,)))
         for part in parts:
             part.meta[meta.ORIGIN] = [rec.output.name]
             if "val" in rec.output.meta:
                 part.meta["val"] = rec.output.meta["val"]
         rec.output.replace_all_uses_with(out)
+        for u in readers:
+            u.replace_input_with(out, parts[-1])
 
 
 def drop_dtype_asserts_after(call: fx.Node) -> None:

@@ -186,6 +186,103 @@ def test_unpooled_rows_of_a_padded_table_are_contiguous_as_pytorchs(dim, kw):
     torch.testing.assert_close(fast(x), model(x))
 
 
+class BagFlattened(nn.Module):
+    """A bag read with ``view`` beside another bag of its group (PyTorch's output is contiguous);
+    ``view=False``: the same model with ``reshape``, which copies where it must."""
+
+    def __init__(self, view=True):
+        super().__init__()
+        self.user, self.item = nn.EmbeddingBag(30, 4), nn.EmbeddingBag(30, 4)
+        self.view = view
+
+    def flat(self, t, *shape):
+        return t.view(*shape) if self.view else t.reshape(*shape)
+
+    def forward(self, ids, offsets):
+        a, b = self.user(ids, offsets), self.item(ids, offsets)
+        return a + self.flat(self.flat(b, -1), -1, 4)
+
+
+class BagsViewedThroughViews(BagFlattened):
+    """``view`` after other views, ``view_as``, after ``.contiguous()`` (the capture drops it: the
+    tensor was contiguous), in a ``torch.no_grad()`` block, and of a concatenation of part of a
+    group; lookups returned as they are."""
+
+    def __init__(self, view=True):
+        super().__init__(view)
+        self.third = nn.EmbeddingBag(30, 4)
+
+    def forward(self, ids, offsets):
+        a, b, c = self.user(ids, offsets), self.item(ids, offsets), self.third(ids, offsets)
+        with torch.no_grad():
+            n = self.flat(c, -1).norm()
+        x = self.flat(a.unsqueeze(1), -1) + self.flat(b.contiguous(), -1)
+        x = x + self.flat(c.view_as(b) if self.view else c.reshape_as(b), -1)
+        return x * n, self.flat(torch.cat([a, b], 1), -1), a, c
+
+
+VIEWED = [BagFlattened, BagsViewedThroughViews]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", VIEWED)
+def test_a_lookup_output_read_with_view_gives_the_plain_models_outputs_and_gradients(model, backend):
+    """(The users were given column slices of the group's output, which ``view`` refuses: "view
+    size is not compatible with input tensor's size and stride", on every backend.) A lookup
+    returned is contiguous too, as PyTorch's."""
+    torch.manual_seed(0)
+    check(model(), ids_offsets(), backend)
+    with torch.no_grad():
+        check(model().eval(), ids_offsets(), backend, mode="inference")
+    fast = fxrec.transform(model(), ids_offsets(), **_kw(backend))
+    got = fast(*ids_offsets(1))
+    assert all(t.is_contiguous() for t in ((got,) if torch.is_tensor(got) else got))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", VIEWED)
+def test_a_lookup_output_read_with_view_trains_with_a_fused_optimizer_as_the_plain_model(model, backend):
+    """Fused SGD (where the backend fuses it): the outputs and the tables after two steps are
+    PyTorch's with torch.optim.SGD."""
+    torch.manual_seed(0)
+    plain = model()
+    fast = fxrec.transform(copy.deepcopy(plain), ids_offsets(), optimizer=fxrec.optim.SGD(lr=0.1), **_kw(backend))
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    fast_opt = fxrec.make_optimizer(fast, torch.optim.SGD, lr=0.1)
+    for seed in (1, 2):
+        want, got = ((t,) if torch.is_tensor(t) else t for t in (plain(*ids_offsets(seed)), fast(*ids_offsets(seed))))
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        opt.zero_grad()
+        sum(w.square().sum() for w in want).backward()
+        opt.step()
+        fast_opt.zero_grad()
+        sum(g.square().sum() for g in got).backward()
+        fast_opt.step()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(fast.get_parameter(name), p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("model", VIEWED)
+def test_a_quantized_lookup_output_read_with_view_is_the_same_model_with_reshape(model):
+    """int8 tables (inference): the model with ``view`` gives what the model with ``reshape``
+    gives, bit for bit, and the plain model's outputs to int8's rounding. (transform raised:
+    measure_quantization runs the model.)"""
+    torch.manual_seed(0)
+    plain = model().eval()
+    twin = model(view=False).eval()
+    twin.load_state_dict(plain.state_dict())
+    fast, fast_twin = (fxrec.transform(copy.deepcopy(m), ids_offsets(), mode="inference", quantize="int8")
+                       for m in (plain, twin))
+    with torch.no_grad():
+        for seed in (1, 2):
+            want, got, same = plain(*ids_offsets(seed)), fast(*ids_offsets(seed)), fast_twin(*ids_offsets(seed))
+            want, got, same = ((t,) if torch.is_tensor(t) else t for t in (want, got, same))
+            for w, g, s in zip(want, got, same):
+                torch.testing.assert_close(g, s, rtol=0, atol=0)
+                torch.testing.assert_close(g, w, rtol=0, atol=0.05)
+
+
 # --------------------------------------------------------------------------- sharded
 class AddInPlaceBags(nn.Module):
     def __init__(self):
@@ -201,7 +298,23 @@ class AddInPlaceBags(nn.Module):
         return a * self.scale
 
 
-def _sharded_add_in_place(rank, world, init_file):
+class ViewedBags(nn.Module):
+    """Summed bags (a mean is divided by the bag's length after the output dist: a tensor of its
+    own), one read with ``view``."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.test_sharding import DIM, ROWS
+
+        self.bags = nn.ModuleList([nn.EmbeddingBag(r, DIM, mode="sum") for r in ROWS[:2]])
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))  # (a parameter on every rank)
+
+    def forward(self, ids, offsets):
+        a, b = self.bags[0](ids[0], offsets[0]), self.bags[1](ids[1], offsets[1])
+        return (a + b.view(-1).view_as(a)) * self.scale
+
+
+def _sharded_bags_trained(rank, world, init_file, model_cls):
     import os
 
     import torch.distributed as dist
@@ -213,7 +326,7 @@ def _sharded_add_in_place(rank, world, init_file):
 
     with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
-        model = AddInPlaceBags()
+        model = model_cls()
         ref = copy.deepcopy(model)
         plan = fxrec.plan(model, sparse(global_batch(LOCAL_B * world, 0)), world_size=world, memory_per_rank="1GB",
                           pins={"bags.0": ("table_wise", 1), "bags.1": ("table_wise", 1)}, batch_size=LOCAL_B)  # (one rank: one split)
@@ -241,7 +354,15 @@ def test_a_sharded_lookup_output_changed_in_place_trains_as_the_plain_model():
     tables on one rank, three SGD steps)."""
     from tests.test_sharding import spawn
 
-    spawn(_sharded_add_in_place, 2)
+    spawn(_sharded_bags_trained, 2, AddInPlaceBags)
+
+
+def test_a_sharded_lookup_output_read_with_view_trains_as_the_plain_model():
+    """Both tables on one rank: the output dist's tensors are column slices of what it received,
+    which ``view`` refuses (it failed); those read with ``view`` are made contiguous."""
+    from tests.test_sharding import spawn
+
+    spawn(_sharded_bags_trained, 2, ViewedBags)
 
 
 def _sharded_ids_shifted_between(rank, world, init_file):
@@ -307,7 +428,20 @@ class ScaledRows(nn.Module):
         return e * self.w
 
 
-def _sharded_rows_scaled_in_place(rank, world, init_file):
+class FlattenedRows(nn.Module):
+    """A table of dim 7 beside one of dim 8, read with ``view``: sharded, their rows travel at one
+    width (8), and the narrower table's are a slice of what arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.s, self.t = nn.Embedding(40, 8), nn.Embedding(40, 7)
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 8))  # (a parameter on every rank)
+
+    def forward(self, seq):
+        return self.s(seq) * self.w + self.t(seq).view(-1).square().sum()
+
+
+def _sharded_rows_trained(rank, world, init_file, model_cls):
     import os
 
     import torch.distributed as dist
@@ -316,10 +450,11 @@ def _sharded_rows_scaled_in_place(rank, world, init_file):
 
     with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
-        model = ScaledRows()
+        model = model_cls()
         ref = copy.deepcopy(model)
         seq = torch.randint(0, 40, (4, 3), generator=torch.Generator().manual_seed(1))
-        plan = fxrec.plan(model, (seq,), world_size=world, memory_per_rank="1GB", pins={"s": ("table_wise", 1)})
+        pins = {name: ("table_wise", 1) for name, m in model.named_children() if isinstance(m, nn.Embedding)}
+        plan = fxrec.plan(model, (seq,), world_size=world, memory_per_rank="1GB", pins=pins)
         fast = fxrec.transform(model, (seq,), plan=plan)
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (fast, ref))
         for step in range(3):  # (every rank feeds the same batch: the plain model's rows, and twice its gradient)
@@ -342,7 +477,14 @@ def test_sharded_unpooled_rows_changed_in_place_train_as_the_plain_model():
     """(The output dist's rows were views: autograd refused the in-place write.)"""
     from tests.test_sharding import spawn
 
-    spawn(_sharded_rows_scaled_in_place, 2)
+    spawn(_sharded_rows_trained, 2, ScaledRows)
+
+
+def test_sharded_unpooled_rows_read_with_view_train_as_the_plain_model():
+    """(The narrower table's rows were handed on as a slice: ``view`` refused them.)"""
+    from tests.test_sharding import spawn
+
+    spawn(_sharded_rows_trained, 2, FlattenedRows)
 
 
 class ReluAfterConcat(nn.Module):

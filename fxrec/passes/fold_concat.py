@@ -23,7 +23,9 @@ A concatenation the model writes in place (``torch.cat([a, b], 1).clamp_(min=0)`
 ``nn.ReLU(inplace=True)`` after it) becomes the group's output itself only where nothing else
 reads that output or the lookups' parts of it: the write would reach them, and in the model they
 are other tensors than their concatenation (a lookup output the model writes is a copy, and never
-folded: lower_groups).
+folded: lower_groups). Nor does a concatenation of part of a group's columns become a slice of
+its output where it is read as a contiguous tensor (``torch.cat([a, b], 1).view(-1)``, or
+returned: ``dataflow.reads_contiguous``): the slice is not one.
 
 Not handled: concatenations along another dim, slices out of column order, partial runs in a
 stack.
@@ -38,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
-from ..dataflow import SideEffects
+from ..dataflow import SideEffects, reads_contiguous
 from ..pass_infra import PassContext, PassResult, compiler_pass
 
 aten = torch.ops.aten
@@ -94,6 +96,8 @@ def fold_concat(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 changed = True
         if not changed or (len(out) == 1 and cat in written and _read_elsewhere(cat, parts)):
             continue
+        if len(out) == 1 and isinstance(out[0], tuple) and any(reads_contiguous(cat, u) for u in cat.users):
+            continue  # a slice of the group's output is not contiguous; the concatenation is
         with graph.inserting_before(cat):
             out = [graph.call_function(aten.slice.Tensor, (x[0], 1, x[1], x[2])) if isinstance(x, tuple) else x
                    for x in out]
