@@ -177,11 +177,7 @@ def transform(
     if mode not in ("training", "inference"):
         raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
     check_weights_precision(weights_precision, mode, compares=verify or check_passes)
-    if output_dtype not in ("fp32", "fp16"):
-        raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
-    if output_dtype != "fp32" and quantize is None:
-        raise ValueError("fxrec: output_dtype is the dtype of quantized tables' lookups: it needs quantize= "
-                         "(mode='inference'); the model's own lookups give its tables' dtype")
+    _check_output_dtype(output_dtype, quantize)
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     max_gradient = _check_max_gradient(max_gradient, mode)
@@ -279,9 +275,7 @@ def transform(
         _store_lower_precision(gm)
     if max_gradient:
         _clamp_lookup_gradients(gm, records)
-    notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget)
-    if max_gradient:
-        notes.append(f"embedding outputs' gradients clamped to [-{max_gradient:g}, {max_gradient:g}] (max_gradient)")
+    notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget) + _clamp_note(max_gradient)
     plan_per_rank = []
     if plan is not None:
         gm.meta["fxrec_plan"] = plan
@@ -335,6 +329,14 @@ def _set_max_gradient(gm: fx.GraphModule, limit: float) -> None:
     for m in gm.modules():
         if isinstance(m, (EmbeddingGroup, ClampGradient, PooledOutputDist, SequenceOutputDist)):
             m.max_gradient = limit
+
+
+def _check_output_dtype(output_dtype, quantize) -> None:
+    if output_dtype not in ("fp32", "fp16"):
+        raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
+    if output_dtype != "fp32" and quantize is None:
+        raise ValueError("fxrec: output_dtype is the dtype of quantized tables' lookups: it needs quantize= "
+                         "(mode='inference'); the model's own lookups give its tables' dtype")
 
 
 def _check_max_gradient(max_gradient, mode: str) -> float:
@@ -562,6 +564,11 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
     return CombinedOptimizer(dense, fallbacks, fused, units)
 
 
+def _clamp_note(max_gradient: Optional[float]) -> list:
+    return [f"embedding outputs' gradients clamped to [-{max_gradient:g}, {max_gradient:g}] (max_gradient)"] \
+        if max_gradient else []
+
+
 def _placement_note(gm: fx.GraphModule, hbm_budget) -> list:
     """A report note where ``hbm_budget=`` was given and no group runs on CUDA (it places GPU memory)."""
     if hbm_budget is None:
@@ -599,8 +606,10 @@ def explain(
     hbm_budget=None,
     cache_load_factor: float = 0.2,
     weights_precision=None,
+    output_dtype: str = "fp32",
+    max_gradient: Optional[float] = None,
 ) -> Report:
-    """The report :func:`transform` would give, for ``device`` ("cpu" or "cuda"; default: where
+    """The report :func:`transform` would give (the arguments are transform's), for ``device`` ("cpu" or "cuda"; default: where
     the model's tables are), without building any kernel, moving or copying any table, or needing
     that device: which lookups are found and grouped, and each group's kernels, fused optimizer,
     dtypes (``weights_precision=``: the precision each table is stored in) and placement on that
@@ -616,13 +625,15 @@ def explain(
         raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
+    _check_output_dtype(output_dtype, quantize)
+    max_gradient = _check_max_gradient(max_gradient, mode)
     hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
     gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs, for_calls=False)
     ctx = PassContext(
         config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
-                      device=device or _tables_device(model), hbm_budget=hbm_budget,
+                      output_dtype=output_dtype, device=device or _tables_device(model), hbm_budget=hbm_budget,
                       cache_load_factor=float(cache_load_factor), weights_precision=weights_precision),
         report=Report(), example_args=args, example_kwargs=kwargs, logger=logging.getLogger("fxrec"),
     )
@@ -637,7 +648,7 @@ def explain(
             d = plan_decision(gr, plan, ctx.config.device)
             for r in gr.lookups:
                 r.node.meta[meta.DECISION] = d
-    notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget)
+    notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget) + _clamp_note(max_gradient)
     if plan is not None:  # (transform's report has its own rank's note; here every rank's, as the plan says)
         world = plan.topology.world_size
         notes += [_rank_note(plan, r) for r in range(min(world, 8))]

@@ -396,3 +396,24 @@ def test_torch_func_grad_over_the_transformed_model_gives_the_plain_models_gradi
         torch.testing.assert_close(got[k].to_dense(), want[k], rtol=1e-5, atol=1e-6, msg=k)
     for k, v in fast.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_explain_takes_every_argument_of_transform_that_shapes_the_report():
+    """explain had no max_gradient= or output_dtype=, though it gives the report transform would."""
+    import inspect
+
+    built_only = {"verify", "check_passes", "rtol", "atol", "copy_model", "dump_dir", "logger", "autotune",
+                  "timing_rounds", "reuse_outputs"}
+    missing = set(inspect.signature(fxrec.transform).parameters) - set(inspect.signature(fxrec.explain).parameters)
+    assert missing <= built_only, missing - built_only
+    model, x = M.BagList(), M.bag_inputs()
+    said = fxrec.explain(model, x, max_gradient=0.5).notes
+    made = fxrec.transform(model, x, max_gradient=0.5).report.notes
+    assert [n for n in said if "max_gradient" in n] == [n for n in made if "max_gradient" in n] != []
+    with pytest.raises(ValueError, match="output_dtype is the dtype of quantized tables' lookups"):
+        fxrec.explain(model, x, output_dtype="fp16")
+    with pytest.raises(ValueError, match="max_gradient clamps the gradients of training"):
+        fxrec.explain(model.eval(), x, mode="inference", max_gradient=0.5)
+    said = fxrec.explain(model.eval(), x, mode="inference", quantize="int8", output_dtype="fp16")
+    made = fxrec.transform(model.eval(), x, mode="inference", quantize="int8", output_dtype="fp16").report
+    assert [g.kernel_eval for g in said.groups] == [g.kernel_eval for g in made.groups]
