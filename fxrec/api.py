@@ -503,8 +503,12 @@ def _plan_per_rank(plan) -> list:
 
 
 def _rank_note(plan, rank: int) -> str:
-    mine = [f"{s.table} ({plan.tables[s.table].sharding}, rows {s.row_offset}..{s.row_offset + s.num_rows})"
-            for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
+    def piece(s) -> str:  # (first..last, as the id errors give a table's rows)
+        tp = plan.tables[s.table]
+        cols = f", columns {s.col_offset}..{s.col_offset + s.num_cols - 1}" if s.num_cols != tp.spec.dim else ""
+        return f"{s.table} ({tp.sharding}, rows {s.row_offset}..{s.row_offset + s.num_rows - 1}{cols})"
+
+    mine = [piece(s) for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
     return (f"rank {rank} of {plan.topology.world_size}: holds {', '.join(mine) or 'no table shards'}; "
             "the gradients of every other parameter are summed over ranks in backward")
 

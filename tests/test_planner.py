@@ -196,6 +196,18 @@ def test_a_plan_whose_shards_are_not_the_layout_the_shard_pass_cuts_is_refused_n
         ShardingPlan.from_dict(_edited(plan, table, edit))
 
 
+def test_the_rank_notes_give_each_piece_as_first_to_last_row_and_column():
+    """They gave rows as a half-open 0..20 (the id errors give 0..19) and no columns."""
+    model, x = M.BagList(rows=(40, 30, 20)), M.bag_inputs(rows=(40, 30, 20))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB",
+                      pins={"bags.0": "row_wise", "bags.1": "column_wise", "bags.2": ("table_wise", 1)})
+    notes = [n for n in fxrec.explain(model, x, plan=plan).notes if n.startswith("rank")]
+    assert notes[0].startswith("rank 0 of 2: holds bags.0 (row_wise, rows 0..19), bags.1 (column_wise, rows 0..29, "
+                               "columns 0..3);"), notes
+    assert notes[1].startswith("rank 1 of 2: holds bags.0 (row_wise, rows 20..39), bags.1 (column_wise, rows 0..29, "
+                               "columns 4..7), bags.2 (table_wise, rows 0..19);"), notes
+
+
 def test_a_damaged_plan_file_is_a_value_error_saying_so():
     """(Missing keys, an extra shard field or a JSON list were KeyError / TypeError /
     AttributeError; a table listed twice kept the last; ranks over memory_per_rank loaded.)"""
