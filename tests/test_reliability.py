@@ -258,6 +258,32 @@ def test_inference_mode_on_every_backend(backend, make):
     torch.testing.assert_close(got, model(*x))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opt", [None, "sgd", "rowwise_adagrad"])
+def test_a_first_call_under_inference_mode_leaves_the_model_trainable(backend, opt):
+    """A validation pass before training (or after deepcopy / .to()): fbgemm's TBE was built in
+    inference mode, the tables became inference tensors, and the next training step failed
+    ("Inference tensors cannot be saved for backward"; row-wise Adagrad failed in the call)."""
+    torch.manual_seed(0)
+    model = M.BagList()
+    table_opt = {None: None, "sgd": fxrec.optim.SGD(lr=0.1), "rowwise_adagrad": fxrec.optim.RowWiseAdagrad(lr=0.1)}[opt]
+    fast = fxrec.transform(copy.deepcopy(model), M.bag_inputs(), optimizer=table_opt, backend=backend)
+    ref = fxrec.transform(copy.deepcopy(model), M.bag_inputs(), optimizer=table_opt, backend=backend)
+    for m in (fast, copy.deepcopy(fast)):
+        with torch.inference_mode():
+            torch.testing.assert_close(m(*M.bag_inputs(seed=1)), ref(*M.bag_inputs(seed=1)))
+        assert not any(p.is_inference() for p in m.parameters())
+    opts = [m.make_optimizer(torch.optim.SGD, lr=0.1) for m in (fast, ref)]
+    for step in range(2):
+        x = M.bag_inputs(seed=2 + step)
+        for m, o in zip((fast, ref), opts):
+            m(*x).square().sum().backward()
+            o.step(), o.zero_grad()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(fast.state_dict()[k], v, msg=k)
+    fast.requires_grad_(True)
+
+
 def test_inference_mode_on_quantized_groups():
     model = M.BagList().eval()
     fast = fxrec.transform(model, M.bag_inputs(), mode="inference", quantize="fp32")

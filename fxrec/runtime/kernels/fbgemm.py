@@ -90,7 +90,10 @@ def bound_tbe(group, params: Sequence[torch.Tensor]) -> Optional[nn.Module]:
 
 def ensure_bound(group, params: Sequence[torch.Tensor]) -> nn.Module:
     tbe = bound_tbe(group, params)
-    return tbe if tbe is not None else _bind(group, params).tbe
+    if tbe is not None:
+        return tbe
+    with torch.inference_mode(False):  # (a first call under it would make the tables inference tensors)
+        return _bind(group, params).tbe
 
 
 def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
