@@ -372,6 +372,33 @@ def test_check_passes_with_a_fused_optimizer_compares_gradients_and_updates_noth
 
 
 @pytest.mark.parametrize("backend", ["auto", "fbgemm", "native", "reference"])
+def test_functional_call_with_other_tensors_is_refused_by_a_fused_group_and_changes_nothing(backend):
+    """Outside torch.func transforms the fused update wrote the caller's tensors in place (they got
+    no .grad) and moved the model's optimizer state. Without an optimizer they get gradients."""
+    from torch.func import functional_call
+
+    x = M.bag_inputs(seed=3)
+    fast = fxrec.transform(M.BagList(), M.bag_inputs(), backend=backend, optimizer=fxrec.optim.Adagrad(lr=0.1))
+    before = {k: v.detach().clone() for k, v in fast.state_dict().items()}
+    params = {k: v.detach().clone().requires_grad_() for k, v in fast.named_parameters()}
+    mine = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(RuntimeError, match=r"given tensors that are not the model's parameters .*torch\.func\.grad"):
+        functional_call(fast, params, x).sum().backward()
+    for k, v in fast.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in params.items():
+        assert torch.equal(v, mine[k]), k
+    model = M.BagList()
+    plain = fxrec.transform(model, M.bag_inputs(), backend=backend)
+    params = {k: v.detach().clone().requires_grad_() for k, v in plain.named_parameters()}
+    functional_call(plain, params, x).sum().backward()
+    want = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    functional_call(model, want, x).sum().backward()
+    for k, v in want.items():
+        torch.testing.assert_close(params[k].grad, v.grad, msg=k)
+
+
+@pytest.mark.parametrize("backend", ["auto", "fbgemm", "native", "reference"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_torch_func_grad_over_the_transformed_model_gives_the_plain_models_gradients(backend, fused):
     """Under torch.func transforms the groups run PyTorch's own lookups, which those transforms

@@ -302,6 +302,11 @@ class EmbeddingGroup(InputChecks, nn.Module):
             computed = [t.name for t, p in zip(self.tables, params) if not p.is_leaf]
             self.fused_unusable(f"tables {computed} are computed (a parametrization registered on them?), and a fused "
                                 "update would change the computed values, not the parameters they come from")
+        if not all(isinstance(p, torch.nn.Parameter) for p in params):
+            self.fused_unusable("it is given tensors that are not the model's parameters "
+                                "(torch.func.functional_call?): the fused update would write them in place, and the "
+                                "model's optimizer state would move. For their gradients, call it under a torch.func "
+                                "transform (torch.func.grad), which fuses nothing")
         if params and params[0].dtype in _LOWER and not self.half and not self.weights:
             self.fused_unusable(
                 f"they are now {params[0].dtype} (a .half() / .to() after transform?), and fxrec fuses no optimizer "
