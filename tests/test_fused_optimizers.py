@@ -1085,3 +1085,16 @@ def test_an_empty_batch_backpropagates_through_fused_groups_and_updates_nothing(
         assert not fast(*empty).requires_grad
     fast(*x).sum().backward()  # and the next batch trains
     assert not torch.equal(fast.state_dict()["user.weight"], before["user.weight"])
+    relu = fxrec.transform(ReluOfBags(), x[:2], optimizer=copy.deepcopy(opt), **kw)  # (written in place: no leaf)
+    relu(*empty[:2]).sum().backward()
+
+
+class ReluOfBags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(30, 8)
+        self.b = nn.EmbeddingBag(30, 8)
+        self.top = nn.Linear(16, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(torch.relu_(torch.cat([self.a(ids, offsets), self.b(ids, offsets)], 1)))

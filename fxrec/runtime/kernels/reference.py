@@ -69,8 +69,10 @@ def _empty_batch(group, ids_list, offsets_list, psw_list, params):
     ``loss.backward()`` runs as on the plain model (it raised: "does not require grad")."""
     with torch.no_grad():
         out = lookups(group, ids_list, offsets_list, psw_list, params)
-    grad = torch.is_grad_enabled()
-    return [o.requires_grad_(grad) for o in out] if isinstance(out, list) else out.requires_grad_(grad)
+    if not torch.is_grad_enabled():
+        return out
+    # (a clone of a leaf that requires grad: a tensor the model may write in place, as the lookups' own)
+    return [o.requires_grad_().clone() for o in out] if isinstance(out, list) else out.requires_grad_().clone()
 
 
 def _batch(group, ids_list, offsets_list) -> int:
