@@ -280,7 +280,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     paths = _install_input_guards(gm, ep)
     _name_inputs(gm, paths)
     _structured_forward(gm, _defaults_left(model, args, kwargs),
-                        for_calls and _dict_order_matters(model, args, kwargs))
+                        for_calls and _dict_order_matters(model, args, kwargs, gm))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
 
     other: Dict[str, Any] = {}
@@ -619,7 +619,8 @@ def _reordered(tree):
     return tree
 
 
-def _dict_order_matters(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+def _dict_order_matters(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                        gm: Optional[fx.GraphModule] = None) -> bool:
     """Whether the model's output depends on the order of the keys of its dict inputs (its code
     iterates one: ``for k, v in feats.items()``), found by running it on the example with every
     dict of two or more keys reversed (random state and buffers kept). The captured graph reads a
@@ -629,11 +630,12 @@ def _dict_order_matters(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: D
         return False
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         return True
-    from .verify import buffers_kept
+    from .verify import buffers_kept, written_in_forward
 
+    written = written_in_forward(gm) if gm is not None else []  # (its capture: what forward writes)
     outs = []
     for tree in ((args, kwargs), _reordered((args, kwargs))):
-        with buffers_kept(model), torch.no_grad():
+        with buffers_kept(model, params=written), torch.no_grad():
             torch.manual_seed(0)
             a, k = copy.deepcopy(tree)
             try:

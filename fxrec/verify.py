@@ -49,7 +49,22 @@ def written_in_forward(gm: torch.nn.Module) -> List[str]:
     if not isinstance(graph, fx.Graph):
         return []
     named = {n for n, _ in gm.named_parameters()}
-    return [n.target for n in graph.nodes if n.op == "get_attr" and n.target in named and _mutated_in_graph(n)]
+    out = [n.target for n in graph.nodes if n.op == "get_attr" and n.target in named and _mutated_in_graph(n)]
+    for block in graph.nodes:  # written in a no_grad block (torch.no_grad(): self.emb.weight.mul_(0.5))
+        if block.op != "call_function" or block.target is not torch.ops.higher_order.wrap_with_set_grad_enabled:
+            continue
+        body = getattr(gm, str(getattr(block.args[1], "target", "")), None)
+        if not isinstance(body, fx.GraphModule):
+            continue
+        holders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        for n in body.graph.nodes:
+            schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+            for a, x in zip(schema.arguments if schema is not None else (), n.args):
+                if a.alias_info is not None and a.alias_info.is_write and x in holders:
+                    src = block.args[2 + holders.index(x)] if 2 + holders.index(x) < len(block.args) else None
+                    if getattr(src, "op", None) == "get_attr" and src.target in named and src.target not in out:
+                        out.append(src.target)
+    return out
 
 
 def _written_params(modules, names: Sequence[str]) -> List[torch.Tensor]:
@@ -66,19 +81,19 @@ def _written_params(modules, names: Sequence[str]) -> List[torch.Tensor]:
 def _run(model, args, kwargs, seed: int, written: Sequence[str] = ()):
     for p in model.parameters():
         p.grad = None
-    with buffers_kept(model, params=written):
+    with buffers_kept(model, params=written):  # (restored after backward, which may read what forward wrote)
         torch.manual_seed(seed)  # the same dropout masks in both models
         out = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-    leaves = _float_leaves(out)
-    g = torch.Generator().manual_seed(seed)
-    loss = None
-    for x in leaves:
-        if x.requires_grad:
-            cot = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
-            term = (x * cot).sum()
-            loss = term if loss is None else loss + term
-    if loss is not None:
-        loss.backward()
+        leaves = _float_leaves(out)
+        g = torch.Generator().manual_seed(seed)
+        loss = None
+        for x in leaves:
+            if x.requires_grad:
+                cot = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
+                term = (x * cot).sum()
+                loss = term if loss is None else loss + term
+        if loss is not None:
+            loss.backward()
     grads = {}
     for name, p in model.named_parameters():
         if p.grad is not None:

@@ -337,13 +337,37 @@ class RenormedDict(nn.Module):
         return torch.cat([self.a(*feats["x"]), self.b(*feats["y"])], 1)
 
 
+class HalvedDict(RenormedDict):
+    """A table written in a no_grad block in forward (captured as a higher-order op's body)."""
+
+    def forward(self, feats):
+        with torch.no_grad():
+            self.a.weight.mul_(0.5)
+        return torch.cat([self.a(*feats["x"]), self.b(*feats["y"])], 1)
+
+
+class TiedRenorm(nn.Module):
+    """A max_norm table that backward reads too (the output layer): restored only after backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Embedding(30, 8, max_norm=0.5)
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, feats):
+        return self.mix(self.a(feats["x"][0]).sum(0, keepdim=True)) @ self.a.weight.t() + feats["y"][0].sum()
+
+
 @pytest.mark.parametrize("kw", [dict(verify=True), dict(check_passes=True), dict(autotune=True), {}],
                          ids=["verify", "check_passes", "autotune", "dict-order-probe"])
-def test_transform_leaves_a_max_norm_table_as_it_was_in_both_models(kw):
+@pytest.mark.parametrize("cls", [RenormedDict, HalvedDict, TiedRenorm])
+def test_transform_leaves_a_table_forward_writes_as_it_was_in_both_models(kw, cls):
     """verify=, check_passes=, autotune= and the dict-order probe run the model's forward, which
-    renormalised the example's rows of the user's table (verify) or of the transformed one."""
+    renormalised the example's rows of the user's table (verify) or of the transformed one; a
+    table backward reads was restored before it (verify failed), and a no_grad block's write was
+    not seen."""
     torch.manual_seed(0)
-    model = RenormedDict()
+    model = cls()
     g = torch.Generator().manual_seed(1)
     ids, offsets = torch.randint(0, 30, (12,), generator=g), torch.arange(0, 12, 3)
     x = ({"x": (ids, offsets), "y": (ids.flip(0), offsets)},)
@@ -353,7 +377,7 @@ def test_transform_leaves_a_max_norm_table_as_it_was_in_both_models(kw):
     assert torch.equal(fast.state_dict()["a.weight"], before)
     torch.testing.assert_close(fast(*x), model(*x))
     torch.testing.assert_close(fast.state_dict()["a.weight"], model.a.weight)
-    assert not torch.equal(model.a.weight, before)  # (the table does renormalise)
+    assert not torch.equal(model.a.weight, before)  # (forward does write the table)
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "fbgemm"])
