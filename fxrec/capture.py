@@ -316,17 +316,14 @@ def _bind_mode_conditions(gm: fx.GraphModule, paths: List[str], recapture, other
     training-mode capture takes a batch of 1 that only batch norm's training-mode check refused, and
     ``fast.train()`` after an eval-mode capture refuses one (batch norm would otherwise train on it and
     write NaN into its running variance, where the plain model raises). The other mode's conditions
-    come from capturing the model in it, done only where a batch or instance norm follows the mode
-    (their checks are the ones known to differ) or where :func:`bind_modes` captured it anyway."""
+    come from capturing the model in it (a second export), done only where a batch or instance norm
+    follows the mode: their checks are the ones known to differ, and their flags are the ones read."""
     guards = input_guards(gm)
-    flags = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(n.target, str)
-             and (n.target == "training" or n.target.endswith(".training"))]
+    # the flags of the norms that follow the mode (a dropout's mode changes no size condition)
+    flags = list({n.args[5]: None for n in gm.graph.nodes if n.op == "call_function" and n.target in _CHECKED_IN_ONE_MODE
+                  and len(n.args) > 5 and isinstance(n.args[5], fx.Node) and n.args[5].op == "get_attr"})
     call = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == GUARDS_NAME), None)
     if guards is None or call is None or not flags:
-        return
-    norms = any(n.op == "call_function" and n.target in _CHECKED_IN_ONE_MODE and isinstance(n.args[5], fx.Node)
-                for n in gm.graph.nodes if len(n.args) > 5)
-    if not norms and "ep" not in other:
         return
     try:
         recapture()
