@@ -294,7 +294,8 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
     path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
     _check_collective("load", layout)
-    _refuse_float_rows_into_packed(fast, path)
+    if strict:
+        _refuse_float_rows_into_packed(fast, path)
     if not (dist.is_available() and dist.is_initialized()):  # an unsharded model in a single process
         return load_into_model(fast, path, strict=strict, optimizer=optimizer)
     state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
@@ -392,7 +393,8 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
     if any(_is_partial(shape, pieces) for shape, pieces in layout.values()):
         raise RuntimeError("fxrec.checkpoint.load_into_model: the model is sharded (transformed with plan=): "
                            "use fxrec.checkpoint.load on every rank")
-    _refuse_float_rows_into_packed(model, path)
+    if strict:
+        _refuse_float_rows_into_packed(model, path)
     states = {**_fused.states(model), **_fused.steps(model)}  # first: it may bind the tables to their TBE
     state = {**model.state_dict(), **states}
     verify(path)
@@ -543,17 +545,19 @@ _PACKED_ROWS = ("q_weights", "q_weights_offsets", "q_weights_placements", "q_row
 
 
 def _refuse_float_rows_into_packed(module: torch.nn.Module, path: str) -> None:
-    """A CheckpointError, before anything is read, where the model holds quantized rows the checkpoint
-    does not (it was saved from float tables): they are made from float tables by transform."""
+    """(strict) A CheckpointError, before anything is read, where the model holds quantized rows the
+    checkpoint does not (saved from float tables, or without the tables): transform makes them from
+    float tables. strict=False loads the rest and leaves the quantized rows as they are."""
     packed = [k for k in module.state_dict(keep_vars=True) if k.rsplit(".", 1)[-1] == "q_weights"]
     if not packed:
         return
     saved = set(_read_metadata(path).state_dict_metadata)
     if any(k not in saved for k in packed):
         raise CheckpointError(
-            f"fxrec.checkpoint: {path!s} holds float tables, and this model holds quantized rows (transformed with "
-            "quantize=), which are made from float tables: load the checkpoint into the plain model "
-            "(fxrec.checkpoint.load_into_model(model, path)) and transform that with quantize=")
+            f"fxrec.checkpoint: {path!s} holds no quantized rows of this model's tables (transformed with "
+            "quantize=), which transform makes from float tables: load the checkpoint into the plain model "
+            "(fxrec.checkpoint.load_into_model(model, path)) and transform that with quantize= (strict=False loads "
+            "the rest and leaves the quantized rows as they are)")
 
 
 def _copy_back(module: torch.nn.Module, state: Dict[str, torch.Tensor], staged: Dict[str, object]) -> None:
