@@ -348,8 +348,13 @@ class Load:
 
 
 #: steppers with no state, the same update fused or stepped by torch.optim (a table may move between
-#: the two with the plan: data-parallel tables are stepped by torch.optim)
+#: the two with the plan: data-parallel tables are stepped by torch.optim), where torch.optim's SGD
+#: has no momentum, weight decay, nesterov or maximize (fbgemm's exact SGD has none of them)
 _STATELESS = {"SGD", "fused sgd"}
+
+
+def _plain_sgd(hps: dict) -> bool:
+    return not any(hps.get(k) for k in ("momentum", "weight_decay", "nesterov", "maximize"))
 
 
 def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, strict: bool,
@@ -374,13 +379,14 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
 
     steppers = _steppers(optimizer)
 
-    def usable(fqn: str, fused_here: bool, stepper: str) -> Optional[dict]:
+    def usable(fqn: str, fused_here: bool, stepper: str, group_here: Optional[dict] = None) -> Optional[dict]:
         rec = records.get(fqn)
         if rec is None:
             missing.append(fqn)
         elif rec["fused"] != fused_here:
-            if not rec["states"] and {rec["optimizer"], stepper} <= _STATELESS:
-                return rec  # plain SGD, fused or not, keeps no state: its hyperparameters are all there is
+            torch_side = group_here if rec["fused"] else {k: _decode(v) for k, v in rec["group"].items()}
+            if not rec["states"] and {rec["optimizer"], stepper} <= _STATELESS and _plain_sgd(torch_side or {}):
+                return rec  # plain SGD, fused or not, keeps no state: its learning rate is all there is
             if strict:
                 problems.append(
                     f"'{fqn}' was saved with {'a fused' if rec['fused'] else 'a torch.optim'} optimizer and is "
@@ -401,7 +407,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
             hps: Dict[str, dict] = {}
             for p in g["params"]:
                 fqn = _fqn(names, p)
-                rec = usable(fqn, False, type(o).__name__)
+                rec = usable(fqn, False, type(o).__name__, g)
                 if rec is None:
                     target.states.append(None)
                     continue

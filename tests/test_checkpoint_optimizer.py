@@ -628,3 +628,18 @@ def test_a_resized_table_with_fused_states_is_named_without_blaming_another_opti
     with pytest.raises(CheckpointError, match=r"'a\.weight' is 40 x 8 in the checkpoint and 41 x 8 in the model") as e:
         fxrec.checkpoint.load_into_model(bigger, tmp_path / "ck")
     assert "another optimizer" not in str(e.value)
+
+
+def test_a_table_stepped_by_torch_sgd_with_weight_decay_is_not_taken_as_plain_sgd_by_a_fused_one(tmp_path):
+    """Only plain SGD crosses between torch.optim and fused: weight decay (or momentum, nesterov,
+    maximize), which fbgemm's exact SGD has not, was taken into the fused group (review of 2c22493)."""
+    x = (torch.randint(0, 40, (8,)), torch.arange(0, 8, 2))
+    src = fxrec.transform(_OneBag(40), x)
+    opt = src.make_optimizer(torch.optim.SGD, lr=0.05, weight_decay=0.1)  # the table too, with weight decay
+    src(*x).sum().backward()
+    opt.step()
+    fxrec.checkpoint.save(src, str(tmp_path / "ck"), optimizer=opt)
+    dst = fxrec.transform(_OneBag(40), x, optimizer={"a": fxrec.optim.SGD(lr=0.5)})
+    with pytest.raises(CheckpointError, match=r"'a\.weight' was saved with a torch\.optim optimizer and is fused here"):
+        fxrec.checkpoint.load(dst, str(tmp_path / "ck"), optimizer=dst.make_optimizer(torch.optim.SGD, lr=0.05,
+                                                                                       weight_decay=0.1))
