@@ -224,13 +224,17 @@ def test_a_damaged_plan_file_is_a_value_error_saying_so():
         with pytest.raises(ValueError, match=what):
             ShardingPlan.from_json(json.dumps(broken))
     # a huge world_size: refused before listing every rank (a billion took all the memory there is)
-    for sharding in ("row_wise", "data_parallel"):
+    for sharding in ("row_wise", "data_parallel", "table_wise", "column_wise"):
         edited = fxrec.plan(tables=[TableSpec("t", 100, 8)], world_size=2, memory_per_rank="1GB",
                             pins={"t": sharding}).to_dict()
         edited["topology"]["world_size"] = 10**12
-        with pytest.raises(ValueError, match=rf"planned {sharding}, but it has 2 shards, where it has one on each of "
-                                             r"1000000000000 ranks"):
+        with pytest.raises(ValueError, match=r"world_size 1000000000000 is more than the 1048576 ranks"):
             ShardingPlan.from_json(json.dumps(edited))
+        edited["topology"]["world_size"] = 2**20  # (within the cap: the layout check, before any list per rank)
+        if sharding in ("row_wise", "data_parallel"):
+            with pytest.raises(ValueError, match=rf"planned {sharding}, but it has 2 shards, where it has one on "
+                                                 r"each of 1048576 ranks"):
+                ShardingPlan.from_json(json.dumps(edited))
 
 
 def test_explain_refuses_the_plans_transform_refuses():

@@ -55,6 +55,9 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([A-Za-z]*)\s*$")
 
+#: the most ranks a plan is made for (2**20: a plan lists figures per rank)
+MAX_WORLD_SIZE = 2 ** 20
+
 PLAN_FORMAT = "fxrec.sharding_plan"
 PLAN_VERSION = 1
 
@@ -230,6 +233,8 @@ class Topology:
         ws = self.world_size
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ValueError(f"fxrec.plan: world_size must be an int >= 1, got {ws!r}")
+        if ws > MAX_WORLD_SIZE:  # (a plan keeps figures per rank: a plan file edited to 10**12 took all memory)
+            raise ValueError(f"fxrec.plan: world_size {ws} is more than the {MAX_WORLD_SIZE} ranks fxrec plans for")
         if self.device not in DEFAULT_BANDWIDTHS:
             raise ValueError(f"fxrec.plan: device must be one of {sorted(DEFAULT_BANDWIDTHS)}, got {self.device!r}")
         if self.memory_per_rank is None:
