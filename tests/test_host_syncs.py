@@ -255,3 +255,30 @@ def test_the_tensor_ops_of_a_call_do_not_grow_with_the_features(opt):
     small, large = _ops_per_call(4, opt), _ops_per_call(64, opt)
     assert large == small, (small, large)
 
+
+
+class _SparseSequences(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Embedding(30, 8, padding_idx=0, sparse=True)
+        self.b = torch.nn.Embedding(30, 8, sparse=True)
+
+    def forward(self, x, y):
+        return torch.cat([self.a(x), self.b(y)], 2).sum(1)
+
+
+def test_sparse_gradients_wait_once_a_table_with_padding_ids_and_never_without():
+    """A sparse gradient leaves its padding ids out, as PyTorch's does: that takes a boolean mask,
+    which waits for the device, once a backward for each sparse table with a padding_idx (documented
+    in docs/gpu.md); sparse tables without one wait nowhere."""
+    def inp(s):
+        g = torch.Generator().manual_seed(s)
+        return torch.randint(0, 30, (4, 5), generator=g), torch.randint(0, 30, (4, 5), generator=g)
+
+    fast = fxrec.transform(_SparseSequences(), inp(0), backend="fbgemm")
+    with sync_free():
+        _step(fast, inp(1))
+        with host_syncs() as syncs:
+            _step(fast, inp(2))
+    assert [(what, where.split(":")[0]) for what, where in syncs.in_fxrec()] == \
+        [("aten::nonzero", "fxrec/runtime/grad.py")]  # (table a's; b has no padding_idx)

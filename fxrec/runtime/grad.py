@@ -181,8 +181,8 @@ class LookupWithGrads(torch.autograd.Function):
             elif spec.sparse:
                 if any(skip[i] >= 0 for i in mine):
                     # as PyTorch's: no entry for a padding id (a lazy optimizer would step its row)
-                    keep = torch.cat([indices[bounds[i] : bounds[i + 1]] != skip[i] for i in mine])
-                    ids_t, rows_t = ids_t[keep], rows_t[keep]
+                    keep = torch.cat([indices[bounds[i] : bounds[i + 1]] != skip[i] for i in mine]).nonzero()[:, 0]
+                    ids_t, rows_t = ids_t.index_select(0, keep), rows_t.index_select(0, keep)  # (one wait)
                 grads[t] = torch.sparse_coo_tensor(
                     ids_t.unsqueeze(0), rows_t if len(mine) > 1 or group.pooling != "none" else rows_t.clone(),
                     (spec.num_rows, spec.dim), device=p.device, check_invariants=False,
