@@ -183,7 +183,7 @@ def _edited(plan, table, edit):
     ("cw", lambda t: t["shards"][1].update(col_offset=0), r"'cw' is planned column_wise, but its column shards"),
     ("cw", lambda t: t["shards"][1].update(rank=t["shards"][0]["rank"]), r"two of its column shards are on one rank"),
     ("twrw", lambda t: t["shards"][0].update(num_rows=1), r"'twrw' is planned table_row_wise"),
-    ("dp", lambda t: t["shards"].pop(), r"'dp' is planned data_parallel, but its shards"),
+    ("dp", lambda t: t["shards"].pop(), r"'dp' is planned data_parallel, but it has 7 shards, where it has one on each of 8 ranks"),
     ("tw", lambda t: t["shards"][0].update(bytes=float("nan")), r"a shard's bytes is nan"),
     ("tw", lambda t: t.update(pooled="false"), r"pooled must be true or false, got 'false'"),
 ])
