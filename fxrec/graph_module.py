@@ -73,7 +73,15 @@ class TransformedModule(fx.GraphModule):
 
     def __deepcopy__(self, memo):
         sync_caches(self)
-        return adopt(super().__deepcopy__(memo))
+        kept = {name for name, _ in self.named_buffers()}
+        out = adopt(super().__deepcopy__(memo))
+        # fx's copy registers the graph's tensor constants (lifted_tensor_0: a torch.tensor(...) in
+        # forward) as buffers, which state_dict() then lists: plain attributes again, as in the original
+        for name in [n for n, _ in out.named_buffers() if n not in kept]:
+            owner, _, leaf = name.rpartition(".")
+            mod = out.get_submodule(owner) if owner else out
+            setattr(mod, leaf, mod._buffers.pop(leaf))
+        return out
 
     def __reduce__(self):
         sync_caches(self)

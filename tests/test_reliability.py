@@ -297,6 +297,27 @@ def test_inference_mode_on_quantized_groups():
 
 
 # --------------------------------------------------------------------------- pickle, deepcopy, compile
+class ConstantIndex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4, mode="sum")
+
+    def forward(self, ids, offsets):
+        return self.emb(ids, offsets)[:, torch.tensor([0, 2])]  # (a constant the graph holds: lifted_tensor_0)
+
+
+def test_a_deepcopy_has_the_original_models_state_dict_keys():
+    """fx's deepcopy registered the graph's tensor constants as buffers: state_dict() listed
+    'lifted_tensor_0', and the plain model's state_dict no longer loaded."""
+    model = ConstantIndex()
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    fast = fxrec.transform(model, x)
+    for m in (fast, copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
+        assert sorted(m.state_dict()) == sorted(model.state_dict())
+        m.load_state_dict(model.state_dict())
+        torch.testing.assert_close(m(*x), model(*x))
+
+
 @pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
 def test_save_and_copy_keep_the_model_its_report_and_fused_states(how, tmp_path):
     model = M.BagList(dim=8)
