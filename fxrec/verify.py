@@ -43,6 +43,7 @@ def buffers_kept(*modules: torch.nn.Module, params: Sequence[str] = ()) -> Itera
 def written_in_forward(gm: torch.nn.Module) -> List[str]:
     """The parameters a captured graph's forward writes in place (``max_norm``'s renormalisation,
     a weight changed under ``no_grad``), by name."""
+    from .dataflow import hop_effects
     from .passes.annotate_lookups import _mutated_in_graph
 
     graph = getattr(gm, "graph", None)
@@ -50,20 +51,10 @@ def written_in_forward(gm: torch.nn.Module) -> List[str]:
         return []
     named = {n for n, _ in gm.named_parameters()}
     out = [n.target for n in graph.nodes if n.op == "get_attr" and n.target in named and _mutated_in_graph(n)]
-    for block in graph.nodes:  # written in a no_grad block (torch.no_grad(): self.emb.weight.mul_(0.5))
-        if block.op != "call_function" or block.target is not torch.ops.higher_order.wrap_with_set_grad_enabled:
-            continue
-        body = getattr(gm, str(getattr(block.args[1], "target", "")), None)
-        if not isinstance(body, fx.GraphModule):
-            continue
-        holders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        for n in body.graph.nodes:
-            schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-            for a, x in zip(schema.arguments if schema is not None else (), n.args):
-                if a.alias_info is not None and a.alias_info.is_write and x in holders:
-                    src = block.args[2 + holders.index(x)] if 2 + holders.index(x) < len(block.args) else None
-                    if getattr(src, "op", None) == "get_attr" and src.target in named and src.target not in out:
-                        out.append(src.target)
+    for block in graph.nodes:  # written in a higher-order op's body (torch.no_grad(): self.emb.weight.mul_(0.5))
+        if block.op == "call_function" and isinstance(block.target, torch._ops.HigherOrderOperator):
+            out += [o.target for o in hop_effects(block)[1]
+                    if o.op == "get_attr" and o.target in named and o.target not in out]
     return out
 
 
