@@ -10,7 +10,8 @@ computations (merge_lookups) need the same facts: what besides data flow orders 
 * :func:`reorder`: a stable topological sort under those edges, with extra "places" (a set of
   inputs that must all come before a set of users);
 * :func:`reaches`: whether one node is reached from others, walking back;
-* :func:`reads_contiguous`: whether a user needs a tensor laid out as a contiguous one.
+* :func:`reads_contiguous`: whether a user needs a tensor laid out as a contiguous one;
+* :func:`carries_gradient`: whether a gradient can flow back to a node's value.
 
 These know nothing of lookups or groups.
 """
@@ -257,6 +258,33 @@ def reaches(start: fx.Node, targets: Set[fx.Node], preds: Callable[[fx.Node], Li
             return n
         todo.extend(preds(n))
     return None
+
+
+def carries_gradient(node: fx.Node) -> bool:
+    """Whether a gradient can reach ``node``'s value: False only where every chain of its users
+    ends at a ``detach``, a ``torch.no_grad()`` block, a result of integer or bool dtype (``argmax``,
+    a comparison) or a result nothing uses; True where one reaches the graph's output, a side
+    effect or anything else (what cannot be told carries one)."""
+    seen: Set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        for u in todo.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.op != "call_function":
+                return True  # the output, a module call
+            if u.target is aten.detach.default:
+                continue
+            if getattr(u.target, "__name__", "") == "wrap_with_set_grad_enabled" and u.args and u.args[0] is False:
+                continue
+            val = u.meta.get("val")
+            if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
+                continue
+            if isinstance(u.target, torch._ops.HigherOrderOperator) or is_impure(u):
+                return True
+            todo.append(u)
+    return False
 
 
 def reads_contiguous(node: fx.Node, user: fx.Node, top: bool = True) -> bool:

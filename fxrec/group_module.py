@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from . import meta
-from .dataflow import SideEffects, reads_contiguous
+from .dataflow import SideEffects, carries_gradient, reads_contiguous
 from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from .runtime.group import EmbeddingGroup
 from .runtime.specs import FeatureSpec, GroupSpec, TableSpec
@@ -45,6 +45,7 @@ def _specs(gr: meta.GroupRecord) -> Tuple[List[TableSpec], List[FeatureSpec], Di
             FeatureSpec(
                 name=rec.feature, table=index[rec.param], form=rec.form, padding_idx=rec.padding_idx,
                 include_last_offset=rec.include_last_offset, weighted=rec.weighted,
+                grad=carries_gradient(rec.output),
             )
         )
     return tables, features, index

@@ -173,6 +173,56 @@ def test_sparse_tables_get_sparse_gradients():
     opt.step()  # the sparse gradient is usable by torch's sparse optimizers
 
 
+class _OneLookupDetached(torch.nn.Module):
+    """A sparse table looked up twice, one result detached or only read by argmax (a stop-gradient
+    on a shared item table); a second table looked up only detached."""
+
+    def __init__(self, form, how):
+        super().__init__()
+        self.form, self.how = form, how
+        if form == "bag":
+            self.a = torch.nn.EmbeddingBag(20, 4, mode="sum", sparse=True)
+            self.b = torch.nn.EmbeddingBag(20, 4, mode="sum")
+        else:
+            self.a = torch.nn.Embedding(20, 4, sparse=True)
+            self.b = torch.nn.Embedding(20, 4)
+
+    def forward(self, i1, i2):
+        look = (lambda t, i: t(i, torch.tensor([0, 1]))) if self.form == "bag" else (lambda t, i: t(i))
+        other, off = look(self.a, i2), look(self.b, i2)
+        if self.how == "detach":
+            return look(self.a, i1) + other.detach() + off.detach()
+        return look(self.a, i1) + other.argmax(-1, keepdim=True) + off.argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "native", "reference"])
+@pytest.mark.parametrize("form", ["bag", "seq"])
+@pytest.mark.parametrize("how", ["detach", "argmax"])
+def test_a_lookup_no_gradient_reaches_adds_nothing_to_its_tables_gradient(backend, form, how):
+    """As in PyTorch: the sparse gradient has entries only for the ids of lookups a gradient
+    reaches (a zero entry would move the row under SparseAdam), and a table whose every lookup is
+    detached gets no gradient at all."""
+    torch.manual_seed(0)
+    model = _OneLookupDetached(form, how)
+    x = (torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]))
+    fast = fxrec.transform(model, x, backend=backend)
+    model(*x).sum().backward()
+    fast(*x).sum().backward()
+    grad = fast.get_parameter("a.weight").grad
+    assert grad.is_sparse and sorted(grad.coalesce().indices()[0].tolist()) == [1, 2, 3]
+    assert model.b.weight.grad is None and fast.get_parameter("b.weight").grad is None
+    # and two steps of SparseAdam on both move the same rows by the same amounts
+    ref = copy.deepcopy(model)
+    fast = fxrec.transform(model, x, backend=backend)
+    opts = [torch.optim.SparseAdam([m.get_parameter("a.weight")], lr=0.1) for m in (ref, fast)]
+    for xs in [x[::-1], x]:
+        for m, o in zip((ref, fast), opts):
+            o.zero_grad()
+            m(*xs).sum().backward()
+            o.step()
+    assert torch.equal(fast.get_parameter("a.weight"), ref.a.weight)
+
+
 def test_deepcopy_and_param_data_replacement_rebind_the_tbe():
     model = M.BagList()
     inputs = M.bag_inputs()

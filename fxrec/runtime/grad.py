@@ -162,9 +162,18 @@ class LookupWithGrads(torch.autograd.Function):
         elif fused is None and fbgemm_dense.dense_grads_by_kernel(group, grad_out, need):
             grads = fbgemm_dense.dense_grads(group, grad_out, indices, offsets, psw)
         for t, (spec, p) in enumerate(zip(group.tables, params)):
-            if not need[t] or grads[t] is not None:
+            if not need[t]:
                 continue
             mine = group._features_of_table[t]
+            if sgd_lr is None and states is None:
+                # as PyTorch's: a lookup no gradient reaches (FeatureSpec.grad) adds no entry to a
+                # sparse gradient, and a table none of whose lookups it reaches gets no gradient
+                mine = group._grad_features_of_table[t]
+                if not mine:
+                    grads[t] = None
+                    continue
+            if grads[t] is not None:
+                continue
             if len(mine) == 1:  # one feature: no copy (the rows may be a view of grad_out)
                 ids_t = table_ids(mine[0])
                 rows_t = rows_of(mine[0])

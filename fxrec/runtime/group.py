@@ -130,6 +130,9 @@ class EmbeddingGroup(InputChecks, nn.Module):
         self._features_of_table = [
             [i for i, f in enumerate(self.features) if f.table == t] for t in range(len(self.tables))
         ]
+        # per table, its features whose output a gradient can reach (FeatureSpec.grad)
+        self._grad_features_of_table = [[i for i in mine if self.features[i].grad] for mine in self._features_of_table]
+        self._no_grad_features = [i for i, f in enumerate(self.features) if not f.grad]
         self._bound = None  # kernels.fbgemm.Bound: the TBE the parameters are views of, once bound
         # Inference of pooled groups on CPU: reuse the output buffer between calls.
         self.reuse_output = True

@@ -68,6 +68,10 @@ class FeatureSpec:
     padding_idx: Optional[int] = None
     include_last_offset: bool = False
     weighted: bool = False
+    # False where no gradient can reach the lookup's output (the model detaches it, or passes it only
+    # to a no_grad block or to integer results): as in PyTorch, its ids get no entry in the table's
+    # sparse gradient (a zero entry would still move the row under a lazy optimizer such as SparseAdam)
+    grad: bool = True
 
 
 #: Where a table's rows live on a GPU (fbgemm's EmbeddingLocation): ``device`` (HBM), ``managed``

@@ -69,3 +69,31 @@ def test_leaves_ungrouped_lookups_untouched():
     gm, _ = lowered(model, inputs)
     assert len(embedding_ops(gm)) == 3  # max bag, max_norm, scale_grad_by_freq (dim 6 is lowered)
     assert len(group_calls(gm)) == 1
+
+
+class _Uses(torch.nn.Module):
+    """One table looked up five times: by the output, detached, only into an argmax, only in a
+    no_grad block, and by nothing that reaches the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = torch.nn.EmbeddingBag(20, 4, mode="sum")
+
+    def forward(self, a, b, c, d, e, offsets):
+        kept, detached, arg, blocked, dead = (self.t(x, offsets) for x in (a, b, c, d, e))
+        with torch.no_grad():
+            z = blocked * 2
+        dead * 3
+        return kept + detached.detach() + arg.argmax(1, keepdim=True) + z
+
+
+def test_features_no_gradient_reaches_are_marked_and_the_others_are_not():
+    ids = [torch.tensor([i, i + 1, i + 2, i + 3]) for i in range(0, 15, 3)]
+    inputs = (*ids, torch.tensor([0, 2]))
+    model = _Uses()
+    gm, _ = lowered(model, inputs)
+    (call,) = group_calls(gm)
+    grads = [f.grad for f in gm.get_submodule(call.target).features]
+    # the dead lookup is dropped by no pass in this pipeline: it stays, marked
+    assert grads == [True, False, False, False, False]
+    assert_matches(model, gm, inputs, inputs)

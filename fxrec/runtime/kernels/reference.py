@@ -56,8 +56,17 @@ def lookup_each(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], ps
 def lookups(group, ids_list, offsets_list, psw_list, params, out: Optional[torch.Tensor] = None):
     """The original lookups, one after the other: for pooled groups concatenated (into ``out``
     when given), for sequence groups one tensor per feature."""
-    outs = lookup_each(ids_list, offsets_list, psw_list, params, group._table_of, group._forms, group._pads,
-                       group._ilos, group._sparse, group.pooling)
+    weights, table_of, sparse = params, group._table_of, group._sparse
+    if group._no_grad_features and torch.is_grad_enabled():
+        # a lookup no gradient reaches (FeatureSpec.grad) reads its table detached: as in PyTorch,
+        # its ids get no entry in the table's gradient (the split of the outputs would give them zeros)
+        weights, table_of, sparse = list(params), list(table_of), list(sparse)
+        for i in group._no_grad_features:
+            weights.append(params[table_of[i]].detach())
+            sparse.append(sparse[table_of[i]])
+            table_of[i] = len(weights) - 1
+    outs = lookup_each(ids_list, offsets_list, psw_list, weights, table_of, group._forms, group._pads,
+                       group._ilos, sparse, group.pooling)
     if group.pooling == "none":
         return outs
     return torch.cat(outs, 1) if out is None else torch.cat(outs, 1, out=out)
