@@ -69,7 +69,30 @@ class TransformedModule(fx.GraphModule):
 
     def _apply(self, fn, *args, **kwargs):
         sync_caches(self, drop=True)  # .to() / .cuda() / .half() copy the parameters
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        self._move_constants(fn)
+        return out
+
+    def _move_constants(self, fn) -> None:
+        """The graph's tensor constants (``lifted_tensor_0``: a ``torch.tensor(..., device=x.device)``
+        in forward, made once at capture) follow ``.to()`` / ``.cuda()`` to the parameters' device,
+        as the plain model's tensor made in forward follows its inputs; their dtype stays, as that
+        tensor's does under ``.half()``. (Not buffers: state_dict() keeps the plain model's keys.)"""
+        owned = {id(t) for t in self.parameters()} | {id(t) for t in self.buffers()}
+        for node in self.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            owner, _, leaf = node.target.rpartition(".")
+            try:
+                mod = self.get_submodule(owner) if owner else self
+            except AttributeError:
+                continue
+            value = mod.__dict__.get(leaf)
+            if not isinstance(value, torch.Tensor) or id(value) in owned:
+                continue
+            moved = fn(value)
+            if isinstance(moved, torch.Tensor) and moved.device != value.device:  # (from meta: fn's result, as a parameter's)
+                setattr(mod, leaf, moved if value.is_meta else value.to(moved.device))
 
     def __deepcopy__(self, memo):
         sync_caches(self)

@@ -433,13 +433,16 @@ def test_bags_with_padding_ids_train_fused_without_waiting_for_the_gpu(mode):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_bad_ids_on_the_gpu_raise_the_named_error_at_the_next_call():
+@pytest.mark.parametrize("bad_id", [ROWS[0], -1])
+def test_bad_ids_on_the_gpu_raise_the_named_error_at_the_next_call(bad_id):
+    """-1 too: fbgemm's bounds check passes it by (a pruned row), and its training kernels would
+    read (and a fused backward write) before the table's rows."""
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS)), optimizer=fxrec.optim.SGD(lr=0.1))
     dense, ids, offsets = cuda(M.bag_inputs(rows=ROWS, seed=6))
     bad = [t.clone() for t in ids]
-    bad[0][0] = ROWS[0]
-    with pytest.raises(IndexError, match=rf"id {ROWS[0]} in table 'bags\.0'"):
+    bad[0][0] = bad_id
+    with pytest.raises(IndexError, match=rf"id {bad_id} in table 'bags\.0'"):
         # the bad id reads row 0; the count reaches the host when the device has run the check,
         # which on a small batch can be before this call returns, else at the next call
         fast(dense, bad, offsets)

@@ -90,7 +90,10 @@ def test_the_count_sees_what_an_ordinary_cpu_call_reads():
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_bad_ids_checked_on_the_device_still_raise_the_error_naming_the_feature(quantized):
+@pytest.mark.parametrize("bad_id", [80, -1, -2])
+def test_bad_ids_checked_on_the_device_still_raise_the_error_naming_the_feature(quantized, bad_id):
+    """-1 too: fbgemm's bounds check passes it by (a pruned row), and its CUDA training kernels
+    would read before the table's rows."""
     model = M.BagList(rows=(50, 80, 30))
     x = M.bag_inputs(rows=(50, 80, 30))
     if quantized:
@@ -99,10 +102,10 @@ def test_bad_ids_checked_on_the_device_still_raise_the_error_naming_the_feature(
         fast = fxrec.transform(model, x, optimizer=fxrec.optim.SGD(lr=0.1), backend="fbgemm")
     dense, ids, offsets = x
     bad = [t.clone() for t in ids]
-    bad[1][0] = 80  # table bags.1 has 80 rows
+    bad[1][0] = bad_id  # table bags.1 has 80 rows
     with sync_free():
         fast(*x)
-        with pytest.raises((ValueError, IndexError), match=r"id 80 in table 'bags\.1'"):
+        with pytest.raises((ValueError, IndexError), match=rf"id {bad_id} in table 'bags\.1'"):
             fast(dense, bad, offsets)
         fast(*x)  # the next good batch runs
 

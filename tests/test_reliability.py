@@ -1,6 +1,7 @@
 """The transformed model as an nn.Module in every way a training loop uses one, and bad input named
 everywhere (the reliability issue). Each test compares against the plain PyTorch model."""
 
+import contextlib
 import copy
 import io
 import pickle
@@ -264,10 +265,20 @@ def test_inference_mode_on_every_backend(backend, make):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opt", [None, "sgd", "rowwise_adagrad"])
-def test_a_first_call_under_inference_mode_leaves_the_model_trainable(backend, opt):
+@pytest.mark.parametrize("on_device", [False, True], ids=["cpu", "as-on-cuda"])
+def test_a_first_call_under_inference_mode_leaves_the_model_trainable(backend, opt, on_device):
     """A validation pass before training (or after deepcopy / .to()): fbgemm's TBE was built in
     inference mode, the tables became inference tensors, and the next training step failed
-    ("Inference tensors cannot be saved for backward"; row-wise Adagrad failed in the call)."""
+    ("Inference tensors cannot be saved for backward"; row-wise Adagrad failed in the call).
+    ``as-on-cuda``: the groups run as on CUDA (sync_free), where the device's bounds check, built
+    at the first call, was made of inference tensors that its next training call writes."""
+    from fxrec.runtime._tracing import sync_free
+
+    with sync_free() if on_device else contextlib.nullcontext():
+        _first_call_under_inference_mode(backend, opt)
+
+
+def _first_call_under_inference_mode(backend, opt):
     torch.manual_seed(0)
     model = M.BagList()
     table_opt = {None: None, "sgd": fxrec.optim.SGD(lr=0.1), "rowwise_adagrad": fxrec.optim.RowWiseAdagrad(lr=0.1)}[opt]
@@ -316,6 +327,47 @@ def test_a_deepcopy_has_the_original_models_state_dict_keys():
         assert sorted(m.state_dict()) == sorted(model.state_dict())
         m.load_state_dict(model.state_dict())
         torch.testing.assert_close(m(*x), model(*x))
+
+
+class ConstantOnInputsDevice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4, mode="sum")
+
+    def forward(self, ids, offsets):
+        # made on the inputs' device in the plain model; one constant of the graph (lifted_tensor_0)
+        return self.emb(ids, offsets) * torch.tensor([1.0, 2.0, 3.0, 4.0], device=ids.device)
+
+
+def _constants(m):
+    return {n.target: m.get_submodule(n.target.rpartition(".")[0]).__dict__[n.target.rpartition(".")[2]]
+            for n in m.graph.nodes if n.op == "get_attr" and "lifted" in n.target}
+
+
+def test_the_graphs_tensor_constants_follow_the_model_to_another_device_and_keep_their_dtype():
+    """A tensor made in forward on the inputs' device is a constant of the graph: it must follow
+    .to() / .cuda() as the parameters do (it stayed on the capture device, so the model failed on
+    CUDA inputs), in a deepcopy too, without becoming a buffer or changing dtype under .double()."""
+    model = ConstantOnInputsDevice()
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    fast = fxrec.transform(model, x)
+    assert [c.device.type for c in _constants(fast).values()] == ["cpu"]
+    fast.double()  # (a dtype change: the constant keeps fp32, as the plain model's tensor does)
+    assert [c.dtype for c in _constants(fast).values()] == [torch.float32]
+    fast.float()
+    for m in (copy.deepcopy(fast).to("meta"), fast.to("meta")):
+        assert [c.device.type for c in _constants(m).values()] == ["meta"]
+        assert sorted(m.state_dict()) == sorted(model.state_dict())
+
+
+@pytest.mark.requires_cuda
+def test_a_model_transformed_on_cpu_with_a_constant_runs_on_cuda_inputs_after_cuda():
+    model = ConstantOnInputsDevice()
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    fast = fxrec.transform(model, x)
+    for m in (copy.deepcopy(fast).cuda(), fast.cuda()):
+        xc = tuple(t.cuda() for t in x)
+        torch.testing.assert_close(m(*xc), model.cuda()(*xc))
 
 
 @pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])

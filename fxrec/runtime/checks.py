@@ -199,8 +199,12 @@ class InputChecks:
         ``bad_firsts``: how many features' offsets do not start at 0 (0-dim, on the device)."""
         state = self.__dict__.get("_device_bounds")
         if state is None or state.counter.device != indices.device:
-            state = self._device_bounds = DeviceBoundsCheck([self.tables[f.table].num_rows for f in self.features],
-                                                            indices.device)
+            # (outside inference mode, as the TBE is bound: made in a first call under
+            # torch.inference_mode() its tensors would be inference tensors, which the next
+            # training call's check may not write)
+            with torch.inference_mode(False):
+                state = self._device_bounds = DeviceBoundsCheck(
+                    [self.tables[f.table].num_rows for f in self.features], indices.device)
         self._raise_reported(state)
         state.check(indices, offsets, psw, ids_list, offsets_list, bad_firsts)
         if not state.cuda:  # (on CUDA the count just sent is seen at the next call)
@@ -254,6 +258,9 @@ class InputChecks:
 
 
 
+_CLEAR_BIT_62 = ~(1 << 62)  # (an int64: every bit but 62)
+
+
 class DeviceBoundsCheck:
     """A group's bounds check on its device, and what the host has heard of it.
 
@@ -280,7 +287,13 @@ class DeviceBoundsCheck:
         self.seen = 0
 
     def check(self, indices, offsets, psw, ids_list, offsets_list, more=None) -> None:
-        """``more``: a count of other problems found on the device (0-dim), added in."""
+        """``more``: a count of other problems found on the device (0-dim), added in. ``indices``
+        is the group's packed copy (int64), which the check writes."""
+        # fbgemm's check passes id -1 by (a pruned row, for its inference kernels), which its
+        # training kernels would read (and a fused backward write) before the table's rows: every
+        # id's bit 62 cleared first, in place, leaves the ids a table can have as they are and
+        # makes -1 another negative id, which the check counts and sends to row 0
+        indices.bitwise_and_(_CLEAR_BIT_62)
         self._bounds_check(self.rows, indices, offsets, self.scratch, psw)
         self.counter.add_(self.scratch)
         if more is not None:
