@@ -475,4 +475,28 @@ def test_only_transform_runs_the_model_to_learn_whether_its_dict_order_matters()
     fxrec.explain(CountsRealCalls(), x)
     assert CountsRealCalls.calls == 0
     fxrec.transform(CountsRealCalls(), x)
-    assert CountsRealCalls.calls == 2  # the example's order, then the keys reversed
+    # the example's order, the keys reversed, and (the outputs differ) the example's order again
+    assert CountsRealCalls.calls == 3
+
+
+class ReadsByKeyNotBitForBit(nn.Module):
+    """Reads its dict by key, and its runs differ in the last bits (as CUDA's atomic adds do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = nn.ModuleDict({k: nn.EmbeddingBag(50, 4) for k in ("user", "item")})
+        self.runs = 0
+
+    def forward(self, feats):
+        self.runs += 1
+        out = torch.cat([self.tables["user"](feats["user"]), self.tables["item"](feats["item"])], 1)
+        return out * (1.0 + 1e-7 * (self.runs % 3))
+
+
+def test_a_model_whose_runs_differ_in_the_last_bits_is_not_taken_for_one_whose_dict_order_matters():
+    """Two runs on the same dict that differ (CUDA's index_add_ / scatter_add_) made the exact
+    comparison of the two orders fail, and the model refused its dict in any other key order."""
+    model = ReadsByKeyNotBitForBit()
+    u, i = torch.randint(0, 50, (4, 3)), torch.randint(0, 50, (4, 3))
+    fast = fxrec.transform(model, ({"user": u, "item": i},))
+    torch.testing.assert_close(fast({"item": i, "user": u}), fast({"user": u, "item": i}), rtol=0, atol=0)
