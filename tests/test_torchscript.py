@@ -160,3 +160,30 @@ def test_a_model_with_a_no_grad_block_is_refused_by_the_torchscript_form_naming_
                                          r"torch.export program"):
         fxrec.export.torchscript(fast)
     torch.testing.assert_close(fxrec.export.program(fast, x).module()(*x), fast(*x), rtol=0, atol=0)
+
+
+class _LastOffsetBag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(40, 8, mode="sum", include_last_offset=True)
+
+    def forward(self, i, o):
+        return self.a(i, o)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_ids_after_the_last_offset_are_not_checked_by_the_scripted_form_as_pytorch_never_reads_them(quantize):
+    """include_last_offset=True: PyTorch (and the eager model) ignore ids after offsets[-1], out of
+    range or not; the TorchScript form refused them, naming an id nothing looks up."""
+    model = _LastOffsetBag().eval()
+    fast = fxrec.transform(model, (torch.randint(0, 40, (6,)), torch.tensor([0, 2, 4, 6])), mode="inference",
+                           quantize=quantize)
+    sm = fxrec.export.torchscript(fast)
+    x = (torch.tensor([1, 2, 3, 4, 7, 8, 1000, -5]), torch.tensor([0, 2, 4, 6]))
+    with torch.no_grad():
+        torch.testing.assert_close(sm(*x), fast(*x), rtol=0, atol=0)
+        if quantize is None:
+            torch.testing.assert_close(sm(*x), model(*x), rtol=0, atol=0)
+    bad = (torch.tensor([1, 2, 3, 1000, 7, 8, 9]), torch.tensor([0, 2, 4, 6]))  # 1000 is looked up
+    with pytest.raises(Exception, match=r"feature 'i' \(table 'a'\) looks up id 1000"):
+        sm(*bad)

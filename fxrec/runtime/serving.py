@@ -111,11 +111,16 @@ class _ServingGroup(nn.Module):
             if ids.dim() != want:  # (2-D ids with offsets: pooled as if flattened, where PyTorch raises)
                 raise ValueError("fxrec: " + where + " got ids of shape " + str(list(ids.shape)) + "; it takes "
                                  + str(want) + "-D ids" + (" with offsets" if k >= 0 else ""))
-            good = ((ids >= 0) & (ids < self.rows[i])).all()
+            inside = (ids >= 0) & (ids < self.rows[i])
             if k >= 0:
                 off = offsets_list[k]
                 if off.dim() != 1 or (off.dtype != torch.int64 and off.dtype != torch.int32):
                     raise TypeError("fxrec: " + where + " needs 1-D integer offsets")
+                if self.ilos[i] and off.numel() > 0:  # (ids after offsets[-1] are not looked up, as in PyTorch)
+                    inside = inside | (torch.arange(ids.numel(), device=ids.device) >= off[-1])
+            good = inside.all()
+            if k >= 0:
+                off = offsets_list[k]
                 if off.numel() > 0:
                     good = good & (off[0] == 0) & (off[-1] <= ids.numel()) & (off[1:] >= off[:-1]).all()
             ok = good if ok is None else ok & good
@@ -126,6 +131,9 @@ class _ServingGroup(nn.Module):
         for i in range(len(self.names)):
             ids = ids_list[i]
             where = "feature '" + self.names[i] + "' (table '" + self.table_names[i] + "')"
+            k = self.off_index[i]
+            if k >= 0 and self.ilos[i] and offsets_list[k].dim() == 1 and offsets_list[k].numel() > 0:
+                ids = ids[:max(int(offsets_list[k][-1]), 0)]  # (the ids looked up: none after offsets[-1])
             if ids.numel() > 0:
                 lo = int(ids.min())
                 hi = int(ids.max())
@@ -133,7 +141,7 @@ class _ServingGroup(nn.Module):
                     bad = lo if lo < 0 else hi
                     raise IndexError("fxrec: " + where + " looks up id " + str(bad) + ", the table has "
                                      + str(self.rows[i]) + " rows")
-            k = self.off_index[i]
+            ids = ids_list[i]
             if k >= 0:
                 off = offsets_list[k]
                 if off.numel() > 0:
