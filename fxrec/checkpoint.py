@@ -314,7 +314,7 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
                  "why); nothing was loaded")
     keys, opt_load = found[0]
     pieces = {k: v for k, v in pieces.items() if k in keys}  # strict=False: tables it lacks stay as they are
-    staged_pieces = {k: (size, [(o, n, torch.empty_like(v)) for o, n, v in views]) for k, (size, views) in pieces.items()}
+    staged_pieces = {k: (size, [(o, n, _staging(v)) for o, n, v in views]) for k, (size, views) in pieces.items()}
     read = whole
     if opt_load is not None:  # read with the model's entries, into fresh tensors of their own
         staged_pieces.update(opt_load.pieces(fast))
@@ -520,6 +520,13 @@ def _agree(check, process_group, other: str = "another rank found the checkpoint
         raise CheckpointError(f"fxrec.checkpoint: {other}")
 
 
+def _staging(v: torch.Tensor) -> torch.Tensor:
+    """A tensor to read ``v``'s entry into before the model takes it: in host memory where ``v`` is
+    on a GPU (staged there, a load held a second copy of the model's tables in GPU memory while it
+    ran; DCP reads the files into host memory first either way)."""
+    return torch.empty_like(v, device="cpu") if v.is_cuda else torch.empty_like(v)
+
+
 def _load_staged(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no_dist: bool,
                  process_group) -> Dict[str, object]:
     """DCP's load of the entries in ``keys`` into new tensors shaped like ``state``'s (the model is not
@@ -527,7 +534,7 @@ def _load_staged(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no
     BaseException that ``except Exception`` would not catch)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    staged = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items() if k in keys}
+    staged = {k: (_staging(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items() if k in keys}
     try:
         _dcp().load(staged, checkpoint_id=path, planner=planner, storage_reader=_planners()[3](path),
                     no_dist=no_dist, process_group=process_group)

@@ -879,3 +879,24 @@ def test_calls_of_one_layout_on_two_streams_each_read_their_own_starts():
     assert len(streams) == 2, device_ints.KEPT.keys()
     for g in got:
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_load_holds_no_second_copy_of_the_tables_in_gpu_memory(tmp_path):
+    """The load reads into staging tensors in host memory (staged on the GPU, a load needed twice
+    the tables' bytes there), then copies them into the model: the tables equal the saved ones."""
+    rows = (200_000, 100_000)  # 300k rows x 64 fp32: 77 MB of tables
+    model = M.BagList(rows=rows, dim=64).cuda()
+    fast = fxrec.transform(model, cuda(M.bag_inputs(rows=rows)), optimizer=fxrec.optim.SGD(lr=0.1))
+    fast(*cuda(M.bag_inputs(rows=rows, seed=1))).sum().backward()
+    fxrec.checkpoint.save_model(fast, tmp_path / "ck")
+    other = fxrec.transform(M.BagList(rows=rows, dim=64).cuda(), cuda(M.bag_inputs(rows=rows)),
+                            optimizer=fxrec.optim.SGD(lr=0.1))
+    table_bytes = sum(r * 64 * 4 for r in rows)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fxrec.checkpoint.load_into_model(other, tmp_path / "ck")
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < table_bytes // 4, (torch.cuda.max_memory_allocated() - before)
+    for (k, a), (_, b) in zip(fast.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), k
