@@ -948,6 +948,37 @@ def test_a_sparse_table_looked_up_only_in_a_no_grad_block_needs_no_optimizer():
     assert set(fast.meta["fxrec_table_optimizers"]) == {"e.weight"}
 
 
+class _DetachedLookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(20, 4, mode="sum")
+
+    def forward(self, i1, i2):
+        off = torch.tensor([0, 1])
+        return self.a(i1, off) + self.a(i2, off).detach()
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "native", "reference"])
+def test_a_fused_update_leaves_the_rows_of_a_detached_lookup_alone(backend):
+    """PyTorch gives the rows a detached lookup reads no gradient; row-wise Adagrad's weight decay,
+    fused into the group's backward, moved them (0.24 after two steps): such a lookup is left as
+    written, with the reason, and the model trains as torch.optim's row-wise Adagrad steps it."""
+    torch.manual_seed(0)
+    model = _DetachedLookup()
+    x = (torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]))
+    w0 = model.a.weight.detach().clone()
+    fast = fxrec.transform(model, x, backend=backend, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.1))
+    (left,) = [e for e in fast.report.lookups if e.reason]
+    assert "no gradient reaches its output" in left.reason
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        fast(*x).sum().backward()
+        opt.step()
+    w = fast.get_parameter("a.weight").detach()
+    assert torch.equal(w[7:10], w0[7:10]) and not torch.equal(w[1:4], w0[1:4])
+
+
 def test_a_table_parametrized_after_transform_is_refused_by_the_fused_update():
     """The fused update would write the computed weight, not the parameter: the table was silently
     never trained."""

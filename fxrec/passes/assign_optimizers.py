@@ -7,6 +7,10 @@ group key, so groups split where tables want different optimizers.
 
 Before/After: the graph is unchanged; ``LookupRecord.optimizer`` is set.
 
+A lookup no gradient reaches (its output detached, or read only by a ``torch.no_grad()`` block or
+an integer result) of a table with an optimizer is left as written, with the reason: PyTorch gives
+its rows no gradient, and an optimizer fused into its group's backward would still update them.
+
 Not handled: a dict key that matches no table is an error that names the key.
 """
 
@@ -17,6 +21,7 @@ import dataclasses
 import torch.fx as fx
 
 from .. import meta
+from ..dataflow import carries_gradient
 from ..optim import check_spec, resolve
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 
@@ -37,6 +42,14 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             used.update(k for k, v in spec.items() if v is opt)
         if not rec.grad:
             continue  # (in a no_grad block: no gradient to step)
+        if rec.lowerable and not carries_gradient(rec.output):
+            # detached (or read only by a no_grad block, an integer result): its rows get no
+            # gradient in PyTorch, and an optimizer fused into the group's backward would still
+            # update them (weight decay, moments); read as written, they are left alone
+            rec.node.meta[meta.LOOKUP] = dataclasses.replace(
+                rec, grad=False, reason="no gradient reaches its output (detached, or read only by a no_grad block or integer results), and the table's optimizer would "
+                                        "update the rows it reads in a group's backward: left as written")
+            continue
         rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=opt)
         assigned += 1
     if isinstance(spec, dict):
