@@ -50,7 +50,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from .capture_bags import opaque_bags, restore_aten
 from .codegen import StructuredCodeGen, leaf_paths, supported
-from .graph_module import MODES_KEY, TransformedModule, adopt
+from .graph_module import MODES_KEY, TransformedModule, adopt, hold_containers_like
 from .modes import TrainingReads, bind_modes
 from .runtime.input_guards import GUARDS_NAME, InputGuards
 
@@ -282,6 +282,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     _structured_forward(gm, _defaults_left(model, args, kwargs),
                         for_calls and _dict_order_matters(model, args, kwargs, gm))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
+    hold_containers_like(gm, model)
 
     other: Dict[str, Any] = {}
 

@@ -192,6 +192,84 @@ def adopt(gm: fx.GraphModule) -> TransformedModule:
     return gm
 
 
+# --------------------------------------------------------------------------- containers
+class HeldList(torch.nn.Module):
+    """What an ``nn.ModuleList`` / ``nn.Sequential`` of the model becomes in the transformed model:
+    the holder of its parameters and buffers, indexed as the model's was (``fast.bags[0].weight``,
+    ``fast.top[-1]``, ``len(fast.bags)``, ``for bag in fast.bags``). A member that holds no
+    parameter or buffer (an ``nn.ReLU``) is not kept (the graph runs its ops): asking for it is a
+    KeyError saying so. (fx makes every such holder a plain ``nn.Module``.)"""
+
+    def _fxrec_key(self, idx) -> str:
+        keys = self.__dict__["_fxrec_keys"]
+        if isinstance(idx, str) and idx in keys:
+            return idx
+        if isinstance(idx, bool) or not isinstance(idx, int):
+            raise TypeError(f"fxrec: {type(self).__name__} takes an int index, got {type(idx).__name__}")
+        if not -len(keys) <= idx < len(keys):
+            raise IndexError(f"fxrec: index {idx} is out of range for a {len(keys)}-member {self._fxrec_kind}")
+        return keys[idx]
+
+    @property
+    def _fxrec_kind(self) -> str:
+        return self.__dict__.get("_fxrec_container", "container")
+
+    def __getitem__(self, idx):
+        key = self._fxrec_key(idx)
+        if key not in self._modules:
+            raise KeyError(f"fxrec: member {key!r} of this {self._fxrec_kind} holds no parameters or buffers, so the "
+                           "transformed model does not keep it (its graph runs that module's ops)")
+        return self._modules[key]
+
+    def __len__(self) -> int:
+        return len(self.__dict__["_fxrec_keys"])
+
+    def __iter__(self):
+        return (self[k] for k in self.__dict__["_fxrec_keys"])
+
+
+class HeldDict(HeldList):
+    """An ``nn.ModuleDict`` of the model in the transformed model (see :class:`HeldList`): indexed
+    by key, iterated over its keys, with ``keys()`` / ``values()`` / ``items()``."""
+
+    def _fxrec_key(self, idx) -> str:
+        if idx not in self.__dict__["_fxrec_keys"]:
+            raise KeyError(f"fxrec: {idx!r} is not a key of this ModuleDict; its keys are {self.__dict__['_fxrec_keys']}")
+        return idx
+
+    def __iter__(self):
+        return iter(self.__dict__["_fxrec_keys"])
+
+    def __contains__(self, key) -> bool:
+        return key in self.__dict__["_fxrec_keys"]
+
+    def keys(self):
+        return list(self.__dict__["_fxrec_keys"])
+
+    def values(self):
+        return [self[k] for k in self.keys()]
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
+
+
+def hold_containers_like(gm: torch.nn.Module, model: torch.nn.Module) -> None:
+    """The holders in ``gm`` of the model's ModuleLists, Sequentials and ModuleDicts become
+    :class:`HeldList` / :class:`HeldDict`, indexed as the model's are."""
+    for name, mod in model.named_modules():
+        if not name or not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            continue
+        try:
+            holder = gm.get_submodule(name)
+        except AttributeError:
+            continue  # (holds nothing the graph reads)
+        if type(holder) is not torch.nn.Module:
+            continue
+        holder.__class__ = HeldDict if isinstance(mod, torch.nn.ModuleDict) else HeldList
+        holder.__dict__["_fxrec_keys"] = list(mod._modules)
+        holder.__dict__["_fxrec_container"] = type(mod).__name__
+
+
 # --------------------------------------------------------------------------- pickling
 class _Ref:
     """A reference to another node (by name) in an encoded graph."""

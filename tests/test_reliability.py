@@ -308,6 +308,39 @@ def test_inference_mode_on_quantized_groups():
 
 
 # --------------------------------------------------------------------------- pickle, deepcopy, compile
+class Containers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(20, 4, mode="sum") for _ in range(2))
+        self.top = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))
+        self.heads = nn.ModuleDict({"ctr": nn.Linear(1, 1), "cvr": nn.Linear(1, 1)})
+
+    def forward(self, a, b):
+        x = self.top(torch.cat([self.bags[0](a), self.bags[1](b)], 1))
+        return self.heads["ctr"](x) + self.heads["cvr"](x)
+
+
+def test_module_lists_sequentials_and_dicts_are_indexed_as_the_models_were():
+    """fx made every holder a plain nn.Module: fast.bags[0] was a TypeError."""
+    model = Containers()
+    x = (torch.randint(0, 20, (3, 2)), torch.randint(0, 20, (3, 2)))
+    fast = fxrec.transform(model, x)
+    for m in (fast, copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
+        assert m.bags[1].weight is m.get_parameter("bags.1.weight")
+        assert torch.equal(m.bags[-1].weight, model.bags[1].weight)
+        assert len(m.bags) == 2 and [b.weight.shape for b in m.bags] == [(20, 4), (20, 4)]
+        assert len(m.top) == 3 and m.top[2].bias is m.get_parameter("top.2.bias") and m.top[-1] is m.top[2]
+        assert list(m.heads) == ["ctr", "cvr"] and m.heads["cvr"].weight is m.get_parameter("heads.cvr.weight")
+        assert "ctr" in m.heads and [k for k, _ in m.heads.items()] == ["ctr", "cvr"]
+        with pytest.raises(KeyError, match=r"member '1' of this Sequential holds no parameters or buffers"):
+            m.top[1]
+        with pytest.raises(IndexError, match=r"index 3 is out of range for a 3-member Sequential"):
+            m.top[3]
+        with pytest.raises(KeyError, match=r"'ctcvr' is not a key of this ModuleDict"):
+            m.heads["ctcvr"]
+        assert sorted(m.state_dict()) == sorted(model.state_dict())
+
+
 class ConstantIndex(nn.Module):
     def __init__(self):
         super().__init__()
