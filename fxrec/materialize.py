@@ -11,7 +11,9 @@ allocates what is still a placeholder (whole tables this rank owns, data-paralle
 parameters and buffers) and initialises every tensor that came from ``meta`` with its module's
 own ``reset_parameters()``, run on the tensors this rank holds: a shard gets the module's
 initialiser applied to the shard (for ``nn.Embedding`` / ``nn.EmbeddingBag``: ``normal_``, the
-same distribution, not the same numbers as one process). Tensors whole on every rank (dense
+same distribution, not the same numbers as one process), from a random state seeded by which
+pieces the module's tensors are (every rank starts from the same state, and its pieces must not
+repeat another rank's numbers). Tensors whole on every rank (dense
 parameters, buffers, data-parallel tables) are then broadcast from rank 0, so all ranks agree.
 Load trained values with ``fxrec.checkpoint.load`` afterwards.
 """
@@ -116,8 +118,13 @@ def materialize(gm: nn.Module, model: nn.Module, sharded: Dict[str, str], layout
                     t[:nr].copy_(src[ro:ro + nr])
                 else:
                     t[:nr, lco:lco + nc].copy_(src[ro:ro + nr, co:co + nc])
+    # A module holding table pieces draws them from a random state of their own, seeded by which
+    # pieces they are: every rank starts from the same state (as DDP wants), so each rank's row
+    # block or column shard (and two tables owned by two ranks) drew the same numbers
+    base = int(torch.randint(0, 2**62, ())) if any(f in sharded for fqns in to_init.values() for f in fqns) else 0
     for path, fqns in to_init.items():
-        _initialise(model, path, fqns, gm_tensors)
+        mine = sorted((f, layout.get(f, (None, []))[1]) for f in fqns if f in sharded)
+        _initialise(model, path, fqns, gm_tensors, _seed(base, path, mine) if mine else None)
     if dist.is_available() and dist.is_initialized() and to_init:
         with torch.no_grad():
             for fqns in to_init.values():
@@ -126,9 +133,20 @@ def materialize(gm: nn.Module, model: nn.Module, sharded: Dict[str, str], layout
                         dist.broadcast(gm_tensors[fqn].data, src=0)
 
 
-def _initialise(model: nn.Module, path: str, fqns: List[str], gm_tensors: Dict[str, torch.Tensor]) -> None:
+def _seed(base: int, path: str, pieces) -> int:
+    """A seed for the module ``path``'s table pieces ``pieces`` (fqn, [(row offset, rows, col offset,
+    cols, local col)]), the same on every rank for the same pieces and different for others."""
+    import hashlib
+
+    text = repr((base, path, [(f, [tuple(p) for p in ps]) for f, ps in pieces]))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _initialise(model: nn.Module, path: str, fqns: List[str], gm_tensors: Dict[str, torch.Tensor],
+                seed=None) -> None:
     """Run the module ``path`` of ``model``'s own ``reset_parameters()`` on the tensors ``fqns`` as
-    this rank holds them (``gm_tensors``), by a stand-in of the module that holds them."""
+    this rank holds them (``gm_tensors``), by a stand-in of the module that holds them; with
+    ``seed``, from a random state seeded so (the global one is left as it was)."""
     orig = model.get_submodule(path) if path else model
     if not callable(getattr(orig, "reset_parameters", None)):
         raise InputError(
@@ -140,5 +158,11 @@ def _initialise(model: nn.Module, path: str, fqns: List[str], gm_tensors: Dict[s
     for fqn in fqns:
         t = gm_tensors[fqn]
         (stand._parameters if isinstance(t, nn.Parameter) else stand._buffers)[fqn.rpartition(".")[2]] = t
-    with torch.no_grad():
+    if seed is None:
+        with torch.no_grad():
+            stand.reset_parameters()
+        return
+    cuda = sorted({gm_tensors[f].device.index or 0 for f in fqns if gm_tensors[f].is_cuda})
+    with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        torch.manual_seed(seed)
         stand.reset_parameters()

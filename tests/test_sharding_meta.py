@@ -79,6 +79,31 @@ def test_a_meta_model_allocates_only_its_shards_and_trains_after_loading_a_check
     spawn(_worker, 2, str(tmp_path / "ckpt"))
 
 
+
+def _same_seed_worker(rank, world, init_file):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)  # the same seed on every rank, as DDP training scripts do
+        with torch.device("meta"):
+            model = Model()
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=PINS)
+        fast = fxrec.transform(model, example, plan=plan)
+        for name in ("bags.1.weight", "bags.2.weight"):  # row-wise, column-wise
+            mine = fast.get_parameter(name).detach().clone()
+            shards = [None] * world
+            dist.all_gather_object(shards, mine)
+            a, b = shards[0], shards[1]
+            rows = min(a.shape[0], b.shape[0])
+            assert not torch.equal(a[:rows], b[:rows]), f"{name}: rank 0's and rank 1's shards drew the same numbers"
+        dist.barrier()
+    os._exit(0)
+
+
+def test_the_shards_of_a_meta_table_draw_other_numbers_on_each_rank_seeded_alike():
+    """Every rank seeded alike (DDP's practice) initialised each rank's row block and column shard
+    with the same numbers: rows 0-4 of the table repeated rows 5-9."""
+    spawn(_same_seed_worker, 2)
+
 class _Big(nn.Module):
     def __init__(self):
         super().__init__()
