@@ -7,6 +7,8 @@ weight parameter, so this pass looks only at those::
         (2-D ids arrive as reshape(ids, [-1]) with arange offsets)
     nn.Embedding / F.embedding              aten.embedding.default
     nn.Embedding then .sum(1) / .mean(1)    aten.embedding + aten.sum.dim_IntList / aten.mean.dim
+    weight[ids], index_select(weight, 0, ids)  aten.index.Tensor / aten.index_select (a 2-D parameter's
+        rows by integer ids: what F.embedding reads, with a dense gradient)
 
 Before (gm.code)::
 
@@ -46,6 +48,11 @@ _BAG_OPS = {
     aten._embedding_bag.default,
 }
 _EMB_OPS = {aten.embedding.default}
+# A parameter's rows read by indexing: ``weight[ids]`` (aten.index with one integer index) and
+# ``torch.index_select(weight, 0, ids)`` are ``F.embedding(ids, weight)`` (a sampled-softmax
+# negative, a table read row by row); recorded only for 2-D parameters of the model
+_INDEX_OPS = {aten.index.Tensor, aten.index_select.default}
+_LOOKUP_OPS = _BAG_OPS | _EMB_OPS | _INDEX_OPS
 _POOL_OPS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean"}
 _MODE_NAMES = {0: "sum", 1: "mean", 2: "max"}
 #: Table dtypes lowered: fp32, and fp16 (fbgemm's TBE stores fp16 rows and gives fp16 rows out, as
@@ -182,7 +189,7 @@ def annotate_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     left = 0
     names: Dict[str, int] = {}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _BAG_OPS | _EMB_OPS:
+        if node.op != "call_function" or node.target not in _LOOKUP_OPS:
             continue
         rec = _record(gm, node)
         if rec is None:
@@ -221,7 +228,7 @@ def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], n
             block = _BLOCKS.get(name, f"a {name} block")
             inside = bool(node.args[0]) if name == "wrap_with_set_grad_enabled" and node.args else grad
             for n in body.graph.nodes:
-                if n.op != "call_function" or n.target not in _BAG_OPS | _EMB_OPS:
+                if n.op != "call_function" or n.target not in _LOOKUP_OPS:
                     continue
                 rec = _record(gm, n, weight=inner.get(n.args[0]))
                 if rec is None:
@@ -243,17 +250,37 @@ def _replace(rec: meta.LookupRecord, **kw) -> meta.LookupRecord:
     return dataclasses.replace(rec, **kw)
 
 
+def _index_ids(node: fx.Node) -> Optional[fx.Node]:
+    """The ids of ``weight[ids]`` (one index tensor, of int64 or int32: not a mask, nor ``[:, ids]``)
+    or of ``index_select(weight, 0, ids)``; else None."""
+    if node.target is aten.index_select.default:
+        ids = node.args[2] if len(node.args) > 2 else None
+        if _arg(node, 1, "dim", None) not in (0, -2):
+            return None
+    else:
+        index = node.args[1] if len(node.args) > 1 else None
+        if not isinstance(index, (list, tuple)) or len(index) != 1:
+            return None
+        ids = index[0]
+    val = ids.meta.get("val") if isinstance(ids, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype not in (torch.int64, torch.int32):
+        return None
+    return ids
+
+
 def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None) -> Optional[meta.LookupRecord]:
     """``weight``: the node of ``gm``'s graph the lookup's weight is (for a lookup in the body of a
     higher-order op, whose weight is a placeholder of the body), by default its own argument."""
     weight = node.args[0] if weight is None else weight
-    ids = node.args[1]
+    ids = _index_ids(node) if node.target in _INDEX_OPS else node.args[1]
     if not isinstance(weight, fx.Node) or not isinstance(ids, fx.Node):
         return None
     wval = weight.meta.get("val")
     if wval is None or wval.dim() != 2:
         return None
     fqn = _param_fqn(gm, weight)
+    if node.target in _INDEX_OPS and (fqn is None or not wval.is_floating_point()):
+        return None  # (indexing some other tensor: not a table's lookup)
     reasons = []
     written = _written_in_a_block(gm, weight) if fqn is None else None
     if written is not None:  # the table itself, written in place in a no_grad block: left alone, its own name
@@ -304,10 +331,12 @@ def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None)
             include_last_offset=bool(ilo), sparse=bool(sparse), reason="; ".join(reasons), **common,
         )
 
-    # aten.embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False)
-    pad = _arg(node, 2, "padding_idx", -1)
-    sgf = _arg(node, 3, "scale_grad_by_freq", False)
-    sparse = _arg(node, 4, "sparse", False)
+    # aten.embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False); an
+    # index form is one without a padding row, with a dense gradient
+    indexed = node.target in _INDEX_OPS
+    pad = -1 if indexed else _arg(node, 2, "padding_idx", -1)
+    sgf = False if indexed else _arg(node, 3, "scale_grad_by_freq", False)
+    sparse = False if indexed else _arg(node, 4, "sparse", False)
     if sgf:
         reasons.append("scale_grad_by_freq=True")
     pad = None if pad is None or pad < 0 else int(pad)

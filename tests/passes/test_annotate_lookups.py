@@ -88,3 +88,30 @@ def test_buffers_and_tables_neither_fp32_nor_fp16_are_not_lowered():
     assert reasons["h16"] == ""  # fp16 tables are lowered (tests/test_half_tables.py)
     assert reasons["b16"] == "dtype torch.bfloat16: fxrec lowers float32 and float16 tables"
     assert reasons["f64"] == "dtype torch.float64: fxrec lowers float32 and float16 tables"
+
+
+class _ReadsRows(torch.nn.Module):
+    """A table's rows read by indexing, and indexing that is no lookup."""
+
+    def __init__(self):
+        super().__init__()
+        self.item = torch.nn.Embedding(30, 8)
+        self.pos = torch.nn.Parameter(torch.randn(10, 8))
+        self.register_buffer("buf", torch.randn(10, 8))
+
+    def forward(self, ids, seq, mask):
+        neg = self.item.weight[ids]                              # [B, 8]: one row each
+        hist = self.item.weight[seq].sum(1)                      # [B, L, 8] pooled by hand
+        pos = torch.index_select(self.pos, 0, ids % 10)          # a parameter that is no module's table
+        other = (self.pos * 2)[ids % 10] + self.buf[ids % 10]    # computed / a buffer: no table
+        picked = self.item.weight[:, :4][ids]                    # (a slice: computed)
+        masked = self.item.weight[mask].sum() + self.item.weight[:, ids % 8].sum()  # a mask, columns
+        return neg + hist + pos + other + picked.sum() + masked
+
+
+def test_rows_of_a_parameter_read_by_indexing_are_lookups_and_other_indexing_is_not():
+    x = (torch.randint(0, 30, (4,)), torch.randint(0, 30, (4, 3)), torch.rand(30) > 0.5)
+    recs, _ = records(_ReadsRows(), x)
+    got = sorted((r.table, r.form, r.pooling, r.lowerable, r.sparse) for r in recs)
+    assert got == [("item", "pooled_seq", "sum", True, False), ("item", "single", "sum", True, False),
+                   ("pos", "single", "sum", True, False)]
