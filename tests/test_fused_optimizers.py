@@ -979,6 +979,28 @@ def test_a_fused_update_leaves_the_rows_of_a_detached_lookup_alone(backend):
     assert torch.equal(w[7:10], w0[7:10]) and not torch.equal(w[1:4], w0[1:4])
 
 
+def test_a_tied_table_steps_with_torch_optim_and_leaves_the_others_fused():
+    from tests.passes.test_group_lookups import TiedOutput
+
+    torch.manual_seed(0)
+    model = TiedOutput()
+    ref = copy.deepcopy(model)
+    x = (torch.randint(0, 50, (6,)), torch.tensor([0, 2, 4]))
+    fast = fxrec.transform(model, x, optimizer=fxrec.optim.Adagrad(lr=0.1), backend="fbgemm")
+    fused = {t: "fused" in g.optimizer for g in fast.report.groups for t in g.tables}
+    assert fused == {"a": True, "c": True, "item": False}
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    for step in range(3):
+        xs = (torch.randint(0, 50, (6,), generator=torch.Generator().manual_seed(step)), x[1])
+        for m, o in ((ref, ref_opt), (fast, opt)):
+            o.zero_grad()
+            m(*xs).square().sum().backward()
+            o.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(fast.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_a_table_parametrized_after_transform_is_refused_by_the_fused_update():
     """The fused update would write the computed weight, not the parameter: the table was silently
     never trained."""

@@ -202,6 +202,7 @@ class _Group:
         self.succ: Set["_Group"] = set()
         self.pred: Set["_Group"] = set()
         self.name = ""
+        self.solo = False  # a table used outside its lookups, alone (_used_outside)
 
     @property
     def members(self) -> List[meta.LookupRecord]:
@@ -397,9 +398,11 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 if h not in above:
                     above.add(h)
                     todo.append(h)
-        target = next((g for g in groups if g.key == u.key and g not in above), None)
+        solo = _used_outside(u)
+        target = None if solo else next((g for g in groups if g.key == u.key and g not in above and not g.solo), None)
         if target is None:
             target = _Group(u.key)
+            target.solo = solo
             groups.append(target)
         target.units.append(u)
         u.group = target
@@ -464,6 +467,12 @@ def _fragmentation(groups: List[_Group], effects: SideEffects) -> meta.Fragmenta
             if same is None:
                 splits.append(f"{g.name} apart from {gs[0].name}: {key_difference(g.key, gs[0].key)}")
                 continue
+            if g.solo or same.solo:
+                alone = g if g.solo else same
+                splits.append(f"{g.name} apart from {same.name}: table '{alone.members[0].table}' is also used "
+                              "outside its lookups, so its optimizer cannot be fused into a group's backward; a "
+                              "group of its own keeps the other tables' update fused")
+                continue
             path = _path(same, g)
             if path is not None:
                 text = f"depends on the output of {same.name}"
@@ -484,6 +493,18 @@ def _fragmentation(groups: List[_Group], effects: SideEffects) -> meta.Fragmenta
                         break
             splits.append(f"{g.name} apart from {same.name}: {text}" + (f" ({'; '.join(hops)})" if hops else ""))
     return meta.Fragmentation(groups=len(groups), fewest=len(kinds), kinds=tuple(kinds), splits=tuple(splits))
+
+
+def _used_outside(u: _Unit) -> bool:
+    """Whether the table of ``u`` (with an optimizer that can be fused) is read by anything but its
+    unit's lookups: a tied output layer, a lookup left as written. A fused update would miss that
+    gradient, so its group steps with torch.optim (choose_kernels); the table takes a group of its
+    own, so that the others in its key keep their update fused."""
+    opt = u.key[6]
+    if opt is None or opt.fused_spec() is None:
+        return False
+    mine = {r.node for r in u.members}
+    return any(x not in mine for r in u.members for x in r.weight.users)
 
 
 def _path(a: _Group, b: _Group) -> Optional[List[_Group]]:

@@ -451,6 +451,38 @@ def test_a_group_apart_for_its_optimizer_says_so():
     assert "vs optimizer SGD(lr=0.1" in split
 
 
+class TiedOutput(nn.Module):
+    """Three tables; the middle one is also the output layer (SASRec's tied item table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.item, self.c = (nn.EmbeddingBag(50, 8, mode="sum") for _ in range(3))
+
+    def forward(self, ids, offsets):
+        x = self.a(ids, offsets) + self.item(ids, offsets) + self.c(ids, offsets)
+        return x @ self.item.weight.t()
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd"])
+def test_a_table_used_outside_its_lookups_takes_a_group_of_its_own_only_with_an_optimizer(optimizer):
+    """Its fused update would miss that gradient, so its group steps with torch.optim: in one group
+    with it, the other tables lost their fused update too. Without an optimizer nothing is fused,
+    and the tables stay in one group."""
+    from fxrec.passes.assign_optimizers import assign_optimizers
+
+    opt = fxrec.optim.SGD(lr=0.1) if optimizer else None
+    ctx = PassContext(config=Config(optimizer=opt), report=Report(), logger=logging.getLogger("fxrec.test"))
+    x = (torch.randint(0, 50, (6,)), torch.tensor([0, 2, 4]))
+    gm = PassManager([annotate_lookups, merge_lookups, assign_optimizers, group_lookups]).run(captured(TiedOutput(), x), ctx)
+    got = [[r.table for r in g.lookups] for g in ctx.groups]
+    if optimizer is None:
+        assert got == [["a", "item", "c"]] and not gm.meta[meta.FRAGMENTATION].splits
+        return
+    assert sorted(got) == [["a", "c"], ["item"]]
+    (split,) = gm.meta[meta.FRAGMENTATION].splits
+    assert "table 'item' is also used outside its lookups" in split and "keeps the other tables' update fused" in split
+
+
 class InPlace(nn.Module):
     """An input written in place between lookups: the read before the write stays before it, the
     ids computed after it stay after it."""
