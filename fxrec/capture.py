@@ -280,7 +280,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     paths = _install_input_guards(gm, ep)
     _name_inputs(gm, paths)
     _structured_forward(gm, _defaults_left(model, args, kwargs),
-                        for_calls and _dict_order_matters(model, args, kwargs, gm))
+                        for_calls and _dict_order_matters(model, args, kwargs, gm), _given_with_defaults(model, args, kwargs))
     adopt(gm)  # (which recompiles: the two above change the graph and its code generator without)
     hold_containers_like(gm, model)
 
@@ -607,6 +607,17 @@ def _defaults_left(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
     return out
 
 
+def _given_with_defaults(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """(name, its default as written) of the forward's arguments the example gives that have a default."""
+    try:
+        sig = inspect.signature(model.forward)
+        given = set(sig.bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return []
+    return [(p.name, repr(p.default)) for p in sig.parameters.values()
+            if p.name in given and p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def _reordered(tree):
     """``tree`` with every dict of two or more keys in the reverse order (nothing else changed)."""
     if type(tree) is dict:
@@ -673,7 +684,8 @@ def _has_dicts(tree) -> bool:
     return False
 
 
-def _structured_forward(gm: fx.GraphModule, defaults: Sequence[Tuple[str, Any]] = (), dict_order: bool = False) -> None:
+def _structured_forward(gm: fx.GraphModule, defaults: Sequence[Tuple[str, Any]] = (), dict_order: bool = False,
+                        optional: Sequence[Tuple[str, str]] = ()) -> None:
     """Give ``gm`` a ``forward`` that takes the model's own arguments and reads the tensors out of
     them by index (see :mod:`fxrec.codegen`), instead of export's per-call pytree flatten and
     structure check; list lengths are still checked, with a message that names the input. The caller
@@ -684,6 +696,6 @@ def _structured_forward(gm: fx.GraphModule, defaults: Sequence[Tuple[str, Any]] 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     none_leaves = [k for k, n in enumerate(placeholders) if "val" in n.meta and n.meta["val"] is None]
     gm.graph._codegen = StructuredCodeGen(info.in_spec, info.out_spec, info.orig_args, none_leaves=none_leaves,
-                                          defaults=defaults, dict_order=dict_order)
+                                          defaults=defaults, dict_order=dict_order, optional=optional)
     if hasattr(gm, "validate_inputs"):
         gm.validate_inputs = False  # the generated forward checks what it reads

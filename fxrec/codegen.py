@@ -193,6 +193,17 @@ def _varying(levels: Tuple[Tuple[str, ...], ...], names: Tuple[str, ...]) -> Lis
 _NOTHING = object()
 
 
+class _Unset:
+    """The default the generated forward gives an argument the model may be called without but
+    was captured with (``fxrec_unset``): seen there, it raises the error that says so."""
+
+    def __repr__(self) -> str:
+        return "fxrec_unset"
+
+
+_UNSET = _Unset()
+
+
 def fxrec_input_error(root, message: str, got=_NOTHING):
     """Raise the ValueError ``message`` of an input whose structure the model was not captured for
     (not a list or dict, one of another length or keys, an input that must stay None), followed by
@@ -299,8 +310,11 @@ class StructuredCodeGen(fx.graph.CodeGen):
     and returns the model's own output structure."""
 
     def __init__(self, in_spec, out_spec, arg_names: List[str], typed: bool = False, none_leaves=(), defaults=(),
-                 dict_order: bool = False):
+                 dict_order: bool = False, optional=()):
         super().__init__()
+        # (name, its default in the model's signature) of arguments the example gave that the model
+        # lets a call leave out: left out here they are an error saying so, not Python's TypeError
+        self.optional = list(optional)
         # the model's output depends on the order of its dicts' keys (its code iterates them): a
         # dict must come in the captured order (otherwise any order: the graph reads them by key)
         self.dict_order = dict_order
@@ -359,9 +373,22 @@ class StructuredCodeGen(fx.graph.CodeGen):
                 else:
                     self._shadowed[name] = (self._global(f"fxrec_global_{name}", object()), _GLOBAL_NAMES[name])
         params, lines, paths = [], [], []
-        for name, spec in self._arg_specs():
+        specs = self._arg_specs()
+        optional = dict(getattr(self, "optional", ()))  # (older pickles: none)
+        first_optional = len(specs)
+        while not self.typed and first_optional > 0 and specs[first_optional - 1][0] in optional:
+            first_optional -= 1  # (only a trailing run: an argument without a default cannot follow one)
+        for k, (name, spec) in enumerate(specs):
+            given_name = name
             name = self._renamed.get(name, name)
             params.append(f"{name}: {_type_of(spec, name)}" if self.typed else name)
+            if k >= first_optional:
+                unset = self._global("fxrec_unset", _UNSET)
+                params[-1] += f"={unset}"
+                lines.append(f"if {name} is {unset}: " + self._raise(
+                    f"fxrec: input {given_name} was given when the model was captured, and the transformed model "
+                    f"reads it: pass it (left out, the model takes its default {optional[given_name]}, which is "
+                    "another graph: transform with an example that leaves it out for those calls)"))
             _leaf_paths(spec, name, paths)
             self._length_checks(spec, name, lines)
         if len(paths) != len(leaves):
@@ -486,4 +513,4 @@ class StructuredCodeGen(fx.graph.CodeGen):
                 namespace.create_name(name, None)  # (one already a node's name just takes up a spare one)
         return [("List", typing.List), ("Dict", typing.Dict), ("Tuple", typing.Tuple), ("Optional", typing.Optional),
                 ("fxrec_attr", fxrec_attr), ("fxrec_attrs", fxrec_attrs), ("fxrec_input_error", fxrec_input_error),
-                ("fxrec_sequence", fxrec_sequence), ("fxrec_mappings", MAPPINGS)]
+                ("fxrec_sequence", fxrec_sequence), ("fxrec_mappings", MAPPINGS), ("fxrec_unset", _UNSET)]
