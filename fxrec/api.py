@@ -254,7 +254,8 @@ def transform(
 
     users_own = reference_model if reference_model is model else None  # its .grad are put back
     with _grads_restored(users_own):
-        gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot}, dump=dump)
+        gm = _on_every_rank(plan, args, lambda: PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot},
+                                                                           dump=dump))
     _name_guarded_inputs(gm, records)
     table_opts = {r.param: (r.optimizer, r.sparse) for r in records + hidden if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
@@ -435,6 +436,34 @@ def _check_rank_device(model, args, kwargs) -> None:
     inputs = {x.device for x in _pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
     check_rank_device(backend, torch.cuda.current_device(), int(local) if local is not None and local.isdigit() else None,
                       tables, inputs)
+
+
+def _on_every_rank(plan, args, run):
+    """``run()``. With a plan, a failure on one rank is one on every rank: a refusal that depends on
+    what a rank holds (a table's shards) is raised where they are, and the other ranks would wait
+    for that rank in the set-up's first collective (until the process group's timeout). One exchange
+    of a flag: the failing rank raises its own error, the others an InputError saying which failed."""
+    import torch.distributed as dist
+    from torch.utils import _pytree
+
+    from .runtime.collectives import all_gather_ints
+
+    if plan is None or not (dist.is_available() and dist.is_initialized()):
+        return run()
+    error, out = None, None
+    try:
+        out = run()
+    except Exception as e:  # noqa: BLE001 - any failure on one rank stops them all
+        error = e
+    leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    every = all_gather_ints([0 if error is None else 1], leaves[0].device if leaves else torch.device("cpu"),
+                            "fxrec.transform (its passes)")
+    if error is not None:
+        raise error
+    failed = [r for r, (flag,) in enumerate(every) if flag]
+    if failed:
+        raise InputError(f"fxrec: transform failed on rank(s) {failed} (their error says why); this rank stops with them")
+    return out
 
 
 def _check_same_plan(plan, args) -> None:

@@ -210,6 +210,32 @@ def test_refusals_name_the_table_and_what_to_do(tmp_path):
         in transform_only, transform_only
 
 
+class _PaddedOnRankOne(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(10, 8, mode="sum")
+        self.b = torch.nn.EmbeddingBag(7, 5, mode="sum")  # dim 5: stored padded in fbgemm's TBE
+
+    def forward(self, a, ao, b, bo):
+        return torch.cat([self.a(a, ao), self.b(b, bo)], 1)
+
+
+def _refused_where_the_table_is(rank, world):
+    model = _PaddedOnRankOne()
+    ex = (torch.tensor([1, 2, 7, 9, 3, 0]), torch.tensor([0, 2, 4]), torch.tensor([1, 2, 5, 4]), torch.tensor([0, 1, 3]))
+    opt = fxrec.optim.RowWiseAdagrad(lr=0.1)
+    plan = fxrec.plan(model, ex, world_size=world, memory_per_rank="1GB", batch_size=3, optimizer=opt,
+                      weights_precision="fp16", pins={"a": ("table_wise", 0), "b": ("table_wise", 1)})
+    fxrec.transform(model, ex, plan=plan, optimizer=opt, weights_precision="fp16")
+
+
+def test_a_refusal_on_the_rank_that_holds_the_table_stops_every_rank_at_once(tmp_path):
+    """Only rank 1 holds table 'b', which fbgemm cannot store in fp16 for row-wise Adagrad: rank 0
+    went on and waited in DDP's set-up for the process group's timeout (30 minutes by default)."""
+    msg = error_of(tmp_path, 2, _refused_where_the_table_is)
+    assert msg == "fxrec: transform failed on rank(s) [1] (their error says why); this rank stops with them", msg
+
+
 def _meta_and_sequence_worker(rank, world, init_file):
     from tests import test_sharding_sequence as S
 
