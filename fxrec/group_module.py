@@ -72,9 +72,10 @@ def build_group_module(
         order = sorted(index, key=index.get)
         if tables and tables[0].dtype == "float16":
             # the model's fp16 tables: quantized from their values, looked up in fp16 as the model's own
-            # lookups give them (the graph after the group expects fp16, whatever output_dtype says)
+            # lookups give them (the graph after the group expects fp16, whatever output_dtype says);
+            # each made fp32 only while it is quantized (fbgemm_nbit.make_inference_tbe), not all at once
             return qcls(tables, features, gr.pooling, [gr.quant[p] for p in order],
-                        [weights[p].float() for p in order], "fp16"), index
+                        [weights[p] for p in order], "fp16"), index
         return qcls(tables, features, gr.pooling, [gr.quant[p] for p in order], [weights[p] for p in order],
                     output_dtype), index
     mod = EmbeddingGroup(tables, features, gr.pooling, gr.kernel_train, gr.kernel_eval,
