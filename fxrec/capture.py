@@ -48,6 +48,7 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.printers import PythonPrinter
 
+from . import meta
 from .capture_bags import opaque_bags, restore_aten
 from .codegen import StructuredCodeGen, leaf_paths, supported
 from .graph_module import MODES_KEY, TransformedModule, adopt, hold_containers_like
@@ -277,6 +278,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
                            + (f"module names {odd[:3]} hold quotes, backslashes or line breaks, which torch "
                               "writes into that code as they are: rename them" if odd else "")) from e
     _one_name_per_tensor(gm)
+    gm.meta[meta.EMBEDDING_WEIGHTS] = _embedding_weights(model)
     paths = _install_input_guards(gm, ep)
     _name_inputs(gm, paths)
     _structured_forward(gm, _defaults_left(model, args, kwargs),
@@ -607,15 +609,24 @@ def _defaults_left(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
     return out
 
 
-def _given_with_defaults(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Tuple[str, str]]:
-    """(name, its default as written) of the forward's arguments the example gives that have a default."""
+def _given_with_defaults(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[tuple]:
+    """(name, its default as written, whether the example gave it at that default None) of the forward's
+    arguments the example gives that have a default."""
     try:
         sig = inspect.signature(model.forward)
-        given = set(sig.bind(*args, **kwargs).arguments)
+        given = sig.bind(*args, **kwargs).arguments
     except (TypeError, ValueError):
         return []
-    return [(p.name, repr(p.default)) for p in sig.parameters.values()
+    return [(p.name, repr(p.default), given[p.name] is None and p.default is None)
+            for p in sig.parameters.values()
             if p.name in given and p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _embedding_weights(model: torch.nn.Module) -> List[str]:
+    """Every name of the weights of the model's nn.Embedding / nn.EmbeddingBag modules (a tied one
+    under each of its names)."""
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+    return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)
 
 
 def _reordered(tree):
@@ -685,7 +696,7 @@ def _has_dicts(tree) -> bool:
 
 
 def _structured_forward(gm: fx.GraphModule, defaults: Sequence[Tuple[str, Any]] = (), dict_order: bool = False,
-                        optional: Sequence[Tuple[str, str]] = ()) -> None:
+                        optional: Sequence[tuple] = ()) -> None:
     """Give ``gm`` a ``forward`` that takes the model's own arguments and reads the tensors out of
     them by index (see :mod:`fxrec.codegen`), instead of export's per-call pytree flatten and
     structure check; list lengths are still checked, with a message that names the input. The caller

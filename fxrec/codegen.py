@@ -312,8 +312,9 @@ class StructuredCodeGen(fx.graph.CodeGen):
     def __init__(self, in_spec, out_spec, arg_names: List[str], typed: bool = False, none_leaves=(), defaults=(),
                  dict_order: bool = False, optional=()):
         super().__init__()
-        # (name, its default in the model's signature) of arguments the example gave that the model
-        # lets a call leave out: left out here they are an error saying so, not Python's TypeError
+        # (name, its default in the model's signature, whether the example gave it at that default
+        # None) of arguments the example gave that the model lets a call leave out: left out here
+        # they are an error saying so, not Python's TypeError (or, given None, None again)
         self.optional = list(optional)
         # the model's output depends on the order of its dicts' keys (its code iterates them): a
         # dict must come in the captured order (otherwise any order: the graph reads them by key)
@@ -374,7 +375,8 @@ class StructuredCodeGen(fx.graph.CodeGen):
                     self._shadowed[name] = (self._global(f"fxrec_global_{name}", object()), _GLOBAL_NAMES[name])
         params, lines, paths = [], [], []
         specs = self._arg_specs()
-        optional = dict(getattr(self, "optional", ()))  # (older pickles: none)
+        # name -> (its default as written, whether the example gave it at that default None)
+        optional = {o[0]: (o[1], len(o) > 2 and o[2]) for o in getattr(self, "optional", ())}  # (older pickles: none)
         first_optional = len(specs)
         while not self.typed and first_optional > 0 and specs[first_optional - 1][0] in optional:
             first_optional -= 1  # (only a trailing run: an argument without a default cannot follow one)
@@ -382,12 +384,15 @@ class StructuredCodeGen(fx.graph.CodeGen):
             given_name = name
             name = self._renamed.get(name, name)
             params.append(f"{name}: {_type_of(spec, name)}" if self.typed else name)
-            if k >= first_optional:
+            default, none_given = optional.get(given_name, ("", False))
+            if k >= first_optional and none_given:  # (None then, which the graph does not read: the same call)
+                params[-1] += "=None"
+            elif k >= first_optional:
                 unset = self._global("fxrec_unset", _UNSET)
                 params[-1] += f"={unset}"
                 lines.append(f"if {name} is {unset}: " + self._raise(
                     f"fxrec: input {given_name} was given when the model was captured, and the transformed model "
-                    f"reads it: pass it (left out, the model takes its default {optional[given_name]}, which is "
+                    f"reads it: pass it (left out, the model takes its default {default}, which is "
                     "another graph: transform with an example that leaves it out for those calls)"))
             _leaf_paths(spec, name, paths)
             self._length_checks(spec, name, lines)

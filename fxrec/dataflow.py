@@ -262,13 +262,15 @@ def reaches(start: fx.Node, targets: Set[fx.Node], preds: Callable[[fx.Node], Li
 
 def carries_gradient(node: fx.Node) -> bool:
     """Whether a gradient can reach ``node``'s value: False only where every chain of its users
-    ends at a ``detach``, a ``torch.no_grad()`` block, a result of integer or bool dtype (``argmax``,
+    ends at a ``detach``, a ``torch.no_grad()`` block that neither writes it in place nor hands it
+    back, a result of integer or bool dtype (``argmax``,
     a comparison) or a result nothing uses; True where one reaches the graph's output, a side
     effect or anything else (what cannot be told carries one)."""
     seen: Set[fx.Node] = set()
     todo = [node]
     while todo:
-        for u in todo.pop().users:
+        n = todo.pop()
+        for u in n.users:
             if u in seen:
                 continue
             seen.add(u)
@@ -277,6 +279,9 @@ def carries_gradient(node: fx.Node) -> bool:
             if u.target is aten.detach.default:
                 continue
             if getattr(u.target, "__name__", "") == "wrap_with_set_grad_enabled" and u.args and u.args[0] is False:
+                _, written, aliased = hop_effects(u)
+                if n in written or n in aliased:
+                    return True  # (written in place in there, or handed back: the value still carries one)
                 continue
             val = u.meta.get("val")
             if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):

@@ -121,7 +121,7 @@ def materialize(gm: nn.Module, model: nn.Module, sharded: Dict[str, str], layout
     # A module holding table pieces draws them from a random state of their own, seeded by which
     # pieces they are: every rank starts from the same state (as DDP wants), so each rank's row
     # block or column shard (and two tables owned by two ranks) drew the same numbers
-    base = int(torch.randint(0, 2**62, ())) if any(f in sharded for fqns in to_init.values() for f in fqns) else 0
+    base = int(torch.randint(0, 2**62, ())) if to_init else 0  # (drawn on every rank: their states stay alike)
     for path, fqns in to_init.items():
         mine = sorted((f, layout.get(f, (None, []))[1]) for f in fqns if f in sharded)
         _initialise(model, path, fqns, gm_tensors, _seed(base, path, mine) if mine else None)
@@ -162,7 +162,8 @@ def _initialise(model: nn.Module, path: str, fqns: List[str], gm_tensors: Dict[s
         with torch.no_grad():
             stand.reset_parameters()
         return
-    cuda = sorted({gm_tensors[f].device.index or 0 for f in fqns if gm_tensors[f].is_cuda})
+    # (manual_seed seeds every device: every one's state is put back)
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=cuda), torch.no_grad():
         torch.manual_seed(seed)
         stand.reset_parameters()

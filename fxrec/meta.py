@@ -30,6 +30,9 @@ INPUT_NAME = "fxrec_input_name"
 REMOVED = "fxrec_removed_lookups"
 #: In ``gm.meta``: a :class:`Fragmentation`, how many groups ``group_lookups`` made and why.
 FRAGMENTATION = "fxrec_fragmentation"
+# (gm.meta) the names of the model's nn.Embedding / nn.EmbeddingBag weights (capture): a weight read
+# by indexing (weight[ids]) is a lookup only where it is one of them (annotate_lookups)
+EMBEDDING_WEIGHTS = "fxrec_embedding_weights"
 
 
 @dataclass(frozen=True)

@@ -529,3 +529,7 @@ def test_an_argument_given_at_capture_that_the_model_lets_a_call_leave_out_is_na
             m(ids)
     scripted = fxrec.export.torchscript(fast)
     torch.testing.assert_close(scripted(ids, ctx), model(ids, ctx), rtol=0, atol=0)
+    # given at its default None: the graph does not read it, and a call may leave it out
+    none_given = fxrec.transform(model, (torch.randint(0, 50, (8,)), None))
+    torch.testing.assert_close(none_given(ids), model(ids), rtol=0, atol=0)
+    torch.testing.assert_close(none_given(ids, None), model(ids), rtol=0, atol=0)

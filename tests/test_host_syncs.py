@@ -90,7 +90,7 @@ def test_the_count_sees_what_an_ordinary_cpu_call_reads():
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("bad_id", [80, -1, -2])
+@pytest.mark.parametrize("bad_id", [80, -1, -2, 2**62 + 3])
 def test_bad_ids_checked_on_the_device_still_raise_the_error_naming_the_feature(quantized, bad_id):
     """-1 too: fbgemm's bounds check passes it by (a pruned row), and its CUDA training kernels
     would read before the table's rows."""

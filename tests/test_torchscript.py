@@ -187,3 +187,27 @@ def test_ids_after_the_last_offset_are_not_checked_by_the_scripted_form_as_pytor
     bad = (torch.tensor([1, 2, 3, 1000, 7, 8, 9]), torch.tensor([0, 2, 4, 6]))  # 1000 is looked up
     with pytest.raises(Exception, match=r"feature 'i' \(table 'a'\) looks up id 1000"):
         sm(*bad)
+
+
+class _LastOffsetPaddedBag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(10, 8, mode="sum", include_last_offset=True, padding_idx=0)
+
+    def forward(self, i, o):
+        return self.a(i, o)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_with_a_padding_row_the_ids_after_the_last_offset_are_still_checked(quantize):
+    """With a padding_idx PyTorch's last bag runs to the end of the ids, so a bad id there is read
+    (and refused by PyTorch): the scripted form must refuse it too, not read out of the table."""
+    model = _LastOffsetPaddedBag().eval()
+    fast = fxrec.transform(model, (torch.randint(0, 10, (6,)), torch.tensor([0, 2, 4, 6])), mode="inference",
+                           quantize=quantize)
+    sm = fxrec.export.torchscript(fast)
+    bad = (torch.tensor([1, 2, 3, 4, 5, 6, 12]), torch.tensor([0, 2, 4, 6]))
+    with pytest.raises(Exception):
+        model(*bad)
+    with pytest.raises(Exception, match=r"feature 'i' \(table 'a'\) looks up id 12"):
+        sm(*bad)

@@ -250,6 +250,18 @@ def _replace(rec: meta.LookupRecord, **kw) -> meta.LookupRecord:
     return dataclasses.replace(rec, **kw)
 
 
+def _a_table(gm: fx.GraphModule, weight: fx.Node, fqn: Optional[str], wval: torch.Tensor) -> bool:
+    """Whether a float parameter read by indexing is a table: an nn.Embedding / nn.EmbeddingBag's
+    weight, or one an embedding op also reads (``F.embedding(ids, self.table)``). (A classifier's
+    weight read as ``self.out.weight[labels]`` is not: ``optimizer=`` would claim it.)"""
+    if fqn is None or not wval.is_floating_point():
+        return False
+    if fqn in gm.meta.get(meta.EMBEDDING_WEIGHTS, ()):
+        return True
+    return any(u.op == "call_function" and u.target in _BAG_OPS | _EMB_OPS and u.args and u.args[0] is weight
+               for u in weight.users)
+
+
 def _index_ids(node: fx.Node) -> Optional[fx.Node]:
     """The ids of ``weight[ids]`` (one index tensor, of int64 or int32: not a mask, nor ``[:, ids]``)
     or of ``index_select(weight, 0, ids)``; else None."""
@@ -279,7 +291,7 @@ def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None)
     if wval is None or wval.dim() != 2:
         return None
     fqn = _param_fqn(gm, weight)
-    if node.target in _INDEX_OPS and (fqn is None or not wval.is_floating_point()):
+    if node.target in _INDEX_OPS and not _a_table(gm, weight, fqn, wval):
         return None  # (indexing some other tensor: not a table's lookup)
     reasons = []
     written = _written_in_a_block(gm, weight) if fqn is None else None

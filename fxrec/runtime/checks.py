@@ -258,9 +258,6 @@ class InputChecks:
 
 
 
-_CLEAR_BIT_62 = ~(1 << 62)  # (an int64: every bit but 62)
-
-
 class DeviceBoundsCheck:
     """A group's bounds check on its device, and what the host has heard of it.
 
@@ -290,10 +287,9 @@ class DeviceBoundsCheck:
         """``more``: a count of other problems found on the device (0-dim), added in. ``indices``
         is the group's packed copy (int64), which the check writes."""
         # fbgemm's check passes id -1 by (a pruned row, for its inference kernels), which its
-        # training kernels would read (and a fused backward write) before the table's rows: every
-        # id's bit 62 cleared first, in place, leaves the ids a table can have as they are and
-        # makes -1 another negative id, which the check counts and sends to row 0
-        indices.bitwise_and_(_CLEAR_BIT_62)
+        # training kernels would read (and a fused backward write) before the table's rows: made
+        # -2 first, in place (the group's packed copy), which the check counts and sends to row 0
+        indices.masked_fill_(indices == -1, -2)
         self._bounds_check(self.rows, indices, offsets, self.scratch, psw)
         self.counter.add_(self.scratch)
         if more is not None:

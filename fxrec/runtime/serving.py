@@ -116,7 +116,9 @@ class _ServingGroup(nn.Module):
                 off = offsets_list[k]
                 if off.dim() != 1 or (off.dtype != torch.int64 and off.dtype != torch.int32):
                     raise TypeError("fxrec: " + where + " needs 1-D integer offsets")
-                if self.ilos[i] and off.numel() > 0:  # (ids after offsets[-1] are not looked up, as in PyTorch)
+                # (ids after offsets[-1] are not looked up, as in PyTorch, unless the table has a
+                # padding row: PyTorch's last bag then runs to the end of the ids)
+                if self.ilos[i] and self.pads[i] < 0 and off.numel() > 0:
                     inside = inside | (torch.arange(ids.numel(), device=ids.device) >= off[-1])
             good = inside.all()
             if k >= 0:
@@ -132,7 +134,7 @@ class _ServingGroup(nn.Module):
             ids = ids_list[i]
             where = "feature '" + self.names[i] + "' (table '" + self.table_names[i] + "')"
             k = self.off_index[i]
-            if k >= 0 and self.ilos[i] and offsets_list[k].dim() == 1 and offsets_list[k].numel() > 0:
+            if k >= 0 and self.ilos[i] and self.pads[i] < 0 and offsets_list[k].dim() == 1 and offsets_list[k].numel() > 0:
                 ids = ids[:max(int(offsets_list[k][-1]), 0)]  # (the ids looked up: none after offsets[-1])
             if ids.numel() > 0:
                 lo = int(ids.min())

@@ -102,7 +102,7 @@ class _ReadsRows(torch.nn.Module):
     def forward(self, ids, seq, mask):
         neg = self.item.weight[ids]                              # [B, 8]: one row each
         hist = self.item.weight[seq].sum(1)                      # [B, L, 8] pooled by hand
-        pos = torch.index_select(self.pos, 0, ids % 10)          # a parameter that is no module's table
+        pos = torch.index_select(self.pos, 0, ids % 10)          # a parameter no embedding module holds: no table
         other = (self.pos * 2)[ids % 10] + self.buf[ids % 10]    # computed / a buffer: no table
         picked = self.item.weight[:, :4][ids]                    # (a slice: computed)
         masked = self.item.weight[mask].sum() + self.item.weight[:, ids % 8].sum()  # a mask, columns
@@ -113,5 +113,24 @@ def test_rows_of_a_parameter_read_by_indexing_are_lookups_and_other_indexing_is_
     x = (torch.randint(0, 30, (4,)), torch.randint(0, 30, (4, 3)), torch.rand(30) > 0.5)
     recs, _ = records(_ReadsRows(), x)
     got = sorted((r.table, r.form, r.pooling, r.lowerable, r.sparse) for r in recs)
-    assert got == [("item", "pooled_seq", "sum", True, False), ("item", "single", "sum", True, False),
-                   ("pos", "single", "sum", True, False)]
+    assert got == [("item", "pooled_seq", "sum", True, False), ("item", "single", "sum", True, False)]
+
+
+class _IndexedParameters(torch.nn.Module):
+    """A raw parameter read by F.embedding and by indexing (a table), and a classifier's weight
+    read by indexing (center loss: not a table, which optimizer= would claim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(30, 8))
+        self.out = torch.nn.Linear(8, 5)
+
+    def forward(self, ids, labels):
+        x = torch.nn.functional.embedding(ids, self.table) + self.table[ids]
+        return self.out(x) + self.out.weight[labels].sum(1, keepdim=True)
+
+
+def test_indexing_is_a_lookup_only_of_an_embedding_modules_weight_or_of_a_table_an_embedding_op_reads():
+    recs, _ = records(_IndexedParameters(), (torch.randint(0, 30, (4,)), torch.randint(0, 5, (4,))))
+    assert sorted((r.table, r.node.target.__name__) for r in recs) == [("table", "embedding.default"),
+                                                                       ("table", "index.Tensor")]

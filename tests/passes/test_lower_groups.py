@@ -97,3 +97,24 @@ def test_features_no_gradient_reaches_are_marked_and_the_others_are_not():
     # the dead lookup is dropped by no pass in this pipeline: it stays, marked
     assert grads == [True, False, False, False, False]
     assert_matches(model, gm, inputs, inputs)
+
+
+class _ClampedInNoGrad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(20, 4)
+
+    def forward(self, ids):
+        x = self.e(ids)
+        with torch.no_grad():
+            x.clamp_(-0.5, 0.5)  # in place, not recorded: x still carries the table's gradient
+        return x
+
+
+def test_a_lookup_written_in_place_in_a_no_grad_block_still_carries_its_gradient():
+    ids = torch.tensor([1, 2, 3])
+    model = _ClampedInNoGrad()
+    gm, _ = lowered(model, (ids,))
+    (call,) = group_calls(gm)
+    assert [f.grad for f in gm.get_submodule(call.target).features] == [True]
+    assert_matches(model, gm, (ids,), (ids,))
