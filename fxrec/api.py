@@ -257,12 +257,14 @@ def transform(
         gm = _on_every_rank(plan, args, lambda: PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot},
                                                                            dump=dump))
     _name_guarded_inputs(gm, records)
-    table_opts = {r.param: (r.optimizer, r.sparse) for r in records + hidden if r.optimizer is not None}
+    dense_grads = _dense_from_elsewhere(gm) if plan is None else set()  # (a sparse table read elsewhere too: dense)
+    table_opts = {r.param: (r.optimizer, r.sparse and r.param not in dense_grads) for r in records + hidden
+                  if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup) and len(n.args) > 3:
             for w, spec in zip(n.args[3], gm.get_submodule(n.target).tables):
                 if w.target in table_opts:
-                    table_opts[w.target] = (table_opts[w.target][0], spec.sparse)
+                    table_opts[w.target] = (table_opts[w.target][0], spec.sparse and w.target not in dense_grads)
     fused_groups = _fused_groups(gm)
     fused_fqns = {f for _, fs in fused_groups for f in fs}
     for fqn, (opt, sparse) in table_opts.items():
@@ -436,6 +438,34 @@ def _check_rank_device(model, args, kwargs) -> None:
     inputs = {x.device for x in _pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
     check_rank_device(backend, torch.cuda.current_device(), int(local) if local is not None and local.isdigit() else None,
                       tables, inputs)
+
+
+def _dense_from_elsewhere(gm: fx.GraphModule) -> set:
+    """The tables whose ``.grad`` comes out dense whatever layout their groups give them: the graph
+    also reads them with a dense gradient outside the groups (a tied output layer, ``weight[ids]``
+    or an ``nn.Embedding`` lookup without ``sparse=True`` left as written), so their torch.optim
+    step must take a dense one (torch.optim.Adam, not SparseAdam). Reads no gradient reaches
+    (a detached lookup, a no_grad block) do not count."""
+    from .dataflow import carries_gradient
+
+    sparse_ops = {torch.ops.aten.embedding.default: 4, torch.ops.aten.embedding_bag.default: 5,
+                  torch.ops.aten.embedding_bag.padding_idx: 5, torch.ops.aten._embedding_bag.default: 5}
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        for u in n.users:
+            if u.op == "call_module" and isinstance(gm.get_submodule(u.target), EmbeddingGroup):
+                continue
+            if u.op == "call_function" and isinstance(u.target, torch._ops.HigherOrderOperator):
+                continue  # (a no_grad / autocast block: its lookups are left as written, with no gradient or theirs)
+            k = sparse_ops.get(u.target) if u.op == "call_function" else None
+            if k is not None and len(u.args) > k and u.args[k] is True:
+                continue  # (a sparse lookup left as written: its gradient is sparse)
+            if u.op == "call_function" and not carries_gradient(u):
+                continue
+            out.add(n.target)
+    return out
 
 
 def _on_every_rank(plan, args, run):

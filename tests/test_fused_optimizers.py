@@ -1004,6 +1004,69 @@ def test_a_tied_table_steps_with_torch_optim_and_leaves_the_others_fused():
         torch.testing.assert_close(fast.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+class _TiedWithSideLookup(nn.Module):
+    """A tied output layer, and a lookup of the same table no gradient reaches."""
+
+    def __init__(self, how, sparse=False):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(9, 4, sparse=sparse)
+        self.proj = nn.Linear(3, 4)
+
+    def forward(self, dense, ids):
+        if self.how == "no_grad":
+            with torch.no_grad():
+                side = self.emb(ids) * 2
+        elif self.how == "detach":
+            side = self.emb(ids).detach()
+        else:
+            side = self.emb(ids)
+        return self.proj(dense) @ self.emb.weight.t(), side
+
+
+@pytest.mark.parametrize("how", ["detach", "no_grad"])
+def test_a_tied_table_whose_lookups_make_no_gradient_still_gets_its_optimizer(how):
+    """Its only lookup needed no optimizer, so the table had none, and make_optimizer gave the tied
+    layer's gradient to the dense optimizer (12.8 off the plain model after two steps)."""
+    torch.manual_seed(0)
+    model = _TiedWithSideLookup(how)
+    ref = copy.deepcopy(model)
+    x = (torch.randn(3, 3), torch.randint(0, 9, (3,)))
+    fast = fxrec.transform(model, x, optimizer=fxrec.optim.Adagrad(lr=0.1))
+    assert "emb.weight" in fast.meta["fxrec_table_optimizers"]
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.5)
+    ref_opts = [torch.optim.Adagrad([ref.emb.weight], lr=0.1), torch.optim.SGD(ref.proj.parameters(), lr=0.5)]
+    for _ in range(2):
+        for m, os_ in ((ref, ref_opts), (fast, [opt])):
+            m(*x)[0].sum().backward()
+            for o in os_:
+                o.step()
+                o.zero_grad()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(fast.state_dict()[k], v, rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_a_sparse_table_also_read_by_a_tied_layer_steps_its_dense_gradient_with_adam():
+    """Its gradient is dense (PyTorch's too): the torch.optim step chosen by its sparse=True was
+    SparseAdam, which refused it at the first step."""
+    torch.manual_seed(0)
+    model = _TiedWithSideLookup("used", sparse=True)
+    ref = copy.deepcopy(model)
+    x = (torch.randn(3, 3), torch.randint(0, 9, (3,)))
+    fast = fxrec.transform(model, x, optimizer=fxrec.optim.Adam(lr=0.1))
+    opt = fast.make_optimizer(torch.optim.SGD, lr=0.5)
+    ref_opts = [torch.optim.Adam([ref.emb.weight], lr=0.1), torch.optim.SGD(ref.proj.parameters(), lr=0.5)]
+    for _ in range(2):
+        for m, os_ in ((ref, ref_opts), (fast, [opt])):
+            out, side = m(*x)
+            (out.sum() + side.sum()).backward()
+            for o in os_:
+                o.step()
+                o.zero_grad()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(fast.state_dict()[k], v, rtol=1e-6, atol=1e-6, msg=k)
+
+
 def test_a_table_parametrized_after_transform_is_refused_by_the_fused_update():
     """The fused update would write the computed weight, not the parameter: the table was silently
     never trained."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 
 from .. import meta
@@ -34,21 +35,29 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False, {})
     used = set()
     assigned = 0
-    for rec in meta.all_records(gm):  # (lookups left in no_grad / autocast blocks too: theirs as torch.optim)
+    records = meta.all_records(gm)
+    elsewhere = _read_elsewhere(records)
+    for rec in records:  # (lookups left in no_grad / autocast blocks too: theirs as torch.optim)
         opt = resolve(spec, rec.table, rec.param)
         if opt is None:
             continue
         if isinstance(spec, dict):
             used.update(k for k, v in spec.items() if v is opt)
+        # a lookup that makes no gradient (in a no_grad block, or detached) needs no optimizer, but
+        # its table does where something else reads it with one (a tied output layer)
+        mine = opt if rec.param in elsewhere else None
         if not rec.grad:
-            continue  # (in a no_grad block: no gradient to step)
+            if mine is not None:
+                rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=mine)
+            continue
         if rec.lowerable and not carries_gradient(rec.output):
             # detached (or read only by a no_grad block, an integer result): its rows get no
             # gradient in PyTorch, and an optimizer fused into the group's backward would still
             # update them (weight decay, moments); read as written, they are left alone
             rec.node.meta[meta.LOOKUP] = dataclasses.replace(
-                rec, grad=False, reason="no gradient reaches its output (detached, or read only by a no_grad block or integer results), and the table's optimizer would "
-                                        "update the rows it reads in a group's backward: left as written")
+                rec, grad=False, optimizer=mine,
+                reason="no gradient reaches its output (detached, or read only by a no_grad block or integer results), "
+                       "and the table's optimizer would update the rows it reads in a group's backward: left as written")
             continue
         rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=opt)
         assigned += 1
@@ -58,3 +67,17 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             tables = sorted({r.table for r in meta.all_records(gm)})
             raise InputError(f"fxrec: optimizer keys {unused} match no embedding table; the tables are {tables}")
     return PassResult(gm, False, {"lookups_with_optimizer": assigned})
+
+
+def _read_elsewhere(records) -> set:
+    """The tables (parameter names) the graph also reads outside their lookups (a tied output
+    layer, ``x @ emb.weight.t()``): something there may carry a gradient to them. (A higher-order
+    op's use is its lookups' in a no_grad block, or what it computes there: no gradient.)"""
+    lookups = {r.node for r in records}
+    out = set()
+    for r in records:
+        w = r.weight
+        if isinstance(w, fx.Node) and any(u not in lookups and not isinstance(u.target, torch._ops.HigherOrderOperator)
+                                          for u in w.users):
+            out.add(r.param)
+    return out
