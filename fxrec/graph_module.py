@@ -194,7 +194,7 @@ def adopt(gm: fx.GraphModule) -> TransformedModule:
 
 # --------------------------------------------------------------------------- containers
 class HeldList(torch.nn.Module):
-    """What an ``nn.ModuleList`` / ``nn.Sequential`` of the model becomes in the transformed model:
+    """What an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ParameterList`` of the model becomes in the transformed model:
     the holder of its parameters and buffers, indexed as the model's was (``fast.bags[0].weight``,
     ``fast.top[-1]``, ``len(fast.bags)``, ``for bag in fast.bags``). A member that holds no
     parameter or buffer (an ``nn.ReLU``) is not kept (the graph runs its ops): asking for it is a
@@ -216,6 +216,8 @@ class HeldList(torch.nn.Module):
 
     def __getitem__(self, idx):
         key = self._fxrec_key(idx)
+        if key in self._parameters:  # (an nn.ParameterList / ParameterDict member)
+            return self._parameters[key]
         if key not in self._modules:
             raise KeyError(f"fxrec: member {key!r} of this {self._fxrec_kind} holds no parameters or buffers, so the "
                            "transformed model does not keep it (its graph runs that module's ops)")
@@ -257,7 +259,9 @@ def hold_containers_like(gm: torch.nn.Module, model: torch.nn.Module) -> None:
     """The holders in ``gm`` of the model's ModuleLists, Sequentials and ModuleDicts become
     :class:`HeldList` / :class:`HeldDict`, indexed as the model's are."""
     for name, mod in model.named_modules():
-        if not name or not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+        lists = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ParameterList)
+        dicts = (torch.nn.ModuleDict, torch.nn.ParameterDict)
+        if not name or not isinstance(mod, lists + dicts):
             continue
         try:
             holder = gm.get_submodule(name)
@@ -265,8 +269,9 @@ def hold_containers_like(gm: torch.nn.Module, model: torch.nn.Module) -> None:
             continue  # (holds nothing the graph reads)
         if type(holder) is not torch.nn.Module:
             continue
-        holder.__class__ = HeldDict if isinstance(mod, torch.nn.ModuleDict) else HeldList
-        holder.__dict__["_fxrec_keys"] = list(mod._modules)
+        holder.__class__ = HeldDict if isinstance(mod, dicts) else HeldList
+        holder.__dict__["_fxrec_keys"] = list(mod._parameters if isinstance(mod, (torch.nn.ParameterList, torch.nn.ParameterDict))
+                                              else mod._modules)
         holder.__dict__["_fxrec_container"] = type(mod).__name__
 
 

@@ -341,6 +341,23 @@ def test_module_lists_sequentials_and_dicts_are_indexed_as_the_models_were():
         assert sorted(m.state_dict()) == sorted(model.state_dict())
 
 
+class ParameterContainers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pl = nn.ParameterList([nn.Parameter(torch.randn(10, 4)) for _ in range(2)])
+        self.pd = nn.ParameterDict({"a": nn.Parameter(torch.randn(10, 4))})
+
+    def forward(self, i):
+        return F.embedding(i, self.pl[0]) + F.embedding(i, self.pl[1]) + F.embedding(i, self.pd["a"])
+
+
+def test_parameter_lists_and_dicts_are_indexed_as_the_models_were():
+    model = ParameterContainers()
+    fast = fxrec.transform(model, (torch.randint(0, 10, (3,)),))
+    assert fast.pl[1] is fast.get_parameter("pl.1") and fast.pl[-1] is fast.pl[1] and len(fast.pl) == 2
+    assert fast.pd["a"] is fast.get_parameter("pd.a") and list(fast.pd) == ["a"]
+
+
 class ConstantIndex(nn.Module):
     def __init__(self):
         super().__init__()
