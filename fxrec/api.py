@@ -257,7 +257,9 @@ def transform(
         gm = _on_every_rank(plan, args, lambda: PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot},
                                                                            dump=dump))
     _name_guarded_inputs(gm, records)
-    dense_grads = _dense_from_elsewhere(gm) if plan is None else set()  # (a sparse table read elsewhere too: dense)
+    with_opt = {r.param for r in records + hidden if r.optimizer is not None}
+    # (a sparse table read elsewhere too: its .grad is dense)
+    dense_grads = _dense_from_elsewhere(gm, with_opt) if plan is None else set()
     table_opts = {r.param: (r.optimizer, r.sparse and r.param not in dense_grads) for r in records + hidden
                   if r.optimizer is not None}
     for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
@@ -440,8 +442,8 @@ def _check_rank_device(model, args, kwargs) -> None:
                       tables, inputs)
 
 
-def _dense_from_elsewhere(gm: fx.GraphModule) -> set:
-    """The tables whose ``.grad`` comes out dense whatever layout their groups give them: the graph
+def _dense_from_elsewhere(gm: fx.GraphModule, tables: set) -> set:
+    """The tables of ``tables`` whose ``.grad`` comes out dense whatever layout their groups give them: the graph
     also reads them with a dense gradient outside the groups (a tied output layer, ``weight[ids]``
     or an ``nn.Embedding`` lookup without ``sparse=True`` left as written), so their torch.optim
     step must take a dense one (torch.optim.Adam, not SparseAdam). Reads no gradient reaches
@@ -452,7 +454,7 @@ def _dense_from_elsewhere(gm: fx.GraphModule) -> set:
                   torch.ops.aten.embedding_bag.padding_idx: 5, torch.ops.aten._embedding_bag.default: 5}
     out = set()
     for n in gm.graph.nodes:
-        if n.op != "get_attr":
+        if n.op != "get_attr" or n.target not in tables:
             continue
         for u in n.users:
             if u.op == "call_module" and isinstance(gm.get_submodule(u.target), EmbeddingGroup):
