@@ -40,6 +40,12 @@ _READS_LAYOUT = {aten.view.default, aten.view.dtype, aten._unsafe_view.default, 
                  aten.view_as_complex.default}
 
 
+# Ops that view their first argument where its layout allows and copy it otherwise: on a tensor
+# whose layout depends on a size (a column slice is contiguous only for one row), torch.export
+# guards that size to choose (``Guard failed: s != 1``); given a contiguous tensor, they view it.
+RESHAPES = {aten.reshape.default, aten.flatten.using_ints, aten.reshape_as.default, aten.unflatten.int}
+
+
 def is_impure(node: fx.Node) -> bool:
     """Whether ``node`` has an effect beyond its result (its place among such nodes is kept). A
     higher-order op (``torch.no_grad()`` / ``torch.autocast`` blocks, control flow) has one where

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from . import meta
-from .dataflow import SideEffects, carries_gradient, reads_contiguous
+from .dataflow import RESHAPES, SideEffects, carries_gradient, reads_contiguous
 from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from .runtime.group import EmbeddingGroup
 from .runtime.specs import FeatureSpec, GroupSpec, TableSpec
@@ -128,7 +128,10 @@ def hand_outputs(graph: fx.Graph, call: fx.Node, recs: Sequence[meta.LookupRecor
       to a split's parts, and the write would reach the other parts' storage);
     * the users that read an output as a contiguous tensor (``b.view(-1)``, and the model's
       caller where it is returned: ``dataflow.reads_contiguous``) are given it made contiguous
-      (``aten.contiguous``: a copy only where the part is not); the other users read the part
+      (``aten.contiguous``: a copy only where the part is not); where the part is a column slice
+      (a pooled group of several features), they and its reshapes (``dataflow.RESHAPES``) are
+      given a copy (``aten.clone``), as contiguous() and reshape would make for any batch but 1,
+      which an exported program would otherwise fix at capture; the other users read the part
       itself (a ``cat`` of it stays foldable: fold_concat)."""
     if pooled:
         call = graph.call_function(torch.ops.aten.split_with_sizes.default, (call, [r.dim for r in recs], 1))
@@ -141,8 +144,16 @@ def hand_outputs(graph: fx.Graph, call: fx.Node, recs: Sequence[meta.LookupRecor
             out = graph.call_function(torch.ops.aten.clone.default, (out,))
             parts.append(out)
         else:
-            readers = [u for u in rec.output.users if reads_contiguous(rec.output, u)]
-            if readers:
+            # a pooled group's part is a column slice (of several features): contiguous only for one
+            # row, so a reshape of it views or copies by the batch size, which an exported program
+            # would fix at capture (refusing a batch of 1); it is given a copy, as it would make one
+            sliced = pooled and len(recs) > 1
+            readers = [u for u in rec.output.users if reads_contiguous(rec.output, u)
+                       or (sliced and u.target in RESHAPES and u.args and u.args[0] is rec.output)]
+            if readers and sliced:  # (a copy whatever the batch: contiguous() would guard it, as above)
+                parts.append(graph.call_function(torch.ops.aten.clone.default, (out,),
+                                                 {"memory_format": torch.contiguous_format}))
+            elif readers:
                 parts.append(graph.call_function(torch.ops.aten.contiguous.default, (out,)))
         for part in parts:
             part.meta[meta.ORIGIN] = [rec.output.name]

@@ -187,3 +187,38 @@ def test_an_exported_quantized_program_takes_the_sizes_the_eager_model_takes(cas
             torch.testing.assert_close(program(*x), fast(*x), rtol=0, atol=0, msg=str(size))
             if quantize == "fp32":
                 torch.testing.assert_close(program(*x), model(*x), msg=str(size))
+
+
+class _ReshapesItsLookups(torch.nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.bag = torch.nn.EmbeddingBag(27, 5, mode="sum")
+        self.emb = torch.nn.Embedding(15, 2)
+
+    def forward(self, ids, offs, uid):
+        a, b = self.bag(ids, offs), self.emb(uid)
+        if self.how == "reshape":
+            return torch.cat([a.reshape(a.shape[0], -1), b.flatten(1)], 1)
+        if self.how == "view":
+            return torch.cat([a.view(a.shape[0], -1), b], 1)
+        return a, b  # returned as they are
+
+
+@pytest.mark.parametrize("how", ["reshape", "view", "returned"])
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_an_exported_program_whose_model_reshapes_its_lookups_takes_a_batch_of_one(how, quantize):
+    """A lookup's part of a group's output is a column slice, contiguous only for one row: its
+    reshape chose view or copy by the batch size, and the program refused a batch of 1
+    ("Guard failed: offs.size()[0] != 1") with no warning."""
+    torch.manual_seed(0)
+    model = _ReshapesItsLookups(how).eval()
+    ex = (torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 1, 4]), torch.tensor([1, 2, 3]))
+    fast = fxrec.transform(model, ex, mode="inference", quantize=quantize)
+    program = fxrec.export.program(fast, ex).module()
+    for x in ((torch.tensor([7, 8, 9]), torch.tensor([0]), torch.tensor([4])),
+              (torch.tensor([7, 8, 9, 1]), torch.tensor([0, 1, 3, 4]), torch.tensor([4, 1, 0, 2]))):
+        with torch.no_grad():
+            torch.testing.assert_close(program(*x), fast(*x), rtol=0, atol=0)
+            if quantize is None:
+                torch.testing.assert_close(program(*x), model(*x), rtol=0, atol=0)
