@@ -1029,42 +1029,36 @@ def test_a_tied_table_whose_lookups_make_no_gradient_still_gets_its_optimizer(ho
     """Its only lookup needed no optimizer, so the table had none, and make_optimizer gave the tied
     layer's gradient to the dense optimizer (12.8 off the plain model after two steps)."""
     torch.manual_seed(0)
-    model = _TiedWithSideLookup(how)
+    fast = _tied_side_trains_as_plain(_TiedWithSideLookup(how), fxrec.optim.Adagrad(lr=0.1), torch.optim.Adagrad)
+    assert "emb.weight" in fast.meta["fxrec_table_optimizers"]
+
+
+def _tied_side_trains_as_plain(model, table_opt, torch_cls):
+    """Two steps of ``model`` transformed with ``table_opt`` (dense: SGD) against the plain model
+    with ``torch_cls`` on the table: the weights must agree. Returns the transformed model."""
+    torch.manual_seed(0)
     ref = copy.deepcopy(model)
     x = (torch.randn(3, 3), torch.randint(0, 9, (3,)))
-    fast = fxrec.transform(model, x, optimizer=fxrec.optim.Adagrad(lr=0.1))
-    assert "emb.weight" in fast.meta["fxrec_table_optimizers"]
+    fast = fxrec.transform(model, x, optimizer=table_opt)
     opt = fast.make_optimizer(torch.optim.SGD, lr=0.5)
-    ref_opts = [torch.optim.Adagrad([ref.emb.weight], lr=0.1), torch.optim.SGD(ref.proj.parameters(), lr=0.5)]
+    ref_opts = [torch_cls([ref.emb.weight], lr=0.1), torch.optim.SGD(ref.proj.parameters(), lr=0.5)]
     for _ in range(2):
         for m, os_ in ((ref, ref_opts), (fast, [opt])):
-            m(*x)[0].sum().backward()
+            out, side = m(*x)
+            (out.sum() + side.sum()).backward()  # (side carries no gradient where it is detached)
             for o in os_:
                 o.step()
                 o.zero_grad()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(fast.state_dict()[k], v, rtol=1e-6, atol=1e-6, msg=k)
+    return fast
 
 
 def test_a_sparse_table_also_read_by_a_tied_layer_steps_its_dense_gradient_with_adam():
     """Its gradient is dense (PyTorch's too): the torch.optim step chosen by its sparse=True was
     SparseAdam, which refused it at the first step."""
     torch.manual_seed(0)
-    model = _TiedWithSideLookup("used", sparse=True)
-    ref = copy.deepcopy(model)
-    x = (torch.randn(3, 3), torch.randint(0, 9, (3,)))
-    fast = fxrec.transform(model, x, optimizer=fxrec.optim.Adam(lr=0.1))
-    opt = fast.make_optimizer(torch.optim.SGD, lr=0.5)
-    ref_opts = [torch.optim.Adam([ref.emb.weight], lr=0.1), torch.optim.SGD(ref.proj.parameters(), lr=0.5)]
-    for _ in range(2):
-        for m, os_ in ((ref, ref_opts), (fast, [opt])):
-            out, side = m(*x)
-            (out.sum() + side.sum()).backward()
-            for o in os_:
-                o.step()
-                o.zero_grad()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(fast.state_dict()[k], v, rtol=1e-6, atol=1e-6, msg=k)
+    _tied_side_trains_as_plain(_TiedWithSideLookup("used", sparse=True), fxrec.optim.Adam(lr=0.1), torch.optim.Adam)
 
 
 def test_a_table_parametrized_after_transform_is_refused_by_the_fused_update():
