@@ -15,11 +15,17 @@ from .runtime.group import EmbeddingGroup
 from .runtime.specs import FeatureSpec, GroupSpec, TableSpec
 
 
-def uses_outside_group(gr: meta.GroupRecord) -> str:
-    """The first table of the group whose weight feeds anything but the group's lookups
-    (a tied output projection, a lookup left as it was), or ""."""
-    mine = {r.node for r in gr.lookups}
-    for r in gr.lookups:
+def uses_outside_group(lookups: Sequence[meta.LookupRecord]) -> str:
+    """The first table of ``lookups`` (a group's, or those grouping is placing together) whose weight
+    feeds anything but these lookups (a tied output projection, a lookup left as it was, a block
+    that reads it), or "". Such a table's update cannot be fused into the group's backward: it
+    would miss that gradient, or change the weight another reader still needs in backward.
+
+    (assign_optimizers asks a narrower question, before grouping: whether a gradient reaches the
+    table from outside its lookups; the final graph's gradient layout is read in
+    ``api._dense_from_elsewhere``.)"""
+    mine = {r.node for r in lookups}
+    for r in lookups:
         if any(u not in mine for u in r.weight.users):
             return r.table
     return ""
@@ -30,7 +36,7 @@ def _specs(gr: meta.GroupRecord) -> Tuple[List[TableSpec], List[FeatureSpec], Di
     # torch.optim update on them is the same arithmetic (rows without ids are left alone either
     # way) without a table-sized gradient. Not for fp16 tables: a sparse gradient's coalesce rounds
     # its fp16 sums otherwise than the dense gradient PyTorch gives (measured: different rows after a step).
-    sparse_grads = (gr.optimizer is not None and gr.optimizer.fused_spec() is not None and not uses_outside_group(gr)
+    sparse_grads = (gr.optimizer is not None and gr.optimizer.fused_spec() is not None and not uses_outside_group(gr.lookups)
                     and not any(r.half for r in gr.lookups))
     tables: List[TableSpec] = []
     index: Dict[str, int] = {}

@@ -101,7 +101,7 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
     fused = opt.fused_spec() if opt is not None else None
     if opt is not None and fused is None:
         why.append(f"optimizer: {opt.fused_unsupported_reason()}, so torch.optim in opt.step()")
-    outside = uses_outside_group(gr) if fused is not None else ""
+    outside = uses_outside_group(gr.lookups) if fused is not None else ""
     if outside:
         why.append(f"optimizer: table '{outside}' is also used outside its lookups, and a fused update would miss "
                    "that gradient, so torch.optim in opt.step()")

@@ -62,6 +62,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..dataflow import SideEffects, reaches, reorder
+from ..group_module import uses_outside_group
 from ..pass_infra import PassContext, PassResult, compiler_pass
 from ..runtime.specs import CUDA_MAX_DIM, pad_dim
 
@@ -501,10 +502,7 @@ def _used_outside(u: _Unit) -> bool:
     gradient, so its group steps with torch.optim (choose_kernels); the table takes a group of its
     own, so that the others in its key keep their update fused."""
     opt = u.key[6]
-    if opt is None or opt.fused_spec() is None:
-        return False
-    mine = {r.node for r in u.members}
-    return any(x not in mine for r in u.members for x in r.weight.users)
+    return opt is not None and opt.fused_spec() is not None and bool(uses_outside_group(u.members))
 
 
 def _path(a: _Group, b: _Group) -> Optional[List[_Group]]:
