@@ -5,7 +5,8 @@
 """
 
 from . import checkpoint, export, optim, viz
-from .api import explain, make_optimizer, transform, write_back
+from .api import explain, transform, write_back
+from .table_optimizers import make_optimizer
 from .capture import CaptureError
 from .pass_infra import PassError
 from .planner import PlanError, ShardingPlan, TableSpec, Topology, plan

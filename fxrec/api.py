@@ -15,12 +15,14 @@ from .graph_module import MODES_KEY
 from .materialize import materialize, meta_names, working_copy
 from .optim import check_spec as check_optimizer_spec
 from .passes.assign_precisions import check_weights_precision
-from .runtime.optimizer import CombinedOptimizer
 from .runtime.group import EmbeddingGroup
 from .runtime.kernels import KERNEL_NAMES
 from .pass_infra import Config, InputError, PassContext, PassManager
 from .pipeline import default_pipeline, explain_pipeline
+from .ranks import (check_plan, check_rank_device, check_same_plan, on_every_rank, plan_per_rank, rank_note,
+                    sum_gradients_over_ranks)
 from .report import Report, build_report
+from .table_optimizers import fused_updates_off, record_table_optimizers
 from . import meta
 from .verify import compare_models
 
@@ -181,7 +183,7 @@ def transform(
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     max_gradient = _check_max_gradient(max_gradient, mode)
-    rank = _check_plan(plan, optimizer, mode, quantize)
+    rank = check_plan(plan, optimizer, mode, quantize)
     hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
@@ -192,8 +194,8 @@ def transform(
                          "example inputs: each rank's local batch); their device would be the transformed "
                          "model's, and their ids have no values to check")
     if plan is not None:
-        _check_rank_device(model, args, kwargs)
-        _check_same_plan(plan, args)
+        check_rank_device(model, args, kwargs)
+        check_same_plan(plan, args)
     on_meta = meta_names(model)
     if on_meta and plan is None:
         raise InputError(f"fxrec: the model's {on_meta[:4]}{' ...' if len(on_meta) > 4 else ''} are on the meta device: "
@@ -254,34 +256,16 @@ def transform(
 
     users_own = reference_model if reference_model is model else None  # its .grad are put back
     with _grads_restored(users_own):
-        gm = _on_every_rank(plan, args, lambda: PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot},
+        gm = on_every_rank(plan, args, lambda: PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot},
                                                                            dump=dump))
     _name_guarded_inputs(gm, records)
-    with_opt = {r.param for r in records + hidden if r.optimizer is not None}
-    # (a sparse table read elsewhere too: its .grad is dense)
-    dense_grads = _dense_from_elsewhere(gm, with_opt) if plan is None else set()
-    table_opts = {r.param: (r.optimizer, r.sparse and r.param not in dense_grads) for r in records + hidden
-                  if r.optimizer is not None}
-    for n in gm.graph.nodes:  # lowered tables: the gradient layout their group module gives
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), EmbeddingGroup) and len(n.args) > 3:
-            for w, spec in zip(n.args[3], gm.get_submodule(n.target).tables):
-                if w.target in table_opts:
-                    table_opts[w.target] = (table_opts[w.target][0], spec.sparse and w.target not in dense_grads)
-    fused_groups = _fused_groups(gm)
-    fused_fqns = {f for _, fs in fused_groups for f in fs}
-    for fqn, (opt, sparse) in table_opts.items():
-        why = opt.sparse_refusal() if sparse and fqn not in fused_fqns else ""
-        if why:
-            raise InputError(f"fxrec: table '{fqn[:-len('.weight')] if fqn.endswith('.weight') else fqn}' cannot "
-                             f"train with {opt.describe()}: {why}")
-    gm.meta["fxrec_table_optimizers"] = table_opts
-    gm.meta["fxrec_fused_groups"] = fused_groups
+    record_table_optimizers(gm, records + hidden, sharded=plan is not None)
     if plan is None:
         _store_lower_precision(gm)
     if max_gradient:
         _clamp_lookup_gradients(gm, records)
     notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget) + _clamp_note(max_gradient)
-    plan_per_rank = []
+    per_rank = []
     if plan is not None:
         gm.meta["fxrec_plan"] = plan
         # this rank's tensors: allocated, filled from the model (meta ones: initialised, and the
@@ -289,11 +273,11 @@ def transform(
         materialize(gm, model, gm.meta.get("fxrec_sharded_params", {}), gm.meta.get("fxrec_shard_layout", {}))
         _store_lower_precision(gm)  # the rank's shards, now that they hold values
         if mode == "training":
-            _sum_gradients_over_ranks(gm, records)
-        notes.append(_rank_note(plan, rank))
-        plan_per_rank = _plan_per_rank(plan)
+            sum_gradients_over_ranks(gm, records)
+        notes.append(rank_note(plan, rank))
+        per_rank = plan_per_rank(plan)
     # the report, built once from the graph after the pipeline (every pipeline the same way)
-    report = build_report(gm, report.passes, report.pass_runs, notes, plan_per_rank)
+    report = build_report(gm, report.passes, report.pass_runs, notes, per_rank)
     # GraphModule keeps these attributes through deepcopy (TransformedModule through pickle too).
     preserved = gm.meta.setdefault("_user_preserved_attributes", {})
     preserved["report"] = report
@@ -389,245 +373,6 @@ def _store_lower_precision(gm: fx.GraphModule) -> None:
             ensure_bound(group, [gm.get_parameter(f) for f in fqns])
 
 
-def _fused_groups(gm: fx.GraphModule) -> list:
-    """(group module's name, its tables' parameter names) of every group with a fused optimizer:
-    the group calls (weights as 4th argument), and with a plan each rank's local lookup group
-    (its lookup module's ``group``, weights as the call's 2nd argument)."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op != "call_module":
-            continue
-        mod = gm.get_submodule(n.target)
-        if isinstance(mod, EmbeddingGroup) and len(n.args) > 3 and mod.fused is not None:
-            out.append((n.target, [w.target for w in n.args[3]]))
-        elif isinstance(getattr(mod, "group", None), EmbeddingGroup) and mod.group.fused is not None:
-            out.append((f"{n.target}.group", [w.target for w in n.args[1]]))
-    return out
-
-
-def _check_plan(plan, optimizer, mode: str, quantize) -> int:
-    """This process's rank when ``plan`` is given (0 otherwise); raises on what a plan cannot do."""
-    if plan is None:
-        return 0
-    import torch.distributed as dist
-
-    if not hasattr(plan, "tables") or not hasattr(plan, "topology"):
-        raise TypeError(f"fxrec: plan= needs a fxrec.ShardingPlan, got {type(plan).__name__}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("fxrec: transform(plan=...) needs torch.distributed initialised "
-                           "(dist.init_process_group('gloo') under torchrun)")
-    if dist.get_world_size() != plan.topology.world_size:
-        raise ValueError(f"fxrec: the plan is for world size {plan.topology.world_size}, the process group "
-                         f"has {dist.get_world_size()} ranks")
-    return dist.get_rank()
-
-
-def _check_rank_device(model, args, kwargs) -> None:
-    """Under NCCL: the model, the example and the current CUDA device agree (see
-    :func:`fxrec.runtime.collectives.check_rank_device`)."""
-    import os
-
-    import torch.distributed as dist
-    from torch.utils import _pytree
-
-    from .runtime.collectives import check_rank_device
-
-    backend = str(dist.get_backend())
-    if backend != "nccl":
-        return
-    local = os.environ.get("LOCAL_RANK")
-    tables = {t.device for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta}
-    inputs = {x.device for x in _pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
-    check_rank_device(backend, torch.cuda.current_device(), int(local) if local is not None and local.isdigit() else None,
-                      tables, inputs)
-
-
-def _dense_from_elsewhere(gm: fx.GraphModule, tables: set) -> set:
-    """The tables of ``tables`` whose ``.grad`` comes out dense whatever layout their groups give them: the graph
-    also reads them with a dense gradient outside the groups (a tied output layer, ``weight[ids]``
-    or an ``nn.Embedding`` lookup without ``sparse=True`` left as written), so their torch.optim
-    step must take a dense one (torch.optim.Adam, not SparseAdam). Reads no gradient reaches
-    (a detached lookup, a no_grad block) do not count."""
-    from .dataflow import carries_gradient
-
-    sparse_ops = {torch.ops.aten.embedding.default: 4, torch.ops.aten.embedding_bag.default: 5,
-                  torch.ops.aten.embedding_bag.padding_idx: 5, torch.ops.aten._embedding_bag.default: 5}
-    out = set()
-    for n in gm.graph.nodes:
-        if n.op != "get_attr" or n.target not in tables:
-            continue
-        for u in n.users:
-            if u.op == "call_module" and isinstance(gm.get_submodule(u.target), EmbeddingGroup):
-                continue
-            if u.op == "call_function" and isinstance(u.target, torch._ops.HigherOrderOperator):
-                continue  # (a no_grad / autocast block: its lookups are left as written, with no gradient or theirs)
-            k = sparse_ops.get(u.target) if u.op == "call_function" else None
-            if k is not None and len(u.args) > k and u.args[k] is True:
-                continue  # (a sparse lookup left as written: its gradient is sparse)
-            if u.op == "call_function" and not carries_gradient(u):
-                continue
-            out.add(n.target)
-    return out
-
-
-def _on_every_rank(plan, args, run):
-    """``run()``. With a plan, a failure on one rank is one on every rank: a refusal that depends on
-    what a rank holds (a table's shards) is raised where they are, and the other ranks would wait
-    for that rank in the set-up's first collective (until the process group's timeout). One exchange
-    of a flag: the failing rank raises its own error, the others an InputError saying which failed."""
-    import torch.distributed as dist
-    from torch.utils import _pytree
-
-    from .runtime.collectives import all_gather_ints
-
-    if plan is None or not (dist.is_available() and dist.is_initialized()):
-        return run()
-    error, out = None, None
-    try:
-        out = run()
-    except Exception as e:  # noqa: BLE001 - any failure on one rank stops them all
-        error = e
-    leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    every = all_gather_ints([0 if error is None else 1], leaves[0].device if leaves else torch.device("cpu"),
-                            "fxrec.transform (its passes)")
-    if error is not None:
-        raise error
-    failed = [r for r, (flag,) in enumerate(every) if flag]
-    if failed:
-        raise InputError(f"fxrec: transform failed on rank(s) {failed} (their error says why); this rank stops with them")
-    return out
-
-
-def _check_same_plan(plan, args) -> None:
-    """Every rank must run the same plan (its collectives pair up across ranks): a plan made on
-    each rank from its own local batch can place a table differently, and the ranks would then
-    send each other collectives of other sizes (gloo aborts the process; NCCL hangs). One
-    exchange of a digest of the plan's layout at transform; on a mismatch, an error on every rank
-    naming a table the ranks disagree on."""
-    import hashlib
-
-    import torch.distributed as dist
-    from torch.utils import _pytree
-
-    from .runtime.collectives import all_gather_ints
-
-    layout = sorted((t, tp.sharding, tp.spec.num_rows, tp.spec.dim, tp.spec.weights,
-                     tuple((sh.rank, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols) for sh in tp.shards))
-                    for t, tp in plan.tables.items())
-    digest = hashlib.sha256(repr(layout).encode()).digest()
-    mine = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
-    leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    dev = leaves[0].device if leaves else torch.device("cpu")
-    every = all_gather_ints(mine, dev, "fxrec.transform (the plan)")
-    if all(row == every[0] for row in every):
-        return
-    layouts = [None] * len(every)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # (NCCL: the inputs' GPU)
-        dist.all_gather_object(layouts, layout)
-    r = next(r for r, row in enumerate(every) if row != every[0])
-    first, other = ({d[0]: d for d in layouts[k]} for k in (0, r))
-    t = next(t for t in sorted(set(first) | set(other)) if first.get(t) != other.get(t))
-
-    def said(d):
-        if d is None:
-            return "does not have it"
-        shards = ", ".join(f"rank {sh[0]}: rows {sh[1]}+{sh[2]}, cols {sh[3]}+{sh[4]}" for sh in d[5])
-        return f"plans it {d[1]} ({d[2]} x {d[3]}{', ' + d[4] if d[4] else ''}; {shards})"
-
-    raise ValueError(f"fxrec: the ranks were given different sharding plans: for table '{t}', rank 0 {said(first.get(t))}, "
-                     f"rank {r} {said(other.get(t))}. Every rank must run the same plan: make it once and share it "
-                     "(plan.save(path) and fxrec.ShardingPlan.load(path), or dist.broadcast_object_list), or pin the "
-                     "tables a per-rank plan could place differently")
-
-
-def _sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:
-    """Every parameter that is not a table shard is whole on every rank: sum its gradient. DDP
-    (``replicate_whole``) does it for all of them but the tables with sparse gradients, which DDP's
-    communication hooks cannot take: those keep a hook each, which sums them sparse (``sparse_sum``)."""
-    from .runtime.collectives import all_reduce_grad, replicate_whole
-
-    sharded = gm.meta.get("fxrec_sharded_params", {})
-    params = dict(gm.named_parameters())
-    sparse = {r.param for r in records if r.sparse and r.param in params and r.param not in sharded}
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}  # (export keeps unread ones)
-    unused = any(p.requires_grad and n not in used for n, p in params.items() if n not in sharded)
-    replicate_whole(gm, set(sharded) | sparse, unused)
-    for name in sparse:
-        if params[name].requires_grad:
-            params[name].register_hook(all_reduce_grad(name))
-
-
-def _plan_per_rank(plan) -> list:
-    """The report's per-rank figures of a plan: its bytes and estimated cost on each rank."""
-    return [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
-            for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
-
-
-def _rank_note(plan, rank: int) -> str:
-    def piece(s) -> str:  # (first..last, as the id errors give a table's rows)
-        tp = plan.tables[s.table]
-        cols = f", columns {s.col_offset}..{s.col_offset + s.num_cols - 1}" if s.num_cols != tp.spec.dim else ""
-        return f"{s.table} ({tp.sharding}, rows {s.row_offset}..{s.row_offset + s.num_rows - 1}{cols})"
-
-    mine = [piece(s) for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
-    return (f"rank {rank} of {plan.topology.world_size}: holds {', '.join(mine) or 'no table shards'}; "
-            "the gradients of every other parameter are summed over ranks in backward")
-
-
-@contextlib.contextmanager
-def fused_updates_off(gm: torch.nn.Module):
-    """Inside: fused groups give gradients instead of updating their tables in backward."""
-    mods = [m for m in gm.modules() if isinstance(m, EmbeddingGroup)]
-    before = [m.fused_enabled for m in mods]
-    for m in mods:
-        m.fused_enabled = False
-    try:
-        yield
-    finally:
-        for m, b in zip(mods, before):
-            m.fused_enabled = b
-
-
-def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD, **kwargs) -> CombinedOptimizer:
-    """One optimizer for a transformed model, usable with torch.optim.lr_scheduler.
-
-    Parameters that are not embedding tables with an :mod:`fxrec.optim` optimizer get
-    ``dense_optimizer(params, **kwargs)``. Tables whose optimizer is fused are updated inside
-    backward (their learning rate is the fused group's ``"lr"`` in ``param_groups``); tables
-    whose optimizer is not fused get the torch.optim namesake, stepped in ``step()``.
-    """
-    from .runtime.optimizer import Unit
-
-    table_opts = transformed.meta.get("fxrec_table_optimizers", {})  # every table of the model, on every rank
-    fused = []
-    fused_names = set()
-    for name, fqns in transformed.meta.get("fxrec_fused_groups", []):
-        mod = transformed.get_submodule(name)
-        if mod.fused_active:
-            fused.append((name, mod, [transformed.get_parameter(f) for f in fqns], list(fqns)))
-            fused_names.update(fqns)
-    # One param group per table optimizer, in the order of the tables it first serves: the same on
-    # every rank and under any plan, whichever tables a rank holds and fuses. (A table's sparse
-    # flag here is its gradients' as lowered, which a plan changes: it splits a table optimizer
-    # only where the torch class differs, Adam's, whose tables are never lowered so.)
-    by_unit: Dict = {}
-    for fqn, (opt, sparse) in table_opts.items():
-        by_unit.setdefault((opt, sparse) if opt.SPARSE_CLASS else (opt, None), []).append((fqn, sparse))
-    held = dict(transformed.named_parameters())  # with a plan: the tables this rank holds
-    position = {f: i for i, f in enumerate(table_opts)}
-    fallbacks, units = [], []
-    for (opt, _), items in by_unit.items():
-        mine = [(f, sparse) for f, sparse in items if f not in fused_names and f in held]
-        if mine:
-            fallbacks.append(opt.torch_optimizer([held[f] for f, _ in mine], sparse=any(sp for _, sp in mine)))
-        members = {f for f, _ in items}
-        units.append(Unit(items[0][0], opt.lr, len(fallbacks) - 1 if mine else None,
-                          [i for i, (_, _, _, names) in enumerate(fused) if names and names[0] in members],
-                          [f for f, _ in mine], position[mine[0][0]] if mine else 0))
-    dense_params = [p for n, p in transformed.named_parameters() if p.requires_grad and n not in table_opts]
-    dense = dense_optimizer(dense_params, **kwargs) if dense_params else None
-    return CombinedOptimizer(dense, fallbacks, fused, units)
-
 
 def _clamp_note(max_gradient: Optional[float]) -> list:
     return [f"embedding outputs' gradients clamped to [-{max_gradient:g}, {max_gradient:g}] (max_gradient)"] \
@@ -716,13 +461,13 @@ def explain(
     notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget) + _clamp_note(max_gradient)
     if plan is not None:  # (transform's report has its own rank's note; here every rank's, as the plan says)
         world = plan.topology.world_size
-        notes += [_rank_note(plan, r) for r in range(min(world, 8))]
+        notes += [rank_note(plan, r) for r in range(min(world, 8))]
         if world > 8:
             notes.append(f"(ranks 8 to {world - 1}: see the plan)")
     notes.append(f"explained for device {ctx.config.device}: nothing was built; transform on that device gives "
                  "these decisions")
     return build_report(gm, ctx.report.passes, ctx.report.pass_runs, notes,
-                        _plan_per_rank(plan) if plan is not None else ())
+                        plan_per_rank(plan) if plan is not None else ())
 
 
 def _check_placement(hbm_budget, cache_load_factor, plan) -> Optional[int]:

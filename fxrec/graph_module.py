@@ -52,7 +52,7 @@ class TransformedModule(fx.GraphModule):
 
     def make_optimizer(self, dense_optimizer=torch.optim.SGD, **kwargs):
         """:func:`fxrec.make_optimizer` for this model."""
-        from .api import make_optimizer
+        from .table_optimizers import make_optimizer
 
         return make_optimizer(self, dense_optimizer, **kwargs)
 

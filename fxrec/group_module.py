@@ -23,7 +23,7 @@ def uses_outside_group(lookups: Sequence[meta.LookupRecord]) -> str:
 
     (assign_optimizers asks a narrower question, before grouping: whether a gradient reaches the
     table from outside its lookups; the final graph's gradient layout is read in
-    ``api._dense_from_elsewhere``.)"""
+    ``table_optimizers.dense_from_elsewhere``.)"""
     mine = {r.node for r in lookups}
     for r in lookups:
         if any(u not in mine for u in r.weight.users):

@@ -22,7 +22,7 @@ an initialised torch.distributed process group. For rank r:
   row);
 * data-parallel: the lookups stay as the user wrote them; the table is whole on every rank and
   its gradient is summed over ranks (as every parameter outside the sharded tables is; see
-  fxrec.api).
+  fxrec.ranks).
 
 Before (gm.code)::
 

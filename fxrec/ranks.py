@@ -1,0 +1,154 @@
+"""transform(plan=...) on each rank: what every rank checks before the passes run, and the steps
+that bind the ranks together (one refusal stops all, the dense gradients summed over ranks), with
+the report's per-rank notes. The passes that rewrite the graph for a plan are shard_groups and
+place_tables; the collectives they insert are in fxrec.runtime.collectives."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+
+from .pass_infra import InputError
+
+
+def check_plan(plan, optimizer, mode: str, quantize) -> int:
+    """This process's rank when ``plan`` is given (0 otherwise); raises on what a plan cannot do."""
+    if plan is None:
+        return 0
+    import torch.distributed as dist
+
+    if not hasattr(plan, "tables") or not hasattr(plan, "topology"):
+        raise TypeError(f"fxrec: plan= needs a fxrec.ShardingPlan, got {type(plan).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fxrec: transform(plan=...) needs torch.distributed initialised "
+                           "(dist.init_process_group('gloo') under torchrun)")
+    if dist.get_world_size() != plan.topology.world_size:
+        raise ValueError(f"fxrec: the plan is for world size {plan.topology.world_size}, the process group "
+                         f"has {dist.get_world_size()} ranks")
+    return dist.get_rank()
+
+
+def check_rank_device(model, args, kwargs) -> None:
+    """Under NCCL: the model, the example and the current CUDA device agree (see
+    :func:`fxrec.runtime.collectives.check_rank_device`)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.utils import _pytree
+
+    from .runtime.collectives import check_rank_device
+
+    backend = str(dist.get_backend())
+    if backend != "nccl":
+        return
+    local = os.environ.get("LOCAL_RANK")
+    tables = {t.device for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta}
+    inputs = {x.device for x in _pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+    check_rank_device(backend, torch.cuda.current_device(), int(local) if local is not None and local.isdigit() else None,
+                      tables, inputs)
+
+
+def on_every_rank(plan, args, run):
+    """``run()``. With a plan, a failure on one rank is one on every rank: a refusal that depends on
+    what a rank holds (a table's shards) is raised where they are, and the other ranks would wait
+    for that rank in the set-up's first collective (until the process group's timeout). One exchange
+    of a flag: the failing rank raises its own error, the others an InputError saying which failed."""
+    import torch.distributed as dist
+    from torch.utils import _pytree
+
+    from .runtime.collectives import all_gather_ints
+
+    if plan is None or not (dist.is_available() and dist.is_initialized()):
+        return run()
+    error, out = None, None
+    try:
+        out = run()
+    except Exception as e:  # noqa: BLE001 - any failure on one rank stops them all
+        error = e
+    leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    every = all_gather_ints([0 if error is None else 1], leaves[0].device if leaves else torch.device("cpu"),
+                            "fxrec.transform (its passes)")
+    if error is not None:
+        raise error
+    failed = [r for r, (flag,) in enumerate(every) if flag]
+    if failed:
+        raise InputError(f"fxrec: transform failed on rank(s) {failed} (their error says why); this rank stops with them")
+    return out
+
+
+def check_same_plan(plan, args) -> None:
+    """Every rank must run the same plan (its collectives pair up across ranks): a plan made on
+    each rank from its own local batch can place a table differently, and the ranks would then
+    send each other collectives of other sizes (gloo aborts the process; NCCL hangs). One
+    exchange of a digest of the plan's layout at transform; on a mismatch, an error on every rank
+    naming a table the ranks disagree on."""
+    import hashlib
+
+    import torch.distributed as dist
+    from torch.utils import _pytree
+
+    from .runtime.collectives import all_gather_ints
+
+    layout = sorted((t, tp.sharding, tp.spec.num_rows, tp.spec.dim, tp.spec.weights,
+                     tuple((sh.rank, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols) for sh in tp.shards))
+                    for t, tp in plan.tables.items())
+    digest = hashlib.sha256(repr(layout).encode()).digest()
+    mine = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
+    leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    dev = leaves[0].device if leaves else torch.device("cpu")
+    every = all_gather_ints(mine, dev, "fxrec.transform (the plan)")
+    if all(row == every[0] for row in every):
+        return
+    layouts = [None] * len(every)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # (NCCL: the inputs' GPU)
+        dist.all_gather_object(layouts, layout)
+    r = next(r for r, row in enumerate(every) if row != every[0])
+    first, other = ({d[0]: d for d in layouts[k]} for k in (0, r))
+    t = next(t for t in sorted(set(first) | set(other)) if first.get(t) != other.get(t))
+
+    def said(d):
+        if d is None:
+            return "does not have it"
+        shards = ", ".join(f"rank {sh[0]}: rows {sh[1]}+{sh[2]}, cols {sh[3]}+{sh[4]}" for sh in d[5])
+        return f"plans it {d[1]} ({d[2]} x {d[3]}{', ' + d[4] if d[4] else ''}; {shards})"
+
+    raise ValueError(f"fxrec: the ranks were given different sharding plans: for table '{t}', rank 0 {said(first.get(t))}, "
+                     f"rank {r} {said(other.get(t))}. Every rank must run the same plan: make it once and share it "
+                     "(plan.save(path) and fxrec.ShardingPlan.load(path), or dist.broadcast_object_list), or pin the "
+                     "tables a per-rank plan could place differently")
+
+
+def sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:
+    """Every parameter that is not a table shard is whole on every rank: sum its gradient. DDP
+    (``replicate_whole``) does it for all of them but the tables with sparse gradients, which DDP's
+    communication hooks cannot take: those keep a hook each, which sums them sparse (``sparse_sum``)."""
+    from .runtime.collectives import all_reduce_grad, replicate_whole
+
+    sharded = gm.meta.get("fxrec_sharded_params", {})
+    params = dict(gm.named_parameters())
+    sparse = {r.param for r in records if r.sparse and r.param in params and r.param not in sharded}
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}  # (export keeps unread ones)
+    unused = any(p.requires_grad and n not in used for n, p in params.items() if n not in sharded)
+    replicate_whole(gm, set(sharded) | sparse, unused)
+    for name in sparse:
+        if params[name].requires_grad:
+            params[name].register_hook(all_reduce_grad(name))
+
+
+def plan_per_rank(plan) -> list:
+    """The report's per-rank figures of a plan: its bytes and estimated cost on each rank."""
+    return [{"rank": r, "bytes": int(b), "est_cost_ms": float(c)}
+            for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
+
+
+def rank_note(plan, rank: int) -> str:
+    def piece(s) -> str:  # (first..last, as the id errors give a table's rows)
+        tp = plan.tables[s.table]
+        cols = f", columns {s.col_offset}..{s.col_offset + s.num_cols - 1}" if s.num_cols != tp.spec.dim else ""
+        return f"{s.table} ({tp.sharding}, rows {s.row_offset}..{s.row_offset + s.num_rows - 1}{cols})"
+
+    mine = [piece(s) for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
+    return (f"rank {rank} of {plan.topology.world_size}: holds {', '.join(mine) or 'no table shards'}; "
+            "the gradients of every other parameter are summed over ranks in backward")
