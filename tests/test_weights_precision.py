@@ -312,3 +312,22 @@ def test_the_reports_table_bytes_count_the_columns_the_tbe_pads(precision):
         assert t["bytes"] == p.shape[0] * p.stride(0) * p.element_size(), t
     said = fxrec.explain(_OddWidths(), x, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), **kw).tables
     assert [t["bytes"] for t in said] == [t["bytes"] for t in fast.report.tables]
+
+
+def test_a_refusal_names_the_tables_of_every_group_it_refuses():
+    """Tables of two groups (sum and mean pooling) in bf16: one error names both groups' tables
+    (it named only the first group's, so a user fixed one and met the next)."""
+    class TwoPoolings(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = torch.nn.EmbeddingBag(10, 4, mode="sum")
+            self.m = torch.nn.EmbeddingBag(10, 8, mode="mean")
+
+        def forward(self, ids, offsets):
+            return torch.cat([self.s(ids, offsets), self.m(ids, offsets)], 1)
+
+    with pytest.raises(InputError) as err:
+        fxrec.transform(TwoPoolings(), (torch.tensor([1, 2, 3]), torch.tensor([0, 2])),
+                        optimizer=fxrec.optim.SGD(lr=0.1), weights_precision="bf16")
+    assert "2 groups" in str(err.value)
+    assert "tables ['s']" in str(err.value) and "tables ['m']" in str(err.value)

@@ -173,15 +173,28 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         from ..autotune import Autotuner
 
         tuned = Autotuner(gm, ctx)
+    refused: List[str] = []  # (weights_precision= on groups fbgemm cannot store so: every one named at once)
     for gr in ctx.groups:
-        decision = decide(gr, ctx)
+        try:
+            decision = decide(gr, ctx)
+        except StoredPrecisionError as e:
+            refused.append(str(e))
+            continue
         if tuned is not None and not gr.quant and not any(r.weights for r in gr.lookups):  # those have one kernel
             decision = tuned.tune(gr, decision)
         gr.decision = decision
         for r in gr.lookups:
             r.node.meta[meta.DECISION] = decision
         stats[gr.kernel_train if ctx.config.mode == "training" else gr.kernel_eval] += 1
+    if refused:
+        raise InputError(refused[0] if len(refused) == 1 else
+                         f"fxrec: weights_precision= cannot store {len(refused)} groups' tables so:\n  "
+                         + "\n  ".join(m.removeprefix("fxrec: ") for m in refused))
     return PassResult(gm, False, {"groups": len(ctx.groups), **{k: v for k, v in stats.items() if v}})
+
+
+class StoredPrecisionError(InputError):
+    """:func:`check_stored`'s refusal of one group (the pass names every group's at once)."""
 
 
 def check_stored(spec, outside: str, kernel: Optional[str], passed: List[str]) -> None:
@@ -190,11 +203,11 @@ def check_stored(spec, outside: str, kernel: Optional[str], passed: List[str]) -
     and nothing else reads the tables."""
     names = [t.name for t in spec.tables]
     if outside:
-        raise InputError(f"fxrec: weights_precision={spec.weights!r} for tables {names}, but table '{outside}' is "
+        raise StoredPrecisionError(f"fxrec: weights_precision={spec.weights!r} for tables {names}, but table '{outside}' is "
                          "also used outside its lookups, which would read its rows at that precision")
     if kernel != FBGEMM:
         why = "; ".join(p for p in passed if p.startswith(f"not {FBGEMM}")) or f"the {kernel} kernel was chosen"
-        raise InputError(f"fxrec: weights_precision={spec.weights!r} for tables {names}, which only fbgemm's TBE "
+        raise StoredPrecisionError(f"fxrec: weights_precision={spec.weights!r} for tables {names}, which only fbgemm's TBE "
                          f"stores, and fbgemm cannot run them here ({why})")
 
 
