@@ -177,6 +177,10 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
                 problems.append(f"{what} '{key}' is not a tensor in the checkpoint; the model's is {_fmt(shape)}")
             elif tuple(got.size) != tuple(shape):
                 problems.append(f"{what} '{key}' is {_fmt(got.size)} in the checkpoint and {_fmt(shape)} in the model")
+            else:
+                gap = _uncovered(got)
+                if gap:
+                    problems.append(f"{what} '{key}' ({_fmt(shape)}): {gap}")
     if strict:
         extra = sorted(k for k in set(md) - set(expected) if not _is_optimizer_entry(k))
         if extra:
@@ -518,6 +522,35 @@ def _agree(check, process_group, other: str = "another rank found the checkpoint
         raise error
     if int(flag.item()):
         raise CheckpointError(f"fxrec.checkpoint: {other}")
+
+
+def _uncovered(tm) -> str:
+    """What is wrong with how the saved pieces (chunks) of one tensor in a checkpoint's metadata
+    cover it, or "": each inside the tensor, none overlapping another, together every value (a
+    piece missing would leave values of the staging tensor unset; DCP reads what the pieces hold)."""
+    size = tuple(tm.size)
+    total, boxes = 0, []
+    for c in tm.chunks:
+        lo, n = tuple(c.offsets), tuple(c.sizes)
+        if len(lo) != len(size) or len(n) != len(size) or any(o < 0 or k < 0 or o + k > d
+                                                               for o, k, d in zip(lo, n, size)):
+            return f"a saved piece at {list(lo)} of size {list(n)} lies outside it"
+        boxes.append((lo, n))
+        volume = 1
+        for k in n:
+            volume *= k
+        total += volume
+    for i, (a, an) in enumerate(boxes):
+        for b, bn in boxes[:i]:
+            if all(x < y + yn and y < x + xn for x, xn, y, yn in zip(a, an, b, bn)) and all(an) and all(bn):
+                return f"saved pieces at {list(a)} and {list(b)} overlap"
+    numel = 1
+    for d in size:
+        numel *= d
+    if total != numel:
+        return (f"the saved pieces hold {total} of its {numel} values, so some would be left unset "
+                "(a checkpoint written incompletely or by another tool)")
+    return ""
 
 
 def _staging(v: torch.Tensor) -> torch.Tensor:

@@ -495,6 +495,34 @@ def test_a_metadata_that_points_outside_the_directory_or_an_empty_manifest_is_re
         fxrec.checkpoint.load_into_model(model, _spoiled_copy(ckpt, tmp_path / "short", list_only_metadata))
 
 
+@pytest.mark.parametrize("pieces", ["part", "none", "overlap", "outside"])
+def test_saved_pieces_that_do_not_cover_a_table_are_refused_and_the_model_stays(tmp_path, pieces):
+    """A checkpoint's metadata whose pieces of a table cover only some of its rows (a checkpoint
+    written incompletely, or by another tool, then trusted with add_checksums): the load read the
+    rest from uninitialised staging memory into the model, without a word."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _, ckpt = _saved(tmp_path)
+    rows = ROWS[0]
+
+    def spoil(p):
+        md = fxrec.checkpoint._read_metadata(str(p))
+        tm = md.state_dict_metadata["bags.0.weight"]
+        piece = {"part": [(0, 10)], "none": [], "overlap": [(0, rows), (5, 10)], "outside": [(rows - 5, 10)]}[pieces]
+        tm.chunks = [ChunkStorageMetadata(offsets=torch.Size([o, 0]), sizes=torch.Size([n, DIM])) for o, n in piece]
+        (p / ".metadata").write_bytes(pickle.dumps(md))
+
+    model = Model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    want = {"part": rf"hold {10 * DIM} of its {rows * DIM} values", "none": rf"hold 0 of its {rows * DIM} values",
+            "overlap": "overlap", "outside": "lies outside it"}[pieces]
+    with pytest.raises(CheckpointError, match=rf"table 'bags\.0\.weight' \({rows} x {DIM}\): .*{want}"):
+        fxrec.checkpoint.load_into_model(model, _spoiled_copy(ckpt, tmp_path / "spoiled", spoil, True))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_trailing_slash_and_a_checkpoint_an_older_fxrec_wrote(tmp_path):
     torch.manual_seed(0)
     model = Model()
