@@ -222,3 +222,27 @@ def test_an_exported_program_whose_model_reshapes_its_lookups_takes_a_batch_of_o
             torch.testing.assert_close(program(*x), fast(*x), rtol=0, atol=0)
             if quantize is None:
                 torch.testing.assert_close(program(*x), model(*x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.int8, 250), (torch.uint8, 300), (torch.int16, 70000), (torch.int32, 50)])
+def test_an_exported_fp32_program_checks_narrow_ids_against_the_row_count_without_wrapping(dtype, rows):
+    """Ids of a narrower integer dtype than the example's, which nn.EmbeddingBag takes: the program's
+    range check compared them with the row count in their own dtype, where 250 wraps around, and
+    refused valid ids as out of range."""
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(rows, 8)
+
+        def forward(self, ids, offsets):
+            return self.bag(ids, offsets)
+
+    torch.manual_seed(0)
+    model = Bag().eval()
+    ids, offsets = torch.randint(0, rows, (12,)), torch.arange(0, 12, 3)
+    prog = fxrec.export.program(fxrec.transform(model, (ids, offsets), mode="inference"), (ids, offsets)).module()
+    small = torch.tensor([1, 5, 40, 49, 2, 3, 4, 5, 6, 7, 8, 9], dtype=dtype)
+    assert torch.equal(prog(small, offsets), model(small, offsets))
+    with pytest.raises(RuntimeError, match=r"feature 'ids' \(table 'bag', \d+ rows\) looks up an id outside"):
+        prog(torch.tensor([1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=dtype if dtype != torch.uint8 else torch.int8),
+             offsets)

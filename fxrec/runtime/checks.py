@@ -71,7 +71,10 @@ class InputChecks:
             where = f"feature '{f.name}' (table '{t.name}', {t.num_rows} rows)"
             if ids.dtype.is_floating_point:
                 self._check_ids(f, ids)  # raises (a dtype is known while tracing)
-            torch._assert_async(~((ids < 0) | (ids >= t.num_rows)).any(),
+            # (as int64: ids of a narrower dtype than the traced one would wrap the row count around;
+            # _to_copy, as Tensor.to would also have the program refuse any dtype but the traced one)
+            wide = torch.ops.aten._to_copy.default(ids, dtype=torch.int64)
+            torch._assert_async(~((wide < 0) | (wide >= t.num_rows)).any(),
                                 f"fxrec: {where} looks up an id outside 0..{t.num_rows - 1}")
             if f.form == "bag" and off is not None and off.dim() == 1:
                 bad = (off[:1] != 0).any() | (off[1:] < off[:-1]).any() | (off[-1:] > ids.numel()).any()
