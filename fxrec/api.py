@@ -183,6 +183,7 @@ def transform(
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     max_gradient = _check_max_gradient(max_gradient, mode)
+    _check_settings(timing_rounds, rtol, atol, logger)
     rank = check_plan(plan, optimizer, mode, quantize)
     hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
     args = _as_args(example_inputs)
@@ -326,6 +327,19 @@ def _check_output_dtype(output_dtype, quantize) -> None:
     if output_dtype != "fp32" and quantize is None:
         raise ValueError("fxrec: output_dtype is the dtype of quantized tables' lookups: it needs quantize= "
                          "(mode='inference'); the model's own lookups give its tables' dtype")
+
+
+def _check_settings(timing_rounds, rtol, atol, logger) -> None:
+    """The arguments that tune transform's own work: errors naming the argument."""
+    if isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int) or timing_rounds < 1:
+        raise ValueError(f"fxrec: timing_rounds must be an int of at least 1 (autotune times each kernel that many "
+                         f"rounds), got {timing_rounds!r}")
+    for name, tol in (("rtol", rtol), ("atol", atol)):
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < float("inf"):
+            raise ValueError(f"fxrec: {name} must be a number of at least 0 (verify's tolerance), got {tol!r}")
+    if logger is not None and not isinstance(logger, logging.Logger):
+        raise TypeError(f"fxrec: logger must be a logging.Logger (or None for the 'fxrec' logger), got "
+                        f"{type(logger).__name__}")
 
 
 def _check_max_gradient(max_gradient, mode: str) -> float:

@@ -128,6 +128,20 @@ def test_unknown_backend_is_rejected():
         fxrec.transform(M.BagList(), M.bag_inputs(), backend="gpu")
 
 
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(autotune=True, timing_rounds=0), ValueError, "timing_rounds must be an int of at least 1.*got 0"),
+    (dict(timing_rounds=-2), ValueError, "timing_rounds must be an int of at least 1"),
+    (dict(verify=True, rtol=-1e-3), ValueError, "rtol must be a number of at least 0"),
+    (dict(verify=True, atol=float("nan")), ValueError, "atol must be a number of at least 0"),
+    (dict(logger="fxrec"), TypeError, "logger must be a logging.Logger.*got str"),
+])
+def test_transforms_own_settings_are_checked_naming_the_argument(kw, error, match):
+    """timing_rounds=0 with autotune ended in a PassError of choose_kernels (no median of no rounds);
+    a negative rtol in torch's own error, a logger given as a string in an AttributeError."""
+    with pytest.raises(error, match=match):
+        fxrec.transform(M.BagList(), M.bag_inputs(), **kw)
+
+
 def test_verify_reports_the_table_and_difference():
     model = M.BagList()
     inputs = M.bag_inputs()
