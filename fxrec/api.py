@@ -19,8 +19,8 @@ from .runtime.group import EmbeddingGroup
 from .runtime.kernels import KERNEL_NAMES
 from .pass_infra import Config, InputError, PassContext, PassManager
 from .pipeline import default_pipeline, explain_pipeline
-from .ranks import (check_plan, check_rank_device, check_same_plan, on_every_rank, plan_per_rank, rank_note,
-                    sum_gradients_over_ranks)
+from .ranks import (check_plan, check_rank_device, check_same_setup, exchange_device, plan_per_rank, rank_note,
+                    sum_gradients_over_ranks, together)
 from .report import Report, build_report
 from .table_optimizers import fused_updates_off, record_table_optimizers
 from . import meta
@@ -173,64 +173,74 @@ def transform(
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
       its ``state_dict()`` has the original keys (see :func:`write_back`).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
-    check_optimizer_spec(optimizer)
-    if mode not in ("training", "inference"):
-        raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
-    check_weights_precision(weights_precision, mode, compares=verify or check_passes)
-    _check_output_dtype(output_dtype, quantize)
-    if mode == "inference" and optimizer is not None:
-        raise ValueError("fxrec: an embedding optimizer needs mode='training'")
-    max_gradient = _check_max_gradient(max_gradient, mode)
-    _check_settings(timing_rounds, rtol, atol, logger)
-    rank = check_plan(plan, optimizer, mode, quantize)
-    hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
-    args = _as_args(example_inputs)
-    kwargs = dict(example_kwargs or {})
-    from torch.utils import _pytree
+    rank = check_plan(plan)
+    # With a plan: every check below and the capture run on every rank as one (a rank whose own
+    # arguments or local example fail stops the others at once), then the ranks compare their plans,
+    # settings and models before the passes build collectives that must pair up.
+    with together(plan, example_inputs, "fxrec.transform (its checks and capture)"):
+        if backend not in BACKENDS:
+            raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
+        check_optimizer_spec(optimizer)
+        if mode not in ("training", "inference"):
+            raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
+        check_weights_precision(weights_precision, mode, compares=verify or check_passes)
+        _check_output_dtype(output_dtype, quantize)
+        if mode == "inference" and optimizer is not None:
+            raise ValueError("fxrec: an embedding optimizer needs mode='training'")
+        max_gradient = _check_max_gradient(max_gradient, mode)
+        _check_settings(timing_rounds, rtol, atol, logger)
+        hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
+        args = _as_args(example_inputs)
+        kwargs = dict(example_kwargs or {})
+        from torch.utils import _pytree
 
-    if any(isinstance(x, torch.Tensor) and x.is_meta for x in _pytree.tree_leaves((args, kwargs))):
-        raise InputError("fxrec: example inputs on the meta device (the meta model of a plan still takes real "
-                         "example inputs: each rank's local batch); their device would be the transformed "
-                         "model's, and their ids have no values to check")
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in _pytree.tree_leaves((args, kwargs))):
+            raise InputError("fxrec: example inputs on the meta device (the meta model of a plan still takes real "
+                             "example inputs: each rank's local batch); their device would be the transformed "
+                             "model's, and their ids have no values to check")
+        if plan is not None:
+            check_rank_device(model, args, kwargs)
+        on_meta = meta_names(model)
+        if on_meta and plan is None:
+            raise InputError(f"fxrec: the model's {on_meta[:4]}{' ...' if len(on_meta) > 4 else ''} are on the meta device: "
+                             "transform(..., plan=...) allocates a meta model's tensors (each rank its own shards); "
+                             "without a plan, build the model on a real device (docs/sharding.md)")
+        if on_meta and quantize is not None:
+            raise InputError("fxrec: quantize= quantizes the model's trained tables, and a model on the meta device has "
+                             "no values: build it on a real device (or load its checkpoint into it) to serve it quantized")
+        if quantize is not None and (verify or check_passes):
+            raise InputError("fxrec: verify and check_passes compare outputs and table gradients with the model's own; "
+                             "quantize= stores the tables quantized and untrainable (no gradients), so they cannot agree: "
+                             "the report's Quantization section (fast.report.quantization) gives each table's error "
+                             "against the model's lookups on the example inputs")
+        if on_meta and (verify or check_passes):
+            raise InputError("fxrec: verify and check_passes compare with the model's own outputs, which a model on the "
+                             "meta device has none of")
+        # What verify compares with: the user's model itself when fxrec works on a copy (no second copy
+        # of the tables; its .grad fields are restored); a copy when the model is handed over.
+        reference_model = None
+        if verify or check_passes:
+            reference_model = model if copy_model else copy.deepcopy(model)
+        dump = None
+        if dump_dir is not None:
+            from .viz import pass_dumper  # checks that Graphviz is installed
+
+            dump = pass_dumper(dump_dir)
+        log = logger or logging.getLogger("fxrec")
+        log.debug("capturing the model with torch.export")
+        # With a plan, capture on placeholders (no copy of the tables): each rank then allocates and
+        # fills only what it holds (materialize, below); verify, check_passes and quantize= need the
+        # real values while the passes run.
+        on_placeholders = plan is not None and not (verify or check_passes or quantize is not None)
+        gm = capture(working_copy(model, args, every=on_placeholders) if copy_model or on_meta or on_placeholders
+                     else model, args, kwargs)
     if plan is not None:
-        check_rank_device(model, args, kwargs)
-        check_same_plan(plan, args)
-    on_meta = meta_names(model)
-    if on_meta and plan is None:
-        raise InputError(f"fxrec: the model's {on_meta[:4]}{' ...' if len(on_meta) > 4 else ''} are on the meta device: "
-                         "transform(..., plan=...) allocates a meta model's tensors (each rank its own shards); "
-                         "without a plan, build the model on a real device (docs/sharding.md)")
-    if on_meta and quantize is not None:
-        raise InputError("fxrec: quantize= quantizes the model's trained tables, and a model on the meta device has "
-                         "no values: build it on a real device (or load its checkpoint into it) to serve it quantized")
-    if quantize is not None and (verify or check_passes):
-        raise InputError("fxrec: verify and check_passes compare outputs and table gradients with the model's own; "
-                         "quantize= stores the tables quantized and untrainable (no gradients), so they cannot agree: "
-                         "the report's Quantization section (fast.report.quantization) gives each table's error "
-                         "against the model's lookups on the example inputs")
-    if on_meta and (verify or check_passes):
-        raise InputError("fxrec: verify and check_passes compare with the model's own outputs, which a model on the "
-                         "meta device has none of")
-    # What verify compares with: the user's model itself when fxrec works on a copy (no second copy
-    # of the tables; its .grad fields are restored); a copy when the model is handed over.
-    reference_model = None
-    if verify or check_passes:
-        reference_model = model if copy_model else copy.deepcopy(model)
-    dump = None
-    if dump_dir is not None:
-        from .viz import pass_dumper  # checks that Graphviz is installed
-
-        dump = pass_dumper(dump_dir)
-    log = logger or logging.getLogger("fxrec")
-    log.debug("capturing the model with torch.export")
-    # With a plan, capture on placeholders (no copy of the tables): each rank then allocates and
-    # fills only what it holds (materialize, below); verify, check_passes and quantize= need the
-    # real values while the passes run.
-    on_placeholders = plan is not None and not (verify or check_passes or quantize is not None)
-    gm = capture(working_copy(model, args, every=on_placeholders) if copy_model or on_meta or on_placeholders
-                 else model, args, kwargs)
+        check_same_setup(plan, dict(
+            mode=mode, backend=backend, optimizer=optimizer, quantize=quantize, output_dtype=output_dtype,
+            weights_precision=weights_precision, max_gradient=max_gradient, verify=verify, check_passes=check_passes,
+            reuse_outputs=reuse_outputs,
+            model=[(n, tuple(t.shape), str(t.dtype)) for n, t in list(model.named_parameters()) + list(model.named_buffers())]),
+            exchange_device(args))
 
     report = Report()
     ctx = PassContext(
@@ -257,8 +267,8 @@ def transform(
 
     users_own = reference_model if reference_model is model else None  # its .grad are put back
     with _grads_restored(users_own):
-        gm = on_every_rank(plan, args, lambda: PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot},
-                                                                           dump=dump))
+        with together(plan, args, "fxrec.transform (its passes)"):
+            gm = PassManager(passes).run(gm, ctx, after={"group_lookups": snapshot}, dump=dump)
     _name_guarded_inputs(gm, records)
     record_table_optimizers(gm, records + hidden, sharded=plan is not None)
     if plan is None:

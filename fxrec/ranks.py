@@ -13,7 +13,7 @@ import torch.fx as fx
 from .pass_infra import InputError
 
 
-def check_plan(plan, optimizer, mode: str, quantize) -> int:
+def check_plan(plan) -> int:
     """This process's rank when ``plan`` is given (0 otherwise); raises on what a plan cannot do."""
     if plan is None:
         return 0
@@ -50,62 +50,81 @@ def check_rank_device(model, args, kwargs) -> None:
                       tables, inputs)
 
 
-def on_every_rank(plan, args, run):
-    """``run()``. With a plan, a failure on one rank is one on every rank: a refusal that depends on
-    what a rank holds (a table's shards) is raised where they are, and the other ranks would wait
-    for that rank in the set-up's first collective (until the process group's timeout). One exchange
-    of a flag: the failing rank raises its own error, the others an InputError saying which failed."""
+def exchange_device(args) -> torch.device:
+    """Where transform's exchanges between ranks run: the host under gloo; under NCCL (CUDA tensors
+    only) the example's GPU, or the current one where the example has none."""
     import torch.distributed as dist
     from torch.utils import _pytree
+
+    if str(dist.get_backend()) != "nccl":
+        return torch.device("cpu")
+    gpu = next((x.device for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor) and x.is_cuda), None)
+    return gpu if gpu is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def together(plan, args, where: str):
+    """Run the block on every rank as one: with a plan, a failure in it on one rank is one on every
+    rank. A check or a capture that fails on one rank only (its local example, its own arguments),
+    or a refusal that depends on what a rank holds (a table's shards), raises there, and the other
+    ranks would wait for it in the next collective until the process group's timeout. One exchange
+    of a flag after the block: the failing rank raises its own error, the others an InputError
+    saying which rank failed. Without a plan (or a process group) the block just runs."""
+    import torch.distributed as dist
 
     from .runtime.collectives import all_gather_ints
 
     if plan is None or not (dist.is_available() and dist.is_initialized()):
-        return run()
-    error, out = None, None
+        yield
+        return
+    error = None
     try:
-        out = run()
+        yield
     except Exception as e:  # noqa: BLE001 - any failure on one rank stops them all
         error = e
-    leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    every = all_gather_ints([0 if error is None else 1], leaves[0].device if leaves else torch.device("cpu"),
-                            "fxrec.transform (its passes)")
+    every = all_gather_ints([0 if error is None else 1], exchange_device(args), where)
     if error is not None:
         raise error
     failed = [r for r, (flag,) in enumerate(every) if flag]
     if failed:
         raise InputError(f"fxrec: transform failed on rank(s) {failed} (their error says why); this rank stops with them")
-    return out
 
 
-def check_same_plan(plan, args) -> None:
-    """Every rank must run the same plan (its collectives pair up across ranks): a plan made on
-    each rank from its own local batch can place a table differently, and the ranks would then
-    send each other collectives of other sizes (gloo aborts the process; NCCL hangs). One
-    exchange of a digest of the plan's layout at transform; on a mismatch, an error on every rank
-    naming a table the ranks disagree on."""
+def check_same_setup(plan, settings: dict, device: torch.device) -> None:
+    """Every rank must run the same plan with the same transform settings and the same model (the
+    collectives of their graphs pair up across ranks): a plan made on each rank from its own local
+    batch can place a table differently, and a rank transformed for inference, with another
+    optimizer or ``max_gradient``, or from another model, builds other collectives or steps its
+    tables otherwise (gloo aborts the process; NCCL hangs). One exchange of a digest of the plan's
+    layout and of ``settings`` (name -> a value whose repr is the same where the setting is); on a
+    mismatch, an error on every rank naming a table or setting the ranks disagree on."""
     import hashlib
 
     import torch.distributed as dist
-    from torch.utils import _pytree
 
     from .runtime.collectives import all_gather_ints
 
     layout = sorted((t, tp.sharding, tp.spec.num_rows, tp.spec.dim, tp.spec.weights,
                      tuple((sh.rank, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols) for sh in tp.shards))
                     for t, tp in plan.tables.items())
-    digest = hashlib.sha256(repr(layout).encode()).digest()
+    said_settings = sorted((k, repr(v)) for k, v in settings.items())
+    digest = hashlib.sha256(repr((layout, said_settings)).encode()).digest()
     mine = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
-    leaves = [x for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    dev = leaves[0].device if leaves else torch.device("cpu")
-    every = all_gather_ints(mine, dev, "fxrec.transform (the plan)")
+    every = all_gather_ints(mine, device, "fxrec.transform (the plan and settings)")
     if all(row == every[0] for row in every):
         return
-    layouts = [None] * len(every)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # (NCCL: the inputs' GPU)
-        dist.all_gather_object(layouts, layout)
+    gathered = [None] * len(every)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # (NCCL: this rank's GPU)
+        dist.all_gather_object(gathered, (layout, said_settings))
     r = next(r for r, row in enumerate(every) if row != every[0])
-    first, other = ({d[0]: d for d in layouts[k]} for k in (0, r))
+    (lay0, set0), (lay_r, set_r) = gathered[0], gathered[r]
+    if set0 != set_r:
+        first, other = dict(set0), dict(set_r)
+        k = next(k for k in sorted(set(first) | set(other)) if first.get(k) != other.get(k))
+        raise ValueError(f"fxrec: the ranks called transform differently: {k} is {first.get(k)} on rank 0 and "
+                         f"{other.get(k)} on rank {r}. Every rank must transform the same model with the same "
+                         "arguments (only the example inputs, each rank's local batch, differ)")
+    first, other = ({d[0]: d for d in lay} for lay in (lay0, lay_r))
     t = next(t for t in sorted(set(first) | set(other)) if first.get(t) != other.get(t))
 
     def said(d):

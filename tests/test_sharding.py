@@ -674,6 +674,66 @@ def test_a_refused_optimizer_stops_every_rank_also_one_holding_nothing_of_the_gr
     assert len(msgs) == 3 and all("tables ['bags.1'] are planned column_wise and train with LAMB" in m for m in msgs), msgs
 
 
+def _one_rank_fails_early(rank, world, how):
+    """Rank 1 alone fails before the passes: its capture (float ids in its local example) or an
+    argument check (a mode its call misspells). Every rank's message and rank 0's seconds."""
+    model = Model()
+    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB", pins=ERROR_PINS,
+                      batch_size=LOCAL_B)
+    dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    kw = {}
+    if rank == 1 and how == "capture":
+        single = single.float() + 0.5
+    if rank == 1 and how == "argument":
+        kw = dict(mode="inferenc")
+    start = time.monotonic()
+    try:
+        fxrec.transform(model, (dense, ids, offsets, single), plan=plan, **kw)
+        msg = "no error"
+    except Exception as e:  # noqa: BLE001 - the capture's is a CaptureError
+        msg = f"{type(e).__name__}: {e}"
+    msgs = [None] * world
+    dist.all_gather_object(msgs, msg)
+    raise ValueError(" || ".join(msgs + [f"{time.monotonic() - start:.1f}"]))
+
+
+@pytest.mark.parametrize("how", ["capture", "argument"])
+def test_a_rank_whose_capture_or_arguments_fail_stops_every_rank_at_once(tmp_path, how):
+    """The capture and the argument checks ran outside the exchange that stops every rank: rank 0
+    waited in the passes' exchange until the process group's timeout (30 minutes by default)."""
+    here, there, seconds = error_of(tmp_path, 2, _one_rank_fails_early, how).split(" || ")
+    assert "InputError: fxrec: transform failed on rank(s) [1]" in here, here
+    assert ("CaptureError" if how == "capture" else "mode must be 'training' or 'inference'") in there, there
+    assert float(seconds) < 30, seconds  # (the test's process group waits 60 s)
+
+
+def _settings_that_differ(rank, world, which):
+    model = Model()
+    if which == "model" and rank == 1:
+        model.bags[2] = nn.EmbeddingBag(ROWS[2], DIM, mode="mean")
+        model.extra = nn.Linear(2, 2)
+    plan = fxrec.plan(Model(), global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
+                      pins=ERROR_PINS, batch_size=LOCAL_B)
+    kw = {"mode": dict(mode="inference" if rank else "training"),
+          "lr": dict(optimizer=fxrec.optim.Adagrad(lr=0.1 if rank else 0.2)),
+          "max_gradient": dict(max_gradient=1.0 if rank else None),
+          "model": {}}[which]
+    fxrec.transform(model, local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B), plan=plan, **kw)
+
+
+@pytest.mark.parametrize("which,said", [
+    ("mode", "mode is 'training' on rank 0 and 'inference' on rank 1"),
+    ("lr", "optimizer is Adagrad(lr=0.2"),
+    ("max_gradient", "max_gradient is 0.0 on rank 0 and 1.0 on rank 1"),
+    ("model", "model is ["),
+])
+def test_ranks_that_call_transform_differently_are_told_which_setting_differs(tmp_path, which, said):
+    """Only the plans were compared: another mode on one rank built other collectives (gloo aborted
+    rank 0's process), and another learning rate or max_gradient, or another model, went unnoticed."""
+    msg = error_of(tmp_path, 2, _settings_that_differ, which)
+    assert "the ranks called transform differently: " + said in msg and "on rank 1" in msg, msg
+
+
 _CKPT_G = 24  # the global batch of the checkpoint test, at every world size
 
 
