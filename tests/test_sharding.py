@@ -549,7 +549,9 @@ def _inputs_refused_on_the_host(rank, world):
     cases = [(1, lambda: (dense, [ids[0], ids[1].float(), ids[2]], offsets, single)),
              (0, lambda: (dense, ids, [offsets[0].float(), offsets[1], offsets[2]], single)),
              (0, lambda: (dense, ids, offsets, single.float())),
-             (1, lambda: (dense, ids, offsets, single.float()))]
+             (1, lambda: (dense, ids, offsets, single.float())),
+             (1, lambda: (dense, [ids[0], ids[1].to("meta"), ids[2]], offsets, single)),
+             (0, lambda: (dense, ids, [offsets[0], offsets[1], offsets[2].to("meta")], single))]
     msgs = []
     for on, bad in cases:
         msgs.append(message_of(lambda: fast(*(bad() if rank == on else (dense, ids, offsets, single)))))
@@ -619,9 +621,13 @@ def test_inputs_refused_on_the_host_stop_every_rank_naming_the_feature(tmp_path)
     the rank fed the input until the timeout. (Float ids used to be cast to int64 by the packing,
     and the sharded model gave an answer where the plain model refuses them.)"""
     msgs = error_of(tmp_path, 2, _inputs_refused_on_the_host).split(" || ")
-    float_ids, float_offsets, seq_here, seq_there, psw_there, psw_here, psw_double = msgs
+    float_ids, float_offsets, seq_here, seq_there, device_there, device_here, psw_there, psw_here, psw_double = msgs
     stopped = "rank(s) [1] were fed input they reject"
     assert stopped in float_ids, float_ids
+    # (inputs on another device were refused after the host checks, on that rank alone: its
+    # collectives then paired with the other ranks' next call)
+    assert stopped in device_there, device_there
+    assert "feature 'ids_2' got offsets on meta, and feature 'ids_0' its ids on cpu" in device_here, device_here
     assert "feature 'ids_0' got offsets of dtype torch.float32; offsets must be int64 or int32" in float_offsets
     assert "feature 'single_ids' got ids of dtype torch.float32; embedding ids must be int64 or int32" in seq_here
     assert stopped in seq_there, seq_there

@@ -107,6 +107,15 @@ def check_rank_device(backend: str, current: Optional[int], local_rank: Optional
                              f"device, cuda:{current}: {todo}")
 
 
+def usable_device(device: torch.device) -> torch.device:
+    """``device`` where the process group can exchange on it; else the one it can (the host under
+    gloo, the current GPU under NCCL): a rank fed inputs on a device it cannot use still joins."""
+    nccl = dist.is_initialized() and str(dist.get_backend()) == "nccl"
+    if device.type == "meta" or (nccl and device.type != "cuda"):
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return device
+
+
 def all_gather_ints(values, device: torch.device, where: str = "") -> List[List[int]]:
     """Every rank's ints (as many on every rank), exchanged on ``device``: the device of the
     tensors they describe (NCCL takes only CUDA tensors; gloo either). ``values``: a list of

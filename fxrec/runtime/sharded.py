@@ -41,7 +41,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .collectives import all_gather_ints, all_to_all, all_to_all_together, ints_on
+from .collectives import all_gather_ints, all_to_all, all_to_all_together, ints_on, usable_device
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows, source_major_to_feature_major
 from .packing import FORM_CODES, pack_bags
@@ -196,6 +196,24 @@ def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], orde
                             f"{psw_dtype}, the dtype of its table")
 
 
+def _check_input_devices(tensor_lists, names: List[str]) -> None:
+    """Every id, offset and per-sample weight of an input dist on one device, its first ids' (a CUDA
+    one under NCCL, which exchanges only CUDA tensors): else a ValueError naming the feature, raised
+    before the exchange (a rank that failed there stopped alone, and its collectives then paired
+    with the others' next call)."""
+    import torch.distributed as dist
+
+    want = tensor_lists[0][0].device
+    if want.type != "cuda" and dist.is_initialized() and str(dist.get_backend()) == "nccl":
+        raise ValueError(f"fxrec: feature '{names[0]}' got ids on {want}; a model sharded over NCCL takes its inputs "
+                         "on this rank's GPU")
+    for what, tensors in zip(("ids", "offsets", "per-sample weights"), tensor_lists):
+        for name, t in zip(names, tensors):
+            if t is not None and t.device != want:
+                raise ValueError(f"fxrec: feature '{name}' got {what} on {t.device}, and feature '{names[0]}' its ids "
+                                 f"on {want}: a sharded group takes every input on one device, the rank's tables'")
+
+
 def refuse_with_the_others(error: BaseException, width: int, flag_at: int, device: torch.device, name: str,
                            rank: int) -> None:
     """A rank whose input a check on the host refused (``error``, raised before the exchange):
@@ -206,7 +224,7 @@ def refuse_with_the_others(error: BaseException, width: int, flag_at: int, devic
     first input dist's exchange (:class:`~fxrec.runtime.input_guards.InputGuards`)."""
     row = [0] * width
     row[flag_at] = 1
-    info = all_gather_ints(row, device, f"{name} (counts)")
+    info = all_gather_ints(row, usable_device(device), f"{name} (counts)")
 
     def mine():
         raise error
@@ -259,6 +277,7 @@ class PooledInputDist(nn.Module):
         nfeat = len(self.forms)
         order = list(range(nfeat))
         try:
+            _check_input_devices((ids_list, offsets_list, psw_list), self.names)
             _check_input_dtypes(ids_list, offsets_list, psw_list, self.names, order, self.psw_dtype)
             _check_sample_weights(psw_list, self.names, order)
             lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list,

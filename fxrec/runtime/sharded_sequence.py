@@ -22,7 +22,7 @@ from torch import nn
 from .collectives import all_gather_ints, all_to_all, ints_on
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows
-from .sharded import (HOST_CHECK_ERRORS, _call, _check_input_dtypes, _consts, _input_flag, _name_bad_input,
+from .sharded import (HOST_CHECK_ERRORS, _call, _check_input_devices, _check_input_dtypes, _consts, _input_flag, _name_bad_input,
                       _stop_if_rejected, refuse_with_the_others)
 
 
@@ -69,6 +69,7 @@ class SequenceInputDist(nn.Module):
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.blocks)
         try:
+            _check_input_devices((ids_list,), self.names)
             _check_input_dtypes(ids_list, [None] * nfeat, [None] * nfeat, self.names, list(range(nfeat)))
         except HOST_CHECK_ERRORS as e:
             refuse_with_the_others(e, *self.exchange_shape(), ids_list[0].device, self.name, self.rank)
