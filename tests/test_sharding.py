@@ -740,6 +740,42 @@ def test_ranks_that_call_transform_differently_are_told_which_setting_differs(tm
     assert "the ranks called transform differently: " + said in msg and "on rank 1" in msg, msg
 
 
+class _RowsApart(nn.Module):
+    """A max_norm table and a scale_grad_by_freq bag, which fxrec leaves as written, beside a sharded one."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.Embedding(10, 4, max_norm=1.0)
+        self.freq = nn.EmbeddingBag(10, 4, mode="sum", scale_grad_by_freq=True)
+        self.other = nn.EmbeddingBag(10, 4, mode="sum")
+        self.top = nn.Linear(12, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(torch.cat([self.norm(ids[::2]), self.freq(ids, offsets), self.other(ids, offsets)], 1))
+
+
+def _tables_apart_on_ranks(rank, world):
+    torch.manual_seed(0)
+    model = _RowsApart()
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB", pins={"other": "row_wise"})
+    msgs = [message_of(lambda: fxrec.transform(model, x, plan=plan))]
+    fast = fxrec.transform(model, x, plan=plan, mode="inference")  # (rows renormalised before each read: as one process)
+    with torch.no_grad():
+        msgs.append(str(torch.allclose(fast(*x), model(*x))))
+    raise ValueError(" || ".join(msgs))
+
+
+def test_tables_whose_lookups_would_part_the_ranks_copies_are_refused_in_training(tmp_path):
+    """Left as written on every rank of a plan, max_norm renormalised each rank's own rows in place
+    (the copies parted: 1.0 apart after 3 steps) and scale_grad_by_freq scaled by each rank's own
+    counts (0.23 off the plain model), without a word (found by a composition hunt)."""
+    training, inference_same = error_of(tmp_path, 2, _tables_apart_on_ranks).split(" || ")
+    assert "'freq': scale_grad_by_freq scales its gradient by the id counts of each rank's own batch" in training, training
+    assert "'norm': max_norm renormalises in place the rows each rank's own batch reads" in training, training
+    assert inference_same == "True"
+
+
 _CKPT_G = 24  # the global batch of the checkpoint test, at every world size
 
 

@@ -183,6 +183,24 @@ def _arg(node: fx.Node, i: int, name: str, default):
     return node.kwargs.get(name, default)
 
 
+def apart_on_ranks(rec: meta.LookupRecord) -> Optional[str]:
+    """Why a lookup run as written on every rank of a plan (its table whole on each, the gradients
+    summed) would not train as one process on the global batch does, or None: ``scale_grad_by_freq``
+    scales the gradient by the id counts of each rank's own batch, and a table written in forward
+    (``max_norm``'s renormalisation) is written on each rank for that rank's ids only, so the copies
+    part."""
+    if rec.node.op == "call_function" and rec.node.target not in _INDEX_OPS and \
+            _arg(rec.node, 3, "scale_grad_by_freq", False):
+        return "scale_grad_by_freq scales its gradient by the id counts of each rank's own batch"
+    if isinstance(rec.weight, fx.Node):
+        mutated = _mutated_in_graph(rec.weight)
+        if mutated:
+            return mutated.replace("renormalises the table in place during forward",
+                                   "renormalises in place the rows each rank's own batch reads") + \
+                " (on each rank for its own ids, so the copies part)"
+    return None
+
+
 @compiler_pass(provides=(meta.LOOKUP,))
 def annotate_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     found = 0

@@ -70,6 +70,7 @@ from ..runtime.input_guards import GUARDS_NAME
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
+from .annotate_lookups import apart_on_ranks
 from ..runtime.sharded import PooledInputDist, PooledLookup, PooledOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
 from ..runtime.specs import CUDA_MAX_DIM, ROW_MEAN, WHOLE_ROW, FeatureSpec, GroupSpec, TableSpec, pad_dim, weights_dtype
@@ -427,6 +428,17 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     stats = {"table_wise": 0, "column_wise": 0, "row_wise": 0, "table_row_wise": 0, "data_parallel": 0}
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
     effects = SideEffects(list(graph.nodes))
+    if ctx.config.mode == "training":
+        apart = {}
+        for r in meta.all_records(gm):
+            why = apart_on_ranks(r)
+            if why:
+                apart.setdefault(r.table, why)
+        if apart:
+            raise InputError("fxrec: with a plan, tables fxrec leaves as written are whole on every rank, their "
+                             "gradients summed, and these would not train as in one process: "
+                             + "; ".join(f"'{t}': {why}" for t, why in sorted(apart.items()))
+                             + ". Train them without a plan, or without that option")
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
         mine = {r.node for r in gr.lookups}
