@@ -32,8 +32,21 @@ from .pass_infra import Config, PassContext, PassManager
 from .report import Report
 
 
+def _refuse_sharded(model: torch.nn.Module, who: str) -> None:
+    """A model transformed with a plan calls torch.distributed's collectives, which neither export
+    nor TorchScript takes: an error saying how to serve it instead."""
+    meta = getattr(model, "meta", None)
+    if isinstance(meta, dict) and meta.get("fxrec_plan") is not None:
+        raise ValueError(f"fxrec.export.{who}: the model is sharded over ranks (transform(plan=...)), and its "
+                         "collectives do not export. Serve it as it is on its ranks, or export the single-process "
+                         "model: save a checkpoint (fxrec.checkpoint.save), load it into the plain model "
+                         "(fxrec.checkpoint.load_into_model) and transform that with mode='inference' (and quantize=) "
+                         "without a plan (docs/inference.md)")
+
+
 def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
             example_kwargs: Optional[Dict[str, Any]] = None) -> torch.export.ExportedProgram:
+    _refuse_sharded(model, "program")
     args = example_inputs if isinstance(example_inputs, tuple) else tuple(example_inputs) \
         if isinstance(example_inputs, list) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
@@ -70,6 +83,7 @@ def torchscript(model: torch.fx.GraphModule, path: Optional[str] = None) -> torc
     The scripted module is called like the original model (same positional and keyword
     arguments, lists and str-keyed dicts of tensors included) and returns what it returns.
     """
+    _refuse_sharded(model, "torchscript")
     gm = scriptable(model)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated.*")

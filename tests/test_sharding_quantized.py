@@ -162,3 +162,27 @@ def _serve_quantized(rank, world, pins, quantize):
 def test_what_a_plan_cannot_serve_quantized_is_refused_naming_the_table(tmp_path, pins, want):
     msg = error_of(tmp_path, 2, _serve_quantized, pins, "int8")
     assert all(w in msg for w in want), msg
+
+
+def _export_sharded(rank, world):
+    model = Model()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
+                      pins={"bags.0": "row_wise"}, batch_size=LOCAL_B)
+    fast = fxrec.transform(model, example, mode="inference", quantize="int8", plan=plan)
+    msgs = []
+    for call in (lambda: fxrec.export.torchscript(fast), lambda: fxrec.export.program(fast, example)):
+        try:
+            call()
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    raise ValueError(" || ".join(msgs))
+
+
+def test_exporting_a_sharded_model_is_refused_saying_how_to_serve_it(tmp_path):
+    """It failed inside TorchScript (try blocks) and torch.export (a data-dependent guard) with
+    their own errors (found by a composition hunt)."""
+    script, prog = error_of(tmp_path, 2, _export_sharded).split(" || ")
+    for who, msg in (("torchscript", script), ("program", prog)):
+        assert f"fxrec.export.{who}: the model is sharded over ranks" in msg and "without a plan" in msg, msg
