@@ -245,6 +245,24 @@ def _capture_error(model: torch.nn.Module, e: BaseException) -> CaptureError:
     )
 
 
+def _refuse_wrapped(model: torch.nn.Module) -> None:
+    """A submodule wrapped for data parallelism (DistributedDataParallel, FullyShardedDataParallel)
+    runs communication in its forward, which torch.export does not capture: a CaptureError naming
+    it, saying what to pass instead."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if isinstance(m, DistributedDataParallel) or kind in ("FullyShardedDataParallel", "FSDPModule") \
+                or kind.startswith("FSDP"):
+            where = f"submodule '{name}'" if name else "the model"
+            raise CaptureError(
+                f"fxrec: {where} is wrapped in {kind}, whose forward torch.export cannot capture. Pass the "
+                "module it wraps (its .module): with a plan, fxrec sums the gradients of every parameter "
+                "outside the sharded tables over ranks itself (DDP's reducer, docs/sharding.md); without one, wrap "
+                "the transformed model instead (DistributedDataParallel(fxrec.transform(model, ...)))")
+
+
 def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
             for_calls: bool = True) -> TransformedModule:
     """``model`` (which fxrec owns: a copy of the user's) as a :class:`TransformedModule` (see the
@@ -255,6 +273,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxrec.transform needs an nn.Module, got {type(model).__name__}")
     _check_call(model, args, kwargs)
+    _refuse_wrapped(model)
     reads = TrainingReads(model)
     held = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
     try:

@@ -75,3 +75,32 @@ def _fused_worker(rank, world, init_file):
 
 def test_a_fused_optimizer_in_ddp_is_refused_naming_the_tables():
     spawn(_fused_worker, WORLD)
+
+
+class _DenseWrapped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(20, 4, mode="sum")
+        self.top = DDP(torch.nn.Linear(4, 1))
+
+    def forward(self, ids, offsets):
+        return self.top(self.bag(ids, offsets))
+
+
+def _wrapped_inside_worker(rank, world, init_file):
+    with gloo_group(rank, world, init_file):
+        model = _DenseWrapped()
+        x = (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]))
+        for call in (lambda: fxrec.transform(model, x),
+                     lambda: fxrec.plan(model, x, world_size=world, memory_per_rank="1GB")):
+            with pytest.raises(fxrec.CaptureError, match=r"submodule 'top' is wrapped in DistributedDataParallel.*"
+                                                         r"Pass the module it wraps"):
+                call()
+        del model
+        gc.collect()  # (see _plain_worker)
+
+
+def test_a_submodule_wrapped_in_ddp_is_named_saying_what_to_pass_instead():
+    """It failed in torch.export ("Non-recursive torch.compiler.disable is not supported") under
+    advice about data-dependent control flow (found by a composition hunt)."""
+    spawn(_wrapped_inside_worker, WORLD)
