@@ -292,10 +292,21 @@ def carries_gradient(node: fx.Node) -> bool:
             val = u.meta.get("val")
             if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
                 continue
+            if _only_checks(u):
+                continue  # (``x.float()`` of a float tensor captures as such an assert beside the ``to``)
             if isinstance(u.target, torch._ops.HigherOrderOperator) or is_impure(u):
                 return True
             todo.append(u)
     return False
+
+
+def _only_checks(node: fx.Node) -> bool:
+    """Whether ``node`` is an ATen op that returns nothing and writes none of its arguments: a check
+    of its inputs (``_assert_tensor_metadata``, ``_assert_async``), impure only in that it may
+    raise. No value, and so no gradient, flows through it."""
+    schema = getattr(node.target, "_schema", None)
+    return (schema is not None and not schema.returns
+            and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
 
 
 def reads_contiguous(node: fx.Node, user: fx.Node, top: bool = True) -> bool:

@@ -192,12 +192,14 @@ class _OneLookupDetached(torch.nn.Module):
         other, off = look(self.a, i2), look(self.b, i2)
         if self.how == "detach":
             return look(self.a, i1) + other.detach() + off.detach()
+        if self.how == "float_argmax":  # (.float() of a float tensor captures as an assert of its dtype and a to)
+            return look(self.a, i1) + other.float().argmax(-1, keepdim=True) + off.float().argmax(-1, keepdim=True)
         return look(self.a, i1) + other.argmax(-1, keepdim=True) + off.argmax(-1, keepdim=True)
 
 
 @pytest.mark.parametrize("backend", ["fbgemm", "native", "reference"])
 @pytest.mark.parametrize("form", ["bag", "seq"])
-@pytest.mark.parametrize("how", ["detach", "argmax"])
+@pytest.mark.parametrize("how", ["detach", "argmax", "float_argmax"])
 def test_a_lookup_no_gradient_reaches_adds_nothing_to_its_tables_gradient(backend, form, how):
     """As in PyTorch: the sparse gradient has entries only for the ids of lookups a gradient
     reaches (a zero entry would move the row under SparseAdam), and a table whose every lookup is
