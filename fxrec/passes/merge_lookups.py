@@ -11,7 +11,10 @@ erased (with the id computations only it used). A lookup whose output the model 
 reach.
 
 Numbers do not change: the one lookup's output has the users of both, so autograd sums both
-uses into the table's gradient, as it did for the two lookups.
+uses into the table's gradient, as it did for the two lookups (to fp32 rounding: the two uses'
+gradients are summed before the table's rows get them). In training, lookups of the model's fp16
+tables are not merged: summed in fp16, those gradients round otherwise than PyTorch's (up to three
+fp16 steps apart, measured), and fp16 tables are lowered bit for bit.
 
 Before (gm.code)::
 
@@ -105,6 +108,7 @@ def merge_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     records = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta and n.meta[meta.LOOKUP].lowerable]
     removed: List[meta.RemovedLookup] = list(gm.meta.get(meta.REMOVED, ()))
     n_dead = n_merged = 0
+    training = ctx.config.mode == "training"
 
     live = []
     for rec in records:
@@ -131,6 +135,9 @@ def merge_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 continue  # the model writes this output in place: the other lookup's is another tensor
             if any(x in effects.written for x in (rec.ids, rec.offsets, rec.per_sample_weights, rec.weight)):
                 continue  # its inputs are written in place (they, or an input they may share memory with)
+            if training and rec.half:
+                continue  # an fp16 table: the one lookup's backward would sum both uses' gradients in fp16
+                # before they reach the table, which rounds otherwise than PyTorch's two backwards
             key = (rec.param, c(rec.ids), c(rec.offsets), c(rec.per_sample_weights), rec.form, rec.pooling,
                    rec.padding_idx, rec.include_last_offset, rec.sparse)
             keep = first.setdefault(key, rec)
