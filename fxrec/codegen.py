@@ -58,6 +58,8 @@ def _type_of(spec, where: str) -> str:
         return "torch.Tensor"
     kids = _children(spec)
     if spec.type is tuple:
+        if not kids:
+            return "Tuple[()]"  # (TorchScript's empty tuple type)
         return "Tuple[" + ", ".join(_type_of(k, f"{where}[{i}]") for i, k in enumerate(kids)) + "]"
     if spec.type in (list, dict):
         types = {_type_of(k, where) for k in kids}

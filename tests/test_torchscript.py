@@ -211,3 +211,41 @@ def test_with_a_padding_row_the_ids_after_the_last_offset_are_still_checked(quan
         model(*bad)
     with pytest.raises(Exception, match=r"feature 'i' \(table 'a'\) looks up id 12"):
         sm(*bad)
+
+
+class _EmptyExtra(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(10, 4, mode="sum")
+
+    def forward(self, ids, offsets, extra):
+        out = self.bag(ids, offsets)
+        for t in extra:
+            out = out + t
+        return out
+
+
+class _HalfOfHistory(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5, 6))
+        self.top = torch.nn.Linear(12, 1)
+
+    def forward(self, hist):
+        o = torch.nn.functional.embedding(hist, self.w).flatten(1)
+        return self.top(o[:, :max(1, o.shape[1] // 2)])
+
+
+@pytest.mark.parametrize("case", ["empty_tuple", "sym_max"])
+def test_empty_tuple_inputs_and_max_of_sizes_script(case):
+    """An input that is an empty tuple wrote `Tuple[]` into the scripted forward (a SyntaxError in
+    emit_scriptable); `max(1, o.shape[1] // 2)` on a dynamic size left torch.sym_max in the graph,
+    which TorchScript does not know (found by the third fuzzer)."""
+    torch.manual_seed(0)
+    model, example = {"empty_tuple": (_EmptyExtra(), (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]), ())),
+                      "sym_max": (_HalfOfHistory(), (torch.randint(0, 5, (3, 4)),))}[case]
+    scripted = fxrec.export.torchscript(fxrec.transform(model.eval(), example, mode="inference"))
+    torch.testing.assert_close(scripted(*example), model(*example))
+    if case == "sym_max":
+        other = (torch.randint(0, 5, (2, 4)),)
+        torch.testing.assert_close(scripted(*other), model(*other))

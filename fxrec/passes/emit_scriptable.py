@@ -62,6 +62,11 @@ _SYM_TO_INT = {"sym_size": aten.size, "sym_numel": aten.numel, "sym_stride": ate
                "sym_storage_offset": aten.storage_offset}
 
 
+# torch's functions on symbolic ints that the graph may call (``max(1, x.shape[1] // 2)`` on a
+# dynamic size), as the builtins TorchScript knows
+_SYM_BUILTINS = {torch.sym_max: max, torch.sym_min: min}
+
+
 def _serving_module(group: EmbeddingGroup, offsets: list, psws: list):
     off_index, psw_index, kept_offs, kept_psw = [], [], [], []
     for o, w in zip(offsets, psws):
@@ -92,6 +97,8 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), InputGuards):
             graph.erase_node(n)
             stats["dropped_checks"] += 1
+        elif n.op == "call_function" and n.target in _SYM_BUILTINS:
+            n.target = _SYM_BUILTINS[n.target]
         elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
             name = n.target._schema.name.split("::")[-1]
             if name in _DROPPED and not n.users:
