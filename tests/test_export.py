@@ -246,3 +246,27 @@ def test_an_exported_fp32_program_checks_narrow_ids_against_the_row_count_withou
     with pytest.raises(RuntimeError, match=r"feature 'ids' \(table 'bag', \d+ rows\) looks up an id outside"):
         prog(torch.tensor([1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=dtype if dtype != torch.uint8 else torch.int8),
              offsets)
+
+
+@pytest.mark.parametrize("quantize", [None, "fp32", "int8"])
+def test_an_exported_include_last_offset_bag_takes_an_empty_batch(quantize):
+    """ids [] and offsets [0]: the quantized program refused them (Guard failed: -1 + off.size()[0]
+    > 0, naming no input): packing branched on the batch, offsets' size - 1, while export traced it
+    (found by the third fuzzer)."""
+    class Last(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(15, 8, mode="sum", include_last_offset=True)
+
+        def forward(self, ids, offsets):
+            return self.bag(ids, offsets)
+
+    torch.manual_seed(0)
+    model = Last().eval()
+    example = (torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 4, 6]))
+    kw = {"quantize": quantize} if quantize else {}
+    prog = fxrec.export.program(fxrec.transform(model, example, mode="inference", **kw), example).module()
+    empty = (torch.zeros(0, dtype=torch.long), torch.tensor([0]))
+    assert prog(*empty).shape == (0, 8)
+    one = (torch.tensor([3]), torch.tensor([0, 1]))
+    torch.testing.assert_close(prog(*one), model(*one), atol=0.05 if quantize == "int8" else 1e-6, rtol=0)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ._tracing import exporting, reads_values
 from .device_ints import kept_ints_on
+from .kernels.fbgemm_padding import kept_pads
 
 #: FeatureSpec.form as the integer the scriptable packing takes.
 FORM_CODES = {"bag": 0, "pooled_seq": 1, "single": 2, "seq": 3}
@@ -161,7 +162,7 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             if psw is None:
                 psw = torch.ones(n, dtype=torch.float32, device=dev)
             weights.append(psw.reshape(-1)[:n].float())
-    if batch <= 0:
+    if _no_bags(batch, tracing):
         return 0, nothing, nothing, None, [0], None  # an empty batch
     indices = torch.cat(flat_ids).long()  # int32 and int64 ids together make int64
     psw_all: Optional[Tensor] = None
@@ -349,14 +350,20 @@ def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = Fal
     batch, indices, offsets, psw, bounds, firsts = pack_bags(
         ids_list, offsets_list, psw_list, group._where, group._forms, group._pads, group._ilos,
         group.pooling == "mean", group._any_weighted, strict, empty_means, exporting(),
-        _kept_pads(group) if keep_padding else None)
-    if batch <= 0:
+        kept_pads(group) if keep_padding else None)
+    if _no_bags(batch, exporting()):
         return None
     if firsts is not None and reads_values(indices.device) and bool(firsts.ne(0).any()):
         i = next(i for i in group._bag_features if int(offsets_list[i][0]) != 0)
         raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(offsets_list[i][0])))
     group._validate_packed(indices, offsets, ids_list, offsets_list, psw, firsts)
     return indices, offsets, psw, batch, bounds
+
+
+def _no_bags(batch: int, tracing: bool) -> bool:
+    """Whether the batch is empty; never a branch on a dynamic batch export traces (an include_last_offset
+    bag's, offsets' size - 1, would be guarded > 0: the program would refuse batch 0, which the kernels take)."""
+    return batch <= 0 if not tracing or isinstance(batch, int) else False
 
 
 def _all_ints(ids_list, offsets_list, bag_features: List[int]) -> bool:
@@ -368,13 +375,6 @@ def _all_ints(ids_list, offsets_list, bag_features: List[int]) -> bool:
         return set(map(_dtype, bags)) <= _INTS
     except AttributeError:  # offsets None
         return False
-
-
-def _kept_pads(group) -> List[bool]:
-    from .kernels.fbgemm_padding import zero_row_tables
-
-    extra = zero_row_tables(group)
-    return [f.form == "bag" and f.padding_idx is not None and extra[f.table] for f in group.features]
 
 
 def pack_sequence(group, ids_list):

@@ -18,6 +18,13 @@ from typing import List, Optional
 import torch
 
 
+def kept_pads(group) -> List[bool]:
+    """Per feature, whether its bags keep their padding ids in packing: sent to the zero row of
+    their table (:func:`zero_row_tables`) instead of dropped."""
+    extra = zero_row_tables(group)
+    return [f.form == "bag" and f.padding_idx is not None and extra[f.table] for f in group.features]
+
+
 def zero_row_tables(group) -> List[bool]:
     """Per table, whether its TBE rows end with one extra row kept at zero, where the padding ids
     of its sum-pooled bags are sent (:func:`send_padding_to_zero_rows`): the bag then sums the
