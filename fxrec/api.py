@@ -237,9 +237,9 @@ def transform(
     if plan is not None:
         check_same_setup(plan, dict(
             mode=mode, backend=backend, optimizer=optimizer, quantize=quantize, output_dtype=output_dtype,
-            weights_precision=weights_precision, max_gradient=max_gradient, verify=verify, check_passes=check_passes,
-            reuse_outputs=reuse_outputs,
-            model=[(n, tuple(t.shape), str(t.dtype)) for n, t in list(model.named_parameters()) + list(model.named_buffers())]),
+            weights_precision=weights_precision, max_gradient=max_gradient or None, verify=verify,
+            check_passes=check_passes, reuse_outputs=reuse_outputs),
+            [(n, tuple(t.shape), str(t.dtype)) for n, t in list(model.named_parameters()) + list(model.named_buffers())],
             exchange_device(args))
 
     report = Report()
@@ -341,15 +341,21 @@ def _check_output_dtype(output_dtype, quantize) -> None:
 
 def _check_settings(timing_rounds, rtol, atol, logger) -> None:
     """The arguments that tune transform's own work: errors naming the argument."""
-    if isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int) or timing_rounds < 1:
+    import operator
+
+    try:
+        rounds = None if isinstance(timing_rounds, bool) else operator.index(timing_rounds)
+    except TypeError:
+        rounds = None
+    if rounds is None or rounds < 1:
         raise ValueError(f"fxrec: timing_rounds must be an int of at least 1 (autotune times each kernel that many "
                          f"rounds), got {timing_rounds!r}")
     for name, tol in (("rtol", rtol), ("atol", atol)):
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < float("inf"):
             raise ValueError(f"fxrec: {name} must be a number of at least 0 (verify's tolerance), got {tol!r}")
-    if logger is not None and not isinstance(logger, logging.Logger):
-        raise TypeError(f"fxrec: logger must be a logging.Logger (or None for the 'fxrec' logger), got "
-                        f"{type(logger).__name__}")
+    if logger is not None and not all(callable(getattr(logger, m, None)) for m in ("debug", "info")):
+        raise TypeError(f"fxrec: logger must be a logging.Logger or LoggerAdapter (or None for the 'fxrec' logger), "
+                        f"got {type(logger).__name__}")
 
 
 def _check_max_gradient(max_gradient, mode: str) -> float:

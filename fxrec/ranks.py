@@ -52,14 +52,22 @@ def check_rank_device(model, args, kwargs) -> None:
 
 def exchange_device(args) -> torch.device:
     """Where transform's exchanges between ranks run: the host under gloo; under NCCL (CUDA tensors
-    only) the example's GPU, or the current one where the example has none."""
+    only) this rank's current GPU, the one its process group uses (not the example's, which may be
+    the wrong one: check_rank_device names that, and the exchange must still pair up)."""
     import torch.distributed as dist
-    from torch.utils import _pytree
 
     if str(dist.get_backend()) != "nccl":
         return torch.device("cpu")
-    gpu = next((x.device for x in _pytree.tree_leaves(args) if isinstance(x, torch.Tensor) and x.is_cuda), None)
-    return gpu if gpu is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _setting(value) -> str:
+    """A setting as the ranks compare it: its repr, with a dict's entries in key order where the
+    order cannot matter (no glob pattern among its keys: first match wins only among patterns), so
+    that the same dict built in another order on another rank (from a set) compares equal."""
+    if isinstance(value, dict) and not any(isinstance(k, str) and any(c in k for c in "*?[") for k in value):
+        return repr(sorted(value.items(), key=lambda kv: repr(kv[0])))
+    return repr(value)
 
 
 @contextlib.contextmanager
@@ -90,14 +98,15 @@ def together(plan, args, where: str):
         raise InputError(f"fxrec: transform failed on rank(s) {failed} (their error says why); this rank stops with them")
 
 
-def check_same_setup(plan, settings: dict, device: torch.device) -> None:
+def check_same_setup(plan, settings: dict, model: list, device: torch.device) -> None:
     """Every rank must run the same plan with the same transform settings and the same model (the
     collectives of their graphs pair up across ranks): a plan made on each rank from its own local
     batch can place a table differently, and a rank transformed for inference, with another
     optimizer or ``max_gradient``, or from another model, builds other collectives or steps its
     tables otherwise (gloo aborts the process; NCCL hangs). One exchange of a digest of the plan's
-    layout and of ``settings`` (name -> a value whose repr is the same where the setting is); on a
-    mismatch, an error on every rank naming a table or setting the ranks disagree on."""
+    layout, of ``settings`` (name -> value) and of ``model`` (its parameters' and buffers' names,
+    shapes and dtypes); on a mismatch, an error on every rank naming a table, setting or parameter
+    the ranks disagree on."""
     import hashlib
 
     import torch.distributed as dist
@@ -107,17 +116,26 @@ def check_same_setup(plan, settings: dict, device: torch.device) -> None:
     layout = sorted((t, tp.sharding, tp.spec.num_rows, tp.spec.dim, tp.spec.weights,
                      tuple((sh.rank, sh.row_offset, sh.num_rows, sh.col_offset, sh.num_cols) for sh in tp.shards))
                     for t, tp in plan.tables.items())
-    said_settings = sorted((k, repr(v)) for k, v in settings.items())
-    digest = hashlib.sha256(repr((layout, said_settings)).encode()).digest()
+    said_settings = sorted((k, _setting(v)) for k, v in settings.items())
+    digest = hashlib.sha256(repr((layout, said_settings, model)).encode()).digest()
     mine = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
     every = all_gather_ints(mine, device, "fxrec.transform (the plan and settings)")
     if all(row == every[0] for row in every):
         return
     gathered = [None] * len(every)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # (NCCL: this rank's GPU)
-        dist.all_gather_object(gathered, (layout, said_settings))
+        dist.all_gather_object(gathered, (layout, said_settings, model))
     r = next(r for r, row in enumerate(every) if row != every[0])
-    (lay0, set0), (lay_r, set_r) = gathered[0], gathered[r]
+    (lay0, set0, model0), (lay_r, set_r, model_r) = gathered[0], gathered[r]
+    if model0 != model_r:
+        names0, names_r = dict((e[0], e[1:]) for e in model0), dict((e[0], e[1:]) for e in model_r)
+        n = next(n for n in sorted(set(names0) | set(names_r)) if names0.get(n) != names_r.get(n))
+
+        def held(e):
+            return "has none" if e is None else f"has it {list(e[0])} {e[1].replace('torch.', '')}"
+
+        raise ValueError(f"fxrec: the ranks transformed different models: of '{n}', rank 0 {held(names0.get(n))} and "
+                         f"rank {r} {held(names_r.get(n))}. Every rank must transform the same model")
     if set0 != set_r:
         first, other = dict(set0), dict(set_r)
         k = next(k for k in sorted(set(first) | set(other)) if first.get(k) != other.get(k))

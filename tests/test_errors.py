@@ -142,6 +142,17 @@ def test_transforms_own_settings_are_checked_naming_the_argument(kw, error, matc
         fxrec.transform(M.BagList(), M.bag_inputs(), **kw)
 
 
+def test_a_logger_adapter_and_a_numpy_int_are_taken():
+    import logging
+
+    import numpy as np
+
+    model = M.BagList()
+    fast = fxrec.transform(model, M.bag_inputs(), logger=logging.LoggerAdapter(logging.getLogger("x"), {}),
+                           timing_rounds=np.int64(2))
+    torch.testing.assert_close(fast(*M.bag_inputs()), model(*M.bag_inputs()))
+
+
 def test_verify_reports_the_table_and_difference():
     model = M.BagList()
     inputs = M.bag_inputs()
