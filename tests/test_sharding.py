@@ -551,7 +551,8 @@ def _inputs_refused_on_the_host(rank, world):
              (0, lambda: (dense, ids, offsets, single.float())),
              (1, lambda: (dense, ids, offsets, single.float())),
              (1, lambda: (dense, [ids[0], ids[1].to("meta"), ids[2]], offsets, single)),
-             (0, lambda: (dense, ids, [offsets[0], offsets[1], offsets[2].to("meta")], single))]
+             (0, lambda: (dense, ids, [offsets[0], offsets[1], offsets[2].to("meta")], single)),
+             (0, lambda: (dense, [i.to("meta") for i in ids], [o.to("meta") for o in offsets], single))]
     msgs = []
     for on, bad in cases:
         msgs.append(message_of(lambda: fast(*(bad() if rank == on else (dense, ids, offsets, single)))))
@@ -621,13 +622,17 @@ def test_inputs_refused_on_the_host_stop_every_rank_naming_the_feature(tmp_path)
     the rank fed the input until the timeout. (Float ids used to be cast to int64 by the packing,
     and the sharded model gave an answer where the plain model refuses them.)"""
     msgs = error_of(tmp_path, 2, _inputs_refused_on_the_host).split(" || ")
-    float_ids, float_offsets, seq_here, seq_there, device_there, device_here, psw_there, psw_here, psw_double = msgs
+    (float_ids, float_offsets, seq_here, seq_there, device_there, device_here, meta_here, psw_there, psw_here,
+     psw_double) = msgs
     stopped = "rank(s) [1] were fed input they reject"
     assert stopped in float_ids, float_ids
     # (inputs on another device were refused after the host checks, on that rank alone: its
     # collectives then paired with the other ranks' next call)
     assert stopped in device_there, device_there
-    assert "feature 'ids_2' got offsets on meta, and feature 'ids_0' its ids on cpu" in device_here, device_here
+    assert ("feature 'ids_2' got offsets on meta; a sharded group takes every input on cpu (where feature 'ids_0' "
+            "has its ids)") in device_here, device_here
+    # (every input on meta: the exchange itself failed on that rank, after every check)
+    assert "feature 'ids_0' got ids on meta, which hold no values to look up" in meta_here, meta_here
     assert "feature 'ids_0' got offsets of dtype torch.float32; offsets must be int64 or int32" in float_offsets
     assert "feature 'single_ids' got ids of dtype torch.float32; embedding ids must be int64 or int32" in seq_here
     assert stopped in seq_there, seq_there
@@ -723,21 +728,25 @@ def _settings_that_differ(rank, world, which):
     kw = {"mode": dict(mode="inference" if rank else "training"),
           "lr": dict(optimizer=fxrec.optim.Adagrad(lr=0.1 if rank else 0.2)),
           "max_gradient": dict(max_gradient=1.0 if rank else None),
+          "same_dict": dict(optimizer=dict(sorted({n: fxrec.optim.Adagrad(lr=0.1) for n in
+                                                   ("bags.0", "bags.1", "bags.2", "single")}.items(), reverse=rank == 1))),
           "model": {}}[which]
     fxrec.transform(model, local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B), plan=plan, **kw)
 
 
 @pytest.mark.parametrize("which,said", [
-    ("mode", "mode is 'training' on rank 0 and 'inference' on rank 1"),
-    ("lr", "optimizer is Adagrad(lr=0.2"),
-    ("max_gradient", "max_gradient is 0.0 on rank 0 and 1.0 on rank 1"),
-    ("model", "model is ["),
+    ("mode", "the ranks called transform differently: mode is 'training' on rank 0 and 'inference' on rank 1"),
+    ("lr", "the ranks called transform differently: optimizer is Adagrad(lr=0.2"),
+    ("max_gradient", "the ranks called transform differently: max_gradient is None on rank 0 and 1.0 on rank 1"),
+    ("model", "the ranks transformed different models: of 'extra.bias', rank 0 has none and rank 1 has it [2] float32"),
+    ("same_dict", "no error"),
 ])
 def test_ranks_that_call_transform_differently_are_told_which_setting_differs(tmp_path, which, said):
     """Only the plans were compared: another mode on one rank built other collectives (gloo aborted
-    rank 0's process), and another learning rate or max_gradient, or another model, went unnoticed."""
+    rank 0's process), and another learning rate or max_gradient, or another model, went unnoticed.
+    The same dict of optimizers built in another order on each rank is the same setting."""
     msg = error_of(tmp_path, 2, _settings_that_differ, which)
-    assert "the ranks called transform differently: " + said in msg and "on rank 1" in msg, msg
+    assert said in msg, msg
 
 
 class _RowsApart(nn.Module):
@@ -760,6 +769,10 @@ def _tables_apart_on_ranks(rank, world):
     x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
     plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB", pins={"other": "row_wise"})
     msgs = [message_of(lambda: fxrec.transform(model, x, plan=plan))]
+    frozen = copy.deepcopy(model)  # (frozen tables train nothing: their outputs are one process's)
+    frozen.norm.weight.requires_grad_(False)
+    frozen.freq.weight.requires_grad_(False)
+    msgs.append(message_of(lambda: fxrec.transform(frozen, x, plan=plan)))
     fast = fxrec.transform(model, x, plan=plan, mode="inference")  # (rows renormalised before each read: as one process)
     with torch.no_grad():
         msgs.append(str(torch.allclose(fast(*x), model(*x))))
@@ -770,7 +783,8 @@ def test_tables_whose_lookups_would_part_the_ranks_copies_are_refused_in_trainin
     """Left as written on every rank of a plan, max_norm renormalised each rank's own rows in place
     (the copies parted: 1.0 apart after 3 steps) and scale_grad_by_freq scaled by each rank's own
     counts (0.23 off the plain model), without a word (found by a composition hunt)."""
-    training, inference_same = error_of(tmp_path, 2, _tables_apart_on_ranks).split(" || ")
+    training, frozen, inference_same = error_of(tmp_path, 2, _tables_apart_on_ranks).split(" || ")
+    assert frozen == "no error", frozen
     assert "'freq': scale_grad_by_freq scales its gradient by the id counts of each rank's own batch" in training, training
     assert "'norm': max_norm renormalises in place the rows each rank's own batch reads" in training, training
     assert inference_same == "True"

@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_gather_ints, all_to_all, all_to_all_together, ints_on, usable_device
@@ -172,7 +173,6 @@ def _stop_if_rejected(flags: List[int], name: str, rank: int, name_mine) -> None
 _INTS = (torch.int64, torch.int32)
 
 #: What the input dists' checks on the host raise (naming the feature) before the exchange.
-HOST_CHECK_ERRORS = (ValueError, TypeError, IndexError)
 
 
 def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], order: List[int],
@@ -196,22 +196,25 @@ def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], orde
                             f"{psw_dtype}, the dtype of its table")
 
 
-def _check_input_devices(tensor_lists, names: List[str]) -> None:
-    """Every id, offset and per-sample weight of an input dist on one device, its first ids' (a CUDA
-    one under NCCL, which exchanges only CUDA tensors): else a ValueError naming the feature, raised
-    before the exchange (a rank that failed there stopped alone, and its collectives then paired
-    with the others' next call)."""
-    import torch.distributed as dist
-
-    want = tensor_lists[0][0].device
-    if want.type != "cuda" and dist.is_initialized() and str(dist.get_backend()) == "nccl":
-        raise ValueError(f"fxrec: feature '{names[0]}' got ids on {want}; a model sharded over NCCL takes its inputs "
-                         "on this rank's GPU")
+def _check_input_devices(module: nn.Module, tensor_lists, names: List[str]) -> None:
+    """Every id, offset and per-sample weight of an input dist on one device: under NCCL this rank's
+    current GPU (its collectives exchange there), else the first ids' device. Else a ValueError
+    naming the feature, raised before the exchange with the other host checks."""
+    want = module.__dict__.get("_nccl_device")
+    if want is None:  # (the process group's backend, read once)
+        nccl = dist.is_initialized() and str(dist.get_backend()) == "nccl"
+        want = module._nccl_device = torch.device("cuda", torch.cuda.current_device()) if nccl else False
+    target = want or tensor_lists[0][0].device
+    if {t.device for ts in tensor_lists for t in ts if t is not None} == {target} and target.type != "meta":
+        return
+    if target.type == "meta":
+        raise ValueError(f"fxrec: feature '{names[0]}' got ids on meta, which hold no values to look up")
     for what, tensors in zip(("ids", "offsets", "per-sample weights"), tensor_lists):
         for name, t in zip(names, tensors):
-            if t is not None and t.device != want:
-                raise ValueError(f"fxrec: feature '{name}' got {what} on {t.device}, and feature '{names[0]}' its ids "
-                                 f"on {want}: a sharded group takes every input on one device, the rank's tables'")
+            if t is not None and t.device != target:
+                where = "this rank's GPU, where NCCL exchanges" if want else f"where feature '{names[0]}' has its ids"
+                raise ValueError(f"fxrec: feature '{name}' got {what} on {t.device}; a sharded group takes every "
+                                 f"input on {target} ({where})")
 
 
 def refuse_with_the_others(error: BaseException, width: int, flag_at: int, device: torch.device, name: str,
@@ -276,29 +279,29 @@ class PooledInputDist(nn.Module):
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.forms)
         order = list(range(nfeat))
-        try:
-            _check_input_devices((ids_list, offsets_list, psw_list), self.names)
+        try:  # (anything failing before the exchange fails on every rank: see refuse_with_the_others)
+            _check_input_devices(self, (ids_list, offsets_list, psw_list), self.names)
             _check_input_dtypes(ids_list, offsets_list, psw_list, self.names, order, self.psw_dtype)
             _check_sample_weights(psw_list, self.names, order)
             lengths, values, weights, counts, batch, firsts, feature_of = _packed(self, ids_list, offsets_list,
                                                                                   psw_list, order, self.weighted)
-        except HOST_CHECK_ERRORS as e:
+            dev = values.device
+            local = lengths.view(nfeat, batch)  # this rank's bag lengths (mean pooling divides by them)
+            flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev), lengths, firsts) if batch \
+                else torch.zeros((), dtype=torch.long, device=dev)
+            ids = values
+            if any(self.bases):  # bucket = id // block + base, local row unchanged: shift the ids by base blocks
+                ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
+            send_lengths, send_values, send_weights, _ = bucketize_rows(
+                *_harmless_if(flag, lengths, ids), _consts(self, "blocks", self.blocks, dev), self.world, weights)
+            per_dest_piece = send_lengths.view(self.world, nfeat, batch).sum(2).view(-1).to(torch.long)
+            mine = torch.cat([ints_on([batch], dev), flag.view(1), per_dest_piece])
+        except Exception as e:  # noqa: BLE001
             refuse_with_the_others(e, *self.exchange_shape(), ids_list[0].device, self.name, self.rank)
             raise
-        dev = values.device
-        local = lengths.view(nfeat, batch)  # this rank's bag lengths (mean pooling divides by them)
-        flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev), lengths, firsts) if batch \
-            else torch.zeros((), dtype=torch.long, device=dev)
-        ids = values
-        if any(self.bases):  # bucket = id // block + base, local row unchanged: shift the ids by base blocks
-            ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
-        send_lengths, send_values, send_weights, _ = bucketize_rows(
-            *_harmless_if(flag, lengths, ids), _consts(self, "blocks", self.blocks, dev), self.world, weights)
         # one exchange: every rank's batch, input check and ids per (destination, piece); a rank fed
         # rejected input bucketized harmless stand-ins, and every rank stops here
-        per_dest_piece = send_lengths.view(self.world, nfeat, batch).sum(2).view(-1).to(torch.long)
-        info = all_gather_ints(torch.cat([ints_on([batch], dev), flag.view(1), per_dest_piece]), dev,
-                               f"{self.name} (counts)")
+        info = all_gather_ints(mine, dev, f"{self.name} (counts)")
         _stop_if_rejected([row[1] for row in info], self.name, self.rank,
                           lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts))
         batch = _check_batch([row[0] for row in info], self.name)

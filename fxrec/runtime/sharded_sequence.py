@@ -22,7 +22,7 @@ from torch import nn
 from .collectives import all_gather_ints, all_to_all, ints_on
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows
-from .sharded import (HOST_CHECK_ERRORS, _call, _check_input_devices, _check_input_dtypes, _consts, _input_flag, _name_bad_input,
+from .sharded import (_call, _check_input_devices, _check_input_dtypes, _consts, _input_flag, _name_bad_input,
                       _stop_if_rejected, refuse_with_the_others)
 
 
@@ -68,27 +68,29 @@ class SequenceInputDist(nn.Module):
 
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.blocks)
-        try:
-            _check_input_devices((ids_list,), self.names)
+        try:  # (anything failing before the exchange fails on every rank: see refuse_with_the_others)
+            _check_input_devices(self, (ids_list,), self.names)
             _check_input_dtypes(ids_list, [None] * nfeat, [None] * nfeat, self.names, list(range(nfeat)))
-        except HOST_CHECK_ERRORS as e:
+            values = torch.cat([ids.reshape(-1) for ids in ids_list]).long()  # int32 and int64 ids together: int64
+            dev = values.device
+            sizes = [ids.numel() for ids in ids_list]
+            lengths = ints_on(sizes, dev)  # ids per feature: one bag each
+            feature_of = torch.arange(nfeat, device=dev).repeat_interleave(lengths, output_size=values.numel())
+            flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev))
+            ids = values
+            if any(self.bases):  # a block's rank is its bucket (see PooledInputDist)
+                ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
+            harmless = torch.where(flag.eq(0), ids, torch.zeros_like(ids))
+            send_lengths, send_values, _, where = bucketize_rows(lengths, harmless,
+                                                                 _consts(self, "blocks", self.blocks, dev),
+                                                                 self.world, None, sequence=True)
+            mine = torch.cat([flag.view(1), send_lengths.to(torch.long)])
+        except Exception as e:  # noqa: BLE001
             refuse_with_the_others(e, *self.exchange_shape(), ids_list[0].device, self.name, self.rank)
             raise
-        values = torch.cat([ids.reshape(-1) for ids in ids_list]).long()  # int32 and int64 ids together: int64
-        dev = values.device
-        sizes = [ids.numel() for ids in ids_list]
-        lengths = ints_on(sizes, dev)  # ids per feature: one bag each
-        feature_of = torch.arange(nfeat, device=dev).repeat_interleave(lengths, output_size=values.numel())
-        flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev))
-        ids = values
-        if any(self.bases):  # a block's rank is its bucket (see PooledInputDist)
-            ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
-        harmless = torch.where(flag.eq(0), ids, torch.zeros_like(ids))
-        send_lengths, send_values, _, where = bucketize_rows(lengths, harmless, _consts(self, "blocks", self.blocks, dev),
-                                                             self.world, None, sequence=True)
         # one exchange: every rank's input check and ids per [destination rank, feature]; a rank fed
         # rejected ids bucketized zeros in their place, and every rank stops here
-        info = all_gather_ints(torch.cat([flag.view(1), send_lengths.to(torch.long)]), dev, f"{self.name} (counts)")
+        info = all_gather_ints(mine, dev, f"{self.name} (counts)")
         _stop_if_rejected([row[0] for row in info], self.name, self.rank,
                           lambda: _name_bad_input(values, sizes, self.names, self.rows, list(range(nfeat))))
         info = [row[1:] for row in info]
