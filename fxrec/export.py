@@ -35,8 +35,7 @@ from .report import Report
 def _refuse_sharded(model: torch.nn.Module, who: str) -> None:
     """A model transformed with a plan calls torch.distributed's collectives, which neither export
     nor TorchScript takes: an error saying how to serve it instead."""
-    meta = getattr(model, "meta", None)
-    if isinstance(meta, dict) and meta.get("fxrec_plan") is not None:
+    if any(getattr(m, "_fxrec_collective", False) for m in model.modules()):  # (a plan's all data-parallel: none)
         raise ValueError(f"fxrec.export.{who}: the model is sharded over ranks (transform(plan=...)), and its "
                          "collectives do not export. Serve it as it is on its ranks, or export the single-process "
                          "model: save a checkpoint (fxrec.checkpoint.save), load it into the plain model "
@@ -65,6 +64,7 @@ def scriptable(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
     from .dataflow import bodies
     from .passes.emit_scriptable import emit_scriptable
 
+    _refuse_sharded(model, "torchscript")
     for n in model.graph.nodes:
         if bodies(n):  # (its body is torch.export's code, which TorchScript does not compile)
             name = getattr(n.target, "__name__", str(n.target))
@@ -83,7 +83,6 @@ def torchscript(model: torch.fx.GraphModule, path: Optional[str] = None) -> torc
     The scripted module is called like the original model (same positional and keyword
     arguments, lists and str-keyed dicts of tensors included) and returns what it returns.
     """
-    _refuse_sharded(model, "torchscript")
     gm = scriptable(model)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated.*")
