@@ -62,7 +62,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..report import LookupEntry
-from ..dataflow import SideEffects
+from ..dataflow import SideEffects, carries_gradient
 from ..group_module import call_anchor, drop_dtype_asserts_after, hand_outputs
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..planner.specs import HALF_SHARDINGS, HALF_WHY
@@ -429,9 +429,14 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
     effects = SideEffects(list(graph.nodes))
     if ctx.config.mode == "training":
+        # (tables that train: a frozen one, or one no gradient reaches, keeps one process's outputs)
+        records = meta.all_records(gm)
+        params = dict(gm.named_parameters())
+        trained = {r.param for r in records if r.grad and carries_gradient(r.output)
+                   and getattr(params.get(r.param), "requires_grad", True)}
         apart = {}
-        for r in meta.all_records(gm):
-            why = apart_on_ranks(r)
+        for r in records:
+            why = apart_on_ranks(r) if r.param in trained else None
             if why:
                 apart.setdefault(r.table, why)
         if apart:
