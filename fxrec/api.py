@@ -239,7 +239,7 @@ def transform(
             mode=mode, backend=backend, optimizer=optimizer, quantize=quantize, output_dtype=output_dtype,
             weights_precision=weights_precision, max_gradient=max_gradient or None, verify=verify,
             check_passes=check_passes, reuse_outputs=reuse_outputs),
-            [(n, tuple(t.shape), str(t.dtype)) for n, t in list(model.named_parameters()) + list(model.named_buffers())],
+            sorted((n, tuple(t.shape), str(t.dtype)) for n, t in list(model.named_parameters()) + list(model.named_buffers())),
             exchange_device(args))
 
     report = Report()
