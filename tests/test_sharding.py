@@ -686,15 +686,16 @@ def test_a_refused_optimizer_stops_every_rank_also_one_holding_nothing_of_the_gr
 
 
 def _one_rank_fails_early(rank, world, how):
-    """Rank 1 alone fails before the passes: its capture (float ids in its local example) or an
-    argument check (a mode its call misspells). Every rank's message and rank 0's seconds."""
+    """Rank 1 alone fails before the passes: its capture (a dense input of another width in its local
+    example, which the model's Linear refuses) or an argument check (a mode its call misspells).
+    Every rank's message and rank 0's seconds."""
     model = Model()
     plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB", pins=ERROR_PINS,
                       batch_size=LOCAL_B)
     dense, ids, offsets, single = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
     kw = {}
     if rank == 1 and how == "capture":
-        single = single.float() + 0.5
+        dense = torch.cat([dense, dense[:, :1]], 1)
     if rank == 1 and how == "argument":
         kw = dict(mode="inferenc")
     start = time.monotonic()
