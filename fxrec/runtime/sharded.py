@@ -172,9 +172,6 @@ def _stop_if_rejected(flags: List[int], name: str, rank: int, name_mine) -> None
 
 _INTS = (torch.int64, torch.int32)
 
-#: What the input dists' checks on the host raise (naming the feature) before the exchange.
-
-
 def _check_input_dtypes(ids_list, offsets_list, psw_list, names: List[str], order: List[int],
                         psw_dtype: torch.dtype = torch.float32) -> None:
     """Ids and offsets of int64 or int32, as nn.Embedding and nn.EmbeddingBag take, and per-sample
