@@ -253,8 +253,7 @@ def _refuse_wrapped(model: torch.nn.Module) -> None:
 
     for name, m in model.named_modules():
         kind = type(m).__name__
-        if isinstance(m, DistributedDataParallel) or kind in ("FullyShardedDataParallel", "FSDPModule") \
-                or kind.startswith("FSDP"):
+        if isinstance(m, DistributedDataParallel) or kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
             where = f"submodule '{name}'" if name else "the model"
             raise CaptureError(
                 f"fxrec: {where} is wrapped in {kind}, whose forward torch.export cannot capture. Pass the "
