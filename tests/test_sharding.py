@@ -173,7 +173,11 @@ def spawn(fn, world, *args):
     fd, init_file = tempfile.mkstemp(prefix="fxrec_dist_")
     os.close(fd)
     os.remove(init_file)
-    mp.spawn(fn, args=(world, init_file, *args), nprocs=world, join=True)
+    try:
+        mp.spawn(fn, args=(world, init_file, *args), nprocs=world, join=True)
+    finally:
+        if os.path.exists(init_file):  # the workers leave without the FileStore's clean-up
+            os.remove(init_file)
 
 
 def run_world(world, pins, mode="sum", steps=10, hosts=1, recompile=False):
