@@ -151,7 +151,9 @@ def transform(
         ``"40GB"``. The largest tables beyond it that fbgemm alone reads and writes (inference,
         fused optimizers) go to unified memory (host RAM the GPU reads over the bus) with an HBM
         cache of ``cache_load_factor`` of their rows; the report says where each table is
-        (docs/gpu.md). None (default): every table in GPU memory.
+        (docs/gpu.md). With ``plan=``, the budget of each rank's GPU: each rank places the pieces
+        of tables it holds by the same rule (docs/sharding.md). None (default): every table in
+        GPU memory.
       cache_load_factor: with ``hbm_budget``: the HBM cache of the cached tables, as a share of
         their rows (fbgemm's ``cache_load_factor``, default 0.2).
       weights_precision: training with an optimizer fused into fbgemm's backward: ``"fp16"``
@@ -189,7 +191,7 @@ def transform(
             raise ValueError("fxrec: an embedding optimizer needs mode='training'")
         max_gradient = _check_max_gradient(max_gradient, mode)
         _check_settings(timing_rounds, rtol, atol, logger)
-        hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
+        hbm_budget = _check_placement(hbm_budget, cache_load_factor)
         args = _as_args(example_inputs)
         kwargs = dict(example_kwargs or {})
         from torch.utils import _pytree
@@ -420,6 +422,25 @@ def _placement_note(gm: fx.GraphModule, hbm_budget) -> list:
             f"({', '.join(sorted(devices)) or 'no groups'}): it changed nothing"]
 
 
+def _rank_placements(ctx: PassContext, ranks: int) -> list:
+    """Per rank, where its pieces of the tables live under ``hbm_budget=`` (on CUDA; an InputError
+    naming the rank whose pieces do not fit)."""
+    from .passes.place_shards import decide, rank_text
+    from .planner.specs import format_bytes
+
+    out = []
+    for rank in range(ranks):
+        placements, need, groups = decide(ctx, rank)
+        cuda = [(gr, held) for gr, _, held, on in groups if on]
+        if not cuda:
+            return []
+        where = "; ".join(f"{gr.name}: {rank_text(placements, held, ctx.config.cache_load_factor)}"
+                          for gr, held in cuda if any(t.packed is None for t in held))
+        out.append(f"rank {rank} under hbm_budget={format_bytes(ctx.config.hbm_budget)}: its tables take "
+                   f"{format_bytes(need)} of GPU memory; {where or 'no tables'}")
+    return out
+
+
 def _modes_notes(gm: fx.GraphModule) -> list:
     info = gm.meta.get(MODES_KEY)
     if info is None:
@@ -467,7 +488,7 @@ def explain(
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     _check_output_dtype(output_dtype, quantize)
     max_gradient = _check_max_gradient(max_gradient, mode)
-    hbm_budget = _check_placement(hbm_budget, cache_load_factor, plan)
+    hbm_budget = _check_placement(hbm_budget, cache_load_factor)
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
     gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs, for_calls=False)
@@ -492,6 +513,8 @@ def explain(
     if plan is not None:  # (transform's report has its own rank's note; here every rank's, as the plan says)
         world = plan.topology.world_size
         notes += [rank_note(plan, r) for r in range(min(world, 8))]
+        if hbm_budget is not None:  # (the ranks' placements, as each rank's transform makes them)
+            notes += _rank_placements(ctx, min(world, 8))
         if world > 8:
             notes.append(f"(ranks 8 to {world - 1}: see the plan)")
     notes.append(f"explained for device {ctx.config.device}: nothing was built; transform on that device gives "
@@ -500,15 +523,13 @@ def explain(
                         plan_per_rank(plan) if plan is not None else ())
 
 
-def _check_placement(hbm_budget, cache_load_factor, plan) -> Optional[int]:
+def _check_placement(hbm_budget, cache_load_factor) -> Optional[int]:
     """``hbm_budget`` in bytes (None stays None); errors for what cannot be placed."""
     if isinstance(cache_load_factor, bool) or not isinstance(cache_load_factor, (int, float)) \
             or not 0 < cache_load_factor <= 1:
         raise ValueError(f"fxrec: cache_load_factor must be a number in (0, 1], got {cache_load_factor!r}")
     if hbm_budget is None:
         return None
-    if plan is not None:
-        raise ValueError("fxrec: with a plan, the planner places the tables (memory_per_rank=); hbm_budget is for one GPU")
     from .planner.specs import parse_bytes
 
     return parse_bytes(hbm_budget, "hbm_budget", "fxrec")

@@ -22,15 +22,16 @@
 
 With a sharding plan: annotate_lookups → merge_lookups → assign_optimizers → (assign_precisions,
 which leaves data-parallel tables fp32) → group_lookups →
-(quantize_tables) → shard_groups → fold_concat. quantize_tables comes before shard_groups, which
+(quantize_tables) → shard_groups → (place_shards) → fold_concat. quantize_tables comes before shard_groups, which
 builds each rank's quantized groups from its shards; measure_quantization does not run (the
 quantized lookups of one rank are not a model the example inputs can run alone). shard_groups takes the place of choose_kernels and lower_groups: every
 rank must run the same graph shape (its collectives pair up across ranks), so nothing is chosen
-by timing.
+by timing. place_shards (hbm_budget= only) follows shard_groups: it places the pieces of tables
+this rank's local groups hold, once they are built, and checks they are what the plan gives it.
 
 fxrec.explain runs the passes that decide, and none that build: annotate_lookups →
 merge_lookups → assign_optimizers → (assign_precisions) → group_lookups → (quantize_tables) → choose_kernels →
-(place_tables), for the device asked (merge_lookups and group_lookups change only the captured copy's graph).
+(place_tables), for the device asked (with a plan: up to quantize_tables; the plan decides the rest) (merge_lookups and group_lookups change only the captured copy's graph).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from .passes.group_lookups import group_lookups
 from .passes.lower_groups import lower_groups
 from .passes.measure_quantization import measure_quantization
 from .passes.merge_lookups import merge_lookups
+from .passes.place_shards import place_shards
 from .passes.place_tables import place_tables
 from .passes.quantize_tables import quantize_tables
 from .passes.shard_groups import shard_groups
@@ -63,7 +65,8 @@ def default_pipeline(config: Config) -> List[CompilerPass]:
         # sharded: every rank runs the same graph shape, so nothing is chosen by timing here;
         # shard_groups replaces choose_kernels + lower_groups, fold_concat still applies
         quant = [quantize_tables] if config.quantize is not None else []
-        return [*_deciding(config), *quant, shard_groups, fold_concat]
+        placing = [place_shards] if config.hbm_budget is not None else []
+        return [*_deciding(config), *quant, shard_groups, *placing, fold_concat]
     passes = _deciding(config)
     if config.quantize is not None:
         passes.append(quantize_tables)
@@ -79,8 +82,8 @@ def default_pipeline(config: Config) -> List[CompilerPass]:
 def explain_pipeline(config: Config) -> List[CompilerPass]:
     """The deciding passes only (fxrec.explain): nothing is lowered, built or allocated."""
     passes = _deciding(config)
-    if config.plan is not None:
-        return passes  # the plan decides; fxrec.explain describes it
     if config.quantize is not None:
         passes.append(quantize_tables)
+    if config.plan is not None:
+        return passes  # the plan decides; fxrec.explain describes it
     return passes + [choose_kernels] + ([place_tables] if config.hbm_budget is not None else [])

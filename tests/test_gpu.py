@@ -702,6 +702,58 @@ def test_every_piece_type_of_a_sharded_group_runs_on_one_gpu_over_nccl(opt_name,
     assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
 
 
+def _nccl_uvm_worker(rank, world, init_file, result_dir):
+    """World size 1 on NCCL, TwoBags under a plan (big row-wise, small table-wise): with
+    hbm_budget="20MB" the rank's block of big goes to unified memory, as explain says from the
+    plan, and trains as the same plan without a budget."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = TwoBags().cuda()
+        x0 = two_bag_inputs(0)
+        opt = fxrec.optim.RowWiseAdagrad(lr=0.05)
+        plan = fxrec.plan(model, x0, world_size=world, memory_per_rank="1GB",
+                          pins={"big": "row_wise", "small": "table_wise"}, optimizer=opt)
+        said = fxrec.explain(model, x0, plan=plan, optimizer=opt, hbm_budget="20MB", device="cuda")
+        on_device = fxrec.transform(model, x0, plan=plan, optimizer=opt)
+        on_uvm = fxrec.transform(model, x0, plan=plan, optimizer=opt, hbm_budget="20MB")
+        (g,) = on_uvm.report.groups
+        assert "big: managed_caching" in g.placement, g.placement
+        assert any(n.endswith(g.placement) for n in said.notes if n.startswith(f"rank {rank} under")), (said.notes, g)
+        pairs = [(m, m.make_optimizer(torch.optim.SGD, lr=0.01)) for m in (on_device, on_uvm)]
+        for step in range(4):
+            for m, o in pairs:
+                o.zero_grad()
+                m(*two_bag_inputs(step + 1)).sin().sum().backward()
+                o.step()
+        (lookup,) = [m for n, m in on_uvm.named_modules() if n.endswith("_lookup")]
+        tbe = lookup.group._bound.tbe
+        assert tbe.weights_uvm.numel() > 0 and tbe.lxu_cache_weights.numel() > 0
+        for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+        dist.barrier()
+        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
+            fh.write("ok")
+        del on_device, on_uvm, pairs, lookup, tbe
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_table_in_unified_memory_trains_as_in_gpu_memory_over_nccl(tmp_path):
+    from tests.test_sharding import spawn
+
+    spawn(_nccl_uvm_worker, 1, str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
+
+
 @pytest.mark.parametrize("dim", [1024, 1028, 2048])
 def test_fbgemms_own_tbe_is_exact_up_to_1024_and_wrong_above_which_is_why_fxrec_stops_there(dim):
     """fbgemm's TBE called by hand, without fxrec (one table, sum bags of 3 ids), against PyTorch's

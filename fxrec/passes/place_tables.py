@@ -21,14 +21,15 @@ HBM wherever the rows live. If the budget is not met, that is an error giving th
 Before/After: the graph is unchanged; each GroupRecord gets ``placements`` (param -> placement)
 and ``cache_load_factor``, and its decision's ``placement`` says where its tables are.
 
-Not handled: with a sharding plan the planner places the tables (``hbm_budget`` is refused).
+With a sharding plan, place_shards applies the same rule (:func:`place`) on each rank to the
+pieces of tables it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
@@ -42,11 +43,12 @@ from ..runtime.specs import FUSED_STATE_BYTES, pad_dim
 CACHE_WAYS = 32
 
 
-def table_bytes(rows: int, width: int, fused, gradient: bool = False, weight_bytes: int = 4) -> int:
+def table_bytes(rows: int, width: int, fused: str = "", gradient: bool = False, weight_bytes: int = 4) -> int:
     """HBM bytes of a table held on the device (``weight_bytes`` an element: 4 fp32, 2 fp16/bf16),
-    its fused optimizer's states (fp32) and (``gradient``) a dense gradient of it, of the table's
-    dtype (tables stored lower by weights_precision= have none: they train fused)."""
-    b, a = FUSED_STATE_BYTES[fused.kind] if fused is not None else (0, 0)
+    the states of its fused optimizer (``fused``: a FusedSpec kind, "" for none; fp32) and
+    (``gradient``) a dense gradient of it, of the table's dtype (tables stored lower by
+    weights_precision= have none: they train fused)."""
+    b, a = FUSED_STATE_BYTES[fused] if fused else (0, 0)
     return rows * (width * (weight_bytes + a + (weight_bytes if gradient else 0)) + b)
 
 
@@ -62,25 +64,108 @@ def cache_bytes(caching: List[Tuple[int, int]], load_factor: float, weight_bytes
     return slots * (max(w for _, w in caching) * weight_bytes + 16) + rows * 4
 
 
-def hbm_bytes(groups, placements: Dict[str, str], load_factor: float, training: bool) -> int:
-    """The HBM the groups' tables take with ``placements`` (param -> placement; absent: device)."""
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """One table as the rule counts it (in a sharded model: the piece of it one rank holds):
+    ``rows`` at its stored ``width`` of ``weight_bytes`` a value, its fused optimizer's states
+    (``fused``: a FusedSpec kind, "" for none), ``gradient``: a dense gradient of it in HBM,
+    ``packed``: a quantized table's bytes as fbgemm packs them for CUDA (None: not quantized),
+    ``movable``: fbgemm's kernel alone reads and writes its rows. ``key`` names it in the
+    placements (unique among the tables placed together)."""
+
+    key: str
+    name: str
+    rows: int
+    width: int
+    weight_bytes: int = 4
+    fused: str = ""
+    gradient: bool = False
+    packed: Optional[int] = None
+    movable: bool = False
+
+
+def hbm_bytes(groups: Sequence[Sequence[Held]], placements: Dict[str, str], load_factor: float) -> int:
+    """The HBM the tables take with ``placements`` (key -> placement; absent: device); each entry
+    of ``groups`` is the tables of one TBE, which holds one cache for its cached tables."""
     total = 0
-    for gr in groups:
+    for tables in groups:
         caching = []
-        quant = _quantized_bytes(gr) if gr.quant else {}
-        wb = gr.lookups[0].stored_bytes if gr.lookups else 4  # (fp16 or weights_precision: one per group)
-        for p, rec in _tables(gr):
-            width = pad_dim(rec.dim)
-            if p in quant:
-                total += quant[p]
-            elif placements.get(p, "device") == "device":
-                grad = training and gr.fused is None and not rec.sparse
-                total += table_bytes(rec.num_rows, width, gr.fused, grad, wb)
+        for t in tables:
+            if t.packed is not None:
+                total += t.packed
+            elif placements.get(t.key, "device") == "device":
+                total += table_bytes(t.rows, t.width, t.fused, t.gradient, t.weight_bytes)
             else:  # managed_caching: a row-wise state stays in HBM
-                caching.append((rec.num_rows, width))
-                total += rec.num_rows * (FUSED_STATE_BYTES[gr.fused.kind][0] if gr.fused is not None else 0)
-        total += cache_bytes(caching, load_factor, wb)
+                caching.append(t)
+                total += t.rows * (FUSED_STATE_BYTES[t.fused][0] if t.fused else 0)
+        if caching:  # (one precision a TBE)
+            total += cache_bytes([(t.rows, t.width) for t in caching], load_factor, caching[0].weight_bytes)
     return total
+
+
+def place(groups: Sequence[Sequence[Held]], budget: int, load_factor: float) -> Tuple[Dict[str, str], int]:
+    """The rule: every table starts in HBM; while the count exceeds ``budget``, the next largest
+    movable table (ties by name) goes to unified memory as ``managed_caching``, unless that saves
+    no HBM. Returns the placements (key -> "managed_caching") and the HBM they need, which the
+    caller compares with the budget (the error's words are its own)."""
+    placements: Dict[str, str] = {}
+    candidates = sorted((t for tables in groups for t in tables if t.movable),
+                        key=lambda t: (-table_bytes(t.rows, t.width, t.fused, weight_bytes=t.weight_bytes), t.name))
+    need = hbm_bytes(groups, placements, load_factor)
+    for t in candidates:
+        if need <= budget:
+            break
+        placements[t.key] = "managed_caching"
+        moved = hbm_bytes(groups, placements, load_factor)
+        if moved < need:
+            need = moved
+        else:  # a small table cached at its group's widest width can cost more than it saves
+            del placements[t.key]
+    return placements, need
+
+
+def placement_text(names: Sequence[Tuple[str, str]], placements: Dict[str, str], load_factor: float) -> str:
+    """A group's placement as the report gives it, ``names`` its tables' ``(key, name)``:
+    ``device``, ``managed_caching`` or ``device+managed_caching``, with the cached tables named."""
+    moved = [(k, n) for k, n in names if k in placements]
+    where = sorted({placements[k] for k, _ in moved} | ({"device"} if len(moved) < len(names) else set()))
+    text = "+".join(where)
+    if moved:
+        text += " (" + ", ".join(f"{n}: {placements[k]}" for k, n in moved)
+        text += f"; HBM cache {load_factor:g} of the cached rows)" if "managed_caching" in where else ")"
+    return text
+
+
+def held_of_group(gr, training: bool) -> List[Held]:
+    """The tables of a group record as the rule counts them (keyed by parameter name)."""
+    quant = _quantized_bytes(gr) if gr.quant else {}
+    movable = _movable(gr, training)
+    wb = gr.lookups[0].stored_bytes if gr.lookups else 4  # (fp16 or weights_precision: one per group)
+    fused = gr.fused.kind if gr.fused is not None else ""
+    return [Held(p, rec.table, rec.num_rows, pad_dim(rec.dim), wb, fused,
+                 training and gr.fused is None and not rec.sparse, quant.get(p), movable)
+            for p, rec in _tables(gr)]
+
+
+def held_of_module(group, training: bool) -> List[Held]:
+    """The tables of a built group module (a rank's local group under a plan) as the rule counts
+    them, keyed by table name: an :class:`~fxrec.runtime.group.EmbeddingGroup`'s by its kernels,
+    a quantized group's as fbgemm packs its rows for CUDA (they stay)."""
+    from ..runtime.group import EmbeddingGroup
+    from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
+
+    if not isinstance(group, EmbeddingGroup):  # quantized (QuantizedPooledGroup / QuantizedSequenceGroup)
+        sizes = packed_bytes([(t.num_rows, t.dim, q) for t, q in zip(group.tables, group.dtypes)], row_alignment("cuda"))
+        return [Held(t.name, t.name, t.num_rows, pad_dim(t.dim), packed=n) for t, n in zip(group.tables, sizes)]
+    fused = group.fused.kind if group.fused is not None else ""
+    if training:
+        movable = bool(fused) and group.kernel_train == FBGEMM and group.kernel_eval == FBGEMM
+    else:
+        movable = group.kernel_eval == FBGEMM
+    wb = 2 if group.weights or group.half else 4
+    return [Held(t.name, t.name, t.num_rows, pad_dim(t.dim), wb, fused, training and not fused and not t.sparse, None,
+                 movable and t.dtype in ("float32", "float16"))
+            for t in group.tables]
 
 
 def _quantized_bytes(gr) -> Dict[str, int]:
@@ -110,7 +195,7 @@ def _movable(gr, training: bool) -> bool:
     return gr.kernel_eval == FBGEMM
 
 
-def _advice(groups, training: bool) -> str:
+def _advice(groups, training: bool, sharded: bool = False) -> str:
     """What may bring the tables within the budget, for the error: fusing an optimizer only where
     a group trains without one and could have one (the model's fp16 tables cannot: they train on
     PyTorch's lookups, and stay in HBM with their dense gradients)."""
@@ -119,7 +204,7 @@ def _advice(groups, training: bool) -> str:
     half = sorted({r.table for gr in unfused for r in gr.lookups if r.half})
     if any(not r.half for gr in unfused for r in gr.lookups):
         ways.append("fuse the optimizer (optimizer=)")
-    ways.append("or shard the tables over GPUs with a plan")
+    ways.append("or shard the tables over more GPUs" if sharded else "or shard the tables over GPUs with a plan")
     text = ", ".join(ways)
     if half:
         text += (f" (the model's fp16 tables {half} train on PyTorch's lookups: they stay in GPU memory with "
@@ -140,20 +225,7 @@ def place_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if budget is None or not groups:
         return PassResult(gm, False, {})
     training = ctx.config.mode == "training"
-    placements: Dict[str, str] = {}
-    candidates = sorted(((gr, p, rec) for gr in groups if _movable(gr, training) for p, rec in _tables(gr)),
-                        key=lambda c: (-table_bytes(c[2].num_rows, pad_dim(c[2].dim), c[0].fused,
-                                                          weight_bytes=c[2].stored_bytes), c[2].table))
-    need = hbm_bytes(groups, placements, lf, training)
-    for gr, p, rec in candidates:
-        if need <= budget:
-            break
-        placements[p] = "managed_caching"
-        moved = hbm_bytes(groups, placements, lf, training)
-        if moved < need:
-            need = moved
-        else:  # a small table cached at its group's widest width can cost more than it saves
-            del placements[p]
+    placements, need = place([held_of_group(gr, training) for gr in groups], budget, lf)
     if need > budget:
         raise InputError(
             f"fxrec: the embedding tables need {_fmt(need)} of GPU memory (weights, fused optimizer states, and "
@@ -165,12 +237,8 @@ def place_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         gr.placements = {p: placements[p] for p, _ in _tables(gr) if p in placements}
         gr.cache_load_factor = lf
         moved += len(gr.placements)
-        where = sorted(set(gr.placements.values()) | ({"device"} if len(gr.placements) < len(_tables(gr)) else set()))
-        text = "+".join(where)
-        if gr.placements:
-            text += " (" + ", ".join(f"{rec.table}: {gr.placements[p]}" for p, rec in _tables(gr) if p in gr.placements)
-            text += f"; HBM cache {lf:g} of the cached rows)" if "managed_caching" in where else ")"
-        gr.decision = dataclasses.replace(gr.decision, placement=text)
+        gr.decision = dataclasses.replace(
+            gr.decision, placement=placement_text([(p, rec.table) for p, rec in _tables(gr)], placements, lf))
         for r in gr.lookups:
             r.node.meta[meta.DECISION] = gr.decision
     return PassResult(gm, False, {"hbm_budget": _fmt(budget), "tables_hbm": _fmt(need), "tables_hbm_bytes": need,

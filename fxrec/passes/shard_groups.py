@@ -412,6 +412,11 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
     return mods, local, args
 
 
+def module_name(gr: meta.GroupRecord) -> str:
+    """The prefix of the modules shard_groups gives a group (``_input_dist``, ``_lookup``, ``_output_dist``)."""
+    return f"fxrec_shard_{gr.name}"
+
+
 def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
     owner, _, attr = fqn.rpartition(".")
     mod = gm.get_submodule(owner) if owner else gm
@@ -459,7 +464,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         anchor = call_anchor(graph, gr.lookups, effects)
         recs = [r for r in gr.lookups if kinds[id(r)] != "data_parallel"]
         if recs:
-            name = f"fxrec_shard_{gr.name}"
+            name = module_name(gr)
             if gr.pooling == "none":
                 mods, local = _sequence_modules(ctx, gm, gr, recs, name, sharded_params)
                 args = ([r.ids for r in recs], [r.offsets for r in recs], [r.per_sample_weights for r in recs])

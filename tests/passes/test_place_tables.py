@@ -194,12 +194,6 @@ def test_bad_placement_arguments_are_refused(kw, match):
         fxrec.explain(meta_model(), INPUTS, device="cuda", **kw)
 
 
-def test_a_budget_with_a_plan_is_refused():
-    plan = fxrec.plan(tables=[fxrec.planner.TableSpec("t", 10, 4)], world_size=2, memory_per_rank="1GB")
-    with pytest.raises(ValueError, match="with a plan, the planner places the tables"):
-        fxrec.explain(meta_model(), INPUTS, device="cuda", plan=plan, hbm_budget="1GB")
-
-
 class Small(nn.Module):
     def __init__(self):
         super().__init__()

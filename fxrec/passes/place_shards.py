@@ -1,0 +1,144 @@
+"""place_shards: with a sharding plan and ``hbm_budget=`` (GPU memory per rank), decide which of
+this rank's table pieces live in GPU memory (HBM) and which in unified memory, by place_tables'
+rule (:func:`fxrec.passes.place_tables.place`) over what the rank holds.
+
+What is counted on a rank: its local groups (one TBE each, with one cache for its cached tables)
+as place_tables counts a group: the tables, column shards and row blocks the plan gives it, at
+their stored width, with their fused optimizer's states, or their dense gradients where training
+has no fused optimizer; quantized pieces as fbgemm packs them for CUDA (they stay); and the
+data-parallel tables of its groups, whole on every rank (they stay: the model's own lookups,
+with dense gradients in training). A piece may move where fbgemm's kernel alone reads and writes
+it (place_tables' rule). Each rank decides for itself: where a piece lives changes no collective.
+
+The decision is made from the plan (:func:`planned`), so ``fxrec.explain(plan=, device="cuda",
+hbm_budget=)`` gives every rank's without a process group, and transform on a rank gives the
+same; the pass checks that the rank's built groups hold what the plan says, then sets each
+local group's placements (on CUDA; elsewhere the tables are in host memory and nothing moves).
+
+Before/After: the graph is unchanged; each local group module (the ``group`` of a
+``fxrec_shard_*_lookup`` module) gets ``placements`` and ``cache_load_factor``, and the decision
+on its input dist says where this rank's pieces are.
+
+Not handled: the planner sizes the shards by ``memory_per_rank`` wherever they live; it does not
+choose between HBM and unified memory (its costs assume HBM reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Tuple
+
+import torch.fx as fx
+
+from .. import meta
+from ..pass_infra import InputError, PassContext, PassError, PassResult, compiler_pass
+from ..runtime.specs import pad_dim
+from . import choose_kernels
+from .place_tables import Held, _advice, _fmt, held_of_module, place, placement_text
+from .shard_groups import _fused_spec, _local_group, _sharding, module_name
+
+
+def _pieces(gr: meta.GroupRecord, plan, rank: int, recs) -> Tuple[list, list]:
+    """What ``rank`` holds of the sharded lookups ``recs`` of ``gr``, as shard_groups hands them to
+    its local group: ``(record, rows, cols)`` per piece and each piece's local table."""
+    pieces, table_of, local = [], [], []
+    for r in recs:
+        tp = plan.tables[r.table]
+        mine = [sh for sh in tp.shards if sh.rank == rank]
+        # a row block of no rows: a pooled group holds it (an empty table), a sequence group not
+        if not mine or (gr.pooling == "none" and not mine[0].num_rows):
+            continue
+        sh = mine[0]  # (one column shard of a table a rank: shard_groups refuses two)
+        if r.param not in local:
+            local.append(r.param)
+        table_of.append(local.index(r.param))
+        rows = r.num_rows if tp.sharding in ("table_wise", "column_wise") else sh.num_rows
+        pieces.append((r, rows, sh.num_cols if tp.sharding == "column_wise" else r.dim))
+    return pieces, table_of
+
+
+def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object, List[Held], bool]]:
+    """Per group: the local group module ``rank`` would build (None: it holds no piece, or the
+    pieces are quantized), what the rule counts on that rank, from the plan alone, and whether
+    the group runs on CUDA (only those are placed)."""
+    from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
+
+    plan, training = ctx.config.plan, ctx.config.mode == "training"
+    out = []
+    for gr in ctx.groups:
+        kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
+        recs = [r for r in gr.lookups if kinds[id(r)] != "data_parallel"]
+        held: List[Held] = []
+        group = None
+        pieces, table_of = _pieces(gr, plan, rank, recs)
+        if pieces and gr.quant:
+            first = {}
+            for (r, rows, cols), t in zip(pieces, table_of):
+                first.setdefault(t, (r, rows, cols))
+            shapes = [first[t] for t in range(len(first))]
+            sizes = packed_bytes([(rows, cols, gr.quant[r.param]) for r, rows, cols in shapes], row_alignment("cuda"))
+            held = [Held(r.table, r.table, rows, pad_dim(cols), packed=n) for (r, rows, cols), n in zip(shapes, sizes)]
+        elif pieces:
+            half = gr.lookups[0].half
+            pooling = "none" if gr.pooling == "none" else gr.pooling if half else "sum"
+            weighted = gr.pooling != "none" and any(r.weighted for r in recs)
+            group = _local_group(ctx, pieces, table_of, pooling, weighted, _fused_spec(gr, plan))
+            held = held_of_module(group, training)
+        seen = set()
+        for r in gr.lookups:  # data-parallel: whole on every rank, the model's own lookups
+            if kinds[id(r)] == "data_parallel" and r.table not in seen:
+                seen.add(r.table)
+                held.append(Held(r.table, r.table, r.num_rows, pad_dim(r.dim), 2 if r.half else 4, "",
+                                 training and not r.sparse))
+        out.append((gr, group, held, choose_kernels.target_device(ctx, gr.lookups[0].device) == "cuda"))
+    return out
+
+
+def decide(ctx: PassContext, rank: int) -> Tuple[Dict[str, str], int, list]:
+    """``(placements, HBM needed, planned(ctx, rank))`` for ``rank``; an InputError naming the
+    rank where the budget cannot be met."""
+    budget, lf = ctx.config.hbm_budget, ctx.config.cache_load_factor
+    groups = planned(ctx, rank)
+    placements, need = place([held for _, _, held, cuda in groups if cuda], budget, lf)
+    if need > budget:
+        raise InputError(
+            f"fxrec: rank {rank}'s embedding tables need {_fmt(need)} of GPU memory (its pieces of the sharded "
+            f"tables with their fused optimizer states, dense gradients where training has no fused optimizer, and "
+            f"its data-parallel tables) with every piece that may leave it, and saves memory doing so, in unified "
+            f"memory (cache_load_factor={lf}), more than hbm_budget={_fmt(budget)}: "
+            + _advice([gr for gr, _, _, cuda in groups if cuda], ctx.config.mode == "training", sharded=True))
+    return placements, need, groups
+
+
+def rank_text(placements: Dict[str, str], held: List[Held], load_factor: float) -> str:
+    return placement_text([(t.key, t.name) for t in held if t.packed is None], placements, load_factor)
+
+
+@compiler_pass(needs=("groups", "sharded"), provides=("placements",))
+def place_shards(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    rank, lf = ctx.config.rank, ctx.config.cache_load_factor
+    placements, need, groups = decide(ctx, rank)
+    moved = 0
+    for gr, expected, held, cuda in groups:
+        lookup = getattr(gm, f"{module_name(gr)}_lookup", None)
+        group = getattr(lookup, "group", None)
+        if expected is not None:
+            built = (group.tables, group.kernel_train, group.kernel_eval, group.fused) if group is not None else None
+            if built != (expected.tables, expected.kernel_train, expected.kernel_eval, expected.fused):
+                raise PassError(f"place_shards: rank {rank}'s local group of {gr.name} is not what the plan gives it "
+                                f"(built {built}, planned {expected.tables}): a bug in fxrec")
+            if not cuda:  # (host memory: nothing to place)
+                continue
+            group.tables = [dataclasses.replace(t, placement=placements.get(t.name, "device")) for t in group.tables]
+            group.cache_load_factor = lf
+            moved += sum(t.name in placements for t in group.tables)
+        if cuda:  # (the input dist's decision, and its data-parallel lookups')
+            text = rank_text(placements, held, lf)
+            for n in gm.graph.nodes:
+                d = n.meta.get(meta.DECISION)
+                if d is not None and d.group == gr.name:
+                    n.meta[meta.DECISION] = dataclasses.replace(d, placement=text)
+    if not any(cuda for *_, cuda in groups):
+        return PassResult(gm, False, {})
+    return PassResult(gm, False, {"hbm_budget": _fmt(ctx.config.hbm_budget), "tables_hbm": _fmt(need),
+                                  "tables_hbm_bytes": need, "tables_in_unified_memory": moved})
