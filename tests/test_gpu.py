@@ -189,6 +189,27 @@ def test_fused_adam_lamb_and_partial_rowwise_adam_match_the_written_out_update_a
             assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("kind", ["adam", "partial_rowwise_lamb"])
+def test_a_fused_adam_group_trains_after_calls_under_inference_mode(kind):
+    """fbgemm's forward adds one to its host step count in place; calls under inference mode (a
+    validation loop) must not leave an inference tensor there: the next call and the next
+    training step failed ("Inplace update to inference tensor outside InferenceMode")."""
+    from fxrec.runtime.group import EmbeddingGroup
+    from fxrec.runtime.specs import FeatureSpec, FusedSpec, TableSpec
+
+    g = EmbeddingGroup([TableSpec("t", 50, 8)], [FeatureSpec("f", 0, "bag")], "sum", "fbgemm", "fbgemm",
+                       fused=FusedSpec(kind, 0.01)).cuda()
+    w = torch.nn.Parameter(torch.randn(50, 8, device="cuda"))
+    ids, offs = torch.randint(0, 50, (12,), device="cuda"), torch.arange(0, 12, 3, device="cuda")
+    g([ids], [offs], [None], [w]).sum().backward()
+    with torch.inference_mode():
+        for _ in range(2):
+            g([ids], [offs], [None], [w])
+    assert g.fused_step([w]) == 1  # (calls that update nothing count no step)
+    g([ids], [offs], [None], [w]).sum().backward()
+    assert g.fused_step([w]) == 2
+
+
 def test_a_fused_adam_group_counts_a_step_without_ids_and_keeps_its_state_through_cpu_and_back():
     """The live model (not a copy) to the CPU and back keeps moments and step; a training call whose
     batch has no ids counts one step, as a call with ids does (so the ranks of a plan agree)."""

@@ -475,6 +475,22 @@ def test_a_step_with_no_ids_counts_as_fbgemm_counts_one():
     assert (int(tbe.iter), int(tbe.iter_cpu)) == (3, 3)
 
 
+def test_a_step_count_set_or_counted_under_inference_mode_still_counts_outside_it():
+    """fbgemm's forward adds one to the host copy in place at every training call, which torch
+    refuses on an inference tensor outside inference mode: a step set (a checkpoint loaded) or
+    counted under ``torch.inference_mode()`` must leave an ordinary tensor there."""
+    from fxrec.runtime.kernels.fbgemm_tbe import make_training_tbe
+    from fxrec.runtime.kernels.fbgemm_states import count_tbe_step, set_tbe_step
+
+    tbe = make_training_tbe([(10, 4)], [0], "sum", torch.device("cpu"))
+    with torch.inference_mode():
+        set_tbe_step(tbe, 4)
+        count_tbe_step(tbe)
+    assert not tbe.iter_cpu.is_inference()
+    tbe.iter_cpu.add_(1)  # as fbgemm's next forward does
+    assert (int(tbe.iter), int(tbe.iter_cpu)) == (5, 6)
+
+
 def _sharded_steps(rank, world, root):
     """World 2, Adam decided as on CUDA (see decided_for_cuda): each rank's groups keep the step; a
     checkpoint carries it to another plan, and ranks that disagree on a table's step cannot save."""

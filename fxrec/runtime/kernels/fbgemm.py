@@ -209,7 +209,10 @@ def run_tbe(group, tbe, layout, indices, offsets, psw, params, training: bool):
 
     def forward():  # fbgemm counts a fused Adam's step at every forward: a call with no update keeps it
         if group._bound is not None and group._bound.optimizer in STEPPED:
-            step, host = tbe.iter.clone(), tbe.iter_cpu.clone()
+            # (outside inference mode: a copy made under it is an inference tensor, and fbgemm's
+            # next forward adds to iter_cpu in place, which torch refuses on one outside it)
+            with torch.inference_mode(False):
+                step, host = tbe.iter.clone(), tbe.iter_cpu.clone()
             try:
                 return plain_forward()
             finally:

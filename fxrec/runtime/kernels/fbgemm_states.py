@@ -24,19 +24,23 @@ def tbe_step(tbe) -> int:
 
 
 def set_tbe_step(tbe, step: int) -> None:
-    """``iter`` and the host copy fbgemm's forward counts with (it reads ``iter`` only while 0)."""
+    """``iter`` and the host copy fbgemm's forward counts with (it reads ``iter`` only while 0).
+    The copy is made outside inference mode: fbgemm adds to it in place at each forward, which
+    torch refuses on an inference tensor outside inference mode (a checkpoint loaded under it)."""
     tbe.iter.fill_(int(step))
-    tbe.iter_cpu = torch.full((1,), int(step), dtype=torch.int64)
+    with torch.inference_mode(False):
+        tbe.iter_cpu = torch.full((1,), int(step), dtype=torch.int64)
 
 
 def count_tbe_step(tbe) -> None:
     """Count one training step that did not reach fbgemm's forward (no ids, empty batch), as its
     forward would have: the group's count stays one per step, the same on every rank. Reads the
     device only while the host copy is 0 (the first count after a bind), as fbgemm does."""
-    if int(tbe.iter_cpu.item()) == 0:  # the host copy: fbgemm takes ``iter`` while it is 0
-        tbe.iter_cpu = tbe.iter.detach().cpu().clone()
-    tbe.iter_cpu.add_(1)
-    tbe.iter.add_(1)
+    with torch.inference_mode(False):  # (its host copy no inference tensor: see set_tbe_step)
+        if int(tbe.iter_cpu.item()) == 0:  # the host copy: fbgemm takes ``iter`` while it is 0
+            tbe.iter_cpu = tbe.iter.detach().cpu().clone()
+        tbe.iter_cpu.add_(1)
+        tbe.iter.add_(1)
 
 
 def parks(opt: str, device: torch.device) -> bool:
