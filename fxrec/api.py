@@ -500,11 +500,12 @@ def explain(
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)
     if plan is not None:
-        from .passes.shard_groups import _sharding, plan_decision
+        from .passes.shard_groups import _sharding, plan_decision, refuse_apart
 
         for gr in ctx.groups:  # transform's refusals of the plan first (a table it does not name, other sizes)
             for r in gr.lookups:
                 _sharding(ctx, r)
+        refuse_apart(gm, ctx)
         for gr in ctx.groups:
             d = plan_decision(gr, plan, ctx.config.device)
             for r in gr.lookups:

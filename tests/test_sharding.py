@@ -795,6 +795,16 @@ def test_tables_whose_lookups_would_part_the_ranks_copies_are_refused_in_trainin
     assert inference_same == "True"
 
 
+def test_explain_with_a_plan_gives_the_refusal_of_tables_that_would_part_the_ranks_copies():
+    """(explain described such a plan as if transform would take it.)"""
+    model = _RowsApart()
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", pins={"other": "row_wise"})
+    with pytest.raises(ValueError, match="'freq': scale_grad_by_freq scales its gradient by the id counts"):
+        fxrec.explain(model, x, plan=plan)
+    assert fxrec.explain(model, x, plan=plan, mode="inference").groups
+
+
 _CKPT_G = 24  # the global batch of the checkpoint test, at every world size
 
 

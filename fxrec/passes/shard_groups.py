@@ -426,6 +426,28 @@ def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
         setattr(mod, attr, value)
 
 
+def refuse_apart(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """In training, an InputError naming the tables fxrec leaves as written that would train apart
+    on the ranks (annotate_lookups.apart_on_ranks); frozen tables, and tables no gradient reaches,
+    keep one process's outputs and are taken."""
+    if ctx.config.mode != "training":
+        return
+    records = meta.all_records(gm)
+    params = dict(gm.named_parameters())
+    trained = {r.param for r in records if r.grad and carries_gradient(r.output)
+               and getattr(params.get(r.param), "requires_grad", True)}
+    apart = {}
+    for r in records:
+        why = apart_on_ranks(r) if r.param in trained else None
+        if why:
+            apart.setdefault(r.table, why)
+    if apart:
+        raise InputError("fxrec: with a plan, tables fxrec leaves as written are whole on every rank, their "
+                         "gradients summed, and these would not train as in one process: "
+                         + "; ".join(f"'{t}': {why}" for t, why in sorted(apart.items()))
+                         + ". Train them without a plan, or without that option")
+
+
 @compiler_pass(needs=("groups",), provides=(meta.ORIGIN, "sharded"))
 def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     plan, rank = ctx.config.plan, ctx.config.rank
@@ -433,22 +455,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     stats = {"table_wise": 0, "column_wise": 0, "row_wise": 0, "table_row_wise": 0, "data_parallel": 0}
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
     effects = SideEffects(list(graph.nodes))
-    if ctx.config.mode == "training":
-        # (tables that train: a frozen one, or one no gradient reaches, keeps one process's outputs)
-        records = meta.all_records(gm)
-        params = dict(gm.named_parameters())
-        trained = {r.param for r in records if r.grad and carries_gradient(r.output)
-                   and getattr(params.get(r.param), "requires_grad", True)}
-        apart = {}
-        for r in records:
-            why = apart_on_ranks(r) if r.param in trained else None
-            if why:
-                apart.setdefault(r.table, why)
-        if apart:
-            raise InputError("fxrec: with a plan, tables fxrec leaves as written are whole on every rank, their "
-                             "gradients summed, and these would not train as in one process: "
-                             + "; ".join(f"'{t}': {why}" for t, why in sorted(apart.items()))
-                             + ". Train them without a plan, or without that option")
+    refuse_apart(gm, ctx)
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
         mine = {r.node for r in gr.lookups}
