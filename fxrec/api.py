@@ -424,7 +424,7 @@ def _placement_note(gm: fx.GraphModule, hbm_budget) -> list:
 
 def _rank_placements(ctx: PassContext, ranks: int) -> list:
     """Per rank, where its pieces of the tables live under ``hbm_budget=`` (on CUDA; an InputError
-    naming the rank whose pieces do not fit)."""
+    naming a rank, any of them, whose pieces do not fit); notes for the first 8 ranks."""
     from .passes.place_shards import decide, rank_text
     from .planner.specs import format_bytes
 
@@ -434,8 +434,11 @@ def _rank_placements(ctx: PassContext, ranks: int) -> list:
         cuda = [(gr, held) for gr, _, held, on in groups if on]
         if not cuda:
             return []
+        if rank >= 8:
+            continue
         where = "; ".join(f"{gr.name}: {rank_text(placements, held, ctx.config.cache_load_factor)}"
-                          for gr, held in cuda if any(t.packed is None for t in held))
+                          + (" (quantized: stays)" if all(t.packed is not None for t in held) else "")
+                          for gr, held in cuda if held)
         out.append(f"rank {rank} under hbm_budget={format_bytes(ctx.config.hbm_budget)}: its tables take "
                    f"{format_bytes(need)} of GPU memory; {where or 'no tables'}")
     return out
@@ -500,11 +503,10 @@ def explain(
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)
     if plan is not None:
-        from .passes.shard_groups import _sharding, plan_decision, refuse_apart
+        from .passes.shard_groups import _check_quantized, _sharding, plan_decision, refuse_apart
 
         for gr in ctx.groups:  # transform's refusals of the plan first (a table it does not name, other sizes)
-            for r in gr.lookups:
-                _sharding(ctx, r)
+            _check_quantized(gr, {id(r): _sharding(ctx, r) for r in gr.lookups})
         refuse_apart(gm, ctx)
         for gr in ctx.groups:
             d = plan_decision(gr, plan, ctx.config.device)
@@ -515,7 +517,7 @@ def explain(
         world = plan.topology.world_size
         notes += [rank_note(plan, r) for r in range(min(world, 8))]
         if hbm_budget is not None:  # (the ranks' placements, as each rank's transform makes them)
-            notes += _rank_placements(ctx, min(world, 8))
+            notes += _rank_placements(ctx, world)
         if world > 8:
             notes.append(f"(ranks 8 to {world - 1}: see the plan)")
     notes.append(f"explained for device {ctx.config.device}: nothing was built; transform on that device gives "

@@ -34,7 +34,7 @@ from .. import meta
 from ..pass_infra import InputError, PassContext, PassError, PassResult, compiler_pass
 from ..runtime.specs import pad_dim
 from . import choose_kernels
-from .place_tables import Held, _advice, _fmt, held_of_module, place, placement_text
+from .place_tables import Held, _fmt, held_of_module, place, placement_text
 from .shard_groups import _fused_spec, _local_group, _sharding, module_name
 
 
@@ -88,8 +88,8 @@ def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object,
         for r in gr.lookups:  # data-parallel: whole on every rank, the model's own lookups
             if kinds[id(r)] == "data_parallel" and r.table not in seen:
                 seen.add(r.table)
-                held.append(Held(r.table, r.table, r.num_rows, pad_dim(r.dim), 2 if r.half else 4, "",
-                                 training and not r.sparse))
+                held.append(Held(r.table, r.table, r.num_rows, r.dim, 2 if r.half else 4, "",
+                                 training and r.grad and not r.sparse))
         out.append((gr, group, held, choose_kernels.target_device(ctx, gr.lookups[0].device) == "cuda"))
     return out
 
@@ -103,15 +103,37 @@ def decide(ctx: PassContext, rank: int) -> Tuple[Dict[str, str], int, list]:
     if need > budget:
         raise InputError(
             f"fxrec: rank {rank}'s embedding tables need {_fmt(need)} of GPU memory (its pieces of the sharded "
-            f"tables with their fused optimizer states, dense gradients where training has no fused optimizer, and "
-            f"its data-parallel tables) with every piece that may leave it, and saves memory doing so, in unified "
+            f"tables, with their fused optimizer's states or, training without one, their dense gradients, and its "
+            f"data-parallel tables) with every piece that may leave it, and saves memory doing so, in unified "
             f"memory (cache_load_factor={lf}), more than hbm_budget={_fmt(budget)}: "
-            + _advice([gr for gr, _, _, cuda in groups if cuda], ctx.config.mode == "training", sharded=True))
+            + _advice(groups, ctx.config.mode == "training"))
     return placements, need, groups
 
 
+def _advice(groups, training: bool) -> str:
+    """What may bring a rank's tables within the budget, from what it would build: fusing an
+    optimizer only where a local group trains without one and could (not the model's fp16 tables,
+    which train on PyTorch's lookups), sharding the data-parallel tables where training holds their
+    dense gradients."""
+    from ..runtime.group import EmbeddingGroup
+
+    ways = ["raise the budget", "lower cache_load_factor"]
+    built = [g for _, g, _, cuda in groups if cuda and isinstance(g, EmbeddingGroup)]
+    if training and any(g.fused is None and not g.half for g in built):
+        ways.append("fuse the optimizer (optimizer=)")
+    whole = sorted({t.name for _, g, held, cuda in groups if cuda for t in held
+                    if not t.movable and t.packed is None and (g is None or t.name not in {x.name for x in g.tables})})
+    if whole:
+        ways.append(f"shard the data-parallel tables {whole}")
+    ways.append("or shard the tables over more GPUs")
+    return ", ".join(ways)
+
+
 def rank_text(placements: Dict[str, str], held: List[Held], load_factor: float) -> str:
-    return placement_text([(t.key, t.name) for t in held if t.packed is None], placements, load_factor)
+    """Where a group's pieces on a rank are, as the report says it ("device" for quantized pieces,
+    which stay, and where the rank holds none)."""
+    names = [(t.key, t.name) for t in held if t.packed is None]
+    return placement_text(names, placements, load_factor) if names else "device"
 
 
 @compiler_pass(needs=("groups", "sharded"), provides=("placements",))

@@ -195,7 +195,7 @@ def _movable(gr, training: bool) -> bool:
     return gr.kernel_eval == FBGEMM
 
 
-def _advice(groups, training: bool, sharded: bool = False) -> str:
+def _advice(groups, training: bool) -> str:
     """What may bring the tables within the budget, for the error: fusing an optimizer only where
     a group trains without one and could have one (the model's fp16 tables cannot: they train on
     PyTorch's lookups, and stay in HBM with their dense gradients)."""
@@ -204,7 +204,7 @@ def _advice(groups, training: bool, sharded: bool = False) -> str:
     half = sorted({r.table for gr in unfused for r in gr.lookups if r.half})
     if any(not r.half for gr in unfused for r in gr.lookups):
         ways.append("fuse the optimizer (optimizer=)")
-    ways.append("or shard the tables over more GPUs" if sharded else "or shard the tables over GPUs with a plan")
+    ways.append("or shard the tables over GPUs with a plan")
     text = ", ".join(ways)
     if half:
         text += (f" (the model's fp16 tables {half} train on PyTorch's lookups: they stay in GPU memory with "

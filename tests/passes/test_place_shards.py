@@ -71,12 +71,37 @@ def test_quantized_pieces_count_as_fbgemm_packs_them_and_stay():
     assert "take 72.1 MB of" in next(n for n in r.notes if n.startswith("rank 0 under"))  # 500k x 144 + 1000 x 16 x 4
     with pytest.raises(InputError, match="rank 0's embedding tables need 72.1 MB"):
         fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget="50MB")
+    pins = {"big": "row_wise", "mid": "row_wise", "small": ("table_wise", 0)}
+    r = fxrec.explain(model, INPUTS, device="cuda", plan=plan_of(pins, None, model), mode="inference",
+                      quantize="int8", hbm_budget="1GB")
+    assert rank_notes(r)[1] == "group_0: device (quantized: stays)", r.notes
 
 
-def test_a_rank_whose_pieces_do_not_fit_is_named_with_its_bytes():
+def test_explain_refuses_the_quantized_plans_transform_refuses():
+    model = ThreeTables()
+    with pytest.raises(InputError, match="'small' is planned data_parallel"):
+        fxrec.explain(model, INPUTS, device="cuda", plan=plan_of(optimizer=None, model=model), mode="inference",
+                      quantize="int8", hbm_budget="1GB")
+
+
+def test_a_rank_whose_pieces_do_not_fit_is_named_with_its_bytes_and_what_would_help():
     with pytest.raises(InputError, match=r"^fxrec: rank 0's embedding tables need .* more than hbm_budget=10 MB: "
-                                         r".*shard the tables over more GPUs"):
+                                         r"raise the budget, lower cache_load_factor, shard the data-parallel tables "
+                                         r"\['small'\], or shard the tables over more GPUs$"):
         fxrec.explain(meta_model(), INPUTS, device="cuda", plan=plan_of(), optimizer=SGD, hbm_budget="10MB")
+
+
+def test_every_rank_is_checked_and_the_first_eight_are_noted():
+    """12 ranks, big row-wise: rank 11 holds the last rows and mid too, over a budget the others meet."""
+    pins = {"big": "row_wise", "mid": ("table_wise", 11), "small": "data_parallel"}
+    plan = fxrec.plan(meta_model(), INPUTS, world_size=12, memory_per_rank="2GB", pins=pins, optimizer=SGD)
+    block = 1_000_000 // 12 + 1
+    fits = (block * 128 + 1000 * 16 * 2) * 4 + 10 * MB  # the other ranks, not rank 11 (51.2 MB of mid more)
+    with pytest.raises(InputError, match="rank 11's embedding tables"):
+        fxrec.explain(meta_model(), INPUTS, device="cuda", plan=plan, optimizer=SGD, hbm_budget=fits,
+                      cache_load_factor=1.0)
+    r = fxrec.explain(meta_model(), INPUTS, device="cuda", plan=plan, optimizer=SGD, hbm_budget="1GB")
+    assert sorted(rank_notes(r)) == list(range(8))
 
 
 def test_training_with_pytorchs_gradients_keeps_the_pieces_in_gpu_memory():
@@ -84,7 +109,7 @@ def test_training_with_pytorchs_gradients_keeps_the_pieces_in_gpu_memory():
     r = fxrec.explain(meta_model(), INPUTS, device="cuda", plan=plan, hbm_budget="1GB")
     assert rank_notes(r) == {0: "group_0: device", 1: "group_0: device"}
     # rank 0: 500k x 128 rows and as large a gradient, which no placement moves
-    with pytest.raises(InputError, match="rank 0's embedding tables need 512 MB .*fuse the optimizer"):
+    with pytest.raises(InputError, match="rank 0's embedding tables need 512 MB .*cache_load_factor, fuse the optimizer"):
         fxrec.explain(meta_model(), INPUTS, device="cuda", plan=plan, hbm_budget="400MB")
 
 
