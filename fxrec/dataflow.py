@@ -300,6 +300,37 @@ def carries_gradient(node: fx.Node) -> bool:
     return False
 
 
+def block_reads(hop: fx.Node, operand: fx.Node) -> bool:
+    """Whether the higher-order op ``hop`` (a ``torch.no_grad()`` or ``torch.autocast`` block)
+    reads ``operand`` other than by the lookups inside it (their records say how) in a way a
+    gradient may reach it: a tied output layer in an autocast block does; a no_grad block that
+    neither writes it nor hands it back does not. Where the body cannot be read: it does."""
+    if getattr(hop.target, "__name__", "") == "wrap_with_set_grad_enabled" and hop.args and hop.args[0] is False:
+        _, written, aliased = hop_effects(hop)
+        return operand in written or operand in aliased
+    found = bodies(hop)
+    if not found:
+        return True
+    from . import meta
+
+    for body, operands in found:
+        holders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        for h, o in zip(holders, operands):
+            if o is None:
+                return True
+            if o is not operand:
+                continue
+            for u in h.users:
+                if meta.LOOKUP in u.meta:
+                    continue
+                if isinstance(u.target, torch._ops.HigherOrderOperator):
+                    if block_reads(u, h):
+                        return True
+                    continue
+                return True
+    return False
+
+
 def _only_checks(node: fx.Node) -> bool:
     """Whether ``node`` is an ATen op that returns nothing and writes none of its arguments: a check
     of its inputs (``_assert_tensor_metadata``, ``_assert_async``), impure only in that it may

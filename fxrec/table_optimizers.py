@@ -93,7 +93,7 @@ def dense_from_elsewhere(gm: fx.GraphModule, tables: set) -> set:
     or an ``nn.Embedding`` lookup without ``sparse=True`` left as written), so their torch.optim
     step must take a dense one (torch.optim.Adam, not SparseAdam). Reads no gradient reaches
     (a detached lookup, a no_grad block) do not count."""
-    from .dataflow import carries_gradient
+    from .dataflow import block_reads, carries_gradient
 
     sparse_ops = {torch.ops.aten.embedding.default: 4, torch.ops.aten.embedding_bag.default: 5,
                   torch.ops.aten.embedding_bag.padding_idx: 5, torch.ops.aten._embedding_bag.default: 5}
@@ -105,7 +105,10 @@ def dense_from_elsewhere(gm: fx.GraphModule, tables: set) -> set:
             if u.op == "call_module" and isinstance(gm.get_submodule(u.target), EmbeddingGroup):
                 continue
             if u.op == "call_function" and isinstance(u.target, torch._ops.HigherOrderOperator):
-                continue  # (a no_grad / autocast block: its lookups are left as written, with no gradient or theirs)
+                if not block_reads(u, n):
+                    continue  # (a no_grad block, or only lookups in the block: their records give their layout)
+                out.add(n.target)  # (a tied output layer in an autocast block: a dense gradient)
+                continue
             k = sparse_ops.get(u.target) if u.op == "call_function" else None
             if k is not None and len(u.args) > k and u.args[k] is True:
                 continue  # (a sparse lookup left as written: its gradient is sparse)

@@ -1007,11 +1007,12 @@ def test_a_tied_table_steps_with_torch_optim_and_leaves_the_others_fused():
 class _TiedWithSideLookup(nn.Module):
     """A tied output layer, and a lookup of the same table no gradient reaches."""
 
-    def __init__(self, how, sparse=False):
+    def __init__(self, how, sparse=False, tied_in_autocast=False):
         super().__init__()
         self.how = how
         self.emb = nn.Embedding(9, 4, sparse=sparse)
         self.proj = nn.Linear(3, 4)
+        self.tied_in_autocast = tied_in_autocast
 
     def forward(self, dense, ids):
         if self.how == "no_grad":
@@ -1021,15 +1022,21 @@ class _TiedWithSideLookup(nn.Module):
             side = self.emb(ids).detach()
         else:
             side = self.emb(ids)
+        if self.tied_in_autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return (self.proj(dense) @ self.emb.weight.t()).float(), side
         return self.proj(dense) @ self.emb.weight.t(), side
 
 
+@pytest.mark.parametrize("tied_in_autocast", [False, True], ids=["tied", "tied_in_autocast"])
 @pytest.mark.parametrize("how", ["detach", "no_grad"])
-def test_a_tied_table_whose_lookups_make_no_gradient_still_gets_its_optimizer(how):
+def test_a_tied_table_whose_lookups_make_no_gradient_still_gets_its_optimizer(how, tied_in_autocast):
     """Its only lookup needed no optimizer, so the table had none, and make_optimizer gave the tied
-    layer's gradient to the dense optimizer (12.8 off the plain model after two steps)."""
+    layer's gradient to the dense optimizer (12.8 off the plain model after two steps; with the
+    tied layer in an autocast block too, whose reads were not counted)."""
     torch.manual_seed(0)
-    fast = _tied_side_trains_as_plain(_TiedWithSideLookup(how), fxrec.optim.Adagrad(lr=0.1), torch.optim.Adagrad)
+    fast = _tied_side_trains_as_plain(_TiedWithSideLookup(how, tied_in_autocast=tied_in_autocast),
+                                      fxrec.optim.Adagrad(lr=0.1), torch.optim.Adagrad)
     assert "emb.weight" in fast.meta["fxrec_table_optimizers"]
 
 
@@ -1054,11 +1061,14 @@ def _tied_side_trains_as_plain(model, table_opt, torch_cls):
     return fast
 
 
-def test_a_sparse_table_also_read_by_a_tied_layer_steps_its_dense_gradient_with_adam():
+@pytest.mark.parametrize("tied_in_autocast", [False, True], ids=["tied", "tied_in_autocast"])
+def test_a_sparse_table_also_read_by_a_tied_layer_steps_its_dense_gradient_with_adam(tied_in_autocast):
     """Its gradient is dense (PyTorch's too): the torch.optim step chosen by its sparse=True was
-    SparseAdam, which refused it at the first step."""
+    SparseAdam, which refused it at the first step (also where the tied layer is in an autocast
+    block, whose reads were not counted)."""
     torch.manual_seed(0)
-    _tied_side_trains_as_plain(_TiedWithSideLookup("used", sparse=True), fxrec.optim.Adam(lr=0.1), torch.optim.Adam)
+    _tied_side_trains_as_plain(_TiedWithSideLookup("used", sparse=True, tied_in_autocast=tied_in_autocast),
+                               fxrec.optim.Adam(lr=0.1), torch.optim.Adam)
 
 
 def test_a_table_parametrized_after_transform_is_refused_by_the_fused_update():

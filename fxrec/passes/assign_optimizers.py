@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
-from ..dataflow import carries_gradient
+from ..dataflow import block_reads, carries_gradient
 from ..optim import check_spec, resolve
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 
@@ -71,13 +71,14 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 def _read_elsewhere(records) -> set:
     """The tables (parameter names) the graph also reads outside their lookups (a tied output
-    layer, ``x @ emb.weight.t()``): something there may carry a gradient to them. (A higher-order
-    op's use is its lookups' in a no_grad block, or what it computes there: no gradient.)"""
+    layer, ``x @ emb.weight.t()``, also one in an autocast block): something there may carry a
+    gradient to them. (A no_grad block's reads carry none; a block's lookups have their records.)"""
     lookups = {r.node for r in records}
     out = set()
     for r in records:
         w = r.weight
-        if isinstance(w, fx.Node) and any(u not in lookups and not isinstance(u.target, torch._ops.HigherOrderOperator)
-                                          for u in w.users):
+        if isinstance(w, fx.Node) and any(
+                u not in lookups and (block_reads(u, w) if isinstance(u.target, torch._ops.HigherOrderOperator) else True)
+                for u in w.users):
             out.add(r.param)
     return out
