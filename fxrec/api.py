@@ -250,7 +250,7 @@ def transform(
                       mode=mode, quantize=quantize, output_dtype=output_dtype,
                       reuse_outputs=reuse_outputs, plan=plan, rank=rank, autotune=autotune,
                       hbm_budget=hbm_budget, cache_load_factor=float(cache_load_factor),
-                      weights_precision=weights_precision),
+                      weights_precision=weights_precision, max_gradient=max_gradient or 0.0),
         report=report, example_args=args, example_kwargs=kwargs, logger=log,
     )
     if check_passes:
@@ -276,7 +276,7 @@ def transform(
     if plan is None:
         _store_lower_precision(gm)
     if max_gradient:
-        _clamp_lookup_gradients(gm, records)
+        _clamp_lookup_gradients(gm, records + [r for r in hidden if r.grad])
     notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget) + _clamp_note(max_gradient)
     per_rank = []
     if plan is not None:
@@ -305,22 +305,33 @@ def transform(
 
 
 def _clamp_lookup_gradients(gm: fx.GraphModule, records) -> None:
-    """``max_gradient``: a lookup left as the model wrote it (data-parallel in a plan, or one no
-    group takes) gets a :class:`~fxrec.runtime.grad.ClampGradient` module after it; the group
-    modules and the sharded output dists clamp their outputs themselves. All start off (0):
-    :func:`_set_max_gradient` turns them on once verify has compared the gradients."""
+    """``max_gradient``: a lookup left as the model wrote it (data-parallel in a plan, one no
+    group takes, or one inside an autocast block, in the block's graph) gets a
+    :class:`~fxrec.runtime.grad.ClampGradient` module after it; the group modules and the sharded
+    output dists clamp their outputs themselves. All start off (0): :func:`_set_max_gradient`
+    turns them on once verify has compared the gradients."""
     from .runtime.grad import ClampGradient
 
-    present = set(gm.graph.nodes)
-    for k, out in enumerate(o for o in dict.fromkeys(r.output for r in records) if o in present):
+    graphs = {id(gm.graph): gm}
+    for m in gm.modules():  # (the blocks' bodies: graphs of their own)
+        if isinstance(m, fx.GraphModule):
+            graphs.setdefault(id(m.graph), m)
+    changed = {}
+    present = {k: set(g.graph.nodes) for k, g in graphs.items()}
+    outputs = [o for o in dict.fromkeys(r.output for r in records) if o in present.get(id(o.graph), ())]
+    for k, out in enumerate(outputs):
+        owner = graphs[id(out.graph)]
         users = list(out.users)  # (a lookup's record may be there twice: each output once)
         name = f"fxrec_clamp_{k}"
-        gm.add_submodule(name, ClampGradient())
-        with gm.graph.inserting_after(out):
-            clamped = gm.graph.call_module(name, (out,))
+        owner.add_submodule(name, ClampGradient())
+        with out.graph.inserting_after(out):
+            clamped = out.graph.call_module(name, (out,))
         for u in users:
             u.replace_input_with(out, clamped)
+        changed[id(owner)] = owner
     gm.recompile()
+    for owner in changed.values():
+        owner.recompile()
 
 
 def _set_max_gradient(gm: fx.GraphModule, limit: float) -> None:
@@ -498,7 +509,8 @@ def explain(
     ctx = PassContext(
         config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
                       output_dtype=output_dtype, device=device or _tables_device(model), hbm_budget=hbm_budget,
-                      cache_load_factor=float(cache_load_factor), weights_precision=weights_precision),
+                      cache_load_factor=float(cache_load_factor), weights_precision=weights_precision,
+                      max_gradient=max_gradient or 0.0),
         report=Report(), example_args=args, example_kwargs=kwargs, logger=logging.getLogger("fxrec"),
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)

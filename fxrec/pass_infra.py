@@ -45,6 +45,7 @@ class Config:
     hbm_budget: Optional[int] = None  # CUDA: bytes of GPU memory the tables may take (place_tables)
     cache_load_factor: float = 0.2  # CUDA: HBM cache of a managed_caching table, as a share of its rows
     rank: int = 0
+    max_gradient: float = 0.0  # training: the clamp of each lookup output's gradient (0: none)
 
 
 @dataclass

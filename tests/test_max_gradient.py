@@ -229,3 +229,44 @@ def test_the_lookups_outputs_can_still_be_changed_in_place(backend):
     for name, p in ref.named_parameters():
         g = fast.get_parameter(name).grad
         torch.testing.assert_close(g.to_dense() if g.is_sparse else g, p.grad, msg=name)
+
+
+class _SeqPooledAndInABlock(nn.Module):
+    """``[B, L]`` lookups whose mean and sum the model takes, and a bag inside an autocast block."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = nn.Embedding(20, 4)
+        self.s = nn.Embedding(20, 4)
+        self.b = nn.EmbeddingBag(20, 4, mode="sum")
+        self.proj = nn.Linear(3, 4)
+
+    def forward(self, ids, dense):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = self.b(ids).float()
+        return torch.cat([self.m(ids).mean(1), self.s(ids).sum(1), inside * self.proj(dense)], 1) * 10
+
+
+def test_a_mean_of_a_lookup_and_a_lookup_inside_an_autocast_block_are_clamped_as_the_model_wrote_them():
+    """The clamp is of each lookup's output as written: a ``[B, L, D]`` lookup's rows before its
+    mean (folded into a bag, the bag's gradient was clamped before it was divided by L: 0.04
+    where the plain model's rows gave 0.2), and a lookup inside an autocast block (not clamped:
+    29.4 where the plain model gave 1.5)."""
+    torch.manual_seed(0)
+    model = _SeqPooledAndInABlock()
+    ref = clamp_lookup_gradients(copy.deepcopy(model), LIMIT)
+    x = (torch.randint(0, 20, (4, 5)), torch.randn(4, 3))
+    fast = fxrec.transform(model, x, max_gradient=LIMIT)
+    for twin in (fast, copy.deepcopy(fast)):
+        cot = torch.randn(4, 12)
+        for m in (twin, ref):
+            m.zero_grad()
+            (m(*x) * cot).sum().backward()
+        for name, p in ref.named_parameters():
+            g = twin.get_parameter(name).grad
+            torch.testing.assert_close(g.to_dense() if g.is_sparse else g, p.grad, msg=name)
+    # without max_gradient the mean is folded into the lookup (one bag per row of ids)
+    forms = {e.table: e.form for e in fxrec.transform(model, x).report.lookups}
+    assert forms["m"] == forms["s"] == "pooled_seq", forms
+    forms = {e.table: e.form for e in fast.report.lookups}
+    assert (forms["m"], forms["s"]) == ("seq", "pooled_seq"), forms

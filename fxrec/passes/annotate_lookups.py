@@ -206,10 +206,15 @@ def annotate_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     found = 0
     left = 0
     names: Dict[str, int] = {}
+    # max_gradient= clamps the gradient of each lookup's output as the model wrote it: of a
+    # ``[B, L, D]`` lookup whose mean is taken, each row's, which a mean folded into the lookup
+    # (one gradient a bag, divided by L after the clamp) would not give; a sum's rows all take
+    # the bag's gradient, so a folded sum clamps the same
+    fold_mean = not (ctx.config.max_gradient and ctx.config.mode == "training")
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _LOOKUP_OPS:
             continue
-        rec = _record(gm, node)
+        rec = _record(gm, node, fold_mean=fold_mean)
         if rec is None:
             continue
         base = rec.feature
@@ -221,7 +226,7 @@ def annotate_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not rec.lowerable:
             left += 1
             ctx.logger.debug("%s (%s) not lowered: %s", rec.table, rec.feature, rec.reason)
-    hidden = _annotate_hidden(gm, gm.graph.nodes, {}, names, True)
+    hidden = _annotate_hidden(gm, gm.graph.nodes, {}, names, True, fold_mean)
     for rec in hidden:
         ctx.logger.debug("%s (%s) not lowered: %s", rec.table, rec.feature, rec.reason)
     return PassResult(gm, False, {"lookups": found + len(hidden), "not_lowerable": left + len(hidden)})
@@ -232,7 +237,8 @@ _BLOCKS = {"wrap_with_set_grad_enabled": "a torch.no_grad() / torch.enable_grad(
            "wrap_with_autocast": "a torch.autocast block"}
 
 
-def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], names: Dict[str, int], grad: bool):
+def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], names: Dict[str, int], grad: bool,
+                     fold_mean: bool = True):
     """Records for the lookups inside the bodies of higher-order ops among ``nodes`` (``torch.no_grad()``
     and ``torch.autocast`` blocks, at any depth): left as written, with the reason; ``outer`` maps a
     body's placeholders to the nodes of ``gm``'s graph they take (their weight is ``gm``'s parameter);
@@ -248,7 +254,7 @@ def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], n
             for n in body.graph.nodes:
                 if n.op != "call_function" or n.target not in _LOOKUP_OPS:
                     continue
-                rec = _record(gm, n, weight=inner.get(n.args[0]))
+                rec = _record(gm, n, weight=inner.get(n.args[0]), fold_mean=fold_mean)
                 if rec is None:
                     continue
                 base = describe_ids(rec.ids, outer=inner)  # (named by what the block is given)
@@ -258,7 +264,7 @@ def _annotate_hidden(gm: fx.GraphModule, nodes, outer: Dict[fx.Node, fx.Node], n
                                reason=why + (f"; {rec.reason}" if rec.reason else ""), grad=inside)
                 n.meta[meta.LOOKUP] = rec
                 found.append(rec)
-            found += _annotate_hidden(gm, body.graph.nodes, inner, names, inside)
+            found += _annotate_hidden(gm, body.graph.nodes, inner, names, inside, fold_mean)
     return found
 
 
@@ -298,7 +304,8 @@ def _index_ids(node: fx.Node) -> Optional[fx.Node]:
     return ids
 
 
-def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None) -> Optional[meta.LookupRecord]:
+def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None,
+            fold_mean: bool = True) -> Optional[meta.LookupRecord]:
     """``weight``: the node of ``gm``'s graph the lookup's weight is (for a lookup in the body of a
     higher-order op, whose weight is a placeholder of the body), by default its own argument."""
     weight = node.args[0] if weight is None else weight
@@ -381,7 +388,8 @@ def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None)
             dims = _arg(user, 1, "dim", None)
             keepdim = _arg(user, 2, "keepdim", False)
             dtype = user.kwargs.get("dtype")
-            if dims is not None and list(dims) in ([1], [-2]) and not keepdim and dtype is None:
+            if dims is not None and list(dims) in ([1], [-2]) and not keepdim and dtype is None \
+                    and (fold_mean or _POOL_OPS[user.target] != "mean"):
                 form, pooling, output, nodes = "pooled_seq", _POOL_OPS[user.target], user, (user, node)
     return meta.LookupRecord(
         node=node, form=form, pooling=pooling, offsets=None, per_sample_weights=None, output=output,
