@@ -157,7 +157,7 @@ class LookupWithGrads(torch.autograd.Function):
         # weights before the update.
         grads: List[Optional[torch.Tensor]] = [None] * len(params)
         need = ctx.needs_input_grad[6:]
-        if sgd_lr is None and native.dense_grads_by_kernel(group, grad_out, need):
+        if fused is None and native.dense_grads_by_kernel(group, grad_out, need):  # (a fused update makes none)
             grads = native.dense_grads(group, grad_out, indices, offsets, scale, bounds, batch, skip)
         elif fused is None and fbgemm_dense.dense_grads_by_kernel(group, grad_out, need):
             grads = fbgemm_dense.dense_grads(group, grad_out, indices, offsets, psw)
