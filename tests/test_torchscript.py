@@ -1,5 +1,8 @@
 """fxrec.export.torchscript: the transformed model scripts, saves, loads, and gives its outputs."""
 
+import copy
+import io
+
 import pytest
 import torch
 
@@ -90,10 +93,10 @@ def test_scripted_serving_names_the_feature_of_ids_of_another_shape_or_batch(qua
     ids, offsets = torch.randint(0, 30, (12,)), torch.arange(0, 12, 3)
     scripted = fxrec.export.torchscript(fxrec.transform(model, (ids, offsets, ids, offsets), mode="inference",
                                                         quantize=quantize))
-    with pytest.raises(Exception, match=r"feature 'ia' \(table 'a'\) got ids of shape \[4, 3\]; it takes 1-D ids "
-                                        "with offsets"):
+    with pytest.raises(Exception, match=r"input ia \(ids of feature 'ia', table 'a'\) has 2 dims; the model takes 1"):
         scripted(ids.view(4, 3), offsets, ids, offsets)
-    with pytest.raises(Exception, match=r"different batch sizes"):
+    with pytest.raises(Exception, match=r"input ob \(offsets of feature 'ib', table 'b'\) has size 3 in dim 0; it "
+                                        "must equal oa's size in dim 0"):
         scripted(ids, offsets, ids, offsets[:3])
     with torch.no_grad():
         want = model(ids, offsets, ids, offsets)
@@ -133,8 +136,8 @@ def test_per_sample_weights_of_another_length_than_the_ids_are_refused_by_every_
     with torch.no_grad():
         for n in (2, 20):
             psw = torch.rand(n)
-            with pytest.raises(Exception, match=r"per-sample weights of feature 'ids' \(table 'bag'\) have shape "
-                                                rf"\[{n}\], its ids \[8\]"):
+            with pytest.raises(Exception, match=r"input psw \(per-sample weights of feature 'ids', table 'bag'\) has "
+                                                rf"size {n} in dim 0; it must equal ids's size in dim 0"):
                 scripted(ids, offsets, psw)
             with pytest.raises(Exception, match=r"Guard failed: psw.size\(\)\[0\] == ids.size\(\)\[0\]"):
                 exported(ids, offsets, psw)
@@ -249,3 +252,52 @@ def test_empty_tuple_inputs_and_max_of_sizes_script(case):
     if case == "sym_max":
         other = (torch.randint(0, 5, (2, 4)),)
         torch.testing.assert_close(scripted(*other), model(*other))
+
+
+class _BranchOnSizes(torch.nn.Module):
+    """Code that tests its inputs' sizes: capture takes the branch of the example's (L >= 3), and
+    the dense input's width 1 is a constant of the captured graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(50, 4)
+
+    def forward(self, ids, dense):
+        if ids.shape[1] > 2:
+            return self.e(ids).sum(1) / dense.shape[1] + dense
+        return self.e(ids).mean(1) * 100
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_the_serving_forms_refuse_the_sizes_the_model_was_not_captured_for(quantize):
+    """The branch the model took at capture is all the graph holds: the exported program and the
+    TorchScript module ran it on any size (L = 2: 90 off the plain model; dense of width 3: the
+    division by 1 kept), where the eager transformed model says which input is wrong."""
+    torch.manual_seed(0)
+    model = _BranchOnSizes().eval()
+    ex = (torch.randint(0, 50, (4, 3)), torch.randn(4, 1))
+    fast = fxrec.transform(model, ex, mode="inference", quantize=quantize)
+    scripted = fxrec.export.torchscript(fast)
+    program = fxrec.export.program(fast, ex).module()
+    for bad, scripted_says, program_says in (
+            ((torch.randint(0, 50, (4, 2)), torch.randn(4, 1)),
+             r"input ids \(ids of feature 'ids', table 'e'\) has size 2 in dim 1; the model accepts 3 or more there",
+             r"ids.size\(\)\[1\] >= 3"),
+            ((torch.randint(0, 50, (4, 3)), torch.randn(4, 3)),
+             r"input dense has size 3 in dim 1; the model takes only 1 there", r"dense.size\(\)\[1\] == 1")):
+        with pytest.raises(Exception, match=scripted_says):
+            scripted(*bad)
+        with pytest.raises(Exception, match=program_says):
+            program(*bad)
+    tol = {} if quantize is None else dict(rtol=0.05, atol=0.05)
+    for x in ((torch.randint(0, 50, (2, 5)), torch.randn(2, 1)), ex):  # other sizes the model takes
+        with torch.no_grad():
+            want = model(*x)
+        torch.testing.assert_close(scripted(*x), want, **tol)
+        torch.testing.assert_close(program(*x), want, **tol)
+    buf = io.BytesIO()
+    torch.jit.save(scripted, buf)
+    buf.seek(0)
+    with pytest.raises(Exception, match="has size 2 in dim 1"):
+        torch.jit.load(buf)(torch.randint(0, 50, (4, 2)), torch.randn(4, 1))
+    copy.deepcopy(fast)  # (the guards' generated check is rebuilt, not copied)

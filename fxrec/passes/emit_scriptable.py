@@ -11,8 +11,10 @@ its group modules are Python. This pass
   ``Dict[str, Tensor]``) and takes the leaves out by index, checking list lengths, and returns
   the model's own output structure;
 * calls every ATen op through its overload packet (``torch.ops.aten.linear``), which TorchScript
-  resolves by schema; ``sym_size`` becomes ``size``; the input-size checks and export's shape-assertion nodes go
-  (TorchScript checks shapes as the ops run);
+  resolves by schema; ``sym_size`` becomes ``size``; export's shape-assertion nodes go (TorchScript
+  checks shapes as the ops run), and the input-size checks become a function TorchScript compiles
+  (:mod:`fxrec.runtime.size_checks`: the sizes capture fixed and the
+  conditions the model's code tested, which the graph no longer holds);
 * swaps each group module for its :mod:`fxrec.runtime.serving` twin, passing only the offsets
   and per-sample weights that exist.
 
@@ -47,6 +49,7 @@ import torch.fx as fx
 from ..codegen import StructuredCodeGen
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.input_guards import InputGuards
+from ..runtime.size_checks import serving_check
 from ..runtime.serving import ServingPooledGroup, ServingSequenceGroup
 from ..runtime.group import EmbeddingGroup
 
@@ -95,8 +98,13 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     stats = {"groups": 0, "dropped_checks": 0}
     for n in list(graph.nodes):
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), InputGuards):
+            # its sizes, shapes and conditions as a function TorchScript compiles (the graph has
+            # lost the branches the model's code took on them at capture)
+            fn, tensors = serving_check(gm.get_submodule(n.target))
+            with graph.inserting_before(n):
+                graph.call_function(fn, tuple(n.args[k] for k in tensors))
             graph.erase_node(n)
-            stats["dropped_checks"] += 1
+            stats["size_checks"] = stats.get("size_checks", 0) + 1
         elif n.op == "call_function" and n.target in _SYM_BUILTINS:
             n.target = _SYM_BUILTINS[n.target]
         elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):

@@ -227,8 +227,12 @@ class InputGuards(torch.nn.Module):
     def forward(self, *inputs, modes: Sequence[bool] = ()) -> None:
         """Raise InputShapeError naming what is wrong unless ``inputs`` fit; ``modes``: the
         ``training`` flags of the modules that follow the mode (see :meth:`active`)."""
-        if exporting() or torch.jit.is_tracing():
-            return  # the tracer records its own guards
+        if exporting():  # (the graph lost the conditions the code tested: traced, they become guards)
+            from .size_checks import traced_check
+
+            return traced_check(self, inputs)
+        if torch.jit.is_tracing():
+            return
         check = self._check_fn(modes)
         if compiling():  # torch.compile traces the check: its comparisons become its guards
             # (a None or an int where a tensor goes fails the check's size reads: named here first)
@@ -389,6 +393,7 @@ class InputGuards(torch.nn.Module):
         state = self.__dict__.copy()
         state.pop("_fn", None)
         state.pop("_fns", None)
+        state.pop("_serving", None)  # (size_checks' generated function)
         return state
 
     def __setstate__(self, state):

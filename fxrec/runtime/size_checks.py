@@ -1,0 +1,105 @@
+"""The input-size checks of the serving forms: an exported program and a TorchScript module run
+the transformed model's graph, which no longer holds the conditions the model's own code tested
+on its inputs' sizes (a branch on ``ids.shape[1]`` was taken at capture) nor, for TorchScript, the
+sizes capture fixed. :func:`serving_source` writes them, from a model's
+:class:`~fxrec.runtime.input_guards.InputGuards`, as one function that TorchScript compiles and
+that torch.export traces (its conditions on traced sizes become the program's guards).
+"""
+
+from __future__ import annotations
+
+import linecache
+import re
+from typing import Dict, List, Tuple
+
+import torch
+
+
+def serving_source(guards, name: str = "fxrec_check_sizes") -> Tuple[str, List[int]]:
+    """Python source of a function of the tensor inputs (``a3: torch.Tensor``, ...), which
+    TorchScript also compiles, that raises a ValueError naming the input unless their sizes
+    fit: each input's number of dims, the sizes capture fixed, sizes shared or derived, the
+    range of each size, and the eval-mode conditions the model's code relied on. Export and
+    TorchScript take the model's graph, where those conditions are no longer written (a branch
+    on a size was taken at capture): without this check they would run the captured branch on
+    any size. Returns the source and the indices of the inputs it takes, in order."""
+    tensors = [k for k, sh in enumerate(guards.shapes) if sh is not None]
+    lines = [f"def {name}({', '.join(f'a{k}: torch.Tensor' for k in tensors)}) -> None:"]
+
+    def check(ok: str, message: str, got: str = "") -> None:
+        text = repr("fxrec: " + message) + (f".replace('{{}}', str({got}))" if got else "")
+        lines.extend([f"    if not ({ok}):", f"        raise ValueError({text})"])
+
+    for k in tensors:
+        n = len(guards.shapes[k])
+        check(f"a{k}.dim() == {n}", f"{guards._name(k)} has {{}} dims; the model takes {n}", f"a{k}.dim()")
+    bound: Dict[str, str] = {}
+    for k in tensors:
+        for d, sz in enumerate(guards.shapes[k]):
+            if isinstance(sz, str) and sz.isidentifier() and sz not in bound:
+                bound[sz] = f"a{k}.size({d})"
+                lines.append(f"    {sz} = a{k}.size({d})")
+    for k in tensors:
+        for d, sz in enumerate(guards.shapes[k]):
+            where = f"{guards._name(k)} has size {{}} in dim {d}"
+            if isinstance(sz, int):
+                check(f"a{k}.size({d}) == {sz}", f"{where}; the model takes only {sz} there (the size it was "
+                      "captured with)", f"a{k}.size({d})")
+            elif isinstance(sz, str) and bound.get(sz) != f"a{k}.size({d})":
+                if sz in bound:  # a size shared with another input's
+                    j, e = (int(x) for x in re.fullmatch(r"a(\d+)\.size\((\d+)\)", bound[sz]).groups())
+                    said = f"it must equal {guards.paths[j]}'s size in dim {e}"
+                else:
+                    said = f"the model takes {_sizes_said(guards, sz)} there"
+                check(f"a{k}.size({d}) == ({sz})", f"{where}; {said}", f"a{k}.size({d})")
+    for sym, (lo, hi) in sorted(guards.ranges.items()):
+        if sym not in bound:
+            continue
+        k, d = (int(x) for x in re.fullmatch(r"a(\d+)\.size\((\d+)\)", bound[sym]).groups())
+        where = f"{guards._name(k)} has size {{}} in dim {d}"
+        if lo > 0:
+            check(f"{sym} >= {lo}", f"{where}; the model accepts {lo} or more there", sym)
+        if hi is not None:
+            check(f"{sym} <= {hi}", f"{where}; the model accepts at most {hi} there", sym)
+    for c in _eval_conditions(guards):
+        if not guards._implied(c):
+            named = sorted({int(m) for m in re.findall(r"\ba(\d+)\b", c)})
+            said = ", ".join(f"a{m} = {guards.paths[m]}" for m in named if m < len(guards.paths))
+            check(c, f"the inputs' sizes do not meet {c} ({said}), which the model's code relied on when "
+                  "it was captured")
+    if len(lines) == 1:
+        lines.append("    pass")
+    return "\n".join(lines) + "\n", tensors
+
+
+def serving_check(guards):
+    """:func:`serving_source` as a function (its source kept where ``inspect`` finds it, so
+    that TorchScript compiles it) and the indices of the inputs it takes."""
+    src, tensors = serving_source(guards)
+    filename = f"<fxrec input sizes {id(guards)}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns = {"torch": torch}
+    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - code made from the captured shapes
+    fn = ns["fxrec_check_sizes"]
+    fn.__module__ = __name__
+    return fn, tensors
+
+
+def _sizes_said(guards, expr: str) -> str:
+    """A derived size in words: ``2*s0`` with its symbols' inputs named."""
+    return f"{expr} (" + "; ".join(f"{s}: {guards.sizes_of(s)}" for s in sorted(set(re.findall(r"\bs\d+\b", expr)))) + ")"
+
+
+def _eval_conditions(guards) -> List[str]:
+    """The conditions of eval mode, which the serving forms run in (InputGuards.active)."""
+    other = getattr(guards, "other_mode", None)
+    return other[1] if other is not None and other[0] is False else guards.conditions
+
+
+def traced_check(guards, inputs) -> None:
+    """While torch.export traces the model: the check on the traced sizes, which the tracer
+    records as the program's guards."""
+    fn = guards.__dict__.get("_serving")
+    if fn is None:
+        fn = guards.__dict__["_serving"] = serving_check(guards)
+    fn[0](*[inputs[k] for k in fn[1]])
