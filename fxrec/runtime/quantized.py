@@ -150,8 +150,13 @@ class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
         packed = pack_pooled(self, ids_list, offsets_list, psw_list, empty_means=True, strict=True,
                              keep_padding=padded)
         if packed is None:
-            if all(ids.numel() == 0 for ids in ids_list):  # an empty batch
-                batch = 0 if not ids_list else (ids_list[0].shape[0] if ids_list[0].dim() else 0)
+            from .kernels.reference import batch_of
+
+            # an empty batch (an include_last_offset bag's ids after offsets[-1] too: PyTorch drops them)
+            batch = batch_of(self, ids_list, offsets_list)
+            if batch == 0 or all(ids.numel() == 0 for ids in ids_list):
+                if batch < 0:
+                    batch = ids_list[0].shape[0] if ids_list and ids_list[0].dim() else 0
                 return torch.zeros(batch, sum(self.dims), device=ids_list[0].device, dtype=self._out_dtype())
             raise ValueError(
                 f"fxrec: the features of the quantized group of tables {[t.name for t in self.tables]} "

@@ -84,7 +84,7 @@ def _empty_batch(group, ids_list, offsets_list, psw_list, params):
     return [o.requires_grad_().clone() for o in out] if isinstance(out, list) else out.requires_grad_().clone()
 
 
-def _batch(group, ids_list, offsets_list) -> int:
+def batch_of(group, ids_list, offsets_list) -> int:
     """The one batch size of a pooled group's features, or -1 where they differ or a shape is odd."""
     batch = -1
     for f, ids, off in zip(group.features, ids_list, offsets_list):
@@ -105,7 +105,7 @@ def _batch(group, ids_list, offsets_list) -> int:
 def _into_reused(group, ids_list, offsets_list, psw_list, params) -> Optional[torch.Tensor]:
     """The lookups concatenated into the group's reused output buffer; None where only a fresh
     output gives PyTorch's own answer (an empty batch, batch sizes that differ, odd shapes)."""
-    batch = _batch(group, ids_list, offsets_list)
+    batch = batch_of(group, ids_list, offsets_list)
     if batch <= 0:
         return None
     w0 = params[0]
