@@ -294,3 +294,39 @@ def test_a_quantized_group_takes_an_empty_batch_whose_include_last_offset_bag_ha
         for form in (fast, fxrec.export.torchscript(fast)):
             got = form(*empty)
             assert got.shape == want.shape == (0, 16) and got.dtype == want.dtype
+
+
+_AOTI_CHILD = """
+import sys, torch, fbgemm_gpu  # noqa: F401
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+for b in (0, 2):
+    out = runner(torch.arange(2 * b) % 50, torch.arange(0, 2 * b, 2))
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    print(b, tuple(out.shape), float(out.sum()), flush=True)
+"""
+
+
+def test_an_aoti_package_takes_an_empty_batch_of_a_bag_with_offsets(tmp_path):
+    """(The offsets check written into the program read offsets[:1] and offsets[-1:]: compiled by
+    AOTInductor, the package read them on an empty batch's offsets anyway and crashed, SIGSEGV.)
+    Run in a child process, which a crash does not take the test run down with."""
+    import subprocess
+    import sys
+
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.EmbeddingBag(50, 8, mode="sum")
+
+        def forward(self, x, xo):
+            return self.a(x, xo)
+
+    torch.manual_seed(0)
+    model = Bag().eval()
+    example = (torch.randint(0, 50, (8,)), torch.arange(0, 8, 2))
+    path = fxrec.export.aoti(fxrec.transform(model, example, mode="inference"), example, str(tmp_path / "bag.pt2"))
+    r = subprocess.run([sys.executable, "-c", _AOTI_CHILD, path], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    with torch.no_grad():
+        two = model(torch.arange(4) % 50, torch.arange(0, 4, 2))
+    assert r.stdout.split("\n")[:2] == ["0 (0, 8) 0.0", f"2 (2, 8) {float(two.sum())}"], r.stdout
