@@ -330,3 +330,27 @@ def test_an_aoti_package_takes_an_empty_batch_of_a_bag_with_offsets(tmp_path):
     with torch.no_grad():
         two = model(torch.arange(4) % 50, torch.arange(0, 4, 2))
     assert r.stdout.split("\n")[:2] == ["0 (0, 8) 0.0", f"2 (2, 8) {float(two.sum())}"], r.stdout
+
+
+@pytest.mark.parametrize("quantize", [None, "fp32", "int8"])
+def test_a_quantized_program_of_a_sequence_and_a_one_id_lookup_of_a_column_takes_a_batch_of_1(quantize):
+    """``e(seq)`` and ``e(seq[:, 0])``: packing reshaped the strided column, which export guarded
+    against a batch of 1, and the quantized program refused it (Guard failed: seq.size()[0] != 1)."""
+    class SeqAndFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(7, 4)
+
+        def forward(self, seq):
+            return self.e(seq).flatten(1), self.e(seq[:, 0])
+
+    torch.manual_seed(0)
+    model = SeqAndFirst().eval()
+    example = (torch.randint(0, 7, (4, 3)),)
+    fast = fxrec.transform(model, example, mode="inference", **({"quantize": quantize} if quantize else {}))
+    prog = fxrec.export.program(fast, example).module()
+    for b in (1, 0, 5):
+        x = (torch.randint(0, 7, (b, 3)),)
+        with torch.no_grad():
+            for got, want in zip(prog(*x), fast(*x)):
+                assert torch.equal(got, want), b

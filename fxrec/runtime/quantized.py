@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ._tracing import exporting
 from .group import EmbeddingGroup, group_forward
 from .kernels import FBGEMM
 from .kernels import fbgemm_nbit as _nbit
@@ -187,7 +188,7 @@ class QuantizedSequenceGroup(_Quantized, EmbeddingGroup):
         for f, ids in zip(self.features, ids_list):
             if ids.dtype not in (torch.int64, torch.int32):
                 self._check_ids(f, ids)
-        if max(ids.numel() for ids in ids_list) == 0:
+        if not exporting() and max(ids.numel() for ids in ids_list) == 0:  # (no branch on a traced size)
             dt = torch.float16 if self.output_dtype == "fp16" else torch.float32
             return [torch.zeros(tuple(ids.shape) + (d,), dtype=dt, device=ids.device) for ids, d in zip(ids_list, self.dims)]
         indices, offsets, _, _ = pack_sequence(self, ids_list)
