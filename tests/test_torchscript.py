@@ -301,3 +301,51 @@ def test_the_serving_forms_refuse_the_sizes_the_model_was_not_captured_for(quant
     with pytest.raises(Exception, match="has size 2 in dim 1"):
         torch.jit.load(buf)(torch.randint(0, 50, (4, 2)), torch.randn(4, 1))
     copy.deepcopy(fast)  # (the guards' generated check is rebuilt, not copied)
+
+
+class _ViewByBatch(torch.nn.Module):
+    """``ids.view(B, -1)``: export states that the ids' count divides by B (a ``%`` of two sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.EmbeddingBag(20, 4, mode="sum")
+
+    def forward(self, ids, dense):
+        return self.e(ids.view(dense.shape[0], -1)) + dense
+
+
+class _HalfWidth(torch.nn.Module):
+    """``int(W * 0.5)``: the condition export writes reads ``math.trunc`` and ``torch.sym_float``."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(20, 4)
+
+    def forward(self, ids, dense):
+        return self.e(ids).sum(1) * int(dense.shape[1] * 0.5) + dense[:, :1]
+
+
+def test_the_serving_checks_build_for_conditions_torchscript_cannot_write_and_never_divide_by_a_zero_size():
+    """A check of ``count % B == 0`` scripted killed the process at B = 0 (SIGFPE: TorchScript's
+    interpreter does not stop an integer modulo by 0); ``math.trunc`` made export (NameError) and
+    scripting (undefined value math) fail. Those left out of the scripted check, the ops still
+    refuse what does not fit."""
+    model = _ViewByBatch().eval()
+    ex = (torch.randint(0, 20, (12,)), torch.randn(4, 4))
+    scripted = fxrec.export.torchscript(fxrec.transform(model, ex, mode="inference"))
+    with pytest.raises(Exception):
+        scripted(torch.zeros(0, dtype=torch.long), torch.randn(0, 4))
+    torch.testing.assert_close(scripted(*ex), model(*ex))
+    model = _HalfWidth().eval()
+    ex = (torch.randint(0, 20, (4, 5)), torch.randn(4, 6))
+    fast = fxrec.transform(model, ex, mode="inference")
+    forms = (fxrec.export.torchscript(fast), fxrec.export.program(fast, ex).module())
+    for x in ((torch.randint(0, 20, (2, 3)), torch.randn(2, 6)), ex):
+        for form in forms:
+            torch.testing.assert_close(form(*x), model(*x))
+    bad = (torch.randint(0, 20, (2, 3)), torch.randn(2, 10))  # another width: int(5.0) != int(3.0)
+    with pytest.raises(Exception):
+        fast(*bad)
+    for form in forms:
+        with pytest.raises(Exception):
+            form(*bad)

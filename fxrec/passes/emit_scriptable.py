@@ -100,7 +100,7 @@ def emit_scriptable(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), InputGuards):
             # its sizes, shapes and conditions as a function TorchScript compiles (the graph has
             # lost the branches the model's code took on them at capture)
-            fn, tensors = serving_check(gm.get_submodule(n.target))
+            fn, tensors = serving_check(gm.get_submodule(n.target), scripted=True)
             with graph.inserting_before(n):
                 graph.call_function(fn, tuple(n.args[k] for k in tensors))
             graph.erase_node(n)

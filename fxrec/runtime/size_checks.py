@@ -15,7 +15,16 @@ from typing import Dict, List, Tuple
 import torch
 
 
-def serving_source(guards, name: str = "fxrec_check_sizes") -> Tuple[str, List[int]]:
+#: what a condition or a derived size may hold to be written into the TorchScript check: sizes,
+#: integers, comparisons and + - * (no division or modulo, which TorchScript's interpreter does not
+#: stop at 0: a size of 0 killed the process; no math / sympy functions, which it does not know).
+#: Those left out are checked by the ops as they run, as before these checks.
+_SCRIPTABLE = re.compile(r"(?:\s|a\d+|s\d+|\.dim\(\)|\.size\(\)|\.size|\d+\.\d+|\d+|[()\[\]+\-*<>=!,]|and|or|not|int|float)*")
+#: torch's spellings of what TorchScript writes otherwise (``int(W * 0.5)`` is exported as these)
+_SCRIPT_SPELLING = (("math.trunc(", "int("), ("torch.sym_float(", "float("), ("torch.sym_int(", "int("))
+
+
+def serving_source(guards, name: str = "fxrec_check_sizes", scripted: bool = False) -> Tuple[str, List[int]]:
     """Python source of a function of the tensor inputs (``a3: torch.Tensor``, ...), which
     TorchScript also compiles, that raises a ValueError naming the input unless their sizes
     fit: each input's number of dims, the sizes capture fixed, sizes shared or derived, the
@@ -27,7 +36,13 @@ def serving_source(guards, name: str = "fxrec_check_sizes") -> Tuple[str, List[i
     lines = [f"def {name}({', '.join(f'a{k}: torch.Tensor' for k in tensors)}) -> None:"]
 
     def check(ok: str, message: str, got: str = "") -> None:
-        text = repr("fxrec: " + message) + (f".replace('{{}}', str({got}))" if got else "")
+        if scripted:
+            for theirs, ours in _SCRIPT_SPELLING:
+                ok = ok.replace(theirs, ours)
+            if not _SCRIPTABLE.fullmatch(ok):
+                return
+        head, _, tail = ("fxrec: " + message).partition("{}")
+        text = f"{head!r} + str({got}) + {tail!r}" if got else repr(head)
         lines.extend([f"    if not ({ok}):", f"        raise ValueError({text})"])
 
     for k in tensors:
@@ -72,13 +87,16 @@ def serving_source(guards, name: str = "fxrec_check_sizes") -> Tuple[str, List[i
     return "\n".join(lines) + "\n", tensors
 
 
-def serving_check(guards):
+def serving_check(guards, scripted: bool = False):
     """:func:`serving_source` as a function (its source kept where ``inspect`` finds it, so
-    that TorchScript compiles it) and the indices of the inputs it takes."""
-    src, tensors = serving_source(guards)
-    filename = f"<fxrec input sizes {id(guards)}>"
+    that TorchScript compiles it: ``scripted``, with what TorchScript runs) and the indices of
+    the inputs it takes."""
+    from .input_guards import _namespace
+
+    src, tensors = serving_source(guards, scripted=scripted)
+    filename = f"<fxrec input sizes {id(guards)}{' scripted' if scripted else ''}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    ns = {"torch": torch}
+    ns = {**_namespace(), "torch": torch}
     exec(compile(src, filename, "exec"), ns)  # noqa: S102 - code made from the captured shapes
     fn = ns["fxrec_check_sizes"]
     fn.__module__ = __name__
