@@ -106,11 +106,11 @@ def decide(ctx: PassContext, rank: int) -> Tuple[Dict[str, str], int, list]:
             f"tables, with their fused optimizer's states or, training without one, their dense gradients, and its "
             f"data-parallel tables) with every piece that may leave it, and saves memory doing so, in unified "
             f"memory (cache_load_factor={lf}), more than hbm_budget={_fmt(budget)}: "
-            + _advice(groups, ctx.config.mode == "training"))
+            + _advice(groups, ctx.config.mode == "training", ctx.config.plan))
     return placements, need, groups
 
 
-def _advice(groups, training: bool) -> str:
+def _advice(groups, training: bool, plan) -> str:
     """What may bring a rank's tables within the budget, from what it would build: fusing an
     optimizer only where a local group trains without one and could (not the model's fp16 tables,
     which train on PyTorch's lookups), sharding the data-parallel tables where training holds their
@@ -121,8 +121,8 @@ def _advice(groups, training: bool) -> str:
     built = [g for _, g, _, cuda in groups if cuda and isinstance(g, EmbeddingGroup)]
     if training and any(g.fused is None and not g.half for g in built):
         ways.append("fuse the optimizer (optimizer=)")
-    whole = sorted({t.name for _, g, held, cuda in groups if cuda for t in held
-                    if not t.movable and t.packed is None and (g is None or t.name not in {x.name for x in g.tables})})
+    whole = sorted({r.table for gr, _, _, cuda in groups if cuda for r in gr.lookups
+                    if plan.tables[r.table].sharding == "data_parallel"})
     if whole:
         ways.append(f"shard the data-parallel tables {whole}")
     ways.append("or shard the tables over more GPUs")

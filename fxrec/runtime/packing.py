@@ -309,8 +309,7 @@ def pack_rows(ids_list: List[Tensor]) -> Tuple[Tensor, Tensor, int]:
     lengths = torch.zeros(len(counts), bmax, dtype=torch.long, device=dev)
     for f in range(len(counts)):  # (no tensor made from the Python counts: that is a copy the device waits for)
         lengths[f, :counts[f]] = 1
-    # (1-D ids as they are: reshape of a strided view, such as x[:, 0], guards its size against 1
-    # while export traces, and the program then refused a batch of 1)
+    # (1-D ids as they are: export guards a reshape of a strided x[:, 0] against a batch of 1)
     indices = torch.cat([(ids if ids.dim() == 1 else ids.reshape(-1)).long() for ids in ids_list])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), lengths.reshape(-1).cumsum(0)])
     return indices, offsets, bmax
