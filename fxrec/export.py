@@ -100,12 +100,38 @@ def fbgemm_libraries() -> list:
     return _fbgemm.operator_libraries()
 
 
+#: the key of an AOTInductor package's metadata (``loader.get_metadata()``) that names its input
+#: tensors, one a line, in the order the package takes them (``input_handles[k]`` is line k)
+INPUT_NAMES_KEY = "fxrec_inputs"
+
+
 def aoti(model: torch.nn.Module, example_inputs, path: str, example_kwargs: Optional[Dict[str, Any]] = None) -> str:
     """AOTInductor: :func:`program` compiled by ``torch._inductor.aoti_compile_and_package`` into a
     ``.pt2`` package at ``path`` (dynamic batch). Python loads it with
     ``torch._inductor.aoti_load_package``; C++ with ``torch::inductor::AOTIModelPackageLoader``
     after loading fbgemm's operator libraries (:func:`fbgemm_libraries`), whose operators run as
     custom-op fallbacks. The package takes the input tensors flattened in pytree order and
-    returns a flat list of output tensors. Compiling takes about a minute on a 2-core CPU."""
+    returns a flat list of output tensors. Compiling takes about a minute on a 2-core CPU.
+
+    The package checks its inputs only where ``AOTI_RUNTIME_CHECK_INPUTS=1`` is set in the
+    serving process's environment before its first call (``examples/inference_cpp`` sets it):
+    each input's dtype, device, number of dims and sizes (those capture fixed and the ranges the
+    program's guards give), an error naming the input by its index (``input_handles[k]``).
+    Without it, an input of another dtype or size is read as if it were the example's. The
+    package's metadata ``fxrec_inputs`` (:data:`INPUT_NAMES_KEY`) names input k on its line k."""
     ep = program(model, example_inputs, example_kwargs=example_kwargs)
-    return torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    metadata = {INPUT_NAMES_KEY: "\n".join(_input_names(model, ep))}
+    return torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
+                                                    inductor_configs={"aot_inductor.metadata": metadata})
+
+
+def _input_names(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> list:
+    """The program's input tensors in order, as the transformed model's input checks name them
+    (``input ids[0] (ids of feature 'ids_0', table 'bags.0')``)."""
+    from .capture import input_guards
+
+    guards = input_guards(model)
+    user = set(ep.graph_signature.user_inputs)
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in user]
+    return [guards._name(k) if guards is not None and k < len(guards.paths) else f"input {n.name}"
+            for k, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)]

@@ -332,6 +332,52 @@ def test_an_aoti_package_takes_an_empty_batch_of_a_bag_with_offsets(tmp_path):
     assert r.stdout.split("\n")[:2] == ["0 (0, 8) 0.0", f"2 (2, 8) {float(two.sum())}"], r.stdout
 
 
+_AOTI_CHECKED_CHILD = """
+import sys, torch, fbgemm_gpu  # noqa: F401
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+print(runner.get_metadata()["fxrec_inputs"].replace(chr(10), " | "), flush=True)
+seq = torch.arange(15).reshape(5, 3) % 50
+for x in ((seq,), (seq.int(),), (seq[:, :2].contiguous(),)):
+    try:
+        out = runner(*x)
+        print("ran", float((out[0] if isinstance(out, (list, tuple)) else out).sum()), flush=True)
+    except Exception as e:
+        print("refused", str(e).strip().splitlines()[0], flush=True)
+"""
+
+
+def test_an_aoti_package_checks_dtypes_and_sizes_where_its_checks_are_on(tmp_path):
+    """Compiled for int64 ids of at least 3 a bag (the model's code branches on it), the package
+    refuses int32 ids and 2 ids a bag under AOTI_RUNTIME_CHECK_INPUTS=1 (without it, it reads
+    them as the example's: the docs say so), and its metadata names its input."""
+    import os
+    import subprocess
+    import sys
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.EmbeddingBag(50, 8, mode="sum")
+
+        def forward(self, seq):
+            return self.e(seq) * 10 if seq.shape[1] > 2 else self.e(seq)
+
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    example = (torch.randint(0, 50, (4, 3)),)
+    path = fxrec.export.aoti(fxrec.transform(model, example, mode="inference"), example, str(tmp_path / "b.pt2"))
+    env = {**os.environ, "AOTI_RUNTIME_CHECK_INPUTS": "1"}
+    r = subprocess.run([sys.executable, "-c", _AOTI_CHECKED_CHILD, path], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    lines = r.stdout.strip().split("\n")
+    assert lines[0] == "input seq", lines
+    with torch.no_grad():
+        assert lines[1] == f"ran {float(model(torch.arange(15).reshape(5, 3) % 50).sum())}", lines
+    assert lines[2].startswith("refused input_handles[0]: unmatched dtype"), lines
+    assert lines[3].startswith("refused input_handles[0]: dim value is too small at 1, expected it to be >= 3"), lines
+
+
 @pytest.mark.parametrize("quantize", [None, "fp32", "int8"])
 def test_a_quantized_program_of_a_sequence_and_a_one_id_lookup_of_a_column_takes_a_batch_of_1(quantize):
     """``e(seq)`` and ``e(seq[:, 0])``: packing reshaped the strided column, which export guarded

@@ -92,6 +92,13 @@ def test_aoti_package_in_cpp_matches_python(infer_binary, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         with torch.no_grad():
             torch.testing.assert_close(out[0], fast(*x), rtol=1e-5, atol=1e-5)
+    # the package checks its inputs (the program turns AOTInductor's checks on): int32 ids where it
+    # was compiled for int64 are an error naming the feature, not ids read as int64
+    dense, ids, offsets = make_batch(rows, batch=17, seed=3)
+    ids[2] = ids[2].int()
+    r, _ = run_cpp(infer_binary, path, (dense, ids, offsets), tmp_path)
+    assert r.returncode == 1, r.stdout
+    assert "input ids[2] (ids of feature" in r.stderr and "unmatched dtype" in r.stderr, r.stderr[-3000:]
 
 
 def test_cpp_runs_on_the_device_it_is_given(infer_binary, tmp_path):

@@ -15,8 +15,13 @@
 // (tensors, lists of tensors, str-keyed dicts of tensors). OUTPUTS.pt: what forward returned,
 // written with torch::pickle_save, which Python's torch.load reads. An AOTInductor package takes
 // the input tensors flattened in pytree order (lists in order, dicts in key order) and returns
-// its output tensors as a flat tuple.
+// its output tensors as a flat tuple. It checks each input's dtype, device and sizes before it
+// runs (AOTInductor's checks, which this program turns on: AOTI_RUNTIME_CHECK_INPUTS=1 unless the
+// environment sets it), and an error names the input from the package's metadata.
 #include <dlfcn.h>
+
+#include <cstdlib>
+#include <sstream>
 
 #include <fstream>
 #include <iostream>
@@ -111,11 +116,35 @@ static void flatten(const c10::IValue& v, std::vector<at::Tensor>& out) {
   }
 }
 
+// An AOTInductor package's error names an input by its index ("input_handles[3]"); fxrec.export.aoti
+// writes each input's name on a line of the package's metadata "fxrec_inputs". The message with
+// the index replaced by the name, or (where the message does not say which input: torch 2.11's
+// loader gives only "run_func_ ... failed", the index goes to stderr) with the names listed.
+static std::string named_inputs(std::string what, const std::string& names) {
+  std::vector<std::string> lines;
+  std::istringstream in(names);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  const std::string key = "input_handles[";
+  const size_t at = what.find(key);
+  const size_t end = at == std::string::npos ? at : what.find(']', at);
+  if (end != std::string::npos) {
+    const std::string index = what.substr(at + key.size(), end - at - key.size());
+    if (!index.empty() && index.find_first_not_of("0123456789") == std::string::npos) {
+      const size_t k = std::stoul(index);
+      if (k < lines.size()) return what.replace(at, end + 1 - at, lines[k]);
+    }
+  }
+  what += " (the package's inputs, by index:";
+  for (size_t k = 0; k < lines.size(); ++k) what += " [" + std::to_string(k) + "] " + lines[k] + (k + 1 < lines.size() ? ";" : ")");
+  return what;
+}
+
 static bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
 int main(int argc, char** argv) {
+  setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", /*overwrite=*/0);  // read by a package at its first call
   std::string device_name = "cpu";
   if (argc >= 3 && std::string(argv[1]) == "--device") {
     device_name = argv[2];
@@ -150,9 +179,15 @@ int main(int argc, char** argv) {
       std::vector<at::Tensor> flat;
       flatten(inputs, flat);
       std::vector<at::Tensor> outs;
-      {
+      try {
         c10::InferenceMode guard;
         outs = loader.run(flat);
+      } catch (const std::exception& e) {
+        const auto metadata = loader.get_metadata();
+        const auto names = metadata.find("fxrec_inputs");
+        if (names == metadata.end()) throw;
+        const auto* error = dynamic_cast<const c10::Error*>(&e);
+        throw std::runtime_error(named_inputs(error ? error->what_without_backtrace() : e.what(), names->second));
       }
       std::vector<c10::IValue> elems;
       for (const at::Tensor& t : outs) elems.push_back(t.to(cpu));
