@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -79,7 +79,7 @@ def transform(
     autotune: bool = False,
     copy_model: bool = True,
     hbm_budget=None,
-    cache_load_factor: float = 0.2,
+    cache_load_factor: Optional[float] = None,
     weights_precision=None,
     max_gradient: Optional[float] = None,
 ) -> fx.GraphModule:
@@ -153,9 +153,9 @@ def transform(
         cache of ``cache_load_factor`` of their rows; the report says where each table is
         (docs/gpu.md). With ``plan=``, the budget of each rank's GPU: each rank places the pieces
         of tables it holds by the same rule (docs/sharding.md). None (default): every table in
-        GPU memory.
+        GPU memory, or, with a plan made with ``hbm_budget=``, the plan's.
       cache_load_factor: with ``hbm_budget``: the HBM cache of the cached tables, as a share of
-        their rows (fbgemm's ``cache_load_factor``, default 0.2).
+        their rows (fbgemm's ``cache_load_factor``; default 0.2, or the plan's with its budget).
       weights_precision: training with an optimizer fused into fbgemm's backward: ``"fp16"``
         (``"bf16"`` is refused: neither fbgemm build here has bf16 rows) stores the fp32 tables in the TBE at that precision (half the
         memory and bandwidth; their parameters become views of those rows; the lookups still give
@@ -191,7 +191,7 @@ def transform(
             raise ValueError("fxrec: an embedding optimizer needs mode='training'")
         max_gradient = _check_max_gradient(max_gradient, mode)
         _check_settings(timing_rounds, rtol, atol, logger)
-        hbm_budget = _check_placement(hbm_budget, cache_load_factor)
+        hbm_budget, cache_load_factor = _check_placement(hbm_budget, cache_load_factor, plan)
         args = _as_args(example_inputs)
         kwargs = dict(example_kwargs or {})
         from torch.utils import _pytree
@@ -479,7 +479,7 @@ def explain(
     quantize=None,
     plan=None,
     hbm_budget=None,
-    cache_load_factor: float = 0.2,
+    cache_load_factor: Optional[float] = None,
     weights_precision=None,
     output_dtype: str = "fp32",
     max_gradient: Optional[float] = None,
@@ -502,7 +502,7 @@ def explain(
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     _check_output_dtype(output_dtype, quantize)
     max_gradient = _check_max_gradient(max_gradient, mode)
-    hbm_budget = _check_placement(hbm_budget, cache_load_factor)
+    hbm_budget, cache_load_factor = _check_placement(hbm_budget, cache_load_factor, plan)
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
     gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs, for_calls=False)
@@ -538,16 +538,23 @@ def explain(
                         plan_per_rank(plan) if plan is not None else ())
 
 
-def _check_placement(hbm_budget, cache_load_factor) -> Optional[int]:
-    """``hbm_budget`` in bytes (None stays None); errors for what cannot be placed."""
+def _check_placement(hbm_budget, cache_load_factor, plan) -> Tuple[Optional[int], float]:
+    """``(hbm_budget in bytes or None, cache_load_factor)``: those given, else a plan's made with a
+    budget (its cache_load_factor only with its budget), else none and 0.2; errors for what
+    cannot be placed."""
+    topo = getattr(plan, "topology", None)
+    if hbm_budget is None and getattr(topo, "hbm_budget", None) is not None:
+        hbm_budget = topo.hbm_budget
+        cache_load_factor = topo.cache_load_factor if cache_load_factor is None else cache_load_factor
+    cache_load_factor = 0.2 if cache_load_factor is None else cache_load_factor
     if isinstance(cache_load_factor, bool) or not isinstance(cache_load_factor, (int, float)) \
             or not 0 < cache_load_factor <= 1:
         raise ValueError(f"fxrec: cache_load_factor must be a number in (0, 1], got {cache_load_factor!r}")
     if hbm_budget is None:
-        return None
+        return None, float(cache_load_factor)
     from .planner.specs import parse_bytes
 
-    return parse_bytes(hbm_budget, "hbm_budget", "fxrec")
+    return parse_bytes(hbm_budget, "hbm_budget", "fxrec"), float(cache_load_factor)
 
 
 def _tables_device(model: torch.nn.Module) -> str:

@@ -19,8 +19,8 @@ Before/After: the graph is unchanged; each local group module (the ``group`` of 
 ``fxrec_shard_*_lookup`` module) gets ``placements`` and ``cache_load_factor``, and the decision
 on its input dist says where this rank's pieces are.
 
-Not handled: the planner sizes the shards by ``memory_per_rank`` wherever they live; it does not
-choose between HBM and unified memory (its costs assume HBM reads).
+A plan made with ``hbm_budget=`` (:mod:`fxrec.planner.unified`) places its shards by the same rule,
+and transform takes its budget where it is given none.
 """
 
 from __future__ import annotations

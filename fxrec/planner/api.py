@@ -36,6 +36,9 @@ def plan(
     pins: Optional[Dict[str, Any]] = None,
     sharding_types: Optional[Sequence[str]] = None,
     weights_precision=None,
+    hbm_budget: Union[int, str, None] = None,
+    cache_load_factor: float = 0.2,
+    uvm_bandwidth: Optional[float] = None,
     logger: Optional[logging.Logger] = None,
 ) -> ShardingPlan:
     """Decide how to shard every embedding table over ``world_size`` ranks.
@@ -83,6 +86,15 @@ def plan(
         (or ``"bf16"``), or a dict from table name / parameter name / glob to ``"fp32"``,
         ``"fp16"``, ``"bf16"``. The fp32 tables it names count 2 bytes a stored value where they
         are sharded (a data-parallel table stays fp32). A TableSpec's own ``weights`` wins.
+      hbm_budget: with ``device="cuda"``: the GPU memory (bytes, or a string as for
+        ``memory_per_rank``) of each rank for its tables. ``memory_per_rank`` (then required) is
+        what a rank holds in all, GPU and host memory together; on each rank, the shards beyond
+        the budget go to unified memory with an HBM cache of ``cache_load_factor`` of their rows,
+        by the rule ``transform(hbm_budget=)`` applies (only shards with an optimizer fused into
+        fbgemm's backward may move), and their est. cost counts the reads that miss the cache at
+        ``uvm_bandwidth`` GB/s (default 50, noted as assumed). A rank whose tables cannot meet
+        the budget is a PlanError naming it. ``transform(plan=plan)`` takes the plan's budget and
+        cache_load_factor unless it is given its own.
 
     Returns:
       a :class:`ShardingPlan`; ``print`` it to read it, ``.save(path)`` to keep it.
@@ -100,7 +112,8 @@ def plan(
         raise ValueError("fxrec.plan: a model needs example_inputs (one batch) so its tables can be found")
 
     topo = _topology(topology, world_size, memory_per_rank, hosts, ranks_per_host, device,
-                     memory_bandwidth, intra_host_bandwidth, inter_host_bandwidth)
+                     memory_bandwidth, intra_host_bandwidth, inter_host_bandwidth,
+                     dict(hbm_budget=hbm_budget, cache_load_factor=cache_load_factor, uvm_bandwidth=uvm_bandwidth))
     factors = dict(pooling_factors or {})
     for k, v in factors.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -134,11 +147,14 @@ def plan(
     return result
 
 
-def _topology(topology, world_size, memory_per_rank, hosts, ranks_per_host, device, memory_bw, intra_bw, inter_bw):
+def _topology(topology, world_size, memory_per_rank, hosts, ranks_per_host, device, memory_bw, intra_bw, inter_bw,
+              unified):
     if topology is not None:
         given = [n for n, v in (("world_size", world_size), ("memory_per_rank", memory_per_rank), ("hosts", hosts),
                                 ("ranks_per_host", ranks_per_host), ("memory_bandwidth", memory_bw),
-                                ("intra_host_bandwidth", intra_bw), ("inter_host_bandwidth", inter_bw)) if v is not None]
+                                ("intra_host_bandwidth", intra_bw), ("inter_host_bandwidth", inter_bw),
+                                ("hbm_budget", unified["hbm_budget"]), ("uvm_bandwidth", unified["uvm_bandwidth"]))
+                 if v is not None] + (["cache_load_factor"] if unified["cache_load_factor"] != 0.2 else [])
         if given:
             raise ValueError(f"fxrec.plan: pass either topology= or {given}, not both")
         if not isinstance(topology, Topology):
@@ -156,6 +172,9 @@ def _topology(topology, world_size, memory_per_rank, hosts, ranks_per_host, devi
         if ranks_per_host is not None and ranks_per_host * hosts != world_size:
             raise ValueError(f"fxrec.plan: hosts={hosts} x ranks_per_host={ranks_per_host} != world_size {world_size}")
         ranks_per_host = world_size // hosts
+    if unified["hbm_budget"] is not None and memory_per_rank is None:
+        raise ValueError("fxrec.plan: with hbm_budget=, memory_per_rank is what a rank holds in all (GPU and host "
+                         "memory together): pass it")
     assumed = []
     if device == "cuda" and (memory_per_rank is None or memory_bw is None):
         mem, bw, notes = _cuda_figures()
@@ -167,7 +186,7 @@ def _topology(topology, world_size, memory_per_rank, hosts, ranks_per_host, devi
             assumed.append(notes["bandwidth"])
     return Topology(world_size=world_size, memory_per_rank=memory_per_rank, ranks_per_host=ranks_per_host,
                     device=device, memory_bandwidth=memory_bw, intra_host_bandwidth=intra_bw,
-                    inter_host_bandwidth=inter_bw, assumed=tuple(assumed))
+                    inter_host_bandwidth=inter_bw, assumed=tuple(assumed), **unified)
 
 
 def _cuda_figures():

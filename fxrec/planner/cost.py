@@ -49,8 +49,12 @@ Every shard that holds rows also costs a fixed :data:`SHARD_OVERHEAD_MS` (its sh
 launches, id bucketing and output slicing): it keeps tiny tables whole, and is negligible next to
 the lookups of a real table.
 
-Left out: latency of collectives, caches (hot rows, UVM), skew in the id
-distribution, input/output buffers' memory. A shard with no rows costs nothing.
+With ``hbm_budget=`` (CUDA), a shard the rule puts in unified memory also costs its reads that miss
+its HBM cache at the bus's bandwidth (:mod:`fxrec.planner.unified`).
+
+Left out: latency of collectives, hot rows (ids are taken as uniform over rows: a cache hits
+``cache_load_factor`` of them), skew in the id distribution, input/output buffers' memory. A
+shard with no rows costs nothing.
 """
 
 from __future__ import annotations
@@ -173,18 +177,23 @@ class CostModel:
             return 0.0
         return SHARD_OVERHEAD_MS + self._variable_cost(spec, opt, sharding, rows, cols)
 
+    def ids(self, spec: TableSpec, sharding: str, rows: int) -> float:
+        """Ids a shard of ``rows`` rows looks up a step (a row-wise one: ids uniform over rows)."""
+        G, L = self.global_batch, spec.pooling_factor
+        if sharding in (ROW_WISE, TABLE_ROW_WISE):
+            return G * L * rows / spec.num_rows
+        return self.batch_size * L if sharding == DATA_PARALLEL else G * L
+
     def _variable_cost(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> float:
         G, L, e, D = self.global_batch, spec.pooling_factor, spec.element_bytes, spec.dim
         out_rows = spec.num_features if spec.pooled else L
+        ids = self.ids(spec, sharding, rows)
         if sharding in (TABLE_WISE, COLUMN_WISE):
-            ids = G * L
             return self.lookup_ms(spec, opt, ids, cols) + self.spread * (ID_BYTES * ids + 2 * G * out_rows * cols * e)
         if sharding == ROW_WISE:
-            ids = G * L * rows / spec.num_rows
             out = 2 * G * spec.num_features * D * e if spec.pooled else 2 * ids * D * e
             return self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + out)
         if sharding == TABLE_ROW_WISE:
-            ids = G * L * rows / spec.num_rows
             if not spec.pooled:
                 return self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + 2 * ids * D * e)
             partial = 2 * G * spec.num_features * D * e

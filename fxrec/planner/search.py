@@ -12,7 +12,8 @@
    unpooled tables, nor for tables whose optimizer updates a row from the whole row
    (:data:`fxrec.runtime.specs.WHOLE_ROW`: row-wise Adagrad, LAMB, LARS-SGD, ...; a column_wise
    pin of one is an error). Data-parallel is only
-   considered for tables taking at most :data:`DP_MEMORY_FRACTION` of a rank's memory. Tables
+   considered for tables taking at most :data:`DP_MEMORY_FRACTION` of a rank's memory (of its
+   ``hbm_budget`` under one: a replica stays in GPU memory). Tables
    the model holds in fp16 are split only as :data:`~fxrec.planner.specs.HALF_SHARDINGS` says
    (table-wise, data-parallel: a bag pooled whole on one rank), and tables with a lookup that
    sharded lookups do not take (``padding_idx``, ``include_last_offset``:
@@ -29,7 +30,10 @@
    row-wise (:func:`_spread`), and if that does not fit either, :class:`PlanError` names the
    table, the bytes it needs, the most free memory it could get and how much is missing.
 4. Steps 2-3 run for f in :data:`THRESHOLD_FRACTIONS`; the plan with the lowest busiest-rank cost
-   (then lowest total) is kept.
+   (then lowest total) is kept. Under ``hbm_budget=`` (CUDA), each rank's shards are placed in GPU
+   or unified memory by transform's rule (:mod:`fxrec.planner.unified`): a round whose rank cannot
+   meet the budget is dropped, the cached shards' misses count in the costs compared, and each
+   round is also tried with no table data-parallel that need not be (replicas stay in GPU memory).
 
 Cost: O(T log T + T log W) per round for T tables on W ranks, plus O(W) per row-wise or
 data-parallel table to write its shards, and O(W) scans only while memory is tight.
@@ -44,6 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..runtime.specs import WHOLE_ROW
 from .cost import CostModel
+from . import unified
 from .layout import column_splits, max_column_shards, row_block
 from .specs import (
     COLUMN_WISE, DATA_PARALLEL, HALF_SHARDINGS, HALF_WHY, ROW_WISE, SHARDING_TYPES, TABLE_ROW_WISE, TABLE_WISE, PlanError, Shard,
@@ -297,33 +302,67 @@ def search(specs: Sequence[TableSpec], topology: Topology, batch_size: int, opti
     best = None
     error: Optional[PlanError] = None
     seen = set()
-    for f in THRESHOLD_FRACTIONS:
+    # under a budget of GPU memory, data-parallel tables stay there whole on every rank: each round
+    # is also tried with the tables that need not be data-parallel laid out otherwise
+    variants = (False, True) if topology.hbm_budget is not None else (False,)
+    rounds = [(f, spread) for f in THRESHOLD_FRACTIONS for spread in variants]
+    for f, spread in rounds:
         choices = [_choose(t, target * f, allowed) for t in tables]
+        if spread:
+            no_dp = [s for s in allowed if s != DATA_PARALLEL]
+            choices = [_choose(t, target * f, no_dp) if c.sharding == DATA_PARALLEL and t.pin is None
+                       and not t.spec.data_parallel_only and no_dp else c for t, c in zip(tables, choices)]
         key = tuple((c.sharding, c.k) for c in choices)
         if key in seen:
             continue
         seen.add(key)
         try:
             placed, loads = _place_with_fallback(tables, choices, allowed, topology)
-        except PlanError as e:
-            error = error or e
+            extra = _unified(tables, *placed, cm) if topology.hbm_budget is not None else {}
+        except PlanError as e:  # (the error of the round that came closest)
+            if error is None or None not in (e.missing_bytes, error.missing_bytes) and e.missing_bytes < error.missing_bytes:
+                error = e
             continue
+        for (_, r), ms in extra.items():
+            loads[r] += ms
         score = (max(loads), sum(loads))
         if best is None or score < best[0]:
-            best = (score, placed)
+            best = (score, placed, extra)
     if best is None:
         raise error
-    choices, assigned = best[1]
+    (choices, assigned), extra = best[1], best[2]
     out: Dict[str, TablePlan] = {}
-    for t, c, pieces in zip(tables, choices, assigned):
+    for i, (t, c, pieces) in enumerate(zip(tables, choices, assigned)):
         if pieces is None:  # a data-parallel replica on every rank
             pieces = list(zip(c.ranks, c.pieces))
         if c.sharding == COLUMN_WISE:
             pieces = sorted(pieces, key=lambda rp: rp[1][2])
         name = t.spec.name
-        shards = tuple(Shard(name, r, p[0], p[1], p[2], p[3], p[4], p[5]) for r, p in pieces)
+        shards = tuple(Shard(name, r, p[0], p[1], p[2], p[3], p[4], p[5] + extra.get((i, r), 0.0)) for r, p in pieces)
         out[name] = TablePlan(t.spec, c.sharding, shards, t.opt, t.pin is not None)
     return out
+
+
+def _unified(tables: List[_Table], choices: List[Option], assigned, cm: CostModel) -> Dict[Tuple[int, int], float]:
+    """Under the topology's ``hbm_budget``: what each shard in unified memory adds to its rank's
+    step, by (table index, rank) (:mod:`fxrec.planner.unified`); a PlanError naming a rank whose
+    tables cannot meet the budget."""
+    topo = cm.topology
+    on: List[List[Tuple[int, tuple]]] = [[] for _ in range(topo.world_size)]
+    for i, (t, c, pieces) in enumerate(zip(tables, choices, assigned)):
+        for r, p in (zip(c.ranks, c.pieces) if pieces is None else pieces):
+            if p[1] and p[3]:
+                on[r].append((i, (t.spec, t.opt, c.sharding, p[1], p[3])))
+    extra = {}
+    for r, mine in enumerate(on):
+        where, need = unified.placements([p for _, p in mine], topo)
+        if need > topo.hbm_budget:
+            raise PlanError(unified.over_budget(r, need, topo, [p for _, p in mine]), needed_bytes=need,
+                            free_bytes=topo.hbm_budget)
+        for i, p in mine:
+            if p[0].name in where:
+                extra[(i, r)] = unified.cached_extra_ms(cm, p)
+    return extra
 
 
 def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Option]:
@@ -352,7 +391,7 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
             out = [tw]
             if DATA_PARALLEL in allowed:
                 dp = t.option(DATA_PARALLEL)
-                if dp.max_bytes <= DP_MEMORY_FRACTION * mem:
+                if dp.max_bytes <= DP_MEMORY_FRACTION * _replica_room(topo):
                     out.append(dp)
             return out
     out = []
@@ -373,13 +412,20 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
                 out.append(t.option(TABLE_ROW_WISE))
         elif s == DATA_PARALLEL:
             o = t.option(DATA_PARALLEL)
-            if o.max_bytes <= DP_MEMORY_FRACTION * mem or len(allowed) == 1:
+            if o.max_bytes <= DP_MEMORY_FRACTION * _replica_room(topo) or len(allowed) == 1:
                 out.append(o)
         else:
             out.append(t.option(s))
     if not out:
         raise ValueError(f"fxrec.plan: none of the sharding types {list(allowed)} applies to table {spec.name!r}")
     return out
+
+
+def _replica_room(topology: Topology) -> int:
+    """The memory a data-parallel replica is measured against: a rank's, or under a budget of GPU
+    memory that budget (a replica stays in GPU memory)."""
+    budget = topology.hbm_budget
+    return topology.memory_per_rank if budget is None else min(budget, topology.memory_per_rank)
 
 
 def _choose(t: _Table, threshold: float, allowed: Sequence[str]) -> Option:

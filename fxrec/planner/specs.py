@@ -208,6 +208,9 @@ DEFAULT_BANDWIDTHS = {
     "cuda": {"memory_bandwidth": 1000.0, "intra_host_bandwidth": 100.0, "inter_host_bandwidth": 25.0},
 }
 
+#: GB/s of a GPU's reads of unified memory (host memory over PCIe 5.0 x16), where not given.
+DEFAULT_UVM_BANDWIDTH = 50.0
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -218,6 +221,13 @@ class Topology:
     dense parameters by giving less than the device has. Bandwidths are GB/s (10**9 bytes/s);
     those left as None are taken from :data:`DEFAULT_BANDWIDTHS` for ``device`` and named in
     ``assumed``, which the printed plan shows.
+
+    ``hbm_budget`` (CUDA; bytes or a string): the GPU memory (HBM) of each rank for its tables;
+    ``memory_per_rank`` is then what a rank holds in all, GPU and host memory together, and the
+    shards beyond the budget go to unified memory with an HBM cache of ``cache_load_factor`` of
+    their rows, by the rule ``transform(hbm_budget=)`` applies on each rank
+    (:mod:`fxrec.planner.unified`). Their reads that miss the cache cross the bus at
+    ``uvm_bandwidth`` GB/s (default :data:`DEFAULT_UVM_BANDWIDTH`, named in ``assumed``).
     """
 
     world_size: int
@@ -228,6 +238,9 @@ class Topology:
     intra_host_bandwidth: Optional[float] = None
     inter_host_bandwidth: Optional[float] = None
     assumed: Tuple[str, ...] = ()
+    hbm_budget: Optional[int] = None
+    cache_load_factor: float = 0.2
+    uvm_bandwidth: Optional[float] = None
 
     def __post_init__(self):
         ws = self.world_size
@@ -259,6 +272,22 @@ class Topology:
                 raise ValueError(f"fxrec.plan: {name} must be a positive number of GB/s, got {v!r}")
             else:
                 object.__setattr__(self, name, float(v))
+        lf = self.cache_load_factor
+        if isinstance(lf, bool) or not isinstance(lf, (int, float)) or not 0 < lf <= 1:
+            raise ValueError(f"fxrec.plan: cache_load_factor must be a number in (0, 1], got {lf!r}")
+        object.__setattr__(self, "cache_load_factor", float(lf))
+        uvm = self.uvm_bandwidth
+        if self.hbm_budget is not None:
+            if self.device != "cuda":
+                raise ValueError("fxrec.plan: hbm_budget= is the GPU memory of a rank's tables: it needs device='cuda'")
+            object.__setattr__(self, "hbm_budget", parse_bytes(self.hbm_budget, "hbm_budget"))
+            if uvm is None and not any(a.startswith("uvm_bandwidth ") for a in assumed):
+                uvm = DEFAULT_UVM_BANDWIDTH
+                assumed.append(f"uvm_bandwidth {uvm:g} GB/s (reads of unified memory over the bus; cuda default)")
+        if uvm is not None:
+            if isinstance(uvm, bool) or not isinstance(uvm, (int, float)) or not math.isfinite(uvm) or uvm <= 0:
+                raise ValueError(f"fxrec.plan: uvm_bandwidth must be a positive number of GB/s, got {uvm!r}")
+            object.__setattr__(self, "uvm_bandwidth", float(uvm))
         object.__setattr__(self, "assumed", tuple(assumed))
 
     @property
@@ -476,6 +505,21 @@ class ShardingPlan:
                 out[s.rank] += s.cost_ms
         return out
 
+    def unified_memory(self) -> List[Tuple[Dict[str, str], int]]:
+        """With the topology's ``hbm_budget``: per rank, the tables whose shards there are in unified
+        memory (name -> ``"managed_caching"``) and the GPU memory its tables take, by the rule
+        transform applies (:mod:`fxrec.planner.unified`); an empty list without a budget."""
+        if self.topology.hbm_budget is None:
+            return []
+        from . import unified
+
+        on: List[list] = [[] for _ in range(self.topology.world_size)]
+        for tp in self.tables.values():
+            for s in tp.shards:
+                if s.num_rows and s.num_cols:
+                    on[s.rank].append((tp.spec, tp.optimizer, tp.sharding, s.num_rows, s.num_cols))
+        return [unified.placements(mine, self.topology) for mine in on]
+
     @property
     def max_cost_ms(self) -> float:
         """The estimated step time of the embeddings: the busiest rank's cost."""
@@ -590,7 +634,13 @@ class ShardingPlan:
              f"{cost[r]:.4g} ms", str(nshards[r]))
             for r in range(topo.world_size)
         ]
-        out += _table(("rank", "host", "memory used / limit", "est. cost", "shards"), rank_rows)
+        header = ("rank", "host", "memory used / limit", "est. cost", "shards")
+        if topo.hbm_budget is not None:  # where each rank's tables live
+            header += ("GPU memory / hbm_budget", "in unified memory")
+            rank_rows = [row + (f"{format_bytes(need)} / {format_bytes(topo.hbm_budget)}",
+                                ", ".join(sorted(where)[:4]) + (f", ... ({len(where)})" if len(where) > 4 else "") or "-")
+                         for row, (where, need) in zip(rank_rows, self.unified_memory())]
+        out += _table(header, rank_rows)
         mean = sum(cost) / len(cost)
         out.append(
             f"balance (max / mean est. cost): {self.balance:.3f}  (max {max(cost):.4g} ms on rank "
@@ -600,7 +650,12 @@ class ShardingPlan:
         out.append(
             f"bandwidths (GB/s): memory {topo.memory_bandwidth:g}, within a host {topo.intra_host_bandwidth:g}, "
             f"between hosts {topo.inter_host_bandwidth:g}"
+            + (f", unified memory {topo.uvm_bandwidth:g}" if topo.hbm_budget is not None else "")
         )
+        if topo.hbm_budget is not None:
+            out.append(f"hbm_budget {format_bytes(topo.hbm_budget)} a rank (memory used: GPU and host memory together); "
+                       f"shards in unified memory have an HBM cache of {topo.cache_load_factor:g} of their rows, and their "
+                       "est. cost counts the reads that miss it")
         assumed = list(topo.assumed) + list(self.notes)
         if assumed:
             out.append("assumed / notes:")
