@@ -173,6 +173,39 @@ def test_sparse_tables_get_sparse_gradients():
     opt.step()  # the sparse gradient is usable by torch's sparse optimizers
 
 
+class _MaskedSeq(torch.nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.t = torch.nn.Embedding(25, 5, sparse=True) if form == "seq" else \
+            torch.nn.EmbeddingBag(25, 5, mode="sum", sparse=True)
+
+    def forward(self, x):
+        if self.form == "seq":
+            return (self.t(x) * (x != 0).unsqueeze(-1).float()).sum(1)
+        return self.t(x) * 2
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "native", "reference"])
+@pytest.mark.parametrize("form", ["seq", "bag"])
+def test_a_sparse_gradient_of_one_row_of_a_padded_table_reads_only_its_row(backend, form):
+    """dim 5 is stored padded to 8: the gradient's one row was a [1, 5] view of stride (8, 1),
+    whose size-1 dim's stride PyTorch's sparse kernels use anyway, reading past its storage into
+    the next row of ``to_dense()`` and ``add_`` (found by the differential fuzzer)."""
+    torch.manual_seed(0)
+    model = _MaskedSeq(form)
+    fast = fxrec.transform(model, (torch.tensor([[21], [15], [0], [2]]),), backend=backend)
+    x = torch.tensor([[7]])
+    model(x).sum().backward()
+    fast(x).sum().backward()
+    grad, want = fast.get_parameter("t.weight").grad, model.t.weight.grad
+    assert grad.is_sparse and grad._values().stride() == (5, 1), grad._values().stride()
+    for _ in range(20):
+        churn = [torch.randn(1000) * 1e3 for _ in range(10)]  # what lies past a storage changes  # noqa: F841
+        assert torch.equal(grad.to_dense(), want.to_dense())
+        assert torch.equal(torch.zeros(25, 5).add_(grad), torch.zeros(25, 5).add_(want))
+
+
 class _OneLookupDetached(torch.nn.Module):
     """A sparse table looked up twice, one result detached or only read by argmax (a stop-gradient
     on a shared item table); a second table looked up only detached."""

@@ -192,8 +192,13 @@ class LookupWithGrads(torch.autograd.Function):
                     # as PyTorch's: no entry for a padding id (a lazy optimizer would step its row)
                     keep = torch.cat([indices[bounds[i] : bounds[i + 1]] != skip[i] for i in mine]).nonzero()[:, 0]
                     ids_t, rows_t = ids_t.index_select(0, keep), rows_t.index_select(0, keep)  # (one wait)
+                # values with the strides of a new tensor: rows read from a padded output (dim 5 stored
+                # as 8) have stride (8, 1), which PyTorch's sparse kernels also use on a dim of size 1,
+                # reading past the storage (a copy also keeps a sequence's rows from aliasing grad_out)
+                standard = rows_t.stride() == (rows_t.shape[1], 1)
+                copied = len(mine) > 1 or (group.pooling != "none" and standard)
                 grads[t] = torch.sparse_coo_tensor(
-                    ids_t.unsqueeze(0), rows_t if len(mine) > 1 or group.pooling != "none" else rows_t.clone(),
+                    ids_t.unsqueeze(0), rows_t if copied else rows_t.clone(memory_format=torch.contiguous_format),
                     (spec.num_rows, spec.dim), device=p.device, check_invariants=False,
                 )
             else:
