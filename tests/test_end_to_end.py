@@ -201,7 +201,7 @@ def test_a_sparse_gradient_of_one_row_of_a_padded_table_reads_only_its_row(backe
     grad, want = fast.get_parameter("t.weight").grad, model.t.weight.grad
     assert grad.is_sparse and grad._values().stride() == (5, 1), grad._values().stride()
     for _ in range(20):
-        churn = [torch.randn(1000) * 1e3 for _ in range(10)]  # what lies past a storage changes  # noqa: F841
+        [torch.randn(1000) * 1e3 for _ in range(10)]  # (allocations: what lies past a storage changes)
         assert torch.equal(grad.to_dense(), want.to_dense())
         assert torch.equal(torch.zeros(25, 5).add_(grad), torch.zeros(25, 5).add_(want))
 
