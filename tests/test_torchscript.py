@@ -349,3 +349,44 @@ def test_the_serving_checks_build_for_conditions_torchscript_cannot_write_and_ne
     for form in forms:
         with pytest.raises(Exception):
             form(*bad)
+
+
+class _EvenLength(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(50, 4)
+
+    def forward(self, ids, dense):
+        if ids.shape[1] % 2 == 0:
+            return self.e(ids).sum(1)
+        return self.e(ids).mean(1) * 100
+
+
+class _HalfLength(_EvenLength):
+    def forward(self, ids, dense):
+        if ids.shape[1] / 2 > 1.6:
+            return self.e(ids).sum(1)
+        return self.e(ids).mean(1) * 100
+
+
+class _LongerOfTwo(_EvenLength):
+    def forward(self, ids, dense):
+        if max(ids.shape[1], dense.shape[1]) > 3:
+            return self.e(ids).sum(1)
+        return self.e(ids).mean(1) * 100
+
+
+@pytest.mark.parametrize("cls", [_EvenLength, _HalfLength, _LongerOfTwo])
+def test_the_scripted_check_keeps_conditions_dividing_by_a_number_and_of_max(cls):
+    """``L % 2 == 0``, ``L / 2 > 1.6``, ``max(L, W) > 3``: left out of the TorchScript check (it kept
+    no division and no function), the module ran the captured branch at L = 3 (up to 160 off the
+    plain model); a division by a number other than 0 cannot stop the process, and TorchScript
+    knows max (found by the serving hunt)."""
+    torch.manual_seed(0)
+    model = cls().eval()
+    ex = (torch.randint(0, 50, (4, 4)), torch.ones(4, 2))
+    scripted = fxrec.export.torchscript(fxrec.transform(model, ex, mode="inference"))
+    with pytest.raises(Exception, match="the inputs' sizes do not meet"):
+        scripted(torch.randint(0, 50, (4, 3)), torch.ones(4, 2))
+    x = (torch.randint(0, 50, (3, 6)), torch.ones(3, 2))
+    torch.testing.assert_close(scripted(*x), model(*x), rtol=0, atol=0)

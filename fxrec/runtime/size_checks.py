@@ -15,11 +15,48 @@ from typing import Dict, List, Tuple
 import torch
 
 
-#: what a condition or a derived size may hold to be written into the TorchScript check: sizes,
-#: integers, comparisons and + - * (no division or modulo, which TorchScript's interpreter does not
-#: stop at 0: a size of 0 killed the process; no math / sympy functions, which it does not know).
-#: Those left out are checked by the ops as they run, as before these checks.
-_SCRIPTABLE = re.compile(r"(?:\s|a\d+|s\d+|\.dim\(\)|\.size\(\)|\.size|\d+\.\d+|\d+|[()\[\]+\-*<>=!,]|and|or|not|int|float)*")
+#: functions a condition written into the TorchScript check may call (TorchScript's builtins)
+_SCRIPT_CALLS = ("int", "float", "max", "min", "abs")
+
+
+def _scriptable(condition: str) -> bool:
+    """Whether TorchScript runs ``condition`` safely: sizes (``a3.size()[1]``, ``a3.dim()``, ``s2``),
+    numbers, comparisons, and/or/not, + - * and the functions of :data:`_SCRIPT_CALLS`, and a
+    division or modulo only by a number other than 0 (TorchScript's interpreter does not stop an
+    integer division by a size of 0: it killed the process). Those left out are checked by the
+    ops as they run, as before these checks."""
+    import ast
+
+    try:
+        tree = ast.parse(condition, mode="eval")
+    except SyntaxError:
+        return False
+    plain = (ast.Expression, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.And, ast.Or, ast.Not, ast.USub,
+             ast.UAdd, ast.Add, ast.Sub, ast.Mult, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Load)
+
+    def ok(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return type(node.value) in (int, float, bool)
+        if isinstance(node, ast.Name):
+            return re.fullmatch(r"[as]\d+", node.id) is not None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
+            right = node.right
+            return ok(node.left) and isinstance(right, ast.Constant) and type(right.value) in (int, float) \
+                and right.value != 0
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id in _SCRIPT_CALLS and not node.keywords:
+                return all(map(ok, node.args))
+            one_dim = len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and type(node.args[0].value) is int
+            return isinstance(f, ast.Attribute) and f.attr in ("size", "dim") and not node.keywords \
+                and (not node.args or f.attr == "size" and one_dim) \
+                and isinstance(f.value, ast.Name) and re.fullmatch(r"a\d+", f.value.id) is not None
+        if isinstance(node, ast.Subscript):  # a3.size()[1]
+            return isinstance(node.value, ast.Call) and ok(node.value) and isinstance(node.slice, ast.Constant) \
+                and type(node.slice.value) is int
+        return isinstance(node, plain) and all(map(ok, ast.iter_child_nodes(node)))
+
+    return ok(tree)
 #: torch's spellings of what TorchScript writes otherwise (``int(W * 0.5)`` is exported as these)
 _SCRIPT_SPELLING = (("math.trunc(", "int("), ("torch.sym_float(", "float("), ("torch.sym_int(", "int("))
 
@@ -39,7 +76,7 @@ def serving_source(guards, name: str = "fxrec_check_sizes", scripted: bool = Fal
         if scripted:
             for theirs, ours in _SCRIPT_SPELLING:
                 ok = ok.replace(theirs, ours)
-            if not _SCRIPTABLE.fullmatch(ok):
+            if not _scriptable(ok):
                 return
         head, _, tail = ("fxrec: " + message).partition("{}")
         text = f"{head!r} + str({got}) + {tail!r}" if got else repr(head)
