@@ -2,6 +2,7 @@
 
 import copy
 import io
+from typing import Dict
 
 import pytest
 import torch
@@ -390,3 +391,23 @@ def test_the_scripted_check_keeps_conditions_dividing_by_a_number_and_of_max(cls
         scripted(torch.randint(0, 50, (4, 3)), torch.ones(4, 2))
     x = (torch.randint(0, 50, (3, 6)), torch.ones(3, 2))
     torch.testing.assert_close(scripted(*x), model(*x), rtol=0, atol=0)
+
+
+class _KeyWithBraces(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(50, 4)
+
+    def forward(self, feats: Dict[str, torch.Tensor]):
+        a = self.e(feats["u{}x"])
+        return a.sum(1) if a.shape[1] > 2 else a.mean(1)
+
+
+def test_the_scripted_checks_message_puts_the_size_after_an_input_name_holding_braces():
+    """The size went into the first "{}" of the message, which was the dict key's (serving hunt)."""
+    fast = fxrec.transform(_KeyWithBraces().eval(), ({"u{}x": torch.randint(0, 50, (4, 3))},), mode="inference")
+    scripted = fxrec.export.torchscript(fast)
+    with pytest.raises(Exception, match=r"input feats\[u\{\}x\] \(ids of feature .*\) has size 2 in dim 1; "):
+        scripted({"u{}x": torch.randint(0, 50, (4, 2))})
+    with pytest.raises(Exception, match=r"input feats\[u\{\}x\] \(ids of feature .*\) has 1 dims; the model takes 2"):
+        scripted({"u{}x": torch.randint(0, 50, (4,))})

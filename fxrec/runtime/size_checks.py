@@ -15,6 +15,8 @@ from typing import Dict, List, Tuple
 import torch
 
 
+#: where a message takes the size it got (a character no input name holds: a name may hold "{}")
+_GOT = "\ue000"
 #: functions a condition written into the TorchScript check may call (TorchScript's builtins)
 _SCRIPT_CALLS = ("int", "float", "max", "min", "abs")
 
@@ -78,13 +80,13 @@ def serving_source(guards, name: str = "fxrec_check_sizes", scripted: bool = Fal
                 ok = ok.replace(theirs, ours)
             if not _scriptable(ok):
                 return
-        head, _, tail = ("fxrec: " + message).partition("{}")
+        head, _, tail = ("fxrec: " + message).partition(_GOT)
         text = f"{head!r} + str({got}) + {tail!r}" if got else repr(head)
         lines.extend([f"    if not ({ok}):", f"        raise ValueError({text})"])
 
     for k in tensors:
         n = len(guards.shapes[k])
-        check(f"a{k}.dim() == {n}", f"{guards._name(k)} has {{}} dims; the model takes {n}", f"a{k}.dim()")
+        check(f"a{k}.dim() == {n}", f"{guards._name(k)} has {_GOT} dims; the model takes {n}", f"a{k}.dim()")
     bound: Dict[str, str] = {}
     for k in tensors:
         for d, sz in enumerate(guards.shapes[k]):
@@ -93,7 +95,7 @@ def serving_source(guards, name: str = "fxrec_check_sizes", scripted: bool = Fal
                 lines.append(f"    {sz} = a{k}.size({d})")
     for k in tensors:
         for d, sz in enumerate(guards.shapes[k]):
-            where = f"{guards._name(k)} has size {{}} in dim {d}"
+            where = f"{guards._name(k)} has size {_GOT} in dim {d}"
             if isinstance(sz, int):
                 check(f"a{k}.size({d}) == {sz}", f"{where}; the model takes only {sz} there (the size it was "
                       "captured with)", f"a{k}.size({d})")
@@ -108,7 +110,7 @@ def serving_source(guards, name: str = "fxrec_check_sizes", scripted: bool = Fal
         if sym not in bound:
             continue
         k, d = (int(x) for x in re.fullmatch(r"a(\d+)\.size\((\d+)\)", bound[sym]).groups())
-        where = f"{guards._name(k)} has size {{}} in dim {d}"
+        where = f"{guards._name(k)} has size {_GOT} in dim {d}"
         if lo > 0:
             check(f"{sym} >= {lo}", f"{where}; the model accepts {lo} or more there", sym)
         if hi is not None:
