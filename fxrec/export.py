@@ -23,6 +23,7 @@ torch 2.13 warns that ``torch.jit.script`` is deprecated; :func:`program` is the
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Dict, Optional
 
@@ -192,8 +193,14 @@ def aoti(model: torch.nn.Module, example_inputs, path: str, example_kwargs: Opti
     package's metadata ``fxrec_inputs`` (:data:`INPUT_NAMES_KEY`) names input k on its line k."""
     ep = program(model, example_inputs, example_kwargs=example_kwargs)
     metadata = {INPUT_NAMES_KEY: "\n".join(_input_names(model, ep))}
-    return torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
-                                                    inductor_configs={"aot_inductor.metadata": metadata})
+    config = torch.fx.experimental._config
+    # AOTInductor's input checks take each dynamic size's lower bound from its own shape reasoning,
+    # which without this takes every size to be 2 or more (the program's ranges start at 0)
+    oblivious = config.patch(backed_size_oblivious=True) if hasattr(config, "backed_size_oblivious") \
+        else contextlib.nullcontext()
+    with oblivious:
+        return torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
+                                                        inductor_configs={"aot_inductor.metadata": metadata})
 
 
 def _input_names(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> list:
@@ -201,8 +208,9 @@ def _input_names(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> li
     (``input ids[0] (ids of feature 'ids_0', table 'bags.0')``)."""
     from .capture import input_guards
 
+    from torch.export.graph_signature import InputKind, TensorArgument
+
     guards = input_guards(model)
-    user = set(ep.graph_signature.user_inputs)
-    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in user]
-    return [guards._name(k) if guards is not None and k < len(guards.paths) else f"input {n.name}"
-            for k, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.Tensor)]
+    user = [spec.arg for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    return [guards._name(k) if guards is not None and k < len(guards.paths) else f"input {arg.name}"
+            for k, arg in enumerate(user) if isinstance(arg, TensorArgument)]

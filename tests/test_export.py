@@ -55,6 +55,27 @@ def _rewritten(src, dst, guards):
             zout.writestr(item, data)
 
 
+class _MixedInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.EmbeddingBag(50, 8, mode="sum")
+        self.f = torch.nn.EmbeddingBag(50, 8, mode="sum")
+
+    def forward(self, dense, ids, scale, opt, other):
+        return self.e(ids).sum(1) * scale + self.f(other["b"]).sum(1) + dense.sum(1)
+
+
+def test_the_aoti_packages_input_names_skip_the_inputs_that_are_not_tensors():
+    """A float and a None before a tensor: the names went out of step (the third tensor was named
+    'scale'; found by the review)."""
+    from fxrec.export import _input_names
+
+    model = _MixedInputs().eval()
+    ex = (torch.randn(4, 3), torch.randint(0, 50, (4, 3)), 2.0, None, {"b": torch.randint(0, 50, (4, 2))})
+    fast = fxrec.transform(model, ex, mode="inference")
+    assert _input_names(fast, fxrec.export.program(fast, ex)) == ["input dense", "input ids", "input other[b]"]
+
+
 def test_load_checks_sizes_and_refuses_a_file_whose_conditions_are_code(tmp_path):
     """fxrec.export.load runs a saved program with its size checks (the conditions the model's code
     tested at capture); a file whose stored conditions call something else (torch's module() would
@@ -388,7 +409,7 @@ import sys, torch, fbgemm_gpu  # noqa: F401
 runner = torch._inductor.aoti_load_package(sys.argv[1])
 print(runner.get_metadata()["fxrec_inputs"].replace(chr(10), " | "), flush=True)
 seq = torch.arange(15).reshape(5, 3) % 50
-for x in ((seq,), (seq.int(),), (seq[:, :2].contiguous(),)):
+for x in ((seq,), (seq.int(),), (seq[:, :2].contiguous(),), (seq[:1],), (seq[:0],)):
     try:
         out = runner(*x)
         print("ran", float((out[0] if isinstance(out, (list, tuple)) else out).sum()), flush=True)
@@ -425,6 +446,10 @@ def test_an_aoti_package_checks_dtypes_and_sizes_where_its_checks_are_on(tmp_pat
     assert lines[0] == "input seq", lines
     with torch.no_grad():
         assert lines[1] == f"ran {float(model(torch.arange(15).reshape(5, 3) % 50).sum())}", lines
+    # batches of 1 and 0 run with the checks on (AOTInductor's own lower bound of a dynamic size
+    # was 2 unless the package is compiled size-obliviously; found by the review)
+    with torch.no_grad():
+        assert lines[4:] == [f"ran {float(model(torch.arange(3).reshape(1, 3) % 50).sum())}", "ran 0.0"], lines
     # (torch 2.13's error says why; 2.11's says only that the call failed, and the reason is on stderr)
     assert lines[2].startswith("refused") and lines[3].startswith("refused"), lines
     for why in ("input_handles[0]: unmatched dtype", "input_handles[0]: dim value is too small at 1, expected it to be >= 3"):

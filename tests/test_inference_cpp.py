@@ -86,7 +86,7 @@ def test_aoti_package_in_cpp_matches_python(infer_binary, tmp_path):
     model = DLRM(rows, dim=16).eval()
     fast = fxrec.transform(model, make_batch(rows, batch=32), mode="inference", quantize="int8")
     path = fxrec.export.aoti(fast, make_batch(rows, batch=32), tmp_path / "model.pt2")
-    for batch, seed in ((17, 1), (64, 2)):  # other batch sizes than the example's
+    for batch, seed in ((1, 0), (17, 1), (64, 2)):  # other batch sizes than the example's (checked: 1 too)
         x = make_batch(rows, batch=batch, seed=seed)
         r, out = run_cpp(infer_binary, path, x, tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]

@@ -118,8 +118,9 @@ static void flatten(const c10::IValue& v, std::vector<at::Tensor>& out) {
 
 // An AOTInductor package's error names an input by its index ("input_handles[3]"); fxrec.export.aoti
 // writes each input's name on a line of the package's metadata "fxrec_inputs". The message with
-// the index replaced by the name, or (where the message does not say which input: torch 2.11's
-// loader gives only "run_func_ ... failed", the index goes to stderr) with the names listed.
+// the index replaced by the name; where the message does not say which input (torch 2.11's loader
+// says only that "run_func_" failed, and prints the reason to stderr), with the names listed.
+// Other messages are left as they are.
 static std::string named_inputs(std::string what, const std::string& names) {
   std::vector<std::string> lines;
   std::istringstream in(names);
@@ -129,11 +130,13 @@ static std::string named_inputs(std::string what, const std::string& names) {
   const size_t end = at == std::string::npos ? at : what.find(']', at);
   if (end != std::string::npos) {
     const std::string index = what.substr(at + key.size(), end - at - key.size());
-    if (!index.empty() && index.find_first_not_of("0123456789") == std::string::npos) {
+    if (!index.empty() && index.size() < 10 && index.find_first_not_of("0123456789") == std::string::npos) {
       const size_t k = std::stoul(index);
       if (k < lines.size()) return what.replace(at, end + 1 - at, lines[k]);
     }
+    return what;
   }
+  if (what.find("run_func_") == std::string::npos || lines.empty()) return what;
   what += " (the package's inputs, by index:";
   for (size_t k = 0; k < lines.size(); ++k) what += " [" + std::to_string(k) + "] " + lines[k] + (k + 1 < lines.size() ? ";" : ")");
   return what;
@@ -183,11 +186,15 @@ int main(int argc, char** argv) {
         c10::InferenceMode guard;
         outs = loader.run(flat);
       } catch (const std::exception& e) {
-        const auto metadata = loader.get_metadata();
-        const auto names = metadata.find("fxrec_inputs");
-        if (names == metadata.end()) throw;
         const auto* error = dynamic_cast<const c10::Error*>(&e);
-        throw std::runtime_error(named_inputs(error ? error->what_without_backtrace() : e.what(), names->second));
+        std::string what = error ? error->what_without_backtrace() : e.what();
+        try {
+          const auto metadata = loader.get_metadata();
+          const auto names = metadata.find("fxrec_inputs");
+          if (names != metadata.end()) what = named_inputs(what, names->second);
+        } catch (const std::exception&) {  // (no metadata to read: the message as it is)
+        }
+        throw std::runtime_error(what);
       }
       std::vector<c10::IValue> elems;
       for (const at::Tensor& t : outs) elems.push_back(t.to(cpu));
