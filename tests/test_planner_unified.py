@@ -7,9 +7,11 @@ at the cached width with two int64 states a row, and an int32 a table row)."""
 import json
 
 import pytest
+import torch
 
 import fxrec
 from fxrec.planner import PlanError, ShardingPlan, TableSpec
+from fxrec.pass_infra import InputError
 from fxrec.planner.cost import CostModel
 from tests.passes.test_place_shards import PINS, SGD, rank_notes
 from tests.passes.test_place_tables import INPUTS, cache_hbm, meta_model
@@ -51,6 +53,11 @@ def test_a_slower_bus_or_a_larger_cache_changes_the_cost_by_the_formula():
         extra = 1024 * (1 - lf) * (3 * 64 * 4) * (1 / (uvm * 1e6) - 1 / 1000e6)
         assert plan["big"].cost_ms == pytest.approx(without + extra, rel=1e-12)
         assert not any("uvm_bandwidth" in a for a in plan.topology.assumed)
+    # Adagrad's state (4 bytes a value) is in unified memory too, uncached: read and written per id
+    plan = plan_of("adagrad", hbm_budget="300MB")
+    assert plan.unified_memory()[0][0] == {"big": "managed_caching"}
+    extra = 1024 * (0.8 * 3 * 64 * 4 + 2 * 4 * 64) * (1 / 50e6 - 1 / 1000e6)
+    assert plan["big"].cost_ms == pytest.approx(plan_of("adagrad")["big"].cost_ms + extra, rel=1e-12)
 
 
 def test_row_wise_adagrads_state_stays_in_gpu_memory_and_the_rows_move():
@@ -119,6 +126,9 @@ def test_arguments_are_checked():
         plan_of(hbm_budget="1GB", uvm_bandwidth=-1)
     with pytest.raises(ValueError, match=r"pass either topology= or \['hbm_budget'\], not both"):
         fxrec.plan(tables=TABLES, topology=plan_of().topology, hbm_budget="1GB")
+    for kw in (dict(cache_load_factor=0.5), dict(uvm_bandwidth=10)):
+        with pytest.raises(ValueError, match="cache_load_factor and uvm_bandwidth are for a plan with hbm_budget="):
+            plan_of(**kw)
 
 
 def test_a_plan_with_a_budget_round_trips_and_an_older_file_has_none():
@@ -127,8 +137,8 @@ def test_a_plan_with_a_budget_round_trips_and_an_older_file_has_none():
     assert back.topology == plan.topology and back.unified_memory() == plan.unified_memory()
     assert back.to_json() == plan.to_json()
     old = json.loads(plan_of().to_json())
-    for key in ("hbm_budget", "cache_load_factor", "uvm_bandwidth"):
-        del old["topology"][key]
+    # a plan without a budget is written as before the budget was: an older fxrec reads it
+    assert not {"hbm_budget", "cache_load_factor", "uvm_bandwidth"} & set(old["topology"])
     older = ShardingPlan.from_dict(old)
     assert older.topology.hbm_budget is None and older.unified_memory() == []
 
@@ -157,3 +167,42 @@ def test_cost_model_ids_a_shard_looks_up():
     assert cm.ids(spec, "table_wise", 1000) == cm.ids(spec, "column_wise", 1000) == 2 * 512 * 3
     assert cm.ids(spec, "row_wise", 250) == 2 * 512 * 3 / 4
     assert cm.ids(spec, "data_parallel", 1000) == 512 * 3
+
+
+class _Two(torch.nn.Module):
+    def __init__(self, dim_b=128):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(1_000_000, 128, mode="sum")
+        self.b = torch.nn.EmbeddingBag(1_000_000 if dim_b <= 1024 else 100_000, dim_b, mode="sum")
+
+    def forward(self, a, b):
+        return self.a(a) .sum() + self.b(b).sum()
+
+
+@pytest.mark.parametrize("case", ["fp16_and_fp32", "wide_sgd", "wide_adagrad"])
+def test_a_rank_with_tables_of_two_kinds_is_counted_as_transform_counts_it(case):
+    """One rank's pieces in TBEs of different precisions have a cache each (the plan counted the fp32
+    table's cache at 2 bytes a value: 116.8 MB where transform needs 168 MB); a piece wider than
+    fbgemm's CUDA kernels runs on PyTorch's lookups, which fuse SGD there and nothing else (found
+    by the review). The plan's figures are transform's, and a budget between them is refused by both."""
+    with torch.device("meta"):
+        model = _Two(1030 if case.startswith("wide") else 128)
+    x = (torch.randint(0, 1000, (8, 3)), torch.randint(0, 1000, (8, 3)))
+    opt = fxrec.optim.Adagrad(lr=0.1) if case == "wide_adagrad" else SGD
+    wp = {"a": "fp16"} if case == "fp16_and_fp32" else None
+    kw = dict(world_size=2, memory_per_rank="10GB", device="cuda", pins={"a": ("table_wise", 0), "b": ("table_wise", 0)},
+              optimizer=opt, weights_precision=wp, memory_bandwidth=1000)
+    for budget in ("150MB", "700MB"):
+        try:
+            plan = fxrec.plan(model, x, **kw, hbm_budget=budget)
+        except PlanError as e:
+            with pytest.raises(InputError, match="rank 0's embedding tables need"):
+                fxrec.explain(model, x, device="cuda", plan=fxrec.plan(model, x, **kw), optimizer=opt,
+                              weights_precision=wp, hbm_budget=budget)
+            assert e.needed_bytes > 10**6
+            continue
+        r = fxrec.explain(model, x, device="cuda", plan=plan, optimizer=opt, weights_precision=wp)
+        text = next(n for n in r.notes if n.startswith("rank 0 under hbm_budget="))
+        where, need = plan.unified_memory()[0]
+        assert f"take {fxrec.planner.format_bytes(need)} of" in text, (text, need)
+        assert all(f"{t}: managed_caching" in text for t in where), (text, where)

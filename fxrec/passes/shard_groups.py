@@ -73,7 +73,7 @@ from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 from .annotate_lookups import apart_on_ranks
 from ..runtime.sharded import PooledInputDist, PooledLookup, PooledOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
-from ..runtime.specs import CUDA_MAX_DIM, ROW_MEAN, WHOLE_ROW, FeatureSpec, GroupSpec, TableSpec, pad_dim, weights_dtype
+from ..runtime.specs import CUDA_MAX_DIM, CUDA_WIDE_FUSED, ROW_MEAN, WHOLE_ROW, FeatureSpec, GroupSpec, TableSpec, pad_dim, weights_dtype
 from . import choose_kernels
 from .choose_kernels import check_stored, kernel_order, pick
 
@@ -246,11 +246,11 @@ def plan_decision(gr: meta.GroupRecord, plan, device: Optional[str] = None) -> m
     # and no kernel fuses an update of the model's own fp16 tables as torch.optim rounds it
     sharded = [r for r in gr.lookups if r.table in plan.tables and plan.tables[r.table].sharding != "data_parallel"]
     # (fbgemm's CUDA kernels take pieces up to CUDA_MAX_DIM wide: a wider one runs its local group on
-    # PyTorch's lookups, torch.optim in opt.step(), as pick() decides there)
+    # PyTorch's lookups, which fuse only SGD there, torch.optim in opt.step() otherwise, as pick() decides)
     wide = d.device == "cuda" and any(pad_dim(max(sh.num_cols for sh in plan.tables[r.table].shards)) > CUDA_MAX_DIM
                                       for r in sharded)
-    fused = spec.kind if spec is not None and sharded and not wide and not any(r.half for r in sharded) and spec.kind in (
-        KERNEL.CUDA_OPTIMIZERS if d.device == "cuda" else KERNEL.CPU_OPTIMIZERS) else ""
+    kinds = CUDA_WIDE_FUSED if wide else KERNEL.CUDA_OPTIMIZERS if d.device == "cuda" else KERNEL.CPU_OPTIMIZERS
+    fused = spec.kind if spec is not None and sharded and not any(r.half for r in sharded) and spec.kind in kinds else ""
     opt = f"{gr.optimizer.describe()}: " + ("fused into backward" if fused else "torch.optim in opt.step()")
     return dataclasses.replace(d, fused=fused, optimizer=opt)
 

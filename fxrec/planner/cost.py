@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from ..runtime.specs import CUDA_MAX_DIM, FUSED_STATE_BYTES, pad_dim
+from ..runtime.specs import CUDA_MAX_DIM, CUDA_WIDE_FUSED, FUSED_STATE_BYTES, pad_dim
 from .specs import (
     COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, TableSpec, Topology,
 )
@@ -148,9 +148,10 @@ class CostModel:
         a, b = OPTIMIZER_STATE[opt]
         cuda = self.topology.device == "cuda"
         # fbgemm's CUDA kernels take dims up to CUDA_MAX_DIM: a wider piece runs on PyTorch's lookups,
-        # with a dense gradient and torch.optim's state (its local group's other tables too: not counted)
+        # which fuse SGD there (CUDA_WIDE_FUSED); other optimizers: a dense gradient and torch.optim's
+        # state (its local group's other tables too: not counted)
         wide = cuda and pad_dim(cols) > CUDA_MAX_DIM
-        fused = () if wide else CUDA_FUSED_KINDS if cuda else FUSED_KINDS
+        fused = CUDA_WIDE_FUSED if wide else CUDA_FUSED_KINDS if cuda else FUSED_KINDS
         # fbgemm's TBE holds a shard's rows padded to a multiple of 4 columns: on CUDA every sharded
         # table, on CPU those whose Adagrad states it keeps and those stored in fp16/bf16
         # (weights_precision=: only its TBE holds them so); the fused state it keeps is padded

@@ -277,6 +277,9 @@ class Topology:
             raise ValueError(f"fxrec.plan: cache_load_factor must be a number in (0, 1], got {lf!r}")
         object.__setattr__(self, "cache_load_factor", float(lf))
         uvm = self.uvm_bandwidth
+        if self.hbm_budget is None and (uvm is not None or self.cache_load_factor != 0.2):
+            raise ValueError("fxrec.plan: cache_load_factor and uvm_bandwidth are for a plan with hbm_budget= "
+                             "(they describe its unified memory)")
         if self.hbm_budget is not None:
             if self.device != "cuda":
                 raise ValueError("fxrec.plan: hbm_budget= is the GPU memory of a rank's tables: it needs device='cuda'")
@@ -304,6 +307,9 @@ class Topology:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["assumed"] = list(self.assumed)
+        if self.hbm_budget is None:  # (as a plan file was before them: an older fxrec reads it)
+            for k in ("hbm_budget", "cache_load_factor", "uvm_bandwidth"):
+                del d[k]
         return d
 
     @classmethod

@@ -11,25 +11,29 @@ optimizer): its rows at their stored width (padded to 4 columns, as fbgemm's TBE
 states of an optimizer fused into fbgemm's backward, or a dense gradient without one; it may
 move only with a fused optimizer (then fbgemm alone reads and writes its rows). Data-parallel
 tables count whole with their dense gradient and stay, as do shards wider than fbgemm's CUDA
-kernels take and tables the model holds in fp16 (they train on PyTorch's lookups).
+kernels take and tables the model holds in fp16 (they train on PyTorch's lookups). The counts are
+for training, as the planner's others are; for serving, ``fxrec.explain(model, example,
+plan=plan, mode="inference", device="cuda", hbm_budget=)`` gives transform's placement.
 
-An estimate, as the planner's other figures are: the rank's cached shards share one cache here
-(at their widest width), where transform gives each of a rank's TBEs its own, sized by what it
-caches; so a cache here may differ from transform's by a few sets of 32 rows.
+An estimate, as the planner's other figures are: a rank's pieces are counted in one TBE for each
+kind transform groups apart (pooled or not, stored precision, fused optimizer or not), with one
+cache each at its widest cached width; transform may group them further (by dims and features),
+so a cache here may differ from transform's by a few sets of 32 rows.
 ``fxrec.explain(model, example, plan=plan, device="cuda")`` gives transform's exact figures.
 
 Cost: with ids uniform over a table's rows, ``cache_load_factor`` of a cached shard's row reads
 and writes hit the cache; the rest cross the bus at ``uvm_bandwidth`` instead of
-``memory_bandwidth``: ``extra = ids * (1 - lf) * (3 * c * w + 2 * b * c) * (1 / uvm - 1 / mem)``
-for a shard of c columns, w bytes a stored value and b bytes of optimizer state a value (a
-row-wise state stays in HBM).
+``memory_bandwidth``, and so do all reads and writes of a per-value optimizer state (fbgemm keeps
+it in unified memory, uncached; a row-wise state stays in HBM):
+``extra = ids * ((1 - lf) * 3 * c * w + 2 * b * c) * (1 / uvm - 1 / mem)`` for a shard of c
+columns, w bytes a stored value and b bytes of optimizer state a value.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
-from ..runtime.specs import CUDA_MAX_DIM, pad_dim
+from ..runtime.specs import CUDA_MAX_DIM, CUDA_WIDE_FUSED, pad_dim
 from .cost import CUDA_FUSED_KINDS, OPTIMIZER_STATE, CostModel
 from .specs import DATA_PARALLEL, TableSpec, Topology
 
@@ -37,33 +41,43 @@ from .specs import DATA_PARALLEL, TableSpec, Topology
 Piece = Tuple[TableSpec, str, str, int, int]
 
 
-def _fused(spec: TableSpec, opt: str, sharding: str, cols: int) -> bool:
-    """Whether fbgemm's CUDA backward applies the optimizer to the piece (transform fuses no
-    optimizer into the model's fp16 tables, nor into pieces its CUDA kernels do not take)."""
-    return (sharding != DATA_PARALLEL and opt in CUDA_FUSED_KINDS and spec.dtype == "fp32"
-            and pad_dim(cols) <= CUDA_MAX_DIM)
+def _fused(spec: TableSpec, opt: str, sharding: str, cols: int) -> Tuple[bool, bool]:
+    """``(fused, movable)``: whether a kernel applies the optimizer to the piece inside backward
+    (no gradient), and whether fbgemm's kernel alone reads and writes its rows. Pieces wider
+    than fbgemm's CUDA kernels take run on PyTorch's lookups, which fuse SGD only there; no
+    optimizer is fused into the model's own fp16 tables."""
+    if sharding == DATA_PARALLEL or spec.dtype != "fp32":
+        return False, False
+    if pad_dim(cols) > CUDA_MAX_DIM:
+        return opt in CUDA_WIDE_FUSED, False
+    return opt in CUDA_FUSED_KINDS, opt in CUDA_FUSED_KINDS
 
 
 def held(piece: Piece):
-    """The piece as place_tables' rule counts it (keyed by its table's name)."""
+    """The piece as place_tables' rule counts it (keyed by its table's name; its width padded
+    to 4 columns, as transform counts it)."""
     from ..passes.place_tables import Held
 
     spec, opt, sharding, rows, cols = piece
     if sharding == DATA_PARALLEL:
         return Held(spec.name, spec.name, spec.num_rows, spec.dim, spec.element_bytes, "", True)
-    fused = _fused(spec, opt, sharding, cols)
-    width = pad_dim(cols) if pad_dim(cols) <= CUDA_MAX_DIM else cols
-    return Held(spec.name, spec.name, rows, width, spec.stored_bytes(sharding),
-                ("adam" if opt == "lazy_adam" else opt) if fused else "", not fused, None, fused)
+    fused, movable = _fused(spec, opt, sharding, cols)
+    return Held(spec.name, spec.name, rows, pad_dim(cols), spec.stored_bytes(sharding),
+                ("adam" if opt == "lazy_adam" else opt) if fused else "", not fused, None, movable)
 
 
 def placements(pieces: Sequence[Piece], topology: Topology) -> Tuple[Dict[str, str], int]:
     """Where one rank's ``pieces`` live under the topology's ``hbm_budget``: ``(table ->
     "managed_caching" for those in unified memory, the HBM they take)``; the caller compares the
-    HBM with the budget."""
+    HBM with the budget. Pieces are counted in one TBE (one cache) for each kind transform groups
+    apart: pooled or not, stored precision, optimizer fused or not."""
     from ..passes.place_tables import place
 
-    return place([[held(p) for p in pieces]], topology.hbm_budget, topology.cache_load_factor)
+    groups: Dict[tuple, list] = {}
+    for p in pieces:
+        h = held(p)
+        groups.setdefault((p[0].pooled, h.weight_bytes, h.fused), []).append(h)
+    return place(list(groups.values()), topology.hbm_budget, topology.cache_load_factor)
 
 
 def cached_extra_ms(cm: CostModel, piece: Piece) -> float:
@@ -71,10 +85,10 @@ def cached_extra_ms(cm: CostModel, piece: Piece) -> float:
     spec, opt, sharding, rows, cols = piece
     topo = cm.topology
     b = OPTIMIZER_STATE[opt][1]
-    per_id = 3 * cols * spec.stored_bytes(sharding) + 2 * b * cols
+    over_bus = (1 - topo.cache_load_factor) * 3 * cols * spec.stored_bytes(sharding) + 2 * b * cols
     to_bytes_per_ms = 1e9 / 1e3
     slower = 1 / (topo.uvm_bandwidth * to_bytes_per_ms) - 1 / cm.mem_bw
-    return cm.ids(spec, sharding, rows) * (1 - topo.cache_load_factor) * per_id * max(slower, 0.0)
+    return cm.ids(spec, sharding, rows) * over_bus * max(slower, 0.0)
 
 
 def over_budget(rank: int, need: int, topology: Topology, pieces: Sequence[Piece]) -> str:
@@ -82,13 +96,18 @@ def over_budget(rank: int, need: int, topology: Topology, pieces: Sequence[Piece
     from .specs import format_bytes
 
     stay = sorted({p[0].name for p in pieces if not held(p).movable})
+    ways = ["raise hbm_budget", "lower cache_load_factor"]
+    if any(p[2] != DATA_PARALLEL and p[0].dtype == "fp32" and not held(p).fused for p in pieces):
+        ways.append("fuse the optimizer")
+    if any(p[2] == DATA_PARALLEL for p in pieces):
+        ways.append("shard the data-parallel tables")
     return (f"fxrec.plan: rank {rank}'s tables need {format_bytes(need)} of GPU memory with every shard that may "
             f"leave it in unified memory (cache_load_factor={topology.cache_load_factor:g}), more than "
             f"hbm_budget={format_bytes(topology.hbm_budget)}; "
-            + (f"what stays in GPU memory: {_listed(stay)} (data-parallel tables, and shards trained without an "
-               "optimizer fused into fbgemm's backward)" if stay else "the HBM caches alone take more")
-            + ". Raise hbm_budget, lower cache_load_factor, fuse the optimizer, shard the data-parallel tables, or "
-            "use more ranks")
+            + (f"what stays in GPU memory: {_listed(stay)} (data-parallel tables, the model's fp16 tables, "
+               "and shards trained without an optimizer fused into fbgemm's backward)" if stay
+               else "the HBM caches alone take more")
+            + ". " + ", ".join(ways).capitalize() + ", or use more ranks")
 
 
 def _listed(names: List[str], most: int = 8) -> str:

@@ -21,6 +21,9 @@ DIM_ALIGNMENT = 4
 # (max error 4.6 to 9.7 on N(0, 1) rows; dim 1024 exact): wider tables go to PyTorch's lookups,
 # in groups of their own (group_lookups).
 CUDA_MAX_DIM = 1024
+#: What PyTorch's lookups (the reference kernel) fuse on CUDA, where wider tables run: SGD, which
+#: keeps no state (the Adagrads' states live in fbgemm's TBE there, which cannot hold such tables).
+CUDA_WIDE_FUSED = ("sgd",)
 
 
 def pad_dim(dim: int, align: int = DIM_ALIGNMENT) -> int:
