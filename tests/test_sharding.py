@@ -309,6 +309,15 @@ def _fused_worker(rank, world, init_file, pins, opt_name, steps, backend="auto")
         sharded = {f"{t}.weight" for t, tp in plan.tables.items() if tp.sharding != "data_parallel"}
         held = {n for n, _ in fast.named_parameters()}
         assert fused_tables == sharded & held, (fused_tables, sharded, held)
+        # each rank's report says where the optimizer runs as explain(plan=) does (it said nothing: the
+        # decision a data-parallel lookup kept, without the optimizer, came first in the graph), and
+        # that the data-parallel tables are torch.optim's
+        said = [(g.tables, g.fused, g.optimizer) for g in fast.report.groups if g.kernel_train.startswith("sharded")]
+        explained = fxrec.explain(model, example, plan=plan, optimizer=_FUSED[opt_name](), backend=backend)
+        assert said == [(g.tables, g.fused, g.optimizer) for g in explained.groups
+                        if g.kernel_train.startswith("sharded")], said
+        assert all(f and o.endswith("; data-parallel tables ['single']: torch.optim in opt.step()") for t, f, o in said
+                   if "single" in t), said
         for step in range(steps):
             x = global_batch(LOCAL_B * world, step + 1)
             cot = torch.randn(LOCAL_B * world, generator=torch.Generator().manual_seed(100 + step))

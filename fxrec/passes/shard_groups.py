@@ -191,17 +191,28 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
     return EmbeddingGroup(specs, features, pooling, *chosen, fused=fused)
 
 
-def _with_local(decision: meta.GroupDecision, gr: meta.GroupRecord, group, short: str) -> meta.GroupDecision:
-    """The decision with what this rank's local lookups run on, and the optimizer's place."""
+def _optimizer_text(gr: meta.GroupRecord, fused: str, half: bool, replicated) -> str:
+    """Where the group's optimizer runs, as the report says it: fused into backward or in
+    opt.step(), and the data-parallel tables (``replicated``) in opt.step() beside fused ones."""
+    if gr.optimizer is None:
+        return ""
+    text = f"{gr.optimizer.describe()}: " + ("fused into backward" if fused else "torch.optim in opt.step()")
+    if not fused and half:
+        text += " (no kernel fuses an update of the model's fp16 tables as torch.optim rounds it)"
+    dp = sorted(set(replicated))
+    if fused and dp:
+        text += f"; data-parallel tables {dp}: torch.optim in opt.step()"
+    return text
+
+
+def _with_local(decision: meta.GroupDecision, gr: meta.GroupRecord, group, short: str, replicated) -> meta.GroupDecision:
+    """The decision with what this rank's local lookups run on, and the optimizer's place (a group
+    of data-parallel tables only, ``group`` None: torch.optim's)."""
     if group is None:
-        return decision
+        return dataclasses.replace(decision, optimizer=_optimizer_text(gr, "", False, replicated))
     fused = group.fused.kind if group.fused is not None else ""
-    opt = ""
-    if gr.optimizer is not None:
-        opt = f"{gr.optimizer.describe()}: " + ("fused into backward" if fused else "torch.optim in opt.step()")
-        if not fused and group.half:
-            opt += " (no kernel fuses an update of the model's fp16 tables as torch.optim rounds it)"
-    return dataclasses.replace(decision, fused=fused, fused_by=group.kernel_train if fused else "", optimizer=opt,
+    return dataclasses.replace(decision, fused=fused, fused_by=group.kernel_train if fused else "",
+                               optimizer=_optimizer_text(gr, fused, group.half, replicated),
                                why=f"{decision.why}; this rank's {short} lookups: one {group.kernel_train} call")
 
 
@@ -250,9 +261,10 @@ def plan_decision(gr: meta.GroupRecord, plan, device: Optional[str] = None) -> m
     wide = d.device == "cuda" and any(pad_dim(max(sh.num_cols for sh in plan.tables[r.table].shards)) > CUDA_MAX_DIM
                                       for r in sharded)
     kinds = CUDA_WIDE_FUSED if wide else KERNEL.CUDA_OPTIMIZERS if d.device == "cuda" else KERNEL.CPU_OPTIMIZERS
-    fused = spec.kind if spec is not None and sharded and not any(r.half for r in sharded) and spec.kind in kinds else ""
-    opt = f"{gr.optimizer.describe()}: " + ("fused into backward" if fused else "torch.optim in opt.step()")
-    return dataclasses.replace(d, fused=fused, optimizer=opt)
+    half = any(r.half for r in sharded)
+    fused = spec.kind if spec is not None and sharded and not half and spec.kind in kinds else ""
+    replicated = [r.table for r in gr.lookups if r not in sharded]
+    return dataclasses.replace(d, fused=fused, optimizer=_optimizer_text(gr, fused, half, replicated))
 
 
 def _decision(gr: meta.GroupRecord, kinds, device: Optional[str] = None) -> meta.GroupDecision:
@@ -465,8 +477,11 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                  "lookup fxrec leaves alone); a sharded table is only looked up: plan it data_parallel")
         _check_quantized(gr, kinds)
         decision = _decision(gr, [kinds[id(r)] for r in gr.lookups])
+        replicated = [r.table for r in gr.lookups if kinds[id(r)] == "data_parallel"]
         for r in gr.lookups:
-            r.node.meta[meta.DECISION] = decision  # stays on data-parallel lookups, which are not rewritten
+            # (stays on data-parallel lookups, which are not rewritten; with this rank's local group's
+            # kernel and optimizer once it is built, below)
+            r.node.meta[meta.DECISION] = _with_local(decision, gr, None, "", replicated)
             stats[kinds[id(r)]] = stats.get(kinds[id(r)], 0) + 1
         anchor = call_anchor(graph, gr.lookups, effects)
         recs = [r for r in gr.lookups if kinds[id(r)] != "data_parallel"]
@@ -485,8 +500,13 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 out = graph.call_module(f"{name}_output_dist", (look, din))
                 for n in (din, look, out):
                     n.meta[meta.ORIGIN] = [r.node.name for r in recs]
-                din.meta[meta.DECISION] = _with_local(decision, gr, mods[1].group,
-                                                      "sequence" if gr.pooling == "none" else "pooled")
+                # (a rank holding none of the group's shards says what the ranks holding them do)
+                here = _with_local(decision, gr, mods[1].group, "sequence" if gr.pooling == "none" else "pooled",
+                                   replicated) if mods[1].group is not None else plan_decision(gr, ctx.config.plan)
+                din.meta[meta.DECISION] = here
+                for r in gr.lookups:
+                    if kinds[id(r)] == "data_parallel":
+                        r.node.meta[meta.DECISION] = here
                 # one output per lookup (not column slices of one tensor: the backward of k slices
                 # of a [B, k * D] tensor makes k zero tensors of its whole size)
                 hand_outputs(graph, out, recs, pooled=False, written=effects.written)
