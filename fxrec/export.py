@@ -5,8 +5,7 @@ input dim dynamic where the model allows (so other batch sizes run), saved when 
 Quantized groups export as fbgemm's quantized lookup operator on their own buffers; fp32 groups
 export as their plain ATen lookups (``aten.embedding_bag``). Input checks that read tensor
 values are left out of the exported program (export cannot trace them). Load with
-``fxrec.export.load(path)`` after ``import fbgemm_gpu`` (which registers fbgemm's operators): torch's
-loader, after a check that the input conditions stored in the file are only that.
+``torch.export.load(path)`` after ``import fbgemm_gpu`` (which registers fbgemm's operators).
 
 ``fxrec.export.aoti(fast, example_inputs, "model.pt2")``: that program compiled by AOTInductor into
 a package that C++ loads with libtorch's ``AOTIModelPackageLoader`` (``examples/inference_cpp``).
@@ -59,76 +58,6 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
     if path is not None:
         torch.export.save(ep, path)
     return ep
-
-
-def load(path: str) -> torch.nn.Module:
-    """A program saved by :func:`program` (or any ``.pt2`` of ``torch.export.save``), loaded and
-    ready to call (``torch.export.load(path).module()``), after checking that the conditions on
-    input sizes stored in it (its ``guards_code``, which the module evaluates as Python at its
-    first call) are only that: comparisons and arithmetic of the inputs' sizes. A file whose
-    conditions hold anything else (a name, a call, an attribute other than those) is refused with
-    the condition named, so loading a file never runs code from it. Import ``fbgemm_gpu`` first
-    where the program calls fbgemm's operators (quantized groups)."""
-    ep = torch.export.load(str(path))
-    for guard in getattr(ep, "_guards_code", None) or []:
-        why = _not_a_size_condition(guard)
-        if why:
-            raise ValueError(f"fxrec.export.load: {path} holds the input condition {guard!r}, which is not a "
-                             f"condition on the inputs' sizes ({why}); a program fxrec or torch.export wrote "
-                             "holds only those. Not loaded: it would run as Python at the first call")
-    return ep.module()
-
-
-#: what a stored condition may call: torch's spellings of size arithmetic
-_GUARD_CALLS = {("math", "trunc"), ("math", "floor"), ("math", "ceil"), ("torch", "sym_float"),
-                ("torch", "sym_int"), ("torch", "sym_max"), ("torch", "sym_min"), ("int",), ("float",),
-                ("max",), ("min",), ("abs",)}
-#: what a condition may read of an input (``L['ids'].size()[1]``)
-_GUARD_READS = {"size", "stride", "storage_offset", "dim", "numel"}
-
-
-def _not_a_size_condition(text: str) -> str:
-    """Why ``text`` is not a condition on the inputs' sizes, or "" where it is one."""
-    import ast
-
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError as e:
-        return f"not an expression: {e.msg}"
-    ops = (ast.Expression, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.And, ast.Or, ast.Not, ast.USub,
-           ast.UAdd, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.Eq, ast.NotEq, ast.Lt,
-           ast.LtE, ast.Gt, ast.GtE, ast.Load)
-
-    def ok(node) -> str:
-        if isinstance(node, ast.Constant):
-            return "" if isinstance(node.value, (int, float, bool)) else f"the constant {node.value!r}"
-        if isinstance(node, ast.Call):
-            f = node.func
-            name = (f.id,) if isinstance(f, ast.Name) else (f.value.id, f.attr) \
-                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
-            if name in _GUARD_CALLS and not node.keywords:
-                return next((w for w in map(ok, node.args) if w), "")
-            if isinstance(f, ast.Attribute) and f.attr in _GUARD_READS and not node.args and not node.keywords:
-                return read(f.value)
-            return f"a call of {ast.unparse(f)}"
-        if isinstance(node, ast.Subscript):  # L['ids'].size()[1]
-            if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int) \
-                    and isinstance(node.value, ast.Call):
-                return ok(node.value)
-            return read(node)
-        if isinstance(node, ast.Name):
-            return f"the name {node.id}"
-        if not isinstance(node, ops):
-            return f"{type(node).__name__.lower()} {ast.unparse(node)}" if hasattr(node, "lineno") else type(node).__name__
-        return next((w for w in map(ok, ast.iter_child_nodes(node)) if w), "")
-
-    def read(node) -> str:  # an input: L['name'], then [int] or ['key'] steps
-        while isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
-                and isinstance(node.slice.value, (int, str)):
-            node = node.value
-        return "" if isinstance(node, ast.Name) and node.id == "L" else f"{ast.unparse(node)!r} is not an input"
-
-    return ok(tree)
 
 
 def scriptable(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
