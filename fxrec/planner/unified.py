@@ -97,7 +97,8 @@ def over_budget(rank: int, need: int, topology: Topology, pieces: Sequence[Piece
 
     stay = sorted({p[0].name for p in pieces if not held(p).movable})
     ways = ["raise hbm_budget", "lower cache_load_factor"]
-    if any(p[2] != DATA_PARALLEL and p[0].dtype == "fp32" and not held(p).fused for p in pieces):
+    if any(p[2] != DATA_PARALLEL and p[0].dtype == "fp32" and pad_dim(p[4]) <= CUDA_MAX_DIM and not held(p).fused
+           for p in pieces):  # (a fused optimizer would let such a piece move)
         ways.append("fuse the optimizer")
     if any(p[2] == DATA_PARALLEL for p in pieces):
         ways.append("shard the data-parallel tables")
