@@ -166,6 +166,9 @@ def _worker(rank, world, init_file, result_dir):
             place_shards._pieces = real
         with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
             fh.write("ok")
+    # (torch 2.13 + gloo sometimes aborts at interpreter exit, a gloo thread freeing tensors during
+    # shutdown, as tests/test_sharding.py's workers note: the work is checked, leave without it)
+    os._exit(0)
 
 
 def test_a_sharded_model_with_a_budget_runs_as_without_on_cpu_and_its_groups_are_checked(tmp_path):
