@@ -22,7 +22,6 @@ torch 2.13 warns that ``torch.jit.script`` is deprecated; :func:`program` is the
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any, Dict, Optional
 
@@ -122,14 +121,25 @@ def aoti(model: torch.nn.Module, example_inputs, path: str, example_kwargs: Opti
     package's metadata ``fxrec_inputs`` (:data:`INPUT_NAMES_KEY`) names input k on its line k."""
     ep = program(model, example_inputs, example_kwargs=example_kwargs)
     metadata = {INPUT_NAMES_KEY: "\n".join(_input_names(model, ep))}
-    config = torch.fx.experimental._config
-    # AOTInductor's input checks take each dynamic size's lower bound from its own shape reasoning,
-    # which without this takes every size to be 2 or more (the program's ranges start at 0)
-    oblivious = config.patch(backed_size_oblivious=True) if hasattr(config, "backed_size_oblivious") \
-        else contextlib.nullcontext()
-    with oblivious:
+    def compile_it():
         return torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
                                                         inductor_configs={"aot_inductor.metadata": metadata})
+
+    config = torch.fx.experimental._config
+    if not hasattr(config, "backed_size_oblivious"):
+        return compile_it()
+    # AOTInductor's input checks take each dynamic size's lower bound from its own shape reasoning,
+    # which without this takes every size to be 2 or more (the program's ranges start at 0)
+    try:
+        with config.patch(backed_size_oblivious=True):
+            return compile_it()
+    except Exception as e:  # noqa: BLE001 - torch 2.11's inductor fails so on a bag's offsets (KeyError)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        warnings.warn(f"fxrec.export.aoti: AOTInductor could not compile the program size-obliviously "
+                      f"({type(e).__name__}: {first}); compiled the ordinary way, so that with "
+                      "AOTI_RUNTIME_CHECK_INPUTS=1 the package refuses dynamic sizes below 2 (batches of 0 and 1)",
+                      stacklevel=2)
+        return compile_it()
 
 
 def _input_names(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> list:
