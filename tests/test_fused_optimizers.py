@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fxrec
+from fxrec.pass_infra import InputError
 from fxrec.optim import RowWiseAdagradTorch
 from fxrec.testing import group_calls
 from tests import models as M
@@ -1221,3 +1222,41 @@ class ReluOfBags(nn.Module):
 
     def forward(self, ids, offsets):
         return self.top(torch.relu_(torch.cat([self.a(ids, offsets), self.b(ids, offsets)], 1)))
+
+
+class _PretrainedAndNew(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.f = torch.nn.Embedding.from_pretrained(torch.randn(20, 8), freeze=True)
+        self.u = torch.nn.Embedding(20, 8)
+
+    def forward(self, y):
+        return torch.cat([self.f(y).sum(1), self.u(y).sum(1)], 1)
+
+
+def test_a_table_frozen_at_transform_keeps_the_rule_off_fbgemms_fused_kernel():
+    """A table frozen before transform beside one that trains, row-wise Adagrad, backend="auto": the
+    rule put the group on fbgemm's fused kernel, which would update the frozen table, and the first
+    training call failed (found by the differential fuzzer). The rule now passes fbgemm over for it
+    (the report says why) and trains as the native kernel does; a forced backend="fbgemm" is refused
+    at transform."""
+    y = torch.randint(0, 20, (4, 3))
+    runs = {b: fxrec.transform(_PretrainedAndNew(), (y,), backend=b, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+            for b in ("auto", "native")}
+    (group,) = runs["auto"].report.groups
+    assert group.kernel_train != "fbgemm" and group.fused == "rowwise_adagrad", group
+    assert "not fbgemm: tables ['f'] are frozen (requires_grad=False)" in group.why, group.why
+    frozen = runs["auto"].get_parameter("f.weight").detach().clone()
+    for step in range(3):
+        x = torch.randint(0, 20, (4, 3), generator=torch.Generator().manual_seed(step))
+        for fast in runs.values():
+            fast(x).sum().backward()
+    assert torch.equal(runs["auto"].get_parameter("f.weight"), frozen)
+    assert torch.equal(runs["auto"].get_parameter("u.weight"), runs["native"].get_parameter("u.weight"))
+    cuda = fxrec.explain(_PretrainedAndNew(), (y,), device="cuda", optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+    # (on CUDA PyTorch's lookups fuse it, its states kept in an fbgemm TBE that does no lookup)
+    assert cuda.groups[0].kernel_train == "reference" and "not fbgemm: tables ['f'] are frozen" in cuda.groups[0].why, \
+        cuda.groups[0]
+    with pytest.raises(InputError, match=r"tables \['f'\] are frozen \(requires_grad=False\) and fbgemm's fused"):
+        fxrec.transform(_PretrainedAndNew(), (y,), backend="fbgemm", optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))

@@ -89,8 +89,11 @@ def _device(gr: meta.GroupRecord, ctx: PassContext) -> str:
     return target_device(ctx, gr.lookups[0].device)
 
 
-def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
-    """Kernels and fused optimizer for ``gr`` by rule; sets them on the record too."""
+def decide(gr: meta.GroupRecord, ctx: PassContext, frozen: Tuple[str, ...] = ()) -> meta.GroupDecision:
+    """Kernels and fused optimizer for ``gr`` by rule; sets them on the record too. ``frozen``: its
+    tables whose weights do not require grad, which fbgemm's fused kernel would update (it updates
+    every table of its TBE): by rule another kernel fuses the optimizer, or torch.optim steps the
+    others; a forced ``backend="fbgemm"`` is refused."""
     device = _device(gr, ctx)
     here = ctx.config.device is None
     backend = ctx.config.backend
@@ -110,8 +113,22 @@ def decide(gr: meta.GroupRecord, ctx: PassContext) -> meta.GroupDecision:
     k_train, passed_train = k_eval, []
     if training:
         kind = fused.kind if fused is not None else None
-        k_train, passed_train = pick(spec, device, "training", kind, kernel_order(device, "training", backend, kind), here,
+        order = kernel_order(device, "training", backend, kind)
+        skipped_frozen = []
+        # (a group all of whose tables are frozen runs no fused backward: nothing to update, unless
+        # per-sample weights that need a gradient bring one)
+        some = frozen and (len(frozen) < len({r.table for r in gr.lookups}) or any(r.weighted for r in gr.lookups))
+        if kind is not None and some and FBGEMM in order:
+            said = (f"tables {sorted(frozen)} are frozen (requires_grad=False) and fbgemm's fused kernel would "
+                    "update them")
+            if backend == FBGEMM:
+                raise InputError(f"fxrec: {said}; give them no optimizer (optimizer={{name: ...}} for the others), "
+                                 "or transform with another backend")
+            order = tuple(k for k in order if k != FBGEMM)
+            skipped_frozen = [f"not {FBGEMM}: {said}"]
+        k_train, passed_train = pick(spec, device, "training", kind, order, here,
                                      fused.weight_decay_mode if fused is not None else "")
+        passed_train = skipped_frozen + passed_train
         if spec.weights:
             check_stored(spec, outside, k_train, passed_train)
         if k_train is None and fused is not None:
@@ -175,8 +192,10 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         tuned = Autotuner(gm, ctx)
     refused: List[str] = []  # (weights_precision= on groups fbgemm cannot store so: every one named at once)
     for gr in ctx.groups:
+        frozen = tuple(sorted({r.table for r in gr.lookups
+                               if not getattr(_parameter(gm, r.param), "requires_grad", True)}))
         try:
-            decision = decide(gr, ctx)
+            decision = decide(gr, ctx, frozen)
         except StoredPrecisionError as e:
             refused.append(str(e))
             continue
@@ -191,6 +210,13 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                          f"fxrec: weights_precision= cannot store {len(refused)} groups' tables so:\n  "
                          + "\n  ".join(m.removeprefix("fxrec: ") for m in refused))
     return PassResult(gm, False, {"groups": len(ctx.groups), **{k: v for k, v in stats.items() if v}})
+
+
+def _parameter(gm: fx.GraphModule, name: str):
+    try:
+        return gm.get_parameter(name)
+    except AttributeError:  # (a buffer or a tensor attribute: not the model's parameter)
+        return None
 
 
 class StoredPrecisionError(InputError):
