@@ -196,9 +196,9 @@ class LookupWithGrads(torch.autograd.Function):
                 # as 8) have stride (8, 1), which PyTorch's sparse kernels also use on a dim of size 1,
                 # reading past the storage (a copy also keeps a sequence's rows from aliasing grad_out)
                 standard = rows_t.stride() == (rows_t.shape[1], 1)
-                copied = len(mine) > 1 or (group.pooling != "none" and standard)
+                as_is = len(mine) > 1 or (group.pooling != "none" and standard)  # (a new tensor, or a pooled one's)
                 grads[t] = torch.sparse_coo_tensor(
-                    ids_t.unsqueeze(0), rows_t if copied else rows_t.clone(memory_format=torch.contiguous_format),
+                    ids_t.unsqueeze(0), rows_t if as_is else rows_t.clone(memory_format=torch.contiguous_format),
                     (spec.num_rows, spec.dim), device=p.device, check_invariants=False,
                 )
             else:
