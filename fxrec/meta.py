@@ -73,6 +73,8 @@ class LookupRecord:
     batch: str = ""
     # False for a lookup inside a torch.no_grad() block: it makes no gradient (no optimizer needed)
     grad: bool = True
+    # the table's weight does not require grad (frozen before transform): no optimizer may update it
+    frozen: bool = False
 
     @property
     def lowerable(self) -> bool:

@@ -368,6 +368,77 @@ def held_bytes(fast, plan, opt) -> int:
     return held
 
 
+class _PretrainedAndNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.f = nn.EmbeddingBag.from_pretrained(torch.randn(ROWS[0], DIM), freeze=True, mode="sum")
+        self.u = nn.EmbeddingBag(ROWS[0], DIM, mode="sum")
+
+    def forward(self, ids, offsets):
+        return torch.cat([self.f(ids, offsets), self.u(ids, offsets)], 1)
+
+
+def _frozen_worker(rank, world, init_file, sharding, result_file):
+    with gloo_group(rank, world, init_file):
+        batch = global_batch(LOCAL_B * world, 0)
+        x = (batch[1][0], batch[2][0])
+        local = local_batch(batch, rank, LOCAL_B)
+        example = (local[1][0], local[2][0])
+        pins = {"f": ("table_wise", 0), "u": ("table_wise", 0)} if sharding == "table_wise" else \
+            {"f": sharding, "u": sharding}
+        plan = fxrec.plan(_PretrainedAndNew(), example, world_size=world, memory_per_rank="1GB", pins=pins,
+                          optimizer="rowwise_adagrad")
+        opt = fxrec.optim.RowWiseAdagrad(lr=0.1)
+        fast = fxrec.transform(_PretrainedAndNew(), example, plan=plan, optimizer=opt)
+        single = fxrec.transform(_PretrainedAndNew(), x, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+        kernels = [m.group.kernel_train for m in fast.modules() if getattr(m, "group", None) is not None]
+        params = dict(fast.named_parameters())
+        frozen = params["f.weight"].detach().clone() if "f.weight" in params else None
+        for step in range(3):
+            batch = global_batch(LOCAL_B * world, step + 1)
+            want = single(batch[1][0], batch[2][0])
+            local = local_batch(batch, rank, LOCAL_B)
+            got = fast(local[1][0], local[2][0])
+            torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step}")
+            (want * want).sum().backward()
+            (got * got).sum().backward()
+        if frozen is not None:
+            assert torch.equal(params["f.weight"], frozen)
+            lo = plan.tables["u"].shards[rank].row_offset if sharding == "row_wise" else 0
+            u = params["u.weight"].detach()
+            torch.testing.assert_close(u, single.get_parameter("u.weight").detach()[lo:lo + u.shape[0]], rtol=1e-5,
+                                       atol=1e-6)
+        refused = ""
+        try:
+            fxrec.transform(_PretrainedAndNew(), example, plan=plan, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1),
+                            backend="fbgemm")
+        except ValueError as e:  # (fxrec's InputError)
+            refused = str(e)
+        with open(f"{result_file}.{rank}", "w") as fh:
+            json.dump({"kernels": kernels, "refused": refused}, fh)
+        dist.barrier()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_a_table_frozen_beside_a_trained_one_keeps_each_ranks_group_off_fbgemms_fused_kernel(sharding, tmp_path):
+    """A table frozen before transform beside one trained with fused row-wise Adagrad, both sharded:
+    each rank's local group went to fbgemm's fused kernel, which would update the frozen rows, and
+    the first training call failed on the ranks holding both (the same rule as one process now
+    passes fbgemm over there). Three steps equal the single-process model, the frozen rows stay,
+    and a forced backend="fbgemm" is refused at transform on every rank."""
+    out = str(tmp_path / "res")
+    spawn(_frozen_worker, 2, sharding, out)
+    for rank in range(2):
+        with open(f"{out}.{rank}") as fh:
+            res = json.load(fh)
+        if sharding == "row_wise" or rank == 0:  # (table_wise: both on rank 0, rank 1 holds nothing)
+            assert res["kernels"] and "fbgemm" not in res["kernels"], res
+        assert ("tables ['f'] are frozen (requires_grad=False) and fbgemm's fused kernel would update them"
+                in res["refused"]) or "transform failed on rank(s)" in res["refused"], res
+
+
 @pytest.mark.parametrize("backend", ["auto", "fbgemm", "reference"])
 @pytest.mark.parametrize("opt_name", list(_FUSED))
 def test_fused_optimizers_on_a_mixed_plan_match_the_single_process_fused_model(opt_name, backend):

@@ -338,6 +338,7 @@ def _record(gm: fx.GraphModule, node: fx.Node, weight: Optional[fx.Node] = None,
         table=table, param=param, feature=describe_ids(ids), num_rows=num_rows, dim=dim,
         dtype=str(wval.dtype).replace("torch.", ""), device=str(wval.device), weight=weight,
         ids=ids, source=user_source(node),
+        frozen=fqn is not None and not gm.get_parameter(fqn).requires_grad,
     )
     if node.target in _BAG_OPS:
         offsets = _arg(node, 2, "offsets", None)

@@ -80,6 +80,22 @@ def pick(spec, device: str, mode: str, optimizer: Optional[str], order, on_this_
     return None, passed
 
 
+def pass_over_frozen(order, kind: Optional[str], frozen, tables, weighted: bool, backend: str):
+    """``order`` without fbgemm where its fused kernel would update frozen tables (it updates every
+    table of its TBE), and the reason as the report gives it: ``frozen`` are the names of those of
+    ``tables`` whose weights do not require grad. A group all of whose tables are frozen runs no
+    fused backward (nothing to update), unless per-sample weights that need a gradient bring one.
+    A forced ``backend="fbgemm"`` is refused."""
+    some = frozen and (len(set(frozen)) < len(set(tables)) or weighted)
+    if kind is None or not some or FBGEMM not in order:
+        return order, []
+    said = f"tables {sorted(set(frozen))} are frozen (requires_grad=False) and fbgemm's fused kernel would update them"
+    if backend == FBGEMM:
+        raise InputError(f"fxrec: {said}; give them no optimizer (optimizer={{name: ...}} for the others), "
+                         "or transform with another backend")
+    return tuple(k for k in order if k != FBGEMM), [f"not {FBGEMM}: {said}"]
+
+
 def target_device(ctx: PassContext, tables_device: str) -> str:
     """The device the kernels are chosen for: explain's ``device=``, else where the tables are."""
     return ctx.config.device or tables_device.split(":")[0]
@@ -114,18 +130,8 @@ def decide(gr: meta.GroupRecord, ctx: PassContext, frozen: Tuple[str, ...] = ())
     if training:
         kind = fused.kind if fused is not None else None
         order = kernel_order(device, "training", backend, kind)
-        skipped_frozen = []
-        # (a group all of whose tables are frozen runs no fused backward: nothing to update, unless
-        # per-sample weights that need a gradient bring one)
-        some = frozen and (len(frozen) < len({r.table for r in gr.lookups}) or any(r.weighted for r in gr.lookups))
-        if kind is not None and some and FBGEMM in order:
-            said = (f"tables {sorted(frozen)} are frozen (requires_grad=False) and fbgemm's fused kernel would "
-                    "update them")
-            if backend == FBGEMM:
-                raise InputError(f"fxrec: {said}; give them no optimizer (optimizer={{name: ...}} for the others), "
-                                 "or transform with another backend")
-            order = tuple(k for k in order if k != FBGEMM)
-            skipped_frozen = [f"not {FBGEMM}: {said}"]
+        order, skipped_frozen = pass_over_frozen(order, kind, frozen, {r.table for r in gr.lookups},
+                                                 any(r.weighted for r in gr.lookups), backend)
         k_train, passed_train = pick(spec, device, "training", kind, order, here,
                                      fused.weight_decay_mode if fused is not None else "")
         passed_train = skipped_frozen + passed_train
@@ -192,8 +198,7 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         tuned = Autotuner(gm, ctx)
     refused: List[str] = []  # (weights_precision= on groups fbgemm cannot store so: every one named at once)
     for gr in ctx.groups:
-        frozen = tuple(sorted({r.table for r in gr.lookups
-                               if not getattr(_parameter(gm, r.param), "requires_grad", True)}))
+        frozen = tuple(sorted({r.table for r in gr.lookups if r.frozen}))
         try:
             decision = decide(gr, ctx, frozen)
         except StoredPrecisionError as e:
@@ -210,13 +215,6 @@ def choose_kernels(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                          f"fxrec: weights_precision= cannot store {len(refused)} groups' tables so:\n  "
                          + "\n  ".join(m.removeprefix("fxrec: ") for m in refused))
     return PassResult(gm, False, {"groups": len(ctx.groups), **{k: v for k, v in stats.items() if v}})
-
-
-def _parameter(gm: fx.GraphModule, name: str):
-    try:
-        return gm.get_parameter(name)
-    except AttributeError:  # (a buffer or a tensor attribute: not the model's parameter)
-        return None
 
 
 class StoredPrecisionError(InputError):

@@ -75,7 +75,7 @@ from ..runtime.sharded import PooledInputDist, PooledLookup, PooledOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
 from ..runtime.specs import CUDA_MAX_DIM, CUDA_WIDE_FUSED, ROW_MEAN, WHOLE_ROW, FeatureSpec, GroupSpec, TableSpec, pad_dim, weights_dtype
 from . import choose_kernels
-from .choose_kernels import check_stored, kernel_order, pick
+from .choose_kernels import check_stored, kernel_order, pass_over_frozen, pick
 
 SUPPORTED = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 
@@ -175,11 +175,13 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
                     output or ctx.config.output_dtype)
     device = choose_kernels.target_device(ctx, pieces[0][0].device)
     spec = GroupSpec(tuple(specs), tuple(features), pooling)
+    frozen = [r.table for r, _, _ in pieces if r.frozen]
     chosen = []
     for mode in ("training", "inference"):
         kind = fused.kind if fused is not None and mode == "training" else None
-        k, passed = pick(spec, device, mode, kind, kernel_order(device, mode, ctx.config.backend, kind), True,
-                         fused.weight_decay_mode if kind is not None else "")
+        order, _ = pass_over_frozen(kernel_order(device, mode, ctx.config.backend, kind), kind, frozen,
+                                    [r.table for r, _, _ in pieces], weighted, ctx.config.backend)
+        k, passed = pick(spec, device, mode, kind, order, True, fused.weight_decay_mode if kind is not None else "")
         if k is None and kind is not None:
             if spec.weights:  # stored lower: only fbgemm's TBE, with its fused update, holds the shards
                 check_stored(spec, "", k, passed)
