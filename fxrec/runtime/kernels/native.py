@@ -11,7 +11,8 @@ states.
 
 The library is built by ``torch.utils.cpp_extension.load`` on first use (about 10 s here) and
 cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), once
-per machine and torch; its name carries a tag of the CPU (it is built with ``-march=native``).
+per machine, checkout and torch: its name carries a tag of the CPU (it is built with
+``-march=native``), the source's path and torch's (:func:`_build_tag`).
 Nothing depends on it being there: when the build fails or ``FXREC_NATIVE=0`` is set,
 :func:`available` is False, :func:`why_unavailable` says why, and the rule table picks another
 kernel (the report says so).
@@ -40,16 +41,19 @@ _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "why": "not built yet"}
 
 
-def _cpu_tag() -> str:
-    """Machine features the build depends on (-march=native): a library built on another CPU
-    is never loaded here (the tag is part of the extension's name)."""
+def _build_tag() -> str:
+    """What the build depends on, as part of the extension's name: the machine's features
+    (-march=native: a library built on another CPU is never loaded here), and this checkout's
+    source and torch (torch rebuilds an extension whose build command changed: two checkouts or
+    environments on one machine sharing a name rebuilt it, ~10 s, each time use passed between them)."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as fh:
             flags = next((line for line in fh if line.startswith("flags")), "")
     except OSError:
         pass
-    return hashlib.sha256((os.uname().machine + flags).encode()).hexdigest()[:12]
+    key = "\0".join((os.uname().machine, flags, _SOURCE, os.path.dirname(torch.__file__), torch.__version__))
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _omp_link() -> List[str]:
@@ -69,7 +73,7 @@ def _build_and_load() -> None:
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     try:
         cpp_extension.load(
-            name=f"fxrec_kernels_{_cpu_tag()}", sources=[_SOURCE], is_python_module=False,
+            name=f"fxrec_kernels_{_build_tag()}", sources=[_SOURCE], is_python_module=False,
             # -fno-math-errno: sqrt may be vectorised (it changes no result, only errno, never read)
             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
             extra_ldflags=_omp_link(), verbose=False,
