@@ -51,8 +51,9 @@ def run(name, embedding_optimizer, cap=5_000, steps=10, batch=256, verbose=True)
     example = make_batch(rows, batch=batch, ids_per_bag=2)
 
     def fresh():
-        # backend="fbgemm": both runs use the same kernels. With "auto" each transform times the
-        # kernels afresh and may pick others, which moves results in the last bits.
+        # backend="fbgemm": fbgemm's TBE, the kernel a GPU runs, on CPU as well ("auto" would pick
+        # fxrec's native kernel here; either way both runs use the same kernels, so the resumed
+        # run ends to the last bit as the uninterrupted one)
         fast = fxrec.transform(model, example, optimizer=embedding_optimizer, backend="fbgemm")
         opt = fast.make_optimizer(torch.optim.Adam, lr=1e-3)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
