@@ -669,3 +669,15 @@ def test_a_group_takes_row_strided_parameters_on_the_native_kernel():
     for p, c, v, b in zip(params, copies, views, before):
         assert p.grad is None and torch.equal(v, c.detach()) and not torch.equal(v, b)
     assert_padding_untouched(bufs, layouts)
+
+
+def test_the_extensions_name_differs_between_checkouts_and_torch_installs(monkeypatch):
+    """Two checkouts (or environments) on one machine shared one extension name, and torch rebuilt
+    the library (~10 s) each time use passed between them: the name now carries the source's path
+    and torch's as well as the CPU's features, and stays the same for the same ones."""
+    here = _native._build_tag()
+    assert here == _native._build_tag()
+    monkeypatch.setattr(_native, "_SOURCE", "/elsewhere/fxrec/csrc/pooled.cpp")
+    elsewhere = _native._build_tag()
+    monkeypatch.setattr(torch, "__file__", "/another/env/torch/__init__.py")
+    assert len({here, elsewhere, _native._build_tag()}) == 3
