@@ -2,13 +2,14 @@
 what it holds.
 
 A model whose parameters or buffers are on ``meta`` (``with torch.device("meta"): model = ...``)
-has shapes and no data. :func:`with_placeholders` gives a copy whose meta tensors are zero-stride
-views of one zero on the example inputs' device: ``torch.export`` captures it as it captures a
-real model, with no table's memory allocated. ``transform(..., plan=...)`` then shards the
+has shapes and no data. :func:`with_placeholders` gives a copy whose meta parameters are zero-stride
+views of one zero on the example inputs' device (its meta buffers are allocated: a model writes
+some in forward): ``torch.export`` captures it as it captures a real model, with no table's memory
+allocated. ``transform(..., plan=...)`` then shards the
 placeholders like real tables (a row block or column shard is a clone of the rows it keeps, the
 only memory a shard takes; tables this rank does not own leave), and :func:`materialize`
 allocates what is still a placeholder (whole tables this rank owns, data-parallel tables, dense
-parameters and buffers) and initialises every tensor that came from ``meta`` with its module's
+parameters) and initialises every tensor that came from ``meta`` with its module's
 own ``reset_parameters()``, run on the tensors this rank holds: a shard gets the module's
 initialiser applied to the shard (for ``nn.Embedding`` / ``nn.EmbeddingBag``: ``normal_``, the
 same distribution, not the same numbers as one process), from a random state seeded by which
@@ -37,14 +38,20 @@ def meta_names(model: nn.Module) -> List[str]:
 
 
 def with_placeholders(model: nn.Module, device: torch.device, every: bool = False) -> nn.Module:
-    """A copy of ``model`` whose meta tensors (with ``every``: all its parameters and buffers) are
-    zero-stride placeholders, on ``device`` for meta tensors and on their own device otherwise:
-    one element each, so the copy allocates no table (ties stay tied)."""
+    """A copy of ``model`` whose meta parameters (with ``every``: all its parameters) are zero-stride
+    placeholders, on ``device`` for meta tensors and on their own device otherwise: one element
+    each, so the copy allocates no table (ties stay tied). Buffers are copied, a meta buffer
+    allocated (uninitialised) on ``device``: a model may write its buffers in forward (batch norm's
+    running statistics), which a placeholder, one element for all, cannot take; every rank holds
+    them whole anyway."""
     memo = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in model.parameters():
         if t.is_meta or every:
             ph = torch.zeros((), dtype=t.dtype, device=device if t.is_meta else t.device).expand(t.shape)
-            memo[id(t)] = nn.Parameter(ph, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ph
+            memo[id(t)] = nn.Parameter(ph, requires_grad=t.requires_grad)
+    for t in model.buffers():
+        if t.is_meta:
+            memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
     return copy.deepcopy(model, memo)  # the placeholders stand in for the tensors they replace
 
 

@@ -10,6 +10,7 @@ import contextlib
 import torch
 import torch.fx as fx
 
+from .dataflow import carries_gradient
 from .pass_infra import InputError
 
 
@@ -166,7 +167,9 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:
     sharded = gm.meta.get("fxrec_sharded_params", {})
     params = dict(gm.named_parameters())
     sparse = {r.param for r in records if r.sparse and r.param in params and r.param not in sharded}
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}  # (export keeps unread ones)
+    # a parameter no gradient reaches (export keeps unread ones; one read only under torch.no_grad()
+    # or through .detach()) makes DDP wait for it unless told (the second step raised)
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and carries_gradient(n)}
     unused = any(p.requires_grad and n not in used for n, p in params.items() if n not in sharded)
     replicate_whole(gm, set(sharded) | sparse, unused)
     for name in sparse:

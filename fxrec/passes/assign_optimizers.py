@@ -27,6 +27,20 @@ from ..optim import check_spec, resolve
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 
 
+#: why a lookup no gradient reaches is left as written when its table has an optimizer
+NO_GRADIENT = ("no gradient reaches its output (detached, or read only by a no_grad block or integer results), "
+               "and the table's optimizer would update the rows it reads in a group's backward: left as written")
+
+
+def makes_no_gradient(rec: meta.LookupRecord) -> bool:
+    """Whether a lookup fxrec would group makes no gradient though outside a no_grad block: its
+    output is detached (or read only by a no_grad block, an integer result). Its rows get no
+    gradient in PyTorch, and an optimizer fused into the group's backward would still update them
+    (weight decay, moments): with an optimizer for its table it is left as written
+    (:data:`NO_GRADIENT`; fxrec.plan then plans the table data-parallel)."""
+    return rec.grad and rec.lowerable and not carries_gradient(rec.output)
+
+
 @compiler_pass(needs=(meta.LOOKUP,), provides=("optimizers",))
 def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     spec = ctx.config.optimizer
@@ -50,14 +64,8 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if mine is not None:
                 rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=mine)
             continue
-        if rec.lowerable and not carries_gradient(rec.output):
-            # detached (or read only by a no_grad block, an integer result): its rows get no
-            # gradient in PyTorch, and an optimizer fused into the group's backward would still
-            # update them (weight decay, moments); read as written, they are left alone
-            rec.node.meta[meta.LOOKUP] = dataclasses.replace(
-                rec, grad=False, optimizer=mine,
-                reason="no gradient reaches its output (detached, or read only by a no_grad block or integer results), "
-                       "and the table's optimizer would update the rows it reads in a group's backward: left as written")
+        if makes_no_gradient(rec):
+            rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, grad=False, optimizer=mine, reason=NO_GRADIENT)
             continue
         rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=opt)
         assigned += 1

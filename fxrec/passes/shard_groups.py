@@ -431,13 +431,28 @@ def module_name(gr: meta.GroupRecord) -> str:
     return f"fxrec_shard_{gr.name}"
 
 
+#: the meta key of a transform's parameters with more than one name (a tied weight, a module held
+#: twice): fqn -> every name of that parameter, set by shard_groups for its own use
+_ALIASES = "fxrec_param_aliases"
+
+
+def _aliases(gm: fx.GraphModule) -> dict:
+    names: dict = {}
+    for n, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {n: tuple(ns) for ns in names.values() if len(ns) > 1 for n in ns}
+
+
 def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
-    owner, _, attr = fqn.rpartition(".")
-    mod = gm.get_submodule(owner) if owner else gm
-    if value is None:
-        delattr(mod, attr)
-    else:
-        setattr(mod, attr, value)
+    """``value`` as the parameter ``fqn`` under each of its names (a shard of a tied table is the
+    table under both: the other name kept the whole table, untrained, in state_dict)."""
+    for name in gm.meta.get(_ALIASES, {}).get(fqn, (fqn,)):
+        owner, _, attr = name.rpartition(".")
+        mod = gm.get_submodule(owner) if owner else gm
+        if value is None:
+            delattr(mod, attr)
+        else:
+            setattr(mod, attr, value)
 
 
 def refuse_apart(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -470,6 +485,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
     effects = SideEffects(list(graph.nodes))
     refuse_apart(gm, ctx)
+    gm.meta[_ALIASES] = _aliases(gm)
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
         mine = {r.node for r in gr.lookups}
@@ -527,6 +543,9 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if not any(m.op == "get_attr" and m.target == n.target for m in graph.nodes):
                 _set_param(gm, n.target, None)
                 removed += 1
+    aliases = gm.meta.pop(_ALIASES)
+    for fqn, kind in list(sharded_params.items()):  # (every name of a tied table is that table's shard)
+        sharded_params.update({a: kind for a in aliases.get(fqn, ())})
     gm.meta["fxrec_sharded_params"] = sharded_params
     # What each planned table's parameter holds on this rank, for checkpoints: fqn -> (global
     # shape, [(row_offset, num_rows, col_offset, num_cols, local_col_offset)]); [] = not held here.
@@ -541,7 +560,8 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 pieces = [(0, r.num_rows, sh.col_offset, sh.num_cols, 0) for sh in tp.shards if sh.rank == rank]
             elif tp.sharding in ("row_wise", "table_row_wise"):
                 pieces = [(sh.row_offset, sh.num_rows, 0, r.dim, 0) for sh in tp.shards if sh.rank == rank]
-            layout[r.param] = ((r.num_rows, r.dim), pieces)
+            for name in aliases.get(r.param, (r.param,)):
+                layout[name] = ((r.num_rows, r.dim), pieces)
     gm.meta["fxrec_shard_layout"] = layout
     stats["tables_not_on_this_rank"] = removed
     _guards_join_the_first_exchange(gm, rank)

@@ -120,7 +120,8 @@ def plan(
             raise ValueError(f"fxrec.plan: pooling_factors[{k!r}] must be a number >= 0, got {v!r}")
 
     if model is not None:
-        specs, example_batch = _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log)
+        specs, example_batch = _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log,
+                                                 lambda table: _kind_of(table, optimizer) != "none")
     else:
         specs, example_batch = _specs_from_list(tables, factors), None
 
@@ -235,10 +236,10 @@ def _check_unique(specs: Sequence[TableSpec]) -> None:
         seen.add(s.name)
 
 
-def _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log):
+def _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log, optimized):
     from .detect import find_tables
 
-    found, detect_notes, example_batch = find_tables(model, example_inputs, example_kwargs, log)
+    found, detect_notes, example_batch = find_tables(model, example_inputs, example_kwargs, log, optimized)
     notes.extend(detect_notes)
     features = {f for t in found for f, _, _ in t.lookups}
     names = {t.name for t in found}
@@ -297,6 +298,17 @@ def _precisions(specs: List[TableSpec], spec) -> List[TableSpec]:
     return out
 
 
+def _kind_of(table: str, optimizer) -> str:
+    """The optimizer kind ``optimizer`` (plan's ``optimizer=``) gives ``table``: in a dict, the
+    first key that is its name or a glob matching it ("none" for none)."""
+    if not isinstance(optimizer, dict):
+        return optimizer_kind(optimizer)
+    for pattern, o in optimizer.items():
+        if pattern == table or fnmatch.fnmatchcase(table, pattern):
+            return optimizer_kind(o)
+    return "none"
+
+
 def _optimizers(specs: Sequence[TableSpec], optimizer):
     """Per-table optimizer kinds, and the plan's label for them."""
     if isinstance(optimizer, dict):
@@ -305,14 +317,7 @@ def _optimizers(specs: Sequence[TableSpec], optimizer):
         if unused:  # (as transform's optimizer= and plan's weights_precision= keys)
             raise ValueError(f"fxrec.plan: optimizer keys {unused} match no table; the tables are "
                              f"{sorted(s.name for s in specs)}")
-        kinds = []
-        for s in specs:
-            kind = "none"
-            for pattern, k in resolved.items():
-                if pattern == s.name or fnmatch.fnmatchcase(s.name, pattern):
-                    kind = k
-                    break
-            kinds.append(kind)
+        kinds = [_kind_of(s.name, resolved) for s in specs]
         label = "per table"
     else:
         default = optimizer_kind(optimizer)

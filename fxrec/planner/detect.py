@@ -21,9 +21,10 @@ of it) can only be data-parallel: sharded tables are only looked up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -89,14 +90,19 @@ def _ids_per_sample(rec) -> Tuple[Optional[float], Optional[int]]:
 
 
 def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
-                logger: Optional[logging.Logger] = None) -> Tuple[List[FoundTable], List[str], Optional[int]]:
+                logger: Optional[logging.Logger] = None,
+                optimized: Callable[[str], bool] = lambda table: False,
+                ) -> Tuple[List[FoundTable], List[str], Optional[int]]:
     """Capture ``model`` on its example inputs and return (tables, notes, batch size of the
-    examples or None). The model is not modified."""
+    examples or None). The model is not modified. ``optimized``: whether a table is trained with
+    an optimizer (transform then leaves its lookups that make no gradient as written:
+    assign_optimizers.makes_no_gradient)."""
     from .. import meta
     from ..capture import capture
     from ..materialize import working_copy
     from ..pass_infra import Config, PassContext, PassManager
     from ..passes.annotate_lookups import annotate_lookups
+    from ..passes.assign_optimizers import NO_GRADIENT, makes_no_gradient
     from ..passes.group_lookups import group_lookups
     from ..passes.merge_lookups import merge_lookups
     from ..report import Report
@@ -112,7 +118,8 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
     ctx = PassContext(config=Config(), report=Report(), example_args=args, example_kwargs=kwargs,
                       logger=logger or logging.getLogger("fxrec"))
     gm = PassManager([annotate_lookups, merge_lookups, group_lookups]).run(gm, ctx)
-    records = meta.all_records(gm)
+    records = [dataclasses.replace(r, reason=NO_GRADIENT) if optimized(r.table) and makes_no_gradient(r) else r
+               for r in meta.all_records(gm)]
     grouped = {r.table for r in records if r.lowerable}
     tables: Dict[str, FoundTable] = {}
     skipped: Dict[str, str] = {}

@@ -1,0 +1,141 @@
+"""Sharded models of forms the differential fuzzer found failing, on torch.distributed (gloo, CPU,
+two processes), each against the single-process model of the global batch: batch norm after the
+lookups (capture on placeholders failed on its running statistics), a table read only under
+``torch.no_grad()`` (DDP waited for its gradient and the second step raised), a table with two
+names sharded row-wise (the second name kept the whole, untrained table in ``state_dict``), and
+a table looked up once detached (``fxrec.plan`` planned it sharded, which ``transform`` refuses)."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fxrec
+
+from .test_sharding import gloo_group, spawn
+
+B = 4  # per rank
+
+
+class NoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.t = nn.EmbeddingBag(40, 8, mode="sum")
+        self.u = nn.Embedding(30, 8)  # read only under no_grad: a gate no gradient reaches
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, ids, offsets, y):
+        with torch.no_grad():
+            gate = torch.sigmoid(self.u(y).sum(1, keepdim=True))
+        return self.top(self.t(ids, offsets) * gate).squeeze(1)
+
+
+class Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.t = nn.EmbeddingBag(40, 8, mode="sum")
+        self.bn = nn.BatchNorm1d(8)
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, ids, offsets, y):
+        return self.top(self.bn(self.t(ids, offsets))).squeeze(1)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.t = nn.EmbeddingBag(40, 8, mode="sum")
+        self.e = nn.Embedding(40, 8)
+        self.e.weight = self.t.weight  # a history bag and the target item share the item table
+        self.top = nn.Linear(16, 1)
+
+    def forward(self, ids, offsets, y):
+        return self.top(torch.cat([self.t(ids, offsets), self.e(y)], 1)).squeeze(1)
+
+
+def batch(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 30, (2 * n,), generator=g)
+    return ids, torch.arange(0, 2 * n, 2), torch.randint(0, 30, (n,), generator=g)
+
+
+def mine(x, rank: int):
+    ids, offsets, y = x
+    return ids[rank * 2 * B:(rank + 1) * 2 * B], offsets[:B], y[rank * B:(rank + 1) * B]
+
+
+def _worker(rank, world, init_file, form, root):
+    with gloo_group(rank, world, init_file):
+        model = {"no_grad": NoGrad, "norm": Norm, "tied": Tied}[form]()
+        example = mine(batch(B * world, 0), rank)
+        pins = {"t": "row_wise"} if form == "tied" else {"t": ("table_wise", 1)}  # (u: left as written)
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, batch_size=B)
+        fast = fxrec.transform(model, example, plan=plan)
+        single = copy.deepcopy(model)
+        if form == "norm":  # batch norm takes each rank's own batch's statistics (as under DDP)
+            x = mine(batch(B * world, 1), rank)
+            torch.testing.assert_close(fast(*x), single(*x))
+            torch.testing.assert_close(fast.get_buffer("bn.running_mean"), single.bn.running_mean)
+            torch.testing.assert_close(fast.get_buffer("bn.running_var"), single.bn.running_var)
+            fast(*x).sum().backward()  # (its gradients are summed over the ranks)
+            dist.barrier()
+            os._exit(0)
+        opt = torch.optim.SGD(fast.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(single.parameters(), lr=0.1)
+        for step in range(3):
+            x = batch(B * world, step + 1)
+            want, got = single(*x), fast(*mine(x, rank))
+            torch.testing.assert_close(got, want[rank * B:(rank + 1) * B], msg=f"step {step}")
+            for o, out in ((ref_opt, want), (opt, got)):
+                o.zero_grad()
+                (out * out).sum().backward()  # (a rank's share of the global batch's loss: DDP sums them)
+                o.step()
+        if form == "tied":
+            sd = fast.state_dict()
+            assert sd["t.weight"] is sd["e.weight"] or torch.equal(sd["t.weight"], sd["e.weight"])
+            lo = plan.tables["t"].shards[rank].row_offset
+            rows = sd["e.weight"].shape[0]
+            torch.testing.assert_close(sd["e.weight"], single.t.weight.detach()[lo:lo + rows])
+            fxrec.checkpoint.save(fast, os.path.join(root, "ckpt"))
+            back = Tied()
+            fxrec.checkpoint.load_into_model(back, os.path.join(root, "ckpt"))
+            for name in ("t.weight", "e.weight"):  # (both names: the table, trained)
+                torch.testing.assert_close(back.get_parameter(name), single.t.weight, msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("form", ["norm", "no_grad", "tied"])
+def test_sharded_model_forms_train_as_one_process(form, tmp_path):
+    spawn(_worker, 2, form, str(tmp_path))
+
+
+class Detached(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Embedding(20, 4)
+        self.top = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return self.top(self.t(x).sum(1).detach() * self.t(y))
+
+
+def test_a_table_looked_up_detached_is_planned_data_parallel_when_it_has_an_optimizer():
+    """With an optimizer, transform leaves a lookup no gradient reaches as written (its group's
+    fused update would still step the rows), so the table is read outside its lookups and can
+    only be data-parallel: fxrec.plan said table_wise, which transform(plan=) then refused."""
+    x, y = torch.randint(0, 20, (4, 3)), torch.randint(0, 20, (4,))
+    without = fxrec.plan(Detached(), (x, y), world_size=2, memory_per_rank="1GB")
+    assert without.tables["t"].spec.data_parallel_only == ""
+    for optimizer in ("sgd", fxrec.optim.SGD(lr=0.1), {"t": "adagrad"}):
+        plan = fxrec.plan(Detached(), (x, y), world_size=2, memory_per_rank="1GB", optimizer=optimizer)
+        tp = plan.tables["t"]
+        assert tp.sharding == "data_parallel", (optimizer, tp.sharding)
+        assert "feature 'x' is a lookup fxrec leaves as written (no gradient reaches its output" in \
+            tp.spec.data_parallel_only, tp.spec.data_parallel_only
