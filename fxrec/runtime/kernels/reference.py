@@ -45,12 +45,33 @@ def lookup_each(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], ps
         if forms[i] == 0:
             outs.append(F.embedding_bag(ids_list[i], w, offsets_list[i], mode=pooling, sparse=sparse[t],
                                         per_sample_weights=psw_list[i], include_last_offset=ilos[i], padding_idx=pad))
+        elif forms[i] == 1 and ids_list[i].dim() == 1:
+            outs.append(_pool_flat(ids_list[i], offsets_list[i], w, pad, sparse[t], pooling))
         else:
             e = F.embedding(ids_list[i], w, padding_idx=pad, sparse=sparse[t])
             if forms[i] == 1:
                 e = e.sum(1) if pooling == "sum" else e.mean(1)
             outs.append(e)
     return outs
+
+
+def _pool_flat(ids: Tensor, offsets: Optional[Tensor], w: Tensor, pad: Optional[int], sparse: bool,
+               pooling: str) -> Tensor:
+    """``[B, L]`` ids pooled over L (``emb(ids).sum(1)`` / ``.mean(1)``) as they reach the rank that
+    owns a sharded fp16 table: flat, each bag's start in ``offsets`` (the bags of several ranks,
+    whose L may differ). The model's arithmetic: each id's row by ``F.embedding``, whose backward
+    (a row's gradients added in order) ``embedding_bag``'s does not give in fp16; summed in float32
+    and rounded once, as ``sum(1)`` / ``mean(1)`` of fp16 rows do on CPU; a bag's gradient given
+    to each of its ids (``mean``: divided by its length, in float32, rounded once)."""
+    if offsets is None:
+        raise ValueError("fxrec: [B, L] ids sent flat need their bags' offsets")
+    bags = offsets.numel()
+    if ids.numel() == 0:  # (segment_reduce takes no empty input): empty bags' sums, and means (NaN)
+        empty = F.embedding(ids, w, padding_idx=pad, sparse=sparse)
+        return empty.new_full([bags, w.shape[1]], float("nan") if pooling == "mean" else 0.0) + empty.sum()
+    ends = torch.cat([offsets[1:], torch.full([1], ids.numel(), dtype=offsets.dtype, device=offsets.device)])
+    rows = F.embedding(ids, w, padding_idx=pad, sparse=sparse).float()
+    return torch.segment_reduce(rows, pooling, lengths=ends - offsets).to(w.dtype)
 
 
 def lookups(group, ids_list, offsets_list, psw_list, params, out: Optional[torch.Tensor] = None):
