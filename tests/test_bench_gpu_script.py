@@ -56,3 +56,24 @@ def test_the_host_benchmark_runs_on_cpu_and_turns_each_change_off_and_on(tmp_pat
     for change in ("attr", "attrs", "guards", "packing"):
         assert set(shape[change]) == keys | {"forward_saved_ms", "sgd_step_saved_ms"}, change
         assert all(shape[change][k] > 0 for k in keys), change
+
+
+def test_the_gpu_make_targets_collect_only_the_cuda_test_files_and_bench_as_the_anchors_were_measured():
+    """make test-gpu imports only the files holding requires_cuda tests (the others import
+    hypothesis, which a GPU machine may lack: collection stopped there), every one of them; make
+    bench-gpu times as the anchor figures were measured, without the minutes of torch.compile."""
+    root = os.path.dirname(HERE)
+    test = subprocess.run(["make", "-n", "test-gpu", "GPU_PY=true"], cwd=root, capture_output=True, text=True)
+    assert test.returncode == 0, test.stderr
+    files = {w for w in test.stdout.split() if w.startswith("tests/")}
+    marker = "mark." + "requires_cuda"  # (split: this file holds no such test)
+    holding = set()
+    for d in ("tests", "tests/passes"):
+        for name in os.listdir(os.path.join(root, d)):
+            path = os.path.join(d, name)
+            if name.endswith(".py") and marker in open(os.path.join(root, path)).read():
+                holding.add(path)
+    assert files == holding and "tests/test_gpu.py" in files, (files, holding)
+    assert not any("import hypothesis" in open(os.path.join(root, f)).read() for f in files)
+    bench = subprocess.run(["make", "-n", "bench-gpu", "GPU_PY=true"], cwd=root, capture_output=True, text=True)
+    assert "benchmarks/bench_gpu.py --no-compile --rounds 10 --queue 10" in bench.stdout, bench.stdout
