@@ -205,8 +205,16 @@ def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
                         if fqn in layout:  # kept once for a table the ranks hold parts of
                             out.agreed[entry] = t
                 out.records[fqn] = rec
+    # A table optimizer whose fallback steps some tables on this rank shares the fallback's param
+    # group, with the torch form's fixed settings (eps, weight_decay, ...); a rank whose tables are
+    # all fused has no fallback and none of them: a fused table's record keeps only what its fused
+    # group has on every rank (lr, and what a scheduler adds), so that the ranks' records agree.
+    fixed = {id(o.param_groups[0]): set(o.defaults) - {"lr"}
+             for o in getattr(optimizer, "fallbacks", []) if o.param_groups}
     for group in fused:  # their states (and a fused Adam's step count) are the tables' fxrec_fused entries
-        hps = _hyperparameters(fused_hyperparameters(group), group["tables"][0] if group["tables"] else "")
+        drop = fixed.get(id(group), set())
+        hps = _hyperparameters({k: v for k, v in fused_hyperparameters(group).items() if k not in drop},
+                               group["tables"][0] if group["tables"] else "")
         for fqn in group["tables"]:
             out.records[fqn] = {"group": hps, "states": {}, "values": {}, "fused": True, "optimizer": steppers[fqn]}
     return out

@@ -139,3 +139,57 @@ def test_a_table_looked_up_detached_is_planned_data_parallel_when_it_has_an_opti
         assert tp.sharding == "data_parallel", (optimizer, tp.sharding)
         assert "feature 'x' is a lookup fxrec leaves as written (no gradient reaches its output" in \
             tp.spec.data_parallel_only, tp.spec.data_parallel_only
+
+
+class FusedAndHalf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.EmbeddingBag(10, 4, mode="sum")
+        self.h = nn.EmbeddingBag(10, 4, mode="sum", dtype=torch.float16)  # (never fused: torch.optim's)
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(torch.cat([self.a(ids, offsets), self.h(ids, offsets).float()], 1)).squeeze(1)
+
+
+def _fused_and_half(rank, world, init_file, root):
+    with gloo_group(rank, world, init_file):
+        def bags(seed):
+            g = torch.Generator().manual_seed(seed)
+            return torch.randint(0, 10, (2 * B,), generator=g), torch.arange(B) * 2
+
+        model = FusedAndHalf()
+        plan = fxrec.plan(model, bags(0), world_size=world, memory_per_rank="1GB", optimizer="rowwise_adagrad",
+                          pins={"a": "row_wise", "h": ("table_wise", 1)}, batch_size=B)
+        fast = fxrec.transform(model, bags(rank), plan=plan, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+        opt = fast.make_optimizer(torch.optim.SGD, lr=0.05)
+        for step in range(2):
+            opt.zero_grad()
+            fast(*bags(10 + 2 * step + rank)).sum().backward()
+            opt.step()
+        path = os.path.join(root, "ckpt")
+        fxrec.checkpoint.save(fast, path, optimizer=opt)  # (raised: the ranks' records for 'a' differed)
+        lo = plan.tables["a"].shards[rank].row_offset
+        torch.save((lo, fast.get_parameter("a.weight").detach()), os.path.join(root, f"a.{rank}"))
+        dist.barrier()
+    os._exit(0)
+
+
+def test_a_fused_table_optimizer_that_also_steps_an_fp16_table_on_one_rank_checkpoints(tmp_path):
+    """Row-wise Adagrad fused for an fp32 table sharded row-wise, and (torch.optim's form) for an
+    fp16 table on rank 1 only: rank 1's param group carries the torch form's settings, and the
+    ranks' optimizer records for the fused table differed, so save raised on every rank; a
+    checkpoint saved so loaded into one process was refused (found by the sharded fuzzer)."""
+    spawn(_fused_and_half, 2, str(tmp_path))
+    # into one process, where 'a' and 'h' share the table optimizer's param group
+    def bags(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, 10, (2 * B,), generator=g), torch.arange(B) * 2
+
+    one = fxrec.transform(FusedAndHalf(), bags(0), optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1))
+    one_opt = one.make_optimizer(torch.optim.SGD, lr=0.05)
+    fxrec.checkpoint.load(one, str(tmp_path / "ckpt"), optimizer=one_opt)
+    for rank in range(2):
+        lo, rows = torch.load(tmp_path / f"a.{rank}")
+        assert torch.equal(one.get_parameter("a.weight")[lo:lo + rows.shape[0]], rows)
