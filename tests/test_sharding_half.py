@@ -366,3 +366,37 @@ def test_fp16_tables_looked_up_by_nn_embedding_and_pooled_by_hand_train_bit_for_
     embedding's (the table's gradient was one or two fp16 steps off in most batches; found by the
     differential fuzzer). The owner now runs the model's own lookups on the ids sent to it."""
     spawn(_hand_pooled, 2)
+
+
+def _hand_pooled_int8(rank, world, init_file):
+    with gloo_group(rank, world, init_file):
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randint(0, 30, (LOCAL_B * world, 6), generator=g), torch.randint(0, 5, (LOCAL_B * world,), generator=g)
+        mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+        plan = fxrec.plan(HandPooled(), (x[mine], y[mine]), world_size=world, memory_per_rank="1GB",
+                          batch_size=LOCAL_B, pins={"a": ("table_wise", 0), "b": ("table_wise", 1), "c": ("table_wise", 1)})
+        fast = fxrec.transform(HandPooled(), (x[mine], y[mine]), plan=plan, mode="inference", quantize="int8")
+        with torch.no_grad():
+            got = fast(x[mine], y[mine])
+        torch.save(got, os.path.join(os.path.dirname(init_file), f"fxrec_hand_int8.{rank}.{os.getppid()}"))
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fp16_tables_looked_up_by_nn_embedding_serve_quantized_sharded_as_in_one_process():
+    """The same lookups served int8 under a plan: quantized pieces stay bags (the lookups kept as the
+    model wrote them are the trained fp16 tables'; the owner's packing of quantized [B, L] ids sent
+    flat raised IndexError)."""
+    import tempfile
+
+    spawn(_hand_pooled_int8, 2)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 30, (LOCAL_B * 2, 6), generator=g), torch.randint(0, 5, (LOCAL_B * 2,), generator=g)
+    one = fxrec.transform(HandPooled(), (x, y), mode="inference", quantize="int8")
+    with torch.no_grad():
+        want = one(x, y)
+    for rank in range(2):
+        path = os.path.join(tempfile.gettempdir(), f"fxrec_hand_int8.{rank}.{os.getpid()}")
+        got = torch.load(path)
+        os.remove(path)
+        torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"rank {rank}")

@@ -165,9 +165,11 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
     tables, features = {}, []
     for (r, rows, dim), t in zip(pieces, table_of):
         tables.setdefault(t, TableSpec(r.table, int(rows), int(dim), sparse=r.sparse, dtype=r.dtype, weights=r.weights))
-        # (the model's fp16 tables: the owner runs its lookups as the model wrote them, their ids sent
-        # flat, so that forward and backward round as the model's do; fp32 pieces are bags)
-        form = "seq" if pooling == "none" else r.form if r.half and r.form in ("pooled_seq", "single") else "bag"
+        # (the model's fp16 tables, trained: the owner runs its lookups as the model wrote them, their
+        # ids sent flat, so that forward and backward round as the model's do; other pieces, and
+        # quantized ones, are bags)
+        own = r.half and not quant and r.form in ("pooled_seq", "single")
+        form = "seq" if pooling == "none" else r.form if own else "bag"
         features.append(FeatureSpec(r.feature, t, form, weighted=weighted))
     specs = [tables[t] for t in range(len(tables))]
     if quant:  # inference on quantized tables: fbgemm's IntNBit TBE of this rank's pieces
