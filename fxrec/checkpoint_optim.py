@@ -469,14 +469,18 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
 def _group_hyperparameters(saved: Dict[str, dict], strict: bool, problems: List[str]) -> Optional[dict]:
     """The saved hyperparameters of one param group from its parameters' records (``saved``: fqn
     -> encoded hyperparameters), decoded; None when none was saved. A problem when they differ
-    (strict), else the first parameter's."""
+    (strict), else the first parameter's. A key one record lacks is no difference: a table saved
+    fused keeps only what its fused group has on every rank (lr, a scheduler's keys), not the
+    torch form's fixed settings that a table stepped by torch.optim records."""
     if not saved:
         return None
     (first, hps), *others = saved.items()
+    merged = dict(hps)
     for fqn, other in others:
-        if other != hps and strict:
-            diff = sorted(k for k in set(hps) | set(other) if hps.get(k) != other.get(k))
+        diff = sorted(k for k in set(hps) & set(other) if hps[k] != other[k])
+        if diff and strict:
             problems.append(f"parameters '{first}' and '{fqn}' are in one param group here but were saved with other "
                             f"hyperparameters {diff}")
             break
-    return {k: _decode(v) for k, v in hps.items()}
+        merged.update({k: v for k, v in other.items() if k not in merged})
+    return {k: _decode(v) for k, v in merged.items()}
