@@ -400,3 +400,26 @@ def test_fp16_tables_looked_up_by_nn_embedding_serve_quantized_sharded_as_in_one
         got = torch.load(path)
         os.remove(path)
         torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"rank {rank}")
+
+
+def _hand_pooled_eval(rank, world, init_file):
+    with gloo_group(rank, world, init_file):
+        g = torch.Generator().manual_seed(4)
+        x, y = torch.randint(0, 30, (LOCAL_B * world, 6), generator=g), torch.randint(0, 5, (LOCAL_B * world,), generator=g)
+        mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+        plan = fxrec.plan(HandPooled(), (x[mine], y[mine]), world_size=world, memory_per_rank="1GB",
+                          batch_size=LOCAL_B, pins={"a": ("table_wise", 0), "b": ("table_wise", 1), "c": ("table_wise", 1)})
+        # backend="fbgemm": the inference kernel CUDA's rule puts first, here on CPU
+        fast = fxrec.transform(HandPooled(), (x[mine], y[mine]), plan=plan, backend="fbgemm").eval()
+        with torch.no_grad():
+            got = fast(x[mine], y[mine])
+        assert torch.equal(got, HandPooled()(x, y)[mine])
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fp16_tables_looked_up_by_nn_embedding_sharded_give_the_plain_outputs_in_eval_on_fbgemm():
+    """In eval the owner's group took fbgemm's kernel (CUDA's first for inference), whose packing
+    cannot take [B, L] ids sent flat: IndexError on the owner, the other rank waiting (a regression
+    of 5b7dfbb, found by the review). Groups with such lookups keep PyTorch's lookups in both modes."""
+    spawn(_hand_pooled_eval, 2)
