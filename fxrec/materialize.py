@@ -165,12 +165,37 @@ def _initialise(model: nn.Module, path: str, fqns: List[str], gm_tensors: Dict[s
     for fqn in fqns:
         t = gm_tensors[fqn]
         (stand._parameters if isinstance(t, nn.Parameter) else stand._buffers)[fqn.rpartition(".")[2]] = t
+        with torch.no_grad():  # (what reset_parameters() leaves unwritten is found below, never kept)
+            t.fill_(_unwritten(t.dtype))
     if seed is None:
         with torch.no_grad():
             stand.reset_parameters()
-        return
-    # (manual_seed seeds every device: every one's state is put back)
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=cuda), torch.no_grad():
-        torch.manual_seed(seed)
-        stand.reset_parameters()
+    else:
+        # (manual_seed seeds every device: every one's state is put back)
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            torch.manual_seed(seed)
+            stand.reset_parameters()
+    left = [f for f in fqns if _left_unwritten(gm_tensors[f])]
+    if left:
+        raise InputError(
+            f"fxrec: {left} are on the meta device, and their module '{path or type(orig).__name__}' "
+            f"({type(orig).__name__}) has a reset_parameters() that does not write all of them; write them "
+            "there (it is run on the tensors each rank holds), or build the model on a real device")
+
+
+def _unwritten(dtype: torch.dtype):
+    """The value a meta tensor holds before its module's ``reset_parameters()`` runs: NaN, or the
+    lowest integer (a bool cannot tell, and is False)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _left_unwritten(t: torch.Tensor) -> bool:
+    if t.dtype == torch.bool or t.numel() == 0:
+        return False
+    with torch.no_grad():
+        v = t.detach()
+        return bool(torch.isnan(v).any() if (v.dtype.is_floating_point or v.dtype.is_complex)
+                    else (v == _unwritten(v.dtype)).any())

@@ -191,6 +191,38 @@ def test_a_meta_tensor_whose_module_cannot_initialise_it_is_refused_naming_it():
         materialize(work, model, {}, {})
 
 
+def test_a_meta_tensor_its_modules_reset_parameters_leaves_unwritten_is_refused_naming_it():
+    """(Such a buffer kept the allocation's leftover memory, then rank 0's broadcast: no error.)"""
+    from fxrec.materialize import materialize, with_placeholders
+
+    class Scaled(nn.Module):
+        writes = ()
+
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.EmbeddingBag(10, 4)
+            self.register_buffer("scale", torch.empty(4))
+            self.register_buffer("count", torch.empty(2, dtype=torch.long))
+
+        def reset_parameters(self):
+            if "scale" in self.writes:
+                self.scale.fill_(2.0)
+            if "count" in self.writes:
+                self.count.zero_()
+
+    for writes, left in (((), r"\['scale', 'count'\]"), (("count",), r"\['scale'\]"), (("scale",), r"\['count'\]")):
+        with torch.device("meta"):
+            model = Scaled()
+        model.writes = writes
+        with pytest.raises(ValueError, match=left + r" are on the meta device.*'Scaled'.*does not write"):
+            materialize(with_placeholders(model, torch.device("cpu")), model, {}, {})
+    model.writes = ("scale", "count")
+    work = with_placeholders(model, torch.device("cpu"))
+    materialize(work, model, {}, {})
+    assert torch.equal(work.scale, torch.full((4,), 2.0)) and torch.equal(work.count, torch.zeros(2, dtype=torch.long))
+    assert torch.isfinite(work.emb.weight).all()  # (its own module's reset_parameters wrote it)
+
+
 def test_a_meta_model_is_explained_as_a_real_one():
     torch.manual_seed(0)
     real = Model()
