@@ -862,6 +862,10 @@ def _tables_apart_on_ranks(rank, world):
     fast = fxrec.transform(model, x, plan=plan, mode="inference")  # (rows renormalised before each read: as one process)
     with torch.no_grad():
         msgs.append(str(torch.allclose(fast(*x), model(*x))))
+    whole = _ReadWhole()
+    whole.load_state_dict(frozen.state_dict())
+    whole.requires_grad_(False).top.requires_grad_(True)
+    msgs.append(message_of(lambda: fxrec.transform(whole, x, plan=plan)))  # (each rank's copy read whole)
     raise ValueError(" || ".join(msgs))
 
 
@@ -869,8 +873,10 @@ def test_tables_whose_lookups_would_part_the_ranks_copies_are_refused_in_trainin
     """Left as written on every rank of a plan, max_norm renormalised each rank's own rows in place
     (the copies parted: 1.0 apart after 3 steps) and scale_grad_by_freq scaled by each rank's own
     counts (0.23 off the plain model), without a word (found by a composition hunt)."""
-    training, frozen, inference_same = error_of(tmp_path, 2, _tables_apart_on_ranks).split(" || ")
+    training, frozen, inference_same, read_whole = error_of(tmp_path, 2, _tables_apart_on_ranks).split(" || ")
     assert frozen == "no error", frozen
+    assert "'norm': max_norm renormalises" in read_whole and "reads the table outside its lookups" in read_whole, read_whole
+    assert "'freq'" not in read_whole, read_whole  # (frozen: its outputs are one process's)
     assert "'freq': scale_grad_by_freq scales its gradient by the id counts of each rank's own batch" in training, training
     assert "'norm': max_norm renormalises in place the rows each rank's own batch reads" in training, training
     assert inference_same == "True"
@@ -884,6 +890,34 @@ def test_explain_with_a_plan_gives_the_refusal_of_tables_that_would_part_the_ran
     with pytest.raises(ValueError, match="'freq': scale_grad_by_freq scales its gradient by the id counts"):
         fxrec.explain(model, x, plan=plan)
     assert fxrec.explain(model, x, plan=plan, mode="inference").groups
+
+
+class _ReadWhole(_RowsApart):
+    def forward(self, ids, offsets):
+        return super().forward(ids, offsets) + self.norm.weight.sum()
+
+
+class _ReadFreq(_RowsApart):
+    def forward(self, ids, offsets):
+        return super().forward(ids, offsets) + self.freq.weight.sum()
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_a_max_norm_table_also_read_outside_its_lookups_is_refused_frozen_and_in_inference(mode):
+    """Each rank renormalises the rows its own batch reads, so the copies part; the lookups still
+    give one process's outputs, but the model's own read of the whole weight did not (0.5 off at
+    the first step, 2.6 at the third)."""
+    torch.manual_seed(0)
+    model = _ReadWhole()
+    model.requires_grad_(False).top.requires_grad_(True)
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", pins={"other": "row_wise"})
+    with pytest.raises(ValueError, match=r"'norm': max_norm renormalises.*reads the table outside its lookups") as e:
+        fxrec.explain(model, x, plan=plan, mode=mode)
+    assert "'freq'" not in str(e.value)
+    other = _ReadFreq()
+    other.requires_grad_(False).top.requires_grad_(True)
+    assert fxrec.explain(other, x, plan=plan, mode=mode).groups  # (no max_norm: every rank's copy is the same)
 
 
 _CKPT_G = 24  # the global batch of the checkpoint test, at every world size

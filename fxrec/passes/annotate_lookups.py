@@ -201,6 +201,26 @@ def apart_on_ranks(rec: meta.LookupRecord) -> Optional[str]:
     return None
 
 
+def read_outside(weight: fx.Node, lookups) -> bool:
+    """Whether the table ``weight`` (following views of it) is read by anything but the nodes
+    ``lookups`` and max_norm's renormalisation."""
+    seen, todo = {weight}, [weight]
+    while todo:
+        cur = todo.pop()
+        for u in cur.users:
+            if u in lookups:
+                continue
+            if u.op == "call_function" and u.target in _ALIAS_OPS:
+                if u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+                continue
+            if u.op == "call_function" and "embedding_renorm" in getattr(u.target, "__name__", str(u.target)):
+                continue
+            return True
+    return False
+
+
 @compiler_pass(provides=(meta.LOOKUP,))
 def annotate_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     found = 0

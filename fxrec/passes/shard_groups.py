@@ -70,7 +70,7 @@ from ..runtime.input_guards import GUARDS_NAME
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
-from .annotate_lookups import apart_on_ranks
+from .annotate_lookups import apart_on_ranks, read_outside
 from ..runtime.sharded import PooledInputDist, PooledLookup, PooledOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
 from ..runtime.specs import CUDA_MAX_DIM, CUDA_WIDE_FUSED, ROW_MEAN, WHOLE_ROW, FeatureSpec, GroupSpec, TableSpec, pad_dim, weights_dtype
@@ -463,25 +463,34 @@ def _set_param(gm: fx.GraphModule, fqn: str, value) -> None:
 
 
 def refuse_apart(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """In training, an InputError naming the tables fxrec leaves as written that would train apart
-    on the ranks (annotate_lookups.apart_on_ranks); frozen tables, and tables no gradient reaches,
-    keep one process's outputs and are taken."""
-    if ctx.config.mode != "training":
-        return
+    """An InputError naming the tables fxrec leaves as written that would part on the ranks
+    (annotate_lookups.apart_on_ranks): in training, those that train; frozen tables, tables no
+    gradient reaches, and every table in inference keep one process's outputs and are taken,
+    unless max_norm writes them in forward and the model also reads them outside their lookups."""
     records = meta.all_records(gm)
     params = dict(gm.named_parameters())
     trained = {r.param for r in records if r.grad and carries_gradient(r.output)
                and getattr(params.get(r.param), "requires_grad", True)}
+    lookups = {}
+    for r in records:
+        lookups.setdefault(r.param, set()).add(r.node)
     apart = {}
     for r in records:
-        why = apart_on_ranks(r) if r.param in trained else None
-        if why:
+        why = apart_on_ranks(r)
+        if not why:
+            continue
+        if ctx.config.mode == "training" and r.param in trained:
             apart.setdefault(r.table, why)
+        elif "max_norm" in why and isinstance(r.weight, fx.Node) and read_outside(r.weight, lookups[r.param]):
+            # (frozen, or in inference: the lookups give one process's outputs, a row being
+            # renormalised before each read; the table itself differs on each rank)
+            apart.setdefault(r.table, why + ", and the model reads the table outside its lookups too, "
+                             "where each rank's copy differs from one process's")
     if apart:
         raise InputError("fxrec: with a plan, tables fxrec leaves as written are whole on every rank, their "
-                         "gradients summed, and these would not train as in one process: "
+                         "gradients summed, and these would not give one process's results: "
                          + "; ".join(f"'{t}': {why}" for t, why in sorted(apart.items()))
-                         + ". Train them without a plan, or without that option")
+                         + ". Run them without a plan, or without that option")
 
 
 @compiler_pass(needs=("groups",), provides=(meta.ORIGIN, "sharded"))
