@@ -11,7 +11,8 @@ computations (merge_lookups) need the same facts: what besides data flow orders 
   inputs that must all come before a set of users);
 * :func:`reaches`: whether one node is reached from others, walking back;
 * :func:`reads_contiguous`: whether a user needs a tensor laid out as a contiguous one;
-* :func:`carries_gradient`: whether a gradient can flow back to a node's value.
+* :func:`carries_gradient`: whether a gradient can flow back to a node's value;
+* :func:`needs_gradient`: whether a node's value is computed from parameters that train.
 
 These know nothing of lookups or groups.
 """
@@ -297,6 +298,35 @@ def carries_gradient(node: fx.Node) -> bool:
             if isinstance(u.target, torch._ops.HigherOrderOperator) or is_impure(u):
                 return True
             todo.append(u)
+    return False
+
+
+def needs_gradient(node: fx.Node) -> bool:
+    """Whether ``node``'s value needs a gradient: computed, in float, from a parameter that
+    requires grad (a ``get_attr`` whose value does), not through a ``detach``, a result of a
+    ``torch.no_grad()`` block or an integer or bool result. The graph's inputs are taken as not
+    needing one (a tensor given that does is told at the call)."""
+    seen: Set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
+            continue
+        if n.op == "get_attr":
+            if bool(getattr(val, "requires_grad", False)):
+                return True
+            continue
+        if n.op != "call_function" or n.target is aten.detach.default:
+            continue
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and \
+                getattr(n.args[0].target, "__name__", "") == "wrap_with_set_grad_enabled" and \
+                n.args[0].args and n.args[0].args[0] is False:
+            continue  # (a result of a no_grad block)
+        todo.extend(n.all_input_nodes)
     return False
 
 

@@ -95,6 +95,14 @@ class LookupRecord:
     def weighted(self) -> bool:
         return self.per_sample_weights is not None
 
+    @property
+    def learned_weights(self) -> bool:
+        """The per-sample weights need a gradient as captured (computed from parameters that
+        train, outside a no_grad block)."""
+        from .dataflow import needs_gradient
+
+        return self.per_sample_weights is not None and self.grad and needs_gradient(self.per_sample_weights)
+
 
 @dataclass
 class GroupRecord:

@@ -141,6 +141,41 @@ def test_a_table_looked_up_detached_is_planned_data_parallel_when_it_has_an_opti
             tp.spec.data_parallel_only, tp.spec.data_parallel_only
 
 
+class Learned(nn.Module):
+    """A bag weighted per id by a score the model learns."""
+
+    def __init__(self, no_grad=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.t = nn.EmbeddingBag(20, 4, mode="sum")
+        self.s = nn.Embedding(20, 1)
+        self.no_grad = no_grad
+
+    def forward(self, ids, offsets):
+        with torch.set_grad_enabled(not self.no_grad):
+            w = torch.sigmoid(self.s(ids).squeeze(1))
+        return self.t(ids, offsets, per_sample_weights=w)
+
+
+def test_a_table_whose_per_sample_weights_need_a_gradient_is_planned_data_parallel_and_refused_sharded():
+    """Sharded lookups take fixed per-sample weights: fxrec.plan sharded such a table, and the
+    first training call then raised; transform with a plan that shards it refuses, naming it."""
+    x = (torch.randint(0, 20, (8,)), torch.arange(0, 8, 2))
+    tp = fxrec.plan(Learned(), x, world_size=2, memory_per_rank="1GB").tables["t"]
+    assert tp.sharding == "data_parallel", tp.sharding
+    assert "per-sample weights that need a gradient" in tp.spec.data_parallel_only, tp.spec.data_parallel_only
+    fixed = Learned()
+    fixed.s.weight.requires_grad_(False)
+    for model in (fixed, Learned(no_grad=True)):  # (weights no gradient reaches: the table shards)
+        assert fxrec.plan(model, x, world_size=2, memory_per_rank="1GB",
+                          pins={"t": "row_wise"}).tables["t"].sharding == "row_wise"
+    plan = fxrec.plan(fixed, x, world_size=2, memory_per_rank="1GB", pins={"t": "row_wise"})
+    with pytest.raises(ValueError, match="feature 'ids#2' of table 't' has per-sample weights that need a "
+                                         "gradient, and the plan shards the table row_wise.*data_parallel"):
+        fxrec.explain(Learned(), x, plan=plan)
+    assert fxrec.explain(Learned(), x, plan=plan, mode="inference").groups  # (no gradient in inference)
+
+
 class FusedAndHalf(nn.Module):
     def __init__(self):
         super().__init__()

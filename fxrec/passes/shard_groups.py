@@ -125,6 +125,10 @@ def _sharding(ctx: PassContext, rec: meta.LookupRecord) -> str:
         if rec.padding_idx is not None or rec.include_last_offset:
             raise InputError(f"fxrec: feature '{rec.feature}' of table '{rec.table}' uses padding_idx or "
                              "include_last_offset, which sharded lookups do not take yet: plan it data_parallel")
+        if rec.learned_weights and ctx.config.mode == "training":
+            raise InputError(f"fxrec: feature '{rec.feature}' of table '{rec.table}' has per-sample weights that need "
+                             f"a gradient, and the plan shards the table {tp.sharding}; sharded tables take fixed "
+                             "weights only for now: plan it data_parallel")
     return tp.sharding
 
 

@@ -141,6 +141,9 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
             t.data_parallel_only = (f"feature '{rec.feature}' uses "
                                     + ("padding_idx" if rec.padding_idx is not None else "include_last_offset")
                                     + ", which sharded lookups do not take yet")
+        if rec.learned_weights and not t.data_parallel_only:
+            t.data_parallel_only = (f"feature '{rec.feature}' has per-sample weights that need a gradient, which "
+                                    "sharded lookups do not take yet (they take fixed weights)")
     for name, t in tables.items():  # the weight read by more than the lookups transform groups: every rank holds it
         mine = {r.node for r in records if r.table == name and r.lowerable}
         outside = [u for r in records if r.table == name and r.lowerable for u in r.weight.users if u not in mine]
