@@ -415,8 +415,16 @@ def _frozen_worker(rank, world, init_file, sharding, result_file):
                             backend="fbgemm")
         except ValueError as e:  # (fxrec's InputError)
             refused = str(e)
+        half = ""  # (stored fp16, only fbgemm's fused kernel holds the tables: refused, saying why)
+        try:
+            fxrec.transform(_PretrainedAndNew(), example, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1),
+                            weights_precision="fp16",
+                            plan=fxrec.plan(_PretrainedAndNew(), example, world_size=world, memory_per_rank="1GB",
+                                            pins=pins, optimizer="rowwise_adagrad", weights_precision="fp16"))
+        except ValueError as e:
+            half = str(e)
         with open(f"{result_file}.{rank}", "w") as fh:
-            json.dump({"kernels": kernels, "refused": refused}, fh)
+            json.dump({"kernels": kernels, "refused": refused, "half": half}, fh)
         dist.barrier()
     os._exit(0)
 
@@ -427,7 +435,8 @@ def test_a_table_frozen_beside_a_trained_one_keeps_each_ranks_group_off_fbgemms_
     each rank's local group went to fbgemm's fused kernel, which would update the frozen rows, and
     the first training call failed on the ranks holding both (the same rule as one process now
     passes fbgemm over there). Three steps equal the single-process model, the frozen rows stay,
-    and a forced backend="fbgemm" is refused at transform on every rank."""
+    and a forced backend="fbgemm" is refused at transform on every rank, as is weights_precision="fp16"
+    (which only fbgemm's fused kernel stores), saying why."""
     out = str(tmp_path / "res")
     spawn(_frozen_worker, 2, sharding, out)
     for rank in range(2):
@@ -437,6 +446,8 @@ def test_a_table_frozen_beside_a_trained_one_keeps_each_ranks_group_off_fbgemms_
             assert res["kernels"] and "fbgemm" not in res["kernels"], res
         assert ("tables ['f'] are frozen (requires_grad=False) and fbgemm's fused kernel would update them"
                 in res["refused"]) or "transform failed on rank(s)" in res["refused"], res
+        assert ("tables ['f'] are frozen (requires_grad=False) and fbgemm's fused kernel would update them"
+                in res["half"]) or "transform failed on rank(s)" in res["half"], res  # (it said "the None kernel")
 
 
 @pytest.mark.parametrize("backend", ["auto", "fbgemm", "reference"])

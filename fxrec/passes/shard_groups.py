@@ -188,16 +188,18 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
     chosen = []
     for mode in ("training", "inference"):
         kind = fused.kind if fused is not None and mode == "training" else None
-        order, _ = pass_over_frozen(kernel_order(device, mode, ctx.config.backend, kind), kind, frozen,
+        order, over_frozen = pass_over_frozen(kernel_order(device, mode, ctx.config.backend, kind), kind, frozen,
                                     [r.table for r, _, _ in pieces], weighted, ctx.config.backend)
         if any(f.form == "pooled_seq" for f in features):  # (ids sent flat: only PyTorch's lookups take them)
             order = (REFERENCE,)
         k, passed = pick(spec, device, mode, kind, order, True, fused.weight_decay_mode if kind is not None else "")
+        passed = over_frozen + passed  # (a refusal below says why fbgemm was passed over)
         if k is None and kind is not None:
             if spec.weights:  # stored lower: only fbgemm's TBE, with its fused update, holds the shards
                 check_stored(spec, "", k, passed)
             fused = None  # no kernel fuses it here: torch.optim on the shards in opt.step()
             k, passed = pick(spec, device, mode, None, kernel_order(device, mode, ctx.config.backend), True)
+            passed = over_frozen + passed
         if spec.weights:
             check_stored(spec, "", k, passed)
         chosen.append(k or REFERENCE)
