@@ -386,9 +386,14 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
     missing: List[str] = []
 
     steppers = _steppers(optimizer)
+    # a frozen table (requires_grad=False) is stepped by nothing, fused or not: its state, if any, is
+    # never read, so none is loaded or asked for (it moves between fused and data-parallel groups)
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
     def usable(fqn: str, fused_here: bool, stepper: str, group_here: Optional[dict] = None) -> Optional[dict]:
         rec = records.get(fqn)
+        if fqn in frozen:
+            return None
         if rec is None:
             missing.append(fqn)
         elif rec["fused"] != fused_here:

@@ -643,3 +643,60 @@ def test_a_table_stepped_by_torch_sgd_with_weight_decay_is_not_taken_as_plain_sg
     with pytest.raises(CheckpointError, match=r"'a\.weight' was saved with a torch\.optim optimizer and is fused here"):
         fxrec.checkpoint.load(dst, str(tmp_path / "ck"), optimizer=dst.make_optimizer(torch.optim.SGD, lr=0.05,
                                                                                        weight_decay=0.1))
+
+
+class _WithFrozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.u = nn.EmbeddingBag(20, 4, mode="sum")
+        self.f = nn.EmbeddingBag(20, 4, mode="sum")  # pretrained, frozen: nothing steps it
+        self.v = nn.EmbeddingBag(20, 4, mode="sum")
+        self.f.weight.requires_grad_(False)
+
+    def forward(self, ids, offsets):
+        return self.u(ids, offsets) + self.f(ids, offsets) + self.v(ids, offsets)
+
+
+_FROZEN_X = (torch.arange(16) % 20, torch.arange(0, 16, 2))
+
+
+def _frozen_worker(rank, world, init_file, root, phase):
+    with gloo_group(rank, world, init_file):
+        x = (_FROZEN_X[0][rank * 8:(rank + 1) * 8], _FROZEN_X[1][:4])
+        pins = {"f": "data_parallel", "u": ("table_wise", 0), "v": ("table_wise", 1)}
+        plan = fxrec.plan(_WithFrozen(), x, world_size=world, memory_per_rank="1GB", pins=pins, optimizer="adagrad")
+        fast = fxrec.transform(_WithFrozen(), x, plan=plan, optimizer=fxrec.optim.Adagrad(lr=0.1))
+        opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+        if phase == "save":
+            (fast(*x) ** 2).sum().backward()
+            opt.step()
+            fxrec.checkpoint.save(fast, os.path.join(root, "sharded"), optimizer=opt)
+        else:
+            fxrec.checkpoint.load(fast, os.path.join(root, "single"), optimizer=opt)  # strict
+            fxrec.checkpoint.save(fast, os.path.join(root, "back"), optimizer=opt)
+
+
+def test_a_frozen_table_moves_between_data_parallel_and_a_fused_group_with_the_optimizer_state(tmp_path):
+    """A frozen table has no optimizer state: data-parallel at world 2 (stepped by nothing) and in a
+    fused group in one process, a strict load refused it ('saved with a torch.optim optimizer and
+    is fused here'). The trained tables' fused states still move with it."""
+    spawn(_frozen_worker, 2, str(tmp_path), "save")
+    single = fxrec.transform(_WithFrozen(), _FROZEN_X, optimizer=fxrec.optim.Adagrad(lr=0.1))
+    opt = single.make_optimizer(torch.optim.SGD, lr=0.1)
+    assert {t for _, _, _, ts in opt.fused for t in ts} >= {"u.weight", "f.weight", "v.weight"}
+    fxrec.checkpoint.load(single, str(tmp_path / "sharded"), optimizer=opt)  # strict
+    want = _WithFrozen()
+    want_opt = torch.optim.Adagrad([want.u.weight, want.v.weight], lr=0.1, eps=1e-10)
+    for step in range(2):  # the step the two ranks took, and one more: it reads the loaded Adagrad sums
+        (want(*_FROZEN_X) ** 2).sum().backward()
+        want_opt.step()
+        want_opt.zero_grad()
+    (single(*_FROZEN_X) ** 2).sum().backward()
+    opt.step()
+    for name in ("u", "v", "f"):
+        torch.testing.assert_close(single.get_parameter(f"{name}.weight"), getattr(want, name).weight, **TOL)
+    assert torch.equal(single.get_parameter("f.weight"), _WithFrozen().f.weight)
+    fxrec.checkpoint.save(single, str(tmp_path / "single"), optimizer=opt)
+    spawn(_frozen_worker, 2, str(tmp_path), "load")  # and back, strict
+    assert os.path.isdir(tmp_path / "back")
