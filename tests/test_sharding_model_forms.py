@@ -15,7 +15,7 @@ from torch import nn
 
 import fxrec
 
-from .test_sharding import gloo_group, spawn
+from .test_sharding import error_of, gloo_group, spawn
 
 B = 4  # per rank
 
@@ -139,6 +139,18 @@ def test_a_table_looked_up_detached_is_planned_data_parallel_when_it_has_an_opti
         assert tp.sharding == "data_parallel", (optimizer, tp.sharding)
         assert "feature 'x' is a lookup fxrec leaves as written (no gradient reaches its output" in \
             tp.spec.data_parallel_only, tp.spec.data_parallel_only
+
+
+def _detached_planned_without_the_optimizer(rank, world):
+    x, y = torch.randint(0, 20, (4, 3)), torch.randint(0, 20, (4,))
+    plan = fxrec.plan(Detached(), (x, y), world_size=world, memory_per_rank="1GB")  # (no optimizer=: table_wise)
+    fxrec.transform(Detached(), (x, y), plan=plan, optimizer=fxrec.optim.SGD(lr=0.1))
+
+
+def test_transform_refusing_a_table_planned_without_its_optimizer_says_how_to_plan_it(tmp_path):
+    msg = error_of(tmp_path, 2, _detached_planned_without_the_optimizer)
+    assert "table 't' is also used outside its lookups" in msg, msg
+    assert "feature 'x' makes no gradient" in msg and "fxrec.plan(..., optimizer=)" in msg, msg
 
 
 class Learned(nn.Module):

@@ -75,6 +75,7 @@ from ..runtime.sharded import PooledInputDist, PooledLookup, PooledOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
 from ..runtime.specs import CUDA_MAX_DIM, CUDA_WIDE_FUSED, ROW_MEAN, WHOLE_ROW, FeatureSpec, GroupSpec, TableSpec, pad_dim, weights_dtype
 from . import choose_kernels
+from .assign_optimizers import NO_GRADIENT
 from .choose_kernels import check_stored, kernel_order, pass_over_frozen, pick
 
 SUPPORTED = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
@@ -513,8 +514,13 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         mine = {r.node for r in gr.lookups}
         for r in gr.lookups:
             if kinds[id(r)] != "data_parallel" and any(u not in mine for u in r.weight.users):
+                left = next((o for o in meta.all_records(gm) if o.param == r.param and o.reason == NO_GRADIENT), None)
                 raise InputError(f"fxrec: table '{r.table}' is also used outside its lookups (tied weights, or a "
-                                 "lookup fxrec leaves alone); a sharded table is only looked up: plan it data_parallel")
+                                 "lookup fxrec leaves alone); a sharded table is only looked up: plan it data_parallel"
+                                 + ("" if left is None else
+                                    f" (feature '{left.feature}' makes no gradient, and with optimizer= its lookup is "
+                                    "left as written; fxrec.plan(..., optimizer=) given the same optimizer plans the "
+                                    "table so)"))
         _check_quantized(gr, kinds)
         decision = _decision(gr, [kinds[id(r)] for r in gr.lookups])
         replicated = [r.table for r in gr.lookups if kinds[id(r)] == "data_parallel"]
