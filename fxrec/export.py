@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .capture import export_dynamic
-from .pass_infra import Config, PassContext, PassManager
+from .pass_infra import Config, InputError, PassContext, PassManager
 from .report import Report
 
 
@@ -46,6 +46,10 @@ def _refuse_sharded(model: torch.nn.Module, who: str) -> None:
 def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
             example_kwargs: Optional[Dict[str, Any]] = None) -> torch.export.ExportedProgram:
     _refuse_sharded(model, "program")
+    for mod in model.modules():  # (before tracing: the group's own refusal would come as torch.export's error)
+        why = mod.stored_lower() if callable(getattr(mod, "stored_lower", None)) else ""
+        if why:
+            raise InputError(why)
     args = example_inputs if isinstance(example_inputs, tuple) else tuple(example_inputs) \
         if isinstance(example_inputs, list) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
