@@ -192,10 +192,15 @@ def _unwritten(dtype: torch.dtype):
     return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
-def _left_unwritten(t: torch.Tensor) -> bool:
+def _left_unwritten(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether ``t`` still holds :func:`_unwritten`'s value somewhere (read in chunks of ``chunk``
+    values: a mask of a whole table would be a quarter of its size again)."""
     if t.dtype == torch.bool or t.numel() == 0:
         return False
+    flat = t.detach().reshape(-1)
+    floating = flat.dtype.is_floating_point or flat.dtype.is_complex
     with torch.no_grad():
-        v = t.detach()
-        return bool(torch.isnan(v).any() if (v.dtype.is_floating_point or v.dtype.is_complex)
-                    else (v == _unwritten(v.dtype)).any())
+        for part in flat.split(chunk):
+            if bool(torch.isnan(part).any() if floating else (part == _unwritten(flat.dtype)).any()):
+                return True
+    return False
