@@ -142,6 +142,19 @@ _MODULES, _PARAMETERS, _BUFFERS = attrgetter("_modules"), attrgetter("_parameter
 MAPPINGS = (dict, collections.abc.Mapping)
 
 
+def fxrec_grad_block(enable: bool, body, *args, **kwargs):
+    """torch's ``wrap_with_set_grad_enabled`` (a ``torch.no_grad()`` / ``enable_grad()`` block of
+    the model, captured as one call of its body), giving the grad mode back when the body raises:
+    torch's own leaves it set, so one failed call (a bad input inside a no_grad block) turned
+    autograd off for the process, and the next training step built no graph."""
+    with torch.set_grad_enabled(enable):
+        return body(*args, **kwargs)
+
+
+#: how fx writes a call of the block (its module read by whatever name ``torch`` has there)
+_GRAD_BLOCK_CALL = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\.ops\.higher_order\.wrap_with_set_grad_enabled\(")
+
+
 def fxrec_sequence(x) -> bool:
     """Whether the generated forward takes ``x`` where the model was captured with a list or tuple
     (after those two, which it tests first itself): another sequence the model's code indexes alike
@@ -352,6 +365,9 @@ class StructuredCodeGen(fx.graph.CodeGen):
         many = next((k for k, v in code.globals.items() if v is fxrec_attrs), "")
         if not self.typed and fn is not None:  # TorchScript reads attributes its own way, not these dicts
             code.src = _fast_attr_lines(code.src, nodes, root_module, fn, many)
+        block = next((k for k, v in code.globals.items() if v is fxrec_grad_block), None)
+        if block is not None:
+            code.src = _GRAD_BLOCK_CALL.sub(f"{block}(", code.src)
         if shadowed:
             code.src = _give_back(code.src, self._func_name, prologue, shadowed, nodes)
         if renamed:  # fx's renaming of those inputs reads the arguments' new names
@@ -520,4 +536,5 @@ class StructuredCodeGen(fx.graph.CodeGen):
                 namespace.create_name(name, None)  # (one already a node's name just takes up a spare one)
         return [("List", typing.List), ("Dict", typing.Dict), ("Tuple", typing.Tuple), ("Optional", typing.Optional),
                 ("fxrec_attr", fxrec_attr), ("fxrec_attrs", fxrec_attrs), ("fxrec_input_error", fxrec_input_error),
-                ("fxrec_sequence", fxrec_sequence), ("fxrec_mappings", MAPPINGS), ("fxrec_unset", _UNSET)]
+                ("fxrec_sequence", fxrec_sequence), ("fxrec_mappings", MAPPINGS), ("fxrec_unset", _UNSET),
+                ("fxrec_grad_block", fxrec_grad_block)]

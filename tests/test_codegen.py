@@ -533,3 +533,46 @@ def test_an_argument_given_at_capture_that_the_model_lets_a_call_leave_out_is_na
     none_given = fxrec.transform(model, (torch.randint(0, 50, (8,)), None))
     torch.testing.assert_close(none_given(ids), model(ids), rtol=0, atol=0)
     torch.testing.assert_close(none_given(ids, None), model(ids), rtol=0, atol=0)
+
+
+class GradBlocks(nn.Module):
+    """A lookup in a no_grad block (left as written: its bad offsets raise inside the block), and
+    an input named like the function the code calls the blocks by."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 4, mode="sum")
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, ids, offsets, fxrec_grad_block):
+        with torch.no_grad():
+            e = self.bag(ids, offsets)
+        with torch.enable_grad():
+            e = e * fxrec_grad_block
+        return self.lin(e)
+
+
+def test_a_call_that_raises_inside_a_no_grad_block_gives_the_grad_mode_back():
+    """torch's wrap_with_set_grad_enabled, which the captured block is, leaves the grad mode set
+    when its body raises: one bad input turned autograd off for the process, and the next
+    training step's output did not require grad."""
+    torch.manual_seed(0)
+    model = GradBlocks()
+    x = (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]), torch.rand(2, 4))
+    fast = fxrec.transform(model, x)
+    assert re.search(r"= fxrec_grad_block_\d+\(False, ", fast.code) and "wrap_with_set_grad_enabled" not in fast.code
+    with pytest.raises(RuntimeError):
+        fast(x[0], torch.tensor([0, 9]), x[2])  # offsets past the ids: raised inside the block
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):
+            fast(x[0], torch.tensor([0, 9]), x[2])
+        assert not torch.is_grad_enabled()  # (the mode the call was made in)
+    out = fast(*x)
+    torch.testing.assert_close(out, model(*x))
+    out.sum().backward()
+    assert fast.lin.weight.grad is not None
+    again = pickle.loads(pickle.dumps(fast))  # (the code is made again from the graph)
+    torch.testing.assert_close(again(*x), model(*x))
+    ep = fxrec.export.program(fast, x)  # (traced through the function: the block again)
+    torch.testing.assert_close(ep.module()(*x), model(*x))
