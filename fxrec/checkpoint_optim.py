@@ -386,16 +386,18 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
     missing: List[str] = []
 
     steppers = _steppers(optimizer)
-    # a frozen table (requires_grad=False) is stepped by nothing, fused or not: its state, if any, is
-    # never read, so none is loaded or asked for (it moves between fused and data-parallel groups)
+    # A table frozen here (requires_grad=False) is stepped by nothing, fused or not: a state that
+    # does not fit (another optimizer, fused against torch.optim) or none is no error (it moves
+    # between fused and data-parallel groups), and one that fits is loaded (read once it trains again)
     frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
     def usable(fqn: str, fused_here: bool, stepper: str, group_here: Optional[dict] = None) -> Optional[dict]:
         rec = records.get(fqn)
-        if fqn in frozen:
-            return None
         if rec is None:
-            missing.append(fqn)
+            if fqn not in frozen:
+                missing.append(fqn)
+        elif (rec["fused"] != fused_here or rec["optimizer"] not in (None, stepper)) and fqn in frozen:
+            return None
         elif rec["fused"] != fused_here:
             torch_side = group_here if rec["fused"] else {k: _decode(v) for k, v in rec["group"].items()}
             if not rec["states"] and {rec["optimizer"], stepper} <= _STATELESS and _plain_sgd(torch_side or {}):

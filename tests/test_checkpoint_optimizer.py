@@ -700,3 +700,35 @@ def test_a_frozen_table_moves_between_data_parallel_and_a_fused_group_with_the_o
     fxrec.checkpoint.save(single, str(tmp_path / "single"), optimizer=opt)
     spawn(_frozen_worker, 2, str(tmp_path), "load")  # and back, strict
     assert os.path.isdir(tmp_path / "back")
+    # trained here: torch's Adagrad kept a state for it when it was data-parallel, which is not converted
+    thawed = _WithFrozen()
+    thawed.f.weight.requires_grad_(True)
+    fast = fxrec.transform(thawed, _FROZEN_X, optimizer=fxrec.optim.Adagrad(lr=0.1))
+    with pytest.raises(CheckpointError, match="'f.weight' was saved with a torch.optim optimizer and is fused here"):
+        fxrec.checkpoint.load(fast, str(tmp_path / "sharded"), optimizer=fast.make_optimizer(torch.optim.SGD, lr=0.1))
+
+
+def test_a_state_saved_for_a_table_frozen_when_loaded_is_loaded_for_when_it_trains_again(tmp_path):
+    """Frozen when loaded (embeddings held still for a warm-up after a resume), a table's saved
+    state that fits is loaded: it was left out, and the table trained on from a fresh state once
+    unfrozen (0.086 off)."""
+    def fresh(frozen):
+        model = _WithFrozen()
+        model.f.weight.requires_grad_(not frozen)
+        fast = fxrec.transform(model, _FROZEN_X, optimizer=fxrec.optim.Adagrad(lr=0.1))
+        return fast, fast.make_optimizer(torch.optim.SGD, lr=0.1)
+
+    fast, opt = fresh(False)
+    for _ in range(2):
+        (fast(*_FROZEN_X) ** 2).sum().backward()
+        opt.step()
+    fxrec.checkpoint.save(fast, str(tmp_path / "ck"), optimizer=opt)
+    results = []
+    for frozen_at_load in (False, True):
+        fast, opt = fresh(frozen_at_load)
+        fxrec.checkpoint.load(fast, str(tmp_path / "ck"), optimizer=opt)  # strict
+        fast.get_parameter("f.weight").requires_grad_(True)
+        (fast(*_FROZEN_X) ** 2).sum().backward()
+        opt.step()
+        results.append(fast.get_parameter("f.weight").detach().clone())
+    assert torch.equal(results[0], results[1])
