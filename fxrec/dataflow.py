@@ -301,6 +301,12 @@ def carries_gradient(node: fx.Node) -> bool:
     return False
 
 
+#: ops whose result reads only the shape (and dtype, device) of their tensor argument
+_SHAPE_ONLY = {getattr(aten, op).default for op in ("ones_like", "zeros_like", "empty_like", "full_like", "rand_like",
+                                                     "randn_like", "new_ones", "new_zeros", "new_empty", "new_full")
+               if hasattr(getattr(aten, op, None), "default")}
+
+
 def needs_gradient(node: fx.Node) -> bool:
     """Whether ``node``'s value needs a gradient: computed, in float, from a parameter that
     requires grad (a ``get_attr`` whose value does), not through a ``detach``, a result of a
@@ -316,6 +322,10 @@ def needs_gradient(node: fx.Node) -> bool:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
             continue
+        if val is not None and not isinstance(val, (torch.Tensor, tuple, list)):
+            continue  # a size or another number: no gradient flows through it
+        if n.op == "call_function" and n.target in _SHAPE_ONLY:
+            continue  # (a new tensor of another's shape: ones_like(x) needs no gradient)
         if n.op == "get_attr":
             if bool(getattr(val, "requires_grad", False)):
                 return True

@@ -169,6 +169,15 @@ class Learned(nn.Module):
         return self.t(ids, offsets, per_sample_weights=w)
 
 
+class ShapeOnly(Learned):
+    """Weights of a trained value's shape only, which need no gradient (as in PyTorch)."""
+
+    def forward(self, ids, offsets):
+        score = self.s(ids).squeeze(1)
+        w = torch.ones_like(score) + torch.full((score.shape[0],), 0.5) + score.new_zeros(score.shape)
+        return self.t(ids, offsets, per_sample_weights=w) + score.sum()
+
+
 def test_a_table_whose_per_sample_weights_need_a_gradient_is_planned_data_parallel_and_refused_sharded():
     """Sharded lookups take fixed per-sample weights: fxrec.plan sharded such a table, and the
     first training call then raised; transform with a plan that shards it refuses, naming it."""
@@ -178,7 +187,7 @@ def test_a_table_whose_per_sample_weights_need_a_gradient_is_planned_data_parall
     assert "per-sample weights that need a gradient" in tp.spec.data_parallel_only, tp.spec.data_parallel_only
     fixed = Learned()
     fixed.s.weight.requires_grad_(False)
-    for model in (fixed, Learned(no_grad=True)):  # (weights no gradient reaches: the table shards)
+    for model in (fixed, Learned(no_grad=True), ShapeOnly()):  # (weights that need no gradient: the table shards)
         assert fxrec.plan(model, x, world_size=2, memory_per_rank="1GB",
                           pins={"t": "row_wise"}).tables["t"].sharding == "row_wise"
     plan = fxrec.plan(fixed, x, world_size=2, memory_per_rank="1GB", pins={"t": "row_wise"})
