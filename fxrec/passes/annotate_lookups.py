@@ -30,7 +30,7 @@ from __future__ import annotations
 import operator
 import os
 import re
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -126,7 +126,8 @@ _ALIAS_OPS = {
 
 
 def _mutated_in_graph(weight: fx.Node) -> Optional[str]:
-    """Why the table is written in forward (following views of it), or None."""
+    """Why the table is written in forward (following views of it, and into the blocks it is
+    given to: a lookup with max_norm inside a no_grad block), or None."""
     seen = {weight}
     todo = [weight]
     while todo:
@@ -138,6 +139,12 @@ def _mutated_in_graph(weight: fx.Node) -> Optional[str]:
             if u.target in _ALIAS_OPS and u not in seen:
                 seen.add(u)
                 todo.append(u)
+                continue
+            inside = [h for body, given in bodies(u)
+                      for h, o in zip([h for h in body.graph.nodes if h.op == "placeholder"], given) if o is cur]
+            if inside:
+                todo += [h for h in inside if h not in seen]
+                seen.update(inside)
                 continue
             if "embedding_renorm" in name:
                 return "max_norm renormalises the table in place during forward"
@@ -201,24 +208,55 @@ def apart_on_ranks(rec: meta.LookupRecord) -> Optional[str]:
     return None
 
 
-def read_outside(weight: fx.Node, lookups) -> bool:
-    """Whether the table ``weight`` (following views of it) is read by anything but the nodes
-    ``lookups`` and max_norm's renormalisation."""
-    seen, todo = {weight}, [weight]
+def block_operands(gm: fx.GraphModule) -> Dict[fx.Node, fx.Node]:
+    """Each placeholder of a block's body (a no_grad / autocast block, nested ones too) -> the node
+    of the graph around it that the block gives it."""
+    out: Dict[fx.Node, fx.Node] = {}
+    todo = [gm.graph]
+    while todo:
+        for n in todo.pop().nodes:
+            for body, operands in bodies(n):
+                holders = [h for h in body.graph.nodes if h.op == "placeholder"]
+                out.update({h: o for h, o in zip(holders, operands) if o is not None})
+                todo.append(body.graph)
+    return out
+
+
+def _renorm(node: fx.Node) -> bool:
+    return node.op == "call_function" and "embedding_renorm" in getattr(node.target, "__name__", str(node.target))
+
+
+def _closure(weight: fx.Node) -> Tuple[list, set]:
+    """The nodes that are the table ``weight``: it, its views, and the placeholders of the blocks
+    it is given to (and theirs), with the users read into none of those (a block fxrec cannot look
+    into is such a user)."""
+    seen, todo, others = {weight}, [weight], set()
     while todo:
         cur = todo.pop()
         for u in cur.users:
-            if u in lookups:
-                continue
-            if u.op == "call_function" and u.target in _ALIAS_OPS:
-                if u not in seen:
-                    seen.add(u)
-                    todo.append(u)
-                continue
-            if u.op == "call_function" and "embedding_renorm" in getattr(u.target, "__name__", str(u.target)):
-                continue
-            return True
-    return False
+            nxt = [u] if u.op == "call_function" and u.target in _ALIAS_OPS else []
+            for body, given in bodies(u):
+                holders = [h for h in body.graph.nodes if h.op == "placeholder"]
+                nxt += [h for h, o in zip(holders, given) if o is cur]
+            if not nxt:
+                others.add(u)
+            for x in nxt:
+                if x not in seen:
+                    seen.add(x)
+                    todo.append(x)
+    return list(seen), others
+
+
+def read_unrenormalised(weight: fx.Node, lookups, operands: Dict[fx.Node, fx.Node]) -> bool:
+    """Whether the table ``weight`` (a lookup record's) is read anywhere (following views of it,
+    into and out of blocks: ``operands`` is :func:`block_operands`) but by max_norm's
+    renormalisation and the lookups of ``lookups`` it renormalises for (those given the ids a
+    renormalisation was given): a plain lookup of the table, or the model's own read of it."""
+    while weight in operands:  # (the table as the outermost graph holds it)
+        weight = operands[weight]
+    _, users = _closure(weight)
+    renormed = {u.args[1] for u in users if _renorm(u) and len(u.args) > 1}
+    return any(not (_renorm(u) or (u in lookups and len(u.args) > 1 and u.args[1] in renormed)) for u in users)
 
 
 @compiler_pass(provides=(meta.LOOKUP,))

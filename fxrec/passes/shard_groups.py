@@ -70,7 +70,7 @@ from ..runtime.input_guards import GUARDS_NAME
 from ..runtime.group import EmbeddingGroup
 from ..runtime.kernels import REFERENCE
 from ..runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
-from .annotate_lookups import apart_on_ranks, read_outside
+from .annotate_lookups import apart_on_ranks, block_operands, read_unrenormalised
 from ..runtime.sharded import PooledInputDist, PooledLookup, PooledOutputDist
 from ..runtime.sharded_sequence import SequenceInputDist, SequenceLookup, SequenceOutputDist
 from ..runtime.specs import CUDA_MAX_DIM, CUDA_WIDE_FUSED, ROW_MEAN, WHOLE_ROW, FeatureSpec, GroupSpec, TableSpec, pad_dim, weights_dtype
@@ -481,6 +481,7 @@ def refuse_apart(gm: fx.GraphModule, ctx: PassContext) -> None:
     lookups = {}
     for r in records:
         lookups.setdefault(r.param, set()).add(r.node)
+    operands = block_operands(gm)
     apart = {}
     for r in records:
         why = apart_on_ranks(r)
@@ -488,11 +489,12 @@ def refuse_apart(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         if ctx.config.mode == "training" and r.param in trained:
             apart.setdefault(r.table, why)
-        elif "max_norm" in why and isinstance(r.weight, fx.Node) and read_outside(r.weight, lookups[r.param]):
+        elif "max_norm" in why and isinstance(r.weight, fx.Node) and \
+                read_unrenormalised(r.weight, lookups[r.param], operands):
             # (frozen, or in inference: the lookups give one process's outputs, a row being
             # renormalised before each read; the table itself differs on each rank)
-            apart.setdefault(r.table, why + ", and the model reads the table outside its lookups too, "
-                             "where each rank's copy differs from one process's")
+            apart.setdefault(r.table, why + ", and the model reads the table outside the lookups that "
+                             "renormalise it too, where each rank's copy differs from one process's")
     if apart:
         raise InputError("fxrec: with a plan, tables fxrec leaves as written are whole on every rank, their "
                          "gradients summed, and these would not give one process's results: "
