@@ -129,15 +129,79 @@ def materialize(gm: nn.Module, model: nn.Module, sharded: Dict[str, str], layout
     # pieces they are: every rank starts from the same state (as DDP wants), so each rank's row
     # block or column shard (and two tables owned by two ranks) drew the same numbers
     base = int(torch.randint(0, 2**62, ())) if to_init else 0  # (drawn on every rank: their states stay alike)
-    for path, fqns in to_init.items():
-        mine = sorted((f, layout.get(f, (None, []))[1]) for f in fqns if f in sharded)
-        _initialise(model, path, fqns, gm_tensors, _seed(base, path, mine) if mine else None)
+    error = None
+    try:
+        _initialise_all(model, to_init, gm_tensors, {path: _seed(base, path, mine) if mine else None
+                                                     for path, fqns in to_init.items()
+                                                     for mine in [sorted((f, layout.get(f, (None, []))[1])
+                                                                         for f in fqns if f in sharded)]})
+    except Exception as e:  # noqa: BLE001 - a refusal (or the module's own error) on one rank stops every rank
+        error = e
     if dist.is_available() and dist.is_initialized() and to_init:
+        from .ranks import exchange_device
+        from .runtime.collectives import all_gather_ints
+
+        every = all_gather_ints([0 if error is None else 1], exchange_device(None),
+                                "fxrec.transform (initialising the meta tensors)")
+        if error is not None:
+            raise error
+        failed = [r for r, (flag,) in enumerate(every) if flag]
+        if failed:
+            raise InputError(f"fxrec: initialising the meta tensors failed on rank(s) {failed} (their error says "
+                             "why); this rank stops with them")
         with torch.no_grad():
             for fqns in to_init.values():
                 for fqn in fqns:
                     if fqn not in sharded:
                         dist.broadcast(gm_tensors[fqn].data, src=0)
+    elif error is not None:
+        raise error
+
+
+def _initialise_all(model: nn.Module, to_init: Dict[str, List[str]], gm_tensors: Dict[str, torch.Tensor],
+                    seeds: Dict[str, object]) -> None:
+    """Every module's ``reset_parameters()`` on its meta tensors (:func:`_initialise`), then an
+    InputError naming any tensor (or part of one) none of them wrote. Each tensor is filled first
+    with :func:`_unwritten`'s value; where one still holds it, the calls run again from the same
+    random state, those places given a second value, and a place holding that is unwritten (a
+    value the module wrote is written again, the same: it cannot be both)."""
+    tensors = {id(gm_tensors[f]): gm_tensors[f] for fqns in to_init.values() for f in fqns}
+    names: Dict[int, List[str]] = {}
+    for fqns in to_init.values():
+        for f in fqns:
+            names.setdefault(id(gm_tensors[f]), []).append(f)
+    with torch.no_grad():
+        for t in tensors.values():
+            _values(t).fill_(_unwritten(_values(t).dtype))
+    # the random state the calls start from (the host's, and the GPUs' the tensors are on), for a second run
+    cuda = sorted({t.device.index or 0 for t in tensors.values() if t.is_cuda})
+    start = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda]
+    replaced = [f for path, fqns in to_init.items() for f in _initialise(model, path, fqns, gm_tensors, seeds[path])]
+    if replaced:
+        raise InputError(f"fxrec: {replaced} are on the meta device, and their module's reset_parameters() puts new "
+                         "tensors in their place instead of writing them (self.w = nn.Parameter(...)); write them in "
+                         "place there (nn.init functions, .copy_()): it is run on the tensors each rank holds")
+    left = [t for t in tensors.values() if _holds(_values(t), _unwritten(_values(t).dtype))]
+    if not left:
+        return
+    # (rare: a module may write those values too, a uint8 buffer 0; where, is kept for these only)
+    where = {id(t): _matches(_values(t), _unwritten(_values(t).dtype)) for t in left}
+    with torch.no_grad():
+        for t in left:
+            _values(t).masked_fill_(where[id(t)], _unwritten(_values(t).dtype, second=True))
+    torch.random.set_rng_state(start[0])
+    for d, state in zip(cuda, start[1]):
+        torch.cuda.set_rng_state(state, d)
+    for path, fqns in to_init.items():
+        _initialise(model, path, fqns, gm_tensors, seeds[path])
+    unwritten = [n for t in left for v in [_values(t)]
+                 if bool((where[id(t)] & _matches(v, _unwritten(v.dtype, second=True))).any()) for n in names[id(t)]]
+    if unwritten:
+        owners = sorted({f.rpartition(".")[0] or type(model).__name__ for f in unwritten})
+        raise InputError(
+            f"fxrec: {unwritten} are on the meta device, and the reset_parameters() of their module(s) {owners} does "
+            "not write all of them; write them there (it is run on the tensors each rank holds), or build the model "
+            "on a real device")
 
 
 def _seed(base: int, path: str, pieces) -> int:
@@ -162,11 +226,11 @@ def _initialise(model: nn.Module, path: str, fqns: List[str], gm_tensors: Dict[s
             "the tensors each rank holds), or build the model on a real device")
     stand = copy.copy(orig)
     stand._parameters, stand._buffers = dict(orig._parameters), dict(orig._buffers)
+    mine = {}
     for fqn in fqns:
         t = gm_tensors[fqn]
-        (stand._parameters if isinstance(t, nn.Parameter) else stand._buffers)[fqn.rpartition(".")[2]] = t
-        with torch.no_grad():  # (what reset_parameters() leaves unwritten is found below, never kept)
-            t.fill_(_unwritten(t.dtype))
+        held = stand._parameters if isinstance(t, nn.Parameter) else stand._buffers
+        held[fqn.rpartition(".")[2]] = mine[fqn] = t
     if seed is None:
         with torch.no_grad():
             stand.reset_parameters()
@@ -176,31 +240,37 @@ def _initialise(model: nn.Module, path: str, fqns: List[str], gm_tensors: Dict[s
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             torch.manual_seed(seed)
             stand.reset_parameters()
-    left = [f for f in fqns if _left_unwritten(gm_tensors[f])]
-    if left:
-        raise InputError(
-            f"fxrec: {left} are on the meta device, and their module '{path or type(orig).__name__}' "
-            f"({type(orig).__name__}) has a reset_parameters() that does not write all of them; write them "
-            "there (it is run on the tensors each rank holds), or build the model on a real device")
+    now = {**stand._parameters, **stand._buffers}
+    return [f for f, t in mine.items() if now.get(f.rpartition(".")[2]) is not t]
 
 
-def _unwritten(dtype: torch.dtype):
-    """The value a meta tensor holds before its module's ``reset_parameters()`` runs: NaN, or the
-    lowest integer (a bool cannot tell, and is False)."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return float("nan")
-    return False if dtype == torch.bool else torch.iinfo(dtype).min
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the values its module writes: a complex tensor's real and imaginary parts, each."""
+    return torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
 
 
-def _left_unwritten(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
-    """Whether ``t`` still holds :func:`_unwritten`'s value somewhere (read in chunks of ``chunk``
-    values: a mask of a whole table would be a quarter of its size again)."""
-    if t.dtype == torch.bool or t.numel() == 0:
+def _unwritten(dtype: torch.dtype, second: bool = False):
+    """The value a meta tensor holds (:func:`_values`) before its module's ``reset_parameters()``
+    runs: NaN, the lowest integer, False; ``second``: the value of the second run where the first
+    left that value (see :func:`_initialise_all`): 0, the highest integer, True."""
+    if dtype.is_floating_point:
+        return 0.0 if second else float("nan")
+    if dtype == torch.bool:
+        return second
+    return torch.iinfo(dtype).max if second else torch.iinfo(dtype).min
+
+
+def _matches(part: torch.Tensor, value) -> torch.Tensor:
+    if isinstance(value, float) and value != value:
+        return torch.isnan(part)
+    return part == value
+
+
+def _holds(t: torch.Tensor, value, chunk: int = 1 << 24) -> bool:
+    """Whether ``t`` holds ``value`` anywhere (read in chunks of ``chunk`` values: a mask of a whole
+    table would be a quarter of its size again)."""
+    if t.numel() == 0:
         return False
     flat = t.detach().reshape(-1)
-    floating = flat.dtype.is_floating_point or flat.dtype.is_complex
     with torch.no_grad():
-        for part in flat.split(chunk):
-            if bool(torch.isnan(part).any() if floating else (part == _unwritten(flat.dtype)).any()):
-                return True
-    return False
+        return any(bool(_matches(part, value).any()) for part in flat.split(chunk))

@@ -191,36 +191,120 @@ def test_a_meta_tensor_whose_module_cannot_initialise_it_is_refused_naming_it():
         materialize(work, model, {}, {})
 
 
+class _Scaled(nn.Module):
+    writes = ()
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4)
+        self.register_buffer("scale", torch.empty(4))
+        self.register_buffer("count", torch.empty(2, dtype=torch.long))
+        self.register_buffer("flags", torch.empty(3, dtype=torch.uint8))
+
+    def reset_parameters(self):
+        if "scale" in self.writes:
+            self.scale.fill_(2.0)
+        if "count" in self.writes:
+            self.count.fill_(torch.iinfo(torch.long).min)  # (written: the value fxrec fills with)
+        self.flags.zero_()  # (written: uint8's lowest value)
+
+
+class _BiasOnly(nn.Linear):
+    def reset_parameters(self):
+        nn.init.zeros_(self.bias)
+
+
+class _TiedHead(nn.Module):
+    """An output layer tied to the table, whose own reset_parameters writes its bias only."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4)
+        self.head = _BiasOnly(4, 10)
+        self.head.weight = self.emb.weight
+
+
+class _Replaces(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+
+    def reset_parameters(self):
+        self.w = nn.Parameter(torch.ones(3))
+
+
 def test_a_meta_tensor_its_modules_reset_parameters_leaves_unwritten_is_refused_naming_it():
-    """(Such a buffer kept the allocation's leftover memory, then rank 0's broadcast: no error.)"""
+    """(Such a buffer kept the allocation's leftover memory, then rank 0's broadcast: no error.)
+    Values a module writes that are the ones fxrec fills with are written (a second run tells),
+    a tensor tied to another module's is written by either, and a reset_parameters() that puts
+    a new tensor in place of the one it is given is refused saying so."""
     from fxrec.materialize import materialize, with_placeholders
 
-    class Scaled(nn.Module):
-        writes = ()
-
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.EmbeddingBag(10, 4)
-            self.register_buffer("scale", torch.empty(4))
-            self.register_buffer("count", torch.empty(2, dtype=torch.long))
-
-        def reset_parameters(self):
-            if "scale" in self.writes:
-                self.scale.fill_(2.0)
-            if "count" in self.writes:
-                self.count.zero_()
+    def run(model):
+        work = with_placeholders(model, torch.device("cpu"))
+        materialize(work, model, {}, {})
+        return work
 
     for writes, left in (((), r"\['scale', 'count'\]"), (("count",), r"\['scale'\]"), (("scale",), r"\['count'\]")):
         with torch.device("meta"):
-            model = Scaled()
+            model = _Scaled()
         model.writes = writes
-        with pytest.raises(ValueError, match=left + r" are on the meta device.*'Scaled'.*does not write"):
-            materialize(with_placeholders(model, torch.device("cpu")), model, {}, {})
+        with pytest.raises(ValueError, match=left + r" are on the meta device.*\['_Scaled'\] does not write"):
+            run(model)
     model.writes = ("scale", "count")
-    work = with_placeholders(model, torch.device("cpu"))
-    materialize(work, model, {}, {})
-    assert torch.equal(work.scale, torch.full((4,), 2.0)) and torch.equal(work.count, torch.zeros(2, dtype=torch.long))
+    work = run(model)
+    assert torch.equal(work.scale, torch.full((4,), 2.0)) and torch.equal(work.flags, torch.zeros(3, dtype=torch.uint8))
+    assert torch.equal(work.count, torch.full((2,), torch.iinfo(torch.long).min))
     assert torch.isfinite(work.emb.weight).all()  # (its own module's reset_parameters wrote it)
+    with torch.device("meta"):
+        tied = _TiedHead()
+    work = run(tied)
+    assert work.head.weight is work.emb.weight and torch.isfinite(work.emb.weight).all()
+    assert torch.equal(work.head.bias, torch.zeros(10))
+    with torch.device("meta"):
+        replaces = _Replaces()
+    with pytest.raises(ValueError, match=r"\['w'\].*puts new tensors in their place instead of writing them"):
+        run(replaces)
+
+
+class _OneRankFails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.EmbeddingBag(10, 4, mode="sum")
+        self.register_buffer("scale", torch.empty(4))
+
+    def forward(self, ids, offsets):
+        return self.t(ids, offsets) * self.scale
+
+    def reset_parameters(self):
+        if dist.get_rank() == 0:
+            self.scale.fill_(1.0)
+
+
+def _one_rank_fails(rank, world, init_file, out):
+    with gloo_group(rank, world, init_file):
+        with torch.device("meta"):
+            model = _OneRankFails()
+        x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+        plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB", pins={"t": "row_wise"})
+        try:
+            fxrec.transform(model, x, plan=plan)
+            msg = "no error"
+        except ValueError as e:
+            msg = str(e)
+        with open(f"{out}.{rank}", "w") as fh:
+            fh.write(msg)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_a_meta_tensor_left_unwritten_on_one_rank_stops_every_rank(tmp_path):
+    """The refusal came on one rank only, and the other waited for it in the broadcast."""
+    out = str(tmp_path / "msg")
+    spawn(_one_rank_fails, 2, out)
+    mine, other = (open(f"{out}.{r}").read() for r in (1, 0))
+    assert "['scale'] are on the meta device" in mine, mine
+    assert "initialising the meta tensors failed on rank(s) [1]" in other, other
 
 
 def test_a_meta_model_is_explained_as_a_real_one():
