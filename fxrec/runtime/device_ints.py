@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List
+from typing import List, Tuple
 
 import torch
 
-#: the ints sent last by :func:`kept_ints_on`, on their device: (device, stream, *values) -> tensor
-KEPT: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+#: the ints sent last by :func:`kept_ints_on`, on their device: (device, stream, *values) -> (tensor,
+#: its last value as a 1-element view, the others as a column view): see :func:`kept_split_on`
+KEPT: "OrderedDict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]" = OrderedDict()
 #: how many :data:`KEPT` holds (a few KB each), the least recently used dropped first. Dropping one
 #: is safe: it was made on the stream of its key and is read only there, so the caching allocator
 #: hands its memory out again only after the kernels queued there before.
@@ -29,6 +30,17 @@ def kept_ints_on(values: List[int], device: torch.device) -> torch.Tensor:
     on the stream it was sent on (the copy is ordered before every use there; another stream
     could read it before it lands); not inside a CUDA graph (a replay would read a tensor this
     may drop)."""
+    return _kept(values, device)[0]
+
+
+def kept_split_on(values: List[int], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kept_ints_on`'s tensor as the two views packing reads, kept with it: ``t[-1:]`` and
+    ``t[:-1].view(-1, 1)`` (no view op a call). At least two ints."""
+    kept = _kept(values, device)
+    return kept[1], kept[2]
+
+
+def _kept(values: List[int], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream, *values)
     kept = KEPT.pop(key, None)  # (then put back as the most recent: no step another thread can undo)
@@ -36,8 +48,9 @@ def kept_ints_on(values: List[int], device: torch.device) -> torch.Tensor:
         KEPT[key] = kept
         return kept
     sent = ints_on(values, device)
+    kept = (sent, sent[-1:], sent[:-1].view(-1, 1))
     if KEEP > 0:
-        KEPT[key] = sent
+        KEPT[key] = kept
         while len(KEPT) > KEEP:
             KEPT.popitem(last=False)
-    return sent
+    return kept

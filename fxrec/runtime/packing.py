@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ._tracing import exporting, reads_values
-from .device_ints import kept_ints_on
+from .device_ints import kept_split_on
 from .kernels.fbgemm_padding import kept_pads
 
 #: FeatureSpec.form as the integer the scriptable packing takes.
@@ -247,18 +247,18 @@ def _offsets_at_once(starts: List[Tensor], batch: int, bases: List[int], total: 
     the group, and each feature's first start as it was given. Three tensor ops whatever the
     number of features (kernel launches on CUDA): one concatenation (ending with ``total``), one
     copy of the firsts, one add. The ids' starts are sent to the device once per layout and
-    stream (:func:`~fxrec.runtime.device_ints.kept_ints_on`). Not inside a CUDA graph (a replay
+    stream (:func:`~fxrec.runtime.device_ints.kept_split_on`). Not inside a CUDA graph (a replay
     would read a tensor the cache may drop), nor in torch.export (the ints are symbolic there),
     nor in TorchScript: those add one by one."""
     dev = starts[0].device
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
         unshifted = torch.cat(starts).view(len(starts), batch)
         return _offsets_one_by_one(list(unshifted.unbind(0)), bases, total), unshifted[:, 0]  # (host time: once)
-    shift = kept_ints_on(bases + [total], dev)
-    offsets = torch.cat(starts + [shift[-1:]])  # (int32 starts become int64 here: the shift is)
-    grid = offsets[:-1].view(len(starts), batch)
-    firsts = grid[:, 0].clone()
-    grid.add_(shift[:-1].view(-1, 1))
+    end, column = kept_split_on(bases + [total], dev)  # (views kept with the ints: no view op a call)
+    offsets = torch.cat(starts + [end])  # (int32 starts become int64 here: the shift is)
+    grid = offsets.as_strided((len(starts), batch), (batch, 1))  # offsets[:-1] as [F, B], in one op
+    firsts = grid.select(1, 0).clone()
+    grid.add_(column)
     return offsets, firsts
 
 
