@@ -277,14 +277,17 @@ class DeviceBoundsCheck:
     """
 
     def __init__(self, rows_per_feature, device: torch.device):
-        from .kernels.fbgemm_ops import bounds_check
+        from .kernels.fbgemm_ops import bounds_checker
 
-        self._bounds_check = bounds_check
+        self._bounds_check = bounds_checker()
         self.rows = torch.tensor(rows_per_feature, dtype=torch.int64).to(device)  # once per device
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # every problem so far
         self.scratch = torch.zeros(1, dtype=torch.int64, device=device)  # fbgemm zeroes it each call
         self.cuda = device.type == "cuda"
         self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self.cuda)
+        # what reported() reads: a NumPy view of the host copy's memory (on CPU, the counter's, which
+        # check() makes the host copy), made once: Tensor.numpy() dispatches a detach at each call
+        self._host_values = (self.host if self.cuda else self.counter).numpy()
         self.event = None
         self.inputs = None
         self.seen = 0

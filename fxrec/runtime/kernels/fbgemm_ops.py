@@ -48,3 +48,18 @@ def bounds_check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets:
 
     torch.ops.fbgemm.bounds_check_indices(rows_per_feature, indices, offsets, BoundsCheckMode.WARNING.value,
                                           counter, psw)
+
+
+def bounds_checker():
+    """:func:`bounds_check` with fbgemm's operator and mode looked up once (the device check calls
+    it at every call of a group: no import or attribute lookups there)."""
+    require_fbgemm()
+    from .fbgemm_tbe import BoundsCheckMode
+
+    op, mode = torch.ops.fbgemm.bounds_check_indices, BoundsCheckMode.WARNING.value
+
+    def check(rows_per_feature: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+              counter: torch.Tensor, psw: Optional[torch.Tensor]) -> None:
+        op(rows_per_feature, indices, offsets, mode, counter, psw)
+
+    return check
