@@ -331,7 +331,7 @@ class DeviceBoundsCheck:
             if self.inputs is None or (self.event is not None and not self.event.query()):
                 return None
             # host memory, written by a copy that has completed (or by the CPU op): no wait
-            count = int(self.host.numpy()[0])
+            count = int(self._host_values[0])
         if count <= self.seen:
             return None
         count, self.seen = count - self.seen, count
