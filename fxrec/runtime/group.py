@@ -36,6 +36,7 @@ from .specs import FUSED_STATE_NAMES, STEPPED, FeatureSpec, FusedSpec, GroupSpec
 
 _is_leaf = attrgetter("is_leaf")
 _LOWER = (torch.float16, torch.bfloat16)
+_PARAMETER = {torch.nn.Parameter}
 
 
 def _syncs_any(ddp, params) -> bool:
@@ -305,7 +306,9 @@ class EmbeddingGroup(InputChecks, nn.Module):
             computed = [t.name for t, p in zip(self.tables, params) if not p.is_leaf]
             self.fused_unusable(f"tables {computed} are computed (a parametrization registered on them?), and a fused "
                                 "update would change the computed values, not the parameters they come from")
-        if not all(isinstance(p, torch.nn.Parameter) for p in params):
+        # (every one exactly a Parameter, read by a C-level map; else Parameter's isinstance, a Python
+        # __instancecheck__ per table, which also takes subclasses and tensors marked _is_param)
+        if not (set(map(type, params)) <= _PARAMETER or all(isinstance(p, torch.nn.Parameter) for p in params)):
             self.fused_unusable("it is given tensors that are not the model's parameters "
                                 "(torch.func.functional_call?): the fused update would write them in place, and the "
                                 "model's optimizer state would move. For their gradients, call it under a torch.func "
