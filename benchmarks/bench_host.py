@@ -23,7 +23,20 @@ against the model with only it turned off:
 * ``packing``: groups of one form packed in list-level steps
   (``fxrec.runtime.packing._pack_uniform``), off: the loop over features;
 * ``bases``: where each feature's ids start in the packed ids stays on the device from one call
-  to the next of the same layout (``fxrec.runtime.device_ints.kept_ints_on``), off: sent every call.
+  to the next of the same layout (``fxrec.runtime.device_ints.kept_ints_on``), off: sent every call;
+* ``views``: the packed offsets' views of the kept starts are kept with them
+  (``fxrec.runtime.device_ints.kept_split_on``) and the offsets are viewed as ``[F, B]`` in one
+  op, five tensor ops where there were nine; off: :func:`offsets_with_view_ops`, as it was;
+* ``checker``: the device's bounds check calls fbgemm's operator looked up once
+  (``fxrec.runtime.kernels.fbgemm_ops.bounds_checker``), off: ``bounds_check``, which imports and
+  looks it up at each call;
+* ``hostview``: the device check's count is read on the host through a NumPy view made once
+  (``DeviceBoundsCheck._host_values``), off: ``Tensor.numpy()`` at each read (a detach dispatched);
+* ``isparam``: a fused group's check that its tables are the model's parameters reads their types
+  by a C-level map (``EmbeddingGroup._check_fused``), off: Parameter's ``isinstance`` per table.
+
+``--clock thread`` times the host's work by the thread's CPU time instead of the wall clock (on a
+machine other processes share, time spent descheduled is left out; on CPU only).
 
 ``--sync-free`` (CPU) runs the groups as they run on CUDA (``fxrec.runtime._tracing.sync_free``:
 no value read on the host, the bounds check on the device), so the host's work is CUDA's but
@@ -52,15 +65,21 @@ from fxrec.runtime import device_ints, packing  # noqa: E402
 from fxrec.runtime._tracing import sync_free  # noqa: E402
 
 
-def host_ms(fn, device, calls=20) -> float:
+CLOCK = [time.perf_counter]
+CALLS = [20]
+
+
+def host_ms(fn, device, calls=None) -> float:
+    calls = calls or CALLS[0]
     for _ in range(3):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t = time.perf_counter()
+    clock = CLOCK[0]
+    t = clock()
     for _ in range(calls):
         fn()
-    ms = (time.perf_counter() - t) / calls * 1e3
+    ms = (clock() - t) / calls * 1e3
     if device.type == "cuda":
         torch.cuda.synchronize()
     return ms
@@ -93,6 +112,37 @@ def one_line_per_input(guards):
     return ns["_check"]
 
 
+def offsets_with_view_ops(starts, batch, bases, total):
+    """``fxrec.runtime.packing._offsets_at_once`` as it was before ``views`` (``--ab views``' off
+    form): the kept starts sliced and viewed, and the offsets sliced and viewed, at each call."""
+    dev = starts[0].device
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        unshifted = torch.cat(starts).view(len(starts), batch)
+        return packing._offsets_one_by_one(list(unshifted.unbind(0)), bases, total), unshifted[:, 0]
+    shift = device_ints.kept_ints_on(bases + [total], dev)
+    offsets = torch.cat(starts + [shift[-1:]])
+    grid = offsets[:-1].view(len(starts), batch)
+    firsts = grid[:, 0].clone()
+    grid.add_(shift[:-1].view(-1, 1))
+    return offsets, firsts
+
+
+def check_fused_by_isinstance(self, params) -> None:
+    """``EmbeddingGroup._check_fused`` as it was before ``isparam`` (its off form): Parameter's
+    ``isinstance`` for every table (the other checks as they are; none fails in the benchmark)."""
+    from fxrec.runtime.group import _LOWER, DistributedDataParallel, _is_leaf, _syncs_any
+
+    if not all(map(_is_leaf, params)):
+        raise AssertionError("bench_host: computed tables")
+    if not all(isinstance(p, torch.nn.Parameter) for p in params):
+        raise AssertionError("bench_host: not parameters")
+    if params and params[0].dtype in _LOWER and not self.half and not self.weights:
+        raise AssertionError("bench_host: fp16 tables")
+    ddp = DistributedDataParallel._active_ddp_module
+    if ddp is not None and ddp.process_group.size() > 1 and _syncs_any(ddp, params):
+        raise AssertionError("bench_host: DDP")
+
+
 @contextmanager
 def _recompiled_with(models, rewrite, leaves_out: str):
     """The models' code regenerated with ``rewrite`` in place of fxrec's ``_fast_attr_lines``
@@ -112,7 +162,13 @@ def _recompiled_with(models, rewrite, leaves_out: str):
 
 @contextmanager
 def turned_off(change: str, models):
-    """The models as they were before ``change``."""
+    """The models as they were before ``change`` (``a+b``: before both)."""
+    if "+" in change:
+        with contextlib.ExitStack() as stack:
+            for one in change.split("+"):
+                stack.enter_context(turned_off(one, models))
+            yield
+        return
     if change == "attr":  # fx's getattr chain
         with _recompiled_with(models, lambda fast, src, *rest: src, "fxrec_attr("):
             yield
@@ -144,6 +200,54 @@ def turned_off(change: str, models):
             yield
         finally:
             device_ints.KEEP = kept
+    elif change == "views":
+        at_once = packing._offsets_at_once
+        packing._offsets_at_once = offsets_with_view_ops
+        try:
+            yield
+        finally:
+            packing._offsets_at_once = at_once
+    elif change == "checker":
+        from fxrec.runtime.kernels.fbgemm_ops import bounds_check
+
+        states = [s for m in models for s in (g.__dict__.get("_device_bounds") for g in m.modules()) if s is not None]
+        assert states, "bench_host: no device check to turn off (run with --sync-free, or on CUDA)"
+        checkers = [s._bounds_check for s in states]
+        try:
+            for s in states:
+                s._bounds_check = bounds_check
+            yield
+        finally:
+            for s, c in zip(states, checkers):
+                s._bounds_check = c
+    elif change == "hostview":
+        states = [s for m in models for s in (g.__dict__.get("_device_bounds") for g in m.modules()) if s is not None]
+        assert states, "bench_host: no device check to turn off (run with --sync-free, or on CUDA)"
+
+        class EachRead:  # the count read as before: Tensor.numpy() at each read
+            def __init__(self, state):
+                self.state = state
+
+            def __getitem__(self, i):
+                return self.state.host.numpy()[i]
+
+        views = [s._host_values for s in states]
+        try:
+            for s in states:
+                s._host_values = EachRead(s)
+            yield
+        finally:
+            for s, v in zip(states, views):
+                s._host_values = v
+    elif change == "isparam":
+        from fxrec.runtime.group import EmbeddingGroup
+
+        fast = EmbeddingGroup._check_fused
+        EmbeddingGroup._check_fused = check_fused_by_isinstance
+        try:
+            yield
+        finally:
+            EmbeddingGroup._check_fused = fast
     else:
         raise ValueError(f"bench_host: no change called {change!r}")
 
@@ -181,8 +285,10 @@ def bench_shape(cfg, device, rounds, changes, backend):
                     times["sgd_step_off_host_ms"].append(host_ms(step, device))
         out[change] = {k: statistics.median(v) for k, v in times.items()}
         for k in ("forward", "sgd_step"):  # the median of each round's own difference (robust to drift)
-            out[change][f"{k}_saved_ms"] = statistics.median(
-                off - on for on, off in zip(times[f"{k}_on_host_ms"], times[f"{k}_off_host_ms"]))
+            diffs = [off - on for on, off in zip(times[f"{k}_on_host_ms"], times[f"{k}_off_host_ms"])]
+            out[change][f"{k}_saved_ms"] = statistics.median(diffs)
+            # how often the change was faster in a round (0.5: no difference the rounds can tell)
+            out[change][f"{k}_rounds_faster"] = sum(d > 0 for d in diffs) / len(diffs)
     return out
 
 
@@ -198,11 +304,19 @@ def main():
     ap.add_argument("--threads", type=int, default=0,
                     help="torch's intra-op threads (0: torch's default); on CPU 1 keeps the kernels' own "
                          "threads from adding noise to the host times")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="wall: perf_counter; thread: the thread's CPU time (CPU only: leaves out time descheduled)")
+    ap.add_argument("--calls", type=int, default=20, help="calls timed per round and form")
     ap.add_argument("--sync-free", action="store_true",
                     help="on CPU, run the groups as on CUDA (nothing read on the host; the bounds check on the device)")
     a = ap.parse_args()
     if a.sync_free and a.device != "cpu":
         sys.exit("bench_host: --sync-free is for --device cpu (on CUDA the groups run so anyway)")
+    if a.clock == "thread":
+        if a.device != "cpu":
+            sys.exit("bench_host: --clock thread is for --device cpu (on CUDA the host's time includes its waits)")
+        CLOCK[0] = time.thread_time
+    CALLS[0] = a.calls
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -214,7 +328,8 @@ def main():
               "machine": {"platform": platform.platform(), "python": platform.python_version(),
                           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
               "versions": {"torch": torch.__version__, "fxrec": fxrec.__version__}, "rounds": a.rounds,
-              "threads": torch.get_num_threads(), "sync_free": a.sync_free, "shapes": {}}
+              "threads": torch.get_num_threads(), "sync_free": a.sync_free, "clock": a.clock, "calls": a.calls,
+              "shapes": {}}
     for name in a.shapes.split(","):
         cfg = dict(SHAPES[name])
         cfg["rows"] = max(1, cfg["rows"] // a.scale)
