@@ -298,7 +298,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--shapes", default="small512,onehot26")
-    ap.add_argument("--ab", default="attr,attrs,guards,packing,bases", help="the changes to turn off and on, comma-separated")
+    ap.add_argument("--ab", default=None,
+                    help="the changes to turn off and on, comma-separated (a+b: both off together); default: every "
+                         "one (checker and hostview only where the groups check on the device: CUDA, or --sync-free)")
     ap.add_argument("--backend", default="fbgemm")
     ap.add_argument("--scale", type=int, default=1, help="divide every shape's rows (and batch) by this")
     ap.add_argument("--threads", type=int, default=0,
@@ -322,6 +324,9 @@ def main():
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_host: no CUDA device here")
+    if a.ab is None:
+        a.ab = "attr,attrs,guards,packing,bases,views,isparam" + (
+            ",checker,hostview" if device.type == "cuda" or a.sync_free else "")
     changes = a.ab.split(",")
     result = {"what": "host ms per queued call, each change on and off (off: the model without that change only)",
               "command": "python3 " + " ".join(sys.argv),

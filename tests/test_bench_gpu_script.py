@@ -53,8 +53,17 @@ def test_the_host_benchmark_runs_on_cpu_and_turns_each_change_off_and_on(tmp_pat
     shape = json.loads(out.read_text())["shapes"]["onehot26"]
     assert shape["kernels"] == ["fbgemm"]
     keys = {f"{k}_{f}_host_ms" for k in ("forward", "sgd_step") for f in ("on", "off")}
-    for change in ("attr", "attrs", "guards", "packing"):
-        assert set(shape[change]) == keys | {"forward_saved_ms", "sgd_step_saved_ms"}, change
+    for change in ("attr", "attrs", "guards", "packing", "views", "isparam"):
+        assert set(shape[change]) == keys | {"forward_saved_ms", "sgd_step_saved_ms", "forward_rounds_faster",
+                                             "sgd_step_rounds_faster"}, change
+        assert all(shape[change][k] > 0 for k in keys), change
+    # the changes to the device's check, where the groups check on the device (as on CUDA), and two together
+    r = subprocess.run([sys.executable, script, "--device", "cpu", "--scale", "1000", "--rounds", "1", "--sync-free",
+                        "--clock", "thread", "--ab", "checker,hostview,views+isparam", "--shapes", "onehot26",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shape = json.loads(out.read_text())["shapes"]["onehot26"]
+    for change in ("checker", "hostview", "views+isparam"):
         assert all(shape[change][k] > 0 for k in keys), change
 
 
