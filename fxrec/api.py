@@ -399,8 +399,12 @@ def _name_guarded_inputs(gm: fx.GraphModule, records) -> None:
     if guards is None:
         return
     index = {n.name: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    reshapes = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten.flatten.using_ints,
+                torch.ops.aten._unsafe_view.default, torch.ops.aten.contiguous.default}
     for r in records:
         for what, node in (("ids", r.ids), ("offsets", r.offsets), ("per-sample weights", r.per_sample_weights)):
+            while isinstance(node, fx.Node) and node.op == "call_function" and node.target in reshapes:
+                node = node.args[0]  # ([B, L] ids of a bag: flattened by the lookup)
             if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in index:
                 guards.roles.setdefault(index[node.name], f"{what} of feature '{r.feature}', table '{r.table}'")
 

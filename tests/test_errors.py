@@ -285,3 +285,25 @@ def test_features_keep_the_case_of_the_models_names(backend):
     bad[0, 0] = 30
     with pytest.raises(IndexError, match=r"feature 'userIds'.*id 30.*table 'user'"):
         fast(bad, {"ItemIDs": x, "Other": x})
+
+
+class _TwoDimBags(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(10, 4, mode="sum")
+        self.b = torch.nn.EmbeddingBag(10, 4, mode="sum")
+
+    def forward(self, ids, offs, ids2):
+        return torch.cat([self.a(ids, offs), self.b(ids2)], 1)
+
+
+def test_input_size_errors_say_what_the_ids_of_a_2d_bag_feed():
+    """The [B, L] ids of an EmbeddingBag are flattened by the lookup: their errors named the input
+    only, and a condition between two inputs named neither's feature."""
+    x = (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]), torch.tensor([[1, 2], [3, 4]]))
+    fast = fxrec.transform(_TwoDimBags(), x)
+    with pytest.raises(ValueError, match=r"input ids2 \(ids of feature 'ids2', table 'b'\) has 1 dims"):
+        fast(x[0], x[1], x[2].flatten())
+    with pytest.raises(ValueError, match=r"break a condition on their sizes.*\(offs: offsets of feature 'ids', table "
+                                         r"'a'; ids2: ids of feature 'ids2', table 'b'\)"):
+        fast(x[0], x[1], torch.tensor([[1, 2], [3, 4], [5, 6]]))

@@ -337,8 +337,11 @@ class InputGuards(torch.nn.Module):
                     ok, why = False, "make a size the model's code divides by 0"
                 except Exception:  # noqa: BLE001 - an input that is not a tensor: named above
                     ok, why = False, "do not fit a condition on their sizes"
-                if not ok:
-                    problems.append(f"the inputs {why}: {self._in_words(c)}{self._mode_only(c)}")
+                if not ok:  # (with what the inputs it names feed)
+                    fed = [f"{self.paths[k]}: {self.roles[k]}" for k in sorted({int(a) for a in re.findall(r"\ba(\d+)\b", c)})
+                           if k in self.roles]
+                    problems.append(f"the inputs {why}: {self._in_words(c)}{self._mode_only(c)}"
+                                    + (f" ({'; '.join(fed)})" if fed else ""))
         if not problems:
             problems.append("the inputs do not fit the sizes the model was captured for")
         return "fxrec: " + "; ".join(problems)
