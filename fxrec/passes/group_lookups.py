@@ -317,6 +317,29 @@ def kind_of(key: tuple, batches: bool = False) -> str:
     return f"{key[0]} over a batch of {key[8]}" if batches else key[0]
 
 
+def _keep_mixed_half_tables(nodes) -> None:
+    """In training, every lookup of a table of the model's fp16 left as written where one of them
+    is (or they would go to two groups): a group runs where its first lookup was, so its lookups'
+    backward would run in another order among the others', and the table's fp16 gradients from
+    them, summed in that order, would round otherwise than PyTorch's (one fp16 step, found)."""
+    found = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta]
+    by_param: Dict[str, List[meta.LookupRecord]] = {}
+    for rec in found:
+        if rec.half:
+            by_param.setdefault(rec.param, []).append(rec)
+    for recs in by_param.values():
+        kept = [r for r in recs if not r.lowerable]
+        if not kept and len({group_key(r) for r in recs}) < 2:
+            continue
+        why = (f"table '{recs[0].table}' is fp16 in the model and its lookup '{kept[0].feature}' is left as written"
+               if kept else f"table '{recs[0].table}' is fp16 in the model and its lookups are of kinds no one group takes")
+        for r in recs:
+            if r.lowerable:
+                r.node.meta[meta.LOOKUP] = dataclasses.replace(
+                    r, reason=why + ": grouped, this lookup's gradient would be summed into the table's in another "
+                    "order among theirs, which rounds otherwise in fp16; left as written too, as PyTorch runs it")
+
+
 @compiler_pass(needs=(meta.LOOKUP,), provides=(meta.GROUP, "groups"))
 def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
@@ -325,6 +348,8 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     found = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta]
     for rec in _single_ids_join(_name_batches(found)):
         rec.node.meta[meta.LOOKUP] = rec
+    if ctx.config.mode == "training":
+        _keep_mixed_half_tables(nodes)
     records = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta and n.meta[meta.LOOKUP].lowerable]
 
     # 1. table ownership: each table's lookups of its most common key form a unit
