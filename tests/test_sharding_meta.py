@@ -267,6 +267,16 @@ def test_a_meta_tensor_its_modules_reset_parameters_leaves_unwritten_is_refused_
         run(replaces)
 
 
+def test_the_check_for_unwritten_values_reads_every_chunk():
+    from fxrec.materialize import _holds
+
+    t = torch.zeros(10)
+    assert not _holds(t, float("nan"), chunk=3)
+    t[9] = float("nan")  # (in the last, short chunk)
+    assert _holds(t, float("nan"), chunk=3) and _holds(t, 0.0, chunk=3)
+    assert _holds(torch.tensor([5, 6, 7, -1]), -1, chunk=3) and not _holds(torch.tensor([], dtype=torch.long), -1)
+
+
 class _OneRankFails(nn.Module):
     def __init__(self):
         super().__init__()
