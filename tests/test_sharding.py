@@ -619,7 +619,7 @@ def test_row_wise_ids_out_of_range_stop_every_rank_naming_the_feature(tmp_path):
     and every rank stops at the counts' exchange; the model then runs a good batch."""
     negative, past = error_of(tmp_path, 2, _row_wise_ids_out_of_range).split(" || ")
     assert "rank(s) [1] were fed input they reject" in negative, negative
-    assert f"feature 'ids_1' looks up id {ROWS[1] + 5} in a table of {ROWS[1]} rows" in past, past
+    assert f"feature 'ids_1' looks up id {ROWS[1] + 5} in table 'bags.1', which has {ROWS[1]} rows" in past, past
 
 
 class WeightedSharded(nn.Module):
@@ -740,7 +740,8 @@ def test_inputs_refused_on_the_host_stop_every_rank_naming_the_feature(tmp_path)
 
 def test_ids_out_of_range_fail_on_the_rank_fed_them_naming_the_feature(tmp_path):
     msg = error_of(tmp_path, 2, _ids_out_of_range)
-    assert "feature 'single_ids'" in msg and f"looks up id {ROWS[3] + 2} in a table of {ROWS[3]} rows" in msg, msg
+    assert "feature 'single_ids'" in msg and f"looks up id {ROWS[3] + 2} in table 'single', which has {ROWS[3]} rows" \
+        in msg, msg  # (the table was not named: one process names it)
 
 
 def test_rowwise_adagrad_on_a_column_wise_table_is_refused_naming_it(tmp_path):

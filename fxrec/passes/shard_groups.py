@@ -359,7 +359,7 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
     group = _local_group(ctx, pieces, table_of, "none", False, fused, gm, gr.quant,
                          "fp16" if gr.lookups[0].half else "") if held else None
     mods = (SequenceInputDist(f"{name}_input_dist", blocks, bases, rank, world, [r.feature for r in recs],
-                              [r.num_rows for r in recs]),
+                              [r.num_rows for r in recs], [r.table for r in recs]),
             SequenceLookup(group, held, [r.dim for r in recs], _out_dtype(ctx, gr)),
             SequenceOutputDist(f"{name}_output_dist", [r.dim for r in recs], rank, world))
     return mods, local
@@ -432,7 +432,8 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
                          "fp32" if sent == torch.float32 else "fp16" if half else "") if held else None
     mods = (PooledInputDist(f"{name}_input_dist", [r.form for r, *_ in pieces], [b for _, b, *_ in pieces],
                             [base for _, _, base, *_ in pieces], weighted, rank, world, [r.feature for r, *_ in pieces],
-                            [r.num_rows for r, *_ in pieces], torch.float16 if half else torch.float32),
+                            [r.num_rows for r, *_ in pieces], torch.float16 if half else torch.float32,
+                            [r.table for r, *_ in pieces]),
             PooledLookup(group, world, held),
             PooledOutputDist(f"{name}_output_dist", [c for *_, c in pieces], [h for *_, h, _ in pieces], rank, world,
                              per_lookup, "sum" if pooled_here == "mean" else gr.pooling, sent, out_dtype))

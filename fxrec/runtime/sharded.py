@@ -136,9 +136,11 @@ def _input_flag(values: torch.Tensor, feature_of: torch.Tensor, rows_t: torch.Te
 
 
 def _name_bad_input(values: torch.Tensor, counts: List[int], names: List[str], rows: List[int], order: List[int],
-                    lengths: Optional[torch.Tensor] = None, firsts: Optional[torch.Tensor] = None) -> None:
+                    lengths: Optional[torch.Tensor] = None, firsts: Optional[torch.Tensor] = None,
+                    tables: Optional[List[str]] = None) -> None:
     """Raise the error naming the feature whose input :func:`_input_flag` rejected (feature
-    ``order[k]`` has ``counts[k]`` ids); run only once the flag is set."""
+    ``order[k]`` has ``counts[k]`` ids; ``tables``: each feature's table, where known); run only
+    once the flag is set."""
     at = 0
     for k, (i, n) in enumerate(zip(order, counts)):
         part = values[at:at + n]
@@ -148,7 +150,8 @@ def _name_bad_input(values: torch.Tensor, counts: List[int], names: List[str], r
         if n:
             lo, hi = (int(x) for x in torch.aminmax(part))
             if lo < 0 or hi >= rows[i]:
-                raise IndexError(f"fxrec: feature '{names[i]}' looks up id {lo if lo < 0 else hi} in a table of "
+                table = f"table '{tables[i]}', which has" if tables else "a table of"
+                raise IndexError(f"fxrec: feature '{names[i]}' looks up id {lo if lo < 0 else hi} in {table} "
                                  f"{rows[i]} rows (valid ids: 0..{rows[i] - 1})")
     bad = (lengths.view(len(order), -1) < 0).any(1).tolist() if lengths is not None else [False]
     k = bad.index(True) if True in bad else 0
@@ -261,10 +264,12 @@ class PooledInputDist(nn.Module):
     psw_dtype = torch.float32
 
     def __init__(self, name: str, forms: List[str], blocks: List[int], bases: List[int], weighted: bool, rank: int,
-                 world: int, names: List[str], rows: List[int], psw_dtype: torch.dtype = torch.float32):
+                 world: int, names: List[str], rows: List[int], psw_dtype: torch.dtype = torch.float32,
+                 tables: Optional[List[str]] = None):
         super().__init__()
         self.name, self.forms, self.blocks, self.bases, self.weighted = name, list(forms), list(blocks), list(bases), weighted
         self.names, self.rows = list(names), list(rows)
+        self.tables = list(tables) if tables is not None else None  # (each feature's table, for errors)
         self.rank, self.world = rank, world
         self.psw_dtype = psw_dtype
 
@@ -300,7 +305,8 @@ class PooledInputDist(nn.Module):
         # rejected input bucketized harmless stand-ins, and every rank stops here
         info = all_gather_ints(mine, dev, f"{self.name} (counts)")
         _stop_if_rejected([row[1] for row in info], self.name, self.rank,
-                          lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts))
+                          lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts,
+                                                  getattr(self, "tables", None)))
         batch = _check_batch([row[0] for row in info], self.name)
         info = [row[2:] for row in info]
         mine = info[self.rank]
