@@ -48,7 +48,8 @@ def test_the_aoti_packages_input_names_skip_the_inputs_that_are_not_tensors():
     model = _MixedInputs().eval()
     ex = (torch.randn(4, 3), torch.randint(0, 50, (4, 3)), 2.0, None, {"b": torch.randint(0, 50, (4, 2))})
     fast = fxrec.transform(model, ex, mode="inference")
-    assert _input_names(fast, fxrec.export.program(fast, ex)) == ["input dense", "input ids", "input other[b]"]
+    assert _input_names(fast, fxrec.export.program(fast, ex)) == [
+        "input dense", "input ids (ids of feature 'ids', table 'e')", "input other[b] (ids of feature 'other_b', table 'f')"]
 
 
 def test_exported_sequence_and_pooled_by_hand_model():
