@@ -393,7 +393,7 @@ def test_an_aoti_package_checks_dtypes_and_sizes_where_its_checks_are_on(tmp_pat
                        timeout=600, env=env)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     lines = r.stdout.strip().split("\n")
-    assert lines[0] == "input seq", lines
+    assert lines[0] == "input seq (ids of feature 'seq', table 'e')", lines
     with torch.no_grad():
         assert lines[1] == f"ran {float(model(torch.arange(15).reshape(5, 3) % 50).sum())}", lines
     # batches of 1 and 0 run with the checks on (AOTInductor's own lower bound of a dynamic size
