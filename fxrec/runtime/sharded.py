@@ -138,9 +138,8 @@ def _input_flag(values: torch.Tensor, feature_of: torch.Tensor, rows_t: torch.Te
 def _name_bad_input(values: torch.Tensor, counts: List[int], names: List[str], rows: List[int], order: List[int],
                     lengths: Optional[torch.Tensor] = None, firsts: Optional[torch.Tensor] = None,
                     tables: Optional[List[str]] = None) -> None:
-    """Raise the error naming the feature whose input :func:`_input_flag` rejected (feature
-    ``order[k]`` has ``counts[k]`` ids; ``tables``: each feature's table, where known); run only
-    once the flag is set."""
+    """Raise the error naming the feature (and its table) whose input :func:`_input_flag` rejected
+    (feature ``order[k]`` has ``counts[k]`` ids); run only once the flag is set."""
     at = 0
     for k, (i, n) in enumerate(zip(order, counts)):
         part = values[at:at + n]
@@ -262,6 +261,7 @@ class PooledInputDist(nn.Module):
     #: the dtype the pieces' per-sample weights must have (the tables' in the model); they travel
     #: as float32, which holds fp16 ones exactly
     psw_dtype = torch.float32
+    tables: Optional[List[str]] = None  # each feature's table, for errors (None: pickled before they were kept)
 
     def __init__(self, name: str, forms: List[str], blocks: List[int], bases: List[int], weighted: bool, rank: int,
                  world: int, names: List[str], rows: List[int], psw_dtype: torch.dtype = torch.float32,
@@ -269,8 +269,7 @@ class PooledInputDist(nn.Module):
         super().__init__()
         self.name, self.forms, self.blocks, self.bases, self.weighted = name, list(forms), list(blocks), list(bases), weighted
         self.names, self.rows = list(names), list(rows)
-        self.tables = list(tables) if tables is not None else None  # (each feature's table, for errors)
-        self.rank, self.world = rank, world
+        self.tables, self.rank, self.world = tables, rank, world
         self.psw_dtype = psw_dtype
 
     def exchange_shape(self):
@@ -306,7 +305,7 @@ class PooledInputDist(nn.Module):
         info = all_gather_ints(mine, dev, f"{self.name} (counts)")
         _stop_if_rejected([row[1] for row in info], self.name, self.rank,
                           lambda: _name_bad_input(values, counts, self.names, self.rows, order, lengths, firsts,
-                                                  getattr(self, "tables", None)))
+                                                  self.tables))
         batch = _check_batch([row[0] for row in info], self.name)
         info = [row[2:] for row in info]
         mine = info[self.rank]

@@ -55,12 +55,14 @@ class SequenceInputDist(nn.Module):
 
     _fxrec_collective = True
 
+    tables: Optional[List[str]] = None  # (None: pickled before they were kept)
+
     def __init__(self, name: str, blocks: List[int], bases: List[int], rank: int, world: int,
                  names: List[str], rows: List[int], tables: Optional[List[str]] = None):
         super().__init__()
         self.name, self.blocks, self.bases = name, list(blocks), list(bases)
         self.names, self.rows, self.rank, self.world = list(names), list(rows), rank, world
-        self.tables = list(tables) if tables is not None else None  # (each feature's table, for errors)
+        self.tables = tables  # each feature's table, for errors
 
     def exchange_shape(self):
         """``(ints each rank sends, where its input flag is)`` in the exchange of the counts:
@@ -94,7 +96,7 @@ class SequenceInputDist(nn.Module):
         info = all_gather_ints(mine, dev, f"{self.name} (counts)")
         _stop_if_rejected([row[0] for row in info], self.name, self.rank,
                           lambda: _name_bad_input(values, sizes, self.names, self.rows, list(range(nfeat)),
-                                                          tables=getattr(self, "tables", None)))
+                                                          tables=self.tables))
         info = [row[1:] for row in info]
         counts = info[self.rank]
         recv = [info[s][self.rank * nfeat:(self.rank + 1) * nfeat] for s in range(self.world)]
