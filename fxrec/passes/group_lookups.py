@@ -112,7 +112,8 @@ def _name_batches(records: List[meta.LookupRecord]) -> List[meta.LookupRecord]:
         size = val.shape[0]
         name = next((n for v, n in named if v is size or _provably_equal(v, size, statically_known_true)), None)
         if name is None:
-            name = str(size)
+            # a size the capture left symbolic ("s13") is named by the first feature read over it
+            name = str(size) if isinstance(size, int) else f"the batch of feature '{r.feature}'"
             named.append((size, name))
         out.append(dataclasses.replace(r, batch=name))
     return out
@@ -275,11 +276,16 @@ def _kind_text(key: tuple, field: str) -> str:
     if field == "weights":
         return f"stored in {k['weights']}" if k["weights"] else "stored as the model holds it"
     if field == "batch":
-        return f"over a batch of {k['batch']}"
+        return f"over {_batch_text(k['batch'])}"
     if field == "wide":
         return (f"wider than {CUDA_MAX_DIM} columns (fbgemm's CUDA kernels take up to {CUDA_MAX_DIM})" if k["wide"]
                 else f"at most {CUDA_MAX_DIM} columns wide")
     return f"{field} {k[field]}"
+
+
+def _batch_text(name: str) -> str:
+    """A batch name of :func:`_name_batches` in words: "a batch of 4" or "the batch of feature 'ids'"."""
+    return f"a batch of {name}" if name.isdigit() else name
 
 
 def _differing(a: tuple, b: tuple) -> List[str]:
@@ -300,7 +306,8 @@ def key_difference(mine: tuple, theirs: tuple) -> str:
         elif f == "dim":
             out.append(f"stored dims differ ({mine[5]} vs {theirs[5]})")
         elif f == "batch":
-            out.append(f"batch sizes differ ({mine[8]} vs {theirs[8]}: nothing in the model makes them equal)")
+            out.append(f"batch sizes differ ({_batch_text(mine[8])} vs {_batch_text(theirs[8])}: "
+                       "nothing in the model makes them equal)")
         elif f in ("pooling", "weighted", "weights", "wide"):
             out.append(f"{_kind_text(mine, f)} vs {_kind_text(theirs, f)}")
         else:
@@ -314,7 +321,7 @@ def kind_of(key: tuple, batches: bool = False) -> str:
     for unpooled lookups the stored dim."""
     if key[0] == "none":
         return f"sequence dim {key[5]}"
-    return f"{key[0]} over a batch of {key[8]}" if batches else key[0]
+    return f"{key[0]} over {_batch_text(key[8])}" if batches else key[0]
 
 
 def _keep_mixed_half_tables(nodes) -> None:
