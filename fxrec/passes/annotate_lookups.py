@@ -128,32 +128,19 @@ _ALIAS_OPS = {
 def _mutated_in_graph(weight: fx.Node) -> Optional[str]:
     """Why the table is written in forward (following views of it, and into the blocks it is
     given to: a lookup with max_norm inside a no_grad block), or None."""
-    seen = {weight}
-    todo = [weight]
-    while todo:
-        cur = todo.pop()
-        for u in cur.users:
-            if u.op != "call_function":
-                continue
-            name = getattr(u.target, "__name__", str(u.target))
-            if u.target in _ALIAS_OPS and u not in seen:
-                seen.add(u)
-                todo.append(u)
-                continue
-            inside = [h for body, given in bodies(u)
-                      for h, o in zip([h for h in body.graph.nodes if h.op == "placeholder"], given) if o is cur]
-            if inside:
-                todo += [h for h in inside if h not in seen]
-                seen.update(inside)
-                continue
-            if "embedding_renorm" in name:
-                return "max_norm renormalises the table in place during forward"
-            schema = getattr(u.target, "_schema", None)
-            if schema is None:
-                continue
-            for i, a in enumerate(schema.arguments):
-                if a.alias_info is not None and a.alias_info.is_write and i < len(u.args) and u.args[i] is cur:
-                    return f"the table is modified in place by {name} in forward"
+    table, users = _closure(weight)
+    for u in users:
+        if u.op != "call_function":
+            continue
+        name = getattr(u.target, "__name__", str(u.target))
+        if "embedding_renorm" in name:
+            return "max_norm renormalises the table in place during forward"
+        schema = getattr(u.target, "_schema", None)
+        if schema is None:
+            continue
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write and i < len(u.args) and u.args[i] in table:
+                return f"the table is modified in place by {name} in forward"
     return None
 
 
@@ -226,25 +213,25 @@ def _renorm(node: fx.Node) -> bool:
     return node.op == "call_function" and "embedding_renorm" in getattr(node.target, "__name__", str(node.target))
 
 
-def _closure(weight: fx.Node) -> Tuple[list, set]:
+def _closure(weight: fx.Node) -> Tuple[set, list]:
     """The nodes that are the table ``weight``: it, its views, and the placeholders of the blocks
-    it is given to (and theirs), with the users read into none of those (a block fxrec cannot look
-    into is such a user)."""
-    seen, todo, others = {weight}, [weight], set()
+    it is given to (and theirs), and the users that read it into none of those (a block fxrec cannot
+    look into is such a user), in the order found."""
+    seen, todo, others = {weight}, [weight], {}
     while todo:
-        cur = todo.pop()
+        cur = todo.pop(0)
         for u in cur.users:
             nxt = [u] if u.op == "call_function" and u.target in _ALIAS_OPS else []
             for body, given in bodies(u):
                 holders = [h for h in body.graph.nodes if h.op == "placeholder"]
                 nxt += [h for h, o in zip(holders, given) if o is cur]
             if not nxt:
-                others.add(u)
+                others[u] = None
             for x in nxt:
                 if x not in seen:
                     seen.add(x)
                     todo.append(x)
-    return list(seen), others
+    return seen, list(others)
 
 
 def read_unrenormalised(weight: fx.Node, lookups, operands: Dict[fx.Node, fx.Node]) -> bool:
