@@ -3,8 +3,8 @@ the layout fbgemm's TBE, fxrec's gradients and the quantized lookups all read.
 
 Features are packed feature-major: bags ``f*B .. (f+1)*B`` belong to feature f. The one packing
 of the project: :func:`pack_bags` and :func:`pack_rows` are plain typed functions that
-TorchScript compiles, so the eager group module (through :func:`pack_pooled` /
-:func:`pack_sequence`, which add its checks) and the TorchScript serving modules
+TorchScript compiles, so the eager group module (through :mod:`fxrec.runtime.group_packing`, which
+adds its checks) and the TorchScript serving modules
 (:mod:`fxrec.runtime.serving`) run the same code. The common cases (plain bags, single ids,
 ``[B, L]`` ids) cost a constant number of tensor ops for the whole group, not a few per feature.
 """
@@ -18,9 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._tracing import exporting, reads_values
 from .device_ints import kept_split_on
-from .kernels.fbgemm_padding import kept_pads
 
 #: FeatureSpec.form as the integer the scriptable packing takes.
 FORM_CODES = {"bag": 0, "pooled_seq": 1, "single": 2, "seq": 3}
@@ -334,68 +332,7 @@ def unpack_rows(out: Tensor, ids_list: List[Tensor], dims: List[int]) -> List[Te
     return outs
 
 
-# ------------------------------------------------------------------ the eager group's entry points
-def pack_pooled(group, ids_list, offsets_list, psw_list, empty_means: bool = False, strict: bool = False,
-                keep_padding: bool = False):
-    """:func:`pack_bags` for an eager group module, with its inputs checked (naming the feature, see
-    :meth:`fxrec.runtime.checks.InputChecks._validate_packed`): ``(indices, offsets, psw, batch,
-    bounds)``, or None where the group runs PyTorch's own kernels instead (an empty batch
-    included). ``keep_padding``: the bags whose tables have a zero row in the group's TBE keep
-    their padding ids (fbgemm_padding)."""
-    if not _all_ints(ids_list, offsets_list, group._bag_features):
-        for f, ids, off in zip(group.features, ids_list, offsets_list):
-            if ids.dtype not in _INTS:
-                group._check_ids(f, ids)  # raises, naming the feature
-            if f.form == "bag" and (off is None or off.dtype not in _INTS):
-                group._check_inputs(ids_list, offsets_list)  # raises, naming the feature
-    batch, indices, offsets, psw, bounds, firsts = pack_bags(
-        ids_list, offsets_list, psw_list, group._where, group._forms, group._pads, group._ilos,
-        group.pooling == "mean", group._any_weighted, strict, empty_means, exporting(),
-        kept_pads(group) if keep_padding else None)
-    if _no_bags(batch, exporting()):
-        return None
-    if firsts is not None and reads_values(indices.device) and bool(firsts.ne(0).any()):
-        i = next(i for i in group._bag_features if int(offsets_list[i][0]) != 0)
-        raise ValueError("fxrec: offsets of " + group._where[i] + " must start at 0, got " + str(int(offsets_list[i][0])))
-    group._validate_packed(indices, offsets, ids_list, offsets_list, psw, firsts)
-    return indices, offsets, psw, batch, bounds
-
-
 def _no_bags(batch: int, tracing: bool) -> bool:
     """Whether the batch is empty; never a branch on a dynamic batch export traces (an include_last_offset
     bag's, offsets' size - 1, would be guarded > 0: the program would refuse batch 0, which the kernels take)."""
     return batch <= 0 if not tracing or isinstance(batch, int) else False
-
-
-def _all_ints(ids_list, offsets_list, bag_features: List[int]) -> bool:
-    """Whether every feature's ids, and every bag's offsets, are int64 or int32 (C-level reads)."""
-    if not set(map(_dtype, ids_list)) <= _INTS:
-        return False
-    bags = offsets_list if len(bag_features) == len(offsets_list) else [offsets_list[i] for i in bag_features]
-    try:
-        return set(map(_dtype, bags)) <= _INTS
-    except AttributeError:  # offsets None
-        return False
-
-
-def pack_sequence(group, ids_list):
-    """:func:`pack_rows` for an eager group module, with its ids checked (naming the feature):
-    ``(indices, offsets, bags per feature, bounds)`` (see :func:`pack_bags` for ``bounds``)."""
-    indices, offsets, bmax = pack_rows(ids_list)
-    bounds = [0]
-    for ids in ids_list:
-        bounds.append(bounds[-1] + ids.numel())
-    if exporting():
-        return indices, offsets, bmax, bounds
-    if not reads_values(indices.device):
-        group._check_on_device(indices, offsets, None, ids_list, None)
-    else:
-        lo, hi = torch.aminmax(indices)
-        if int(lo) < 0 or int(hi) >= group._min_rows:
-            for f, ids in zip(group.features, ids_list):
-                group._check_ids(f, ids)
-    return indices, offsets, bmax, bounds
-
-
-def unpack_sequence(group, out, ids_list) -> List[torch.Tensor]:
-    return unpack_rows(out, ids_list, group.dims)

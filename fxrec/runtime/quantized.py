@@ -26,7 +26,8 @@ from ._tracing import exporting
 from .group import EmbeddingGroup, group_forward
 from .kernels import FBGEMM
 from .kernels import fbgemm_nbit as _nbit
-from .packing import pack_pooled, pack_sequence, padding_weights, unpack_sequence
+from .group_packing import pack_pooled, pack_sequence, unpack_sequence
+from .packing import padding_weights
 from .specs import FeatureSpec, GroupSpec, TableSpec, real_columns_index, stored_widths
 
 

@@ -22,8 +22,9 @@ from torch import nn
 from .collectives import all_gather_ints, all_to_all, ints_on
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows
-from .sharded import (_call, _check_input_devices, _check_input_dtypes, _consts, _input_flag, _name_bad_input,
-                      _stop_if_rejected, refuse_with_the_others)
+from .sharded import _call, _consts
+from .sharded_inputs import (check_input_devices, check_input_dtypes, input_flag, name_bad_input,
+                             refuse_with_the_others, stop_if_rejected)
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -72,14 +73,14 @@ class SequenceInputDist(nn.Module):
     def forward(self, ids_list, offsets_list, psw_list):
         nfeat = len(self.blocks)
         try:  # (anything failing before the exchange fails on every rank: see refuse_with_the_others)
-            _check_input_devices(self, (ids_list,), self.names)
-            _check_input_dtypes(ids_list, [None] * nfeat, [None] * nfeat, self.names, list(range(nfeat)))
+            check_input_devices(self, (ids_list,), self.names)
+            check_input_dtypes(ids_list, [None] * nfeat, [None] * nfeat, self.names, list(range(nfeat)))
             values = torch.cat([ids.reshape(-1) for ids in ids_list]).long()  # int32 and int64 ids together: int64
             dev = values.device
             sizes = [ids.numel() for ids in ids_list]
             lengths = ints_on(sizes, dev)  # ids per feature: one bag each
             feature_of = torch.arange(nfeat, device=dev).repeat_interleave(lengths, output_size=values.numel())
-            flag = _input_flag(values, feature_of, _consts(self, "rows", self.rows, dev))
+            flag = input_flag(values, feature_of, _consts(self, "rows", self.rows, dev))
             ids = values
             if any(self.bases):  # a block's rank is its bucket (see PooledInputDist)
                 ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
@@ -94,8 +95,8 @@ class SequenceInputDist(nn.Module):
         # one exchange: every rank's input check and ids per [destination rank, feature]; a rank fed
         # rejected ids bucketized zeros in their place, and every rank stops here
         info = all_gather_ints(mine, dev, f"{self.name} (counts)")
-        _stop_if_rejected([row[0] for row in info], self.name, self.rank,
-                          lambda: _name_bad_input(values, sizes, self.names, self.rows, list(range(nfeat)),
+        stop_if_rejected([row[0] for row in info], self.name, self.rank,
+                          lambda: name_bad_input(values, sizes, self.names, self.rows, list(range(nfeat)),
                                                           tables=self.tables))
         info = [row[1:] for row in info]
         counts = info[self.rank]

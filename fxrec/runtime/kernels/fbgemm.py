@@ -336,7 +336,7 @@ class FbgemmKernel(Kernel):
         return None if fbgemm_available() else f"fbgemm_gpu does not import ({import_error()!r})"
 
     def run(self, group, ids_list, offsets_list, psw_list, params, training):
-        from ..packing import pack_pooled, pack_sequence, unpack_sequence
+        from ..group_packing import pack_pooled, pack_sequence, unpack_sequence
 
         if training and group.half:  # (a model transformed for inference, called with gradients on)
             return None  # PyTorch's lookups give PyTorch's fp16 gradients (half_refusal)

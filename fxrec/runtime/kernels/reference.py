@@ -137,7 +137,7 @@ def _into_reused(group, ids_list, offsets_list, psw_list, params) -> Optional[to
 def _fused(group, ids_list, offsets_list, psw_list, params):
     """Training with a fused SGD: the lookups' forward, fxrec's backward updating the rows."""
     from ..grad import LookupWithGrads
-    from ..packing import pack_pooled, pack_sequence, unpack_sequence
+    from ..group_packing import pack_pooled, pack_sequence, unpack_sequence
 
     if group.pooling == "none":
         if max(ids.numel() for ids in ids_list) == 0:
