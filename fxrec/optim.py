@@ -582,12 +582,10 @@ def resolve(spec: OptimizerSpec, table: str, param: str) -> Optional[EmbeddingOp
     first key that equals or glob-matches the table name (or its parameter name) wins."""
     if spec is None or isinstance(spec, EmbeddingOptimizer):
         return spec
-    from .pass_infra import names_table
+    from .table_keys import deciding_key
 
-    for pattern, opt in spec.items():
-        if names_table(pattern, table, param):
-            return opt
-    return None
+    key = deciding_key(spec, table, param)
+    return None if key is None else spec[key]
 
 
 def check_spec(spec: OptimizerSpec) -> None:

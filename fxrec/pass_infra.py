@@ -3,7 +3,6 @@ the PassManager that runs one ordered list (see fxrec/pipeline.py for the list i
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,13 +11,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch.fx as fx
 
 from .report import PassRun, Report
-
-
-def names_table(key: str, table: str, param: str) -> bool:
-    """Whether a key of a per-table dict (``optimizer=``, ``quantize=``, ``weights_precision=``)
-    names the table: its name (``"bags.0"``), its parameter's (``"bags.0.weight"``), or a glob
-    pattern matching either (``"bags.*"``)."""
-    return key in (table, param) or fnmatch.fnmatchcase(table, key) or fnmatch.fnmatchcase(param, key)
 
 
 @dataclass

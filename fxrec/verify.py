@@ -124,9 +124,28 @@ def compare_models(
         if not torch.allclose(a, b, rtol=rtol, atol=atol * 10):
             problems.append(f"gradient of '{name}': largest difference {d:.3g}")
     if problems:
-        problems += _diagnose_groups(transformed, args, kwargs, rtol, atol)
+        problems += _differing_weights(reference, transformed) or _diagnose_groups(transformed, args, kwargs, rtol, atol)
         raise VerificationError("fxrec verify failed:\n  " + "\n  ".join(problems))
     return diffs
+
+
+def _differing_weights(reference: torch.nn.Module, transformed: torch.nn.Module) -> List[str]:
+    """The parameters and buffers of one name and shape in both models whose values differ: the two
+    models were not compared from the same weights (four named, the rest counted)."""
+    mine = transformed.state_dict()
+    out = []
+    for name, a in reference.state_dict().items():
+        b = mine.get(name)
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+            continue
+        with torch.no_grad():
+            if torch.equal(a.detach().cpu(), b.detach().cpu().to(a.dtype)):
+                continue
+            d = (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item() \
+                if a.is_floating_point() else float("nan")
+        out.append(f"'{name}' holds other values in the transformed model than in the original (largest "
+                   f"difference {d:.3g}): the two were not compared from the same weights")
+    return out[:4] + ([f"{len(out) - 4} more parameters or buffers differ"] if len(out) > 4 else [])
 
 
 def _diagnose_groups(gm: torch.nn.Module, args, kwargs, rtol: float, atol: float) -> List[str]:

@@ -158,8 +158,17 @@ def test_verify_reports_the_table_and_difference():
     inputs = M.bag_inputs()
     fast = fxrec.transform(model, inputs, backend="fbgemm")
     other = M.BagList()  # other weights: outputs differ, and no lowered lookup is to blame
-    with pytest.raises(fxrec.VerificationError, match=r"(?s)largest difference.*comes from elsewhere"):
+    with pytest.raises(fxrec.VerificationError, match=r"(?s)largest difference.*'bags.0.weight' holds other values in "
+                       r"the transformed model.*not compared from the same weights") as e:
         fxrec.compare_models(other, fast, inputs, {})
+    assert "kernel differs" not in str(e.value) and "comes from elsewhere" not in str(e.value), e.value
+    # one row of one table changed in the transformed model (as the audit did): that table is named
+    edited = fxrec.transform(model, inputs, backend="fbgemm")
+    with torch.no_grad():
+        edited.bags[1].weight[3] += 1.0
+    with pytest.raises(fxrec.VerificationError, match=r"'bags.1.weight' holds other values.*difference 1\b") as e:
+        fxrec.compare_models(model, edited, inputs, {})
+    assert "bags.0" not in str(e.value) and "bags.2" not in str(e.value), e.value
     # Fault injection: give the TBE its own stale copy of the weights, then change one row of it.
     group = fast.get_submodule("fxrec_group_0")
     tbe = group._bound.tbe

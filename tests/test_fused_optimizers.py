@@ -189,6 +189,15 @@ def test_per_table_optimizers_split_groups_and_bad_keys_are_named():
     assert len(group_calls(fast)) == 2
     with pytest.raises(ValueError, match=r"\['emb\.\*'\] match no embedding table"):
         fxrec.transform(model, inputs, optimizer={"emb.*": fxrec.optim.SGD()})
+    # the audit's case: a later key for one table after a glob naming it was called a key that "matches no
+    # table", while the table it names is listed; the first key that names a table decides for it
+    with pytest.raises(ValueError, match=r"optimizer key 'bags.0' decides for no table: every table it names "
+                                         r"\(\['bags.0'\]\) an earlier key names \('bags.\*'\).*put 'bags.0' first"):
+        fxrec.transform(model, inputs, optimizer={"bags.*": fxrec.optim.Adagrad(lr=0.1), "bags.0": fxrec.optim.SGD()})
+    # two keys of one optimizer, each deciding for its own tables
+    sgd = fxrec.optim.SGD(lr=0.1)
+    fast = fxrec.transform(model, inputs, optimizer={"bags.[01]": sgd, "bags.2": sgd})
+    assert fast.report.groups and all("sgd" in g.optimizer.lower() for g in fast.report.groups), fast.report.groups
     with pytest.raises(TypeError, match="fxrec.optim"):
         fxrec.transform(model, inputs, optimizer=torch.optim.SGD)
 

@@ -276,6 +276,14 @@ def test_optimizer_keys_of_a_plan_that_match_no_table_are_refused():
         fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", optimizer={"bag.0": "adagrad", "*": "sgd"})
     plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", optimizer={"bags.0": "adagrad", "*": "sgd"})
     assert [plan[f"bags.{i}"].optimizer for i in range(3)] == ["adagrad", "sgd", "sgd"]
+    # a key after one that already names its tables decided for none of them, silently
+    with pytest.raises(ValueError, match=r"fxrec.plan: optimizer key 'bags.0' decides for no table: every table it "
+                                         r"names \(\['bags.0'\]\) an earlier key names \('\*'\)"):
+        fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", optimizer={"*": "sgd", "bags.0": "adagrad"})
+    # a parameter's name is a key as transform's optimizer= takes it (the plan refused it)
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB",
+                      optimizer={"bags.0.weight": "adagrad", "*": "sgd"})
+    assert [plan[f"bags.{i}"].optimizer for i in range(3)] == ["adagrad", "sgd", "sgd"]
 
 
 class _Wide(nn.Module):

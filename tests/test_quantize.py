@@ -179,6 +179,10 @@ def test_quantization_errors_are_named():
     with pytest.raises(ValueError, match=r"quantize keys \['nosuch', 'tab\*'\] match no table fxrec groups; the "
                                          r"tables are \['bags.0', 'bags.1', 'bags.2'\]"):
         fxrec.transform(model, inputs, mode="inference", quantize={"bags.1": "int8", "nosuch": "int8", "tab*": "int4"})
+    # (a key after a glob that already names its table was ignored: bags.0 quantized int8, not int4)
+    with pytest.raises(ValueError, match=r"quantize key 'bags.0' decides for no table: every table it names "
+                                         r"\(\['bags.0'\]\) an earlier key names \('\*'\).*put 'bags.0' first"):
+        fxrec.transform(model, inputs, mode="inference", quantize={"*": "int8", "bags.0": "int4"})
 
 
 def test_quantized_ids_out_of_range_are_named():

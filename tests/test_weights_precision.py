@@ -217,6 +217,9 @@ class Tied(torch.nn.Module):
     ("unknown", dict(weights_precision="int8"), r"weights_precision must be one of \('fp32', 'fp16', 'bf16'\)"),
     ("unused key", dict(optimizer=fxrec.optim.SGD(lr=0.1), weights_precision={"bags.9": "fp16"}),
      r"weights_precision keys \['bags.9'\] match no embedding table"),
+    ("shadowed key", dict(optimizer=fxrec.optim.SGD(lr=0.1), weights_precision={"bags.*": "fp16", "bags.1": "fp32"}),
+     r"weights_precision key 'bags.1' decides for no table: every table it names \(\['bags.1'\]\) an earlier key "
+     r"names \('bags.\*'\)"),
     ("verify", dict(optimizer=fxrec.optim.SGD(lr=0.1), verify=True), r"verify= and check_passes= compare with"),
     ("check_passes", dict(optimizer=fxrec.optim.SGD(lr=0.1), check_passes=True), r"verify= and check_passes="),
 ])

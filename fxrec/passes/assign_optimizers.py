@@ -25,6 +25,7 @@ from .. import meta
 from ..dataflow import block_reads, carries_gradient
 from ..optim import check_spec, resolve
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..table_keys import check_keys
 
 
 #: why a lookup no gradient reaches is left as written when its table has an optimizer
@@ -47,16 +48,15 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     check_spec(spec)
     if spec is None:
         return PassResult(gm, False, {})
-    used = set()
     assigned = 0
     records = meta.all_records(gm)
+    if isinstance(spec, dict):
+        check_keys(spec, [(r.table, r.param) for r in records], "fxrec: optimizer", InputError, "embedding table")
     elsewhere = _read_elsewhere(records)
     for rec in records:  # (lookups left in no_grad / autocast blocks too: theirs as torch.optim)
         opt = resolve(spec, rec.table, rec.param)
         if opt is None:
             continue
-        if isinstance(spec, dict):
-            used.update(k for k, v in spec.items() if v is opt)
         # a lookup that makes no gradient (in a no_grad block, or detached) needs no optimizer, but
         # its table does where something else reads it with one (a tied output layer)
         mine = opt if rec.param in elsewhere else None
@@ -69,11 +69,6 @@ def assign_optimizers(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         rec.node.meta[meta.LOOKUP] = dataclasses.replace(rec, optimizer=opt)
         assigned += 1
-    if isinstance(spec, dict):
-        unused = [k for k in spec if k not in used]
-        if unused:
-            tables = sorted({r.table for r in meta.all_records(gm)})
-            raise InputError(f"fxrec: optimizer keys {unused} match no embedding table; the tables are {tables}")
     return PassResult(gm, False, {"lookups_with_optimizer": assigned})
 
 

@@ -27,7 +27,8 @@ import dataclasses
 import torch.fx as fx
 
 from .. import meta
-from ..pass_infra import InputError, PassContext, PassResult, compiler_pass, names_table
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..table_keys import check_keys, deciding_key
 from ..runtime.specs import WEIGHTS_PRECISIONS
 
 CHOICES = ("fp32",) + tuple(WEIGHTS_PRECISIONS)
@@ -55,7 +56,8 @@ def check_weights_precision(spec, mode: str, compares: bool = False) -> None:
 def precision_for(spec, table: str, param: str) -> str:
     if isinstance(spec, str):
         return spec
-    return next((v for k, v in spec.items() if names_table(k, table, param)), "fp32")
+    key = deciding_key(spec, table, param)
+    return "fp32" if key is None else spec[key]
 
 
 @compiler_pass(needs=(meta.LOOKUP,), provides=("precisions",))
@@ -65,18 +67,19 @@ def assign_precisions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if spec is None:
         return PassResult(gm, False, {})
     plan = ctx.config.plan
-    used, counts = set(), {}
+    if isinstance(spec, dict):
+        tables = [(n.meta[meta.LOOKUP].table, n.meta[meta.LOOKUP].param) for n in gm.graph.nodes if meta.LOOKUP in n.meta]
+        check_keys(spec, tables, "fxrec: weights_precision", InputError, "embedding table")
+    counts = {}
     stored_by, kept_by = {}, {}  # dict key deciding -> tables it stores lower / data-parallel ones it cannot
     for node in gm.graph.nodes:
         rec = node.meta.get(meta.LOOKUP)
         if rec is None:
             continue
-        if isinstance(spec, dict):
-            used.update(k for k in spec if names_table(k, rec.table, rec.param))
         want = precision_for(spec, rec.table, rec.param)
         if want == "fp32":
             continue
-        key = next(k for k in spec if names_table(k, rec.table, rec.param)) if isinstance(spec, dict) else None
+        key = deciding_key(spec, rec.table, rec.param) if isinstance(spec, dict) else None
         tp = plan.tables.get(rec.table) if plan is not None else None
         if tp is not None and tp.sharding == "data_parallel":
             kept_by.setdefault(key, set()).add(rec.table)
@@ -97,9 +100,4 @@ def assign_precisions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise InputError(f"fxrec: weights_precision key {k!r} names only the tables {tables}, which the plan makes "
                          "data_parallel: their lookups stay the model's own, on the fp32 tables every rank holds; "
                          f"plan them table_wise, row_wise or column_wise to store them in {spec[k]}")
-    if isinstance(spec, dict):
-        unused = [k for k in spec if k not in used]
-        if unused:
-            tables = sorted({n.meta[meta.LOOKUP].table for n in gm.graph.nodes if meta.LOOKUP in n.meta})
-            raise InputError(f"fxrec: weights_precision keys {unused} match no embedding table; the tables are {tables}")
     return PassResult(gm, False, {f"lookups_{k}": v for k, v in sorted(counts.items())})

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .. import meta
-from ..pass_infra import InputError, PassContext, PassResult, compiler_pass, names_table
+from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
+from ..table_keys import check_keys, deciding_key
 from ..runtime.kernels.fbgemm_nbit import QUANT_DTYPES
 from ..runtime.specs import pad_dim
 
@@ -49,10 +50,8 @@ def dtype_for(spec, table: str, param: str, rows: int, dim: int, half: bool = Fa
             saves = pad_dim(dim, 4) + 4 < dim * 4
             return "int8" if rows * dim * 4 >= AUTO_MIN_BYTES and saves else keep
         return keep if spec == "fp32" else spec
-    for pattern, dt in spec.items():
-        if names_table(pattern, table, param):
-            return dtype_for(dt, table, param, rows, dim, half)
-    return keep
+    key = deciding_key(spec, table, param)
+    return keep if key is None else dtype_for(spec[key], table, param, rows, dim, half)
 
 
 @compiler_pass(needs=("groups",), provides=("quant",))
@@ -65,14 +64,10 @@ def quantize_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     values = [spec] if isinstance(spec, str) else list(spec.values()) if isinstance(spec, dict) else None
     if values is None or any(v not in QUANT_DTYPES + ("auto",) for v in values):
         raise InputError(f"fxrec: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, got {spec!r}")
-    if isinstance(spec, dict):  # every key names a table it quantizes (as optimizer= keys must)
-        grouped = [(r.table, r.param) for gr in ctx.groups for r in gr.lookups]
-        unused = [k for k in spec if not any(names_table(k, t, p) for t, p in grouped)]
-        if unused:
-            alone = sorted({r.table for r in meta.all_records(gm) if not r.lowerable})
-            raise InputError(f"fxrec: quantize keys {unused} match no table fxrec groups; the tables are "
-                             f"{sorted({t for t, _ in grouped})}"
-                             + (f" (left as written, so not quantized: {alone})" if alone else ""))
+    if isinstance(spec, dict):  # every key decides for a table it quantizes (as optimizer= keys must)
+        alone = sorted({r.table for r in meta.all_records(gm) if not r.lowerable})
+        check_keys(spec, [(r.table, r.param) for gr in ctx.groups for r in gr.lookups], "fxrec: quantize", InputError,
+                   "table fxrec groups", f" (left as written, so not quantized: {alone})" if alone else "")
     counts = {}
     for gr in ctx.groups:
         half = gr.lookups[0].half

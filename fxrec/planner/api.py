@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from dataclasses import replace
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
+from ..table_keys import check_keys, deciding_key
 from .cost import optimizer_kind
 from .search import normalize_pins, search
 from .specs import SHARDING_TYPES, ShardingPlan, TableSpec, Topology, format_bytes
@@ -121,7 +121,7 @@ def plan(
 
     if model is not None:
         specs, example_batch = _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log,
-                                                 lambda table: _kind_of(table, optimizer) != "none")
+                                                 lambda table, param: _kind_of(table, optimizer, param) != "none")
     else:
         specs, example_batch = _specs_from_list(tables, factors), None
 
@@ -283,41 +283,30 @@ def _precisions(specs: List[TableSpec], spec) -> List[TableSpec]:
     if values is None or any(v not in choices for v in values):
         raise ValueError(f"fxrec.plan: weights_precision must be one of {choices} or a dict of them, got {spec!r}")
 
-    def names(key: str, s: TableSpec) -> bool:
-        return any(n is not None and (key == n or fnmatch.fnmatchcase(n, key)) for n in (s.name, s.param))
-
     if isinstance(spec, dict):
-        unused = [k for k in spec if not any(names(k, s) for s in specs)]
-        if unused:
-            raise ValueError(f"fxrec.plan: weights_precision keys {unused} match no table; the tables are "
-                             f"{sorted(s.name for s in specs)}")
+        check_keys(spec, [(s.name, s.param) for s in specs], "fxrec.plan: weights_precision")
     out = []
     for s in specs:
-        want = spec if isinstance(spec, str) else next((v for k, v in spec.items() if names(k, s)), "fp32")
+        key = None if isinstance(spec, str) else deciding_key(spec, s.name, s.param)
+        want = spec if isinstance(spec, str) else "fp32" if key is None else spec[key]
         out.append(replace(s, weights=want) if want != "fp32" and s.dtype == "fp32" and not s.weights else s)
     return out
 
 
-def _kind_of(table: str, optimizer) -> str:
-    """The optimizer kind ``optimizer`` (plan's ``optimizer=``) gives ``table``: in a dict, the
-    first key that is its name or a glob matching it ("none" for none)."""
+def _kind_of(table: str, optimizer, param: Optional[str] = None) -> str:
+    """The optimizer kind ``optimizer`` (plan's ``optimizer=``) gives ``table`` (of parameter
+    ``param``): in a dict, the first key that names it ("none" for none)."""
     if not isinstance(optimizer, dict):
         return optimizer_kind(optimizer)
-    for pattern, o in optimizer.items():
-        if pattern == table or fnmatch.fnmatchcase(table, pattern):
-            return optimizer_kind(o)
-    return "none"
+    key = deciding_key(optimizer, table, param)
+    return "none" if key is None else optimizer_kind(optimizer[key])
 
 
 def _optimizers(specs: Sequence[TableSpec], optimizer):
     """Per-table optimizer kinds, and the plan's label for them."""
     if isinstance(optimizer, dict):
-        resolved = {pattern: optimizer_kind(o) for pattern, o in optimizer.items()}
-        unused = [k for k in resolved if not any(k == s.name or fnmatch.fnmatchcase(s.name, k) for s in specs)]
-        if unused:  # (as transform's optimizer= and plan's weights_precision= keys)
-            raise ValueError(f"fxrec.plan: optimizer keys {unused} match no table; the tables are "
-                             f"{sorted(s.name for s in specs)}")
-        kinds = [_kind_of(s.name, resolved) for s in specs]
+        check_keys(optimizer, [(s.name, s.param) for s in specs], "fxrec.plan: optimizer")  # (as transform's)
+        kinds = [_kind_of(s.name, optimizer, s.param) for s in specs]
         label = "per table"
     else:
         default = optimizer_kind(optimizer)

@@ -91,7 +91,7 @@ def _ids_per_sample(rec) -> Tuple[Optional[float], Optional[int]]:
 
 def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
                 logger: Optional[logging.Logger] = None,
-                optimized: Callable[[str], bool] = lambda table: False,
+                optimized: Callable[[str, str], bool] = lambda table, param: False,
                 ) -> Tuple[List[FoundTable], List[str], Optional[int]]:
     """Capture ``model`` on its example inputs and return (tables, notes, batch size of the
     examples or None). The model is not modified. ``optimized``: whether a table is trained with
@@ -118,7 +118,7 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
     ctx = PassContext(config=Config(), report=Report(), example_args=args, example_kwargs=kwargs,
                       logger=logger or logging.getLogger("fxrec"))
     gm = PassManager([annotate_lookups, merge_lookups, group_lookups]).run(gm, ctx)
-    records = [dataclasses.replace(r, reason=NO_GRADIENT) if optimized(r.table) and makes_no_gradient(r) else r
+    records = [dataclasses.replace(r, reason=NO_GRADIENT) if optimized(r.table, r.param) and makes_no_gradient(r) else r
                for r in meta.all_records(gm)]
     grouped = {r.table for r in records if r.lowerable}
     tables: Dict[str, FoundTable] = {}
