@@ -29,6 +29,7 @@ import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .api import BACKENDS, DEVICES
+from .planner.cost import OPTIMIZER_STATE
 
 PROG = "fxrec"
 
@@ -325,7 +326,8 @@ def cmd_plan(args) -> int:
         raise CLIError("the planner is not available in this version (fxrec.plan is missing)")
     model, inputs = load_model(args.model)
     try:
-        result = planner(model, inputs, world_size=args.world_size, memory_per_rank=args.memory_per_rank)
+        result = planner(model, inputs, world_size=args.world_size, memory_per_rank=args.memory_per_rank,
+                         hosts=args.hosts, device=args.device, batch_size=args.batch_size, optimizer=args.optimizer)
     except Exception as e:
         raise CLIError(f"could not plan {type(model).__name__} from {args.model}: {_paragraph(e)}") from e
     print(result)
@@ -393,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel to put first (default: auto, the rule table)")
     g.add_argument("--autotune", action="store_true",
                    help="time the kernels of each group on the example inputs (cached on disk)")
-    g.add_argument("--mode", choices=("training", "inference"), default="training", help="default: training")
+    g.add_argument("--mode", choices=("training", "inference"), default=None,
+                   help="default: training, or inference with --quantize")
     g.add_argument("--quantize", default=None, metavar="DTYPE",
                    help="inference: int8, int4, int2, fp16, fp32 or auto")
     g.add_argument("--timing-rounds", type=_positive_int, default=5, metavar="N",
@@ -436,6 +439,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=_positive_int, required=True, metavar="N", help="number of ranks")
     p.add_argument("--memory-per-rank", type=parse_size, required=True, metavar="SIZE",
                    help="e.g. 16GB (powers of 10) or 16GiB (powers of 2), or bytes")
+    p.add_argument("--optimizer", default=None, metavar="KIND",
+                   help="the optimizer the tables train with, for its state's bytes: "
+                        f"{', '.join(sorted(OPTIMIZER_STATE))} (default: none; transform(plan=..., optimizer=...) "
+                        "wants the plan made with its optimizer)")
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="the ranks' device (default: cpu)")
+    p.add_argument("--hosts", type=_positive_int, default=None, metavar="N",
+                   help="hosts the ranks are spread over (default: 1)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, metavar="N",
+                   help="samples per rank and step (default: the example inputs' batch)")
     p.add_argument("-o", "--output", metavar="FILE.json", help="save the plan (plan.save)")
     p.set_defaults(run=cmd_plan, parser=p)
 
@@ -454,6 +466,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)  # exits 2 on a wrong command line
     if ":" not in args.model or not args.model.rpartition(":")[2] or not args.model.rpartition(":")[0]:
         parser.error(f"{args.model!r}: name the factory as FILE.py:FACTORY, e.g. examples/dlrm_factory.py:small")
+    if getattr(args, "mode", "") is None:
+        args.mode = "inference" if args.quantize else "training"
+    if args.command == "inspect" and args.device is not None and args.autotune:  # (explain builds nothing to time)
+        args.parser.error("--autotune times the kernels on the example inputs, and --device builds nothing to time; "
+                          "drop one of them")
     prefix = f"{PROG} {args.command}: error:"
     # When it fails, torch.export logs and prints the graph it was building (pages of it) to
     # stderr; the error message says what matters. Without --debug, torch's warnings are kept

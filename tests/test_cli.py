@@ -251,36 +251,50 @@ def test_draw_final_graph_as_dot_needs_no_graphviz_program(files, tmp_path, monk
     assert "apt-get install graphviz" in capsys.readouterr().err
 
 
-class FakePlan:
-    def __init__(self):
-        self.saved = None
+def test_plan_calls_fxrec_plan_with_its_options(files, tmp_path, capsys):
+    """The command's plan is fxrec.plan's for the same arguments; --optimizer, --device, --hosts and
+    --batch-size reach it (the command planned for a CPU, no optimizer and the examples' batch only,
+    a plan transform(optimizer=...) then accepts only with a warning)."""
+    import importlib.util
 
-    def __str__(self):
-        return "FAKE PLAN: 3 tables on 8 ranks"
-
-    def save(self, path):
-        self.saved = path
-        with open(path, "w") as f:
-            f.write("{}")
-
-
-def test_plan_calls_fxrec_plan_exactly(files, tmp_path, monkeypatch, capsys):
-    calls = []
-    result = FakePlan()
-
-    def fake_plan(model, example_inputs, **kwargs):
-        calls.append((type(model).__name__, example_inputs, kwargs))
-        return result
-
-    monkeypatch.setattr(fxrec, "plan", fake_plan, raising=False)
     out = str(tmp_path / "plan.json")
-    argv = ["plan", files["tiny_model"] + ":small", "--world-size", "8", "--memory-per-rank", "16GB", "-o", out]
+    argv = ["plan", files["tiny_model"] + ":small", "--world-size", "2", "--memory-per-rank", "1GB",
+            "--optimizer", "rowwise_adagrad", "--device", "cuda", "--hosts", "1", "--batch-size", "64", "-o", out]
     assert cli.main(argv) == 0
-    (name, inputs, kwargs), = calls
-    assert name == "Tiny" and len(inputs) == 2
-    assert kwargs == {"world_size": 8, "memory_per_rank": 16 * 10**9}
-    assert "FAKE PLAN: 3 tables on 8 ranks" in capsys.readouterr().out
-    assert result.saved == out and os.path.exists(out)
+    printed = capsys.readouterr().out
+    spec = importlib.util.spec_from_file_location("tiny_model_for_plan", files["tiny_model"])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model, inputs = mod.small()
+    want = fxrec.plan(model, inputs, world_size=2, memory_per_rank="1GB", optimizer="rowwise_adagrad", device="cuda",
+                      hosts=1, batch_size=64)
+    got = fxrec.planner.ShardingPlan.load(out)
+    assert got.to_dict() == want.to_dict()
+    assert (got.optimizer, got.batch_size, got.topology.device) == ("rowwise_adagrad", 64, "cuda"), got
+    assert str(want).splitlines()[0] in printed
+
+
+def test_plan_defaults_to_a_cpu_plan_with_no_optimizer_and_the_examples_batch(files, tmp_path, capsys):
+    out = str(tmp_path / "plan.json")
+    assert cli.main(["plan", files["tiny_model"] + ":small", "--world-size", "2", "--memory-per-rank", "1GB",
+                     "-o", out]) == 0
+    got = fxrec.planner.ShardingPlan.load(out)
+    assert (got.optimizer, got.batch_size, got.topology.device) == ("none", 4, "cpu"), got
+
+
+def test_quantize_on_the_command_line_means_inference_and_device_refuses_autotune(files, capsys):
+    """--quantize without --mode captured the model, then failed: quantize= needs mode='inference'.
+    --autotune with --device was dropped without a word (explain builds nothing to time)."""
+    assert cli.main(["inspect", files["tiny_model"] + ":small", "--quantize", "int8", "--json", *FAST]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {q["dtype"] for q in report["quantization"]} == {"int8"}, report  # (quantize= runs only in inference)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["inspect", files["tiny_model"] + ":small", "--device", "cuda", "--autotune"])
+    assert e.value.code == 2
+    assert "--device builds nothing to time" in capsys.readouterr().err
+    # an explicit --mode training with --quantize is still refused
+    assert cli.main(["inspect", files["tiny_model"] + ":small", "--quantize", "int8", "--mode", "training"]) == 1
+    assert "quantize= needs mode='inference'" in capsys.readouterr().err
 
 
 def test_plan_without_a_planner_exits_1(files, monkeypatch, capsys):
