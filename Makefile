@@ -1,6 +1,7 @@
 # The two commands of the README:  make demo   and   make test
 # Both create .venv and install what they need on first use (torch is pinned to the CPU build
 # that pip finds on these machines; an unpinned torch would pull a CUDA build of several GB).
+# TORCH_INDEX=URL takes torch alone from that index (https://download.pytorch.org/whl/cpu: its CPU build).
 PY      ?= python3
 VENV    := .venv
 PYBIN   := $(VENV)/bin/python
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	    echo "NOTE: Graphviz's 'dot' is missing: install it with 'sudo apt-get install graphviz' (Debian/Ubuntu) or 'brew install graphviz' (macOS); until then fxrec cannot render pictures and their tests are skipped"; \
 	  fi; }
 	test -x $(PYBIN) || $(PY) -m venv $(VENV)
-	$(PYBIN) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PYBIN) -m pip install -q --disable-pip-version-check torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PYBIN) -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
 	touch $(STAMP)
 
@@ -32,8 +33,8 @@ test: $(STAMP)
 	$(PYBIN) -m pytest -q tests
 
 # The GPU suite (tests marked requires_cuda), on a machine with torch 2.11 + CUDA and fbgemm-gpu
-# 1.6.0 already importable (pip install -e '.[cuda,test]'; on the lent GPU machines see
-# ../shared/gpu/README.md): no venv is made here. Fails, rather than skips, without a GPU.
+# 1.6.0 already importable (pip install -e '.[cuda,test]'; on the GPU machines lent to the developers,
+# their own notes, outside this repository, say how): no venv is made here. Fails, rather than skips, without a GPU.
 # Only the files that hold such tests are collected (the others import packages, hypothesis among
 # them, that a GPU machine may lack), on 4 workers where pytest-xdist is installed.
 GPU_PY ?= python3

@@ -41,12 +41,28 @@ def write_back(transformed: torch.nn.Module, model: torch.nn.Module) -> None:
         raise ValueError("fxrec.write_back: a sharded model holds only this rank's shards of its tables; save it "
                          "with fxrec.checkpoint.save (every rank) and load that into the plain model with "
                          "fxrec.checkpoint.load_into_model (docs/sharding.md)")
-    missing, unexpected = model.load_state_dict(transformed.state_dict(), strict=False)
-    if missing or unexpected:
+    from .runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
+
+    state = transformed.state_dict()
+    want = model.state_dict()
+    missing, unexpected = [k for k in want if k not in state], [k for k in state if k not in want]
+    if missing or unexpected:  # (checked before anything is copied: the model is left as it was)
+        quantized = [t.name for m in transformed.modules() if isinstance(m, (QuantizedPooledGroup, QuantizedSequenceGroup))
+                     for t in m.tables]
+        if quantized:
+            raise ValueError(f"fxrec.write_back: the model was quantized for serving: it holds the tables {quantized} "
+                             "as quantized rows, not their weights, and nothing is written back (serve the "
+                             "trained plain model by transforming it again)")
         raise KeyError(
             f"fxrec.write_back: state_dict keys differ: {missing} are missing from the transformed "
             f"model, {unexpected} are not in the target model"
         )
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in want.items()
+              if isinstance(v, torch.Tensor) and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape]
+    if shapes:
+        raise ValueError(f"fxrec.write_back: the transformed model's tensors differ in shape from the target "
+                         f"model's (transformed vs target): {', '.join(shapes[:4])}; nothing was written")
+    model.load_state_dict(state)
 
 
 def _as_args(example_inputs: Any) -> tuple:

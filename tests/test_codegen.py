@@ -334,10 +334,12 @@ def test_arguments_the_example_left_at_their_defaults_are_taken_as_the_model_tak
     for call in (lambda f: f(ids), lambda f: f(ids, None), lambda f: f(ids, dense=None), lambda f: f(ids, None, 1.0),
                  lambda f: f(ids, scale=1.0, tag="x")):
         torch.testing.assert_close(call(fast), want)
-    for bad, name in (((ids, torch.ones(3, 4)), "dense"), ((ids, None, 2.0), "scale"), ((ids, None, 1), "scale"),
-                      ((ids, None, 1.0, "y"), "tag")):
+    # (the value given is named: "got a float" did not say which)
+    for bad, name, got in (((ids, torch.ones(3, 4)), "dense", r"a tensor of shape \(3, 4\)"),
+                           ((ids, None, 2.0), "scale", "2.0"), ((ids, None, 1), "scale", "1"),
+                           ((ids, None, 1.0, "y"), "tag", "'y'")):
         with pytest.raises(ValueError, match=rf"input {name} was left at its default .* when the model was captured "
-                                             r"and must stay so \(transform with it given, to pass it\)"):
+                                             rf"and must stay so \(transform with it given, to pass it\), got {got}$"):
             fast(*bad)
     given = fxrec.transform(model, (ids, torch.ones(3, 4)))
     torch.testing.assert_close(given(ids, torch.ones(3, 4)), model(ids, torch.ones(3, 4)))

@@ -122,6 +122,28 @@ def test_state_dict_keys_checkpoint_round_trip_and_write_back():
     torch.testing.assert_close(other(*inputs), fast(*inputs))
 
 
+def test_write_back_into_a_model_it_does_not_fit_writes_nothing():
+    """write_back loaded what matched, then raised: the target was left half written. A model
+    quantized for serving raised "state_dict keys differ" without saying why."""
+    model = M.BagList(rows=(50, 80, 30))
+    fast = fxrec.transform(model, M.bag_inputs(rows=(50, 80, 30)), backend="fbgemm")
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(1.0)
+    for target, error, match in ((M.BagList(rows=(50, 80)), KeyError, r"\['bags.2.weight'\] are not in the target"),
+                                 (M.BagList(rows=(50, 80, 31)), ValueError,
+                                  r"differ in shape.*bags.2.weight \(30, 8\) vs \(31, 8\); nothing was written")):
+        before = copy.deepcopy(target.state_dict())
+        with pytest.raises(error, match=match):
+            fxrec.write_back(fast, target)
+        for k, v in target.state_dict().items():
+            assert torch.equal(v, before[k]), k  # (bags.0 and bags.1 were overwritten)
+    served = fxrec.transform(model.eval(), M.bag_inputs(rows=(50, 80, 30)), mode="inference", quantize="int8")
+    with pytest.raises(ValueError, match=r"quantized for serving: it holds the tables \['bags.0', 'bags.1', 'bags.2'\] "
+                                         r"as quantized rows"):
+        fxrec.write_back(served, M.BagList(rows=(50, 80, 30)))
+
+
 def test_training_with_torch_optim_matches_plain_model_over_steps():
     model = M.BagList(rows=(40, 30, 20))
     fast = fxrec.transform(model, M.bag_inputs(rows=(40, 30, 20)), backend="fbgemm")
