@@ -71,11 +71,11 @@ def explain(guards, inputs: Sequence, modes: Sequence[bool] = ()) -> str:
                 span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
                 problems.append(f"{guards._name(k)} has size {values[s]} in dim {d}; the model accepts {span} there")
     if not problems:
+        broken: Dict[str, List[str]] = {}  # why -> the conditions broken so, each in words
         for c in guards.active(modes):
             try:
                 ok = bool(eval(c, _namespace(), {f"a{k}": x for k, x in enumerate(inputs)}))  # noqa: S307
-                why = ("break a condition on their sizes that the model's code (or a torch function it calls) relied on "
-                       "when it was captured")
+                why = "relied"
             except ZeroDivisionError:
                 ok, why = False, "make a size the model's code divides by 0"
             except Exception:  # noqa: BLE001 - an input that is not a tensor: named above
@@ -83,8 +83,15 @@ def explain(guards, inputs: Sequence, modes: Sequence[bool] = ()) -> str:
             if not ok:  # (with what the inputs it names feed)
                 fed = [f"{guards.paths[k]}: {guards.roles[k]}" for k in sorted({int(a) for a in re.findall(r"\ba(\d+)\b", c)})
                        if k in guards.roles]
-                problems.append(f"the inputs {why}: {_in_words(guards, c)}{guards._mode_only(c)}"
-                                + (f" ({'; '.join(fed)})" if fed else ""))
+                broken.setdefault(why, []).append(f"{_in_words(guards, c)}{guards._mode_only(c)}"
+                                                  + (f" ({'; '.join(fed)})" if fed else ""))
+        for why, conditions in broken.items():
+            if why == "relied":  # (one sentence for them all: the conditions numbered when several)
+                why = (f"break {'a condition' if len(conditions) == 1 else f'{len(conditions)} conditions'} on "
+                       "their sizes that the model's code (or a torch function it calls) relied on when it was captured")
+            listed = conditions[0] if len(conditions) == 1 else \
+                " ".join(f"({i}) {c}" for i, c in enumerate(conditions, 1))
+            problems.append(f"the inputs {why}: {listed}")
     if not problems:
         problems.append("the inputs do not fit the sizes the model was captured for")
     return "fxrec: " + "; ".join(problems)
