@@ -72,6 +72,7 @@ def explain(guards, inputs: Sequence, modes: Sequence[bool] = ()) -> str:
                 problems.append(f"{guards._name(k)} has size {values[s]} in dim {d}; the model accepts {span} there")
     if not problems:
         broken: Dict[str, List[str]] = {}  # why -> the conditions broken so, each in words
+        here: Dict[str, int] = {}  # the sizes they read, as these inputs have them
         for c in guards.active(modes):
             try:
                 ok = bool(eval(c, _namespace(), {f"a{k}": x for k, x in enumerate(inputs)}))  # noqa: S307
@@ -85,6 +86,10 @@ def explain(guards, inputs: Sequence, modes: Sequence[bool] = ()) -> str:
                        if k in guards.roles]
                 broken.setdefault(why, []).append(f"{_in_words(guards, c)}{guards._mode_only(c)}"
                                                   + (f" ({'; '.join(fed)})" if fed else ""))
+                for k, d in re.findall(r"\ba(\d+)\.size\(\)\[(\d+)\]", c):
+                    x = inputs[int(k)]
+                    if isinstance(x, torch.Tensor) and int(d) < x.dim():
+                        here[f"{guards.paths[int(k)]}.size()[{d}]"] = int(x.size(int(d)))
         for why, conditions in broken.items():
             if why == "relied":  # (one sentence for them all: the conditions numbered when several)
                 why = (f"break {'a condition' if len(conditions) == 1 else f'{len(conditions)} conditions'} on "
@@ -92,6 +97,8 @@ def explain(guards, inputs: Sequence, modes: Sequence[bool] = ()) -> str:
             listed = conditions[0] if len(conditions) == 1 else \
                 " ".join(f"({i}) {c}" for i, c in enumerate(conditions, 1))
             problems.append(f"the inputs {why}: {listed}")
+        if here:
+            problems[-1] += " (here " + ", ".join(f"{k} = {v}" for k, v in here.items()) + ")"
     if not problems:
         problems.append("the inputs do not fit the sizes the model was captured for")
     return "fxrec: " + "; ".join(problems)
