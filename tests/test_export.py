@@ -428,3 +428,73 @@ def test_a_quantized_program_of_a_sequence_and_a_one_id_lookup_of_a_column_takes
         with torch.no_grad():
             for got, want in zip(prog(*x), fast(*x)):
                 assert torch.equal(got, want), b
+
+
+_RANK_CHILD = """
+import sys, torch, fbgemm_gpu  # noqa: F401
+program = torch.export.load(sys.argv[1]).module()
+try:
+    program(torch.randint(0, 30, (6, 2)), torch.tensor([0, 2, 4]))  # 2-D ids where 1-D were captured
+    print("returned", flush=True)
+except RuntimeError as e:
+    print("refused", str(e).splitlines()[0][:200], flush=True)
+"""
+
+
+class _BagsOfRanks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = torch.nn.EmbeddingBag(30, 4, mode="sum")
+        self.s = torch.nn.EmbeddingBag(30, 4, mode="sum")
+        self.e = torch.nn.Embedding(30, 4)
+
+    def forward(self, ids, offsets, rows, w, seq):
+        return torch.cat([self.b(ids, offsets), self.s(rows, per_sample_weights=w), self.e(seq).sum(1)], 1)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_an_exported_program_refuses_inputs_of_another_number_of_dims(quantize):
+    """ExportedProgram.module() checks no input's number of dims (torch's guard function leaves it
+    out) and the program's size checks are traced away: 2-D ids of a 1-D bag, or 3-D ids of a
+    [B, L] bag or of emb(ids).sum(1), gave a [B, D] answer, not the plain model's refusal (found by
+    the differential fuzzer)."""
+    torch.manual_seed(0)
+    model = _BagsOfRanks().eval()
+    ex = (torch.randint(0, 30, (6,)), torch.tensor([0, 2, 4]), torch.randint(0, 30, (3, 2)), torch.rand(3, 2),
+          torch.randint(0, 30, (3, 2)))
+    fast = fxrec.transform(model, ex, mode="inference", **({"quantize": quantize} if quantize else {}))
+    program = fxrec.export.program(fast, ex).module()
+    with torch.no_grad():
+        torch.testing.assert_close(program(*ex), fast(*ex), rtol=0, atol=0)
+        other = (torch.randint(0, 30, (10,)), torch.tensor([0, 3, 7, 7, 9]), torch.randint(0, 30, (5, 4)),
+                 torch.rand(5, 4), torch.randint(0, 30, (5, 3)))
+        torch.testing.assert_close(program(*other), fast(*other), rtol=0, atol=0)  # other sizes still taken
+        for k, bad in ((0, torch.randint(0, 30, (6, 2))), (2, torch.randint(0, 30, (3, 2, 2))),
+                       (3, torch.rand(3, 2, 2)), (4, torch.randint(0, 30, (3, 2, 2)))):
+            x = list(ex)
+            x[k] = bad
+            with pytest.raises(RuntimeError, match=r"shape '\[.*\]' is invalid for input of size"):
+                program(*x)
+
+
+def test_an_exported_program_refuses_2d_ids_with_offsets_of_a_bag_it_leaves_as_written(tmp_path):
+    """A max bag (left as written) given 2-D ids and offsets crashed the process in embedding_bag
+    (SIGSEGV): the program now refuses them first. Run in a child process, which a crash does not
+    take the test run down with."""
+    import subprocess
+    import sys
+
+    class MaxBag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = torch.nn.EmbeddingBag(30, 4, mode="max")
+
+        def forward(self, ids, offsets):
+            return self.b(ids, offsets)
+
+    ex = (torch.randint(0, 30, (6,)), torch.tensor([0, 2, 4]))
+    path = str(tmp_path / "max.pt2")
+    fxrec.export.program(fxrec.transform(MaxBag().eval(), ex, mode="inference"), ex, path=path)
+    r = subprocess.run([sys.executable, "-c", _RANK_CHILD, path], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.startswith("refused shape '[6]' is invalid for input of size 12"), r.stdout

@@ -202,6 +202,42 @@ def test_per_table_optimizers_split_groups_and_bad_keys_are_named():
         fxrec.transform(model, inputs, optimizer=torch.optim.SGD)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_the_combined_optimizer_copied_with_its_model_steps_the_copy_as_the_original_steps_itself(how):
+    """torch.optim.Optimizer's pickled state keeps defaults, state and param_groups only: a copy of
+    make_optimizer()'s optimizer had lost its dense, fallback and fused parts, and its first
+    zero_grad() raised AttributeError (found by the differential fuzzer)."""
+    import io
+
+    model = M.BagList(rows=ROWS)
+    inputs = M.bag_inputs(rows=ROWS)
+    spec = {"bags.0": fxrec.optim.Adagrad(lr=0.1), "bags.*": fxrec.optim.SGD(lr=0.05)}
+    fast = fxrec.transform(model, inputs, optimizer=spec)
+    opt = fast.make_optimizer(torch.optim.Adagrad, lr=0.1)
+
+    def step(m, o, seed):
+        o.zero_grad()
+        m(*M.bag_inputs(rows=ROWS, seed=seed)).pow(2).sum().backward()
+        o.step()
+
+    for seed in range(2):
+        step(fast, opt, seed)
+    if how == "deepcopy":
+        fast2, opt2 = copy.deepcopy((fast, opt))
+    else:
+        buf = io.BytesIO()
+        torch.save({"m": fast, "o": opt}, buf)
+        buf.seek(0)
+        both = torch.load(buf, weights_only=False)
+        fast2, opt2 = both["m"], both["o"]
+    for seed in range(2, 5):
+        step(fast2, opt2, seed)
+        step(fast, opt, seed)
+    for (k, x), (_, y) in zip(fast.state_dict().items(), fast2.state_dict().items()):
+        assert torch.equal(x, y), k
+    assert not torch.equal(fast2.state_dict()["bags.0.weight"], model.state_dict()["bags.0.weight"])
+
+
 def test_fused_training_leaves_the_original_model_and_other_transforms_alone():
     model = M.BagList(rows=ROWS)
     before = copy.deepcopy(model.state_dict())

@@ -88,6 +88,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._collect_groups()
         self.state = {}
 
+    def __getstate__(self):
+        # (torch.optim.Optimizer keeps only defaults, state and param_groups: a copy, or a pickle,
+        # of this one lost its dense and fallback optimizers and fused groups, and failed at its
+        # first step. Copied with the model, as ``copy.deepcopy((model, opt))`` or one
+        # ``torch.save`` of both, it steps the copied model's tables.)
+        return self.__dict__.copy()
+
     @property
     def fused_groups(self) -> List[dict]:
         """The param groups of the table optimizers that fuse tables on this rank."""
