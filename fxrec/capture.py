@@ -314,6 +314,8 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
             try:
                 other["ep"] = export_dynamic(model, args, kwargs, lean_bags=True)
                 other["gm"] = _unlifted(other["ep"])
+                _one_name_per_tensor(other["gm"])  # (as the captured graph: a tied table is one node)
+                other["gm"].recompile()
             finally:
                 for m, f in flags.items():
                     m.training = f

@@ -189,9 +189,27 @@ class Subclassed(nn.Module):
         return self.drop(self.norm(self.emb(ids, offsets)))
 
 
+class TiedDropout(nn.Module):
+    """A tied table (an output embedding sharing the item table) and F.dropout(training=self.training):
+    the other mode's capture read the table by both names, so the two graphs seemed to differ in
+    more than the flag, and .eval() raised ModeError (found by the differential fuzzer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.emb = nn.Embedding(30, 4)
+        self.emb.weight = self.bag.weight
+        self.top = nn.Linear(4, 1)
+
+    def forward(self, ids, offsets):
+        h = self.bag(ids, offsets) * self.emb(ids[:offsets.numel()])
+        return self.top(F.dropout(h, 0.2, training=self.training))
+
+
 @pytest.mark.parametrize("model_fn, inputs", [(NegatedFlag, lambda s: (torch.randint(0, 30, (5, 3), generator=s),)),
-                                              (Subclassed, lambda s: mode_inputs(seed=int(s.initial_seed()))[1:])],
-                         ids=["not-training", "subclasses"])
+                                              (Subclassed, lambda s: mode_inputs(seed=int(s.initial_seed()))[1:]),
+                                              (TiedDropout, lambda s: mode_inputs(seed=int(s.initial_seed()))[1:])],
+                         ids=["not-training", "subclasses", "tied-table"])
 def test_flags_the_models_code_passes_follow_the_mode_with_their_sign(model_fn, inputs):
     model = model_fn()
     fast = fxrec.transform(model, inputs(torch.Generator().manual_seed(0)), backend="fbgemm")
