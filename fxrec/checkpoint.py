@@ -112,6 +112,9 @@ def _pieces_of(module: torch.nn.Module, layout: dict, tensors: Optional[Dict[str
         size = torch.Size(shape)
         views = []
         param = None
+        # (an empty row block, a row-wise table's trailing ranks', holds nothing: a sequence group
+        # keeps no parameter for it)
+        pieces = [p for p in pieces if p[1] and p[3]]
         if pieces and tensors is not None and fqn in tensors:
             param = tensors[fqn].detach()
         elif pieces:
@@ -121,8 +124,6 @@ def _pieces_of(module: torch.nn.Module, layout: dict, tensors: Optional[Dict[str
                 raise CheckpointError(f"fxrec.checkpoint: the shard layout gives this rank pieces of table '{fqn}', "
                                       "but the model has no such parameter") from e
         for row_off, rows, col_off, cols, local_col in pieces:
-            if rows == 0 or cols == 0:
-                continue  # an empty row block (trailing ranks of a row-wise table)
             if rows > param.shape[0] or local_col + cols > param.shape[1] or \
                     row_off + rows > size[0] or col_off + cols > size[1]:
                 raise CheckpointError(

@@ -634,3 +634,63 @@ def _rank0_cannot_write(rank, world, root):
 
 def test_a_save_rank_0_cannot_make_raises_on_every_rank(tmp_path):
     spawn(_rank0_cannot_write, 2, tmp_path)
+
+
+class _Seq(nn.Module):
+    """A row-wise table looked up unpooled: 4 rows over 3 ranks are blocks of 2, 2 and 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Embedding(4, 4)
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.top(self.seq(ids).flatten(1)).squeeze(1)
+
+
+def _seq_batch(batch, seed):
+    return torch.randint(0, 4, (batch, 2), generator=torch.Generator().manual_seed(seed))
+
+
+def _empty_sequence_block(rank, world, root):
+    torch.manual_seed(0)
+    model = _Seq()  # (the one-process reference's initial weights)
+    plan = fxrec.plan(model, _seq_batch(2, 0), world_size=world, memory_per_rank="1GB", pins={"seq": "row_wise"})
+    assert [s.num_rows for s in plan.tables["seq"].shards] == [2, 2, 0]
+    fast = fxrec.transform(model, _seq_batch(2, 0), plan=plan)
+    opt = torch.optim.SGD(fast.parameters(), lr=0.1)
+    for step in range(2):
+        x = _seq_batch(2 * world, step + 1)
+        opt.zero_grad()
+        fast(x[2 * rank:2 * rank + 2]).sum().backward()
+        opt.step()
+    fxrec.checkpoint.save(fast, os.path.join(root, "seq"))  # (rank 2: no parameter of the table to read)
+    fxrec.checkpoint.load(fast, os.path.join(root, "plain"))  # a one-process checkpoint into the blocks
+    x = _seq_batch(2 * world, 9)
+    with torch.no_grad():
+        torch.save(fast(x[2 * rank:2 * rank + 2]), os.path.join(root, f"out_{rank}.pt"))
+
+
+def test_a_row_wise_sequence_table_with_an_empty_block_saves_and_loads(tmp_path):
+    """The rank holding no rows of a row-wise sequence table has no parameter for it, and save and load
+    raised there (the other ranks waited in the collectives until the timeout): found by the sharded
+    fuzzer. Trained at world 3, saved, read into one process: the one-process model's training."""
+    torch.manual_seed(0)
+    ref = _Seq()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        ref(_seq_batch(6, step + 1)).sum().backward()
+        opt.step()
+    torch.manual_seed(7)
+    other = _Seq()
+    fxrec.checkpoint.save_model(other, tmp_path / "plain")
+    spawn(_empty_sequence_block, 3, tmp_path)
+    back = _Seq()
+    fxrec.checkpoint.load_into_model(back, tmp_path / "seq")
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], value, msg=name)
+    with torch.no_grad():
+        want = other(_seq_batch(6, 9))
+    got = torch.cat([torch.load(tmp_path / f"out_{r}.pt") for r in range(3)])
+    torch.testing.assert_close(got, want)
