@@ -297,6 +297,7 @@ def transform(
     per_rank = []
     if plan is not None:
         gm.meta["fxrec_plan"] = plan
+        gm.meta["fxrec_quantize"] = quantize  # (the same on every rank: checkpoints refuse quantized shards)
         # this rank's tensors: allocated, filled from the model (meta ones: initialised, and the
         # whole ones broadcast from rank 0)
         materialize(gm, model, gm.meta.get("fxrec_sharded_params", {}), gm.meta.get("fxrec_shard_layout", {}))
@@ -535,10 +536,12 @@ def explain(
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)
     if plan is not None:
-        from .passes.shard_groups import _check_quantized, _sharding, plan_decision, refuse_apart
+        from .passes.shard_groups import _check_quantized, _sharding, plan_decision, refuse_apart, refuse_outside_uses
 
         for gr in ctx.groups:  # transform's refusals of the plan first (a table it does not name, other sizes)
-            _check_quantized(gr, {id(r): _sharding(ctx, r) for r in gr.lookups})
+            kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
+            refuse_outside_uses(gm, gr, kinds)
+            _check_quantized(gr, kinds)
         refuse_apart(gm, ctx)
         for gr in ctx.groups:
             d = plan_decision(gr, plan, ctx.config.device)

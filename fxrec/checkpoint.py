@@ -209,7 +209,14 @@ def _expected(whole: Dict[str, torch.Tensor], layout: dict) -> Dict[str, Optiona
     return out
 
 
-def _check_collective(fn_name: str, layout: dict) -> None:
+def _check_collective(fn_name: str, layout: dict, fast: torch.nn.Module) -> None:
+    quantize = getattr(fast, "meta", {}).get("fxrec_quantize") if layout else None
+    if quantize is not None:  # (on every rank alike, before any collective)
+        raise CheckpointError(f"fxrec.checkpoint.{fn_name}: the model is sharded and quantized for serving "
+                              f"(quantize={quantize!r}): its shards are packed rows, which checkpoints do not hold; "
+                              "checkpoint the model it serves (trained, unquantized), and serve that by "
+                              "fxrec.checkpoint.load_into_model into the plain model, then "
+                              "fxrec.transform(..., mode='inference', quantize=..., plan=...)")
     if layout and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"fxrec.checkpoint.{fn_name}: the model is sharded (transformed with plan=): call it on "
                            "every rank of the initialised process group; for a single-process model use "
@@ -240,7 +247,7 @@ def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimiz
     """
     path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
-    _check_collective("save", layout)
+    _check_collective("save", layout, fast)
     if not (dist.is_available() and dist.is_initialized()):
         return save_model(fast, path, optimizer=optimizer)  # an unsharded model in a single process
     state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
@@ -298,7 +305,7 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
     """
     path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
-    _check_collective("load", layout)
+    _check_collective("load", layout, fast)
     if strict:
         _refuse_float_rows_into_packed(fast, path)
     if not (dist.is_available() and dist.is_initialized()):  # an unsharded model in a single process

@@ -1100,3 +1100,26 @@ def _plan_of_tables_read_beyond_their_group(rank, world):
 def test_transform_takes_the_plan_the_planner_makes_for_tables_read_beyond_their_group(tmp_path):
     """(transform refused it: the planner had planned such tables split, or left them out)"""
     assert error_of(tmp_path, 2, _plan_of_tables_read_beyond_their_group) == "no error"
+
+
+class _WeightedAndPlain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.EmbeddingBag(40, 8, mode="sum")
+        self.top = nn.Linear(16, 1)
+
+    def forward(self, ids, offs, w, rows):
+        return self.top(torch.cat([self.t(ids, offs, per_sample_weights=w), self.t(rows)], 1)).squeeze(1)
+
+
+def test_explain_refuses_a_plan_that_shards_a_table_read_outside_its_lookups():
+    """A table read by a weighted and an unweighted bag keeps the unweighted one as written, so it can
+    only be data-parallel; a plan made from table specs shards it. transform refused the plan, and
+    fxrec.explain(plan=) reported it as fine (found by the sharded fuzzer)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(0, 40, (8,), generator=g), torch.arange(4) * 2, torch.rand(8, generator=g),
+         torch.randint(0, 40, (4, 3), generator=g))
+    plan = fxrec.plan(tables=[fxrec.TableSpec("t", 40, 8)], world_size=2, memory_per_rank="1GB", pins={"t": "row_wise"})
+    with pytest.raises(fxrec.InputError, match=r"table 't' is also used outside its lookups .* plan it data_parallel"):
+        fxrec.explain(_WeightedAndPlain(), x, plan=plan)
+    fxrec.explain(_WeightedAndPlain(), x, plan=fxrec.plan(_WeightedAndPlain(), x, world_size=2, memory_per_rank="1GB"))

@@ -503,6 +503,21 @@ def refuse_apart(gm: fx.GraphModule, ctx: PassContext) -> None:
                          + ". Run them without a plan, or without that option")
 
 
+def refuse_outside_uses(gm: fx.GraphModule, gr, kinds: dict) -> None:
+    """A table the plan shards (``kinds``: each lookup's sharding) must be read only by its group's
+    lookups: else an InputError naming it (``fxrec.explain(plan=)`` refuses the same)."""
+    mine = {r.node for r in gr.lookups}
+    for r in gr.lookups:
+        if kinds[id(r)] != "data_parallel" and any(u not in mine for u in r.weight.users):
+            left = next((o for o in meta.all_records(gm) if o.param == r.param and o.reason == NO_GRADIENT), None)
+            raise InputError(f"fxrec: table '{r.table}' is also used outside its lookups (tied weights, or a "
+                             "lookup fxrec leaves alone); a sharded table is only looked up: plan it data_parallel"
+                             + ("" if left is None else
+                                f" (feature '{left.feature}' makes no gradient, and with optimizer= its lookup is "
+                                "left as written; fxrec.plan(..., optimizer=) given the same optimizer plans the "
+                                "table so)"))
+
+
 @compiler_pass(needs=("groups",), provides=(meta.ORIGIN, "sharded"))
 def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     plan, rank = ctx.config.plan, ctx.config.rank
@@ -514,16 +529,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     gm.meta[_ALIASES] = _aliases(gm)
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
-        mine = {r.node for r in gr.lookups}
-        for r in gr.lookups:
-            if kinds[id(r)] != "data_parallel" and any(u not in mine for u in r.weight.users):
-                left = next((o for o in meta.all_records(gm) if o.param == r.param and o.reason == NO_GRADIENT), None)
-                raise InputError(f"fxrec: table '{r.table}' is also used outside its lookups (tied weights, or a "
-                                 "lookup fxrec leaves alone); a sharded table is only looked up: plan it data_parallel"
-                                 + ("" if left is None else
-                                    f" (feature '{left.feature}' makes no gradient, and with optimizer= its lookup is "
-                                    "left as written; fxrec.plan(..., optimizer=) given the same optimizer plans the "
-                                    "table so)"))
+        refuse_outside_uses(gm, gr, kinds)
         _check_quantized(gr, kinds)
         decision = _decision(gr, [kinds[id(r)] for r in gr.lookups])
         replicated = [r.table for r in gr.lookups if kinds[id(r)] == "data_parallel"]
