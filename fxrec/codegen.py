@@ -243,9 +243,13 @@ def _described(x) -> str:
         return f"a dict with keys {', '.join(map(repr, list(x)[:8]))}" + (" ..." if len(x) > 8 else "") if x else "an empty dict"
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}"
+    if x is None:
+        return "None"
+    kind = type(x).__name__
+    kind = f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
     if isinstance(x, (bool, int, float, complex)) or (isinstance(x, str) and len(x) <= 40):
-        return f"{x!r}"  # (a value fixed at capture: the one given is what the user needs to see)
-    return "None" if x is None else f"a {type(x).__name__}"
+        return f"{kind} ({x!r})"  # (a value fixed at capture: the one given is what the user needs to see)
+    return kind
 
 
 def _fast_attr_lines(src: str, nodes, root_module: str, fn: str = "fxrec_attr", fn_many: str = "") -> str:

@@ -336,8 +336,8 @@ def test_arguments_the_example_left_at_their_defaults_are_taken_as_the_model_tak
         torch.testing.assert_close(call(fast), want)
     # (the value given is named: "got a float" did not say which)
     for bad, name, got in (((ids, torch.ones(3, 4)), "dense", r"a tensor of shape \(3, 4\)"),
-                           ((ids, None, 2.0), "scale", "2.0"), ((ids, None, 1), "scale", "1"),
-                           ((ids, None, 1.0, "y"), "tag", "'y'")):
+                           ((ids, None, 2.0), "scale", r"a float \(2.0\)"), ((ids, None, 1), "scale", r"an int \(1\)"),
+                           ((ids, None, 1.0, "y"), "tag", r"a str \('y'\)")):
         with pytest.raises(ValueError, match=rf"input {name} was left at its default .* when the model was captured "
                                              rf"and must stay so \(transform with it given, to pass it\), got {got}$"):
             fast(*bad)
