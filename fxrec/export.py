@@ -72,7 +72,8 @@ def _refuse_other_ranks(ep: torch.export.ExportedProgram) -> None:
     own size checks are traced away (the number of dims is fixed while tracing): 2-D ids where 1-D
     ones were captured gave a wrong answer, and with offsets reached ``embedding_bag`` and crashed
     the process. The view raises where an input has more dims than captured (fewer: the size reads
-    raise). A view to a tensor's own shape costs no copy, and AOTInductor drops it (its packages
+    raise), unless each extra dim has size 1: ``[6, 1]`` ids where ``[6]`` were captured are read as
+    ``[6]``. A view to a tensor's own shape costs no copy, and AOTInductor drops it (its packages
     check their inputs' dims themselves, with ``AOTI_RUNTIME_CHECK_INPUTS=1``)."""
     graph = ep.graph_module.graph
     names = set(ep.graph_signature.user_inputs)

@@ -3,8 +3,9 @@
 
 A key names a table by its name (``"bags.0"``), its parameter's (``"bags.0.weight"``), or a glob
 pattern matching either (``"bags.*"``); the first key that names a table decides for it. A key
-that names no table, or only tables an earlier key decides for, would be ignored without a word
-(``{"bags.*": Adagrad(), "bags.0": SGD()}`` trains ``bags.0`` with Adagrad): both are refused.
+that names no table, or only tables an earlier key decides for otherwise, would be ignored without
+a word (``{"bags.*": Adagrad(), "bags.0": SGD()}`` trains ``bags.0`` with Adagrad): both are
+refused (a later key giving its tables what the earlier one gives them is taken).
 Pure Python, shared by the passes and the planner.
 """
 
@@ -41,6 +42,8 @@ def check_keys(spec: Dict[str, object], tables: Sequence[Tuple[str, Optional[str
             continue
         mine = sorted({t for t, p in tables if names_table(k, t, p)})
         earlier = sorted({deciding_key(spec, t, p) for t, p in tables if t in mine}, key=list(spec).index)
+        if all(spec[e] is spec[k] or spec[e] == spec[k] for e in earlier):
+            continue  # (the earlier keys give its tables what it gives them: nothing is lost)
         raise error(f"{what} key {k!r} decides for no table: every table it names ({mine}) an earlier key names "
                     f"({', '.join(repr(e) for e in earlier)}), and the first key that names a table decides for it; "
                     f"put {k!r} first to have it decide for them")

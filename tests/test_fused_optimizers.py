@@ -194,8 +194,10 @@ def test_per_table_optimizers_split_groups_and_bad_keys_are_named():
     with pytest.raises(ValueError, match=r"optimizer key 'bags.0' decides for no table: every table it names "
                                          r"\(\['bags.0'\]\) an earlier key names \('bags.\*'\).*put 'bags.0' first"):
         fxrec.transform(model, inputs, optimizer={"bags.*": fxrec.optim.Adagrad(lr=0.1), "bags.0": fxrec.optim.SGD()})
-    # two keys of one optimizer, each deciding for its own tables
     sgd = fxrec.optim.SGD(lr=0.1)
+    # a later key giving its tables what the earlier one gives them is taken (nothing is lost)
+    fxrec.transform(model, inputs, optimizer={"bags.*": sgd, "bags.0": sgd, "bags.0.weight": fxrec.optim.SGD(lr=0.1)})
+    # two keys of one optimizer, each deciding for its own tables
     fast = fxrec.transform(model, inputs, optimizer={"bags.[01]": sgd, "bags.2": sgd})
     assert fast.report.groups and all("sgd" in g.optimizer.lower() for g in fast.report.groups), fast.report.groups
     with pytest.raises(TypeError, match="fxrec.optim"):

@@ -318,7 +318,7 @@ def test_fbgemm_dense_backward_gives_pytorchs_gradients(pooling):
     TBE's weights), run here on CPU: the gradients PyTorch gives, a table stored padded (dim 6 in
     8 columns) and a bag's padding ids included."""
     from fxrec.runtime.kernels import fbgemm, fbgemm_dense
-    from fxrec.runtime.packing import pack_pooled
+    from fxrec.runtime.group_packing import pack_pooled
 
     tables = [TableSpec("a", 50, 8), TableSpec("b", 30, 6)]
     group = EmbeddingGroup(tables, FEATURES, pooling, "fbgemm", "fbgemm")
@@ -338,7 +338,7 @@ def test_fbgemm_dense_backward_gives_pytorchs_gradients(pooling):
 
 def test_fbgemm_dense_backward_weighs_each_id_by_its_sample_weight():
     from fxrec.runtime.kernels import fbgemm, fbgemm_dense
-    from fxrec.runtime.packing import pack_pooled
+    from fxrec.runtime.group_packing import pack_pooled
 
     tables = [TableSpec("a", 40, 4)]
     group = EmbeddingGroup(tables, [FeatureSpec("w", 0, "bag", weighted=True)], "sum", "fbgemm", "fbgemm")
