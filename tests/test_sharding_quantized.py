@@ -164,12 +164,18 @@ def test_what_a_plan_cannot_serve_quantized_is_refused_naming_the_table(tmp_path
     assert all(w in msg for w in want), msg
 
 
-def _export_sharded(rank, world):
+def _int8_row_wise(rank, world):
+    """The model served int8 with bags.0 row-wise, for this rank: (model, local example, served model)."""
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
     plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
                       pins={"bags.0": "row_wise"}, batch_size=LOCAL_B)
     fast = fxrec.transform(model, example, mode="inference", quantize="int8", plan=plan)
+    return model, example, fast
+
+
+def _export_sharded(rank, world):
+    model, example, fast = _int8_row_wise(rank, world)
     msgs = []
     for call in (lambda: fxrec.export.torchscript(fast), lambda: fxrec.export.program(fast, example)):
         try:
@@ -194,11 +200,7 @@ def test_exporting_a_sharded_model_is_refused_saying_how_to_serve_it(tmp_path):
 
 
 def _checkpoint_quantized_sharded(rank, world, path):
-    model = Model()
-    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
-                      pins={"bags.0": "row_wise"}, batch_size=LOCAL_B)
-    fast = fxrec.transform(model, example, mode="inference", quantize="int8", plan=plan)
+    _, _, fast = _int8_row_wise(rank, world)
     msgs = []
     for call in (lambda: fxrec.checkpoint.save(fast, os.path.join(path, "q")),
                  lambda: fxrec.checkpoint.load(fast, os.path.join(path, "q"))):
