@@ -65,40 +65,27 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
 
 
 def _refuse_other_ranks(ep: torch.export.ExportedProgram) -> None:
-    """Each tensor input read through a view to its own sizes, one per dim it was captured with.
+    """Each tensor input read through an identity permute of the dims it was captured with.
 
     ``ExportedProgram.module()`` checks no input's number of dims (torch 2.11 to 2.13: its guard
     function, which replaces the check of the input constraints, leaves that out), and the program's
     own size checks are traced away (the number of dims is fixed while tracing): 2-D ids where 1-D
     ones were captured gave a wrong answer, and with offsets reached ``embedding_bag`` and crashed
-    the process. The view raises where an input has more dims than captured (fewer: the size reads
-    raise), unless each extra dim has size 1: ``[6, 1]`` ids where ``[6]`` were captured are read as
-    ``[6]``. A view to a tensor's own shape costs no copy, and AOTInductor drops it (its packages
+    the process. ``permute`` takes exactly one entry per dim, so an input with more dims than
+    captured, or fewer, raises (``number of dims don't match in permute``), whatever the extra
+    dims' sizes. An identity permute is a view (no copy), and AOTInductor drops it (its packages
     check their inputs' dims themselves, with ``AOTI_RUNTIME_CHECK_INPUTS=1``)."""
     graph = ep.graph_module.graph
     names = set(ep.graph_signature.user_inputs)
     holders = [n for n in graph.nodes if n.op == "placeholder"]
-    if not holders:
-        return
     for ph in holders:
         val = ph.meta.get("val")
         if ph.name not in names or not isinstance(val, torch.Tensor) or not ph.users:
             continue
         with graph.inserting_after(holders[-1]):
-            view = graph.call_function(torch.ops.aten.view.default, (ph, []))
-        sizes = []
-        for d, size in enumerate(val.shape):
-            if isinstance(size, int):
-                sizes.append(size)
-                continue
-            with graph.inserting_before(view):
-                node = graph.call_function(torch.ops.aten.sym_size.int, (ph, d))
-            node.meta["val"] = size
-            sizes.append(node)
-        view.args = (ph, sizes)
+            view = graph.call_function(torch.ops.aten.permute.default, (ph, list(range(val.dim()))))
         view.meta.update(val=val, tensor_meta=ph.meta.get("tensor_meta"))
-        mine = {view, *[x for x in sizes if isinstance(x, torch.fx.Node)]}
-        ph.replace_all_uses_with(view, delete_user_cb=lambda u, mine=mine: u not in mine)
+        ph.replace_all_uses_with(view, delete_user_cb=lambda u, view=view: u is not view)
     graph.lint()
     ep.graph_module.recompile()
 
