@@ -410,8 +410,10 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
     states = {**_fused.states(model), **_fused.steps(model)}  # first: it may bind the tables to their TBE
     state = {**model.state_dict(), **states}
     verify(path)
-    keys, opt_load = _fits(model, optimizer, path, _expected(state, {}), _table_names(model, {}), {}, strict)
-    read = state
+    as_saved = _packed_rows_as_saved(state, path)
+    keys, opt_load = _fits(model, optimizer, path, _expected({**state, **as_saved}, {}), _table_names(model, {}), {},
+                           strict)
+    read = {**state, **as_saved}
     if opt_load is not None:  # every state whole: one process holds whole parameters
         read = {**state, **opt_load.whole}
         keys = keys | set(opt_load.whole)
@@ -421,6 +423,7 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
         staged = _load_staged(read, keys, path, planner, no_dist=True, process_group=None)
     from .graph_module import sync_caches
 
+    _refuse_packed_rows_of_other_tables(model, staged, path)
     _fused.set_steps(_fused.steps_to_set(model, staged))  # first: the steps may not fit
     sync_caches(model, drop=True)  # tables fbgemm caches in GPU memory: empty the cache before the write
     _copy_back(model, state, staged)
@@ -595,7 +598,40 @@ def _load_staged(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no
 
 # A quantized group's packed rows and their layout: loaded through its load_state_dict, which packs
 # them again when they were saved for another device (fxrec.runtime.quantized).
-_PACKED_ROWS = ("q_weights", "q_weights_offsets", "q_weights_placements", "q_row_alignment")
+_PACKED_ROWS = ("q_weights", "q_weights_uvm", "q_weights_offsets", "q_weights_placements", "q_row_alignment")
+
+
+def _packed_rows_as_saved(state: Dict[str, torch.Tensor], path: str) -> Dict[str, torch.Tensor]:
+    """Staging tensors of the checkpoint's sizes for the packed rows of quantized groups (their
+    bytes differ with the device they were packed for: row alignment, rows in unified memory),
+    where the checkpoint holds them at another size than the model; the group's load packs them
+    again (:func:`_refuse_packed_rows_of_other_tables` checks them first)."""
+    md = _read_metadata(path).state_dict_metadata
+    out = {}
+    for k, v in state.items():
+        got = md.get(k)
+        if (k.rsplit(".", 1)[-1] in ("q_weights", "q_weights_uvm") and isinstance(v, torch.Tensor)
+                and isinstance(got, _dcp().TensorStorageMetadata) and len(got.size) == 1
+                and tuple(got.size) != tuple(v.shape)):
+            out[k] = torch.empty(tuple(got.size), dtype=v.dtype)
+    return out
+
+
+def _refuse_packed_rows_of_other_tables(module: torch.nn.Module, staged: Dict[str, object], path) -> None:
+    """A CheckpointError, before anything is written, where a quantized group's staged rows do not
+    fit its tables as the checkpoint's own layout packs them."""
+    problems = []
+    for name, m in module.named_modules():
+        if hasattr(m, "saved_layout_problem"):
+            prefix = f"{name}." if name else ""
+            mine = {k[len(prefix):]: v for k, v in staged.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+            if "q_weights" in mine and "q_weights_placements" in mine:
+                problem = m.saved_layout_problem(mine)
+                if problem:
+                    problems.append(f"'{prefix}': " + problem.replace("fxrec: ", "", 1))
+    if problems:
+        raise CheckpointError(f"fxrec.checkpoint: {path!s} does not fit the model, nothing was loaded: "
+                              + "; ".join(problems))
 
 
 def _refuse_float_rows_into_packed(module: torch.nn.Module, path: str) -> None:

@@ -392,6 +392,51 @@ def test_quantized_groups_built_on_cpu_and_moved_pack_their_rows_for_cuda(dtype)
         scripted.cuda()(*cuda(x))
 
 
+def test_quantized_tables_in_unified_memory_serve_what_they_serve_in_gpu_memory(tmp_path):
+    """hbm_budget= below the int8 rows: the largest table's rows go to unified memory (fbgemm's
+    MANAGED, host-mapped), read there by fbgemm's kernel: the outputs are those of the model with
+    every table in HBM, bit for bit; GPU memory holds the rest; a deepcopy, a TorchScript and an
+    exported program keep serving them; .cpu() and back, and a state_dict into a model with every
+    table in HBM, keep the rows."""
+    from fxrec.runtime.kernels.fbgemm_nbit import in_unified_memory
+
+    rows = (20_000, 300, 200)
+    model = M.BagList(rows=rows, dim=64).cuda().eval()
+    x = cuda(M.bag_inputs(rows=rows, seed=5, empty_bags=False))
+    everything = fxrec.transform(model, x, mode="inference", quantize="int8")
+    before = torch.cuda.memory_allocated()
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8", hbm_budget=100_000)
+    gc.collect()
+    held = torch.cuda.memory_allocated() - before
+    (g,) = groups(fast)
+    assert g.q_where == ("managed", "device", "device") and in_unified_memory(g.q_weights_uvm)
+    assert g.q_weights_uvm.numel() >= 20_000 * 80 and held < 20_000 * 80  # (int8 rows of dim 64: 80 bytes)
+    assert "bags.0: managed" in str(fast.report)
+    with torch.no_grad():
+        want = everything(*x)
+        torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+        twin = copy.deepcopy(fast)
+        (tg,) = groups(twin)
+        assert in_unified_memory(tg.q_weights_uvm) and tg.q_weights_uvm.data_ptr() != g.q_weights_uvm.data_ptr()
+        torch.testing.assert_close(twin(*x), want, rtol=0, atol=0)
+        torch.testing.assert_close(fxrec.export.torchscript(fast)(*x), want, rtol=0, atol=0)
+        torch.testing.assert_close(fxrec.export.program(fast, x).module()(*x), want, rtol=0, atol=0)
+        fresh = fxrec.transform(model, x, mode="inference", quantize="int8")
+        fresh.load_state_dict(fast.state_dict())
+        torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
+        fast.cpu()
+        assert g.q_weights_uvm.numel() == 0 and g.q_weights.device.type == "cpu"
+        on_cpu = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, x)
+        torch.testing.assert_close(fast(*on_cpu), want.cpu(), **FP16_ROUNDING)
+        fast.cuda()
+        assert in_unified_memory(g.q_weights_uvm)
+        torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+        torch.save(fast, tmp_path / "m.pt")
+        loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+        assert in_unified_memory(groups(loaded)[0].q_weights_uvm)
+        torch.testing.assert_close(loaded(*x), want, rtol=0, atol=0)
+
+
 def test_autotune_times_the_gpu_kernels_with_cuda_events(tmp_path, monkeypatch):
     monkeypatch.setenv("FXREC_CACHE", str(tmp_path))
     model = M.BagList(rows=ROWS).cuda()

@@ -239,9 +239,9 @@ def test_rows_packed_again_at_cudas_alignment_are_fbgemms_own_packing_and_read_t
     assert group.q_ints["row_alignment"] == 1 and (ftm == [0, 0, 1]) == case.endswith("shared")
     with torch.no_grad():
         before = fast(*inputs)
-    weights, placements, offsets = fbgemm_nbit.relayout(group.q_packed, ftm, group.q_weights,
-                                                        group.q_weights_offsets, 1, torch.device("cpu"),
-                                                        new_alignment=16)
+    weights, _, placements, offsets = fbgemm_nbit.relayout(
+        group.q_packed, ftm, (group.q_weights, group.q_weights_uvm), group.q_weights_placements,
+        group.q_weights_offsets, 1, torch.device("cpu"), new_alignment=16)
 
     ty = {"int8": SparseType.INT8, "int4": SparseType.INT4, "fp16": SparseType.FP16}[dtype]
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
@@ -263,10 +263,75 @@ def test_rows_packed_again_at_cudas_alignment_are_fbgemms_own_packing_and_read_t
     group.q_ints = {**group.q_ints, "row_alignment": 16}
     with torch.no_grad():
         assert torch.equal(fast(*inputs), before)
-    back = fbgemm_nbit.relayout(group.q_packed, ftm, weights, offsets, 16, torch.device("cpu"))
+    back = fbgemm_nbit.relayout(group.q_packed, ftm, (weights, group.q_weights_uvm), placements, offsets, 16,
+                                torch.device("cpu"))
     (fresh,) = _quantized_groups(fxrec.transform(model, inputs, mode="inference", quantize=dtype))
-    assert torch.equal(back[0], fresh.q_weights) and torch.equal(back[2], fresh.q_weights_offsets)
-    assert torch.equal(back[1], fresh.q_weights_placements)
+    assert torch.equal(back[0], fresh.q_weights) and torch.equal(back[3], fresh.q_weights_offsets)
+    assert torch.equal(back[2], fresh.q_weights_placements) and back[1].numel() == 0
+
+
+@pytest.mark.parametrize("where", [("managed", "managed", "managed"), ("managed", "device", "managed")],
+                         ids=["all_managed", "mixed"])
+def test_rows_laid_out_for_unified_memory_are_read_where_each_placement_says(where):
+    """On CUDA a table placed "managed" (hbm_budget=) keeps its rows in the group's uvm buffer, and
+    fbgemm's kernels read the buffer its placement names (DEVICE 0 and HOST 3: dev; MANAGED 1 and
+    MANAGED_CACHING 2: uvm). Laid out so on CPU at CUDA's 16-byte rows: each table's rows, read
+    where its placement and offset say, are fbgemm's own 16-byte packing of that table; fbgemm's
+    CPU lookup reads an all-managed layout as it reads the host one; laid out back, the host
+    packing returns byte for byte, and a state_dict of such a layout loads into a CPU model."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+    from fbgemm_gpu.tbe.utils.quantize import quantize_embs
+
+    from fxrec.runtime.kernels import fbgemm_nbit
+
+    model = M.BagList(rows=ROWS, dim=24).eval()
+    x = M.bag_inputs(rows=ROWS, max_len=4)
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8")
+    (group,) = _quantized_groups(fast)
+    ftm = [f.table for f in group.features]
+    with torch.no_grad():
+        want = fast(*x)
+    host = group.q_weights.clone()
+    dev, uvm, places, offsets = fbgemm_nbit.relayout(
+        group.q_packed, ftm, (group.q_weights, group.q_weights_uvm), group.q_weights_placements,
+        group.q_weights_offsets, 1, torch.device("cpu"), where, new_alignment=16)
+    assert places.tolist() == [1 if where[t] == "managed" else 3 for t in ftm]
+
+    tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+        [("", r, d, SparseType.INT8, EmbeddingLocation.HOST) for r, d, _ in group.q_packed], feature_table_map=ftm,
+        device="cpu", row_alignment=16)
+    tbe.initialize_weights()
+    params = dict(model.named_parameters())
+    tbe.assign_embedding_weights([quantize_embs(params[t.name + ".weight"].detach(), SparseType.INT8)
+                                  for t in group.tables])
+    for f, t in enumerate(ftm):
+        rows, now = group.q_packed[t][0], 32  # int8 at dim 24: 24 + 4 bytes, 16-byte rows
+        mine = (dev if places[f] in (0, 3) else uvm)[offsets[f]:offsets[f] + rows * now]
+        fbgemms = tbe.weights_host[tbe.weights_offsets[f]:tbe.weights_offsets[f] + rows * now]
+        assert torch.equal(mine, fbgemms), f"table {t}"
+    assert uvm.numel() >= sum(group.q_packed[t][0] * 32 for t in range(3) if where[t] == "managed")
+
+    state = fast.state_dict()
+    name = next(n for n, m in fast.named_modules() if m is group)
+    state.update({f"{name}.q_weights": dev, f"{name}.q_weights_uvm": uvm, f"{name}.q_weights_placements": places,
+                  f"{name}.q_weights_offsets": offsets, f"{name}.q_row_alignment": torch.tensor(16)})
+    if all(w == "managed" for w in where):  # (CPU's lookup: one buffer a call, see fbgemm_nbit)
+        group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets = (
+            dev, uvm, places, offsets)
+        group.q_ints = {**group.q_ints, "row_alignment": 16}
+        with torch.no_grad():
+            torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+    back = fbgemm_nbit.relayout(group.q_packed, ftm, (dev, uvm), places, offsets, 16, torch.device("cpu"))
+    assert torch.equal(back[0], host) and back[1].numel() == 0 and set(back[2].tolist()) == {3}
+
+    fresh = fxrec.transform(model, x, mode="inference", quantize="int8")
+    fresh.load_state_dict(state)
+    (loaded,) = _quantized_groups(fresh)
+    assert torch.equal(loaded.q_weights, host) and loaded.q_weights_uvm.numel() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
 
 
 def test_a_move_within_one_kind_of_device_keeps_the_packing():
@@ -294,8 +359,10 @@ def test_a_state_dict_saved_packed_for_cuda_loads_into_a_cpu_model(rows):
     state = fast.state_dict()
     (group,) = _quantized_groups(fast)
     name = next(n for n, m in fast.named_modules() if m is group)
-    w, p, o = fbgemm_nbit.relayout(group.q_packed, [f.table for f in group.features], state[f"{name}.q_weights"],
-                                   state[f"{name}.q_weights_offsets"], 1, torch.device("cpu"), new_alignment=16)
+    w, _, p, o = fbgemm_nbit.relayout(
+        group.q_packed, [f.table for f in group.features], (state[f"{name}.q_weights"], state[f"{name}.q_weights_uvm"]),
+        state[f"{name}.q_weights_placements"], state[f"{name}.q_weights_offsets"], 1, torch.device("cpu"),
+        new_alignment=16)
     assert not torch.equal(w, state[f"{name}.q_weights"])  # another packing of the same rows
     state.update({f"{name}.q_weights": w, f"{name}.q_weights_placements": p, f"{name}.q_weights_offsets": o,
                   f"{name}.q_row_alignment": torch.tensor(16)})
@@ -305,33 +372,61 @@ def test_a_state_dict_saved_packed_for_cuda_loads_into_a_cpu_model(rows):
         torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
 
 
-def test_a_checkpoint_of_rows_packed_for_cuda_loads_into_a_cpu_model(tmp_path):
-    """fxrec.checkpoint copies tensors in place; quantized rows go through the group's own load,
-    which packs them again for this device (tiny tables: both packings have the same size, so
-    nothing else would notice)."""
+@pytest.mark.parametrize("rows,where", [((1, 2, 3), ()), (ROWS, ()), (ROWS, ("managed", "device", "managed"))],
+                         ids=["tiny_tables", "tables", "tables_in_unified_memory"])
+def test_a_checkpoint_of_rows_packed_for_cuda_loads_into_a_cpu_model(tmp_path, rows, where):
+    """fxrec.checkpoint reads quantized rows at the size they were saved with (CUDA's 16-byte rows
+    take more bytes, unified memory puts some in the uvm buffer) and loads them through the
+    group's own load, which packs them again for this device. Before, only tiny tables (both
+    packings the same size) loaded; the others were refused as another shape."""
     from fxrec.runtime.kernels import fbgemm_nbit
 
-    rows = (1, 2, 3)
     x = M.bag_inputs(rows=rows)
     fast = fxrec.transform(M.BagList(rows=rows, dim=24).eval(), x, mode="inference", quantize="int8")
     with torch.no_grad():
         want = fast(*x)
     (group,) = _quantized_groups(fast)
-    # the model's rows packed as on CUDA (CPU's lookup honours the alignment it is told)
-    group.q_weights, group.q_weights_placements, group.q_weights_offsets = fbgemm_nbit.relayout(
-        group.q_packed, [f.table for f in group.features], group.q_weights, group.q_weights_offsets, 1,
-        torch.device("cpu"), new_alignment=16)
+    # the model's rows packed as on CUDA
+    packed = fbgemm_nbit.relayout(
+        group.q_packed, [f.table for f in group.features], (group.q_weights, group.q_weights_uvm),
+        group.q_weights_placements, group.q_weights_offsets, 1, torch.device("cpu"), where, new_alignment=16)
+    group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets = packed
     group.q_ints = {**group.q_ints, "row_alignment": 16}
     group.q_row_alignment = torch.tensor(16)
-    with torch.no_grad():
-        torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+    if not where:  # (CPU's lookup reads one buffer a call, see fbgemm_nbit)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
     fxrec.checkpoint.save_model(fast, tmp_path / "ckpt")
     fresh = fxrec.transform(M.BagList(rows=rows, dim=24).eval(), x, mode="inference", quantize="int8")
     fxrec.checkpoint.load_into_model(fresh, tmp_path / "ckpt")
     (loaded,) = _quantized_groups(fresh)
     assert loaded.q_ints["row_alignment"] == 1 and int(loaded.q_row_alignment) == 1
+    assert loaded.q_weights_uvm.numel() == 0
     with torch.no_grad():
         torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_other_tables_packed_for_cuda_is_refused_before_anything_loads(tmp_path):
+    """Rows read at the checkpoint's size are checked against the tables as its layout packs them:
+    another table's rows (one table with more rows) are refused naming the group's tables, and
+    the model is left as it was."""
+    from fxrec.runtime.kernels import fbgemm_nbit
+
+    x = M.bag_inputs(rows=ROWS)
+    other = (ROWS[0] + 7,) + tuple(ROWS[1:])
+    fast = fxrec.transform(M.BagList(rows=other, dim=24).eval(), x, mode="inference", quantize="int8")
+    (group,) = _quantized_groups(fast)
+    packed = fbgemm_nbit.relayout(
+        group.q_packed, [f.table for f in group.features], (group.q_weights, group.q_weights_uvm),
+        group.q_weights_placements, group.q_weights_offsets, 1, torch.device("cpu"), new_alignment=16)
+    group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets = packed
+    group.q_row_alignment = torch.tensor(16)
+    fxrec.checkpoint.save_model(fast, tmp_path / "ckpt")
+    fresh = fxrec.transform(M.BagList(rows=ROWS, dim=24).eval(), x, mode="inference", quantize="int8")
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(fxrec.checkpoint.CheckpointError, match=r"tables \['bags.0', 'bags.1', 'bags.2'\].*saved from other tables"):
+        fxrec.checkpoint.load_into_model(fresh, tmp_path / "ckpt")
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
 
 
 def test_a_state_dict_of_other_quantized_dtypes_is_refused_naming_the_tables():

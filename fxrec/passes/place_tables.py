@@ -16,7 +16,11 @@ cached at its group's widest width). A table may move where fbgemm's kernel alon
 writes its rows: an fp32 group on the fbgemm kernel in inference, or in training with an
 optimizer fused into fbgemm's backward (for training and inference). Training with PyTorch's
 gradients keeps its tables in HBM: their gradients and torch.optim's states are table-sized in
-HBM wherever the rows live. If the budget is not met, that is an error giving the bytes needed.
+HBM wherever the rows live. Quantized tables (inference: fbgemm's IntNBit kernel alone reads
+them) move as ``managed``: their packed rows in unified memory, read over the bus at each lookup,
+with no HBM cache (fbgemm's cache for them needs a prefetch before each lookup, with state a
+serving program would carry; not built); they cost no HBM then. Quantized pieces of a sharded
+model stay in HBM (place_shards). If the budget is not met, that is an error giving the bytes needed.
 
 Before/After: the graph is unchanged; each GroupRecord gets ``placements`` (param -> placement)
 and ``cache_load_factor``, and its decision's ``placement`` says where its tables are.
@@ -70,8 +74,9 @@ class Held:
     ``rows`` at its stored ``width`` of ``weight_bytes`` a value, its fused optimizer's states
     (``fused``: a FusedSpec kind, "" for none), ``gradient``: a dense gradient of it in HBM,
     ``packed``: a quantized table's bytes as fbgemm packs them for CUDA (None: not quantized),
-    ``movable``: fbgemm's kernel alone reads and writes its rows. ``key`` names it in the
-    placements (unique among the tables placed together)."""
+    ``movable``: fbgemm's kernel alone reads and writes its rows, ``moves_to``: the placement it
+    takes when it leaves HBM. ``key`` names it in the placements (unique among the tables placed
+    together)."""
 
     key: str
     name: str
@@ -82,6 +87,14 @@ class Held:
     gradient: bool = False
     packed: Optional[int] = None
     movable: bool = False
+    moves_to: str = "managed_caching"
+
+    @property
+    def nbytes(self) -> int:
+        """Its bytes in HBM, states and gradient included."""
+        if self.packed is not None:
+            return self.packed
+        return table_bytes(self.rows, self.width, self.fused, self.gradient, self.weight_bytes)
 
 
 def hbm_bytes(groups: Sequence[Sequence[Held]], placements: Dict[str, str], load_factor: float) -> int:
@@ -91,10 +104,11 @@ def hbm_bytes(groups: Sequence[Sequence[Held]], placements: Dict[str, str], load
     for tables in groups:
         caching = []
         for t in tables:
-            if t.packed is not None:
-                total += t.packed
-            elif placements.get(t.key, "device") == "device":
-                total += table_bytes(t.rows, t.width, t.fused, t.gradient, t.weight_bytes)
+            where = placements.get(t.key, "device")
+            if where == "device":
+                total += t.nbytes
+            elif where == "managed":  # (quantized rows in unified memory, no cache)
+                continue
             else:  # managed_caching: a row-wise state stays in HBM
                 caching.append(t)
                 total += t.rows * (FUSED_STATE_BYTES[t.fused][0] if t.fused else 0)
@@ -105,17 +119,18 @@ def hbm_bytes(groups: Sequence[Sequence[Held]], placements: Dict[str, str], load
 
 def place(groups: Sequence[Sequence[Held]], budget: int, load_factor: float) -> Tuple[Dict[str, str], int]:
     """The rule: every table starts in HBM; while the count exceeds ``budget``, the next largest
-    movable table (ties by name) goes to unified memory as ``managed_caching``, unless that saves
+    movable table (ties by name) goes to unified memory as its ``moves_to`` says, unless that saves
     no HBM. Returns the placements (key -> "managed_caching") and the HBM they need, which the
     caller compares with the budget (the error's words are its own)."""
     placements: Dict[str, str] = {}
     candidates = sorted((t for tables in groups for t in tables if t.movable),
-                        key=lambda t: (-table_bytes(t.rows, t.width, t.fused, weight_bytes=t.weight_bytes), t.name))
+                        key=lambda t: (-(t.packed if t.packed is not None else
+                                         table_bytes(t.rows, t.width, t.fused, weight_bytes=t.weight_bytes)), t.name))
     need = hbm_bytes(groups, placements, load_factor)
     for t in candidates:
         if need <= budget:
             break
-        placements[t.key] = "managed_caching"
+        placements[t.key] = t.moves_to
         moved = hbm_bytes(groups, placements, load_factor)
         if moved < need:
             need = moved
@@ -139,11 +154,14 @@ def placement_text(names: Sequence[Tuple[str, str]], placements: Dict[str, str],
 def held_of_group(gr, training: bool) -> List[Held]:
     """The tables of a group record as the rule counts them (keyed by parameter name)."""
     quant = _quantized_bytes(gr) if gr.quant else {}
+    if quant:  # inference on fbgemm's IntNBit kernel: its rows may leave HBM, uncached
+        return [Held(p, rec.table, rec.num_rows, pad_dim(rec.dim), packed=quant[p], movable=True, moves_to="managed")
+                for p, rec in _tables(gr)]
     movable = _movable(gr, training)
     wb = gr.lookups[0].stored_bytes if gr.lookups else 4  # (fp16 or weights_precision: one per group)
     fused = gr.fused.kind if gr.fused is not None else ""
     return [Held(p, rec.table, rec.num_rows, pad_dim(rec.dim), wb, fused,
-                 training and gr.fused is None and not rec.sparse, quant.get(p), movable)
+                 training and gr.fused is None and not rec.sparse, None, movable)
             for p, rec in _tables(gr)]
 
 

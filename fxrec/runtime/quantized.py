@@ -47,14 +47,18 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
     padded = [w if d == t.dim else torch.cat([w, w[:, :1].expand(-1, d - t.dim)], 1)
               for w, t, d in zip(weights, group.tables, stored)]
     group.q_packed = [(t.num_rows, d, dt) for t, d, dt in zip(group.tables, stored, dtypes)]
+    # each table's placement on CUDA ("managed": unified memory, decided by place_tables)
+    group.q_where = tuple("managed" if t.placement != "device" else "device" for t in group.tables)
+    device = weights[0].device
     tbe = _nbit.make_inference_tbe(
-        group.q_packed,
-        [f.table for f in group.features], group.pooling, weights[0].device, padded, output_dtype,
+        group.q_packed, [f.table for f in group.features], group.pooling, device, padded, output_dtype,
+        _nbit.placed_for(device, group.q_where),
     )
     cols = real_columns_index(group.tables, group.features, stored) if group.pooling != "none" else []
     group.register_buffer("q_columns", torch.tensor(cols, dtype=torch.long, device=weights[0].device),
                           persistent=False)  # derived from the specs: not part of state_dict()
     group.register_buffer("q_weights", tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev)
+    group.q_placed = _nbit.placed_for(device, group.q_where)  # where the rows are now
     for name in ("weights_uvm", "weights_placements", "weights_offsets", "weights_tys", "D_offsets",
                  "lxu_cache_weights"):
         group.register_buffer(f"q_{name}", getattr(tbe, name))
@@ -96,17 +100,62 @@ class _Quantized:
         return _nbit.packed_bytes(self.q_packed, self.q_ints["row_alignment"])
 
     def _apply(self, fn, *args, **kwargs):
-        """As nn.Module's, then, where the rows moved to a device that needs another row
-        alignment (CPU <-> CUDA), the rows packed again for it (see :mod:`.kernels.fbgemm_nbit`)."""
-        out = super()._apply(fn, *args, **kwargs)
-        device = self.q_weights.device
-        if device.type in ("cpu", "cuda") and _nbit.row_alignment(device) != self.q_ints["row_alignment"]:
-            self.q_weights, self.q_weights_placements, self.q_weights_offsets = _nbit.relayout(
-                self.q_packed, [f.table for f in self.features], self.q_weights, self.q_weights_offsets,
-                self.q_ints["row_alignment"], device)
-            self.q_ints = {**self.q_ints, "row_alignment": _nbit.row_alignment(device)}
-            self.q_row_alignment = torch.tensor(self.q_ints["row_alignment"], dtype=torch.int64, device=device)
-        return out
+        """As nn.Module's; where the rows go to a device that needs another row alignment (CPU <->
+        CUDA) or other placements (unified memory on CUDA, none on CPU), they are packed for it
+        first, straight from where they are (rows bound for unified memory never pass through GPU
+        memory; see :mod:`.kernels.fbgemm_nbit`)."""
+        probe = fn(torch.empty(0, dtype=torch.uint8, device=self.q_weights.device))
+        device = probe.device if isinstance(probe, torch.Tensor) else self.q_weights.device
+        if device.type in ("cpu", "cuda") and (
+                _nbit.row_alignment(device) != self.q_ints["row_alignment"]
+                or _nbit.placed_for(device, self._cuda_places()) != self._places_now()):
+            self._pack_for(device)
+        return super()._apply(fn, *args, **kwargs)
+
+    def _cuda_places(self):
+        return getattr(self, "q_where", ("device",) * len(self.tables))  # (pickled before fxrec kept it)
+
+    def _places_now(self):
+        return getattr(self, "q_placed", ("device",) * len(self.tables))
+
+    def _pack_for(self, device: torch.device) -> None:
+        placed = _nbit.placed_for(device, self._cuda_places())
+        (self.q_weights, self.q_weights_uvm, self.q_weights_placements, self.q_weights_offsets) = _nbit.relayout(
+            self.q_packed, [f.table for f in self.features], (self.q_weights, self.q_weights_uvm),
+            self.q_weights_placements, self.q_weights_offsets, self.q_ints["row_alignment"], device, placed)
+        self.q_placed = placed
+        self.q_ints = {**self.q_ints, "row_alignment": _nbit.row_alignment(device)}
+        self.q_row_alignment = torch.tensor(self.q_ints["row_alignment"], dtype=torch.int64, device=device)
+
+    def __setstate__(self, state):
+        """A copy (``copy.deepcopy``, pickling) of rows in unified memory is made in GPU memory
+        (a tensor's copy is an ordinary one): they go back to unified memory."""
+        super().__setstate__(state)
+        uvm = self.__dict__.get("_buffers", {}).get("q_weights_uvm")
+        if uvm is not None and uvm.numel() and uvm.device.type == "cuda" and not _nbit.in_unified_memory(uvm):
+            self.q_weights_uvm = _nbit.unified_bytes(uvm.numel(), uvm.device).copy_(uvm)
+
+    def saved_layout_problem(self, state_dict, prefix: str = "") -> str:
+        """Where ``state_dict`` (this group's entries under ``prefix``) holds packed rows of another
+        size than its own layout (its placements and row alignment) gives this group's tables:
+        what is wrong, naming the tables; else ""."""
+        try:
+            places = state_dict[prefix + "q_weights_placements"].tolist()
+            alignment = int(state_dict.get(prefix + "q_row_alignment", self.q_ints["row_alignment"]))
+            want = _nbit.saved_sizes(self.q_packed, [f.table for f in self.features], places, alignment)
+        except (KeyError, ValueError, IndexError, TypeError, RuntimeError) as e:
+            return f"fxrec: {prefix}q_weights_placements does not describe the tables {self._names()}: {e}"
+        got = tuple(int(state_dict[prefix + n].numel()) if prefix + n in state_dict else 0
+                    for n in ("q_weights", "q_weights_uvm"))
+        if got != tuple(want):
+            return (f"fxrec: {prefix}q_weights and q_weights_uvm hold {got[0]} and {got[1]} bytes, where the "
+                    f"tables {self._names()} (rows, stored dims and dtypes {self.q_packed}) packed at "
+                    f"{alignment} bytes with their saved placements take {want[0]} and {want[1]}: the rows "
+                    "were saved from other tables")
+        return ""
+
+    def _names(self) -> List[str]:
+        return [t.name for t in self.tables]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Rows saved packed for another device (their ``q_row_alignment``) are packed again for
@@ -126,12 +175,20 @@ class _Quantized:
             return
         key = prefix + "q_row_alignment"
         mine = self.q_ints["row_alignment"]
-        if key in state_dict and prefix + "q_weights" in state_dict and int(state_dict[key]) != mine:
-            w, p, o = _nbit.relayout(self.q_packed, [f.table for f in self.features], state_dict[prefix + "q_weights"],
-                                     state_dict[prefix + "q_weights_offsets"], int(state_dict[key]),
-                                     self.q_weights.device)
-            state_dict[prefix + "q_weights"], state_dict[prefix + "q_weights_placements"] = w, p
-            state_dict[prefix + "q_weights_offsets"] = o
+        names = [prefix + n for n in ("q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_offsets")]
+        if prefix + "q_weights" in state_dict and all(n in state_dict for n in names[2:]):
+            saved = int(state_dict[key]) if key in state_dict else mine
+            places = state_dict[names[2]]
+            if saved != mine or not torch.equal(places.cpu(), self.q_weights_placements.cpu()):
+                problem = self.saved_layout_problem(state_dict, prefix)
+                if problem:
+                    args[-1].append(problem)
+                    return
+                uvm = state_dict.get(names[1], torch.zeros(0, dtype=torch.uint8))
+                packed = _nbit.relayout(self.q_packed, [f.table for f in self.features],
+                                        (state_dict[names[0]], uvm), places, state_dict[names[3]], saved,
+                                        self.q_weights.device, self._places_now())
+                state_dict.update(zip(names, packed))
         state_dict[key] = torch.tensor(mine, dtype=torch.int64)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

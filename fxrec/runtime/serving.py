@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .kernels.fbgemm_nbit import int_nbit_lookup
+from .kernels.fbgemm_nbit import clone_rows, int_nbit_lookup
 from .kernels.reference import lookup_each
 from .packing import FORM_CODES, pack_bags, pack_rows, padding_weights, unpack_rows
 
@@ -89,7 +89,8 @@ class _ServingGroup(nn.Module):
         self.padded: bool = any(self.keep_pads)
         for name in _Q_BUFFERS:
             src = getattr(group, name) if self.quantized else torch.empty(0, dtype=torch.long)
-            self.register_buffer(name, src.clone(), persistent=name not in ("q_lxu_cache_locations", "q_columns"))
+            # (rows in unified memory stay there; a saved script loads them in GPU memory)
+            self.register_buffer(name, clone_rows(src), persistent=name not in ("q_lxu_cache_locations", "q_columns"))
 
     def _check(self, ids_list: List[Tensor], offsets_list: List[Tensor]) -> None:
         """Counts, dtypes and shapes (no value read), then every id and offset of every feature

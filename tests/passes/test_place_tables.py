@@ -104,6 +104,17 @@ def test_quantized_tables_count_as_fbgemm_packs_them_for_cuda():
     assert hbm_of(r) == 1_000_000 * 144 + 200_000 * 80 + 1000 * 32
 
 
+def test_quantized_tables_beyond_the_budget_go_to_unified_memory_uncached():
+    """Serving quantized, fbgemm's IntNBit kernel alone reads the rows: the largest go to unified
+    memory as "managed" (no HBM cache: they then take no HBM), until the rest fits."""
+    r = fxrec.explain(ThreeTables(), INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="100MB")
+    assert placements(r) == {"big": "managed", "mid": "device", "small": "device"}
+    assert hbm_of(r) == 200_000 * 80 + 1000 * 32
+    r = fxrec.explain(ThreeTables(), INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="10MB")
+    assert placements(r) == {"big": "managed", "mid": "managed", "small": "device"}
+    assert hbm_of(r) == 1000 * 32
+
+
 def test_optimizer_states_count_against_the_budget():
     """Adam keeps two moments a weight: with them the mid table no longer fits beside the cache."""
     sgd = fxrec.explain(meta_model(), INPUTS, device="cuda", optimizer=fxrec.optim.SGD(lr=0.1), hbm_budget="250MB")

@@ -11,6 +11,14 @@ tables are on (:func:`row_alignment`), and moving it to another kind of device r
 (:func:`relayout`), as it moves the placements fbgemm reads (host memory on CPU, device memory on
 CUDA). A lookup on CUDA of rows packed for CPU (a TorchScript or exported program made on CPU and
 moved) is refused with an error rather than read misaligned.
+
+**Rows in unified memory.** On CUDA a table placed ``"managed"`` (``transform(hbm_budget=)``, see
+:mod:`fxrec.passes.place_tables`) keeps its rows in the group's ``uvm`` buffer: host memory
+mapped for the GPU (fbgemm's ``new_unified_tensor``, host-mapped, as TorchRec's ``quant_uvm``
+tables), which fbgemm's kernel reads over the bus where the placement says so (no HBM cache:
+fbgemm's ``MANAGED`` location). On CPU every table's rows are in the one host buffer (``HOST``):
+fbgemm's CPU lookup derives a table's row count for its bounds check from the next table's
+offset, whichever buffer that offset is in, so mixed placements there would refuse good ids.
 """
 
 from __future__ import annotations
@@ -39,10 +47,49 @@ def _fbgemm_types():
             "int4": SparseType.INT4, "int2": SparseType.INT2}
 
 
-def _location(device: torch.device):
+#: fbgemm's PlacementType values (embedding_common.h) of a table's rows: in ``dev_weights`` ...
+_IN_DEV = (0, 3)  # DEVICE, HOST
+# ... else (MANAGED 1, MANAGED_CACHING 2) in ``uvm_weights``
+
+
+def _location(device: torch.device, where: str = "device"):
+    """fbgemm's location for a table placed ``where`` ("device" or "managed") on ``device``: on CPU,
+    HOST; on CUDA, DEVICE or MANAGED (unified memory, no HBM cache)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 
+    if where not in ("device", "managed"):
+        raise ValueError(f"fxrec: a quantized table's placement must be 'device' or 'managed', got {where!r}")
+    if where == "managed":
+        return EmbeddingLocation.MANAGED
     return EmbeddingLocation.HOST if torch.device(device).type == "cpu" else EmbeddingLocation.DEVICE
+
+
+def placed_for(device: torch.device, where: Sequence[str]) -> Tuple[str, ...]:
+    """Where a group's tables go on ``device`` (``where``: their placements for CUDA): every table
+    in the host buffer on CPU (see the module doc), as placed on CUDA."""
+    return tuple("device" if torch.device(device).type != "cuda" else w for w in where)
+
+
+def unified_bytes(size: int, device: torch.device) -> torch.Tensor:
+    """``size`` zero bytes in unified memory for ``device`` (host memory the GPU reads; fbgemm's
+    host-mapped ``new_unified_tensor``); on CPU, ordinary host memory."""
+    device = torch.device(device)
+    if device.type != "cuda" or size == 0:
+        return torch.zeros(size, dtype=torch.uint8, device=device)
+    proto = torch.zeros(1, dtype=torch.uint8, device=device)
+    return torch.ops.fbgemm.new_unified_tensor(proto, [int(size)], True).zero_()
+
+
+def in_unified_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a unified-memory tensor (fbgemm's ``is_uvm_tensor``; False on CPU)."""
+    return t.device.type == "cuda" and bool(torch.ops.fbgemm.is_uvm_tensor(t))
+
+
+def clone_rows(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in the same kind of memory (unified memory stays unified)."""
+    if in_unified_memory(t):
+        return unified_bytes(t.numel(), t.device).copy_(t)
+    return t.clone()
 
 
 def make_inference_tbe(
@@ -52,10 +99,13 @@ def make_inference_tbe(
     device: torch.device,
     weights: Sequence[torch.Tensor],
     output_dtype: str = "fp32",
+    where: Sequence[str] = (),
 ) -> "torch.nn.Module":
     """fbgemm's IntNBitTableBatchedEmbeddingBagsCodegen on ``device``, rows packed for it, holding
     ``weights`` quantized row-wise to each table's dtype (fp32, fp16, int8, int4, int2; integers
-    with an fp16 scale and bias per row: fbgemm's quantize_embs)."""
+    with an fp16 scale and bias per row: fbgemm's quantize_embs); ``where``: each table's
+    placement ("device", default, or "managed": unified memory, host-mapped, on CUDA)."""
+    where = tuple(where) or ("device",) * len(rows_dims_dtypes)
     types = _fbgemm_types()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -67,13 +117,14 @@ def make_inference_tbe(
 
         mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
         tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-            [("", int(r), int(d), types[t], _location(device)) for r, d, t in rows_dims_dtypes],
+            [("", int(r), int(d), types[t], _location(device, w)) for (r, d, t), w in zip(rows_dims_dtypes, where)],
             feature_table_map=list(feature_table_map),
             pooling_mode=mode,
             device=device,
             output_dtype=types[output_dtype],
             bounds_check_mode=BoundsCheckMode.NONE,
             row_alignment=row_alignment(device),
+            uvm_host_mapped=True,
         )
         tbe.initialize_weights()
         tbe.assign_embedding_weights(
@@ -83,14 +134,18 @@ def make_inference_tbe(
 
 
 def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
-             weights: torch.Tensor, offsets: torch.Tensor, alignment: int, device: torch.device,
+             buffers: Tuple[torch.Tensor, torch.Tensor], placements: torch.Tensor, offsets: torch.Tensor,
+             alignment: int, device: torch.device, where: Sequence[str] = (),
              new_alignment: Optional[int] = None):
-    """The packed rows ``weights`` (uint8, rows at ``alignment``; ``offsets`` per feature, as
-    fbgemm keeps them: the byte where the feature's table starts) packed again for ``device``: at
-    ``new_alignment`` (default: the device's), in the placements and table offsets fbgemm's
-    IntNBit TBE gives that device. Returns ``(weights, placements, offsets)`` on ``device``, the
-    last two per feature; each row's bytes are copied unchanged, the padding is zero.
-    """
+    """The packed rows of ``buffers`` (``(dev, uvm)`` uint8, rows at ``alignment``; ``placements``
+    and ``offsets`` per feature, as fbgemm keeps them: which buffer, and the byte where the
+    feature's table starts there) packed again for ``device``: at ``new_alignment`` (default: the
+    device's), each table where ``where`` says ("device", the default, or "managed": in the uvm
+    buffer, unified memory on CUDA), in the placements and table offsets fbgemm's IntNBit TBE gives
+    that layout. Returns ``(dev, uvm, placements, offsets)`` on ``device``, the last two per
+    feature; each row's bytes are copied unchanged, the padding is zero. A table's rows cross
+    devices in one contiguous copy, restrided on the side that is host memory (no second copy of
+    a table in GPU memory)."""
     require_fbgemm()
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
         nbit_construct_split_state,
@@ -99,23 +154,57 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
     )
 
     types = _fbgemm_types()
+    device = torch.device(device)
+    where = tuple(where) or ("device",) * len(rows_dims_dtypes)
     new_alignment = row_alignment(device) if new_alignment is None else int(new_alignment)
-    specs = [("", int(r), int(d), types[t], _location(device)) for r, d, t in rows_dims_dtypes]
+    specs = [("", int(r), int(d), types[t], _location(device, w)) for (r, d, t), w in zip(rows_dims_dtypes, where)]
     state = nbit_construct_split_state(specs, cacheable=False, row_alignment=new_alignment)
-    size = state.host_size if torch.device(device).type == "cpu" else state.dev_size
-    out = torch.zeros(size, dtype=torch.uint8, device=device)
-    source = weights.to(device)
-    per_feature = offsets.tolist()
-    old_starts = [per_feature[list(feature_table_map).index(t)] for t in range(len(rows_dims_dtypes))]
-    for (rows, dim, dtype), old, new in zip(rows_dims_dtypes, old_starts, state.offsets):
+    dev = torch.zeros(state.host_size if device.type == "cpu" else state.dev_size, dtype=torch.uint8, device=device)
+    uvm = unified_bytes(state.uvm_size, device)
+    ftm = list(feature_table_map)
+    first = [ftm.index(t) for t in range(len(rows_dims_dtypes))]
+    old_starts, old_places = offsets.tolist(), placements.tolist()
+    for t, (rows, dim, dtype) in enumerate(rows_dims_dtypes):
+        src = buffers[0] if old_places[first[t]] in _IN_DEV else buffers[1]
+        dst = uvm if where[t] == "managed" else dev
+        old, new = old_starts[first[t]], state.offsets[t]
         used = unpadded_row_size_in_bytes(dim, types[dtype])
         was = rounded_row_size_in_bytes(dim, types[dtype], alignment)
         now = rounded_row_size_in_bytes(dim, types[dtype], new_alignment)
-        out[new:new + rows * now].view(rows, now)[:, :used] = source[old:old + rows * was].view(rows, was)[:, :used]
-    placements = torch.tensor([state.placements[t].value for t in feature_table_map], dtype=torch.int32,
-                              device=device)
-    return out, placements, torch.tensor([state.offsets[t] for t in feature_table_map], dtype=torch.int64,
-                                         device=device)
+        _copy_rows(dst[new:new + rows * now], src[old:old + rows * was], rows, used, was, now)
+    to_feature = lambda values, dtype: torch.tensor([values[t] for t in ftm], dtype=dtype, device=device)
+    return (dev, uvm, to_feature([p.value for p in state.placements], torch.int32),
+            to_feature(list(state.offsets), torch.int64))
+
+
+def saved_sizes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
+                placements: Sequence[int], alignment: int) -> Tuple[int, int]:
+    """The bytes of the ``(dev, uvm)`` buffers of these tables packed at ``alignment`` with these
+    per-feature ``placements`` (fbgemm's values: HOST 3 on CPU, DEVICE 0 on CUDA, MANAGED 1 in the
+    uvm buffer): what a state_dict saved with that layout holds."""
+    require_fbgemm()
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import nbit_construct_split_state
+
+    types = _fbgemm_types()
+    ftm = list(feature_table_map)
+    per_table = [int(placements[ftm.index(t)]) for t in range(len(rows_dims_dtypes))]
+    device = "cpu" if 3 in per_table else "cuda"
+    specs = [("", int(r), int(d), types[t], _location(device, "device" if p in _IN_DEV else "managed"))
+             for (r, d, t), p in zip(rows_dims_dtypes, per_table)]
+    state = nbit_construct_split_state(specs, cacheable=False, row_alignment=int(alignment))
+    return (state.host_size if device == "cpu" else state.dev_size), state.uvm_size
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: int, used: int, was: int, now: int) -> None:
+    """``rows`` rows of ``src`` (``was`` bytes apart) into ``dst`` (``now`` apart), their first
+    ``used`` bytes (the rest zero)."""
+    if was == now:
+        dst.copy_(src)
+        return
+    side = src.device if src.device.type == "cpu" else dst.device  # restrided in host memory where one side is
+    tmp = torch.zeros(rows, now, dtype=torch.uint8, device=side)
+    tmp[:, :used] = src.to(side).view(rows, was)[:, :used]  # (a contiguous slice crosses)
+    dst.copy_(tmp.view(-1))
 
 
 def packed_bytes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], alignment: int) -> List[int]:
