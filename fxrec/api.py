@@ -305,6 +305,12 @@ def transform(
         _store_lower_precision(gm)  # the rank's shards, now that they hold values
         if mode == "training":
             sum_gradients_over_ranks(gm, records)
+        # It keeps its own parameters in step over ranks: a DistributedDataParallel around it would
+        # broadcast rank 0's table shards over the other ranks' and average what is already summed.
+        # DDP leaves the parameters this list names (its own replicate() above takes a list of
+        # parameters, not this), and, left none, refuses the model before it touches anything.
+        gm.meta.setdefault("_user_preserved_attributes", {})["_ddp_params_and_buffers_to_ignore"] = sorted(
+            [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()])
         notes.append(rank_note(plan, rank))
         per_rank = plan_per_rank(plan)
     # the report, built once from the graph after the pipeline (every pipeline the same way)

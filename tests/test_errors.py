@@ -229,6 +229,21 @@ def test_include_last_offset_with_padding_and_bad_offsets(backend):
         torch.testing.assert_close(fast(ids, torch.tensor([0, 2, 2, 5, 6])), model(ids, torch.tensor([0, 2, 2, 5, 6])))
         with pytest.raises((ValueError, RuntimeError), match=r"offsets of feature 'ids' \(table 'b'\)|offsets\[-1\] can not be greater"):
             fast(ids, torch.tensor([0, 2, 2, 5, 9]))
+        for last in (-1, 4):  # before the last bag's start: PyTorch refuses it (with a padding_idx it ignores it)
+            if pad is None:
+                with pytest.raises((ValueError, RuntimeError), match=r"offsets of feature 'ids' \(table 'b'\)"):
+                    fast(ids, torch.tensor([0, 2, 2, 5, last]))  # (-1 dropped the last id and answered)
+
+
+@pytest.mark.parametrize("serve", ["eager", "torchscript"])
+def test_include_last_offset_with_a_negative_last_offset_is_refused_in_quantized_serving(serve):
+    """(Found by the differential fuzzer: the quantized group dropped the last id and answered.)"""
+    bag = torch.nn.EmbeddingBag(7, 8, mode="sum", include_last_offset=True).eval()
+    ids, off = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 4, 6])
+    fast = fxrec.transform(bag, (ids, off), mode="inference", quantize="int8")
+    served = fxrec.export.torchscript(fast) if serve == "torchscript" else fast
+    with pytest.raises((ValueError, torch.jit.Error), match=r"offsets of feature .* (end at -1|do not match its 6 ids)"):
+        served(ids, torch.tensor([0, 2, 4, -1]))
 
 
 def test_example_inputs_that_do_not_fit_forward_say_they_are_its_positional_arguments():

@@ -1123,3 +1123,42 @@ def test_explain_refuses_a_plan_that_shards_a_table_read_outside_its_lookups():
     with pytest.raises(fxrec.InputError, match=r"table 't' is also used outside its lookups .* plan it data_parallel"):
         fxrec.explain(_WeightedAndPlain(), x, plan=plan)
     fxrec.explain(_WeightedAndPlain(), x, plan=fxrec.plan(_WeightedAndPlain(), x, world_size=2, memory_per_rank="1GB"))
+
+
+def _ddp_around_a_sharded_model(rank, world, init_file, result_file):
+    from torch.nn.parallel import DistributedDataParallel
+
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = Model()
+        x = global_batch(LOCAL_B * world, 0)
+        example = local_batch(x, rank, LOCAL_B)
+        plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB", pins={"bags.0": "row_wise"})
+        fast = fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.SGD(lr=0.1))
+        with torch.no_grad():
+            before = fast(*example)
+        try:
+            DistributedDataParallel(fast)
+            msg = "no error"
+        except RuntimeError as e:
+            msg = str(e)
+        with torch.no_grad():
+            unchanged = torch.equal(fast(*example), before)
+        ignored = fast._ddp_params_and_buffers_to_ignore
+        if rank == 0:
+            with open(result_file, "w") as fh:
+                fh.write(f"{unchanged}|{sorted(n for n, _ in fast.named_parameters()) == sorted(set(ignored) & {n for n, _ in fast.named_parameters()})}|{msg}")
+        dist.barrier()
+    os._exit(0)
+
+
+def test_a_sharded_model_wrapped_in_ddp_is_refused_before_ddp_touches_its_shards(tmp_path):
+    """A sharded model keeps its own parameters in step over ranks; DDP around it broadcast rank 0's
+    row block over rank 1's and averaged what was summed: wrong outputs, no error (found by the
+    sharded fuzzer). DDP now leaves every parameter (the model's _ddp_params_and_buffers_to_ignore)
+    and so refuses it at once, and the model answers as before."""
+    result = tmp_path / "msg"
+    spawn(_ddp_around_a_sharded_model, 2, str(result))
+    unchanged, all_ignored, msg = result.read_text().split("|", 2)
+    assert "DistributedDataParallel is not needed" in msg, msg
+    assert unchanged == "True" and all_ignored == "True"

@@ -97,6 +97,10 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
                 last = -1
                 if ilo and not tracing and off.numel() > 0:
                     last = int(off[-1])
+                    if last < 0 and pad < 0:  # (a padding_idx bag runs to the end of its ids, as PyTorch's)
+                        raise ValueError("fxrec: offsets of " + where[i] + " end at " + str(last) + ": with "
+                                         "include_last_offset=True the last offset is where the ids end, 0 to "
+                                         + str(n))
                 if last > n:
                     raise ValueError("fxrec: offsets of " + where[i] + " end at " + str(last) + ", past its "
                                      + str(n) + " ids")
