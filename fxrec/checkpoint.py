@@ -415,7 +415,7 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
                            strict)
     read = {**state, **as_saved}
     if opt_load is not None:  # every state whole: one process holds whole parameters
-        read = {**state, **opt_load.whole}
+        read = {**read, **opt_load.whole}
         keys = keys | set(opt_load.whole)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
@@ -598,7 +598,8 @@ def _load_staged(state: Dict[str, torch.Tensor], keys: set, path, planner, *, no
 
 # A quantized group's packed rows and their layout: loaded through its load_state_dict, which packs
 # them again when they were saved for another device (fxrec.runtime.quantized).
-_PACKED_ROWS = ("q_weights", "q_weights_uvm", "q_weights_offsets", "q_weights_placements", "q_row_alignment")
+_PACKED_ROWS = ("q_weights", "q_weights_uvm", "q_weights_offsets", "q_weights_placements", "q_row_alignment",
+                "q_weights_tys", "q_D_offsets")
 
 
 def _packed_rows_as_saved(state: Dict[str, torch.Tensor], path: str) -> Dict[str, torch.Tensor]:

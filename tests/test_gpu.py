@@ -415,7 +415,10 @@ def test_quantized_tables_in_unified_memory_serve_what_they_serve_in_gpu_memory(
     with torch.no_grad():
         want = everything(*x)
         torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         twin = copy.deepcopy(fast)
+        assert torch.cuda.max_memory_allocated() - base < 20_000 * 80  # (copied through host memory)
         (tg,) = groups(twin)
         assert in_unified_memory(tg.q_weights_uvm) and tg.q_weights_uvm.data_ptr() != g.q_weights_uvm.data_ptr()
         torch.testing.assert_close(twin(*x), want, rtol=0, atol=0)

@@ -406,27 +406,70 @@ def test_a_checkpoint_of_rows_packed_for_cuda_loads_into_a_cpu_model(tmp_path, r
         torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
 
 
-def test_a_checkpoint_of_other_tables_packed_for_cuda_is_refused_before_anything_loads(tmp_path):
-    """Rows read at the checkpoint's size are checked against the tables as its layout packs them:
-    another table's rows (one table with more rows) are refused naming the group's tables, and
-    the model is left as it was."""
+class _TwoBags(nn.Module):
+    def __init__(self, rows, dims):
+        super().__init__()
+        self.a = nn.EmbeddingBag(rows[0], dims[0], mode="sum")
+        self.b = nn.EmbeddingBag(rows[1], dims[1], mode="sum")
+
+    def forward(self, x, y):
+        return torch.cat([self.a(x), self.b(y)], 1)
+
+
+@pytest.mark.parametrize("layout", ["cpu", "cuda", "cuda_managed"])
+@pytest.mark.parametrize("other", ["more_rows", "swapped_rows", "swapped_dims"])
+def test_a_checkpoint_of_other_tables_is_refused_before_anything_loads(tmp_path, other, layout):
+    """Quantized rows are read at the size they were saved with and checked against the tables as
+    the checkpoint's own layout packs them (row offsets, dims, dtypes): another model's rows are
+    refused naming the group's tables, and the model is left as it was. (Tables of swapped dims
+    or rows, packed as on CUDA, took the same bytes and loaded: the review.)"""
+    from fxrec.runtime.kernels import fbgemm_nbit
+
+    x = (torch.randint(0, 40, (6, 2)), torch.randint(0, 40, (6, 3)))
+    # (swapped rows or dims take the same bytes in all: only the offsets or dims tell them apart)
+    (rows, dims), (saved_rows, saved_dims) = {
+        "more_rows": (((40, 60), (56, 24)), ((47, 60), (56, 24))),
+        "swapped_rows": (((40, 60), (24, 24)), ((60, 40), (24, 24))),
+        "swapped_dims": (((40, 40), (56, 24)), ((40, 40), (24, 56)))}[other]
+    fast = fxrec.transform(_TwoBags(saved_rows, saved_dims).eval(), x, mode="inference", quantize="int8")
+    if layout != "cpu":
+        (group,) = _quantized_groups(fast)
+        packed = fbgemm_nbit.relayout(
+            group.q_packed, [f.table for f in group.features], (group.q_weights, group.q_weights_uvm),
+            group.q_weights_placements, group.q_weights_offsets, 1, torch.device("cpu"),
+            ("managed", "device") if layout == "cuda_managed" else (), new_alignment=16)
+        group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets = packed
+        group.q_row_alignment = torch.tensor(16)
+    fxrec.checkpoint.save_model(fast, tmp_path / "ckpt")
+    fresh = fxrec.transform(_TwoBags(rows, dims).eval(), x, mode="inference", quantize="int8")
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(fxrec.checkpoint.CheckpointError, match=r"\['a', 'b'\]|other shape|is \(.*\) in the checkpoint"):
+        fxrec.checkpoint.load_into_model(fresh, tmp_path / "ckpt")
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    with pytest.raises(RuntimeError, match=r"\['a', 'b'\]|size mismatch"):
+        fresh.load_state_dict(fast.state_dict())
+
+
+def test_a_checkpoint_of_rows_packed_for_cuda_loads_with_its_optimizer(tmp_path):
+    """load_into_model(optimizer=) read the checkpoint's packed rows at the model's size (the review)."""
     from fxrec.runtime.kernels import fbgemm_nbit
 
     x = M.bag_inputs(rows=ROWS)
-    other = (ROWS[0] + 7,) + tuple(ROWS[1:])
-    fast = fxrec.transform(M.BagList(rows=other, dim=24).eval(), x, mode="inference", quantize="int8")
+    fast = fxrec.transform(M.BagList(rows=ROWS, dim=24).eval(), x, mode="inference", quantize="int8")
+    with torch.no_grad():
+        want = fast(*x)
+    opt = torch.optim.SGD(fast.parameters(), lr=0.1)
     (group,) = _quantized_groups(fast)
     packed = fbgemm_nbit.relayout(
         group.q_packed, [f.table for f in group.features], (group.q_weights, group.q_weights_uvm),
         group.q_weights_placements, group.q_weights_offsets, 1, torch.device("cpu"), new_alignment=16)
     group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets = packed
     group.q_row_alignment = torch.tensor(16)
-    fxrec.checkpoint.save_model(fast, tmp_path / "ckpt")
+    fxrec.checkpoint.save_model(fast, tmp_path / "ckpt", optimizer=opt)
     fresh = fxrec.transform(M.BagList(rows=ROWS, dim=24).eval(), x, mode="inference", quantize="int8")
-    before = {k: v.clone() for k, v in fresh.state_dict().items()}
-    with pytest.raises(fxrec.checkpoint.CheckpointError, match=r"tables \['bags.0', 'bags.1', 'bags.2'\].*saved from other tables"):
-        fxrec.checkpoint.load_into_model(fresh, tmp_path / "ckpt")
-    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    fxrec.checkpoint.load_into_model(fresh, tmp_path / "ckpt", optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(*x), want, rtol=0, atol=0)
 
 
 def test_a_state_dict_of_other_quantized_dtypes_is_refused_naming_the_tables():

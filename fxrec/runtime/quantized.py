@@ -106,9 +106,10 @@ class _Quantized:
         memory; see :mod:`.kernels.fbgemm_nbit`)."""
         probe = fn(torch.empty(0, dtype=torch.uint8, device=self.q_weights.device))
         device = probe.device if isinstance(probe, torch.Tensor) else self.q_weights.device
+        placed = _nbit.placed_for(device, self._cuda_places())
         if device.type in ("cpu", "cuda") and (
-                _nbit.row_alignment(device) != self.q_ints["row_alignment"]
-                or _nbit.placed_for(device, self._cuda_places()) != self._places_now()):
+                _nbit.row_alignment(device) != self.q_ints["row_alignment"] or placed != self._places_now()
+                or (device != self.q_weights.device and "managed" in placed)):  # (another GPU: its unified memory)
             self._pack_for(device)
         return super()._apply(fn, *args, **kwargs)
 
@@ -127,63 +128,87 @@ class _Quantized:
         self.q_ints = {**self.q_ints, "row_alignment": _nbit.row_alignment(device)}
         self.q_row_alignment = torch.tensor(self.q_ints["row_alignment"], dtype=torch.int64, device=device)
 
+    def __getstate__(self):
+        """Rows in unified memory are copied (``copy.deepcopy``, pickling) from a host copy, which
+        :meth:`__setstate__` puts back in unified memory: a tensor's own copy would be made in GPU
+        memory, which such tables were placed out of."""
+        state = super().__getstate__()
+        uvm = state.get("_buffers", {}).get("q_weights_uvm")
+        if uvm is not None and _nbit.in_unified_memory(uvm):
+            state = {**state, "_buffers": {**state["_buffers"], "q_weights_uvm": uvm.cpu()},
+                     "_fxrec_unified_on": uvm.device}
+        return state
+
     def __setstate__(self, state):
-        """A copy (``copy.deepcopy``, pickling) of rows in unified memory is made in GPU memory
-        (a tensor's copy is an ordinary one): they go back to unified memory."""
+        device = state.pop("_fxrec_unified_on", None)
         super().__setstate__(state)
-        uvm = self.__dict__.get("_buffers", {}).get("q_weights_uvm")
-        if uvm is not None and uvm.numel() and uvm.device.type == "cuda" and not _nbit.in_unified_memory(uvm):
-            self.q_weights_uvm = _nbit.unified_bytes(uvm.numel(), uvm.device).copy_(uvm)
+        uvm = self._buffers.get("q_weights_uvm")
+        if device is None or uvm is None:
+            return
+        here = self.q_weights.device  # (torch.load's map_location moved the other buffers)
+        if here.type == "cuda":
+            self.q_weights_uvm = _nbit.unified_bytes(uvm.numel(), here).copy_(uvm)
+        else:  # rows for unified memory and a dev buffer in host memory: the host's layout
+            self._pack_for(here)
 
     def saved_layout_problem(self, state_dict, prefix: str = "") -> str:
-        """Where ``state_dict`` (this group's entries under ``prefix``) holds packed rows of another
-        size than its own layout (its placements and row alignment) gives this group's tables:
-        what is wrong, naming the tables; else ""."""
+        """Where ``state_dict`` (this group's entries under ``prefix``) holds packed rows of other
+        tables than this group's: other dtypes, other dims, or rows that do not fit them as its
+        own layout (its placements and row alignment) packs them. What is wrong, naming the
+        tables; else ""."""
+        tys = state_dict.get(prefix + "q_weights_tys")
+        if tys is not None and (tys.shape != self.q_weights_tys.shape
+                                or not torch.equal(tys.cpu(), self.q_weights_tys.cpu())):
+            # (rows of other dtypes of the same bytes would load, and be read by this model's widths)
+            names = {int(ty.as_int()) if hasattr(ty, "as_int") else int(ty.value): n
+                     for n, ty in _nbit._fbgemm_types().items()}
+            saved = [names.get(int(c), str(int(c))) for c in tys.tolist()]
+            differ = [f"'{t.name}' saved as {a}, stored here as {b}"
+                      for t, a, b in zip(self.tables, saved, self.dtypes) if a != b] or [f"saved as {saved}"]
+            return (f"fxrec: {prefix}q_weights holds tables of other dtypes than this model stores them in "
+                    f"({'; '.join(differ)}): transform with the quantize= the state_dict was saved with")
+        dims = state_dict.get(prefix + "q_D_offsets")
+        if dims is not None and (dims.shape != self.q_D_offsets.shape
+                                 or not torch.equal(dims.cpu(), self.q_D_offsets.cpu())):
+            return (f"fxrec: {prefix}q_D_offsets {dims.tolist()} are not the tables' {self._names()} "
+                    f"({self.q_D_offsets.tolist()}): the rows were saved from tables of other dims")
+        if prefix + "q_weights" not in state_dict or prefix + "q_weights_placements" not in state_dict:
+            return ""  # (a partial state_dict: the rows are not loaded)
         try:
             places = state_dict[prefix + "q_weights_placements"].tolist()
             alignment = int(state_dict.get(prefix + "q_row_alignment", self.q_ints["row_alignment"]))
-            want = _nbit.saved_sizes(self.q_packed, [f.table for f in self.features], places, alignment)
+            dev, uvm, offsets = _nbit.saved_sizes(self.q_packed, [f.table for f in self.features], places, alignment)
         except (KeyError, ValueError, IndexError, TypeError, RuntimeError) as e:
             return f"fxrec: {prefix}q_weights_placements does not describe the tables {self._names()}: {e}"
         got = tuple(int(state_dict[prefix + n].numel()) if prefix + n in state_dict else 0
                     for n in ("q_weights", "q_weights_uvm"))
-        if got != tuple(want):
-            return (f"fxrec: {prefix}q_weights and q_weights_uvm hold {got[0]} and {got[1]} bytes, where the "
-                    f"tables {self._names()} (rows, stored dims and dtypes {self.q_packed}) packed at "
-                    f"{alignment} bytes with their saved placements take {want[0]} and {want[1]}: the rows "
-                    "were saved from other tables")
+        saved = state_dict.get(prefix + "q_weights_offsets")
+        if got != (dev, uvm) or saved is None or saved.tolist() != offsets:
+            return (f"fxrec: {prefix}q_weights and q_weights_uvm hold {got[0]} and {got[1]} bytes at offsets "
+                    f"{None if saved is None else saved.tolist()}, where the tables {self._names()} (rows, stored "
+                    f"dims and dtypes {self.q_packed}) packed at {alignment} bytes with their saved placements take "
+                    f"{dev} and {uvm} at {offsets}: the rows were saved from other tables")
         return ""
 
     def _names(self) -> List[str]:
         return [t.name for t in self.tables]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Rows saved packed for another device (their ``q_row_alignment``) are packed again for
-        this one's before they load; a state_dict without it (saved before fxrec kept it) loads
-        as it is."""
-        tys = state_dict.get(prefix + "q_weights_tys")
-        if tys is not None and tys.shape == self.q_weights_tys.shape and not torch.equal(
-                tys.to(self.q_weights_tys.device), self.q_weights_tys):
-            # (rows of other dtypes of the same bytes loaded, and were read by this model's widths)
-            names = {int(ty.as_int()) if hasattr(ty, "as_int") else int(ty.value): n
-                     for n, ty in _nbit._fbgemm_types().items()}
-            saved = [names.get(int(c), str(int(c))) for c in tys.tolist()]
-            differ = [f"'{t.name}' saved as {a}, stored here as {b}"
-                      for t, a, b in zip(self.tables, saved, self.dtypes) if a != b]
-            args[-1].append(f"fxrec: {prefix}q_weights holds tables of other dtypes than this model stores them in "
-                            f"({'; '.join(differ)}): transform with the quantize= the state_dict was saved with")
-            return
+        """Rows saved packed for another device or placement (their ``q_row_alignment`` and
+        placements) are packed again for this one's before they load, once
+        :meth:`saved_layout_problem` finds them the rows of this group's tables; a state_dict
+        without the alignment (saved before fxrec kept it) is read at this model's."""
         key = prefix + "q_row_alignment"
         mine = self.q_ints["row_alignment"]
         names = [prefix + n for n in ("q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_offsets")]
+        problem = self.saved_layout_problem(state_dict, prefix)
+        if problem:
+            args[-1].append(problem)
+            return
         if prefix + "q_weights" in state_dict and all(n in state_dict for n in names[2:]):
             saved = int(state_dict[key]) if key in state_dict else mine
             places = state_dict[names[2]]
             if saved != mine or not torch.equal(places.cpu(), self.q_weights_placements.cpu()):
-                problem = self.saved_layout_problem(state_dict, prefix)
-                if problem:
-                    args[-1].append(problem)
-                    return
                 uvm = state_dict.get(names[1], torch.zeros(0, dtype=torch.uint8))
                 packed = _nbit.relayout(self.q_packed, [f.table for f in self.features],
                                         (state_dict[names[0]], uvm), places, state_dict[names[3]], saved,

@@ -178,10 +178,10 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
 
 
 def saved_sizes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
-                placements: Sequence[int], alignment: int) -> Tuple[int, int]:
+                placements: Sequence[int], alignment: int) -> Tuple[int, int, List[int]]:
     """The bytes of the ``(dev, uvm)`` buffers of these tables packed at ``alignment`` with these
     per-feature ``placements`` (fbgemm's values: HOST 3 on CPU, DEVICE 0 on CUDA, MANAGED 1 in the
-    uvm buffer): what a state_dict saved with that layout holds."""
+    uvm buffer), and the per-feature offsets: what a state_dict saved with that layout holds."""
     require_fbgemm()
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import nbit_construct_split_state
 
@@ -192,7 +192,8 @@ def saved_sizes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_
     specs = [("", int(r), int(d), types[t], _location(device, "device" if p in _IN_DEV else "managed"))
              for (r, d, t), p in zip(rows_dims_dtypes, per_table)]
     state = nbit_construct_split_state(specs, cacheable=False, row_alignment=int(alignment))
-    return (state.host_size if device == "cpu" else state.dev_size), state.uvm_size
+    return ((state.host_size if device == "cpu" else state.dev_size), state.uvm_size,
+            [int(state.offsets[t]) for t in ftm])
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: int, used: int, was: int, now: int) -> None:
@@ -201,7 +202,9 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: int, used: int, was: 
     if was == now:
         dst.copy_(src)
         return
-    side = src.device if src.device.type == "cpu" else dst.device  # restrided in host memory where one side is
+    # restrided in host memory, unless both sides are in GPU memory (unified memory is host memory)
+    on_gpu = src.device.type == "cuda" and dst.device.type == "cuda" and not in_unified_memory(dst)
+    side = dst.device if on_gpu else torch.device("cpu")
     tmp = torch.zeros(rows, now, dtype=torch.uint8, device=side)
     tmp[:, :used] = src.to(side).view(rows, was)[:, :used]  # (a contiguous slice crosses)
     dst.copy_(tmp.view(-1))
