@@ -543,13 +543,15 @@ def explain(
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)
     if plan is not None:
-        from .passes.shard_groups import _check_quantized, _sharding, plan_decision, refuse_apart, refuse_outside_uses
+        from .passes.shard_groups import (_check_quantized, _sharding, plan_decision, refuse_apart,
+                                          refuse_outside_uses, refuse_unknown_tables)
 
         for gr in ctx.groups:  # transform's refusals of the plan first (a table it does not name, other sizes)
             kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
             refuse_outside_uses(gm, gr, kinds)
             _check_quantized(gr, kinds)
         refuse_apart(gm, ctx)
+        refuse_unknown_tables(gm, ctx)
         for gr in ctx.groups:
             d = plan_decision(gr, plan, ctx.config.device)
             for r in gr.lookups:

@@ -1162,3 +1162,29 @@ def test_a_sharded_model_wrapped_in_ddp_is_refused_before_ddp_touches_its_shards
     unchanged, all_ignored, msg = result.read_text().split("|", 2)
     assert "DistributedDataParallel is not needed" in msg, msg
     assert unchanged == "True" and all_ignored == "True"
+
+
+def _plan_with_a_ghost_table(world):
+    model = Model()
+    x = global_batch(LOCAL_B * world, 0)
+    plan = fxrec.plan(model, x, world_size=world, memory_per_rank="1GB")
+    d = plan.to_dict()
+    ghost = json.loads(json.dumps(d["tables"][0]))
+    ghost.update(name="ghost", param="ghost.weight")
+    d["tables"].append(ghost)
+    return model, x, fxrec.ShardingPlan.from_dict(d)
+
+
+def _transform_with_a_ghost_table(rank, world):
+    model, x, plan = _plan_with_a_ghost_table(world)
+    fxrec.transform(model, local_batch(x, rank, LOCAL_B), plan=plan)
+
+
+def test_a_plan_naming_a_table_the_model_does_not_have_is_refused(tmp_path):
+    """(A plan made for another model, or hand-edited: its tables' bytes and costs were counted, and
+    transform and explain took it without a word; found by the sharded fuzzer.)"""
+    model, x, plan = _plan_with_a_ghost_table(2)
+    with pytest.raises(fxrec.pass_infra.InputError, match=r"the plan names table\(s\) \['ghost'\] that the model "
+                                                          r"does not look up"):
+        fxrec.explain(model, x, plan=plan)
+    assert "the plan names table(s) ['ghost']" in error_of(tmp_path, 2, _transform_with_a_ghost_table)

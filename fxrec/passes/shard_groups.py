@@ -49,7 +49,7 @@ its sums; the hierarchical exchange inside a host first is not done.
 
 Not handled (InputError naming the table): two column shards of one table on one rank, unpooled
 lookups of a column-wise table, bags with ``padding_idx`` or ``include_last_offset``, tables the
-plan does not name.
+plan does not name, and tables it names that the model does not look up.
 """
 
 from __future__ import annotations
@@ -503,6 +503,16 @@ def refuse_apart(gm: fx.GraphModule, ctx: PassContext) -> None:
                          + ". Run them without a plan, or without that option")
 
 
+def refuse_unknown_tables(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """An InputError naming the tables the plan names and the model does not look up (a plan made
+    for another model: its bytes and costs counted tables that are not there)."""
+    have = {r.table for r in meta.all_records(gm)}
+    unknown = sorted(set(ctx.config.plan.tables) - have)
+    if unknown:
+        raise InputError(f"fxrec: the plan names table(s) {unknown} that the model does not look up (its tables: "
+                         f"{sorted(have)}): make the plan for this model (fxrec.plan(model, ...))")
+
+
 def refuse_outside_uses(gm: fx.GraphModule, gr, kinds: dict) -> None:
     """A table the plan shards (``kinds``: each lookup's sharding) must be read only by its group's
     lookups: else an InputError naming it (``fxrec.explain(plan=)`` refuses the same)."""
@@ -526,6 +536,7 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sharded_params = {}  # fqn -> sharding, for the gradient hooks and the report
     effects = SideEffects(list(graph.nodes))
     refuse_apart(gm, ctx)
+    refuse_unknown_tables(gm, ctx)
     gm.meta[_ALIASES] = _aliases(gm)
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
