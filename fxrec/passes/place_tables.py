@@ -120,7 +120,7 @@ def hbm_bytes(groups: Sequence[Sequence[Held]], placements: Dict[str, str], load
 def place(groups: Sequence[Sequence[Held]], budget: int, load_factor: float) -> Tuple[Dict[str, str], int]:
     """The rule: every table starts in HBM; while the count exceeds ``budget``, the next largest
     movable table (ties by name) goes to unified memory as its ``moves_to`` says, unless that saves
-    no HBM. Returns the placements (key -> "managed_caching") and the HBM they need, which the
+    no HBM. Returns the placements (key -> "managed_caching" or "managed") and the HBM they need, which the
     caller compares with the budget (the error's words are its own)."""
     placements: Dict[str, str] = {}
     candidates = sorted((t for tables in groups for t in tables if t.movable),
