@@ -70,6 +70,14 @@ def placed_for(device: torch.device, where: Sequence[str]) -> Tuple[str, ...]:
     return tuple("device" if torch.device(device).type != "cuda" else w for w in where)
 
 
+def _table_specs(rows_dims_dtypes: Sequence[Tuple[int, int, str]], device, where: Sequence[str]) -> list:
+    """fbgemm's IntNBit table specs of these tables on ``device``, each placed where ``where``
+    says ("device" for every table where it is empty)."""
+    types = _fbgemm_types()
+    where = tuple(where) or ("device",) * len(rows_dims_dtypes)
+    return [("", int(r), int(d), types[t], _location(device, w)) for (r, d, t), w in zip(rows_dims_dtypes, where)]
+
+
 def unified_bytes(size: int, device: torch.device) -> torch.Tensor:
     """``size`` zero bytes in unified memory for ``device`` (host memory the GPU reads; fbgemm's
     host-mapped ``new_unified_tensor``); on CPU, ordinary host memory."""
@@ -105,7 +113,6 @@ def make_inference_tbe(
     ``weights`` quantized row-wise to each table's dtype (fp32, fp16, int8, int4, int2; integers
     with an fp16 scale and bias per row: fbgemm's quantize_embs); ``where``: each table's
     placement ("device", default, or "managed": unified memory, host-mapped, on CUDA)."""
-    where = tuple(where) or ("device",) * len(rows_dims_dtypes)
     types = _fbgemm_types()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -117,7 +124,7 @@ def make_inference_tbe(
 
         mode = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling]
         tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-            [("", int(r), int(d), types[t], _location(device, w)) for (r, d, t), w in zip(rows_dims_dtypes, where)],
+            _table_specs(rows_dims_dtypes, device, where),
             feature_table_map=list(feature_table_map),
             pooling_mode=mode,
             device=device,
@@ -157,8 +164,8 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
     device = torch.device(device)
     where = tuple(where) or ("device",) * len(rows_dims_dtypes)
     new_alignment = row_alignment(device) if new_alignment is None else int(new_alignment)
-    specs = [("", int(r), int(d), types[t], _location(device, w)) for (r, d, t), w in zip(rows_dims_dtypes, where)]
-    state = nbit_construct_split_state(specs, cacheable=False, row_alignment=new_alignment)
+    state = nbit_construct_split_state(_table_specs(rows_dims_dtypes, device, where), cacheable=False,
+                                       row_alignment=new_alignment)
     dev = torch.zeros(state.host_size if device.type == "cpu" else state.dev_size, dtype=torch.uint8, device=device)
     uvm = unified_bytes(state.uvm_size, device)
     ftm = list(feature_table_map)
@@ -185,13 +192,12 @@ def saved_sizes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_
     require_fbgemm()
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import nbit_construct_split_state
 
-    types = _fbgemm_types()
     ftm = list(feature_table_map)
     per_table = [int(placements[ftm.index(t)]) for t in range(len(rows_dims_dtypes))]
     device = "cpu" if 3 in per_table else "cuda"
-    specs = [("", int(r), int(d), types[t], _location(device, "device" if p in _IN_DEV else "managed"))
-             for (r, d, t), p in zip(rows_dims_dtypes, per_table)]
-    state = nbit_construct_split_state(specs, cacheable=False, row_alignment=int(alignment))
+    where = ["device" if p in _IN_DEV else "managed" for p in per_table]
+    state = nbit_construct_split_state(_table_specs(rows_dims_dtypes, device, where), cacheable=False,
+                                       row_alignment=int(alignment))
     return ((state.host_size if device == "cpu" else state.dev_size), state.uvm_size,
             [int(state.offsets[t]) for t in ftm])
 
