@@ -476,7 +476,6 @@ def _rank_placements(ctx: PassContext, ranks: int) -> list:
         if rank >= 8:
             continue
         where = "; ".join(f"{gr.name}: {rank_text(placements, held, ctx.config.cache_load_factor)}"
-                          + (" (quantized: stays)" if all(t.packed is not None for t in held) else "")
                           for gr, held in cuda if held)
         out.append(f"rank {rank} under hbm_budget={format_bytes(ctx.config.hbm_budget)}: its tables take "
                    f"{format_bytes(need)} of GPU memory; {where or 'no tables'}")

@@ -823,6 +823,61 @@ def test_a_sharded_table_in_unified_memory_trains_as_in_gpu_memory_over_nccl(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
 
 
+def _nccl_quantized_uvm_worker(rank, world, init_file, result_dir):
+    """World size 1 on NCCL, TwoBags under a plan (big row-wise, small table-wise), served int8:
+    with hbm_budget="4MB" the rank's block of big (100k int8 rows of 80 bytes) keeps its rows in
+    unified memory ("managed"), as explain says from the plan, and serves what the same plan
+    without a budget serves, bit for bit."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fxrec.runtime.kernels.fbgemm_nbit import in_unified_memory
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        model = TwoBags().cuda().eval()
+        x0 = two_bag_inputs(0)
+        plan = fxrec.plan(model, x0, world_size=world, memory_per_rank="1GB",
+                          pins={"big": "row_wise", "small": "table_wise"})
+        kw = dict(plan=plan, mode="inference", quantize="int8")
+        said = fxrec.explain(model, x0, hbm_budget="4MB", device="cuda", **kw)
+        on_device = fxrec.transform(model, x0, **kw)
+        before = torch.cuda.memory_allocated()
+        on_uvm = fxrec.transform(model, x0, hbm_budget="4MB", **kw)
+        gc.collect()
+        assert torch.cuda.memory_allocated() - before < 100_000 * 80, "big's rows are in GPU memory"
+        (g,) = on_uvm.report.groups
+        assert "big: managed" in g.placement, g.placement
+        assert any(n.endswith(g.placement) for n in said.notes if n.startswith(f"rank {rank} under")), (said.notes, g)
+        (lookup,) = [m for n, m in on_uvm.named_modules() if n.endswith("_lookup")]
+        group = lookup.group
+        assert group.q_where == ("managed", "device") and in_unified_memory(group.q_weights_uvm)
+        assert group.q_weights_uvm.numel() >= 100_000 * 80
+        with torch.no_grad():
+            for step in range(3):
+                x = two_bag_inputs(step + 1)
+                torch.testing.assert_close(on_uvm(*x), on_device(*x), rtol=0, atol=0)
+        dist.barrier()
+        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
+            fh.write("ok")
+        del on_device, on_uvm, lookup, group
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_quantized_table_in_unified_memory_serves_as_in_gpu_memory_over_nccl(tmp_path):
+    from tests.test_sharding import spawn
+
+    spawn(_nccl_quantized_uvm_worker, 1, str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
+
+
 @pytest.mark.parametrize("dim", [1024, 1028, 2048])
 def test_fbgemms_own_tbe_is_exact_up_to_1024_and_wrong_above_which_is_why_fxrec_stops_there(dim):
     """fbgemm's TBE called by hand, without fxrec (one table, sum bags of 3 ids), against PyTorch's

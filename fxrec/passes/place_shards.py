@@ -5,19 +5,24 @@ rule (:func:`fxrec.passes.place_tables.place`) over what the rank holds.
 What is counted on a rank: its local groups (one TBE each, with one cache for its cached tables)
 as place_tables counts a group: the tables, column shards and row blocks the plan gives it, at
 their stored width, with their fused optimizer's states, or their dense gradients where training
-has no fused optimizer; quantized pieces as fbgemm packs them for CUDA (they stay); and the
-data-parallel tables of its groups, whole on every rank (they stay: the model's own lookups,
-with dense gradients in training). A piece may move where fbgemm's kernel alone reads and writes
-it (place_tables' rule). Each rank decides for itself: where a piece lives changes no collective.
+has no fused optimizer; quantized pieces as fbgemm packs them for CUDA (they may move as
+``managed``: their packed rows in unified memory, uncached, as place_tables moves a quantized
+table); and the data-parallel tables of its groups, whole on every rank (they stay: the model's
+own lookups, with dense gradients in training). A piece may move where fbgemm's kernel alone
+reads and writes it (place_tables' rule). Each rank decides for itself: where a piece lives
+changes no collective.
 
 The decision is made from the plan (:func:`planned`), so ``fxrec.explain(plan=, device="cuda",
 hbm_budget=)`` gives every rank's without a process group, and transform on a rank gives the
 same; the pass checks that the rank's built groups hold what the plan says, then sets each
 local group's placements (on CUDA; elsewhere the tables are in host memory and nothing moves).
+A quantized local group, packed by shard_groups before this pass, is packed again with its moved
+pieces' rows in unified memory (their rows never pass through GPU memory again).
 
 Before/After: the graph is unchanged; each local group module (the ``group`` of a
-``fxrec_shard_*_lookup`` module) gets ``placements`` and ``cache_load_factor``, and the decision
-on its input dist says where this rank's pieces are.
+``fxrec_shard_*_lookup`` module) gets ``placements`` and ``cache_load_factor`` (a quantized one
+its placements and rows laid out by them), and the decision on its input dist says where this
+rank's pieces are.
 
 A plan made with ``hbm_budget=`` (:mod:`fxrec.planner.unified`) places its shards by the same rule,
 and transform takes its budget where it is given none.
@@ -59,8 +64,8 @@ def _pieces(gr: meta.GroupRecord, plan, rank: int, recs) -> Tuple[list, list]:
 
 def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object, List[Held], bool]]:
     """Per group: the local group module ``rank`` would build (None: it holds no piece, or the
-    pieces are quantized), what the rule counts on that rank, from the plan alone, and whether
-    the group runs on CUDA (only those are placed)."""
+    pieces are quantized, whose module packs rows), what the rule counts on that rank, from the
+    plan alone, and whether the group runs on CUDA (only those are placed)."""
     from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
 
     plan, training = ctx.config.plan, ctx.config.mode == "training"
@@ -77,7 +82,8 @@ def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object,
                 first.setdefault(t, (r, rows, cols))
             shapes = [first[t] for t in range(len(first))]
             sizes = packed_bytes([(rows, cols, gr.quant[r.param]) for r, rows, cols in shapes], row_alignment("cuda"))
-            held = [Held(r.table, r.table, rows, pad_dim(cols), packed=n) for (r, rows, cols), n in zip(shapes, sizes)]
+            held = [Held(r.table, r.table, rows, pad_dim(cols), packed=n, movable=True, moves_to="managed")
+                    for (r, rows, cols), n in zip(shapes, sizes)]
         elif pieces:
             half = gr.lookups[0].half
             pooling = "none" if gr.pooling == "none" else gr.pooling if half else "sum"
@@ -130,10 +136,22 @@ def _advice(groups, training: bool, plan) -> str:
 
 
 def rank_text(placements: Dict[str, str], held: List[Held], load_factor: float) -> str:
-    """Where a group's pieces on a rank are, as the report says it ("device" for quantized pieces,
-    which stay, and where the rank holds none)."""
-    names = [(t.key, t.name) for t in held if t.packed is None]
+    """Where a group's pieces on a rank are, as the report says it ("device" where the rank holds
+    none)."""
+    names = [(t.key, t.name) for t in held]
     return placement_text(names, placements, load_factor) if names else "device"
+
+
+def _place_quantized(group, placements: Dict[str, str]) -> None:
+    """A rank's quantized local group (packed by shard_groups with every piece in GPU memory)
+    with its moved pieces' rows in unified memory: packed again, straight from where the rows
+    are, as ``.to()`` packs them."""
+    tables = [dataclasses.replace(t, placement=placements.get(t.name, "device")) for t in group.tables]
+    if tables == list(group.tables):
+        return
+    group.tables = tables
+    group.q_where = tuple(t.placement for t in tables)
+    group._pack_for(group.q_weights.device)
 
 
 @compiler_pass(needs=("groups", "sharded"), provides=("placements",))
@@ -144,7 +162,10 @@ def place_shards(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for gr, expected, held, cuda in groups:
         lookup = getattr(gm, f"{module_name(gr)}_lookup", None)
         group = getattr(lookup, "group", None)
-        if expected is not None:
+        if gr.quant and cuda and group is not None:
+            _place_quantized(group, placements)
+            moved += sum(t.name in placements for t in group.tables)
+        elif expected is not None:
             built = (group.tables, group.kernel_train, group.kernel_eval, group.fused) if group is not None else None
             if built != (expected.tables, expected.kernel_train, expected.kernel_eval, expected.fused):
                 raise PassError(f"place_shards: rank {rank}'s local group of {gr.name} is not what the plan gives it "

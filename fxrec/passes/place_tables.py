@@ -19,8 +19,9 @@ gradients keeps its tables in HBM: their gradients and torch.optim's states are 
 HBM wherever the rows live. Quantized tables (inference: fbgemm's IntNBit kernel alone reads
 them) move as ``managed``: their packed rows in unified memory, read over the bus at each lookup,
 with no HBM cache (fbgemm's cache for them needs a prefetch before each lookup, with state a
-serving program would carry; not built); they cost no HBM then. Quantized pieces of a sharded
-model stay in HBM (place_shards). If the budget is not met, that is an error giving the bytes needed.
+serving program would carry; not built); they cost no HBM then. A sharded model's pieces are
+placed per rank by the same rule (place_shards). If the budget is not met, that is an error giving
+the bytes needed.
 
 Before/After: the graph is unchanged; each GroupRecord gets ``placements`` (param -> placement)
 and ``cache_load_factor``, and its decision's ``placement`` says where its tables are.
@@ -166,15 +167,9 @@ def held_of_group(gr, training: bool) -> List[Held]:
 
 
 def held_of_module(group, training: bool) -> List[Held]:
-    """The tables of a built group module (a rank's local group under a plan) as the rule counts
-    them, keyed by table name: an :class:`~fxrec.runtime.group.EmbeddingGroup`'s by its kernels,
-    a quantized group's as fbgemm packs its rows for CUDA (they stay)."""
-    from ..runtime.group import EmbeddingGroup
-    from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
-
-    if not isinstance(group, EmbeddingGroup):  # quantized (QuantizedPooledGroup / QuantizedSequenceGroup)
-        sizes = packed_bytes([(t.num_rows, t.dim, q) for t, q in zip(group.tables, group.dtypes)], row_alignment("cuda"))
-        return [Held(t.name, t.name, t.num_rows, pad_dim(t.dim), packed=n) for t, n in zip(group.tables, sizes)]
+    """The tables of a built :class:`~fxrec.runtime.group.EmbeddingGroup` (a rank's local group
+    under a plan) as the rule counts them, keyed by table name, by its kernels (a rank's quantized
+    pieces are counted from the plan: :func:`fxrec.passes.place_shards.planned`)."""
     fused = group.fused.kind if group.fused is not None else ""
     if training:
         movable = bool(fused) and group.kernel_train == FBGEMM and group.kernel_eval == FBGEMM

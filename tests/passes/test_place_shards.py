@@ -61,20 +61,35 @@ def test_a_column_shard_counts_its_own_columns():
     assert f"take {fxrec.planner.format_bytes(cache_hbm(1_000_000, 64) + 1000 * 16 * 8)} of" in text, text
 
 
-def test_quantized_pieces_count_as_fbgemm_packs_them_and_stay():
-    """int8 rows of 128: 144 bytes at CUDA's 16-byte alignment; mid stays fp32, on fbgemm's
-    inference TBE, which may cache it."""
+def test_quantized_pieces_count_as_fbgemm_packs_them_and_move_uncached():
+    """int8 rows of 128: 144 bytes at CUDA's 16-byte alignment; mid and small stay fp32 (mid packed
+    in the same IntNBit TBE as big, small data-parallel: the model's own lookups). Beyond the
+    budget, the largest packed pieces go to unified memory, uncached ("managed"), and take no HBM;
+    the data-parallel table stays."""
     model = ThreeTables()
     plan = plan_of(optimizer=None, model=model)
     q = {"big": "int8", "mid": "fp32", "small": "fp32"}
+    small = 1000 * 16 * 4
     r = fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget="1GB")
-    assert "take 72.1 MB of" in next(n for n in r.notes if n.startswith("rank 0 under"))  # 500k x 144 + 1000 x 16 x 4
-    with pytest.raises(InputError, match="rank 0's embedding tables need 72.1 MB"):
-        fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget="50MB")
+    assert "take 72.1 MB of" in next(n for n in r.notes if n.startswith("rank 0 under"))  # 500k x 144 + small
+    assert rank_notes(r) == {0: "group_0: device", 1: "group_0: device"}
+    budget = 500_000 * 144 + small  # rank 0's exactly; rank 1 (mid's 51.2 MB more) moves its block of big only
+    r = fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget=budget)
+    assert rank_notes(r) == {0: "group_0: device", 1: "group_0: device+managed (big: managed)"}, r.notes
+    r = fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget=budget - 1)
+    assert rank_notes(r) == {0: "group_0: device+managed (big: managed)", 1: "group_0: device+managed (big: managed)"}
+    r = fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget="50MB")
+    assert rank_notes(r) == {0: "group_0: device+managed (big: managed)",
+                             1: "group_0: device+managed (big: managed, mid: managed)"}, r.notes
+    assert all(f"take {fxrec.planner.format_bytes(small)} of" in n for n in r.notes if "under hbm_budget=" in n)
+    with pytest.raises(InputError, match="rank 0's embedding tables need 64 KB .*shard the data-parallel tables"):
+        fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget=small - 1)
     pins = {"big": "row_wise", "mid": "row_wise", "small": ("table_wise", 0)}
     r = fxrec.explain(model, INPUTS, device="cuda", plan=plan_of(pins, None, model), mode="inference",
-                      quantize="int8", hbm_budget="1GB")
-    assert rank_notes(r)[1] == "group_0: device (quantized: stays)", r.notes
+                      quantize="int8", hbm_budget="1MB")
+    # (rank 0: small's 1000 int8 rows of 32 bytes fit once big's and mid's blocks moved)
+    assert rank_notes(r) == {0: "group_0: device+managed (big: managed, mid: managed)",
+                             1: "group_0: managed (big: managed, mid: managed)"}, r.notes
 
 
 def test_explain_refuses_the_quantized_plans_transform_refuses():
@@ -176,3 +191,38 @@ def test_a_sharded_model_with_a_budget_runs_as_without_on_cpu_and_its_groups_are
 
     spawn(_worker, 2, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
+
+
+def test_a_quantized_local_group_takes_its_placements_and_keeps_its_outputs():
+    """What the pass does to a rank's quantized local group on CUDA, done on CPU (where every table
+    is in host memory): its moved tables placed "managed", which the layout for CUDA reads (their
+    rows in the uvm buffer), the rows packed again from where they are, the outputs unchanged; the
+    same placements again change nothing."""
+    from fxrec.passes.place_shards import _place_quantized
+    from fxrec.runtime.kernels import fbgemm_nbit
+    from tests import models as M
+    from tests.test_quantize import _quantized_groups
+
+    rows = (50, 30, 20)
+    model = M.BagList(rows=rows, dim=24).eval()
+    x = M.bag_inputs(rows=rows, max_len=4)
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8")
+    (group,) = _quantized_groups(fast)
+    with torch.no_grad():
+        want = fast(*x)
+    names = [t.name for t in group.tables]
+    _place_quantized(group, {names[0]: "managed", names[2]: "managed"})
+    assert [t.placement for t in group.tables] == ["managed", "device", "managed"]
+    assert group.q_where == ("managed", "device", "managed")
+    assert group.q_weights_uvm.numel() == 0 and set(group.q_weights_placements.tolist()) == {3}  # (CPU: HOST)
+    rows_now = group.q_weights
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+    _place_quantized(group, {names[0]: "managed", names[2]: "managed"})
+    assert group.q_weights is rows_now
+    ftm = [f.table for f in group.features]
+    _, uvm, places, _ = fbgemm_nbit.relayout(
+        group.q_packed, ftm, (group.q_weights, group.q_weights_uvm), group.q_weights_placements,
+        group.q_weights_offsets, 1, torch.device("cpu"), group.q_where, new_alignment=16)
+    assert places.tolist() == [1 if group.q_where[t] == "managed" else 3 for t in ftm]  # MANAGED 1, HOST 3
+    assert (50 + 20) * 32 <= uvm.numel() < (50 + 30 + 20) * 32  # int8 at dim 24: 28 bytes, rows of 32
