@@ -13,6 +13,8 @@ checks cannot be traced symbolically). :class:`TransformedModule`:
   fused optimizer states: the graph is pickled node by node (ATen operators by name; node
   metadata that holds fake tensors becomes meta-device tensors of the example sizes);
 * ``make_optimizer(...)`` is :func:`fxrec.make_optimizer` on this model;
+* ``.to()`` / ``.cuda()`` move the graph's tensor constants and the devices capture wrote into it
+  with the parameters (a model transformed on CPU runs on CUDA after ``.cuda()``);
 * tables fbgemm caches in GPU memory (``hbm_budget=``, placement ``managed_caching``): their cached
   rows are written back before ``state_dict()``, a copy, a pickle or ``.to()`` reads the
   parameters, and written back and emptied before ``load_state_dict()`` (also one called on a
@@ -69,9 +71,33 @@ class TransformedModule(fx.GraphModule):
 
     def _apply(self, fn, *args, **kwargs):
         sync_caches(self, drop=True)  # .to() / .cuda() / .half() copy the parameters
+        before = _tensors_device(self)
         out = super()._apply(fn, *args, **kwargs)
         self._move_constants(fn)
+        self._move_device_args(before, fn)
         return out
+
+    def _move_device_args(self, before, fn) -> None:
+        """The devices written into the graph at capture (``device=`` of a factory op: the
+        ``arange`` of F.embedding_bag's offsets for 2-D ids, a ``torch.zeros(..., device=x.device)``
+        in forward) follow ``.to()`` / ``.cuda()`` from the device the parameters were on
+        (``before``) to where they go, as torch.export's ``move_to_device_pass`` moves an exported
+        program's: the plain model's tensors made in forward follow its inputs. Devices other
+        than ``before`` are left as written."""
+        if before is None:
+            return
+        probe = fn(torch.empty(0, device=before))
+        after = probe.device if isinstance(probe, torch.Tensor) else before
+        if after == before:
+            return
+        changed = False
+        for node in self.graph.nodes:
+            dev = node.kwargs.get("device") if node.op == "call_function" else None
+            if dev is not None and _same_device(dev, before):
+                node.kwargs = {**node.kwargs, "device": after}
+                changed = True
+        if changed:
+            self.recompile()
 
     def _move_constants(self, fn) -> None:
         """The graph's tensor constants (``lifted_tensor_0``: a ``torch.tensor(..., device=x.device)``
@@ -116,6 +142,31 @@ class TransformedModule(fx.GraphModule):
         import copy
 
         return copy.deepcopy(self)
+
+
+def _tensors_device(module: torch.nn.Module):
+    """The device of the module's first parameter or buffer (None: it has none)."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return None
+
+
+def _same_device(written, device: torch.device) -> bool:
+    """Whether a device argument written in the graph (a torch.device or a string) is ``device``
+    (``cuda`` and ``cuda:0`` alike where ``device`` is the current one)."""
+    try:
+        written = torch.device(written)
+    except (TypeError, RuntimeError):
+        return False
+    if written.type != device.type:
+        return False
+    if written.index is None or device.index is None:
+        current = torch.cuda.current_device() if device.type == "cuda" and torch.cuda.is_available() else 0
+        return (written.index if written.index is not None else current) == (
+            device.index if device.index is not None else current)
+    return written.index == device.index
 
 
 def sync_caches(module: torch.nn.Module, drop: bool = False) -> None:

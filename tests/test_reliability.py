@@ -438,6 +438,55 @@ def test_a_model_transformed_on_cpu_with_a_constant_runs_on_cuda_inputs_after_cu
         torch.testing.assert_close(m(*xc), model.cuda()(*xc))
 
 
+class DevicesWrittenAtCapture(nn.Module):
+    """A 2-D bag (F.embedding_bag makes its offsets with ``arange(..., device=ids.device)``) and a
+    tensor made in forward on the inputs' device: capture writes the example's device into both."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4, mode="sum")
+        self.top = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.top(self.emb(ids) + torch.ones(ids.shape[0], 4, device=ids.device))
+
+
+def _devices_written(m):
+    return [n.kwargs["device"] for n in m.graph.nodes if n.op == "call_function" and "device" in n.kwargs]
+
+
+def test_the_devices_written_in_the_graph_follow_the_model_to_another_device():
+    """The graph's device arguments stayed the capture device: a model transformed on CPU and moved
+    to CUDA made the 2-D bag's offsets on the CPU beside the user's CUDA ids. They follow the
+    parameters, as torch.export's move_to_device_pass moves an exported program's; a dtype change
+    leaves them."""
+    model = DevicesWrittenAtCapture()
+    x = (torch.randint(0, 10, (6, 3)),)
+    fast = fxrec.transform(model, x)
+    assert [torch.device(d) for d in _devices_written(fast)] == [torch.device("cpu")] * 2
+    code = fast.code
+    fast.double().float()
+    assert fast.code == code
+    twin = copy.deepcopy(fast).to("meta")
+    assert [torch.device(d) for d in _devices_written(twin)] == [torch.device("meta")] * 2
+    assert [torch.device(d) for d in _devices_written(fast)] == [torch.device("cpu")] * 2
+    twin.to_empty(device="cpu")
+    assert [torch.device(d) for d in _devices_written(twin)] == [torch.device("cpu")] * 2
+    twin.load_state_dict(model.state_dict())
+    for m in (fast, twin):
+        torch.testing.assert_close(m(*x), model(*x), rtol=0, atol=0)
+
+
+@pytest.mark.requires_cuda
+def test_a_model_transformed_on_cpu_with_devices_written_in_its_graph_runs_on_cuda_after_cuda():
+    model = DevicesWrittenAtCapture()
+    x = (torch.randint(0, 10, (6, 3)),)
+    fast = fxrec.transform(model, x)
+    for m in (copy.deepcopy(fast).cuda(), fast.cuda()):
+        xc = (x[0].cuda(),)
+        torch.testing.assert_close(m(*xc), model.cuda()(*xc))
+
+
 @pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
 def test_save_and_copy_keep_the_model_its_report_and_fused_states(how, tmp_path):
     model = M.BagList(dim=8)
