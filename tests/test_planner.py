@@ -635,6 +635,11 @@ def test_plan_from_model_skips_tables_fxrec_leaves_alone():
     plan = fxrec.plan(M.BagList(mode="max"), M.bag_inputs(), world_size=2, memory_per_rank="1MB")
     assert len(plan) == 0 and any("mode='max'" in n for n in plan.notes)
     assert "0 tables" in str(plan)
+    # a pin of such a table says it is left as written (it said "not among the 0 tables")
+    with pytest.raises(ValueError, match=r"^fxrec.plan: pins names table 'bags.1', which fxrec leaves as written "
+                                         r"\(mode='max'.*\), so it is not sharded: it stays the model's own"):
+        fxrec.plan(M.BagList(mode="max"), M.bag_inputs(), world_size=2, memory_per_rank="1MB",
+                   pins={"bags.1": "row_wise"})
 
 
 # ---------------------------------------------------------------------------------------- speed

@@ -120,10 +120,10 @@ def plan(
             raise ValueError(f"fxrec.plan: pooling_factors[{k!r}] must be a number >= 0, got {v!r}")
 
     if model is not None:
-        specs, example_batch = _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log,
+        specs, example_batch, left = _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log,
                                                  lambda table, param: _kind_of(table, optimizer, param) != "none")
     else:
-        specs, example_batch = _specs_from_list(tables, factors), None
+        specs, example_batch, left = _specs_from_list(tables, factors), None, {}
 
     if batch_size is None:
         if example_batch:
@@ -140,7 +140,7 @@ def plan(
     if bad or not allowed:
         raise ValueError(f"fxrec.plan: sharding_types {bad or allowed!r}: use some of {list(SHARDING_TYPES)}")
     by_name = {s.name: s for s in specs}
-    pinned = normalize_pins(pins, [s.name for s in specs], topo, by_name)
+    pinned = normalize_pins(pins, [s.name for s in specs], topo, by_name, left)
     placed = search(specs, topo, batch_size, kinds, pinned, allowed)
     result = ShardingPlan(topology=topo, tables=placed, batch_size=batch_size, optimizer=label, notes=tuple(notes))
     log.info("plan: %d tables on %d ranks, est. max %.4g ms per step, balance %.3f",
@@ -239,7 +239,7 @@ def _check_unique(specs: Sequence[TableSpec]) -> None:
 def _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log, optimized):
     from .detect import find_tables
 
-    found, detect_notes, example_batch = find_tables(model, example_inputs, example_kwargs, log, optimized)
+    found, detect_notes, example_batch, left = find_tables(model, example_inputs, example_kwargs, log, optimized)
     notes.extend(detect_notes)
     features = {f for t in found for f, _, _ in t.lookups}
     names = {t.name for t in found}
@@ -271,7 +271,7 @@ def _specs_from_model(model, example_inputs, example_kwargs, factors, notes, log
         notes.append("ids per sample measured on the example inputs: " + ", ".join(
             f"{s.name} {s.pooling_factor:.3g}" for s in specs[:8]) + (" ..." if len(specs) > 8 else "")
             + " (pass pooling_factors=... for representative figures)")
-    return specs, example_batch
+    return specs, example_batch, left
 
 
 def _precisions(specs: List[TableSpec], spec) -> List[TableSpec]:

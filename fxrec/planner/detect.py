@@ -92,9 +92,9 @@ def _ids_per_sample(rec) -> Tuple[Optional[float], Optional[int]]:
 def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
                 logger: Optional[logging.Logger] = None,
                 optimized: Callable[[str, str], bool] = lambda table, param: False,
-                ) -> Tuple[List[FoundTable], List[str], Optional[int]]:
+                ) -> Tuple[List[FoundTable], List[str], Optional[int], Dict[str, str]]:
     """Capture ``model`` on its example inputs and return (tables, notes, batch size of the
-    examples or None). The model is not modified. ``optimized``: whether a table is trained with
+    examples or None, the tables transform leaves as written -> why). The model is not modified. ``optimized``: whether a table is trained with
     an optimizer (transform then leaves its lookups that make no gradient as written:
     assign_optimizers.makes_no_gradient)."""
     from .. import meta
@@ -155,4 +155,4 @@ def find_tables(model: torch.nn.Module, example_inputs, example_kwargs=None,
                                     "use of it)") + ", and sharded tables are only looked up"
     notes = [f"table {name!r} is not planned (fxrec leaves it as it is: {why})"
              for name, why in skipped.items()]
-    return list(tables.values()), notes, batch
+    return list(tables.values()), notes, batch, skipped

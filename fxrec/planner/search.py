@@ -195,12 +195,17 @@ class _Table:
         return lo
 
 
-def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[str, TableSpec]) -> Dict[str, Pin]:
+def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[str, TableSpec],
+                   left: Optional[Dict[str, str]] = None) -> Dict[str, Pin]:
     """Check and normalise ``pins``: ``{table: "row_wise"}``, ``{table: ("table_wise", 3)}``,
-    ``{table: {"sharding": "column_wise", "ranks": [0, 1]}}`` or :class:`Pin` values."""
+    ``{table: {"sharding": "column_wise", "ranks": [0, 1]}}`` or :class:`Pin` values. ``left``: the
+    model's tables transform leaves as written (-> why), which a pin may not name."""
     out: Dict[str, Pin] = {}
     W = topology.world_size
     for name, value in (pins or {}).items():
+        if name in (left or {}):
+            raise ValueError(f"fxrec.plan: pins names table {name!r}, which fxrec leaves as written ({left[name]}), "
+                             "so it is not sharded: it stays the model's own on every rank")
         if name not in specs:
             close = difflib.get_close_matches(str(name), list(names), n=3)
             hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
