@@ -98,6 +98,7 @@ def transform(
     cache_load_factor: Optional[float] = None,
     weights_precision=None,
     max_gradient: Optional[float] = None,
+    device: Optional[str] = None,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -188,6 +189,15 @@ def transform(
         not touched. Identical lookups that fxrec merges into one are clamped once, on their
         summed gradient (docs/optimizers.md). None (default): not clamped.
 
+      device: the device the transformed model runs on, ``"cuda"`` or ``"cpu"``; None (default):
+        where the model's tables are. ``"cuda"`` for a model on CPU: the decisions are made for
+        CUDA (as ``fxrec.explain(device="cuda")`` gives them) on the model where it is, and the
+        transformed model is then moved to the current CUDA device, the tables
+        ``hbm_budget=`` places in unified memory straight from host memory, never through GPU
+        memory: tables that do not fit in GPU memory at all (docs/gpu.md). The example inputs stay
+        where the model is; the transformed model then takes inputs on ``device``. Not with
+        ``plan=`` (each rank's model and example must be on its own device).
+
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
       its ``state_dict()`` has the original keys (see :func:`write_back`).
@@ -211,6 +221,7 @@ def transform(
         hbm_budget, cache_load_factor = _check_placement(hbm_budget, cache_load_factor, plan)
         args = _as_args(example_inputs)
         kwargs = dict(example_kwargs or {})
+        target = _check_target_device(device, model, plan, autotune)
         from torch.utils import _pytree
 
         if any(isinstance(x, torch.Tensor) and x.is_meta for x in _pytree.tree_leaves((args, kwargs))):
@@ -267,7 +278,8 @@ def transform(
                       mode=mode, quantize=quantize, output_dtype=output_dtype,
                       reuse_outputs=reuse_outputs, plan=plan, rank=rank, autotune=autotune,
                       hbm_budget=hbm_budget, cache_load_factor=float(cache_load_factor),
-                      weights_precision=weights_precision, max_gradient=max_gradient or 0.0),
+                      weights_precision=weights_precision, max_gradient=max_gradient or 0.0,
+                      device=target.type if target is not None else None),
         report=report, example_args=args, example_kwargs=kwargs, logger=log,
     )
     if check_passes:
@@ -325,7 +337,34 @@ def transform(
             compare_models(reference_model, gm, args, kwargs, rtol=rtol, atol=atol)  # trains nothing
     if max_gradient:  # after verify and check_passes, which compare the gradients with the model's own
         _set_max_gradient(gm, max_gradient)
+    if target is not None:  # (tables placed in unified memory go there straight: TransformedModule._apply)
+        gm.to(target)
     return gm
+
+
+def _check_target_device(device, model: torch.nn.Module, plan, autotune: bool = False) -> Optional[torch.device]:
+    """transform's ``device=``: None where it is None or where the tables already are, else the
+    device to move the transformed model to (CUDA: the current one); errors for what cannot be."""
+    if device is None:
+        return None
+    if device not in DEVICES:
+        raise ValueError(f"fxrec: device must be one of {DEVICES} (or None: the tables' own), got {device!r}")
+    here = _tables_device(model)
+    if device == here:
+        return None
+    if plan is not None:
+        raise InputError(f"fxrec: transform(plan=..., device={device!r}) of a model on {here}: each rank transforms its "
+                         "model where it runs (under NCCL, on its LOCAL_RANK's GPU); move the model and its example "
+                         "there first")
+    if autotune:
+        raise InputError(f"fxrec: autotune=True times the kernels where the model is ({here}), and device={device!r} "
+                         f"decides for another device: move the model to {device} to autotune there, or leave autotune "
+                         "off (the rule table decides)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("fxrec: device='cuda', and no CUDA device is available here; fxrec.explain(model, "
+                         "example_inputs, device='cuda', ...) gives the decisions transform would make for CUDA "
+                         "on any machine")
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
 
 
 def _clamp_lookup_gradients(gm: fx.GraphModule, records) -> None:

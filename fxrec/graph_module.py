@@ -14,7 +14,9 @@ checks cannot be traced symbolically). :class:`TransformedModule`:
   metadata that holds fake tensors becomes meta-device tensors of the example sizes);
 * ``make_optimizer(...)`` is :func:`fxrec.make_optimizer` on this model;
 * ``.to()`` / ``.cuda()`` move the graph's tensor constants and the devices capture wrote into it
-  with the parameters (a model transformed on CPU runs on CUDA after ``.cuda()``);
+  with the parameters (a model transformed on CPU runs on CUDA after ``.cuda()``); tables placed
+  in unified memory (``transform(..., device="cuda", hbm_budget=)`` of a model on CPU) go there
+  straight from host memory, never through GPU memory (:meth:`EmbeddingGroup.bind_on`);
 * tables fbgemm caches in GPU memory (``hbm_budget=``, placement ``managed_caching``): their cached
   rows are written back before ``state_dict()``, a copy, a pickle or ``.to()`` reads the
   parameters, and written back and emptied before ``load_state_dict()`` (also one called on a
@@ -72,6 +74,11 @@ class TransformedModule(fx.GraphModule):
     def _apply(self, fn, *args, **kwargs):
         sync_caches(self, drop=True)  # .to() / .cuda() / .half() copy the parameters
         before = _tensors_device(self)
+        if before is not None:  # tables placed in unified memory: straight there, before the rest moves
+            probe = fn(torch.empty(0, device=before))
+            if isinstance(probe, torch.Tensor) and probe.device != before:
+                for group, params in groups_and_tables(self):
+                    group.bind_on(params, probe.device)
         out = super()._apply(fn, *args, **kwargs)
         self._move_constants(fn)
         self._move_device_args(before, fn)
@@ -142,6 +149,26 @@ class TransformedModule(fx.GraphModule):
         import copy
 
         return copy.deepcopy(self)
+
+
+def groups_and_tables(gm: fx.GraphModule):
+    """``(group module, its tables' parameters)`` for each group the graph calls with the tables
+    it reads (a sharded model's local groups, inside its lookup modules, are not among them)."""
+    from .runtime.group import EmbeddingGroup
+
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or len(node.args) < 4 or not isinstance(node.args[3], (list, tuple)):
+            continue
+        group = gm.get_submodule(node.target)
+        if not isinstance(group, EmbeddingGroup) or not node.args[3]:
+            continue
+        if all(isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args[3]):
+            try:
+                out.append((group, [gm.get_parameter(a.target) for a in node.args[3]]))
+            except AttributeError:  # (not parameters: the group's kernels take them as they are)
+                continue
+    return out
 
 
 def _tensors_device(module: torch.nn.Module):

@@ -823,6 +823,46 @@ def test_a_sharded_table_in_unified_memory_trains_as_in_gpu_memory_over_nccl(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["trained", "int8"])
+def test_a_model_on_cpu_transformed_for_cuda_puts_its_big_table_in_unified_memory_without_gpu_memory(quantized):
+    """transform(model on CPU, device="cuda", hbm_budget=): decided for CUDA, then moved, the big
+    table's rows (25.6 MB) straight from host memory to unified memory: GPU memory never holds
+    them, not even at the peak. It trains (row-wise Adagrad) or serves (int8) as the same model
+    transformed on the GPU with the same budget."""
+    model = TwoBags()
+    x_cpu = tuple(t.cpu() for t in two_bag_inputs(0))
+    kw = (dict(mode="inference", quantize="int8") if quantized
+          else dict(optimizer=fxrec.optim.RowWiseAdagrad(lr=0.05)))
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fast = fxrec.transform(model, x_cpu, device="cuda", hbm_budget="20MB" if not quantized else "4MB", **kw)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 100_000 * 64 * (1 if quantized else 4) // 2
+    assert all(p.is_cuda for p in fast.parameters()) and all(b.is_cuda for b in fast.buffers())
+    (g,) = fast.report.groups
+    assert ("big: managed" if quantized else "big: managed_caching") in g.placement, g.placement
+    ref = fxrec.transform(copy.deepcopy(model).cuda(), two_bag_inputs(0), hbm_budget="20MB" if not quantized else "4MB",
+                          **kw)
+    if quantized:
+        with torch.no_grad():
+            for step in range(3):
+                x = two_bag_inputs(step + 1)
+                torch.testing.assert_close(fast(*x), ref(*x), rtol=0, atol=0)
+        return
+    (lookup,) = [m for m in fast.modules() if type(m).__name__ == "EmbeddingGroup"]
+    assert lookup._bound.tbe.weights_uvm.numel() > 0
+    pairs = [(m, m.make_optimizer(torch.optim.SGD, lr=0.01)) for m in (ref, fast)]
+    for step in range(4):
+        for m, o in pairs:
+            o.zero_grad()
+            m(*two_bag_inputs(step + 1)).sin().sum().backward()
+            o.step()
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def _nccl_quantized_uvm_worker(rank, world, init_file, result_dir):
     """World size 1 on NCCL, TwoBags under a plan (big row-wise, small table-wise), served int8:
     with hbm_budget="4MB" the rank's block of big (100k int8 rows of 80 bytes) keeps its rows in

@@ -28,7 +28,7 @@ from . import kernels
 from ._tracing import exporting, functorch_active
 from .checks import InputChecks
 from .grad import clamped_by
-from .kernels import REFERENCE
+from .kernels import FBGEMM, REFERENCE
 from .output_buffer import ReusedOutput
 from .packing import _FLOAT16, _FLOAT32, FORM_CODES
 from .specs import FUSED_STATE_NAMES, STEPPED, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
@@ -214,6 +214,20 @@ class EmbeddingGroup(InputChecks, nn.Module):
         from .kernels.fbgemm_states import set_group_step
 
         set_group_step(self, ensure_bound(self, params), step)
+
+    def bind_on(self, params: Sequence[torch.Tensor], device: torch.device) -> bool:
+        """Where the group's tables are placed in unified memory (``hbm_budget=``) and its kernels
+        are fbgemm's, bind its TBE on CUDA ``device`` now, the rows copied there from where they
+        are (the parameters become views of the TBE's rows): tables in unified memory never pass
+        through GPU memory on their way from host memory. What ``.to()`` / ``.cuda()`` of the
+        transformed model do before moving the rest. False (nothing done) for other groups."""
+        if device.type != "cuda" or all(t.placement == "device" for t in self.tables) \
+                or FBGEMM not in (self.kernel_train, self.kernel_eval):
+            return False
+        from .kernels.fbgemm import ensure_bound
+
+        ensure_bound(self, params, device)
+        return True
 
     def extra_repr(self) -> str:
         names = ", ".join(t.name for t in self.tables)

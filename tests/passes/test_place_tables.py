@@ -251,3 +251,50 @@ def test_hbm_budget_where_no_group_runs_on_cuda_is_noted_as_changing_nothing():
                in n for n in r.notes), r.notes
     r = fxrec.explain(ThreeTables(), INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="200MB")
     assert not any("hbm_budget=" in n for n in r.notes), r.notes
+
+
+# --- transform(..., device="cuda") of a model on CPU: decided for CUDA, then moved, the tables in
+# unified memory straight from host memory (the move itself: tests/test_gpu.py)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_transform_for_cuda_without_a_gpu_is_refused_pointing_at_explain():
+    model = Small()
+    x = (torch.randint(0, 50, (6, 3)), torch.randint(0, 30, (6, 2)))
+    with pytest.raises(InputError, match=r"device='cuda', and no CUDA device is available here; fxrec.explain\("):
+        fxrec.transform(model, x, device="cuda", hbm_budget="1KB", optimizer=fxrec.optim.SGD(lr=0.1))
+
+
+def test_transform_device_arguments():
+    model = Small()
+    x = (torch.randint(0, 50, (6, 3)), torch.randint(0, 30, (6, 2)))
+    with pytest.raises(ValueError, match=r"device must be one of \('cpu', 'cuda'\).*got 'tpu'"):
+        fxrec.transform(model, x, device="tpu")
+    here = fxrec.transform(model, x, device="cpu", hbm_budget=1, optimizer=fxrec.optim.SGD(lr=0.1))
+    assert {g.placement for g in here.report.groups} == {"host"}
+    torch.testing.assert_close(here(*x), model(*x))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB")
+    from fxrec.api import _check_target_device
+
+    with pytest.raises(InputError, match=r"transform\(plan=..., device='cuda'\) of a model on cpu: each rank"):
+        _check_target_device("cuda", model, plan)
+    with pytest.raises(InputError, match=r"autotune=True times the kernels where the model is \(cpu\), and device='cuda'"):
+        fxrec.transform(model, x, device="cuda", autotune=True)
+
+
+def test_the_groups_a_move_binds_first_are_found_with_their_tables():
+    """What .to("cuda") binds before moving the rest: each group the graph calls, with the model's
+    own table parameters; nothing for a CPU target or tables placed in GPU memory."""
+    from fxrec.graph_module import groups_and_tables
+    from fxrec.runtime.group import EmbeddingGroup
+
+    model = Small()
+    x = (torch.randint(0, 50, (6, 3)), torch.randint(0, 30, (6, 2)))
+    fast = fxrec.transform(model, x, backend="fbgemm")
+    found = groups_and_tables(fast)
+    assert [type(g) for g, _ in found] == [EmbeddingGroup] * len(fast.report.groups)
+    params = {id(p): n for n, p in fast.named_parameters()}
+    assert sorted(params[id(p)] for _, ps in found for p in ps) == sorted(
+        n for n, _ in model.named_parameters())
+    for g, ps in found:
+        assert not g.bind_on(ps, torch.device("cpu")) and not g.bind_on(ps, torch.device("cuda"))  # (placed "device")

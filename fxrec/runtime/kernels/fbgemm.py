@@ -88,16 +88,20 @@ def bound_tbe(group, params: Sequence[torch.Tensor]) -> Optional[nn.Module]:
     return b.tbe if b is not None and b.ptrs == list(map(torch.Tensor.data_ptr, params)) else None
 
 
-def ensure_bound(group, params: Sequence[torch.Tensor]) -> nn.Module:
+def ensure_bound(group, params: Sequence[torch.Tensor], device: Optional[torch.device] = None) -> nn.Module:
+    """The group's TBE, bound to ``params`` (on their device; ``device``: on that one, the
+    parameters then views of the TBE there)."""
     tbe = bound_tbe(group, params)
-    if tbe is not None:
+    if tbe is not None and (device is None or params[0].device == device):
         return tbe
     with torch.inference_mode(False):  # (a first call under it would make the tables inference tensors)
-        return _bind(group, params).tbe
+        return _bind(group, params, device).tbe
 
 
-def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
-    """Move the group's weights into one fbgemm TBE and make the parameters views of it.
+def _bind(group, params: Sequence[torch.Tensor], device: Optional[torch.device] = None) -> Bound:
+    """Move the group's weights into one fbgemm TBE and make the parameters views of it
+    (``device``: a TBE on that device, the rows copied there from where they are: to CUDA, tables
+    placed in unified memory go there without passing through GPU memory).
 
     Called on first use and again whenever a parameter no longer aliases the TBE (after
     ``.to(device)``, ``deepcopy``, or a ``param.data = ...`` by the user), so the kernel can
@@ -110,8 +114,9 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
                 f"fxrec: weight of table '{t.name}' has shape {tuple(p.shape)}, expected "
                 f"({t.num_rows}, {t.dim}) as when the model was transformed"
             )
+    device = params[0].device if device is None else device
     opt = tbe_optimizer(group)
-    parked = parks(opt, params[0].device)  # a forward-only TBE; the states wait on the group
+    parked = parks(opt, device)  # a forward-only TBE; the states wait on the group
     fused = group.fused if opt != "none" and not parked else None
     extra = zero_row_tables(group)
     # an empty table (a row-wise piece of a table with fewer rows than ranks) is stored with one
@@ -121,7 +126,7 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
     tbe = make_training_tbe(
         rows_dims,
         [f.table for f in group.features],
-        group.pooling, params[0].device, fused, [t.placement for t in group.tables],
+        group.pooling, device, fused, [t.placement for t in group.tables],
         getattr(group, "cache_load_factor", 0.2), group.weights or ("fp16" if group.half else ""), group.half,
     )
     views = tbe.split_embedding_weights()
@@ -148,7 +153,7 @@ def _bind(group, params: Sequence[torch.Tensor]) -> Bound:
                     rows = min(n.shape[0], o.shape[0])  # an extra zero row's state need not travel
                     n[:rows].copy_(o[:rows])
         if parked:
-            park(group, old_states, step, moment_shapes(opt, rows_dims), params[0].device)
+            park(group, old_states, step, moment_shapes(opt, rows_dims), device)
         elif step:
             set_tbe_step(tbe, step)
     if not parked:
