@@ -74,7 +74,8 @@ class TransformedModule(fx.GraphModule):
     def _apply(self, fn, *args, **kwargs):
         sync_caches(self, drop=True)  # .to() / .cuda() / .half() copy the parameters
         before = _tensors_device(self)
-        if before is not None:  # tables placed in unified memory: straight there, before the rest moves
+        if before is not None and before.type != "meta":  # tables placed in unified memory: straight there, first
+            # (from meta, as to_empty(), there are no rows to copy: the tables move as the rest, and bind at a call)
             probe = fn(torch.empty(0, device=before))
             if isinstance(probe, torch.Tensor) and probe.device != before:
                 for group, params in groups_and_tables(self):

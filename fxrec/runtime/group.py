@@ -222,7 +222,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         through GPU memory on their way from host memory. What ``.to()`` / ``.cuda()`` of the
         transformed model do before moving the rest. False (nothing done) for other groups."""
         if device.type != "cuda" or all(t.placement == "device" for t in self.tables) \
-                or FBGEMM not in (self.kernel_train, self.kernel_eval):
+                or FBGEMM not in (self.kernel_train, self.kernel_eval) or any(p.is_meta for p in params):
             return False
         from .kernels.fbgemm import ensure_bound
 
