@@ -91,21 +91,25 @@ class TransformedModule(fx.GraphModule):
         in forward) follow ``.to()`` / ``.cuda()`` from the device the parameters were on
         (``before``) to where they go, as torch.export's ``move_to_device_pass`` moves an exported
         program's: the plain model's tensors made in forward follow its inputs. Devices other
-        than ``before`` are left as written."""
+        than ``before`` are left as written. Capture cannot tell ``device=x.device`` from a
+        literal ``device="cpu"``: a model that moves something to the capture device itself
+        (``.cpu()`` of a model transformed on CPU) moves it to the new device instead; transform
+        such a model on the device it runs on."""
         if before is None:
             return
         probe = fn(torch.empty(0, device=before))
         after = probe.device if isinstance(probe, torch.Tensor) else before
         if after == before:
             return
-        changed = False
-        for node in self.graph.nodes:
-            dev = node.kwargs.get("device") if node.op == "call_function" else None
-            if dev is not None and _same_device(dev, before):
-                node.kwargs = {**node.kwargs, "device": after}
-                changed = True
-        if changed:
-            self.recompile()
+        for gm in [m for m in self.modules() if isinstance(m, fx.GraphModule)]:  # (no_grad / autocast blocks: nested)
+            changed = False
+            for node in gm.graph.nodes:
+                dev = node.kwargs.get("device") if node.op == "call_function" else None
+                if dev is not None and _same_device(dev, before):
+                    node.kwargs = {**node.kwargs, "device": after}
+                    changed = True
+            if changed:
+                gm.recompile()
 
     def _move_constants(self, fn) -> None:
         """The graph's tensor constants (``lifted_tensor_0``: a ``torch.tensor(..., device=x.device)``

@@ -477,6 +477,30 @@ def test_the_devices_written_in_the_graph_follow_the_model_to_another_device():
         torch.testing.assert_close(m(*x), model(*x), rtol=0, atol=0)
 
 
+class DeviceInANoGradBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4, mode="sum")
+
+    def forward(self, ids):
+        with torch.no_grad():  # (captured as a nested graph module)
+            bias = torch.ones(ids.shape[0], 4, device=ids.device)
+        return self.emb(ids) + bias
+
+
+def test_the_devices_written_in_a_nested_block_follow_the_model_too():
+    """(the review: a no_grad block's graph kept the capture device, and the call failed after a move)"""
+    model = DeviceInANoGradBlock()
+    x = (torch.randint(0, 10, (6, 3)),)
+    fast = fxrec.transform(model, x)
+    twin = copy.deepcopy(fast).to("meta")
+    written = [torch.device(d) for m in twin.modules() if isinstance(m, torch.fx.GraphModule) for d in _devices_written(m)]
+    assert len(written) >= 2 and set(written) == {torch.device("meta")}, written
+    twin.to_empty(device="cpu")
+    twin.load_state_dict(model.state_dict())
+    torch.testing.assert_close(twin(*x), model(*x), rtol=0, atol=0)
+
+
 @pytest.mark.requires_cuda
 def test_a_model_transformed_on_cpu_with_devices_written_in_its_graph_runs_on_cuda_after_cuda():
     model = DevicesWrittenAtCapture()

@@ -139,6 +139,16 @@ def _bind(group, params: Sequence[torch.Tensor], device: Optional[torch.device] 
         for t, p, v, e in zip(group.tables, params, views, extra):
             if e:
                 zero_rows.append(v[t.num_rows:])
+            if p.device != v.device and tuple(v.shape) != (t.num_rows, t.dim) and v.is_contiguous():
+                # rows from another device into a padded slot: padded on the host first, then one
+                # contiguous copy (a copy into the slot's strided view would stage the whole table
+                # in GPU memory, which tables placed in unified memory must never pass through)
+                src = torch.zeros(v.shape, dtype=v.dtype, device=p.device)
+                src[: t.num_rows, : t.dim].copy_(p.detach())
+                v.copy_(src)
+                del src
+                p.data = v[: t.num_rows, : t.dim]
+                continue
             if v.shape[0] != t.num_rows:
                 v[t.num_rows:].zero_()
                 v = v[: t.num_rows]
