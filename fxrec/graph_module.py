@@ -74,18 +74,18 @@ class TransformedModule(fx.GraphModule):
     def _apply(self, fn, *args, **kwargs):
         sync_caches(self, drop=True)  # .to() / .cuda() / .half() copy the parameters
         before = _tensors_device(self)
-        if before is not None and before.type != "meta":  # tables placed in unified memory: straight there, first
+        probe = fn(torch.empty(0, device=before)) if before is not None else None
+        after = probe.device if isinstance(probe, torch.Tensor) else before
+        if after != before and before.type != "meta":  # tables placed in unified memory: straight there, first
             # (from meta, as to_empty(), there are no rows to copy: the tables move as the rest, and bind at a call)
-            probe = fn(torch.empty(0, device=before))
-            if isinstance(probe, torch.Tensor) and probe.device != before:
-                for group, params in groups_and_tables(self):
-                    group.bind_on(params, probe.device)
+            for group, params in groups_and_tables(self):
+                group.bind_on(params, after)
         out = super()._apply(fn, *args, **kwargs)
         self._move_constants(fn)
-        self._move_device_args(before, fn)
+        self._move_device_args(before, after)
         return out
 
-    def _move_device_args(self, before, fn) -> None:
+    def _move_device_args(self, before, after) -> None:
         """The devices written into the graph at capture (``device=`` of a factory op: the
         ``arange`` of F.embedding_bag's offsets for 2-D ids, a ``torch.zeros(..., device=x.device)``
         in forward) follow ``.to()`` / ``.cuda()`` from the device the parameters were on
@@ -95,11 +95,7 @@ class TransformedModule(fx.GraphModule):
         literal ``device="cpu"``: a model that moves something to the capture device itself
         (``.cpu()`` of a model transformed on CPU) moves it to the new device instead; transform
         such a model on the device it runs on."""
-        if before is None:
-            return
-        probe = fn(torch.empty(0, device=before))
-        after = probe.device if isinstance(probe, torch.Tensor) else before
-        if after == before:
+        if before is None or after == before:
             return
         for gm in [m for m in self.modules() if isinstance(m, fx.GraphModule)]:  # (no_grad / autocast blocks: nested)
             changed = False
