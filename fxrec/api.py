@@ -98,7 +98,7 @@ def transform(
     cache_load_factor: Optional[float] = None,
     weights_precision=None,
     max_gradient: Optional[float] = None,
-    device: Optional[str] = None,
+    device: Union[str, torch.device, None] = None,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -189,10 +189,11 @@ def transform(
         not touched. Identical lookups that fxrec merges into one are clamped once, on their
         summed gradient (docs/optimizers.md). None (default): not clamped.
 
-      device: the device the transformed model runs on, ``"cuda"`` or ``"cpu"``; None (default):
-        where the model's tables are. ``"cuda"`` for a model on CPU: the decisions are made for
+      device: the device the transformed model runs on, ``"cuda"`` or ``"cpu"`` (or a
+        ``torch.device``; ``"cuda:1"`` names one GPU); None (default): where the model's tables
+        are. ``"cuda"`` for a model on CPU: the decisions are made for
         CUDA (as ``fxrec.explain(device="cuda")`` gives them) on the model where it is, and the
-        transformed model is then moved to the current CUDA device, the tables
+        transformed model is then moved to the current CUDA device (or the one named), the tables
         ``hbm_budget=`` places in unified memory straight from host memory, never through GPU
         memory: tables that do not fit in GPU memory at all (docs/gpu.md). The example inputs stay
         where the model is; the transformed model then takes inputs on ``device``. Not with
@@ -342,29 +343,50 @@ def transform(
     return gm
 
 
-def _check_target_device(device, model: torch.nn.Module, plan, autotune: bool = False) -> Optional[torch.device]:
-    """transform's ``device=``: None where it is None or where the tables already are, else the
-    device to move the transformed model to (CUDA: the current one); errors for what cannot be."""
+def _device_arg(device) -> Optional[torch.device]:
+    """``device=`` of transform and explain: None, or a ``str`` / ``torch.device`` of a type in
+    :data:`DEVICES` ("cuda:1" and ``torch.device("cuda", 1)`` name one GPU)."""
     if device is None:
         return None
-    if device not in DEVICES:
-        raise ValueError(f"fxrec: device must be one of {DEVICES} (or None: the tables' own), got {device!r}")
-    here = _tables_device(model)
-    if device == here:
+    try:
+        d = torch.device(device) if isinstance(device, (str, torch.device)) else None
+    except RuntimeError:
+        d = None
+    if d is None or d.type not in DEVICES:
+        raise ValueError(f"fxrec: device must be one of {DEVICES} (a str or torch.device; \"cuda:1\" names one GPU; "
+                         f"or None: the tables' own), got {device!r}")
+    return d
+
+
+def _check_target_device(device, model: torch.nn.Module, plan, autotune: bool = False) -> Optional[torch.device]:
+    """transform's ``device=``: None where it is None or where the tables already are, else the
+    device to move the transformed model to (CUDA without an index: the current one); errors for
+    what cannot be."""
+    want = _device_arg(device)
+    if want is None:
+        return None
+    here = _tables_device(model, index=True)
+    if want.type == here.type and (want.index is None or want.type == "cpu" or want == here):
         return None
     if plan is not None:
         raise InputError(f"fxrec: transform(plan=..., device={device!r}) of a model on {here}: each rank transforms its "
                          "model where it runs (under NCCL, on its LOCAL_RANK's GPU); move the model and its example "
                          "there first")
-    if autotune:
-        raise InputError(f"fxrec: autotune=True times the kernels where the model is ({here}), and device={device!r} "
-                         f"decides for another device: move the model to {device} to autotune there, or leave autotune "
-                         "off (the rule table decides)")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("fxrec: device='cuda', and no CUDA device is available here; fxrec.explain(model, "
-                         "example_inputs, device='cuda', ...) gives the decisions transform would make for CUDA "
-                         "on any machine")
-    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    if autotune and want.type != here.type:
+        raise InputError(f"fxrec: autotune=True times the kernels where the model is ({here.type}), and "
+                         f"device={device!r} decides for another device: move the model to {want.type} to autotune "
+                         "there, or leave autotune off (the rule table decides)")
+    if want.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"fxrec: device={device!r}, and no CUDA device is available here; fxrec.explain(model, "
+                             "example_inputs, device='cuda', ...) gives the decisions transform would make for CUDA "
+                             "on any machine")
+        if want.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if want.index >= torch.cuda.device_count():
+            raise InputError(f"fxrec: device={device!r}, and this machine has {torch.cuda.device_count()} CUDA "
+                             "device(s)")
+    return want
 
 
 def _clamp_lookup_gradients(gm: fx.GraphModule, records) -> None:
@@ -538,7 +560,7 @@ def explain(
     example_inputs: Union[tuple, list, torch.Tensor],
     example_kwargs: Optional[Dict[str, Any]] = None,
     *,
-    device: Optional[str] = None,
+    device: Union[str, torch.device, None] = None,
     backend: str = "auto",
     optimizer=None,
     mode: str = "training",
@@ -559,8 +581,7 @@ def explain(
     """
     if backend not in BACKENDS:
         raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
-    if device is not None and device not in DEVICES:
-        raise ValueError(f"fxrec: device must be one of {DEVICES} (or None: the tables' own), got {device!r}")
+    want = _device_arg(device)
     check_optimizer_spec(optimizer)
     if mode not in ("training", "inference"):
         raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
@@ -574,7 +595,8 @@ def explain(
     gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs, for_calls=False)
     ctx = PassContext(
         config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
-                      output_dtype=output_dtype, device=device or _tables_device(model), hbm_budget=hbm_budget,
+                      output_dtype=output_dtype, hbm_budget=hbm_budget,
+                      device=want.type if want is not None else _tables_device(model),
                       cache_load_factor=float(cache_load_factor), weights_precision=weights_precision,
                       max_gradient=max_gradient or 0.0),
         report=Report(), example_args=args, example_kwargs=kwargs, logger=logging.getLogger("fxrec"),
@@ -627,6 +649,9 @@ def _check_placement(hbm_budget, cache_load_factor, plan) -> Tuple[Optional[int]
     return parse_bytes(hbm_budget, "hbm_budget", "fxrec"), float(cache_load_factor)
 
 
-def _tables_device(model: torch.nn.Module) -> str:
+def _tables_device(model: torch.nn.Module, index: bool = False):
+    """The type of the device of the model's first parameter ("cpu" for none, or on meta); with
+    ``index``, that ``torch.device`` itself."""
     p = next(model.parameters(), None)
-    return "cpu" if p is None or p.device.type == "meta" else p.device.type
+    d = torch.device("cpu") if p is None or p.device.type == "meta" else p.device
+    return d if index else d.type

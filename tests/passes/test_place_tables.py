@@ -2,7 +2,10 @@
 machine with fxrec.explain), and what it must leave alone. The GPU runs are in tests/test_gpu.py."""
 
 import copy
+import json
 import math
+
+import re
 
 import pytest
 import torch
@@ -280,6 +283,27 @@ def test_transform_device_arguments():
         _check_target_device("cuda", model, plan)
     with pytest.raises(InputError, match=r"autotune=True times the kernels where the model is \(cpu\), and device='cuda'"):
         fxrec.transform(model, x, device="cuda", autotune=True)
+
+
+def test_transform_and_explain_take_a_torch_device_and_a_gpu_index():
+    """device= as torch.device or "cuda:N" is the device its str names; anything else (another
+    type, a malformed name, a number) is refused naming what was given."""
+    model = Small()
+    x = (torch.randint(0, 50, (6, 3)), torch.randint(0, 30, (6, 2)))
+    for d in (torch.device("cpu"), "cpu:0"):
+        here = fxrec.transform(model, x, device=d)
+        torch.testing.assert_close(here(*x), model(*x))
+    said = [json.loads(fxrec.explain(model, x, device=d).to_json()) for d in (torch.device("cuda", 0), "cuda", None)]
+    assert said[0]["groups"] == said[1]["groups"] != said[2]["groups"]  # (decided for CUDA, not for the CPU)
+    for bad in ("tpu", "cuda:x", 3, torch.device("meta")):
+        with pytest.raises(ValueError, match=r"device must be one of \('cpu', 'cuda'\).*got " + re.escape(repr(bad))):
+            fxrec.transform(model, x, device=bad)
+        with pytest.raises(ValueError, match=r"device must be one of .*got " + re.escape(repr(bad))):
+            fxrec.explain(model, x, device=bad)
+    if not torch.cuda.is_available():
+        for d in (torch.device("cuda"), "cuda:1"):
+            with pytest.raises(InputError, match=r"device=.*no CUDA device is available here"):
+                fxrec.transform(model, x, device=d)
 
 
 def test_the_groups_a_move_binds_first_are_found_with_their_tables():
