@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import sympy
 import torch
+import torch._prims_common
 import torch.fx as fx
 from torch.export import Dim
 from torch.utils import _pytree as pytree
@@ -121,7 +122,7 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
     dynamic = _dynamic_shapes(model, args, kwargs)
 
     def run():
-        with _lean_tracing(), (opaque_bags() if lean_bags else contextlib.nullcontext()):
+        with _lean_tracing(), (opaque_bags() if lean_bags else contextlib.nullcontext()), _reshape_by_copy():
             ep = torch.export.export(model, *_unaliased(copy.deepcopy((args, kwargs))), strict=False,
                                      dynamic_shapes=dynamic)
             if lean_bags:
@@ -164,6 +165,71 @@ def _unaliased(tree):
         return x
 
     return pytree.tree_map(one, tree)
+
+
+def _surely_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t``'s sizes and strides are contiguous for every value of their size symbols
+    (False where that depends on them), asking torch nothing it would record as a guard."""
+    return bool(torch._prims_common.is_contiguous_or_false(t))
+
+
+_BY_COPY = threading.local()  # .depth: this thread is capturing (reshapes of strided tensors copy first)
+_BY_COPY_LOCK = threading.Lock()
+_BY_COPY_USERS = [0]
+_BY_COPY_SAVED: list = []  # (owner, name, what its __dict__ held, or None)
+#: the ops :func:`_reshape_by_copy` traces on a copy: (owner, name)
+_RESHAPES = ((torch.Tensor, "reshape"), (torch.Tensor, "flatten"), (torch.Tensor, "ravel"),
+             (torch.Tensor, "reshape_as"), (torch.Tensor, "contiguous"), (torch, "reshape"), (torch, "flatten"),
+             (torch, "ravel"))
+
+
+def _by_copy(op, name: str):
+    bare = name == "contiguous"  # (only contiguous() itself: another memory format is left as it is)
+
+    @functools.wraps(op)
+    def traced(t, *args, **kwargs):
+        if getattr(_BY_COPY, "depth", 0) and isinstance(t, torch.Tensor) and t.dim() >= 1 \
+                and not (bare and (args or kwargs)) and not _surely_contiguous(t):
+            t = t.clone(memory_format=torch.contiguous_format)
+        return op(t, *args, **kwargs)
+
+    return traced
+
+
+@contextlib.contextmanager
+def _reshape_by_copy():
+    """Within, this thread traces a reshape (``reshape``, ``flatten``, ``ravel``, ``reshape_as``,
+    the ``torch.`` functions too) or ``contiguous()`` of a tensor whose contiguity depends on its
+    sizes (a slice of columns ``ids[:, :3]``, a transpose) as a row-major copy (``clone``) then
+    that op, which on the copy is a view. Size-oblivious capture traces such a reshape with guards
+    that refuse a size of 1 (``ids.size()[0] != 1``) or a slice that takes a whole dim
+    (``ids.size()[1] != min(3, ids.size()[1])``), which the captured model, and its exported
+    program, then kept as input checks: a transformed ``bag(ids[:, :3])`` refused a batch of one,
+    which the plain model takes. The copy needs no guard, and costs what the reshape of such a
+    tensor costs (it copies it too; a call whose tensor happens to be contiguous copies where the
+    reshape would not). ``F.embedding_bag``'s flattening of ``[B, L]`` ids and fxrec's own packing
+    (while exporting) are among them. As :func:`fxrec.capture_bags.opaque_bags`, the ops are
+    Python functions for every thread while any thread captures, and torch's own outside it."""
+    with _BY_COPY_LOCK:
+        if _BY_COPY_USERS[0] == 0:
+            for owner, name in _RESHAPES:
+                _BY_COPY_SAVED.append((owner, name, vars(owner).get(name)))
+                setattr(owner, name, _by_copy(getattr(owner, name), name))
+        _BY_COPY_USERS[0] += 1
+    _BY_COPY.depth = getattr(_BY_COPY, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _BY_COPY.depth -= 1
+        with _BY_COPY_LOCK:
+            _BY_COPY_USERS[0] -= 1
+            if _BY_COPY_USERS[0] == 0:
+                while _BY_COPY_SAVED:
+                    owner, name, held = _BY_COPY_SAVED.pop()
+                    if held is None:
+                        delattr(owner, name)
+                    else:
+                        setattr(owner, name, held)
 
 
 @contextlib.contextmanager

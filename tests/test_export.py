@@ -500,3 +500,62 @@ def test_an_exported_program_refuses_2d_ids_with_offsets_of_a_bag_it_leaves_as_w
     r = subprocess.run([sys.executable, "-c", _RANK_CHILD, path], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.startswith("refused") and "input.dim() = 2 is not equal to len(dims) = 1" in r.stdout, r.stdout
+
+
+class _StridedIds(torch.nn.Module):
+    """Lookups of ids that are not contiguous: column slices of one id matrix (bags and a
+    sequence), a transpose, and a dense input reshaped after a transpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(50, 8)
+        self.b = torch.nn.EmbeddingBag(40, 8, mode="sum")
+        self.s = torch.nn.Embedding(30, 8)
+        self.t = torch.nn.EmbeddingBag(20, 8, mode="sum")
+
+    def forward(self, ids, tids, dense):
+        return torch.cat([self.a(ids[:, :3]) + self.b(ids[:, 3:] % 40), self.s(ids[:, 1:3] % 30).sum(1),
+                          self.t(tids.t()), dense.transpose(1, 2).reshape(dense.shape[0], -1)], 1)
+
+
+def _strided_inputs(b, cols, length, c, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 50, (b, cols), generator=g), torch.randint(0, 20, (length, b), generator=g),
+            torch.randn(b, c, d, generator=g))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_model_of_sliced_and_transposed_ids_takes_a_batch_of_one_eager_and_exported(quantize):
+    """Capture traced F.embedding_bag's flattening of ``ids[:, :3]`` (and of a transpose, and the
+    model's own reshape of a transposed dense input) with guards refusing a size of 1 or a slice
+    that takes the whole dim: the transformed model, eager and exported, refused a batch of one
+    ("ids.size()[0] != 1"), which the plain model takes."""
+    torch.manual_seed(0)
+    model = _StridedIds().eval()
+    example = _strided_inputs(4, 6, 3, 2, 3)
+    fast = fxrec.transform(model, example, mode="inference", **({"quantize": quantize} if quantize else {}))
+    program = fxrec.export.program(fast, example).module()
+    for size in ((1, 6, 3, 2, 3), (4, 4, 1, 1, 1), (1, 5, 1, 2, 1), (3, 9, 2, 3, 2)):
+        x = _strided_inputs(*size, seed=sum(size))
+        with torch.no_grad():
+            got = fast(*x)
+            torch.testing.assert_close(program(*x), got, rtol=0, atol=0, msg=str(size))
+            if quantize is None:
+                torch.testing.assert_close(got, model(*x), rtol=0, atol=0, msg=str(size))
+
+
+def test_capture_leaves_torchs_reshapes_as_they_were():
+    """Capture traces reshapes of strided tensors on a copy by wrapping torch's reshape functions
+    while it runs; afterwards they are torch's own again (and so while a capture fails)."""
+    before = {name: getattr(torch.Tensor, name) for name in ("reshape", "flatten", "contiguous")}
+    before_fn = (torch.reshape, torch.flatten)
+    fxrec.transform(_StridedIds().eval(), _strided_inputs(4, 6, 3, 2, 3))
+
+    class Fails(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("no")
+
+    with pytest.raises(Exception, match="no"):
+        fxrec.transform(Fails(), (torch.zeros(2),))
+    assert {name: getattr(torch.Tensor, name) for name in before} == before
+    assert "reshape" not in vars(torch.Tensor) and (torch.reshape, torch.flatten) == before_fn
