@@ -26,7 +26,7 @@ checks cannot be traced symbolically). :class:`TransformedModule`:
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.fx as fx
@@ -95,7 +95,7 @@ class TransformedModule(fx.GraphModule):
         literal ``device="cpu"``: a model that moves something to the capture device itself
         (``.cpu()`` of a model transformed on CPU) moves it to the new device instead; transform
         such a model on the device it runs on."""
-        if before is None or after == before:
+        if before is None or after is None or after == before:
             return
         for gm in [m for m in self.modules() if isinstance(m, fx.GraphModule)]:  # (no_grad / autocast blocks: nested)
             changed = False
@@ -144,7 +144,8 @@ class TransformedModule(fx.GraphModule):
         sync_caches(self)
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_PICKLED}
         state["meta"] = _picklable_graph_meta(self.meta)
-        return (_rebuild, (state, _encode_graph(self.graph)))
+        pickled_on = _tensors_device(self)
+        return (_rebuild, (state, _encode_graph(self.graph), str(pickled_on) if pickled_on is not None else None))
 
     def __copy__(self):  # a shallow copy would share the graph; make it a deep one
         import copy
@@ -476,11 +477,13 @@ def _pickles(v) -> bool:
         return False
 
 
-def _rebuild(state: Dict[str, Any], graph_data: Dict[str, Any]) -> TransformedModule:
+def _rebuild(state: Dict[str, Any], graph_data: Dict[str, Any], pickled_on: Optional[str] = None) -> TransformedModule:
     gm = TransformedModule.__new__(TransformedModule)
     gm.__dict__.update(state)
     gm.meta = state.get("meta", {})
     for k, v in gm.meta.get("_user_preserved_attributes", {}).items():
         setattr(gm, k, v)
     gm.graph = _decode_graph(graph_data)  # the setter recompiles
+    if pickled_on is not None:  # loaded elsewhere (torch.load's map_location): the graph's devices follow, as .to()'s
+        gm._move_device_args(torch.device(pickled_on), _tensors_device(gm))
     return gm

@@ -1,5 +1,7 @@
 """Inference on row-wise quantized tables: structure, exactness at fp32, error bounds, bytes."""
 
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -268,6 +270,38 @@ def test_rows_packed_again_at_cudas_alignment_are_fbgemms_own_packing_and_read_t
     (fresh,) = _quantized_groups(fxrec.transform(model, inputs, mode="inference", quantize=dtype))
     assert torch.equal(back[0], fresh.q_weights) and torch.equal(back[3], fresh.q_weights_offsets)
     assert torch.equal(back[2], fresh.q_weights_placements) and back[1].numel() == 0
+
+
+def test_a_model_pickled_with_rows_packed_for_cuda_and_loaded_on_cpu_packs_them_for_the_cpu():
+    """torch.load(map_location=) of a quantized model pickled on CUDA (rows at 16 bytes) kept that
+    stride; loaded on CUDA from CPU, rows at 1 byte would be read 16 at a time. Unpickling packs the
+    rows for the device they land on, as .to() does. (Here: rows packed at 16 bytes on the CPU,
+    as a model saved on CUDA and loaded with map_location="cpu" has them.)"""
+    from fxrec.runtime.kernels import fbgemm_nbit
+
+    model, inputs = M.BagList(rows=ROWS, dim=24).eval(), M.bag_inputs(rows=ROWS, max_len=4)
+    fast = fxrec.transform(model, inputs, mode="inference", quantize="int8")
+    (group,) = _quantized_groups(fast)
+    with torch.no_grad():
+        before = fast(*inputs)
+    cpu_bytes, cpu_weights = group.table_nbytes, group.q_weights.clone()
+    ftm = [f.table for f in group.features]
+    weights, _, placements, offsets = fbgemm_nbit.relayout(
+        group.q_packed, ftm, (group.q_weights, group.q_weights_uvm), group.q_weights_placements,
+        group.q_weights_offsets, 1, torch.device("cpu"), new_alignment=16)
+    group.q_weights, group.q_weights_offsets, group.q_weights_placements = weights, offsets, placements
+    group.q_ints = {**group.q_ints, "row_alignment": 16}
+    group.q_row_alignment = torch.tensor(16)
+    assert sum(group.table_nbytes) > sum(cpu_bytes)  # (int8 rows of 28 bytes: 32 at CUDA's stride)
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    buf.seek(0)
+    back = torch.load(buf, map_location="cpu", weights_only=False)
+    (loaded,) = _quantized_groups(back)
+    assert loaded.q_ints["row_alignment"] == 1 and int(loaded.q_row_alignment) == 1
+    assert loaded.table_nbytes == cpu_bytes and torch.equal(loaded.q_weights, cpu_weights)
+    with torch.no_grad():
+        assert torch.equal(back(*inputs), before)
 
 
 @pytest.mark.parametrize("where", [("managed", "managed", "managed"), ("managed", "device", "managed")],

@@ -477,6 +477,28 @@ def test_the_devices_written_in_the_graph_follow_the_model_to_another_device():
         torch.testing.assert_close(m(*x), model(*x), rtol=0, atol=0)
 
 
+def test_the_devices_written_in_the_graph_follow_a_model_loaded_onto_another_device():
+    """torch.load(..., map_location=) moves the tensors of a pickled model but not its graph: a model
+    pickled on CPU and loaded onto CUDA kept making the 2-D bag's offsets on the CPU. The graph's
+    devices now follow, nested blocks' too (here onto meta, and back by to_empty)."""
+    for model in (DevicesWrittenAtCapture(), DeviceInANoGradBlock()):
+        x = (torch.randint(0, 10, (6, 3)),)
+        fast = fxrec.transform(model, x)
+        buf = io.BytesIO()
+        torch.save(fast, buf)
+        buf.seek(0)
+        there = torch.load(buf, map_location="meta", weights_only=False)
+        written = [torch.device(d) for m in there.modules() if isinstance(m, torch.fx.GraphModule)
+                   for d in _devices_written(m)]
+        assert len(written) >= 2 and set(written) == {torch.device("meta")}, written
+        there.to_empty(device="cpu")
+        there.load_state_dict(model.state_dict())
+        torch.testing.assert_close(there(*x), model(*x), rtol=0, atol=0)
+        buf.seek(0)
+        here = torch.load(buf, weights_only=False)  # (loaded where it was: as it was)
+        assert [torch.device(d) for d in _devices_written(here)] == [torch.device(d) for d in _devices_written(fast)]
+
+
 class DeviceInANoGradBlock(nn.Module):
     def __init__(self):
         super().__init__()

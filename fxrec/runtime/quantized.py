@@ -143,12 +143,16 @@ class _Quantized:
         device = state.pop("_fxrec_unified_on", None)
         super().__setstate__(state)
         uvm = self._buffers.get("q_weights_uvm")
-        if device is None or uvm is None:
-            return
         here = self.q_weights.device  # (torch.load's map_location moved the other buffers)
-        if here.type == "cuda":
+        unified = device is not None and uvm is not None
+        if unified and here.type == "cuda":
             self.q_weights_uvm = _nbit.unified_bytes(uvm.numel(), here).copy_(uvm)
-        else:  # rows for unified memory and a dev buffer in host memory: the host's layout
+        elif here.type in ("cpu", "cuda") and (
+                unified or _nbit.row_alignment(here) != self.q_ints["row_alignment"]
+                or _nbit.placed_for(here, self._cuda_places()) != self._places_now()):
+            # loaded on another kind of device (torch.load's map_location): rows packed there as
+            # .to() packs them (CUDA reads rows 16 bytes at a time, a CPU at 1; unified memory
+            # only on CUDA), not read at the stride of the device they were saved on
             self._pack_for(here)
 
     def saved_layout_problem(self, state_dict, prefix: str = "") -> str:
