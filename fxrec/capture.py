@@ -55,6 +55,7 @@ from .codegen import StructuredCodeGen, leaf_paths, supported
 from .graph_module import MODES_KEY, TransformedModule, adopt, hold_containers_like
 from .modes import TrainingReads, bind_modes
 from .runtime.input_guards import GUARDS_NAME, InputGuards
+from .thread_patches import ThreadPatch
 
 
 class CaptureError(RuntimeError):
@@ -173,22 +174,12 @@ def _surely_contiguous(t: torch.Tensor) -> bool:
     return bool(torch._prims_common.is_contiguous_or_false(t))
 
 
-_BY_COPY = threading.local()  # .depth: this thread is capturing (reshapes of strided tensors copy first)
-_BY_COPY_LOCK = threading.Lock()
-_BY_COPY_USERS = [0]
-_BY_COPY_SAVED: list = []  # (owner, name, what its __dict__ held, or None)
-#: the ops :func:`_reshape_by_copy` traces on a copy: (owner, name)
-_RESHAPES = ((torch.Tensor, "reshape"), (torch.Tensor, "flatten"), (torch.Tensor, "ravel"),
-             (torch.Tensor, "reshape_as"), (torch.Tensor, "contiguous"), (torch, "reshape"), (torch, "flatten"),
-             (torch, "ravel"))
-
-
 def _by_copy(op, name: str):
     bare = name == "contiguous"  # (only contiguous() itself: another memory format is left as it is)
 
     @functools.wraps(op)
     def traced(t, *args, **kwargs):
-        if getattr(_BY_COPY, "depth", 0) and isinstance(t, torch.Tensor) and t.dim() >= 1 \
+        if _BY_COPY.on() and isinstance(t, torch.Tensor) and t.dim() >= 1 \
                 and not (bare and (args or kwargs)) and not _surely_contiguous(t):
             t = t.clone(memory_format=torch.contiguous_format)
         return op(t, *args, **kwargs)
@@ -196,7 +187,12 @@ def _by_copy(op, name: str):
     return traced
 
 
-@contextlib.contextmanager
+#: the ops :func:`_reshape_by_copy` traces on a copy
+_BY_COPY = ThreadPatch([(torch.Tensor, "reshape"), (torch.Tensor, "flatten"), (torch.Tensor, "ravel"),
+                        (torch.Tensor, "reshape_as"), (torch.Tensor, "contiguous"), (torch, "reshape"),
+                        (torch, "flatten"), (torch, "ravel")], _by_copy)
+
+
 def _reshape_by_copy():
     """Within, this thread traces a reshape (``reshape``, ``flatten``, ``ravel``, ``reshape_as``,
     the ``torch.`` functions too) or ``contiguous()`` of a tensor whose contiguity depends on its
@@ -208,28 +204,8 @@ def _reshape_by_copy():
     which the plain model takes. The copy needs no guard, and costs what the reshape of such a
     tensor costs (it copies it too; a call whose tensor happens to be contiguous copies where the
     reshape would not). ``F.embedding_bag``'s flattening of ``[B, L]`` ids and fxrec's own packing
-    (while exporting) are among them. As :func:`fxrec.capture_bags.opaque_bags`, the ops are
-    Python functions for every thread while any thread captures, and torch's own outside it."""
-    with _BY_COPY_LOCK:
-        if _BY_COPY_USERS[0] == 0:
-            for owner, name in _RESHAPES:
-                _BY_COPY_SAVED.append((owner, name, vars(owner).get(name)))
-                setattr(owner, name, _by_copy(getattr(owner, name), name))
-        _BY_COPY_USERS[0] += 1
-    _BY_COPY.depth = getattr(_BY_COPY, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _BY_COPY.depth -= 1
-        with _BY_COPY_LOCK:
-            _BY_COPY_USERS[0] -= 1
-            if _BY_COPY_USERS[0] == 0:
-                while _BY_COPY_SAVED:
-                    owner, name, held = _BY_COPY_SAVED.pop()
-                    if held is None:
-                        delattr(owner, name)
-                    else:
-                        setattr(owner, name, held)
+    (while exporting) are among them. See :mod:`fxrec.thread_patches`."""
+    return _BY_COPY()
 
 
 @contextlib.contextmanager

@@ -23,16 +23,16 @@ threads see (``torch.jit.script`` of code calling it fails until the capture end
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 import sys
-import threading
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
+
+from .thread_patches import ThreadPatch
 
 _MODE_SUM, _MODE_MEAN, _MODE_MAX = 0, 1, 2
 
@@ -135,18 +135,13 @@ def _define() -> None:
 _LIB = None
 _define()
 _FUNCTIONAL_BAG = torch.nn.functional.embedding_bag.__code__
-_ACTIVE = threading.local()  # .depth: how many opaque_bags() this thread is inside
-_LOCK = threading.Lock()
-_USERS = [0]  # threads inside opaque_bags(); torch.embedding_bag is wrapped while any is
-_ORIGINAL: List = []  # torch's own torch.embedding_bag while wrapped
 
 
-def _wrap(original):
+def _wrap(original, name: str = "embedding_bag"):
     @functools.wraps(original)
     def embedding_bag(*args, **kwargs):
         # only F.embedding_bag's own call, which keeps the pooled output and drops the other three
-        if getattr(_ACTIVE, "depth", 0) and len(args) == 9 and not kwargs \
-                and sys._getframe(1).f_code is _FUNCTIONAL_BAG:
+        if _BAGS.on() and len(args) == 9 and not kwargs and sys._getframe(1).f_code is _FUNCTIONAL_BAG:
             pooled = torch.ops.fxrec_capture.embedding_bag.default(*args)
             weight, per_sample_weights = args[0], args[6]
             if torch.is_grad_enabled() and (weight.requires_grad or (per_sample_weights is not None
@@ -160,23 +155,12 @@ def _wrap(original):
     return embedding_bag
 
 
-@contextlib.contextmanager
+_BAGS = ThreadPatch([(torch, "embedding_bag")], _wrap)
+
+
 def opaque_bags():
     """Within, this thread's ``torch.embedding_bag`` calls record the opaque operator (module doc)."""
-    with _LOCK:
-        if _USERS[0] == 0:
-            _ORIGINAL.append(torch.embedding_bag)
-            torch.embedding_bag = _wrap(torch.embedding_bag)
-        _USERS[0] += 1
-    _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _ACTIVE.depth -= 1
-        with _LOCK:
-            _USERS[0] -= 1
-            if _USERS[0] == 0:
-                torch.embedding_bag = _ORIGINAL.pop()
+    return _BAGS()
 
 
 def restore_aten(root: fx.GraphModule) -> Dict[str, str]:

@@ -294,6 +294,42 @@ def test_bags_are_recorded_opaquely_only_inside_the_capture_and_in_its_thread():
     torch.testing.assert_close(out, Bags.forward(bags, ids, offsets))
 
 
+def test_reshapes_are_traced_on_a_copy_only_inside_the_capture_and_in_its_thread():
+    """fxrec.capture._reshape_by_copy: in the capturing thread, a reshape of a tensor whose
+    contiguity depends on its sizes is traced as clone then reshape (no guard on a size of 1); in
+    another thread at the same time, and after the capture, reshape is torch's own."""
+    from torch.export import Dim
+    from torch.fx.experimental import _config as config
+
+    class Cols(nn.Module):
+        def forward(self, x):
+            return x[:, :2].reshape(-1) * 1
+
+    def guards_and_clones():
+        with config.patch(backed_size_oblivious=True):
+            ep = torch.export.export(Cols(), (torch.zeros(4, 5),), strict=False,
+                                     dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},))
+        code = ep.graph_module.code
+        return "aten.clone" in code, ep.module()
+
+    seen = {}
+    plain = torch.Tensor.reshape
+    with C._reshape_by_copy():
+        worker = threading.Thread(target=lambda: seen.update(other=guards_and_clones()))
+        worker.start()
+        worker.join()
+        inside = guards_and_clones()
+        y = torch.arange(6.).view(2, 3).t()
+        assert torch.equal(y.reshape(-1), torch.tensor([0., 3., 1., 4., 2., 5.]))  # (eager: torch's numbers)
+    after = guards_and_clones()
+    assert inside[0] and not seen["other"][0] and not after[0]
+    one = torch.zeros(1, 5)
+    assert torch.equal(inside[1](one), torch.zeros(2))
+    with pytest.raises(Exception, match="Guard failed"):  # torch's own: a batch of 1 refused
+        after[1](one)
+    assert torch.Tensor.reshape is plain and "reshape" not in vars(torch.Tensor)
+
+
 def test_a_bad_bag_input_is_still_a_capture_error_naming_the_line():
     class FloatIds(nn.Module):
         def __init__(self):
