@@ -503,19 +503,25 @@ def test_an_exported_program_refuses_2d_ids_with_offsets_of_a_bag_it_leaves_as_w
 
 
 class _StridedIds(torch.nn.Module):
-    """Lookups of ids that are not contiguous: column slices of one id matrix (bags and a
-    sequence), a transpose, and a dense input reshaped after a transpose."""
+    """Lookups of ids that are not contiguous: column slices of one id matrix (bags, or a
+    sequence), a transpose, or a dense input reshaped after a transpose."""
 
-    def __init__(self):
+    def __init__(self, form):
         super().__init__()
+        self.form = form
         self.a = torch.nn.EmbeddingBag(50, 8)
-        self.b = torch.nn.EmbeddingBag(40, 8, mode="sum")
-        self.s = torch.nn.Embedding(30, 8)
+        self.b = torch.nn.EmbeddingBag(50, 8, mode="sum")
+        self.s = torch.nn.Embedding(50, 8)
         self.t = torch.nn.EmbeddingBag(20, 8, mode="sum")
 
     def forward(self, ids, tids, dense):
-        return torch.cat([self.a(ids[:, :3]) + self.b(ids[:, 3:] % 40), self.s(ids[:, 1:3] % 30).sum(1),
-                          self.t(tids.t()), dense.transpose(1, 2).reshape(dense.shape[0], -1)], 1)
+        if self.form == "column_bags":
+            return self.a(ids[:, :3]) + self.b(ids[:, 3:])
+        if self.form == "column_sequence":
+            return self.s(ids[:, 1:3]).sum(1)
+        if self.form == "transposed_bag":
+            return self.t(tids.t()) + self.a(ids)
+        return torch.cat([self.a(ids), dense.transpose(1, 2).reshape(dense.shape[0], -1)], 1)
 
 
 def _strided_inputs(b, cols, length, c, d, seed=0):
@@ -524,14 +530,19 @@ def _strided_inputs(b, cols, length, c, d, seed=0):
             torch.randn(b, c, d, generator=g))
 
 
+@pytest.mark.parametrize("form", ["column_bags", "column_sequence", "transposed_bag", "transposed_dense"])
 @pytest.mark.parametrize("quantize", [None, "int8"])
-def test_a_model_of_sliced_and_transposed_ids_takes_a_batch_of_one_eager_and_exported(quantize):
+def test_a_model_of_sliced_and_transposed_ids_takes_a_batch_of_one_eager_and_exported(quantize, form, request):
     """Capture traced F.embedding_bag's flattening of ``ids[:, :3]`` (and of a transpose, and the
     model's own reshape of a transposed dense input) with guards refusing a size of 1 or a slice
     that takes the whole dim: the transformed model, eager and exported, refused a batch of one
     ("ids.size()[0] != 1"), which the plain model takes."""
+    if form == "column_bags" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        # torch 2.11 cannot capture the arange of a bag of a column slice size-obliviously (a
+        # data-dependent guard), and capture falls back to sizes of 2 or more
+        request.applymarker(pytest.mark.xfail(strict=True, reason="torch 2.11: the ordinary capture"))
     torch.manual_seed(0)
-    model = _StridedIds().eval()
+    model = _StridedIds(form).eval()
     example = _strided_inputs(4, 6, 3, 2, 3)
     fast = fxrec.transform(model, example, mode="inference", **({"quantize": quantize} if quantize else {}))
     program = fxrec.export.program(fast, example).module()
@@ -549,7 +560,7 @@ def test_capture_leaves_torchs_reshapes_as_they_were():
     while it runs; afterwards they are torch's own again (and so while a capture fails)."""
     before = {name: getattr(torch.Tensor, name) for name in ("reshape", "flatten", "contiguous")}
     before_fn = (torch.reshape, torch.flatten)
-    fxrec.transform(_StridedIds().eval(), _strided_inputs(4, 6, 3, 2, 3))
+    fxrec.transform(_StridedIds("transposed_dense").eval(), _strided_inputs(4, 6, 3, 2, 3))
 
     class Fails(torch.nn.Module):
         def forward(self, x):
