@@ -19,6 +19,9 @@ Only calls with ``F.embedding_bag``'s positional form are recorded this way; any
 ``torch.embedding_bag`` (and every call in another thread, or outside :func:`opaque_bags`) is
 torch's own. While any thread captures, ``torch.embedding_bag`` is a Python function, which other
 threads see (``torch.jit.script`` of code calling it fails until the capture ends).
+
+:func:`bags_of_rows`, on in every capture: ``F.embedding_bag`` of ``[B, L]`` ids is traced with
+the offsets ``arange(B) * L`` rather than torch's ``arange(0, B * L, L)`` (same values; see there).
 """
 
 from __future__ import annotations
@@ -161,6 +164,49 @@ _BAGS = ThreadPatch([(torch, "embedding_bag")], _wrap)
 def opaque_bags():
     """Within, this thread's ``torch.embedding_bag`` calls record the opaque operator (module doc)."""
     return _BAGS()
+
+
+def _bags_of_rows(original, name: str = "embedding_bag"):
+    @functools.wraps(original)
+    def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False, mode="mean",
+                      sparse=False, per_sample_weights=None, include_last_offset=False, padding_idx=None):
+        if _ROWS.on() and offsets is None and isinstance(input, torch.Tensor) and input.dim() == 2 \
+                and not input.is_nested and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+                and not (weight.dtype == torch.long and input.is_floating_point()) \
+                and (per_sample_weights is None or per_sample_weights.shape == input.shape):
+            b, length = input.shape
+            if isinstance(length, int) and length == 0:  # (torch's own error: "step must be nonzero")
+                return original(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                                per_sample_weights, include_last_offset, padding_idx)
+            # the length torch's arange computes, checked as it checks it: L = 0 then divides by 0,
+            # which the captured model's input checks report naming the ids (a plain L != 0 would
+            # be taken as true by the size-oblivious capture, and leave no check)
+            torch._check((input.numel() + length - 1) // length >= 0)
+            offsets = torch.arange(b, dtype=input.dtype, device=input.device) * length
+            input = input.reshape(-1)
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
+            include_last_offset = False
+        return original(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                        per_sample_weights, include_last_offset, padding_idx)
+
+    return embedding_bag
+
+
+_ROWS = ThreadPatch([(torch.nn.functional, "embedding_bag")], _bags_of_rows)
+
+
+def bags_of_rows():
+    """Within, this thread's ``F.embedding_bag`` of ``[B, L]`` ids (what ``nn.EmbeddingBag`` does
+    with them) is traced with the offsets ``arange(B) * L``, where torch writes ``arange(0, B * L,
+    L)``: the same values, but a range of B elements, not one whose length divides by L. torch 2.11
+    cannot capture that length size-obliviously for a slice of columns (``bag(ids[:, :3])``: a
+    data-dependent guard, and capture fell back to sizes of 2 or more), and an exported program
+    refused ``[B, 0]`` ids with a ``ZeroDivisionError`` from its guard. PyTorch's refusal of ``L
+    = 0`` ("step must be nonzero") is kept as a check of the size, which the transformed model's
+    input checks name. Ids of other shapes, offsets given, nested tensors and bad arguments go to
+    torch's own function unchanged."""
+    return _ROWS()
 
 
 def restore_aten(root: fx.GraphModule) -> Dict[str, str]:

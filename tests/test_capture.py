@@ -327,6 +327,54 @@ def test_reshapes_are_traced_on_a_copy_only_inside_the_capture_and_in_its_thread
     assert torch.Tensor.reshape is plain and "reshape" not in vars(torch.Tensor)
 
 
+class RowBags(nn.Module):
+    def __init__(self, weighted=False):
+        super().__init__()
+        self.weighted = weighted
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum" if weighted else "mean")
+
+    def forward(self, ids, w=None):
+        return self.bag(ids, per_sample_weights=w) if self.weighted else self.bag(ids)
+
+
+def test_a_bag_of_rows_is_captured_with_offsets_as_a_product_and_keeps_torchs_refusals():
+    """F.embedding_bag of ``[B, L]`` ids writes its offsets ``arange(0, B * L, L)``, whose length
+    torch 2.11 could not capture size-obliviously for a slice of columns; capture writes
+    ``arange(B) * L`` (fxrec.capture_bags.bags_of_rows). The values are torch's, and so are its
+    refusals: L = 0 (as a division by 0 naming the ids), offsets with 2-D ids, weights of another
+    shape."""
+    model = RowBags()
+    gm = captured(model, (torch.randint(0, 30, (4, 3)),))
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.arange.default in targets and torch.ops.aten.arange.start_step not in targets
+    for shape in ((1, 3), (5, 1), (2, 7), (0, 2)):
+        x = torch.randint(0, 30, shape)
+        torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"divides by 0.*ids\.size\(\)\[1\]"):
+        gm(torch.zeros(3, 0, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="step must be nonzero"):
+        model(torch.zeros(3, 0, dtype=torch.long))
+    with pytest.raises(C.CaptureError, match="step must be nonzero"):
+        captured(model, (torch.zeros(4, 0, dtype=torch.long),))
+    weighted = RowBags(weighted=True)
+    x, w = torch.randint(0, 30, (4, 3)), torch.rand(4, 3)
+    gw = captured(weighted, (x, w))
+    torch.testing.assert_close(gw(x, w), weighted(x, w), rtol=0, atol=0)
+    with pytest.raises(C.CaptureError, match="same shape as the input"):
+        captured(weighted, (x, torch.rand(3, 4)))
+
+    class WithOffsets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(30, 4)
+
+        def forward(self, ids, offsets):
+            return self.bag(ids, offsets)
+
+    with pytest.raises(C.CaptureError, match="if input is 2D, then offsets has to be None"):
+        captured(WithOffsets(), (x, torch.tensor([0, 2])))
+
+
 def test_a_bad_bag_input_is_still_a_capture_error_naming_the_line():
     class FloatIds(nn.Module):
         def __init__(self):

@@ -532,15 +532,11 @@ def _strided_inputs(b, cols, length, c, d, seed=0):
 
 @pytest.mark.parametrize("form", ["column_bags", "column_sequence", "transposed_bag", "transposed_dense"])
 @pytest.mark.parametrize("quantize", [None, "int8"])
-def test_a_model_of_sliced_and_transposed_ids_takes_a_batch_of_one_eager_and_exported(quantize, form, request):
+def test_a_model_of_sliced_and_transposed_ids_takes_a_batch_of_one_eager_and_exported(quantize, form):
     """Capture traced F.embedding_bag's flattening of ``ids[:, :3]`` (and of a transpose, and the
     model's own reshape of a transposed dense input) with guards refusing a size of 1 or a slice
     that takes the whole dim: the transformed model, eager and exported, refused a batch of one
     ("ids.size()[0] != 1"), which the plain model takes."""
-    if form == "column_bags" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
-        # torch 2.11 cannot capture the arange of a bag of a column slice size-obliviously (a
-        # data-dependent guard), and capture falls back to sizes of 2 or more
-        request.applymarker(pytest.mark.xfail(strict=True, reason="torch 2.11: the ordinary capture"))
     torch.manual_seed(0)
     model = _StridedIds(form).eval()
     example = _strided_inputs(4, 6, 3, 2, 3)
