@@ -1,7 +1,7 @@
 """Torch functions that trace otherwise while a thread captures a model.
 
 Capture changes how a few torch functions are traced: ``torch.embedding_bag`` records one opaque
-operator and ``F.embedding_bag`` of ``[B, L]`` ids writes its offsets as a product
+operator and ``F.embedding_bag`` of ``[B, L]`` ids of a computed L writes its offsets as a product
 (:mod:`fxrec.capture_bags`), and a reshape of a tensor whose layout depends on its sizes
 is traced on a copy (:func:`fxrec.capture._reshape_by_copy`). A :class:`ThreadPatch` installs its
 wrappers when a first thread enters it and puts torch's own functions back when the last one
