@@ -665,3 +665,46 @@ def test_a_view_made_in_a_no_grad_block_and_written_after_it_is_a_write_to_its_i
     want, got = plain(*(t.clone() for t in x)), fast(*(t.clone() for t in x))
     assert not torch.equal(want[:, :4], want[:, 4:8])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+class _WritesThroughReshapes(nn.Module):
+    """Writes through results of reshapes that view their tensor at the example's sizes: a slice
+    flattened over one dim (flatten gives the slice itself) and a transpose reshaped to the shape
+    it has. Capture flattens tensors of size-dependent layouts on a copy only where the reshape
+    copies the example (fxrec.capture._reshape_by_copy): here the writes must reach x and h."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(50, 4, mode="sum")
+        self.lin = nn.Linear(5, 4)
+        self.top = nn.Linear(4, 1)
+
+    def forward(self, ids, x):
+        x[:, :3].flatten(1).mul_(2)
+        h = self.lin(x) + self.emb(ids)
+        h.t().reshape(4, h.shape[0]).mul_(2)
+        return self.top(h) + torch.flatten(input=x[:, 3:], start_dim=1).sum(1, keepdim=True)
+
+
+def test_writes_through_a_reshape_that_views_reach_the_tensor_and_keyword_inputs_work():
+    """(the review: capture copied every tensor of a size-dependent layout before a reshape, so a
+    write through a flatten or reshape that views it in the model was lost, outputs and gradients
+    wrong; and ``torch.flatten(input=...)`` failed to capture)"""
+    torch.manual_seed(0)
+    model = _WritesThroughReshapes()
+    twin = copy.deepcopy(model)
+    fast = fxrec.transform(model, (torch.randint(0, 50, (4, 2)), torch.randn(4, 5)))
+    for b in (4, 3):
+        ids, x = torch.randint(0, 50, (b, 2)), torch.randn(b, 5)
+        xa, xb = x.clone(), x.clone()
+        fast.zero_grad()
+        twin.zero_grad()
+        got, want = fast(ids, xa), twin(ids, xb)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(xa, xb)  # (the input written as the model writes it)
+        got.sum().backward()
+        want.sum().backward()
+        grads = dict(twin.named_parameters())
+        for name, p in fast.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, grads[name].grad, msg=name)

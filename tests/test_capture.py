@@ -316,7 +316,10 @@ def test_reshapes_are_traced_on_a_copy_only_inside_the_capture_and_in_its_thread
     plain = torch.Tensor.reshape
     before = guards_and_clones()  # (torch 2.11 crashed where a process's first export ran in another thread)
     with C._reshape_by_copy():
-        worker = threading.Thread(target=lambda: seen.update(other=guards_and_clones()))
+        def other():  # (torch's functions taken by keyword too, in a thread that is not capturing)
+            seen.update(other=guards_and_clones(), kw=torch.reshape(input=torch.arange(4), shape=(2, 2)))
+
+        worker = threading.Thread(target=other)
         worker.start()
         worker.join()
         inside = guards_and_clones()
@@ -324,6 +327,7 @@ def test_reshapes_are_traced_on_a_copy_only_inside_the_capture_and_in_its_thread
         assert torch.equal(y.reshape(-1), torch.tensor([0., 3., 1., 4., 2., 5.]))  # (eager: torch's numbers)
     after = guards_and_clones()
     assert inside[0] and not seen["other"][0] and not after[0] and not before[0]
+    assert torch.equal(seen["kw"], torch.arange(4).view(2, 2))
     assert torch.equal(inside[1](torch.zeros(1, 5)), torch.zeros(2))  # (torch 2.13's own refuses a batch of 1)
     assert torch.Tensor.reshape is plain and "reshape" not in vars(torch.Tensor)
 
