@@ -43,7 +43,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import sympy
 import torch
-import torch._prims_common
 import torch.fx as fx
 from torch.export import Dim
 from torch.utils import _pytree as pytree
@@ -51,11 +50,11 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from . import meta
 from .capture_bags import bags_of_rows, opaque_bags, restore_aten
+from .capture_reshapes import reshape_by_copy
 from .codegen import StructuredCodeGen, leaf_paths, supported
 from .graph_module import MODES_KEY, TransformedModule, adopt, hold_containers_like
 from .modes import TrainingReads, bind_modes
 from .runtime.input_guards import GUARDS_NAME, InputGuards
-from .thread_patches import ThreadPatch
 
 
 class CaptureError(RuntimeError):
@@ -124,7 +123,7 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
 
     def run():
         with _lean_tracing(), (opaque_bags() if lean_bags else contextlib.nullcontext()), \
-                _reshape_by_copy(), bags_of_rows():
+                reshape_by_copy(), bags_of_rows():
             ep = torch.export.export(model, *_unaliased(copy.deepcopy((args, kwargs))), strict=False,
                                      dynamic_shapes=dynamic)
             if lean_bags:
@@ -167,106 +166,6 @@ def _unaliased(tree):
         return x
 
     return pytree.tree_map(one, tree)
-
-
-def _surely_contiguous(t: torch.Tensor) -> bool:
-    """Whether ``t``'s sizes and strides are contiguous for every value of their size symbols
-    (False where that depends on them), asking torch nothing it would record as a guard."""
-    return bool(torch._prims_common.is_contiguous_or_false(t))
-
-
-class _NoExampleValue(Exception):
-    pass
-
-
-def _at_example(v):
-    """``v`` with each size at its example value (a tensor: an empty meta tensor of those sizes)."""
-    if isinstance(v, torch.SymInt):
-        hint = getattr(v.node, "hint", None)
-        if hint is None:  # (an unbacked size: torch 2.11 sizes a slice so)
-            raise _NoExampleValue
-        return int(hint)
-    if isinstance(v, torch.Tensor):
-        return torch.empty([_at_example(s) for s in v.shape], device="meta")
-    if isinstance(v, (tuple, list)):
-        return type(v)(_at_example(x) for x in v) if type(v) in (tuple, list) else tuple(_at_example(x) for x in v)
-    if isinstance(v, dict):
-        return {k: _at_example(x) for k, x in v.items()}
-    return v
-
-
-def _views_at_example(op, t: torch.Tensor, args, kwargs) -> Optional[bool]:
-    """Whether ``op(t, *args, **kwargs)`` gives ``t`` or a view of it (no copy) at the example's
-    sizes and strides, asked of an empty meta tensor laid out so; None where a size has no example
-    value or the op fails there (its own call then says why)."""
-    try:
-        probe = torch.empty_strided([_at_example(s) for s in t.shape], [_at_example(s) for s in t.stride()],
-                                    device="meta")
-        out = op(probe, *_at_example(tuple(args)), **_at_example(dict(kwargs)))
-    except _NoExampleValue:
-        return None
-    except Exception:  # noqa: BLE001 - the op itself raises it below
-        return True
-    return out is probe or (isinstance(out, torch.Tensor) and out._is_view())
-
-
-def _flattens_nothing(t: torch.Tensor, args, kwargs) -> bool:
-    """Whether ``flatten(t, *args, **kwargs)`` flattens one dim or none: it gives ``t`` itself."""
-    start = kwargs.get("start_dim", args[0] if len(args) > 0 else 0)
-    end = kwargs.get("end_dim", args[1] if len(args) > 1 else -1)
-    if not isinstance(start, int) or not isinstance(end, int):
-        return False  # (named dims: torch's own)
-    n = max(t.dim(), 1)
-    return start % n == end % n
-
-
-def _by_copy(op, name: str):
-    contiguous = name == "contiguous"
-    flatten = name == "flatten"
-
-    @functools.wraps(op)
-    def traced(*args, **kwargs):
-        if _BY_COPY.on():
-            key = None if args else "input" if "input" in kwargs else "self" if "self" in kwargs else None
-            t = args[0] if args else kwargs.get(key) if key else None
-            rest = args[1:] if args else ()
-            other = {k: v for k, v in kwargs.items() if k != key}
-            if isinstance(t, torch.Tensor) and t.dim() >= 1 and not _surely_contiguous(t) \
-                    and not (contiguous and (rest or other.get("memory_format", torch.contiguous_format)
-                                             is not torch.contiguous_format)) \
-                    and not (flatten and _flattens_nothing(t, rest, other)) \
-                    and not _views_at_example(op, t, rest, other):
-                # (where the op views the example, it is left as torch traces it: a write through
-                # the view must reach the tensor, as in the model)
-                t = t.clone(memory_format=torch.contiguous_format)
-                return op(t, *rest, **other)
-        return op(*args, **kwargs)
-
-    return traced
-
-
-#: the ops :func:`_reshape_by_copy` traces on a copy
-_BY_COPY = ThreadPatch([(torch.Tensor, "reshape"), (torch.Tensor, "flatten"), (torch.Tensor, "ravel"),
-                        (torch.Tensor, "reshape_as"), (torch.Tensor, "contiguous"), (torch, "reshape"),
-                        (torch, "flatten"), (torch, "ravel")], _by_copy)
-
-
-def _reshape_by_copy():
-    """Within, this thread traces a reshape (``reshape``, ``flatten``, ``ravel``, ``reshape_as``,
-    the ``torch.`` functions too) or ``contiguous()`` of a tensor whose contiguity depends on its
-    sizes (a slice of columns ``ids[:, :3]``, a transpose), where the op copies the example, as a
-    row-major copy (``clone``) then that op, which on the copy is a view. Where the op views the
-    example, it is traced as torch traces it (a write through the view reaches the tensor, as in
-    the model). Size-oblivious capture traces such a reshape with guards
-    that refuse a size of 1 (``ids.size()[0] != 1``) or a slice that takes a whole dim
-    (``ids.size()[1] != min(3, ids.size()[1])``), which the captured model, and its exported
-    program, then kept as input checks: a transformed ``bag(ids[:, :3])`` refused a batch of one,
-    which the plain model takes. The copy needs no guard, and costs what the reshape of such a
-    tensor costs (it copies it too; a call whose tensor happens to be contiguous, as a slice of one
-    row, copies where the reshape would not: a model that writes in place through such a reshape's
-    result reaches its input at a batch of 1 but not in the transformed model). ``F.embedding_bag``'s flattening of ``[B, L]`` ids and fxrec's own packing
-    (while exporting) are among them. See :mod:`fxrec.thread_patches`."""
-    return _BY_COPY()
 
 
 @contextlib.contextmanager

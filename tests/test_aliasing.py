@@ -671,7 +671,7 @@ class _WritesThroughReshapes(nn.Module):
     """Writes through results of reshapes that view their tensor at the example's sizes: a slice
     flattened over one dim (flatten gives the slice itself) and a transpose reshaped to the shape
     it has. Capture flattens tensors of size-dependent layouts on a copy only where the reshape
-    copies the example (fxrec.capture._reshape_by_copy): here the writes must reach x and h."""
+    copies the example (fxrec.capture_reshapes.reshape_by_copy): here the writes must reach x and h."""
 
     def __init__(self):
         super().__init__()

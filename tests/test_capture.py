@@ -15,6 +15,7 @@ from torch import nn
 
 import fxrec
 from fxrec import capture as C
+from fxrec import capture_reshapes
 from fxrec.testing import assert_matches, captured
 
 from . import models
@@ -295,7 +296,7 @@ def test_bags_are_recorded_opaquely_only_inside_the_capture_and_in_its_thread():
 
 
 def test_reshapes_are_traced_on_a_copy_only_inside_the_capture_and_in_its_thread():
-    """fxrec.capture._reshape_by_copy: in the capturing thread, a reshape of a tensor whose
+    """fxrec.capture_reshapes.reshape_by_copy: in the capturing thread, a reshape of a tensor whose
     contiguity depends on its sizes is traced as clone then reshape (no guard on a size of 1); in
     another thread at the same time, and after the capture, reshape is torch's own."""
     from torch.export import Dim
@@ -315,7 +316,7 @@ def test_reshapes_are_traced_on_a_copy_only_inside_the_capture_and_in_its_thread
     seen = {}
     plain = torch.Tensor.reshape
     before = guards_and_clones()  # (torch 2.11 crashed where a process's first export ran in another thread)
-    with C._reshape_by_copy():
+    with capture_reshapes.reshape_by_copy():
         def other():  # (torch's functions taken by keyword too, in a thread that is not capturing)
             seen.update(other=guards_and_clones(), kw=torch.reshape(input=torch.arange(4), shape=(2, 2)))
 

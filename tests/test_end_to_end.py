@@ -415,7 +415,7 @@ def test_the_report_lists_the_size_conditions_capture_kept():
     """torch.export's capture of a reshape that views a transposed [B, L] tensor keeps the
     condition that neither dim is 1: the report said every dynamic size took any value, batch 1
     included, and batch 1 was refused. (A bag of the transpose itself now takes both: capture
-    flattens it on a copy, fxrec.capture._reshape_by_copy.)"""
+    flattens it on a copy, fxrec.capture_reshapes.reshape_by_copy.)"""
     model = _TransposedReshaped()
     fast = fxrec.transform(model, (torch.randint(0, 30, (3, 4)),))
     notes = fast.report.notes
