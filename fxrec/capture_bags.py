@@ -176,10 +176,7 @@ def _bags_of_rows(original, name: str = "embedding_bag"):
                 and not input.is_nested and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
                 and not (weight.dtype == torch.long and input.is_floating_point()) \
                 and (per_sample_weights is None or per_sample_weights.shape == input.shape):
-            b, length = input.shape
-            if isinstance(length, int) and length == 0:  # (torch's own error: "step must be nonzero")
-                return original(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
-                                per_sample_weights, include_last_offset, padding_idx)
+            b, length = input.shape  # (L a size symbol: a fixed L, 0 included, is torch's own)
             # the length torch's arange computes, checked as it checks it: L = 0 then divides by 0,
             # which the captured model's input checks report naming the ids (a plain L != 0 would
             # be taken as true by the size-oblivious capture, and leave no check)

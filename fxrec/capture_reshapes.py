@@ -109,7 +109,8 @@ def reshape_by_copy():
     sizes (a slice of columns ``ids[:, :3]``, a transpose), where the op copies the example, as a
     row-major copy (``clone``) then that op, which on the copy is a view. Where the op views the
     example, it is traced as torch traces it (a write through the view reaches the tensor, as in
-    the model). Size-oblivious capture traces such a reshape with guards that refuse a size of 1 (``ids.size()[0] != 1``) or a slice that takes a whole dim
+    the model). Size-oblivious capture traces such a reshape with guards that refuse a size of 1
+    (``ids.size()[0] != 1``) or a slice that takes a whole dim
     (``ids.size()[1] != min(3, ids.size()[1])``), which the captured model, and its exported
     program, then kept as input checks: a transformed ``bag(ids[:, :3])`` refused a batch of one,
     which the plain model takes. The copy needs no guard, and costs what the reshape of such a

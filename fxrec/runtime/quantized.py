@@ -106,12 +106,18 @@ class _Quantized:
         memory; see :mod:`.kernels.fbgemm_nbit`)."""
         probe = fn(torch.empty(0, dtype=torch.uint8, device=self.q_weights.device))
         device = probe.device if isinstance(probe, torch.Tensor) else self.q_weights.device
-        placed = _nbit.placed_for(device, self._cuda_places())
-        if device.type in ("cpu", "cuda") and (
-                _nbit.row_alignment(device) != self.q_ints["row_alignment"] or placed != self._places_now()
-                or (device != self.q_weights.device and "managed" in placed)):  # (another GPU: its unified memory)
+        if self._packed_otherwise_than(device) or (  # (another GPU: its unified memory)
+                device.type == "cuda" and device != self.q_weights.device
+                and "managed" in _nbit.placed_for(device, self._cuda_places())):
             self._pack_for(device)
         return super()._apply(fn, *args, **kwargs)
+
+    def _packed_otherwise_than(self, device: torch.device) -> bool:
+        """Whether the rows are packed at another row alignment or placements than ``device``
+        (CPU or CUDA) takes them at."""
+        return device.type in ("cpu", "cuda") and (
+            _nbit.row_alignment(device) != self.q_ints["row_alignment"]
+            or _nbit.placed_for(device, self._cuda_places()) != self._places_now())
 
     def _cuda_places(self):
         return getattr(self, "q_where", ("device",) * len(self.tables))  # (pickled before fxrec kept it)
@@ -147,9 +153,7 @@ class _Quantized:
         unified = device is not None and uvm is not None
         if unified and here.type == "cuda":
             self.q_weights_uvm = _nbit.unified_bytes(uvm.numel(), here).copy_(uvm)
-        elif here.type in ("cpu", "cuda") and (
-                unified or _nbit.row_alignment(here) != self.q_ints["row_alignment"]
-                or _nbit.placed_for(here, self._cuda_places()) != self._places_now()):
+        elif (unified and here.type == "cpu") or self._packed_otherwise_than(here):
             # loaded on another kind of device (torch.load's map_location): rows packed there as
             # .to() packs them (CUDA reads rows 16 bytes at a time, a CPU at 1; unified memory
             # only on CUDA), not read at the stride of the device they were saved on
