@@ -272,26 +272,30 @@ def test_rows_packed_again_at_cudas_alignment_are_fbgemms_own_packing_and_read_t
     assert torch.equal(back[2], fresh.q_weights_placements) and back[1].numel() == 0
 
 
+def _pack_as_cuda_does(group) -> None:
+    """The group's rows packed again at 16 bytes, on the CPU: as a model moved to CUDA has them."""
+    from fxrec.runtime.kernels import fbgemm_nbit
+
+    weights, _, placements, offsets = fbgemm_nbit.relayout(
+        group.q_packed, [f.table for f in group.features], (group.q_weights, group.q_weights_uvm),
+        group.q_weights_placements, group.q_weights_offsets, 1, torch.device("cpu"), new_alignment=16)
+    group.q_weights, group.q_weights_offsets, group.q_weights_placements = weights, offsets, placements
+    group.q_ints = {**group.q_ints, "row_alignment": 16}
+    group.q_row_alignment = torch.tensor(16)
+
+
 def test_a_model_pickled_with_rows_packed_for_cuda_and_loaded_on_cpu_packs_them_for_the_cpu():
     """torch.load(map_location=) of a quantized model pickled on CUDA (rows at 16 bytes) kept that
     stride; loaded on CUDA from CPU, rows at 1 byte would be read 16 at a time. Unpickling packs the
     rows for the device they land on, as .to() does. (Here: rows packed at 16 bytes on the CPU,
     as a model saved on CUDA and loaded with map_location="cpu" has them.)"""
-    from fxrec.runtime.kernels import fbgemm_nbit
-
     model, inputs = M.BagList(rows=ROWS, dim=24).eval(), M.bag_inputs(rows=ROWS, max_len=4)
     fast = fxrec.transform(model, inputs, mode="inference", quantize="int8")
     (group,) = _quantized_groups(fast)
     with torch.no_grad():
         before = fast(*inputs)
     cpu_bytes, cpu_weights = group.table_nbytes, group.q_weights.clone()
-    ftm = [f.table for f in group.features]
-    weights, _, placements, offsets = fbgemm_nbit.relayout(
-        group.q_packed, ftm, (group.q_weights, group.q_weights_uvm), group.q_weights_placements,
-        group.q_weights_offsets, 1, torch.device("cpu"), new_alignment=16)
-    group.q_weights, group.q_weights_offsets, group.q_weights_placements = weights, offsets, placements
-    group.q_ints = {**group.q_ints, "row_alignment": 16}
-    group.q_row_alignment = torch.tensor(16)
+    _pack_as_cuda_does(group)
     assert sum(group.table_nbytes) > sum(cpu_bytes)  # (int8 rows of 28 bytes: 32 at CUDA's stride)
     buf = io.BytesIO()
     torch.save(fast, buf)
@@ -302,6 +306,43 @@ def test_a_model_pickled_with_rows_packed_for_cuda_and_loaded_on_cpu_packs_them_
     assert loaded.table_nbytes == cpu_bytes and torch.equal(loaded.q_weights, cpu_weights)
     with torch.no_grad():
         assert torch.equal(back(*inputs), before)
+
+
+@pytest.mark.parametrize("case", ["int8_bags", "int4_padded_columns", "int8_sequence", "int4_packed_for_cuda"])
+def test_a_model_loaded_on_meta_then_to_empty_takes_its_state_dict(case):
+    """A pickled quantized model loaded on meta (torch.load(map_location="meta")), given memory by
+    to_empty and its rows by load_state_dict, answers as the model saved. to_empty leaves the buffers
+    that describe the layout as uninitialised memory: the load was refused as "tables of other
+    dtypes", and the columns a padded table drops (not in the state_dict) would be read as they are."""
+    if case == "int8_sequence":
+        model, inputs, dtype = M.SequenceMean().eval(), M.seq_inputs(), "int8"
+    else:
+        dim, dtype = (12, "int4") if case.startswith("int4") else (16, "int8")
+        model, inputs = M.BagList(rows=ROWS, dim=dim).eval(), M.bag_inputs(rows=ROWS, max_len=4)
+    fast = fxrec.transform(model, inputs, mode="inference", quantize=dtype)
+    groups = _quantized_groups(fast)
+    assert groups and (case != "int4_padded_columns" or groups[0].q_columns.numel() > 0)
+    if case == "int4_packed_for_cuda":
+        for g in groups:
+            _pack_as_cuda_does(g)
+    with torch.no_grad():
+        want = fast(*inputs)
+    state = {k: v.clone() for k, v in fast.state_dict().items()}
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    buf.seek(0)
+    there = torch.load(buf, map_location="meta", weights_only=False)
+    assert all(t.is_meta for t in there.state_dict().values())
+    here = there.to_empty(device="cpu")
+    for g in _quantized_groups(here):  # what uninitialised memory may hold
+        for name, b in g.named_buffers():
+            if b.is_floating_point() or b.dtype in (torch.int32, torch.int64, torch.uint8):
+                b.fill_(7)
+    assert not here.load_state_dict(state).missing_keys
+    (loaded, *_), = [_quantized_groups(here)]
+    assert loaded.q_ints["row_alignment"] == 1
+    with torch.no_grad():
+        assert torch.equal(here(*inputs), want)
 
 
 @pytest.mark.parametrize("where", [("managed", "managed", "managed"), ("managed", "device", "managed")],

@@ -54,8 +54,7 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
         group.q_packed, [f.table for f in group.features], group.pooling, device, padded, output_dtype,
         _nbit.placed_for(device, group.q_where),
     )
-    cols = real_columns_index(group.tables, group.features, stored) if group.pooling != "none" else []
-    group.register_buffer("q_columns", torch.tensor(cols, dtype=torch.long, device=weights[0].device),
+    group.register_buffer("q_columns", _real_columns(group, weights[0].device),
                           persistent=False)  # derived from the specs: not part of state_dict()
     group.register_buffer("q_weights", tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev)
     group.q_placed = _nbit.placed_for(device, group.q_where)  # where the rows are now
@@ -70,6 +69,14 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
         "pooling_mode")}
     # saved with the rows, so that a state_dict loads into a model packed for another device
     group.register_buffer("q_row_alignment", torch.tensor(group.q_ints["row_alignment"], dtype=torch.int64))
+
+
+def _real_columns(group, device: torch.device) -> torch.Tensor:
+    """The columns of a pooled group's lookup that are its tables' own (none kept where every
+    table is stored at its dim, and in a sequence group)."""
+    stored = [d for _, d, _ in group.q_packed]
+    cols = real_columns_index(group.tables, group.features, stored) if group.pooling != "none" else []
+    return torch.tensor(cols, dtype=torch.long, device=device)
 
 
 def stored_dims(tables: Sequence[TableSpec], dtypes: Sequence[str], pooling: str) -> List[int]:
@@ -164,9 +171,9 @@ class _Quantized:
         tables than this group's: other dtypes, other dims, or rows that do not fit them as its
         own layout (its placements and row alignment) packs them. What is wrong, naming the
         tables; else ""."""
+        mine = self._layout()  # (from the tables, not the buffers: a model on meta then to_empty has none)
         tys = state_dict.get(prefix + "q_weights_tys")
-        if tys is not None and (tys.shape != self.q_weights_tys.shape
-                                or not torch.equal(tys.cpu(), self.q_weights_tys.cpu())):
+        if tys is not None and (tys.dim() != 1 or tys.tolist() != mine.tys):
             # (rows of other dtypes of the same bytes would load, and be read by this model's widths)
             names = {int(ty.as_int()) if hasattr(ty, "as_int") else int(ty.value): n
                      for n, ty in _nbit._fbgemm_types().items()}
@@ -176,10 +183,9 @@ class _Quantized:
             return (f"fxrec: {prefix}q_weights holds tables of other dtypes than this model stores them in "
                     f"({'; '.join(differ)}): transform with the quantize= the state_dict was saved with")
         dims = state_dict.get(prefix + "q_D_offsets")
-        if dims is not None and (dims.shape != self.q_D_offsets.shape
-                                 or not torch.equal(dims.cpu(), self.q_D_offsets.cpu())):
+        if dims is not None and (dims.dim() != 1 or dims.tolist() != mine.D_offsets):
             return (f"fxrec: {prefix}q_D_offsets {dims.tolist()} are not the tables' {self._names()} "
-                    f"({self.q_D_offsets.tolist()}): the rows were saved from tables of other dims")
+                    f"({mine.D_offsets}): the rows were saved from tables of other dims")
         if prefix + "q_weights" not in state_dict or prefix + "q_weights_placements" not in state_dict:
             return ""  # (a partial state_dict: the rows are not loaded)
         try:
@@ -201,6 +207,26 @@ class _Quantized:
     def _names(self) -> List[str]:
         return [t.name for t in self.tables]
 
+    def _layout(self) -> "_nbit.Layout":
+        """The layout of this group's rows as packed now (its device's kind, placements and row
+        alignment), from its tables."""
+        return _nbit.layout(self.q_packed, [f.table for f in self.features], self.q_weights.device,
+                            self._places_now(), self.q_ints["row_alignment"])
+
+    def _restore_layout_buffers(self) -> None:
+        """The buffers that describe the rows' layout, written from the tables: after ``to_empty``
+        (a model loaded on meta) they hold whatever memory they were given, and the ones a
+        state_dict does not hold (``q_columns``) would be read as they are."""
+        mine, device = self._layout(), self.q_weights.device
+        for name, values, dtype in (("q_weights_placements", mine.placements, torch.int32),
+                                    ("q_weights_offsets", mine.offsets, torch.int64),
+                                    ("q_weights_tys", mine.tys, torch.uint8),
+                                    ("q_D_offsets", mine.D_offsets, torch.int32)):
+            setattr(self, name, torch.tensor(values, dtype=dtype, device=device))
+        self.q_columns = _real_columns(self, device)
+        self.q_row_alignment = torch.tensor(self.q_ints["row_alignment"], dtype=torch.int64,
+                                            device=self.q_row_alignment.device)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Rows saved packed for another device or placement (their ``q_row_alignment`` and
         placements) are packed again for this one's before they load, once
@@ -213,10 +239,12 @@ class _Quantized:
         if problem:
             args[-1].append(problem)
             return
+        if self.q_weights.device.type != "meta":
+            self._restore_layout_buffers()
         if prefix + "q_weights" in state_dict and all(n in state_dict for n in names[2:]):
             saved = int(state_dict[key]) if key in state_dict else mine
             places = state_dict[names[2]]
-            if saved != mine or not torch.equal(places.cpu(), self.q_weights_placements.cpu()):
+            if saved != mine or places.tolist() != self.q_weights_placements.tolist():
                 uvm = state_dict.get(names[1], torch.zeros(0, dtype=torch.uint8))
                 packed = _nbit.relayout(self.q_packed, [f.table for f in self.features],
                                         (state_dict[names[0]], uvm), places, state_dict[names[3]], saved,

@@ -24,7 +24,7 @@ offset, whichever buffer that offset is in, so mixed placements there would refu
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -152,10 +152,9 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
     that layout. Returns ``(dev, uvm, placements, offsets)`` on ``device``, the last two per
     feature; each row's bytes are copied unchanged, the padding is zero. A table's rows cross
     devices in one contiguous copy, restrided on the side that is host memory (no second copy of
-    a table in GPU memory)."""
+    a table in GPU memory). From buffers on meta, the new ones are zero."""
     require_fbgemm()
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
-        nbit_construct_split_state,
         rounded_row_size_in_bytes,
         unpadded_row_size_in_bytes,
     )
@@ -164,24 +163,61 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
     device = torch.device(device)
     where = tuple(where) or ("device",) * len(rows_dims_dtypes)
     new_alignment = row_alignment(device) if new_alignment is None else int(new_alignment)
-    state = nbit_construct_split_state(_table_specs(rows_dims_dtypes, device, where), cacheable=False,
-                                       row_alignment=new_alignment)
-    dev = torch.zeros(state.host_size if device.type == "cpu" else state.dev_size, dtype=torch.uint8, device=device)
-    uvm = unified_bytes(state.uvm_size, device)
+    new = layout(rows_dims_dtypes, feature_table_map, device, where, new_alignment)
+    dev = torch.zeros(new.dev_size, dtype=torch.uint8, device=device)
+    uvm = unified_bytes(new.uvm_size, device)
     ftm = list(feature_table_map)
     first = [ftm.index(t) for t in range(len(rows_dims_dtypes))]
-    old_starts, old_places = offsets.tolist(), placements.tolist()
-    for t, (rows, dim, dtype) in enumerate(rows_dims_dtypes):
+    # (from meta, to_empty of a model loaded there: no rows to copy; a state_dict brings them)
+    empty = buffers[0].is_meta or placements.is_meta or offsets.is_meta
+    old_starts, old_places = ([], []) if empty else (offsets.tolist(), placements.tolist())
+    for t, (rows, dim, dtype) in enumerate([] if empty else rows_dims_dtypes):
         src = buffers[0] if old_places[first[t]] in _IN_DEV else buffers[1]
         dst = uvm if where[t] == "managed" else dev
-        old, new = old_starts[first[t]], state.offsets[t]
+        old, start = old_starts[first[t]], new.offsets[first[t]]
         used = unpadded_row_size_in_bytes(dim, types[dtype])
         was = rounded_row_size_in_bytes(dim, types[dtype], alignment)
         now = rounded_row_size_in_bytes(dim, types[dtype], new_alignment)
-        _copy_rows(dst[new:new + rows * now], src[old:old + rows * was], rows, used, was, now)
-    to_feature = lambda values, dtype: torch.tensor([values[t] for t in ftm], dtype=dtype, device=device)
-    return (dev, uvm, to_feature([p.value for p in state.placements], torch.int32),
-            to_feature(list(state.offsets), torch.int64))
+        _copy_rows(dst[start:start + rows * now], src[old:old + rows * was], rows, used, was, now)
+    return (dev, uvm, torch.tensor(new.placements, dtype=torch.int32, device=device),
+            torch.tensor(new.offsets, dtype=torch.int64, device=device))
+
+
+class Layout(NamedTuple):
+    """Where fbgemm's IntNBit TBE keeps a group's packed tables (its constructor's own state):
+    the bytes of its ``(dev, uvm)`` buffers (``dev``: the host buffer on CPU), and per feature the
+    buffer its table is in (fbgemm's placement: HOST 3, DEVICE 0, MANAGED 1), the byte where the
+    table starts there, its type, and the features' output columns (``D_offsets``)."""
+
+    dev_size: int
+    uvm_size: int
+    placements: List[int]
+    offsets: List[int]
+    tys: List[int]
+    D_offsets: List[int]
+
+
+def layout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
+           device: torch.device, where: Sequence[str], alignment: int) -> Layout:
+    """The :class:`Layout` of these tables (rows, stored dim, dtype) on ``device`` (its kind),
+    placed where ``where`` says, rows at ``alignment`` bytes: fbgemm's ``nbit_construct_split_state``
+    and its constructor's per-feature lists, read from the tables and not from any buffer."""
+    require_fbgemm()
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import nbit_construct_split_state
+
+    on_cpu = torch.device(device).type == "cpu"
+    state = nbit_construct_split_state(_table_specs(rows_dims_dtypes, "cpu" if on_cpu else "cuda", where),
+                                       cacheable=False, row_alignment=int(alignment))
+    types = _fbgemm_types()
+    ftm = list(feature_table_map)
+    code = [int(types[t].as_int()) if hasattr(types[t], "as_int") else int(types[t].value)
+            for _, _, t in rows_dims_dtypes]
+    columns = [0]
+    for t in ftm:
+        columns.append(columns[-1] + int(rows_dims_dtypes[t][1]))
+    return Layout(state.host_size if on_cpu else state.dev_size, state.uvm_size,
+                  [int(state.placements[t].value) for t in ftm], [int(state.offsets[t]) for t in ftm],
+                  [code[t] for t in ftm], columns)
 
 
 def saved_sizes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
@@ -189,17 +225,12 @@ def saved_sizes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_
     """The bytes of the ``(dev, uvm)`` buffers of these tables packed at ``alignment`` with these
     per-feature ``placements`` (fbgemm's values: HOST 3 on CPU, DEVICE 0 on CUDA, MANAGED 1 in the
     uvm buffer), and the per-feature offsets: what a state_dict saved with that layout holds."""
-    require_fbgemm()
-    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import nbit_construct_split_state
-
     ftm = list(feature_table_map)
     per_table = [int(placements[ftm.index(t)]) for t in range(len(rows_dims_dtypes))]
     device = "cpu" if 3 in per_table else "cuda"
     where = ["device" if p in _IN_DEV else "managed" for p in per_table]
-    state = nbit_construct_split_state(_table_specs(rows_dims_dtypes, device, where), cacheable=False,
-                                       row_alignment=int(alignment))
-    return ((state.host_size if device == "cpu" else state.dev_size), state.uvm_size,
-            [int(state.offsets[t]) for t in ftm])
+    saved = layout(rows_dims_dtypes, ftm, torch.device(device), where, alignment)
+    return saved.dev_size, saved.uvm_size, saved.offsets
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: int, used: int, was: int, now: int) -> None:
