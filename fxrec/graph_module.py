@@ -25,6 +25,8 @@ checks cannot be traced symbolically). :class:`TransformedModule`:
 
 from __future__ import annotations
 
+import copy
+import io
 import pickle
 from typing import Any, Dict, Optional
 
@@ -69,6 +71,12 @@ class TransformedModule(fx.GraphModule):
         # whose parameters it writes: empty the caches first (their updates written back), so
         # nothing cached is older than what is loaded
         sync_caches(self, drop=True)
+        local_metadata = args[2] if len(args) > 2 else kwargs.get("local_metadata", {})
+        if local_metadata.get("assign_to_params_buffers") and any(t.is_meta for t in (*self.parameters(), *self.buffers())):
+            # (what assign does not reach: the graph's constants and devices, a quantized group's
+            # derived buffers, stay on meta; the first call then fails, blaming the inputs)
+            raise ValueError("fxrec: load_state_dict(..., assign=True) onto a transformed model on meta is not "
+                             "supported: give it memory first with .to_empty(device=...), then load_state_dict(...)")
         super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
@@ -111,22 +119,22 @@ class TransformedModule(fx.GraphModule):
         """The graph's tensor constants (``lifted_tensor_0``: a ``torch.tensor(..., device=x.device)``
         in forward, made once at capture) follow ``.to()`` / ``.cuda()`` to the parameters' device,
         as the plain model's tensor made in forward follows its inputs; their dtype stays, as that
-        tensor's does under ``.half()``. (Not buffers: state_dict() keeps the plain model's keys.)"""
-        owned = {id(t) for t in self.parameters()} | {id(t) for t in self.buffers()}
-        for node in self.graph.nodes:
-            if node.op != "get_attr":
-                continue
-            owner, _, leaf = node.target.rpartition(".")
-            try:
-                mod = self.get_submodule(owner) if owner else self
-            except AttributeError:
-                continue
-            value = mod.__dict__.get(leaf)
-            if not isinstance(value, torch.Tensor) or id(value) in owned:
-                continue
+        tensor's does under ``.half()``. (Not buffers: state_dict() keeps the plain model's keys.)
+        They are part of the code, not state: one sent to meta keeps its values on the host
+        (``_fxrec_constants_kept``), which a move back (``to_empty``) restores, where a buffer
+        would be left uninitialised."""
+        kept = self.__dict__.setdefault(_KEPT, {})
+        for name, mod, leaf, value in _graph_constants(self):
             moved = fn(value)
-            if isinstance(moved, torch.Tensor) and moved.device != value.device:  # (from meta: fn's result, as a parameter's)
-                setattr(mod, leaf, moved if value.is_meta else value.to(moved.device))
+            if not isinstance(moved, torch.Tensor) or moved.device == value.device:
+                continue
+            if moved.is_meta:
+                kept[name] = value.detach().cpu()
+                setattr(mod, leaf, value.to("meta"))
+            elif value.is_meta:
+                setattr(mod, leaf, kept.pop(name).to(moved.device) if name in kept else moved)
+            else:
+                setattr(mod, leaf, value.to(moved.device))
 
     def __deepcopy__(self, memo):
         sync_caches(self)
@@ -138,18 +146,22 @@ class TransformedModule(fx.GraphModule):
             owner, _, leaf = name.rpartition(".")
             mod = out.get_submodule(owner) if owner else out
             setattr(mod, leaf, mod._buffers.pop(leaf))
+        out.__dict__[_KEPT] = copy.deepcopy(self.__dict__.get(_KEPT, {}), memo)  # (fx copies only what the graph reads)
         return out
 
     def __reduce__(self):
         sync_caches(self)
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_PICKLED}
         state["meta"] = _picklable_graph_meta(self.meta)
+        # the constants' values also as bytes, which torch.load's map_location does not move: a
+        # model loaded on meta keeps them for to_empty (see _move_constants)
+        kept = self.__dict__.get(_KEPT, {})
+        state[_KEPT] = {name: _tensor_bytes(kept.get(name, value)) for name, _, _, value in _graph_constants(self)
+                        if not value.is_meta or name in kept}
         pickled_on = _tensors_device(self)
         return (_rebuild, (state, _encode_graph(self.graph), str(pickled_on) if pickled_on is not None else None))
 
     def __copy__(self):  # a shallow copy would share the graph; make it a deep one
-        import copy
-
         return copy.deepcopy(self)
 
 
@@ -253,6 +265,39 @@ def bind_tables(module: torch.nn.Module) -> None:
             params = [gm.get_parameter(w.target) for w in weights]
             if params and params[0].device.type in ("cpu", "cuda") and usable(params, group):
                 ensure_bound(group, params)
+
+
+#: where a TransformedModule on meta keeps its graph constants' values (see _move_constants)
+_KEPT = "_fxrec_constants_kept"
+
+
+def _graph_constants(gm: fx.GraphModule):
+    """``(target, owner module, attribute, tensor)`` of each tensor the graph reads by ``get_attr``
+    that is neither a parameter nor a buffer: constants capture made (``lifted_tensor_0``)."""
+    owned = {id(t) for t in gm.parameters()} | {id(t) for t in gm.buffers()}
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner, _, leaf = node.target.rpartition(".")
+        try:
+            mod = gm.get_submodule(owner) if owner else gm
+        except AttributeError:
+            continue
+        value = mod.__dict__.get(leaf)
+        if isinstance(value, torch.Tensor) and id(value) not in owned:
+            out.append((node.target, mod, leaf, value))
+    return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t.detach().cpu().clone(), buf)
+    return buf.getvalue()
+
+
+def _tensor_from_bytes(b: bytes) -> torch.Tensor:
+    return torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
 
 
 _NOT_PICKLED = {"_graph", "_code", "_lineno_map", "_prologue_start", "shape_env", "range_constraints", "meta"}
@@ -484,6 +529,9 @@ def _rebuild(state: Dict[str, Any], graph_data: Dict[str, Any], pickled_on: Opti
     for k, v in gm.meta.get("_user_preserved_attributes", {}).items():
         setattr(gm, k, v)
     gm.graph = _decode_graph(graph_data)  # the setter recompiles
+    saved = state.get(_KEPT, {})
+    gm.__dict__[_KEPT] = {name: _tensor_from_bytes(saved[name]) for name, _, _, value in _graph_constants(gm)
+                          if value.is_meta and isinstance(saved.get(name), bytes)}
     if pickled_on is not None:  # loaded elsewhere (torch.load's map_location): the graph's devices follow, as .to()'s
         gm._move_device_args(torch.device(pickled_on), _tensors_device(gm))
     return gm

@@ -428,6 +428,56 @@ def test_the_graphs_tensor_constants_follow_the_model_to_another_device_and_keep
         assert sorted(m.state_dict()) == sorted(model.state_dict())
 
 
+@pytest.mark.parametrize("how", ["to_meta", "pickle_onto_meta", "pickle_of_a_model_on_meta", "deepcopy_on_meta"])
+@pytest.mark.parametrize("kw", [{}, {"mode": "inference", "quantize": "int8"}], ids=["fp32", "int8"])
+def test_the_graphs_tensor_constants_keep_their_values_through_meta_and_to_empty(how, kw):
+    """A graph constant is code, not state: no state_dict brings it back. Sent to meta (.to("meta"),
+    or torch.load(map_location="meta") of a pickle) and given memory again by to_empty, it was
+    uninitialised memory, and the model answered otherwise than it was saved, silently."""
+    model = ConstantOnInputsDevice().eval() if kw else ConstantOnInputsDevice()
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    fast = fxrec.transform(model, x, **kw)
+    with torch.no_grad():
+        want = fast(*x)
+    state = {k: v.clone() for k, v in fast.state_dict().items()}
+
+    def pickled(m):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        return torch.load(buf, map_location="meta" if how == "pickle_onto_meta" else None, weights_only=False)
+
+    there = {"to_meta": lambda: copy.deepcopy(fast).to("meta"),
+             "pickle_onto_meta": lambda: pickled(fast),
+             "pickle_of_a_model_on_meta": lambda: pickled(copy.deepcopy(fast).to("meta")),
+             "deepcopy_on_meta": lambda: copy.deepcopy(copy.deepcopy(fast).to("meta"))}[how]()
+    assert [c.device.type for c in _constants(there).values()] == ["meta"]
+    here = there.to_empty(device="cpu")
+    assert [c.tolist() for c in _constants(here).values()] == [[1.0, 2.0, 3.0, 4.0]]
+    here.load_state_dict(state)
+    assert sorted(here.state_dict()) == sorted(state)
+    with torch.no_grad():
+        assert torch.equal(here(*x), want)
+
+
+@pytest.mark.parametrize("kw", [{}, {"mode": "inference", "quantize": "int8"}], ids=["fp32", "int8"])
+def test_load_state_dict_with_assign_onto_a_model_on_meta_is_refused_saying_what_to_do(kw):
+    """assign=True reaches the parameters and buffers, not the graph's constants and devices: the
+    first call failed blaming the inputs' device (fp32), or copying out of meta (quantized)."""
+    model = ConstantOnInputsDevice().eval() if kw else ConstantOnInputsDevice()
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    fast = fxrec.transform(model, x, **kw)
+    state = fast.state_dict()
+    holder = nn.ModuleDict({"fast": copy.deepcopy(fast).to("meta")})  # (reached from a parent's load too)
+    for target, saved in ((copy.deepcopy(fast).to("meta"), state),
+                          (holder, {f"fast.{k}": v for k, v in state.items()})):
+        with pytest.raises(ValueError, match=r"assign=True.*on meta.*to_empty"):
+            target.load_state_dict(saved, assign=True)
+    fast.load_state_dict(state, assign=True)  # (a model that is not on meta: as torch does it)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0 if not kw else 0.05)
+
+
 @pytest.mark.requires_cuda
 def test_a_model_transformed_on_cpu_with_a_constant_runs_on_cuda_inputs_after_cuda():
     model = ConstantOnInputsDevice()
