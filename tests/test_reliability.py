@@ -478,6 +478,48 @@ def test_load_state_dict_with_assign_onto_a_model_on_meta_is_refused_saying_what
         torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0 if not kw else 0.05)
 
 
+@pytest.mark.parametrize("opt", ["rowwise_adagrad", "adagrad", "lazy_adam"])
+@pytest.mark.parametrize("backend", ["fbgemm", "reference"])
+def test_fused_states_of_a_model_loaded_on_meta_start_fresh_or_load_with_the_optimizer(opt, backend):
+    """A trained model with fused states, loaded on meta and given memory by to_empty: its first
+    call copied the states out of meta and crashed. The states start as a new optimizer's (fbgemm
+    makes them), and ``opt.load_state_dict`` of the saved optimizer state resumes it exactly."""
+    make = {"rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.1),
+            "adagrad": lambda: fxrec.optim.Adagrad(lr=0.1), "lazy_adam": lambda: fxrec.optim.LazyAdam(lr=0.01)}[opt]
+    x = (torch.randint(0, 10, (8,)), torch.arange(0, 8, 2))
+    torch.manual_seed(0)
+    fast = fxrec.transform(ConstantOnInputsDevice(), x, optimizer=make(), backend=backend)
+
+    def train(m, o, steps):
+        for _ in range(steps):
+            m(*x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        return {k: v.clone() for k, v in m.state_dict().items()}
+
+    trained = fast.make_optimizer()
+    train(fast, trained, 3)
+    state, opt_state = {k: v.clone() for k, v in fast.state_dict().items()}, copy.deepcopy(trained.state_dict())
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+
+    def loaded():
+        buf.seek(0)
+        m = torch.load(buf, map_location="meta", weights_only=False).to_empty(device="cpu")
+        m.load_state_dict(state)
+        return m, m.make_optimizer()
+
+    fresh = fxrec.transform(ConstantOnInputsDevice(), x, optimizer=make(), backend=backend)
+    fresh.load_state_dict(state)
+    want_fresh = train(fresh, fresh.make_optimizer(), 2)
+    m, o = loaded()
+    assert all(torch.equal(v, want_fresh[k]) for k, v in train(m, o, 2).items())
+    m, o = loaded()
+    o.load_state_dict(copy.deepcopy(opt_state))
+    want = train(fast, trained, 2)
+    assert all(torch.equal(v, want[k]) for k, v in train(m, o, 2).items())
+
+
 @pytest.mark.requires_cuda
 def test_a_model_transformed_on_cpu_with_a_constant_runs_on_cuda_inputs_after_cuda():
     model = ConstantOnInputsDevice()

@@ -133,7 +133,12 @@ def _bind(group, params: Sequence[torch.Tensor], device: Optional[torch.device] 
     old = group._bound
     same = old is not None and not old.parked and opt != "none" and old.optimizer == opt
     old_states = old.tbe.split_optimizer_states() if same else group._carry_states
-    step = (tbe_step(old.tbe) if same else getattr(group, "_carry_step", 0)) if opt in STEPPED else None
+    if old_states and any(s.is_meta for states in old_states for s in states):
+        # from meta (to_empty of a model loaded there): no values to carry; the states start as
+        # fbgemm makes them, as a new optimizer's do (opt.load_state_dict brings saved ones)
+        old_states, step = None, (0 if opt in STEPPED else None)
+    else:
+        step = (tbe_step(old.tbe) if same else getattr(group, "_carry_step", 0)) if opt in STEPPED else None
     zero_rows = []
     with torch.no_grad():
         for t, p, v, e in zip(group.tables, params, views, extra):
