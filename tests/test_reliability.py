@@ -520,6 +520,48 @@ def test_fused_states_of_a_model_loaded_on_meta_start_fresh_or_load_with_the_opt
     assert all(torch.equal(v, want[k]) for k, v in train(m, o, 2).items())
 
 
+class PaddedMeanAndNarrow(nn.Module):
+    """A mean bag with padding (fbgemm's path keeps, per output column, its feature) and a table of
+    dim 6 (stored 8 wide in the TBE: the output's real columns picked): tensors a group makes once
+    per device."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = nn.EmbeddingBag(25, 8, mode="mean", padding_idx=3)
+        self.narrow = nn.EmbeddingBag(30, 6, mode="sum")
+
+    def forward(self, ids, more):
+        return torch.cat([self.mean(ids), self.narrow(more)], 1)
+
+
+@pytest.mark.parametrize("kw", [{"backend": "fbgemm"},
+                                {"backend": "fbgemm", "optimizer": fxrec.optim.RowWiseAdagrad(lr=0.1)}],
+                         ids=["fbgemm", "fbgemm_fused"])
+def test_a_groups_per_device_tensors_are_made_again_after_a_pickle_lands_elsewhere(kw):
+    """A group's tensors made once per device were pickled with their device as key: loaded with
+    map_location="meta", the meta tensor was found under "cpu" after to_empty, and the padded mean
+    bag's output was garbage (no error)."""
+    ids = torch.randint(0, 25, (5, 3))
+    ids[1] = 3  # a bag of padding only
+    x = (ids, torch.randint(0, 30, (5, 2)))
+    model = PaddedMeanAndNarrow()
+    fast = fxrec.transform(model, x, **kw)
+    with torch.no_grad():
+        want = fast(*x)
+    state = {k: v.clone() for k, v in fast.state_dict().items()}
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    for where in ("meta", None):
+        buf.seek(0)
+        back = torch.load(buf, map_location=where, weights_only=False)
+        if where == "meta":
+            back = back.to_empty(device="cpu")
+        back.load_state_dict(state)
+        with torch.no_grad():
+            assert torch.equal(back(*x), want), where
+    torch.testing.assert_close(want, model(*x), rtol=0, atol=1e-6)
+
+
 @pytest.mark.requires_cuda
 def test_a_model_transformed_on_cpu_with_a_constant_runs_on_cuda_inputs_after_cuda():
     model = ConstantOnInputsDevice()

@@ -1,10 +1,11 @@
 """Host ints on a device without the host waiting: sent from pinned memory by a non-blocking copy
-(:func:`ints_on`), or kept from an earlier call that sent the same ints (:func:`kept_ints_on`)."""
+(:func:`ints_on`), or kept from an earlier call that sent the same ints (:func:`kept_ints_on`);
+a module's own constant ints, made once per device (:func:`consts_on`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Tuple
+from typing import Callable, List, Tuple, Union
 
 import torch
 
@@ -54,3 +55,27 @@ def _kept(values: List[int], device: torch.device) -> Tuple[torch.Tensor, torch.
         while len(KEPT) > KEEP:
             KEPT.popitem(last=False)
     return kept
+
+
+class PerDevice(dict):
+    """A module's tensors made once per device from what it holds (see :func:`consts_on`). Not
+    pickled or copied: ``torch.load``'s ``map_location`` would move the tensors and leave their
+    keys (a tensor on meta, or on another GPU, found under the device a call runs on); each is
+    made again where it is next needed."""
+
+    def __reduce__(self):
+        return (PerDevice, ())
+
+
+def consts_on(module, name: str, device: torch.device, values: Union[List[int], Callable[[], List[int]]]
+              ) -> torch.Tensor:
+    """``values`` (or what calling it gives) as an int64 tensor on ``device``, made once per
+    ``module``, ``name`` and device (a copy from the host each call would make the host wait for
+    the device) and kept in the module's :class:`PerDevice`. Not to be written."""
+    cache = module.__dict__.get("_fxrec_consts")
+    if cache is None:
+        cache = module.__dict__["_fxrec_consts"] = PerDevice()
+    t = cache.get((name, device))
+    if t is None:
+        t = cache[(name, device)] = torch.tensor(values() if callable(values) else values, dtype=torch.long).to(device)
+    return t

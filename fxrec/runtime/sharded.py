@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .collectives import all_gather_ints, all_to_all, all_to_all_together, ints_on
+from .device_ints import consts_on
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows, source_major_to_feature_major
 from .packing import FORM_CODES, pack_bags
@@ -81,13 +82,8 @@ def _packed(dist_module: nn.Module, ids_list, offsets_list, psw_list, order: Lis
 
 
 def _consts(module: nn.Module, name: str, values: List[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, made once per module, name and device (a copy
-    from the host each call would make the host wait for the device)."""
-    cache = module.__dict__.setdefault("_consts_on", {})
-    t = cache.get((name, device))
-    if t is None:
-        t = cache[(name, device)] = torch.tensor(values, dtype=torch.long).to(device)
-    return t
+    """``values`` as an int64 tensor on ``device``, made once per module, name and device."""
+    return consts_on(module, name, device, values)
 
 
 def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor], world: int, nfeat: int,

@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
+from ..device_ints import consts_on
 from .fbgemm_padding import keeps_padding, mean_without_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
 from ..specs import (CUDA_MAX_DIM, CUDA_ONLY, DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths,
@@ -187,12 +188,9 @@ def real_columns_on(group, device: torch.device) -> Optional[torch.Tensor]:
     """Where a pooled TBE output's real columns are among its stored ones (a long tensor on
     ``device``, made once per device: no host-to-device copy a call), or None where none is
     padding."""
-    cache = group.__dict__.setdefault("_tbe_columns", {})
-    idx = cache.get(device)
-    if idx is None:
-        cols = real_columns_index(group.tables, group.features, tbe_dims(group))
-        idx = cache[device] = torch.tensor(cols, dtype=torch.long, device=device) if cols else False
-    return None if idx is False else idx
+    idx = consts_on(group, "tbe_columns", device, lambda: real_columns_index(group.tables, group.features,
+                                                                           tbe_dims(group)))
+    return idx if idx.numel() else None
 
 
 def real_columns(group, out: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ from typing import List, Optional
 
 import torch
 
+from ..device_ints import consts_on
+
 
 def kept_pads(group) -> List[bool]:
     """Per feature, whether its bags keep their padding ids in packing: sent to the zero row of
@@ -93,8 +95,4 @@ def mean_without_padding(group, indices: torch.Tensor, offsets: torch.Tensor, bo
 
 def _column_features(group, device: torch.device) -> torch.Tensor:
     """Per output column, its feature (made once per device: a copy the device is waited for once)."""
-    cache = group.__dict__.setdefault("_column_features", {})
-    if device not in cache:
-        cache[device] = torch.tensor([i for i, d in enumerate(group.dims) for _ in range(d)],
-                                     dtype=torch.long).to(device)
-    return cache[device]
+    return consts_on(group, "column_features", device, lambda: [i for i, d in enumerate(group.dims) for _ in range(d)])
