@@ -151,6 +151,60 @@ def fxrec_grad_block(enable: bool, body, *args, **kwargs):
         return body(*args, **kwargs)
 
 
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def fxrec_tensor_check(where: str, t, *args, **kwargs):
+    """torch.export's ``_assert_tensor_metadata`` (the dtype, device and layout it recorded of a
+    tensor the model converts with ``.to()`` / ``.long()`` / ``.float()``; a conversion that
+    changed nothing at capture is not in the graph, so the check must hold), raising an error that
+    names the model's line (``where``) and what differs, where torch's says only ``Tensor dtype
+    mismatch! Expected: Float, Got: c10::Half``."""
+    try:
+        return _ASSERT_METADATA(t, *args, **kwargs)
+    except RuntimeError as e:
+        if compiling() or not isinstance(t, torch.Tensor):
+            raise
+        want = {"dtype": kwargs.get("dtype"), "device": kwargs.get("device"), "layout": kwargs.get("layout")}
+        got = {"dtype": t.dtype, "device": t.device, "layout": t.layout}
+        differ = [k for k in want if want[k] is not None and str(want[k]) != str(got[k])] or list(want)
+        said = lambda d: " and ".join(f"{k} {str(d[k]).replace('torch.', '')}" for k in differ)  # noqa: E731
+        error = (TypeError if want["dtype"] is not None and want["dtype"] != t.dtype else ValueError)(
+            f"fxrec: {where} was captured converting a tensor of {said(want)} and gets one of {said(got)}: the "
+            "graph holds that conversion as captured. Call the model with inputs of the example's dtypes (to run "
+            "it in another dtype, convert the plain model, .half() or .to(dtype), and transform that)")
+        raise error from e
+
+
+def _where(node: fx.Node) -> str:
+    """The model's line a node comes from (``models.py:41 `ids = x[:, 2:].long()```), from the
+    stack trace capture recorded; else the node's name."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return f"the graph's {node.name}"
+    path, line, code = frames[-1]
+    return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line} `{code.strip()}`"
+
+
+def _named_tensor_checks(src: str, nodes, fn: str) -> str:
+    """``src`` with each ``_assert_tensor_metadata`` line calling :func:`fxrec_tensor_check`, known
+    to the code as ``fn``, with the model's line it checks for."""
+    where = {n.name: _where(n) for n in nodes if n.op == "call_function" and n.target is _ASSERT_METADATA}
+    if not where:
+        return src
+    lines = src.split("\n")
+    for i, line in enumerate(lines):
+        m = _ASSERT_LINE.match(line)
+        if m and m.group(2) in where:
+            lines[i] = f"{m.group(1)}{fn}({where[m.group(2)]!r}, {m.group(3)})"
+    return "\n".join(lines)
+
+
+#: how fx writes a call of _assert_tensor_metadata (indent, its node's name, the arguments)
+_ASSERT_LINE = re.compile(r"(\s*)([A-Za-z_][A-Za-z0-9_]*) = [A-Za-z_][A-Za-z0-9_]*\.ops\.aten\._assert_tensor_metadata"
+                          r"\.default\((.*)\);  \2 = None$")
+
+
 #: how fx writes a call of the block (its module read by whatever name ``torch`` has there)
 _GRAD_BLOCK_CALL = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\.ops\.higher_order\.wrap_with_set_grad_enabled\(")
 
@@ -371,6 +425,9 @@ class StructuredCodeGen(fx.graph.CodeGen):
         many = next((k for k, v in code.globals.items() if v is fxrec_attrs), "")
         if not self.typed and fn is not None:  # TorchScript reads attributes its own way, not these dicts
             code.src = _fast_attr_lines(code.src, nodes, root_module, fn, many)
+        check = next((k for k, v in code.globals.items() if v is fxrec_tensor_check), None)
+        if not self.typed and check is not None:
+            code.src = _named_tensor_checks(code.src, nodes, check)
         block = next((k for k, v in code.globals.items() if v is fxrec_grad_block), None)
         if block is not None:
             code.src = _GRAD_BLOCK_CALL.sub(f"{block}(", code.src)
@@ -543,4 +600,4 @@ class StructuredCodeGen(fx.graph.CodeGen):
         return [("List", typing.List), ("Dict", typing.Dict), ("Tuple", typing.Tuple), ("Optional", typing.Optional),
                 ("fxrec_attr", fxrec_attr), ("fxrec_attrs", fxrec_attrs), ("fxrec_input_error", fxrec_input_error),
                 ("fxrec_sequence", fxrec_sequence), ("fxrec_mappings", MAPPINGS), ("fxrec_unset", _UNSET),
-                ("fxrec_grad_block", fxrec_grad_block)]
+                ("fxrec_grad_block", fxrec_grad_block), ("fxrec_tensor_check", fxrec_tensor_check)]

@@ -331,3 +331,20 @@ def test_input_size_errors_say_what_the_ids_of_a_2d_bag_feed():
     with pytest.raises(ValueError, match=r"break a condition on their sizes.*\(offs: offsets of feature 'ids', table "
                                          r"'a'; ids2: ids of feature 'ids2', table 'b'\)"):
         fast(x[0], x[1], torch.tensor([[1, 2], [3, 4], [5, 6]]))
+
+
+def test_a_dtype_the_graph_holds_a_conversion_for_is_named_with_the_models_line():
+    """torch.export records, for a conversion the model makes (``x[:, 2:].long()``), the dtype it
+    was captured with; a call with another (after ``.half()`` of the transformed model) failed with
+    torch's ``Tensor dtype mismatch! Expected: Float, Got: c10::Half``, naming nothing. The error
+    names the model's line and both dtypes, and what to do, which works."""
+    model, x = M.FieldDict(), M.field_inputs()
+    fast = fxrec.transform(model, x)
+    torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0)
+    fast.half()
+    with pytest.raises(TypeError, match=r"models\.py:\d+ `ids = x\[:, 2:\]\.long\(\)` was captured converting a "
+                                        r"tensor of dtype float32 and gets one of dtype float16.*transform that"):
+        fast(x[0].half())
+    model.half()
+    half = fxrec.transform(model, (x[0].half(),))
+    assert torch.equal(half(x[0].half()), model(x[0].half()))
