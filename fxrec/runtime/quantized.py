@@ -218,14 +218,18 @@ class _Quantized:
         (a model loaded on meta) they hold whatever memory they were given, and the ones a
         state_dict does not hold (``q_columns``) would be read as they are."""
         mine, device = self._layout(), self.q_weights.device
-        for name, values, dtype in (("q_weights_placements", mine.placements, torch.int32),
-                                    ("q_weights_offsets", mine.offsets, torch.int64),
-                                    ("q_weights_tys", mine.tys, torch.uint8),
-                                    ("q_D_offsets", mine.D_offsets, torch.int32)):
-            setattr(self, name, torch.tensor(values, dtype=dtype, device=device))
-        self.q_columns = _real_columns(self, device)
-        self.q_row_alignment = torch.tensor(self.q_ints["row_alignment"], dtype=torch.int64,
-                                            device=self.q_row_alignment.device)
+        for name, value in (
+                ("q_weights_placements", torch.tensor(mine.placements, dtype=torch.int32)),
+                ("q_weights_offsets", torch.tensor(mine.offsets, dtype=torch.int64)),
+                ("q_weights_tys", torch.tensor(mine.tys, dtype=torch.uint8)),
+                ("q_D_offsets", torch.tensor(mine.D_offsets, dtype=torch.int32)),
+                ("q_columns", _real_columns(self, torch.device("cpu"))),
+                ("q_row_alignment", torch.tensor(self.q_ints["row_alignment"], dtype=torch.int64))):
+            buf = getattr(self, name)
+            if buf.shape == value.shape and buf.dtype == value.dtype and not buf.is_meta:
+                buf.copy_(value)  # (in place: a CUDA graph captured before reads these very tensors)
+            else:
+                setattr(self, name, value.to(device if name != "q_row_alignment" else buf.device))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Rows saved packed for another device or placement (their ``q_row_alignment`` and
