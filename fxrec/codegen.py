@@ -167,13 +167,16 @@ def fxrec_tensor_check(where: str, t, *args, **kwargs):
             raise
         want = {"dtype": kwargs.get("dtype"), "device": kwargs.get("device"), "layout": kwargs.get("layout")}
         got = {"dtype": t.dtype, "device": t.device, "layout": t.layout}
-        differ = [k for k in want if want[k] is not None and str(want[k]) != str(got[k])] or list(want)
-        said = lambda d: " and ".join(f"{k} {str(d[k]).replace('torch.', '')}" for k in differ)  # noqa: E731
-        error = (TypeError if want["dtype"] is not None and want["dtype"] != t.dtype else ValueError)(
-            f"fxrec: {where} was captured converting a tensor of {said(want)} and gets one of {said(got)}: the "
-            "graph holds that conversion as captured. Call the model with inputs of the example's dtypes (to run "
-            "it in another dtype, convert the plain model, .half() or .to(dtype), and transform that)")
-        raise error from e
+        same = {"device": lambda a, b: torch.device(a).type == b.type and torch.device(a).index in (None, b.index)}
+        differ = [k for k in want if want[k] is not None and not same.get(k, lambda a, b: a == b)(want[k], got[k])]
+        said = lambda d: " and ".join(f"{k} {str(d[k]).replace('torch.', '')}" for k in differ or want)  # noqa: E731
+        if "dtype" in differ:
+            raise TypeError(
+                f"fxrec: {where} was captured converting a tensor of {said(want)} and gets one of {said(got)}: the "
+                "graph holds that conversion as captured. Call the model with inputs of the example's dtypes (to run "
+                "it in another dtype, convert the plain model, .half() or .to(dtype), and transform that)") from e
+        raise ValueError(f"fxrec: {where} was captured converting a tensor of {said(want)} and gets one of "
+                         f"{said(got)}: move the inputs where the model is, or the model where they are") from e
 
 
 def _where(node: fx.Node) -> str:

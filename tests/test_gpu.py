@@ -440,6 +440,35 @@ def test_quantized_tables_in_unified_memory_serve_what_they_serve_in_gpu_memory(
         torch.testing.assert_close(loaded(*x), want, rtol=0, atol=0)
 
 
+def test_quantized_tables_in_unified_memory_stay_there_through_meta_and_to_empty(tmp_path):
+    """A model with a quantized table in unified memory, loaded with map_location="meta" and given
+    memory by to_empty(device="cuda"): to_empty's own tensor for the rows would be GPU memory (the
+    table was placed out of it); they are in unified memory, GPU memory holds the rest, and the
+    model serves what it served after load_state_dict."""
+    from fxrec.runtime.kernels.fbgemm_nbit import in_unified_memory
+
+    rows = (20_000, 300, 200)
+    model = M.BagList(rows=rows, dim=64).cuda().eval()
+    x = cuda(M.bag_inputs(rows=rows, seed=5, empty_bags=False))
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8", hbm_budget=100_000)
+    with torch.no_grad():
+        want = fast(*x)
+    state = fast.state_dict()
+    torch.save(fast, tmp_path / "m.pt")
+    there = torch.load(tmp_path / "m.pt", map_location="meta", weights_only=False)
+    gc.collect()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    here = there.to_empty(device="cuda")
+    assert torch.cuda.max_memory_allocated() - base < 20_000 * 80  # (int8 rows of dim 64: 80 bytes)
+    (g,) = groups(here)
+    assert in_unified_memory(g.q_weights_uvm) and g.q_weights_uvm.numel() >= 20_000 * 80
+    here.load_state_dict(state)
+    assert in_unified_memory(g.q_weights_uvm)
+    with torch.no_grad():
+        torch.testing.assert_close(here(*x), want, rtol=0, atol=0)
+
+
 def test_autotune_times_the_gpu_kernels_with_cuda_events(tmp_path, monkeypatch):
     monkeypatch.setenv("FXREC_CACHE", str(tmp_path))
     model = M.BagList(rows=ROWS).cuda()

@@ -308,6 +308,22 @@ def test_a_model_pickled_with_rows_packed_for_cuda_and_loaded_on_cpu_packs_them_
         assert torch.equal(back(*inputs), before)
 
 
+def test_rows_packed_again_from_meta_are_allocated_once_by_to_empty():
+    """From buffers on meta (a model loaded there, then to_empty) there are no rows to copy: the
+    packed buffer stays on meta for to_empty to give memory, not zero-filled first and dropped."""
+    from fxrec.runtime.kernels import fbgemm_nbit
+
+    fast = fxrec.transform(M.BagList(rows=ROWS, dim=24).eval(), M.bag_inputs(rows=ROWS), mode="inference",
+                           quantize="int8")
+    (group,) = _quantized_groups(fast)
+    meta = [t.to("meta") for t in (group.q_weights, group.q_weights_uvm, group.q_weights_placements,
+                                   group.q_weights_offsets)]
+    dev, uvm, places, offsets = fbgemm_nbit.relayout(group.q_packed, [f.table for f in group.features], meta[:2],
+                                                     meta[2], meta[3], 16, torch.device("cpu"))
+    assert dev.is_meta and dev.numel() == group.q_weights.numel() and uvm.numel() == 0
+    assert torch.equal(places, group.q_weights_placements) and torch.equal(offsets, group.q_weights_offsets)
+
+
 @pytest.mark.parametrize("case", ["int8_bags", "int4_padded_columns", "int8_sequence", "int4_packed_for_cuda"])
 def test_a_model_loaded_on_meta_then_to_empty_takes_its_state_dict(case):
     """A pickled quantized model loaded on meta (torch.load(map_location="meta")), given memory by
@@ -332,6 +348,8 @@ def test_a_model_loaded_on_meta_then_to_empty_takes_its_state_dict(case):
     torch.save(fast, buf)
     buf.seek(0)
     there = torch.load(buf, map_location="meta", weights_only=False)
+    assert all(t.is_meta for t in there.state_dict().values())
+    there.load_state_dict(state)  # (onto meta: copies nothing, as torch's load does; it failed reading meta)
     assert all(t.is_meta for t in there.state_dict().values())
     here = there.to_empty(device="cpu")
     for g in _quantized_groups(here):  # what uninitialised memory may hold

@@ -117,7 +117,16 @@ class _Quantized:
                 device.type == "cuda" and device != self.q_weights.device
                 and "managed" in _nbit.placed_for(device, self._cuda_places())):
             self._pack_for(device)
-        return super()._apply(fn, *args, **kwargs)
+        uvm = self._buffers.get("q_weights_uvm")
+        if uvm is None or uvm.device != device or not _nbit.in_unified_memory(uvm):
+            return super()._apply(fn, *args, **kwargs)
+        # rows in unified memory, where they go, stay there: fn's own tensor (to_empty's, from
+        # meta) would be GPU memory, which tables placed out of it must never take
+        del self._buffers["q_weights_uvm"]
+        try:
+            return super()._apply(fn, *args, **kwargs)
+        finally:
+            self._buffers["q_weights_uvm"] = uvm
 
     def _packed_otherwise_than(self, device: torch.device) -> bool:
         """Whether the rows are packed at another row alignment or placements than ``device``
@@ -243,8 +252,10 @@ class _Quantized:
         if problem:
             args[-1].append(problem)
             return
-        if self.q_weights.device.type != "meta":
-            self._restore_layout_buffers()
+        if self.q_weights.is_meta:  # (nothing to write: torch's load into meta, which copies nothing)
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            return
+        self._restore_layout_buffers()
         if prefix + "q_weights" in state_dict and all(n in state_dict for n in names[2:]):
             saved = int(state_dict[key]) if key in state_dict else mine
             places = state_dict[names[2]]

@@ -152,7 +152,8 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
     that layout. Returns ``(dev, uvm, placements, offsets)`` on ``device``, the last two per
     feature; each row's bytes are copied unchanged, the padding is zero. A table's rows cross
     devices in one contiguous copy, restrided on the side that is host memory (no second copy of
-    a table in GPU memory). From buffers on meta, the new ones are zero."""
+    a table in GPU memory). From buffers on meta, ``dev`` is on meta (to_empty gives it memory)
+    and ``uvm`` zero."""
     require_fbgemm()
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
         rounded_row_size_in_bytes,
@@ -164,12 +165,13 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
     where = tuple(where) or ("device",) * len(rows_dims_dtypes)
     new_alignment = row_alignment(device) if new_alignment is None else int(new_alignment)
     new = layout(rows_dims_dtypes, feature_table_map, device, where, new_alignment)
-    dev = torch.zeros(new.dev_size, dtype=torch.uint8, device=device)
+    # from meta (to_empty of a model loaded there): no rows to copy (a state_dict brings them), and
+    # the buffer to_empty gives memory stays on meta until it does (not allocated twice)
+    empty = buffers[0].is_meta or placements.is_meta or offsets.is_meta
+    dev = torch.zeros(new.dev_size, dtype=torch.uint8, device="meta" if empty else device)
     uvm = unified_bytes(new.uvm_size, device)
     ftm = list(feature_table_map)
     first = [ftm.index(t) for t in range(len(rows_dims_dtypes))]
-    # (from meta, to_empty of a model loaded there: no rows to copy; a state_dict brings them)
-    empty = buffers[0].is_meta or placements.is_meta or offsets.is_meta
     old_starts, old_places = ([], []) if empty else (offsets.tolist(), placements.tolist())
     for t, (rows, dim, dtype) in enumerate([] if empty else rows_dims_dtypes):
         src = buffers[0] if old_places[first[t]] in _IN_DEV else buffers[1]
