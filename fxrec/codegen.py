@@ -167,8 +167,11 @@ def fxrec_tensor_check(where: str, t, *args, **kwargs):
             raise
         want = {"dtype": kwargs.get("dtype"), "device": kwargs.get("device"), "layout": kwargs.get("layout")}
         got = {"dtype": t.dtype, "device": t.device, "layout": t.layout}
-        same = {"device": lambda a, b: torch.device(a).type == b.type and torch.device(a).index in (None, b.index)}
-        differ = [k for k in want if want[k] is not None and not same.get(k, lambda a, b: a == b)(want[k], got[k])]
+        recorded = torch.device(want["device"]) if want["device"] is not None else None
+        differ = [k for k in ("dtype", "layout") if want[k] is not None and want[k] != got[k]]
+        if recorded is not None and (recorded.type, recorded.index) not in ((t.device.type, t.device.index),
+                                                                              (t.device.type, None)):
+            differ.append("device")
         said = lambda d: " and ".join(f"{k} {str(d[k]).replace('torch.', '')}" for k in differ or want)  # noqa: E731
         if "dtype" in differ:
             raise TypeError(

@@ -76,14 +76,9 @@ def _packed(dist_module: nn.Module, ids_list, offsets_list, psw_list, order: Lis
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         return empty, empty, (torch.zeros(0, device=dev) if weighted else None), [0] * n, 0, None, empty
     counts = [bounds[k + 1] - bounds[k] for k in range(n)]
-    feature_of = _consts(dist_module, "features", list(range(n)), values.device).repeat_interleave(
+    feature_of = consts_on(dist_module, "features", values.device, list(range(n))).repeat_interleave(
         ints_on(counts, values.device), output_size=values.numel())  # (by the host's counts: exact whatever the offsets)
     return offsets.diff(), values, weights, counts, batch, firsts, feature_of
-
-
-def _consts(module: nn.Module, name: str, values: List[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, made once per module, name and device."""
-    return consts_on(module, name, device, values)
 
 
 def _regroup(lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor], world: int, nfeat: int,
@@ -141,13 +136,13 @@ class PooledInputDist(nn.Module):
                                                                                   psw_list, order, self.weighted)
             dev = values.device
             local = lengths.view(nfeat, batch)  # this rank's bag lengths (mean pooling divides by them)
-            flag = input_flag(values, feature_of, _consts(self, "rows", self.rows, dev), lengths, firsts) if batch \
+            flag = input_flag(values, feature_of, consts_on(self, "rows", dev, self.rows), lengths, firsts) if batch \
                 else torch.zeros((), dtype=torch.long, device=dev)
             ids = values
             if any(self.bases):  # bucket = id // block + base, local row unchanged: shift the ids by base blocks
-                ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
+                ids = values + consts_on(self, "shift", dev, [b * k for b, k in zip(self.bases, self.blocks)])[feature_of]
             send_lengths, send_values, send_weights, _ = bucketize_rows(
-                *harmless_if(flag, lengths, ids), _consts(self, "blocks", self.blocks, dev), self.world, weights)
+                *harmless_if(flag, lengths, ids), consts_on(self, "blocks", dev, self.blocks), self.world, weights)
             per_dest_piece = send_lengths.view(self.world, nfeat, batch).sum(2).view(-1).to(torch.long)
             mine = torch.cat([ints_on([batch], dev), flag.view(1), per_dest_piece])
         except Exception as e:  # noqa: BLE001

@@ -22,7 +22,8 @@ from torch import nn
 from .collectives import all_gather_ints, all_to_all, ints_on
 from .grad import clamped_by
 from .kernels.fbgemm_ops import bucketize_rows
-from .sharded import _call, _consts
+from .device_ints import consts_on
+from .sharded import _call
 from .sharded_inputs import (check_input_devices, check_input_dtypes, input_flag, name_bad_input,
                              refuse_with_the_others, stop_if_rejected)
 
@@ -80,13 +81,13 @@ class SequenceInputDist(nn.Module):
             sizes = [ids.numel() for ids in ids_list]
             lengths = ints_on(sizes, dev)  # ids per feature: one bag each
             feature_of = torch.arange(nfeat, device=dev).repeat_interleave(lengths, output_size=values.numel())
-            flag = input_flag(values, feature_of, _consts(self, "rows", self.rows, dev))
+            flag = input_flag(values, feature_of, consts_on(self, "rows", dev, self.rows))
             ids = values
             if any(self.bases):  # a block's rank is its bucket (see PooledInputDist)
-                ids = values + _consts(self, "shift", [b * k for b, k in zip(self.bases, self.blocks)], dev)[feature_of]
+                ids = values + consts_on(self, "shift", dev, [b * k for b, k in zip(self.bases, self.blocks)])[feature_of]
             harmless = torch.where(flag.eq(0), ids, torch.zeros_like(ids))
             send_lengths, send_values, _, where = bucketize_rows(lengths, harmless,
-                                                                 _consts(self, "blocks", self.blocks, dev),
+                                                                 consts_on(self, "blocks", dev, self.blocks),
                                                                  self.world, None, sequence=True)
             mine = torch.cat([flag.view(1), send_lengths.to(torch.long)])
         except Exception as e:  # noqa: BLE001
