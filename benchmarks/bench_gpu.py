@@ -15,7 +15,10 @@ Shapes, variants and method follow ../shared/gpu/README.md's anchors, so the fig
   it (skipped with --no-compile: compiling 512 tables takes minutes);
 - ``tbe``: one SplitTableBatchedEmbeddingBagsCodegen over the same tables, written by hand against
   fbgemm's API and fed ids and offsets already packed the way it wants them (what fxrec does for
-  the user is the difference);
+  the user is the difference); ``tbe_int8``: fbgemm's IntNBitTableBatchedEmbeddingBagsCodegen
+  over the same tables quantized to int8 by fbgemm's ``quantize_embs`` (its defaults otherwise,
+  the bounds check included), fed the same packed ids, the peer of fxrec's int8 model (their
+  outputs are checked equal to the last bit);
 - ``fxrec``: ``fxrec.transform`` of the plain model with default arguments (forward), with
   ``optimizer=fxrec.optim.SGD`` / ``RowWiseAdagrad`` (fused into backward), and with
   ``mode="inference", quantize="int8"``; it is fed the model's own inputs (lists of id tensors).
@@ -99,6 +102,29 @@ def hand_written_tbe(plain, cfg, device, optimizer):
     with torch.no_grad():
         for w, bag in zip(tbe.split_embedding_weights(), plain.bags):
             w.copy_(bag.weight)
+    return tbe
+
+
+def hand_written_nbit(plain, cfg, device, dtype="int8"):
+    """fbgemm's inference TBE (IntNBitTableBatchedEmbeddingBagsCodegen) over ``plain``'s tables,
+    quantized row-wise to ``dtype`` by fbgemm's ``quantize_embs``, rows aligned for ``device``,
+    fp32 out (as fxrec's model and the plain one give), its other arguments fbgemm's defaults (its
+    bounds check included): the quantized lookup a user writes by hand, fed ids and offsets
+    already packed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+        from fbgemm_gpu.tbe.utils.quantize import quantize_embs
+    kind = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}[dtype]
+    on_cpu = device.type == "cpu"
+    where = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
+    tbe = IntNBitTableBatchedEmbeddingBagsCodegen([("", cfg["rows"], cfg["dim"], kind, where)] * cfg["tables"],
+                                                  pooling_mode=PoolingMode.SUM, output_dtype=SparseType.FP32,
+                                                  device=device, row_alignment=1 if on_cpu else 16)
+    tbe.initialize_weights()
+    tbe.assign_embedding_weights([quantize_embs(b.weight.detach().float(), kind) for b in plain.bags])
     return tbe
 
 
@@ -255,8 +281,12 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
     plain.train()
     q_err = float((q_out.float() - ref).abs().max())
     tbe = hand_written_tbe(plain, cfg, device, "sgd")
+    tbe_int8 = hand_written_nbit(plain, cfg, device, "int8")
     with torch.no_grad():
         torch.testing.assert_close(tbe(*flat), ref, msg=f"{name}: the hand-written TBE differs from plain")
+        # the same rows quantized the same way, looked up by the same operator: equal to the last bit
+        torch.testing.assert_close(tbe_int8(*flat), q_out, rtol=0, atol=0,
+                                   msg=f"{name}: the hand-written int8 TBE differs from fxrec's int8 model")
 
     def fwd(m, x):
         def run():
@@ -264,12 +294,13 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
                 return m(*x)
         return run
 
-    fns = {"plain": fwd(plain, batch), "tbe": fwd(tbe, flat), "fxrec": fwd(fast, batch), "fxrec_int8": fwd(int8, batch)}
+    fns = {"plain": fwd(plain, batch), "tbe": fwd(tbe, flat), "fxrec": fwd(fast, batch),
+           "tbe_int8": fwd(tbe_int8, flat), "fxrec_int8": fwd(int8, batch)}
     graphs, graph_errors = [], {}
     if device.type == "cuda":
         # Each forward replayed as a CUDA graph: the host's work is one replay call a step. fxrec's
         # is checked against the plain model after a replay.
-        for key in ("plain", "tbe", "fxrec"):
+        for key in ("plain", "tbe", "fxrec", "tbe_int8", "fxrec_int8"):
             graph, out = cuda_graph(fns[key], graph_errors, "forward_" + key)
             if graph is None:
                 continue
@@ -278,6 +309,10 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
             if key == "fxrec":
                 graph.replay()
                 torch.testing.assert_close(out, ref, msg=f"{name}: fxrec replayed as a CUDA graph differs from plain")
+            if key == "fxrec_int8":
+                graph.replay()
+                torch.testing.assert_close(out, q_out, rtol=0, atol=0,
+                                           msg=f"{name}: fxrec's int8 model replayed as a CUDA graph differs from it eager")
         graph = out = None  # (the graphs are held in `graphs` until the forwards are timed)
     if compile_plain:
         compiled = torch.compile(plain)
@@ -287,7 +322,7 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
     forward_queued = medians(fns, max(1, rounds // 2), timer, queue, forward_host) if queue > 1 else None
     choice = fast.report.groups[0]
     kernel = {"train": choice.kernel_train, "inference": choice.kernel_eval, "why": choice.why}
-    del fast, int8, fns, choice, tbe
+    del fast, int8, fns, choice, tbe, tbe_int8
     graphs.clear()
     free(device)
     cot = torch.randn_like(ref)
@@ -313,9 +348,10 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         del fused, tbe, plain_opt, steps
         graphs.clear()
         free(device)
-    def graphed_over(times, base):
-        """fxrec replayed as a CUDA graph over ``base`` (the TBE by hand, eager or replayed)."""
-        return times["fxrec_cuda_graph"] / times[base] if "fxrec_cuda_graph" in times and base in times else None
+    def graphed_over(times, base, key="fxrec"):
+        """fxrec (``key``) replayed as a CUDA graph over ``base`` (the TBE by hand, eager or replayed)."""
+        mine = key + "_cuda_graph"
+        return times[mine] / times[base] if mine in times and base in times else None
 
     fwd_bytes = cfg["tables"] * cfg["batch"] * cfg["ids_per_bag"] * cfg["dim"] * 4
     return {
@@ -330,15 +366,18 @@ def bench_shape(name, cfg, rounds, device, compile_plain, queue):
         "forward_speedup_vs_plain": {k: forward["plain"] / v for k, v in forward.items() if k != "plain"},
         "train_speedup_vs_plain": {o: {k: t["plain"] / v for k, v in t.items() if k != "plain"} for o, t in train.items()},
         "fxrec_over_tbe": {"forward": forward["fxrec"] / forward["tbe"],
+                           "forward_int8": forward["fxrec_int8"] / forward["tbe_int8"],
                            **{f"train_{o}": t["fxrec"] / t["tbe"] for o, t in train.items()}},
         "fxrec_over_tbe_queued": None if not train_queued else {
             "forward": forward_queued["fxrec"] / forward_queued["tbe"],
+            "forward_int8": forward_queued["fxrec_int8"] / forward_queued["tbe_int8"],
             **{f"train_{o}": t["fxrec"] / t["tbe"] for o, t in train_queued.items()}},
         # fxrec replayed as a CUDA graph, over the TBE by hand called eagerly and replayed alike
         "fxrec_cuda_graph_over_tbe": None if device.type != "cuda" else {
-            "forward": graphed_over(forward, "tbe"), **{f"train_{o}": graphed_over(t, "tbe") for o, t in train.items()}},
+            "forward": graphed_over(forward, "tbe"), "forward_int8": graphed_over(forward, "tbe_int8", "fxrec_int8"), **{f"train_{o}": graphed_over(t, "tbe") for o, t in train.items()}},
         "fxrec_cuda_graph_over_tbe_cuda_graph": None if device.type != "cuda" else {
             "forward": graphed_over(forward, "tbe_cuda_graph"),
+            "forward_int8": graphed_over(forward, "tbe_int8_cuda_graph", "fxrec_int8"),
             **{f"train_{o}": graphed_over(t, "tbe_cuda_graph") for o, t in train.items()}},
         "cuda_graph_errors": graph_errors or None,
         "forward_rows_read_bytes_per_s": {k: fwd_bytes / (forward[k] / 1e3) for k in ("tbe", "fxrec")},

@@ -22,7 +22,11 @@ def test_the_gpu_benchmark_runs_on_cpu_scaled_down_and_writes_its_figures(tmp_pa
     result = json.loads(out.read_text())
     shape = result["shapes"]["onehot26"]
     assert shape["config"]["rows"] == 500 and result["machine"]["device"] == "cpu"
-    assert set(shape["forward_ms"]) == {"plain", "tbe", "fxrec", "fxrec_int8"}  # no CUDA graph, not compiled
+    # no CUDA graph, not compiled; fbgemm's int8 TBE by hand beside fxrec's int8 model (their outputs
+    # checked equal in the script, which would have exited non-zero)
+    assert set(shape["forward_ms"]) == {"plain", "tbe", "fxrec", "tbe_int8", "fxrec_int8"}
+    assert set(shape["fxrec_over_tbe"]) == {"forward", "forward_int8", "train_sgd", "train_rowwise_adagrad"}
+    assert shape["fxrec_over_tbe"]["forward_int8"] == shape["forward_ms"]["fxrec_int8"] / shape["forward_ms"]["tbe_int8"]
     assert set(shape["train_step_ms"]) == {"sgd", "rowwise_adagrad"}
     assert all(set(t) == {"plain", "tbe", "fxrec"} for t in shape["train_step_ms"].values())
     times = list(shape["forward_ms"].values()) + [v for t in shape["train_step_ms"].values() for v in t.values()]
@@ -35,6 +39,21 @@ def test_the_gpu_benchmark_runs_on_cpu_scaled_down_and_writes_its_figures(tmp_pa
     assert result["copy_bytes_per_s"] is None and "forward_read_fraction_of_copy" not in shape  # CUDA only
     assert 0 < shape["int8_max_abs_error"] < 0.1
     assert shape["transform_peak_bytes_over_tables"] is None  # measured on CUDA only
+
+
+def test_the_inference_benchmark_times_fxrec_beside_fbgemms_tbe_by_hand(tmp_path):
+    out = tmp_path / "inference.json"
+    script = os.path.join(os.path.dirname(HERE), "benchmarks", "bench_inference.py")
+    r = subprocess.run([sys.executable, script, "--rounds", "1", "--shapes", "onehot26_b64", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shape = json.loads(out.read_text())["shapes"]["onehot26_b64"]
+    assert shape["config"]["batch"] == 64
+    dtypes = ("fp32", "fp16", "int8", "int4")
+    assert set(shape["forward_ms"]) == {"plain", "fxrec_auto"} | {f"{p}_{d}" for p in ("fxrec", "tbe") for d in dtypes}
+    assert all(v > 0 for v in shape["forward_ms"].values())
+    assert set(shape["fxrec_over_tbe"]) == set(dtypes)
+    assert shape["max_abs_diff_vs_plain"]["fxrec_fp32"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="there is a GPU here")
