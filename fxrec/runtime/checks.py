@@ -151,7 +151,7 @@ class InputChecks:
             if cols:
                 out[:, cols] = float("nan")
             return out
-        if self.pooling != "mean" or not any(f.form == "pooled_seq" for f in self.features):
+        if not self._means_of_seqs:
             return out
         scales = []
         for f, ids, d in zip(self.features, ids_list, self.dims):
@@ -164,6 +164,8 @@ class InputChecks:
 
     def _empty_mean_columns(self, ids_list) -> List[int]:
         """Output columns of the features that mean-pool ``[B, 0]`` ids: PyTorch's answer there is NaN."""
+        if not self._means_of_seqs:
+            return []
         cols, start = [], 0
         for f, ids, d in zip(self.features, ids_list, self.dims):
             if self.pooling == "mean" and f.form == "pooled_seq" and ids.dim() == 2 and ids.shape[1] == 0:

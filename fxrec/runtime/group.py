@@ -122,6 +122,10 @@ class EmbeddingGroup(InputChecks, nn.Module):
         self._forms = [FORM_CODES[f.form] for f in self.features]
         self._pads = [-1 if f.padding_idx is None else int(f.padding_idx) for f in self.features]
         self._ilos = [bool(f.include_last_offset) for f in self.features]
+        # bags with a padding_idx (a quantized group looks their padding ids up, weighing 0), and
+        # whether a [B, 0] feature may mean-pool (PyTorch's NaN): read per call, fixed here
+        self._padded_bags = any(f.form == "bag" and f.padding_idx is not None for f in self.features)
+        self._means_of_seqs = pooling == "mean" and any(f.form == "pooled_seq" for f in self.features)
         self._any_weighted = any(f.weighted for f in self.features)
         self._table_of = [f.table for f in self.features]
         self._sparse = [bool(t.sparse) for t in self.tables]

@@ -281,7 +281,7 @@ class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
     def forward(self, ids_list: List[torch.Tensor], offsets_list: List[Optional[torch.Tensor]],
                 psw_list: List[Optional[torch.Tensor]]) -> torch.Tensor:
         self._check_count(ids_list)
-        padded = any(f.form == "bag" and f.padding_idx is not None for f in self.features)
+        padded = self._padded_bags
         packed = pack_pooled(self, ids_list, offsets_list, psw_list, empty_means=True, strict=True,
                              keep_padding=padded)
         if packed is None:
