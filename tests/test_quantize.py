@@ -363,6 +363,39 @@ def test_a_model_loaded_on_meta_then_to_empty_takes_its_state_dict(case):
         assert torch.equal(here(*inputs), want)
 
 
+@pytest.mark.parametrize("case", ["int8_bags", "int4_padded_columns", "int8_sequence"])
+def test_to_empty_from_meta_lays_the_rows_out_before_any_state_dict_loads(case):
+    """After to_empty, before load_state_dict, the rows are whatever memory held (as a plain
+    model's tables are), but the buffers that say where each table's rows start, their dtypes,
+    widths and kept columns are the tables' own: read as to_empty left them, fbgemm's lookup read
+    out of bounds (a call died of SIGFPE on this CPU). A call then runs, on the rows as found."""
+    if case == "int8_sequence":
+        model, inputs, dtype = M.SequenceMean().eval(), M.seq_inputs(), "int8"
+    else:
+        dim, dtype = (12, "int4") if case.startswith("int4") else (16, "int8")
+        model, inputs = M.BagList(rows=ROWS, dim=dim).eval(), M.bag_inputs(rows=ROWS, max_len=4)
+    fast = fxrec.transform(model, inputs, mode="inference", quantize=dtype)
+    with torch.no_grad():
+        want = fast(*inputs)
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    buf.seek(0)
+    here = torch.load(buf, map_location="meta", weights_only=False).to_empty(device="cpu")
+    layout = ("q_weights_placements", "q_weights_offsets", "q_weights_tys", "q_D_offsets", "q_columns",
+              "q_row_alignment")
+    for mine, theirs in zip(_quantized_groups(here), _quantized_groups(fast)):
+        for name in layout:
+            assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+        assert mine.q_weights.shape == theirs.q_weights.shape
+        mine.q_weights.zero_()  # (rows of zeros, scales and biases included: every lookup gives 0)
+    for p in here.parameters():  # (the dense layer's, as to_empty left them too)
+        p.data.zero_()
+    with torch.no_grad():
+        got = here(*inputs)
+    for g, w in zip(got if isinstance(got, (list, tuple)) else [got], want if isinstance(want, (list, tuple)) else [want]):
+        assert g.shape == w.shape and not g.nan_to_num().any()  # (a mean of no ids: NaN, as PyTorch's)
+
+
 @pytest.mark.parametrize("where", [("managed", "managed", "managed"), ("managed", "device", "managed")],
                          ids=["all_managed", "mixed"])
 def test_rows_laid_out_for_unified_memory_are_read_where_each_placement_says(where):

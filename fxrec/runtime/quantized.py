@@ -111,6 +111,7 @@ class _Quantized:
         CUDA) or other placements (unified memory on CUDA, none on CPU), they are packed for it
         first, straight from where they are (rows bound for unified memory never pass through GPU
         memory; see :mod:`.kernels.fbgemm_nbit`)."""
+        was_meta = self.q_weights.is_meta
         probe = fn(torch.empty(0, dtype=torch.uint8, device=self.q_weights.device))
         device = probe.device if isinstance(probe, torch.Tensor) else self.q_weights.device
         if self._packed_otherwise_than(device) or (  # (another GPU: its unified memory)
@@ -119,14 +120,21 @@ class _Quantized:
             self._pack_for(device)
         uvm = self._buffers.get("q_weights_uvm")
         if uvm is None or uvm.device != device or not _nbit.in_unified_memory(uvm):
-            return super()._apply(fn, *args, **kwargs)
-        # rows in unified memory, where they go, stay there: fn's own tensor (to_empty's, from
-        # meta) would be GPU memory, which tables placed out of it must never take
-        del self._buffers["q_weights_uvm"]
-        try:
-            return super()._apply(fn, *args, **kwargs)
-        finally:
-            self._buffers["q_weights_uvm"] = uvm
+            out = super()._apply(fn, *args, **kwargs)
+        else:
+            # rows in unified memory, where they go, stay there: fn's own tensor (to_empty's, from
+            # meta) would be GPU memory, which tables placed out of it must never take
+            del self._buffers["q_weights_uvm"]
+            try:
+                out = super()._apply(fn, *args, **kwargs)
+            finally:
+                self._buffers["q_weights_uvm"] = uvm
+        if was_meta and not self.q_weights.is_meta:
+            # to_empty from meta: the rows are memory as it was found (as a plain model's tables
+            # are), but the buffers that say where each table's rows are come from the tables
+            # now, not at load_state_dict: read as found, fbgemm's lookup would read out of bounds
+            self._restore_layout_buffers()
+        return out
 
     def _packed_otherwise_than(self, device: torch.device) -> bool:
         """Whether the rows are packed at another row alignment or placements than ``device``
