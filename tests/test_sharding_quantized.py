@@ -105,6 +105,18 @@ def test_fp16_outputs_when_a_rank_owns_no_table_wise_table():
           "int8", "fp16")
 
 
+def test_fp16_outputs_of_data_parallel_tables_are_fp16_as_in_one_process():
+    """A data-parallel table stays the model's own fp32 lookup; with output_dtype="fp16" it gives
+    its rows rounded to fp16, as one process's quantized group does (it gave fp32, and the whole
+    output became fp32: found by a fuzz against one process). Pooled bags, single ids, and the
+    sequence model's unpooled rows."""
+    spawn(_worker, 2, "pooled", {"bags.0": ("table_wise", 1), "bags.1": "data_parallel", "bags.2": "row_wise",
+                                 "single": "data_parallel"},
+          {"bags.1": "fp32", "single": "fp32", "*": "int8"}, "fp16")
+    spawn(_worker, 2, "sequence", {"hist": "row_wise", "cat": "data_parallel", "bag": ("table_wise", 0)},
+          {"cat": "fp32", "*": "int8"}, "fp16")
+
+
 class _MeanOf300(torch.nn.Module):
     """Mean bags whose sums pass fp16's range (300 ids of 300.0: 90000 > 65504) and whose means do not."""
 

@@ -141,6 +141,20 @@ def _out_dtype(ctx: PassContext, gr: meta.GroupRecord) -> torch.dtype:
     return torch.float16 if gr.quant and ctx.config.output_dtype == "fp16" else torch.float32
 
 
+def _give_fp16(graph: fx.Graph, r: meta.LookupRecord) -> None:
+    """``output_dtype="fp16"``: a data-parallel lookup, which stays the model's own fp32 lookup,
+    gives its users its output rounded to fp16, as one process's quantized group gives them
+    (fbgemm's lookup pools in fp32 and rounds once, at the end: so does this)."""
+    out = r.output
+    with graph.inserting_after(out):
+        half = graph.call_function(torch.ops.aten._to_copy.default, (out,), {"dtype": torch.float16})
+    half.meta[meta.ORIGIN] = [out.name]
+    if "val" in out.meta:
+        half.meta["val"] = out.meta["val"].to(torch.float16)
+    out.replace_all_uses_with(half, delete_user_cb=lambda u: u is not half)
+    drop_dtype_asserts_after(half)
+
+
 def _check_quantized(gr: meta.GroupRecord, kinds: dict) -> None:
     """What a plan can serve quantized: row-wise quantization keeps a scale and bias per row,
     which a column shard cannot compute (so integer dtypes are not column-wise); data-parallel
@@ -581,6 +595,10 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             for r in recs:
                 for n in r.nodes:
                     graph.erase_node(n)
+        if gr.quant and _out_dtype(ctx, gr) == torch.float16:
+            for r in gr.lookups:
+                if kinds[id(r)] == "data_parallel" and r.param in gr.quant and not r.half:
+                    _give_fp16(graph, r)
     # tables this rank does not hold leave the model (a table-row-wise table's, on another host's
     # rank; quantized: the fp32 tables of every shard)
     removed = 0
