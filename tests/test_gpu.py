@@ -627,6 +627,32 @@ def test_a_fused_training_step_replays_as_a_cuda_graph(opt):
     fxrec.graph_module.check_bounds(graphed)  # good ids all along: nothing to report
 
 
+@pytest.mark.parametrize("how", ["fused_rowwise_adagrad", "forward", "int8"])
+def test_a_first_call_inside_a_cuda_graph_capture_is_refused_naming_the_tables(how):
+    """A group's first call on a GPU binds its tables into fbgemm's TBE and makes its bounds
+    check's counters there (allocations and copies from the host): captured without torch's
+    warm-up it failed with torch's capture error, naming nothing (and fbgemm's row-wise Adagrad
+    reads its step on the host at its first call). Refused naming the tables; the model then
+    runs eagerly, and a capture after that warm-up replays."""
+    model = M.BagList(rows=ROWS).cuda()
+    x = cuda(M.bag_inputs(rows=ROWS, seed=0, empty_bags=False))
+    kw = {"fused_rowwise_adagrad": {"optimizer": fxrec.optim.RowWiseAdagrad(lr=0.1)}, "forward": {},
+          "int8": {"mode": "inference", "quantize": "int8"}}[how]
+    if how == "int8":
+        model.eval()
+    fast = fxrec.transform(model, x, **kw)
+    step = (lambda: fast(*x).sum().backward()) if how == "fused_rowwise_adagrad" else (lambda: fast(*x))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"tables \['bags\.0'.*first time inside a CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            step()
+    torch.cuda.synchronize()
+    step()  # eagerly, as a warm-up
+    graph, _ = capture(step)
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("kind", ["LazyAdam", "PartialRowWiseLamb"])
 def test_capturing_a_fused_step_that_counts_steps_is_refused(kind):
     """fbgemm's Adam and LAMB read their step count on the host at each call: a replay would

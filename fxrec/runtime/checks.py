@@ -11,6 +11,7 @@ from typing import List, Optional
 import torch
 
 from ._tracing import exporting, reads_values
+from .device_ints import refuse_in_capture
 from .packing import _dtype
 from .specs import FeatureSpec
 
@@ -207,6 +208,7 @@ class InputChecks:
         ``bad_firsts``: how many features' offsets do not start at 0 (0-dim, on the device)."""
         state = self.__dict__.get("_device_bounds")
         if state is None or state.counter.device != indices.device:
+            refuse_in_capture(self, indices.device, "its bounds check's counters are made there")
             # (outside inference mode, as the TBE is bound: made in a first call under
             # torch.inference_mode() its tensors would be inference tensors, which the next
             # training call's check may not write)

@@ -77,5 +77,20 @@ def consts_on(module, name: str, device: torch.device, values: Union[List[int], 
         cache = module.__dict__["_fxrec_consts"] = PerDevice()
     t = cache.get((name, device))
     if t is None:
+        refuse_in_capture(module, device, "its constant index tensors are made there")
         t = cache[(name, device)] = torch.tensor(values() if callable(values) else values, dtype=torch.long).to(device)
     return t
+
+
+def refuse_in_capture(module, device: torch.device, what: str) -> None:
+    """A module's first call on a CUDA device makes what it keeps there (``what``): allocations
+    and copies from the host, which a CUDA graph capture cannot hold (torch's error names no
+    table, and what was allocated would live in the graph's memory pool). Refused, naming the
+    module's tables, and what to do; nothing where no capture is under way."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        tables = getattr(module, "tables", None)
+        who = f"the group of tables {[t.name for t in tables]}" if tables else type(module).__name__
+        raise RuntimeError(
+            f"fxrec: {who} is called on {device} for the first time inside a CUDA graph capture, and {what} "
+            "(allocations and copies from the host, which a capture cannot hold): call the model once outside "
+            "the capture first (the warm-up of torch's CUDA-graph recipe), then capture it")

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..device_ints import consts_on
+from ..device_ints import consts_on, refuse_in_capture
 from .fbgemm_padding import keeps_padding, mean_without_padding, send_padding_to_zero_rows, zero_row_tables
 from .fbgemm_states import moment_shapes, count_tbe_step, park, parks, set_tbe_step, tbe_step
 from ..specs import (CUDA_MAX_DIM, CUDA_ONLY, DIM_ALIGNMENT, ROW_MEAN, STEPPED, real_columns_index, stored_widths,
@@ -95,6 +95,8 @@ def ensure_bound(group, params: Sequence[torch.Tensor], device: Optional[torch.d
     tbe = bound_tbe(group, params)
     if tbe is not None and (device is None or params[0].device == device):
         return tbe
+    refuse_in_capture(group, params[0].device if device is None else device,
+                      "its tables are bound into fbgemm's TBE there")
     with torch.inference_mode(False):  # (a first call under it would make the tables inference tensors)
         return _bind(group, params, device).tbe
 
