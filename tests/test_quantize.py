@@ -363,6 +363,26 @@ def test_a_model_loaded_on_meta_then_to_empty_takes_its_state_dict(case):
         assert torch.equal(here(*inputs), want)
 
 
+def test_a_group_pickled_before_it_kept_its_feature_flags_works_them_out_when_loaded():
+    """The flags a group reads per call (padded bags, means of [B, 0] ids) are set at init; a group
+    pickled before they were is given them as it loads, and answers as before."""
+    model = M.BagList(rows=ROWS, dim=8, mode="mean").eval()
+    inputs = M.bag_inputs(rows=ROWS, max_len=4)
+    fast = fxrec.transform(model, inputs, mode="inference", quantize="int8")
+    (group,) = _quantized_groups(fast)
+    with torch.no_grad():
+        want = fast(*inputs)
+    state = group.__getstate__()
+    for name in ("_padded_bags", "_means_of_seqs"):
+        del state[name]
+    old = type(group).__new__(type(group))
+    old.__setstate__(state)
+    assert (old._padded_bags, old._means_of_seqs) == (group._padded_bags, group._means_of_seqs)
+    dense, ids, offsets = inputs
+    with torch.no_grad():
+        torch.testing.assert_close(old(ids, offsets, [None] * len(ids)), want[:, 8:], rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("case", ["int8_bags", "int4_padded_columns", "int8_sequence"])
 def test_to_empty_from_meta_lays_the_rows_out_before_any_state_dict_loads(case):
     """After to_empty, before load_state_dict, the rows are whatever memory held (as a plain

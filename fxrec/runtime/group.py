@@ -122,10 +122,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         self._forms = [FORM_CODES[f.form] for f in self.features]
         self._pads = [-1 if f.padding_idx is None else int(f.padding_idx) for f in self.features]
         self._ilos = [bool(f.include_last_offset) for f in self.features]
-        # bags with a padding_idx (a quantized group looks their padding ids up, weighing 0), and
-        # whether a [B, 0] feature may mean-pool (PyTorch's NaN): read per call, fixed here
-        self._padded_bags = any(f.form == "bag" and f.padding_idx is not None for f in self.features)
-        self._means_of_seqs = pooling == "mean" and any(f.form == "pooled_seq" for f in self.features)
+        self._set_flags()
         self._any_weighted = any(f.weighted for f in self.features)
         self._table_of = [f.table for f in self.features]
         self._sparse = [bool(t.sparse) for t in self.tables]
@@ -240,6 +237,18 @@ class EmbeddingGroup(InputChecks, nn.Module):
 
     # deepcopy/pickle must not carry the TBE: the copy's parameters are new tensors, and the
     # copy binds its own TBE to them on first use.
+    def _set_flags(self) -> None:
+        """What calls read of the features, fixed at init: bags with a padding_idx (a quantized
+        group looks their padding ids up, weighing 0), and whether a ``[B, 0]`` feature may
+        mean-pool (PyTorch's NaN)."""
+        self._padded_bags = any(f.form == "bag" and f.padding_idx is not None for f in self.features)
+        self._means_of_seqs = self.pooling == "mean" and any(f.form == "pooled_seq" for f in self.features)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "_means_of_seqs" not in self.__dict__:  # (a group pickled before fxrec kept them)
+            self._set_flags()
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_bound"] = None
