@@ -18,6 +18,7 @@ widest such width (fbgemm's unpooled lookup has one width).
 
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Sequence
 
 import torch
@@ -89,11 +90,16 @@ def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[t
             summed: bool = False) -> torch.Tensor:
     """fbgemm's quantized TBE lookup operator on the group's buffers (pooled: padding columns
     dropped); ``summed``: sum-pooled whatever the group's pooling (``psw`` then weighs a mean)."""
-    bufs = [group.q_weights, group.q_weights_uvm, group.q_weights_placements, group.q_weights_offsets,
-            group.q_weights_tys, group.q_D_offsets, group.q_lxu_cache_weights, group.q_lxu_cache_locations]
+    *bufs, columns = _LOOKUP_BUFFERS(group._buffers)  # (one C-level read: nn.Module's __getattr__ is ~2 us each)
     q = {**group.q_ints, "pooling_mode": _nbit.SUM_POOLING} if summed else group.q_ints
     out = _nbit.int_nbit_lookup(q, bufs, indices, offsets, psw)
-    return out.index_select(1, group.q_columns) if group.q_columns.numel() else out
+    return out.index_select(1, columns) if columns.numel() else out
+
+
+#: the buffers fbgemm's quantized lookup reads, in its order, then the output columns kept
+_LOOKUP_BUFFERS = operator.itemgetter(
+    "q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_offsets", "q_weights_tys", "q_D_offsets",
+    "q_lxu_cache_weights", "q_lxu_cache_locations", "q_columns")
 
 
 class _Quantized:
