@@ -73,7 +73,8 @@ def _refuse_other_ranks(ep: torch.export.ExportedProgram) -> None:
     ones were captured gave a wrong answer, and with offsets reached ``embedding_bag`` and crashed
     the process. ``permute`` takes exactly one entry per dim, so an input with more dims than
     captured, or fewer, raises (``number of dims don't match in permute``), whatever the extra
-    dims' sizes. An identity permute is a view (no copy), and AOTInductor drops it (its packages
+    dims' sizes (unless torch's guard function fails first: it reads the second size of ``[B, L]``
+    bag ids, and 1-D ones raise a bare IndexError there). An identity permute is a view (no copy), and AOTInductor drops it (its packages
     check their inputs' dims themselves, with ``AOTI_RUNTIME_CHECK_INPUTS=1``)."""
     graph = ep.graph_module.graph
     names = set(ep.graph_signature.user_inputs)
