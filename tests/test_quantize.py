@@ -324,18 +324,24 @@ def test_rows_packed_again_from_meta_are_allocated_once_by_to_empty():
     assert torch.equal(places, group.q_weights_placements) and torch.equal(offsets, group.q_weights_offsets)
 
 
+def _meta_case(case):
+    """The quantized model of a meta-loading case, and its inputs: bags (int8, or int4 whose dim 12
+    is stored padded, its columns kept by q_columns) or sequences."""
+    if case == "int8_sequence":
+        model, inputs, dtype = M.SequenceMean().eval(), M.seq_inputs(), "int8"
+    else:
+        dim, dtype = (12, "int4") if case.startswith("int4") else (16, "int8")
+        model, inputs = M.BagList(rows=ROWS, dim=dim).eval(), M.bag_inputs(rows=ROWS, max_len=4)
+    return fxrec.transform(model, inputs, mode="inference", quantize=dtype), inputs
+
+
 @pytest.mark.parametrize("case", ["int8_bags", "int4_padded_columns", "int8_sequence", "int4_packed_for_cuda"])
 def test_a_model_loaded_on_meta_then_to_empty_takes_its_state_dict(case):
     """A pickled quantized model loaded on meta (torch.load(map_location="meta")), given memory by
     to_empty and its rows by load_state_dict, answers as the model saved. to_empty leaves the buffers
     that describe the layout as uninitialised memory: the load was refused as "tables of other
     dtypes", and the columns a padded table drops (not in the state_dict) would be read as they are."""
-    if case == "int8_sequence":
-        model, inputs, dtype = M.SequenceMean().eval(), M.seq_inputs(), "int8"
-    else:
-        dim, dtype = (12, "int4") if case.startswith("int4") else (16, "int8")
-        model, inputs = M.BagList(rows=ROWS, dim=dim).eval(), M.bag_inputs(rows=ROWS, max_len=4)
-    fast = fxrec.transform(model, inputs, mode="inference", quantize=dtype)
+    fast, inputs = _meta_case(case)
     groups = _quantized_groups(fast)
     assert groups and (case != "int4_padded_columns" or groups[0].q_columns.numel() > 0)
     if case == "int4_packed_for_cuda":
@@ -389,12 +395,7 @@ def test_to_empty_from_meta_lays_the_rows_out_before_any_state_dict_loads(case):
     model's tables are), but the buffers that say where each table's rows start, their dtypes,
     widths and kept columns are the tables' own: read as to_empty left them, fbgemm's lookup read
     out of bounds (a call died of SIGFPE on this CPU). A call then runs, on the rows as found."""
-    if case == "int8_sequence":
-        model, inputs, dtype = M.SequenceMean().eval(), M.seq_inputs(), "int8"
-    else:
-        dim, dtype = (12, "int4") if case.startswith("int4") else (16, "int8")
-        model, inputs = M.BagList(rows=ROWS, dim=dim).eval(), M.bag_inputs(rows=ROWS, max_len=4)
-    fast = fxrec.transform(model, inputs, mode="inference", quantize=dtype)
+    fast, inputs = _meta_case(case)
     with torch.no_grad():
         want = fast(*inputs)
     buf = io.BytesIO()
