@@ -369,6 +369,92 @@ def test_a_model_loaded_on_meta_then_to_empty_takes_its_state_dict(case):
         assert torch.equal(here(*inputs), want)
 
 
+class _Flagged(torch.nn.Module):
+    """A bag with a padding_idx (summed) and [B, L] ids averaged by hand: one quantized group with
+    padded bags, one that mean-pools [B, L] ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(20, 8, mode="sum", padding_idx=0)
+        self.e = torch.nn.Embedding(30, 8)
+
+    def forward(self, ids, offsets, seq):
+        return torch.cat([self.bag(ids, offsets), self.e(seq).mean(1)], 1)
+
+
+@pytest.mark.parametrize("which", ["mean_bags", "padded_bag_and_mean_of_rows"])
+def test_a_group_pickled_before_it_kept_its_feature_flags_works_them_out_when_loaded(which):
+    """The flags a group reads per call (padded bags, means of [B, 0] ids) are set at init; a group
+    pickled before they were is given them as it loads, and answers as before."""
+    if which == "mean_bags":
+        model, inputs = M.BagList(rows=ROWS, dim=8, mode="mean").eval(), M.bag_inputs(rows=ROWS, max_len=4)
+    else:
+        model = _Flagged().eval()
+        inputs = (torch.tensor([0, 3, 0, 5, 7]), torch.tensor([0, 2, 2, 4]), torch.randint(0, 30, (4, 3)))
+    fast = fxrec.transform(model, inputs, mode="inference", quantize="int8")
+    with torch.no_grad():
+        want = fast(*inputs)
+    flags = set()
+    for name, group in [(n, m) for n, m in fast.named_children() if m in _quantized_groups(fast)]:
+        state = group.__getstate__()
+        for attr in ("_padded_bags", "_means_of_seqs"):
+            del state[attr]
+        old = type(group).__new__(type(group))
+        old.__setstate__(state)
+        assert (old._padded_bags, old._means_of_seqs) == (group._padded_bags, group._means_of_seqs)
+        flags |= {(a, getattr(group, a)) for a in ("_padded_bags", "_means_of_seqs")}
+        setattr(fast, name, old)
+    if which != "mean_bags":  # (each flag set on one of its groups)
+        assert ("_padded_bags", True) in flags and ("_means_of_seqs", True) in flags
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*inputs), want, rtol=0, atol=0, equal_nan=True)
+
+
+def _meta_case(case):
+    """The quantized model of a meta-loading case, and its inputs: bags (int8, or int4 whose dim 12
+    is stored padded, its columns kept by q_columns) or sequences."""
+    if case == "int8_sequence":
+        model, inputs, dtype = M.SequenceMean().eval(), M.seq_inputs(), "int8"
+    else:
+        dim, dtype = (12, "int4") if case.startswith("int4") else (16, "int8")
+        model, inputs = M.BagList(rows=ROWS, dim=dim).eval(), M.bag_inputs(rows=ROWS, max_len=4)
+    return fxrec.transform(model, inputs, mode="inference", quantize=dtype), inputs
+
+
+@pytest.mark.parametrize("case", ["int8_bags", "int4_padded_columns", "int8_sequence", "int4_packed_for_cuda"])
+def test_a_model_loaded_on_meta_then_to_empty_takes_its_state_dict(case):
+    """A pickled quantized model loaded on meta (torch.load(map_location="meta")), given memory by
+    to_empty and its rows by load_state_dict, answers as the model saved. to_empty leaves the buffers
+    that describe the layout as uninitialised memory: the load was refused as "tables of other
+    dtypes", and the columns a padded table drops (not in the state_dict) would be read as they are."""
+    fast, inputs = _meta_case(case)
+    groups = _quantized_groups(fast)
+    assert groups and (case != "int4_padded_columns" or groups[0].q_columns.numel() > 0)
+    if case == "int4_packed_for_cuda":
+        for g in groups:
+            _pack_as_cuda_does(g)
+    with torch.no_grad():
+        want = fast(*inputs)
+    state = {k: v.clone() for k, v in fast.state_dict().items()}
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    buf.seek(0)
+    there = torch.load(buf, map_location="meta", weights_only=False)
+    assert all(t.is_meta for t in there.state_dict().values())
+    there.load_state_dict(state)  # (onto meta: copies nothing, as torch's load does; it failed reading meta)
+    assert all(t.is_meta for t in there.state_dict().values())
+    here = there.to_empty(device="cpu")
+    for g in _quantized_groups(here):  # what uninitialised memory may hold
+        for name, b in g.named_buffers():
+            if b.is_floating_point() or b.dtype in (torch.int32, torch.int64, torch.uint8):
+                b.fill_(7)
+    assert not here.load_state_dict(state).missing_keys
+    (loaded, *_), = [_quantized_groups(here)]
+    assert loaded.q_ints["row_alignment"] == 1
+    with torch.no_grad():
+        assert torch.equal(here(*inputs), want)
+
+
 def test_a_group_pickled_before_it_kept_its_feature_flags_works_them_out_when_loaded():
     """The flags a group reads per call (padded bags, means of [B, 0] ids) are set at init; a group
     pickled before they were is given them as it loads, and answers as before."""
@@ -390,18 +476,20 @@ def test_a_group_pickled_before_it_kept_its_feature_flags_works_them_out_when_lo
 
 
 @pytest.mark.parametrize("case", ["int8_bags", "int4_padded_columns", "int8_sequence"])
-def test_to_empty_from_meta_lays_the_rows_out_before_any_state_dict_loads(case):
-    """After to_empty, before load_state_dict, the rows are whatever memory held (as a plain
-    model's tables are), but the buffers that say where each table's rows start, their dtypes,
-    widths and kept columns are the tables' own: read as to_empty left them, fbgemm's lookup read
-    out of bounds (a call died of SIGFPE on this CPU). A call then runs, on the rows as found."""
+@pytest.mark.parametrize("start", ["meta", "cpu"])
+def test_to_empty_lays_the_rows_out_before_any_state_dict_loads(case, start):
+    """After to_empty (from meta, or of a model on the CPU), before load_state_dict, the rows are
+    whatever memory held (as a plain model's tables are), but the buffers that say where each
+    table's rows start, their dtypes, widths and kept columns are the tables' own: read as to_empty
+    left them, fbgemm's lookup read out of bounds (a call died of SIGFPE on this CPU, or failed
+    on a placement). A call then runs, on the rows as found."""
     fast, inputs = _meta_case(case)
     with torch.no_grad():
         want = fast(*inputs)
     buf = io.BytesIO()
     torch.save(fast, buf)
     buf.seek(0)
-    here = torch.load(buf, map_location="meta", weights_only=False).to_empty(device="cpu")
+    here = torch.load(buf, map_location=start, weights_only=False).to_empty(device="cpu")
     layout = ("q_weights_placements", "q_weights_offsets", "q_weights_tys", "q_D_offsets", "q_columns",
               "q_row_alignment")
     for mine, theirs in zip(_quantized_groups(here), _quantized_groups(fast)):

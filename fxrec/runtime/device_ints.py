@@ -89,8 +89,10 @@ def refuse_in_capture(module, device: torch.device, what: str) -> None:
     module's tables, and what to do; nothing where no capture is under way."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         tables = getattr(module, "tables", None)
-        who = f"the group of tables {[t.name for t in tables]}" if tables else type(module).__name__
+        # (a group's tables are TableSpecs; a sharded input dist keeps their names)
+        who = f"the group of tables {[getattr(t, 'name', t) for t in tables]}" if tables else type(module).__name__
         raise RuntimeError(
-            f"fxrec: {who} is called on {device} for the first time inside a CUDA graph capture, and {what} "
-            "(allocations and copies from the host, which a capture cannot hold): call the model once outside "
-            "the capture first (the warm-up of torch's CUDA-graph recipe), then capture it")
+            f"fxrec: {who} is called on {device} inside a CUDA graph capture without a call there before it (or "
+            f"after a .to(), copy or reload), and {what} (allocations and copies from the host, which a capture "
+            "cannot hold): call the model once outside the capture first, on inputs of the same form (the warm-up "
+            "of torch's CUDA-graph recipe), then capture it")

@@ -117,7 +117,7 @@ class _Quantized:
         CUDA) or other placements (unified memory on CUDA, none on CPU), they are packed for it
         first, straight from where they are (rows bound for unified memory never pass through GPU
         memory; see :mod:`.kernels.fbgemm_nbit`)."""
-        was_meta = self.q_weights.is_meta
+        rows = self.q_weights
         probe = fn(torch.empty(0, dtype=torch.uint8, device=self.q_weights.device))
         device = probe.device if isinstance(probe, torch.Tensor) else self.q_weights.device
         if self._packed_otherwise_than(device) or (  # (another GPU: its unified memory)
@@ -135,10 +135,11 @@ class _Quantized:
                 out = super()._apply(fn, *args, **kwargs)
             finally:
                 self._buffers["q_weights_uvm"] = uvm
-        if was_meta and not self.q_weights.is_meta:
-            # to_empty from meta: the rows are memory as it was found (as a plain model's tables
-            # are), but the buffers that say where each table's rows are come from the tables
-            # now, not at load_state_dict: read as found, fbgemm's lookup would read out of bounds
+        if self.q_weights is not rows and not self.q_weights.is_meta:
+            # new tensors (a move, or to_empty: the rows are then memory as it was found, as a
+            # plain model's tables are): the buffers that say where each table's rows are come
+            # from the tables now, not at load_state_dict (read as to_empty found them, fbgemm's
+            # lookup would read out of bounds); after a move, the same values again, in place
             self._restore_layout_buffers()
         return out
 
