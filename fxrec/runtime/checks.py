@@ -169,7 +169,7 @@ class InputChecks:
             return []
         cols, start = [], 0
         for f, ids, d in zip(self.features, ids_list, self.dims):
-            if self.pooling == "mean" and f.form == "pooled_seq" and ids.dim() == 2 and ids.shape[1] == 0:
+            if f.form == "pooled_seq" and ids.dim() == 2 and ids.shape[1] == 0:  # (mean pooling: above)
                 cols.extend(range(start, start + d))
             start += d
         return cols

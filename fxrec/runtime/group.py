@@ -235,8 +235,6 @@ class EmbeddingGroup(InputChecks, nn.Module):
         return (f"pooling={self.pooling}, tables=[{names}], features={len(self.features)}, "
                 f"kernel_train={self.kernel_train}, kernel_eval={self.kernel_eval}")
 
-    # deepcopy/pickle must not carry the TBE: the copy's parameters are new tensors, and the
-    # copy binds its own TBE to them on first use.
     def _set_flags(self) -> None:
         """What calls read of the features, fixed at init: bags with a padding_idx (a quantized
         group looks their padding ids up, weighing 0), and whether a ``[B, 0]`` feature may
@@ -249,6 +247,8 @@ class EmbeddingGroup(InputChecks, nn.Module):
         if "_means_of_seqs" not in self.__dict__:  # (a group pickled before fxrec kept them)
             self._set_flags()
 
+    # deepcopy/pickle must not carry the TBE: the copy's parameters are new tensors, and the
+    # copy binds its own TBE to them on first use.
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_bound"] = None
