@@ -32,6 +32,8 @@ from benchmarks.bench_lookups import SHAPES, PlainBags, inputs, median_ms  # noq
 #: bench_lookups' shapes, and onehot26 at a serving batch (64 requests), where the host's work
 #: around the lookup shows
 INFERENCE_SHAPES = {**SHAPES, "onehot26_b64": {**SHAPES["onehot26"], "batch": 64}}
+#: the dtypes quantized by fxrec, and by fbgemm's TBE written by hand
+DTYPES = ("fp32", "fp16", "int8", "int4")
 
 
 def bench(shape, rounds):
@@ -40,11 +42,11 @@ def bench(shape, rounds):
     plain = PlainBags(cfg["tables"], cfg["rows"], cfg["dim"]).eval()
     example = inputs(cfg["tables"], cfg["rows"], cfg["batch"], cfg["ids_per_bag"], seed=0)
     models = {"plain": plain, "fxrec_auto": fxrec.transform(plain, example, mode="inference")}
-    for dt in ("fp32", "fp16", "int8", "int4"):
+    for dt in DTYPES:
         models[f"fxrec_{dt}"] = fxrec.transform(plain, example, mode="inference", quantize=dt)
     batch = inputs(cfg["tables"], cfg["rows"], cfg["batch"], cfg["ids_per_bag"], seed=1)
     flat = packed(*batch)
-    hand = {dt: hand_written_nbit(plain, cfg, torch.device("cpu"), dt) for dt in ("fp32", "fp16", "int8", "int4")}
+    hand = {dt: hand_written_nbit(plain, cfg, torch.device("cpu"), dt) for dt in DTYPES}
     with torch.no_grad():
         ref = plain(*batch)
         err = {k: float((m(*batch) - ref).abs().max()) for k, m in models.items()}
