@@ -22,7 +22,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -113,9 +113,9 @@ class Autotuner:
         spec = group_spec(gr)
         training = self.ctx.config.mode == "training"
         kind = gr.fused.kind if gr.fused is not None else None
-        decay = gr.fused.weight_decay_mode if gr.fused is not None else ""
+        options = gr.fused.options if gr.fused is not None else ()
         eval_names = _supporting(spec, device, "inference", None)
-        train_names = _supporting(spec, device, "training", kind, decay) if training else eval_names
+        train_names = _supporting(spec, device, "training", kind, options) if training else eval_names
         hit = self.cache.get(key)
         if _well_formed(hit) and hit["eval"] in eval_names and hit["train"] in train_names:
             return replace_kernels(gr, decision, hit["train"], hit["eval"], "autotune (cached)",
@@ -187,10 +187,10 @@ def _well_formed(hit) -> bool:
             and all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in hit["timings_ms"].items()))
 
 
-def _supporting(spec, device: str, mode: str, optimizer: Optional[str], decay: str = "") -> List[str]:
+def _supporting(spec, device: str, mode: str, optimizer: Optional[str], options: Tuple[str, ...] = ()) -> List[str]:
     out = []
     for name in kernels.KERNEL_NAMES:
-        k, _ = pick(spec, device, mode, optimizer, (name,), True, decay)
+        k, _ = pick(spec, device, mode, optimizer, (name,), True, options)
         if k is not None:
             out.append(k)
     return out

@@ -29,6 +29,7 @@ from typing import ClassVar, Dict, Optional, Sequence, Tuple, Union
 import torch
 
 from .runtime._tracing import reads_values
+from .runtime.grad import renorm_rows
 from .runtime.specs import FusedSpec
 
 
@@ -193,26 +194,33 @@ class RowWiseAdagrad(EmbeddingOptimizer):
     * ``weight_decay_mode="decoupled"``: ``sum += mean(g**2)``,
       ``w = (1 - lr * weight_decay) * w - lr * g / (sqrt(sum) + eps)``.
 
-    As the update itself, the decay reaches only the rows looked up in the batch."""
+    ``max_norm`` (fbgemm's; 0, the default, for none): after its update, a row whose L2 norm
+    exceeds ``max_norm`` is scaled down to it (``w *= max_norm / norm(w)``). Not the
+    ``max_norm`` of ``nn.Embedding``, which renormalises the rows each forward reads, before the
+    lookup: this one caps the rows an update wrote, after the step.
+
+    As the update itself, the decay and the cap reach only the rows looked up in the batch."""
 
     lr: float = 1e-2
     eps: float = 1e-8
     weight_decay: float = 0.0
     weight_decay_mode: str = "l2"
+    max_norm: float = 0.0
 
     def __post_init__(self):
         if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
             raise ValueError(f"fxrec: RowWiseAdagrad weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, "
                              f"got {self.weight_decay_mode!r}")
-        _check_numbers(self, ("lr", "eps", "weight_decay"))
+        _check_numbers(self, ("lr", "eps", "weight_decay", "max_norm"))
 
     def fused_spec(self):
         return FusedSpec("rowwise_adagrad", self.lr, self.eps, weight_decay=float(self.weight_decay),
-                         weight_decay_mode=self.weight_decay_mode if self.weight_decay else "")
+                         weight_decay_mode=self.weight_decay_mode if self.weight_decay else "",
+                         max_norm=float(self.max_norm))
 
     def torch_optimizer(self, params, sparse=False):
         return RowWiseAdagradTorch(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
-                                   weight_decay_mode=self.weight_decay_mode)
+                                   weight_decay_mode=self.weight_decay_mode, max_norm=self.max_norm)
 
 
 @dataclass(frozen=True)
@@ -525,17 +533,18 @@ def gradient_rows(g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 class RowWiseAdagradTorch(torch.optim.Optimizer):
-    """fbgemm's row-wise Adagrad as a torch optimizer (dense or sparse gradients), weight decay
-    included (:class:`RowWiseAdagrad`): the rows with a gradient are the rows updated. (With a
-    dense gradient, a row looked up whose gradient is exactly zero is neither updated nor
-    decayed; the fused kernels decay it.) On CUDA a dense gradient's step reads nothing on the host
-    (:func:`update_rows`)."""
+    """fbgemm's row-wise Adagrad as a torch optimizer (dense or sparse gradients), weight decay and
+    ``max_norm`` included (:class:`RowWiseAdagrad`): the rows with a gradient are the rows updated.
+    (With a dense gradient, a row looked up whose gradient is exactly zero is neither updated,
+    decayed nor capped; the fused kernels do all three.) On CUDA a dense gradient's step reads
+    nothing on the host (:func:`update_rows`)."""
 
     def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8, weight_decay: float = 0.0,
-                 weight_decay_mode: str = "l2"):
+                 weight_decay_mode: str = "l2", max_norm: float = 0.0):
         if weight_decay_mode not in WEIGHT_DECAY_MODES:
             raise ValueError(f"fxrec: weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, got {weight_decay_mode!r}")
-        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay, weight_decay_mode=weight_decay_mode))
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
+                                      max_norm=max_norm))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -548,7 +557,7 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
                 if "sum" not in state:
                     state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
                 lr, eps, wd = group["lr"], group["eps"], group.get("weight_decay", 0.0)
-                mode = group.get("weight_decay_mode", "l2")
+                mode, max_norm = group.get("weight_decay_mode", "l2"), group.get("max_norm", 0.0)
 
                 def rowwise_adagrad(w, g, sums):
                     decayed = g + wd * w if wd and mode == "l2" else g
@@ -556,8 +565,10 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
                     mult = (lr / (total.sqrt() + eps)).unsqueeze(1)
                     if wd:  # fbgemm's form: w = (1 - c) * w - mult * g
                         keep = 1 - (mult * wd if mode == "l2" else lr * wd)
-                        return keep * w - mult * g, [total]
-                    return w + -mult * g, [total]
+                        new = keep * w - mult * g
+                    else:
+                        new = w + -mult * g
+                    return (renorm_rows(new, max_norm) if max_norm else new), [total]
 
                 update_rows(p, [state["sum"]], rowwise_adagrad)
         return loss

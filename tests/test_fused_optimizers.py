@@ -1,6 +1,7 @@
 """Fused embedding optimizers: 20 training steps against torch.optim on the plain model."""
 
 import copy
+import dataclasses
 import inspect
 
 import pytest
@@ -20,10 +21,11 @@ class RowWiseAdagradReference(torch.optim.Optimizer):
     """fbgemm's row-wise Adagrad written out on dense gradients, independently of fxrec:
     per row r: sum[r] += mean(g[r]**2);  w[r] -= lr * g[r] / (sqrt(sum[r]) + eps), rows with g == 0 untouched.
     With weight decay (fbgemm's optimizers.py, rowwise_adagrad): "l2" uses g + wd * w in place of
-    g throughout; "decoupled" first shrinks the row by lr * wd."""
+    g throughout; "decoupled" first shrinks the row by lr * wd. With max_norm (its split_post_update),
+    an updated row whose L2 norm is over max_norm is then multiplied by max_norm / norm."""
 
-    def __init__(self, params, lr, eps=1e-8, weight_decay=0.0, mode="l2"):
-        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay, mode=mode))
+    def __init__(self, params, lr, eps=1e-8, weight_decay=0.0, mode="l2", max_norm=0.0):
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay, mode=mode, max_norm=max_norm))
 
     @torch.no_grad()
     def step(self):
@@ -42,7 +44,12 @@ class RowWiseAdagradReference(torch.optim.Optimizer):
                 elif wd:
                     w = w * (1 - lr * wd)
                 s[touched] += (g ** 2).mean(1)
-                p[touched] = w - lr * g / (s[touched].sqrt() + eps).unsqueeze(1)
+                w = w - lr * g / (s[touched].sqrt() + eps).unsqueeze(1)
+                if group["max_norm"]:
+                    norm = (w ** 2).sum(1, keepdim=True).sqrt()
+                    over = (norm > group["max_norm"]).squeeze(1)
+                    w[over] = w[over] * (group["max_norm"] / norm[over])
+                p[touched] = w
 
 
 def duplicate_heavy_inputs(seed, batch=6):
@@ -655,12 +662,52 @@ def test_rowwise_adagrad_with_weight_decay_matches_the_written_out_update_on_eve
     assert all(not torch.allclose(plain.state_dict()[k], ref.state_dict()[k], rtol=1e-3, atol=1e-3) for k in tables)
 
 
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("decay", ["", "l2", "decoupled"])
+@pytest.mark.parametrize("style", ["bag_list", "shared", "weighted"])
+def test_rowwise_adagrad_with_max_norm_matches_the_written_out_update_on_every_kernel(style, decay, backend):
+    """RowWiseAdagrad(max_norm=) fused by fxrec's native kernel and the reference's update (fbgemm's
+    CUDA kernel: tests/test_gpu.py; its CPU kernel ignores max_norm): 20 steps against the update
+    written out from fbgemm's source, alone and after weight decay. The cap is small enough that
+    most rows the steps touch are over it: every such row ends at norm max_norm, the rows no step
+    touched keep theirs, and the model trained without it differs."""
+    model_fn, inputs_fn = STYLES[style]
+    wd = 0.5 if decay else 0.0
+    cfg = fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=wd, weight_decay_mode=decay or "l2", max_norm=1.5)
+    torch.manual_seed(7)
+    start = model_fn().state_dict()
+    torch.manual_seed(7)  # (train_both makes the same model first)
+    ref, fast, _ = train_both(model_fn, inputs_fn, cfg, lambda p: RowWiseAdagradReference(
+        p, lr=0.1, weight_decay=wd, mode=decay or "l2", max_norm=1.5), backend=backend)
+    assert {g.kernel_train for g in fast.report.groups} == {backend}, fast.report.groups
+    assert all("fused" in g.optimizer for g in fast.report.groups)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+    tables = list(fast.meta["fxrec_table_optimizers"])
+    capped = 0
+    for k in tables:
+        w, w0 = fast.state_dict()[k], start[k]
+        moved = (w != w0).any(1)
+        assert (w[moved].norm(dim=1) <= 1.5 * (1 + 1e-5)).all(), k
+        assert torch.equal(w[~moved], w0[~moved]), k
+        capped += int(torch.isclose(w[moved].norm(dim=1), torch.tensor(1.5)).sum())
+    assert capped >= 10, capped
+    plain, _, _ = train_both(model_fn, inputs_fn, dataclasses.replace(cfg, max_norm=0.0), lambda p: RowWiseAdagradReference(
+        p, lr=0.1, weight_decay=wd, mode=decay or "l2"), backend=backend)
+    assert all(not torch.allclose(plain.state_dict()[k], ref.state_dict()[k], rtol=1e-3, atol=1e-3) for k in tables)
+
+
 def test_rowwise_adagrad_weight_decay_arguments_are_checked():
     with pytest.raises(ValueError, match="weight_decay_mode must be one of .*'l2', 'decoupled'.*got 'cowclip'"):
         fxrec.optim.RowWiseAdagrad(weight_decay=0.1, weight_decay_mode="cowclip")
     with pytest.raises(ValueError, match="weight_decay must be a number >= 0"):
         fxrec.optim.RowWiseAdagrad(weight_decay=-1.0)
+    for bad in (-1.0, float("nan"), "2"):
+        with pytest.raises(ValueError, match=f"RowWiseAdagrad max_norm must be a number >= 0, got {bad!r}"):
+            fxrec.optim.RowWiseAdagrad(max_norm=bad)
     assert fxrec.optim.RowWiseAdagrad(lr=0.1).fused_spec().weight_decay_mode == ""
+    assert fxrec.optim.RowWiseAdagrad(lr=0.1).fused_spec().options == ()
+    assert fxrec.optim.RowWiseAdagrad(lr=0.1, max_norm=2).fused_spec().max_norm == 2.0
     assert fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.1, weight_decay_mode="decoupled").fused_spec().weight_decay_mode == "decoupled"
 
 
@@ -677,26 +724,50 @@ def test_fbgemms_cpu_kernel_ignores_weight_decay_so_another_kernel_fuses_it():
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen, WeightDecayMode)
     rows = []
-    for wd, mode in ((0.0, WeightDecayMode.NONE), (0.5, WeightDecayMode.L2), (0.5, WeightDecayMode.DECOUPLE)):
+    for wd, mode, cap in ((0.0, WeightDecayMode.NONE, 0.0), (0.5, WeightDecayMode.L2, 0.0),
+                          (0.5, WeightDecayMode.DECOUPLE, 0.0), (0.0, WeightDecayMode.NONE, 0.01)):
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            learning_rate=0.1, eps=1e-8, weight_decay=wd, weight_decay_mode=mode, pooling_mode=PoolingMode.SUM)
+            learning_rate=0.1, eps=1e-8, weight_decay=wd, weight_decay_mode=mode, max_norm=cap,
+            pooling_mode=PoolingMode.SUM)
         with torch.no_grad():
             tbe.split_embedding_weights()[0].copy_(torch.arange(1.0, 81.0).view(10, 8) / 80)
         tbe(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3])).sum().backward()
         rows.append(tbe.split_embedding_weights()[0].clone())
     assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2]), "fbgemm's CPU kernel applies weight decay now"
-    cfg = fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.5)
+    assert torch.equal(rows[0], rows[3]), "fbgemm's CPU kernel applies max_norm now"
+    assert rows[0][1:4].norm(dim=1).min() > 0.1  # (so a cap of 0.01 would have shown)
     x = duplicate_heavy_inputs(0)
-    fast = fxrec.transform(M.BagList(rows=ROWS), x, optimizer=cfg, backend="fbgemm")
-    (g,) = fast.report.groups
-    assert g.kernel_train == "native" and "fbgemm's CPU build ignores rowwise_adagrad's weight decay" in g.why, g
-    on_gpu = fxrec.explain(M.BagList(rows=ROWS), x, device="cuda", optimizer=cfg)
-    assert {(g.kernel_train, g.fused) for g in on_gpu.groups} == {("fbgemm", "rowwise_adagrad")}, on_gpu.groups
+    for cfg, said in ((fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.5), "weight decay (its CUDA build applies it)"),
+                      (fxrec.optim.RowWiseAdagrad(lr=0.1, max_norm=1.0), "max_norm (its CUDA build applies it)"),
+                      (fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.5, max_norm=1.0),
+                       "weight decay and max_norm (its CUDA build applies them)")):
+        fast = fxrec.transform(M.BagList(rows=ROWS), x, optimizer=cfg, backend="fbgemm")
+        (g,) = fast.report.groups
+        assert g.kernel_train == "native" and f"fbgemm's CPU build ignores rowwise_adagrad's {said}" in g.why, g
+        on_gpu = fxrec.explain(M.BagList(rows=ROWS), x, device="cuda", optimizer=cfg)
+        assert {(g.kernel_train, g.fused) for g in on_gpu.groups} == {("fbgemm", "rowwise_adagrad")}, on_gpu.groups
 
 
-@pytest.mark.parametrize("wd,mode", [(0.0, "l2"), (0.1, "l2"), (0.1, "decoupled")])
-def test_rowwise_adagrad_torch_steps_a_dense_gradient_as_its_rows_and_reads_nothing_on_the_host(wd, mode):
+def test_fbgemms_tbe_is_given_max_norm():
+    """What fxrec builds fbgemm's TBE with (the same call on CUDA, where its kernel applies it):
+    max_norm reaches fbgemm's optimizer arguments, beside the weight decay."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    from fxrec.runtime.kernels.fbgemm_tbe import make_training_tbe
+    from fxrec.runtime.specs import FusedSpec
+
+    for spec, cap, mode in ((FusedSpec("rowwise_adagrad", 0.1, max_norm=2.5), 2.5, WeightDecayMode.NONE),
+                            (FusedSpec("rowwise_adagrad", 0.1, weight_decay=0.1, weight_decay_mode="decoupled",
+                                       max_norm=0.75), 0.75, WeightDecayMode.DECOUPLE),
+                            (FusedSpec("rowwise_adagrad", 0.1), 0.0, WeightDecayMode.NONE)):
+        tbe = make_training_tbe([(10, 8)], [0], "sum", torch.device("cpu"), spec)
+        assert tbe.optimizer_args.max_norm == cap and tbe.optimizer_args.weight_decay_mode == mode.value, spec
+
+
+@pytest.mark.parametrize("wd,mode,cap", [(0.0, "l2", 0.0), (0.1, "l2", 0.0), (0.1, "decoupled", 0.0), (0.0, "l2", 2.0),
+                                         (0.1, "l2", 2.0)])
+def test_rowwise_adagrad_torch_steps_a_dense_gradient_as_its_rows_and_reads_nothing_on_the_host(wd, mode, cap):
     """The fallback (data-parallel tables of a plan, tables fbgemm does not fuse) on a dense
     gradient: the written-out update, the same numbers as on the gradient's rows given sparse,
     and, as on CUDA (``sync_free``: every row at once, those without a gradient masked), no value
@@ -706,9 +777,9 @@ def test_rowwise_adagrad_torch_steps_a_dense_gradient_as_its_rows_and_reads_noth
 
     w0 = torch.randn(12, 8)
     params = [w0.clone().requires_grad_() for _ in range(4)]
-    dense, as_cuda, sparse = (RowWiseAdagradTorch([p], lr=0.3, weight_decay=wd, weight_decay_mode=mode)
+    dense, as_cuda, sparse = (RowWiseAdagradTorch([p], lr=0.3, weight_decay=wd, weight_decay_mode=mode, max_norm=cap)
                               for p in params[:3])
-    ref = RowWiseAdagradReference([params[3]], lr=0.3, weight_decay=wd, mode=mode)
+    ref = RowWiseAdagradReference([params[3]], lr=0.3, weight_decay=wd, mode=mode, max_norm=cap)
     gen = torch.Generator().manual_seed(5)
     for step in range(5):
         g = torch.randn(12, 8, generator=gen)
@@ -726,6 +797,8 @@ def test_rowwise_adagrad_torch_steps_a_dense_gradient_as_its_rows_and_reads_noth
         assert torch.equal(params[0], other) and torch.equal(dense.state[params[0]]["sum"], opt.state[other]["sum"])
     assert torch.equal(params[0].detach()[0], w0[0])
     torch.testing.assert_close(params[0], params[3], rtol=1e-6, atol=1e-6)
+    if cap:  # (every row but row 0 had a gradient at some step; most start over the cap)
+        assert (params[0].detach()[1:].norm(dim=1) <= cap * (1 + 1e-6)).all() and (w0.norm(dim=1) > cap).sum() > 6
 
 
 @pytest.mark.parametrize("name", ["lazy_adam", "lamb", "partial_rowwise_lamb", "lars_sgd"])

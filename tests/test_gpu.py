@@ -85,9 +85,11 @@ def test_fp16_tables_in_the_model_give_its_fp16_outputs_on_fbgemm_and_train_as_i
     assert len(bound) == 2 and all(w.dtype == torch.float16 for g in bound for w in g._bound.tbe.split_embedding_weights())
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adagrad", "rowwise_adagrad", "rowwise_adagrad_l2", "rowwise_adagrad_decoupled"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adagrad", "rowwise_adagrad", "rowwise_adagrad_l2", "rowwise_adagrad_decoupled",
+                                      "rowwise_adagrad_max_norm", "rowwise_adagrad_l2_max_norm"])
 def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
-    """(Row-wise Adagrad's weight decay: fbgemm's CUDA kernel applies it, its CPU kernel does not.)"""
+    """(Row-wise Adagrad's weight decay and max_norm: fbgemm's CUDA kernel applies them, its CPU
+    kernel does not. The rows start at norms around 2.8, over the cap of 1.5.)"""
     fused, torch_opt = {
         "sgd": (fxrec.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
         "adagrad": (fxrec.optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
@@ -96,6 +98,11 @@ def test_fused_optimizers_on_the_gpu_match_torch_optim_over_ten_steps(opt_name):
                                lambda p: RowWiseAdagradReference(p, lr=0.1, weight_decay=0.5, mode="l2")),
         "rowwise_adagrad_decoupled": (fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.5, weight_decay_mode="decoupled"),
                                       lambda p: RowWiseAdagradReference(p, lr=0.1, weight_decay=0.5, mode="decoupled")),
+        "rowwise_adagrad_max_norm": (fxrec.optim.RowWiseAdagrad(lr=0.1, max_norm=1.5),
+                                     lambda p: RowWiseAdagradReference(p, lr=0.1, max_norm=1.5)),
+        "rowwise_adagrad_l2_max_norm": (fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.5, max_norm=1.5),
+                                        lambda p: RowWiseAdagradReference(p, lr=0.1, weight_decay=0.5, mode="l2",
+                                                                          max_norm=1.5)),
     }[opt_name]
     model = M.BagList(rows=ROWS).cuda()
     fast = fxrec.transform(model, cuda(M.bag_inputs(rows=ROWS, seed=0)), optimizer=fused)

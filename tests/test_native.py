@@ -571,7 +571,7 @@ def test_adagrad_on_row_strided_tables_and_states_is_bitwise_the_update_of_conti
     grad_out = torch.randn(6, sum(STRIDED[t][0] for t in tof), generator=torch.Generator().manual_seed(14))
     update = [int(t != 3) for t in range(len(views))]
     for ws, ss in ((views, states), (copies, s_copies)):
-        _native.ops().adagrad_update(ws, ss, grad_out, 0.1, 1e-8, 0, 0.0, 0, update, tof, ids, offs, w, last, pad, form,
+        _native.ops().adagrad_update(ws, ss, grad_out, 0.1, 1e-8, 0, 0.0, 0, 0.0, update, tof, ids, offs, w, last, pad, form,
                                      mean)
     for t in range(len(views)):
         assert torch.equal(views[t], copies[t]), t
@@ -593,7 +593,7 @@ def test_rowwise_adagrad_on_row_strided_tables_is_bitwise_the_update_of_contiguo
     grad_out = torch.randn(6, sum(STRIDED[t][0] for t in tof), generator=g)
     update = [int(t != 0) for t in range(len(views))]
     for ws, ss in ((views, states), (copies, s_copies)):
-        _native.ops().adagrad_update(ws, ss, grad_out, 0.1, 1e-8, 1, 0.0, 0, update, tof, ids, offs, w, last, pad, form,
+        _native.ops().adagrad_update(ws, ss, grad_out, 0.1, 1e-8, 1, 0.0, 0, 0.0, update, tof, ids, offs, w, last, pad, form,
                                      mean)
     for t in range(len(views)):
         assert torch.equal(views[t], copies[t]) and torch.equal(states[t], s_copies[t]), t
@@ -620,7 +620,7 @@ def test_rowwise_adagrad_on_a_padded_table_averages_over_the_real_dim():
         want_s.append(ss)
         col += d
     n = len(layouts)
-    _native.ops().adagrad_update(views, states, grad_out, 0.1, 1e-8, 1, 0.0, 0, [1] * n, list(range(n)), ids, [None] * n,
+    _native.ops().adagrad_update(views, states, grad_out, 0.1, 1e-8, 1, 0.0, 0, 0.0, [1] * n, list(range(n)), ids, [None] * n,
                                  [None] * n, [0] * n, [-1] * n, [2] * n, 0)
     for t in range(n):
         torch.testing.assert_close(states[t], want_s[t], rtol=1e-6, atol=0)
@@ -639,9 +639,9 @@ def test_kernels_refuse_tables_and_states_whose_rows_are_not_contiguous():
     feats = ([1], [0], [torch.tensor([0, 1])], [torch.tensor([0, 1])], [None], [0], [-1], [0], 0)
     for state in (torch.zeros(5, 8)[:, ::2], torch.zeros(5, 8), torch.zeros(5, 8)[:, :3], torch.zeros(4, 4)):
         with pytest.raises(RuntimeError, match="Adagrad state of table 0"):
-            _native.ops().adagrad_update([w], [state], out, 0.1, 1e-8, 0, 0.0, 0, *feats)
+            _native.ops().adagrad_update([w], [state], out, 0.1, 1e-8, 0, 0.0, 0, 0.0, *feats)
     with pytest.raises(RuntimeError, match="Adagrad state of table 0"):
-        _native.ops().adagrad_update([w], [torch.zeros(5, 2)[:, 0]], out, 0.1, 1e-8, 1, 0.0, 0, *feats)
+        _native.ops().adagrad_update([w], [torch.zeros(5, 2)[:, 0]], out, 0.1, 1e-8, 1, 0.0, 0, 0.0, *feats)
 
 
 @needs_kernel

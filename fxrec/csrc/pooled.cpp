@@ -459,6 +459,17 @@ struct RowSlots {
   }
 };
 
+// A row whose L2 norm exceeds max_norm scaled by max_norm / norm (fbgemm's max_norm).
+inline void cap_norm(float* w, int64_t D, float max_norm) {
+  float sq = 0.f;
+  for (int64_t d = 0; d < D; ++d) sq += w[d] * w[d];
+  const float norm = std::sqrt(sq);
+  if (norm > max_norm) {
+    const float m = max_norm / norm;
+    for (int64_t d = 0; d < D; ++d) w[d] *= m;
+  }
+}
+
 // torch.optim.Adagrad on the step's gradient (rowwise = 0), or fbgemm's row-wise Adagrad
 // (rowwise = 1), applied to the looked-up rows only. The gradient of a row is first summed over
 // all its lookups in the batch (every feature of the table, in order), as a sparse gradient's
@@ -467,10 +478,11 @@ struct RowSlots {
 //   row-wise: state[r] += mean(g*g);       W[r] -= (lr / (sqrt(state[r]) + eps)) * g
 // Row-wise with weight decay (decay_mode as fbgemm's WeightDecayMode: 1 L2, 2 decoupled), as
 // fbgemm writes it: L2 adds wd * W[r] to g in the sum of squares and c = mult * wd; decoupled
-// c = lr * wd; then W[r] = (1 - c) * W[r] - mult * g.
+// c = lr * wd; then W[r] = (1 - c) * W[r] - mult * g. Row-wise with max_norm > 0, as fbgemm's
+// max_norm: then a row whose L2 norm exceeds max_norm is scaled by max_norm / norm.
 void adagrad_update(
     at::TensorList weights, at::TensorList states, at::Tensor grad_out, double lr, double eps, int64_t rowwise,
-    double weight_decay, int64_t decay_mode,
+    double weight_decay, int64_t decay_mode, double max_norm,
     at::IntArrayRef update_table, at::IntArrayRef table_of_feature, at::TensorList ids,
     const c10::List<std::optional<at::Tensor>>& offsets, const c10::List<std::optional<at::Tensor>>& psw,
     at::IntArrayRef include_last, at::IntArrayRef padding_idx, at::IntArrayRef form, int64_t mean) {
@@ -505,7 +517,10 @@ void adagrad_update(
   }
   TORCH_CHECK(decay_mode >= 0 && decay_mode <= 2 && (decay_mode == 0 || rowwise),
               "fxrec kernel: weight decay mode ", decay_mode, " (row-wise Adagrad takes 0, 1 or 2)");
+  TORCH_CHECK(max_norm >= 0 && (max_norm == 0 || rowwise), "fxrec kernel: max_norm ", max_norm,
+              " (row-wise Adagrad takes one >= 0)");
   const float flr = static_cast<float>(lr), feps = static_cast<float>(eps), fwd = static_cast<float>(weight_decay);
+  const float fmax = static_cast<float>(max_norm);
   ErrorFlag err;
   at::parallel_for(0, nt * u.parts, 1, [&](int64_t begin, int64_t end) {
     RowSlots slots;             // row -> its place in `uniq` (open addressing, sized by the batch)
@@ -551,6 +566,7 @@ void adagrad_update(
           const float mult = flr / (std::sqrt(S[id]) + feps);
           const float keep = 1.f - (decay_mode == 1 ? mult * fwd : flr * fwd);
           for (int64_t d = 0; d < D; ++d) w[d] = keep * w[d] - mult * acc[d];
+          if (fmax > 0.f) cap_norm(w, D, fmax);
         } else if (rowwise) {
           f8 sq8 = f8{};
           int64_t d = 0;
@@ -564,6 +580,7 @@ void adagrad_update(
           S[id] += sq / static_cast<float>(D);
           const float mult = flr / (std::sqrt(S[id]) + feps);
           for (d = 0; d < D; ++d) w[d] -= mult * acc[d];
+          if (fmax > 0.f) cap_norm(w, D, fmax);
         } else {
           float* s = S + id * ss;
           for (int64_t d = 0; d < D; ++d) {
@@ -591,7 +608,7 @@ TORCH_LIBRARY(fxrec, m) {
       "int[] form, int mean) -> ()");
   m.def(
       "adagrad_update(Tensor(a!)[] weights, Tensor(b!)[] states, Tensor grad_out, float lr, float eps, int rowwise, "
-      "float weight_decay, int decay_mode, int[] update_table, int[] table_of_feature, Tensor[] ids, Tensor?[] offsets, Tensor?[] per_sample_weights, "
+      "float weight_decay, int decay_mode, float max_norm, int[] update_table, int[] table_of_feature, Tensor[] ids, Tensor?[] offsets, Tensor?[] per_sample_weights, "
       "int[] include_last_offset, int[] padding_idx, int[] form, int mean) -> ()");
 }
 

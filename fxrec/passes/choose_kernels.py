@@ -64,14 +64,14 @@ def kernel_order(device: str, mode: str, backend: str, optimizer: Optional[str] 
     return order
 
 
-def pick(spec, device: str, mode: str, optimizer: Optional[str], order, on_this_machine: bool, decay: str = ""
-         ) -> Tuple[Optional[str], List[str]]:
+def pick(spec, device: str, mode: str, optimizer: Optional[str], order, on_this_machine: bool,
+         options: Tuple[str, ...] = ()) -> Tuple[Optional[str], List[str]]:
     """The first kernel of ``order`` that supports the group (and is there, ``on_this_machine``),
     and why each one before it was passed over."""
     passed = []
     for name in order:
         k = kernels.get(name)
-        why = k.supports(spec, device, mode, optimizer, decay=decay)
+        why = k.supports(spec, device, mode, optimizer, options=options)
         if why is None and on_this_machine:
             why = k.available(device)
         if why is None:
@@ -133,7 +133,7 @@ def decide(gr: meta.GroupRecord, ctx: PassContext, frozen: Tuple[str, ...] = ())
         order, skipped_frozen = pass_over_frozen(order, kind, frozen, {r.table for r in gr.lookups},
                                                  any(r.weighted for r in gr.lookups), backend)
         k_train, passed_train = pick(spec, device, "training", kind, order, here,
-                                     fused.weight_decay_mode if fused is not None else "")
+                                     fused.options if fused is not None else ())
         passed_train = skipped_frozen + passed_train
         if spec.weights:
             check_stored(spec, outside, k_train, passed_train)

@@ -207,7 +207,7 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
                                     [r.table for r, _, _ in pieces], weighted, ctx.config.backend)
         if any(f.form == "pooled_seq" for f in features):  # (ids sent flat: only PyTorch's lookups take them)
             order = (REFERENCE,)
-        k, passed = pick(spec, device, mode, kind, order, True, fused.weight_decay_mode if kind is not None else "")
+        k, passed = pick(spec, device, mode, kind, order, True, fused.options if kind is not None else ())
         passed = over_frozen + passed  # (a refusal below says why fbgemm was passed over)
         if k is None and kind is not None:
             if spec.weights:  # stored lower: only fbgemm's TBE, with its fused update, holds the shards

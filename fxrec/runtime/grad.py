@@ -230,26 +230,38 @@ def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, r
     """Adagrad (``fused.kind == "adagrad"``: torch.optim.Adagrad's arithmetic) or row-wise
     Adagrad on the rows ``ids`` looked up with gradient rows ``rows``: each row's gradient summed
     over its lookups first, then ``state += g*g`` (row-wise: the mean of ``g*g`` over the row),
-    ``weight -= lr * g / (sqrt(state) + eps)``, row-wise with the weight decay of
+    ``weight -= lr * g / (sqrt(state) + eps)``, row-wise with the weight decay and ``max_norm`` of
     :class:`fxrec.optim.RowWiseAdagrad`. In place, on ``weight`` and ``state``."""
     uniq, inv = torch.unique(ids, return_inverse=True)
     g = rows.new_zeros(uniq.numel(), rows.shape[1]).index_add_(0, inv, rows)
     if fused.kind == "rowwise_adagrad":
-        wd, mode = fused.weight_decay, fused.weight_decay_mode
-        w = weight.index_select(0, uniq) if mode else None
+        wd, mode, max_norm = fused.weight_decay, fused.weight_decay_mode, fused.max_norm
+        w = weight.index_select(0, uniq) if mode or max_norm else None
         decayed = g + wd * w if mode == "l2" else g
         s = state.index_select(0, uniq) + (decayed * decayed).mean(1)
         state.index_copy_(0, uniq, s)
         mult = (fused.lr / (s.sqrt() + fused.eps)).unsqueeze(1)
         if mode:  # fbgemm's form: w = (1 - c) * w - mult * g
             keep = 1 - (mult * wd if mode == "l2" else fused.lr * wd)
-            weight.index_copy_(0, uniq, keep * w - mult * g)
+            new = keep * w - mult * g
+        elif max_norm:
+            new = w + g * -mult
         else:
             weight.index_add_(0, uniq, g * -mult)
+            return
+        weight.index_copy_(0, uniq, renorm_rows(new, max_norm) if max_norm else new)
     else:
         s = state.index_select(0, uniq).addcmul_(g, g)
         state.index_copy_(0, uniq, s)
         weight.index_add_(0, uniq, (g / s.sqrt().add_(fused.eps)) * (-fused.lr))
+
+
+def renorm_rows(w: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """fbgemm's ``max_norm`` (row-wise Adagrad's, after the update): each row of ``w`` whose L2
+    norm exceeds ``max_norm`` scaled by ``max_norm / norm``, the others as they are (a new tensor;
+    nothing read on the host)."""
+    norm = torch.linalg.vector_norm(w, dim=1, keepdim=True)
+    return torch.where(norm > max_norm, w * (max_norm / norm), w)
 
 
 class _Clamp:

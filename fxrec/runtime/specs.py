@@ -100,7 +100,7 @@ class FusedSpec:
     ``lamb`` (:class:`fxrec.optim.LazyAdam`, :class:`fxrec.optim.LazyLamb`: fbgemm's, CUDA only),
     their partial row-wise forms or ``lars_sgd`` (:class:`fxrec.optim.LarsSGD`, CUDA only),
     with its learning rate, eps, (Adam, LAMB) betas and decoupled weight decay, and (row-wise Adagrad)
-    weight decay in ``weight_decay_mode``. Which code applies it is the group's training
+    weight decay in ``weight_decay_mode`` and ``max_norm``. Which code applies it is the group's training
     kernel's business."""
 
     kind: str
@@ -115,6 +115,16 @@ class FusedSpec:
     #: LARS-SGD's (:class:`fxrec.optim.LarsSGD`)
     momentum: float = 0.0
     eta: float = 0.0
+    #: row-wise Adagrad's: after its update, a row whose L2 norm exceeds this is scaled down to it
+    #: (fbgemm's ``max_norm``); 0 for none
+    max_norm: float = 0.0
+
+    @property
+    def options(self) -> Tuple[str, ...]:
+        """What the update does beyond its kind's plain arithmetic, which a kernel may lack
+        (``Kernel.supports(options=)``): "weight decay" (row-wise Adagrad's, in
+        ``weight_decay_mode``), "max_norm"."""
+        return tuple(o for o, on in (("weight decay", self.weight_decay_mode), ("max_norm", self.max_norm)) if on)
 
 
 # Names of the fused optimizer's states per table, in split_optimizer_states() order.

@@ -11,7 +11,7 @@ packing) is the group module's, :class:`fxrec.runtime.group.EmbeddingGroup`.
   written straight into its columns of the output; fused SGD / Adagrad / row-wise Adagrad.
 * ``fbgemm``: fbgemm_gpu's table-batched embedding (training TBE; IntNBit for quantized tables).
 
-Each kernel answers ``supports(group, device, mode, optimizer, decay=) -> None | reason`` from the
+Each kernel answers ``supports(group, device, mode, optimizer, options=) -> None | reason`` from the
 group's :class:`~fxrec.runtime.specs.GroupSpec` alone, so a choice can be made and explained for
 a device that is not present. ``run(group, ids, offsets, psw, params, training)`` returns the
 group's output, or None when this call's inputs are outside what the kernel takes (the group then
@@ -21,7 +21,7 @@ runs the reference). Choosing a kernel is a lookup in the rule table of
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from ..specs import GroupSpec
 
@@ -37,10 +37,10 @@ class Kernel:
     name: str = ""
 
     def supports(self, group: GroupSpec, device: str, mode: str, optimizer: Optional[str], *,
-                 decay: str = "") -> Optional[str]:
+                 options: Tuple[str, ...] = ()) -> Optional[str]:
         """None when this kernel can run ``group`` on ``device`` ("cpu" / "cuda") in ``mode``
-        with the fused ``optimizer`` ("sgd", "adagrad", "rowwise_adagrad", or None for none) and
-        its ``decay`` (``FusedSpec.weight_decay_mode``: "" none, "l2", "decoupled"), else a short
+        with the fused ``optimizer`` ("sgd", "adagrad", "rowwise_adagrad", ..., or None for none)
+        and its ``options`` (``FusedSpec.options``: "weight decay", "max_norm"), else a short
         reason (it goes into the report)."""
         raise NotImplementedError
 

@@ -15,7 +15,7 @@ with one, fbgemm's backward applies it (its states: :mod:`.fbgemm_states`).
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -305,7 +305,7 @@ class FbgemmKernel(Kernel):
     CPU_OPTIMIZERS = CPU_OPTIMIZERS
     CUDA_OPTIMIZERS = CPU_OPTIMIZERS + CUDA_ONLY
 
-    def supports(self, group, device, mode, optimizer, *, decay: str = "", states_only: bool = False):
+    def supports(self, group, device, mode, optimizer, *, options: Tuple[str, ...] = (), states_only: bool = False):
         """``states_only``: whether a TBE of this group can keep the fused optimizer's states
         for a kernel that applies the update itself (fxrec's native and reference kernels, which
         average a row-wise Adagrad over the table's real dim and leave a padding row alone)."""
@@ -332,10 +332,11 @@ class FbgemmKernel(Kernel):
             if optimizer in self.CUDA_OPTIMIZERS:
                 return f"fbgemm fuses {optimizer} on CUDA only (its CPU build trains with SGD and the Adagrads)"
             return f"fbgemm has no fused {optimizer}"
-        if decay and device == "cpu" and not states_only:
-            # fbgemm-gpu-cpu 1.8.0 takes weight_decay and weight_decay_mode and updates the rows
-            # exactly as without them (checked by hand: tests/test_fused_optimizers.py)
-            return f"fbgemm's CPU build ignores {optimizer}'s weight decay (its CUDA build applies it)"
+        if options and device == "cpu" and not states_only:
+            # fbgemm-gpu-cpu 1.8.0 takes weight_decay, weight_decay_mode and max_norm and updates the
+            # rows exactly as without them (checked by hand: tests/test_fused_optimizers.py)
+            return (f"fbgemm's CPU build ignores {optimizer}'s {' and '.join(options)} (its CUDA build applies "
+                    f"{'them' if len(options) > 1 else 'it'})")
         if group.weights and optimizer == "adam" and not states_only:
             # fbgemm-gpu 1.6.0 passes Adam's absent row counter as an empty tensor of the weights' type,
             # and its kernel wants fp32: "Expected tensor 'row_counter_dev' to have scalar type Float"

@@ -97,9 +97,12 @@ def make_training_tbe(
         args.update(beta1=float(fused.beta1), beta2=float(fused.beta2), weight_decay=float(fused.weight_decay))
     elif kind == "lars_sgd":
         args.update(eta=float(fused.eta), momentum=float(fused.momentum), weight_decay=float(fused.weight_decay))
-    elif kind == "rowwise_adagrad" and fused.weight_decay_mode:
-        modes = {"l2": WeightDecayMode.L2, "decoupled": WeightDecayMode.DECOUPLE}
-        args.update(weight_decay=float(fused.weight_decay), weight_decay_mode=modes[fused.weight_decay_mode])
+    elif kind == "rowwise_adagrad":
+        if fused.weight_decay_mode:
+            modes = {"l2": WeightDecayMode.L2, "decoupled": WeightDecayMode.DECOUPLE}
+            args.update(weight_decay=float(fused.weight_decay), weight_decay_mode=modes[fused.weight_decay_mode])
+        if fused.max_norm:  # (fbgemm's CUDA kernel caps the updated rows; its CPU build ignores it)
+            args.update(max_norm=float(fused.max_norm))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tbe = SplitTableBatchedEmbeddingBagsCodegen(

@@ -321,7 +321,8 @@ class NativeFusedFunction(torch.autograd.Function):
             else:
                 decay = {"": 0, "l2": 1, "decoupled": 2}[spec.weight_decay_mode]  # fbgemm's WeightDecayMode
                 ops().adagrad_update(weights, states, grad_out.contiguous(), float(spec.lr), float(spec.eps),
-                                     int(spec.kind == "rowwise_adagrad"), float(spec.weight_decay), decay, *features)
+                                     int(spec.kind == "rowwise_adagrad"), float(spec.weight_decay), decay,
+                                     float(spec.max_norm), *features)
         bump = getattr(torch.autograd.graph, "increment_version", None)
         if bump is not None:
             for p in ctx.params:
@@ -335,7 +336,7 @@ class NativeKernel(Kernel):
     name = NATIVE
     OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
-    def supports(self, group, device, mode, optimizer, *, decay=""):  # (row-wise Adagrad's decay: adagrad_update)
+    def supports(self, group, device, mode, optimizer, *, options=()):  # (row-wise Adagrad's options: adagrad_update)
         if device != "cpu":
             return "fxrec's native kernels are CPU code"
         if not group.pooled:

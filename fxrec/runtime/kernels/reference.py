@@ -168,7 +168,7 @@ class ReferenceKernel(Kernel):
 
     OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
-    def supports(self, group, device, mode, optimizer, *, decay=""):  # (row-wise Adagrad's decay: grad.adagrad_rows)
+    def supports(self, group, device, mode, optimizer, *, options=()):  # (row-wise Adagrad's options: grad.adagrad_rows)
         if group.quantized:
             return "quantized tables are fbgemm's IntNBit"
         if group.weights:
