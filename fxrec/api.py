@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from .capture import accepted_sizes, capture, input_guards
-from .graph_module import MODES_KEY
+from .graph_module import MODES_KEY, bind_staged
 from .materialize import materialize, meta_names, working_copy
 from .optim import check_spec as check_optimizer_spec
 from .passes.assign_precisions import check_weights_precision
@@ -315,6 +315,7 @@ def transform(
         # this rank's tensors: allocated, filled from the model (meta ones: initialised, and the
         # whole ones broadcast from rank 0)
         materialize(gm, model, gm.meta.get("fxrec_sharded_params", {}), gm.meta.get("fxrec_shard_layout", {}))
+        bind_staged(gm)  # (pieces bound for unified memory, held in host memory until now)
         _store_lower_precision(gm)  # the rank's shards, now that they hold values
         if mode == "training":
             sum_gradients_over_ranks(gm, records)

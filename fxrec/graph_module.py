@@ -237,16 +237,10 @@ def check_bounds(module: torch.nn.Module) -> None:
             m.raise_pending()
 
 
-def bind_tables(module: torch.nn.Module) -> None:
-    """Move the tables of every group of ``module`` that holds them in an fbgemm TBE into it now
-    (their parameters become views of its rows), as the group's first call would. Until then, and
-    again after ``.to()``, a copy or unpickling, a tensor taken from the model (a ``state_dict()``
-    value, ``param.detach()``) is the parameter's storage before the move, which the kernel does not
-    read: call this before taking one. (``transform`` does not do it itself: on a GPU the move
-    would double the tables' memory while the copy it made of the model is still held.)"""
+def _groups_with_weights(module: torch.nn.Module):
+    """``(group, its tables' parameters)`` for every group of ``module``'s graphs (nested ones
+    too), a sharded model's local lookups' groups included."""
     from .runtime.group import EmbeddingGroup
-    from .runtime.kernels import FBGEMM
-    from .runtime.kernels.fbgemm import ensure_bound, tbe_optimizer, usable
 
     for gm in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
         for n in gm.graph.nodes:
@@ -259,12 +253,51 @@ def bind_tables(module: torch.nn.Module) -> None:
                 group, weights = mod.group, n.args[1]  # a sharded model's local lookups
             else:
                 continue
-            if not (FBGEMM in (group.kernel_train, group.kernel_eval) or group.weights
-                    or tbe_optimizer(group) != "none"):
+            if not all(isinstance(w, fx.Node) and w.op == "get_attr" for w in weights):
                 continue
-            params = [gm.get_parameter(w.target) for w in weights]
-            if params and params[0].device.type in ("cpu", "cuda") and usable(params, group):
-                ensure_bound(group, params)
+            try:
+                params = [gm.get_parameter(w.target) for w in weights]
+            except AttributeError:  # (not parameters: the group's kernels take them as they are)
+                continue
+            yield group, params
+
+
+def bind_staged(gm: fx.GraphModule) -> None:
+    """A sharded rank's pieces that shard_groups held in host memory because they go to unified
+    memory (``fxrec.passes.shard_groups.STAGED``): each of their groups bound now on its GPU, the
+    rows copied from host memory straight to where they are placed (``EmbeddingGroup.bind_on``)."""
+    from .passes.shard_groups import STAGED
+
+    staged = gm.meta.pop(STAGED, None)
+    if staged is None:
+        return
+    device, tables = torch.device(staged[0]), set(staged[1])
+    for group, params in _groups_with_weights(gm):
+        if not params or not tables.intersection(t.name for t in group.tables):
+            continue
+        if params[0].device == device:
+            continue  # (bound already: a group called twice in the graph)
+        if not group.bind_on(params, device):
+            raise RuntimeError(f"fxrec: tables {[t.name for t in group.tables]} were held in host memory for "
+                               f"unified memory on {device}, and their group does not place them there: a bug in fxrec")
+
+
+def bind_tables(module: torch.nn.Module) -> None:
+    """Move the tables of every group of ``module`` that holds them in an fbgemm TBE into it now
+    (their parameters become views of its rows), as the group's first call would. Until then, and
+    again after ``.to()``, a copy or unpickling, a tensor taken from the model (a ``state_dict()``
+    value, ``param.detach()``) is the parameter's storage before the move, which the kernel does not
+    read: call this before taking one. (``transform`` does not do it itself: on a GPU the move
+    would double the tables' memory while the copy it made of the model is still held.)"""
+    from .runtime.kernels import FBGEMM
+    from .runtime.kernels.fbgemm import ensure_bound, tbe_optimizer, usable
+
+    for group, params in _groups_with_weights(module):
+        if not (FBGEMM in (group.kernel_train, group.kernel_eval) or group.weights
+                or tbe_optimizer(group) != "none"):
+            continue
+        if params and params[0].device.type in ("cpu", "cuda") and usable(params, group):
+            ensure_bound(group, params)
 
 
 #: where a TransformedModule on meta keeps its graph constants' values (see _move_constants)

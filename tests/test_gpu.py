@@ -885,6 +885,66 @@ def test_a_sharded_table_in_unified_memory_trains_as_in_gpu_memory_over_nccl(tmp
     assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
 
 
+def _nccl_meta_uvm_worker(rank, world, init_file, result_dir):
+    """World size 1 on NCCL, TwoBags built on meta, under a plan (big row-wise, small table-wise)
+    with hbm_budget="20MB": the rank's block of big (25.6 MB) is allocated in host memory, filled
+    there, and bound into unified memory by transform, never through GPU memory (the peak stays
+    under half its bytes; shard_groups allocated it on the GPU before). It then trains as the
+    model on the GPU given the same weights under the same plan without a budget."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        with torch.device("meta"):
+            model = TwoBags()
+        x0 = two_bag_inputs(0)
+        opt = fxrec.optim.RowWiseAdagrad(lr=0.05)
+        plan = fxrec.plan(model, x0, world_size=world, memory_per_rank="1GB",
+                          pins={"big": "row_wise", "small": "table_wise"}, optimizer=opt)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        on_uvm = fxrec.transform(model, x0, plan=plan, optimizer=opt, hbm_budget="20MB")
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base < 100_000 * 64 * 4 // 2, torch.cuda.max_memory_allocated() - base
+        (g,) = on_uvm.report.groups
+        assert "big: managed_caching" in g.placement, g.placement
+        (lookup,) = [m for n, m in on_uvm.named_modules() if n.endswith("_lookup")]
+        assert lookup.group._bound is not None and lookup.group._bound.tbe.weights_uvm.numel() >= 100_000 * 64
+        assert all(p.is_cuda for p in on_uvm.parameters())
+        plain = TwoBags().cuda()
+        plain.load_state_dict({k: v.detach().clone() for k, v in on_uvm.state_dict().items()})
+        on_device = fxrec.transform(plain, x0, plan=plan, optimizer=opt)
+        pairs = [(m, m.make_optimizer(torch.optim.SGD, lr=0.01)) for m in (on_device, on_uvm)]
+        for step in range(4):
+            for m, o in pairs:
+                o.zero_grad()
+                m(*two_bag_inputs(step + 1)).sin().sum().backward()
+                o.step()
+        for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+        dist.barrier()
+        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
+            fh.write("ok")
+        del on_device, on_uvm, pairs, lookup
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_meta_models_sharded_table_goes_to_unified_memory_without_gpu_memory_over_nccl(tmp_path):
+    from tests.test_sharding import spawn
+
+    spawn(_nccl_meta_uvm_worker, 1, str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["trained", "int8"])
 def test_a_model_on_cpu_transformed_for_cuda_puts_its_big_table_in_unified_memory_without_gpu_memory(quantized):
     """transform(model on CPU, device="cuda", hbm_budget=): decided for CUDA, then moved, the big

@@ -55,7 +55,7 @@ plan does not name, and tables it names that the model does not look up.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -312,14 +312,49 @@ def _decision(gr: meta.GroupRecord, kinds, device: Optional[str] = None) -> meta
     )
 
 
-def _hold_rows(gm: fx.GraphModule, r: meta.LookupRecord, tp, rank: int, sharded_params: dict) -> int:
+#: gm.meta key: ``(CUDA device, tables)`` where this rank holds pieces in host memory during
+#: transform that go to unified memory (:func:`_host_staged`); ``fxrec.api`` binds them.
+STAGED = "fxrec_host_staged"
+
+
+def _host_staged(ctx: PassContext) -> Optional[Tuple[str, Tuple[str, ...]]]:
+    """The tables whose pieces this rank allocates in host memory, not GPU memory: on CUDA with
+    ``hbm_budget=``, every piece of each local group that place_shards gives unified memory
+    (decided from the plan alone, :func:`fxrec.passes.place_shards.decide`; all of the group's
+    pieces, which its one TBE binds together). Once ``materialize`` has filled them, ``fxrec.api``
+    binds each such group on the GPU (``EmbeddingGroup.bind_on``): the rows go from host memory
+    straight to where they are placed, so a rank's pieces in unified memory never pass through
+    GPU memory (allocated on the GPU first, a rank needed GPU memory for all its pieces at once,
+    the budget notwithstanding). Quantized pieces are packed as before (place_shards moves their
+    packed rows). ``(the groups' CUDA device, the tables)``; None elsewhere (CPU, no budget,
+    ``explain``'s decisions for a device)."""
+    if not ctx.config.hbm_budget or ctx.config.device is not None or ctx.config.plan is None:
+        return None
+    from .place_shards import decide
+
+    placements, _, groups = decide(ctx, ctx.config.rank)
+    moved = [gr for gr, group, _, cuda in groups
+             if cuda and group is not None and any(t.name in placements for t in group.tables)]
+    if not moved:
+        return None
+    return moved[0].lookups[0].device, tuple(sorted({r.table for gr in moved for r in gr.lookups}))
+
+
+def _piece_device(gm: fx.GraphModule, r: meta.LookupRecord, full: torch.Tensor) -> torch.device:
+    """Where this rank allocates its piece of ``r``'s table: host memory for the tables
+    :func:`_host_staged` names, else where the table's placeholder is."""
+    staged = gm.meta.get(STAGED)
+    return torch.device("cpu") if staged is not None and r.table in staged[1] else full.device
+
+
+def _hold_rows(ctx: PassContext, gm: fx.GraphModule, r: meta.LookupRecord, tp, rank: int, sharded_params: dict) -> int:
     """Make a row-wise (or table-row-wise) table's parameter this rank's block of rows (none, for
     a table-row-wise table of another host), under the table's own name; its number of rows."""
     sh = {s.rank: s for s in tp.shards}.get(rank)
     lo, n = (sh.row_offset, sh.num_rows) if sh is not None else (0, 0)
     if r.param not in sharded_params:
         full = gm.get_parameter(r.param)
-        block = full.detach()[lo:lo + n].to(_stored_dtype(r, full), copy=True)
+        block = full.detach()[lo:lo + n].to(_piece_device(gm, r, full), _stored_dtype(r, full), copy=True)
         _set_param(gm, r.param, torch.nn.Parameter(block, requires_grad=full.requires_grad))
     return n
 
@@ -330,14 +365,15 @@ def _stored_dtype(r: meta.LookupRecord, param: torch.Tensor) -> torch.dtype:
     return weights_dtype(r.weights) or param.dtype
 
 
-def _own_whole(gm: fx.GraphModule, r: meta.LookupRecord) -> None:
-    """A table this rank holds whole (table-wise), stored at a lower precision: its placeholder
-    (filled by ``materialize``) takes that dtype, so the table is allocated only so."""
+def _own_whole(ctx: PassContext, gm: fx.GraphModule, r: meta.LookupRecord) -> None:
+    """A table this rank holds whole (table-wise), stored at a lower precision or staged in host
+    memory (:func:`_host_staged`): its placeholder (filled by ``materialize``) takes that dtype and
+    device, so the table is allocated only so."""
     full = gm.get_parameter(r.param)
-    dtype = _stored_dtype(r, full)
-    if full.dtype != dtype:
-        value = full.detach().to(dtype) if 0 not in full.stride() else \
-            torch.zeros((), dtype=dtype, device=full.device).expand(full.shape)  # (a placeholder stays one)
+    dtype, device = _stored_dtype(r, full), _piece_device(gm, r, full)
+    if full.dtype != dtype or full.device != device:
+        value = full.detach().to(device, dtype) if 0 not in full.stride() else \
+            torch.zeros((), dtype=dtype, device=device).expand(full.shape)  # (a placeholder stays one)
         _set_param(gm, r.param, torch.nn.Parameter(value, requires_grad=full.requires_grad))
 
 
@@ -356,11 +392,11 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
             bases.append(tp.shards[0].rank)
             n = r.num_rows if tp.shards[0].rank == rank else 0
             if n and r.param not in sharded_params:
-                _own_whole(gm, r)
+                _own_whole(ctx, gm, r)
         else:
             blocks.append(max(1, min(tp.shards, key=lambda x: x.rank).num_rows))
             bases.append(min(sh.rank for sh in tp.shards))
-            n = _hold_rows(gm, r, tp, rank, sharded_params)
+            n = _hold_rows(ctx, gm, r, tp, rank, sharded_params)
         sharded_params[r.param] = tp.sharding
         if n:
             if r.weight not in local:
@@ -404,18 +440,19 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
     for p, (r, _, _, holders, cols) in enumerate(pieces):
         tp = plan.tables[r.table]
         if tp.sharding in ("row_wise", "table_row_wise"):
-            n = _hold_rows(gm, r, tp, rank, sharded_params)  # (none, on another host's rank)
+            n = _hold_rows(ctx, gm, r, tp, rank, sharded_params)  # (none, on another host's rank)
         elif rank not in holders:
             n = 0
         elif tp.sharding == "table_wise":
             n = r.num_rows
-            _own_whole(gm, r)
+            _own_whole(ctx, gm, r)
         else:  # this rank's column shard, under the table's own name
             n = r.num_rows
             if r.param not in sharded_params:
                 full = gm.get_parameter(r.param)
                 sh = next(sh for sh in tp.shards if sh.rank == rank)
-                part = full.detach()[:, sh.col_offset:sh.col_offset + sh.num_cols].to(_stored_dtype(r, full), copy=True)
+                part = full.detach()[:, sh.col_offset:sh.col_offset + sh.num_cols].to(
+                    _piece_device(gm, r, full), _stored_dtype(r, full), copy=True)
                 _set_param(gm, r.param, torch.nn.Parameter(part, requires_grad=full.requires_grad))
         if tp.sharding != "column_wise" or rank in holders:  # (a column shard is cut once, on its rank)
             sharded_params[r.param] = tp.sharding
@@ -552,6 +589,9 @@ def shard_groups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     refuse_apart(gm, ctx)
     refuse_unknown_tables(gm, ctx)
     gm.meta[_ALIASES] = _aliases(gm)
+    staged = _host_staged(ctx)
+    if staged is not None:
+        gm.meta[STAGED] = staged
     for gr in ctx.groups:
         kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
         refuse_outside_uses(gm, gr, kinds)
