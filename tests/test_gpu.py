@@ -3,6 +3,7 @@ fails on a machine without a GPU). Each test compares with the plain PyTorch mod
 GPU. Written against fbgemm-gpu 1.6.0's CUDA API without a GPU; first run on an H100 on 2026-11-26
 (docs/gpu.md says what those runs found)."""
 
+import contextlib
 import copy
 import gc
 
@@ -833,10 +834,11 @@ def test_every_piece_type_of_a_sharded_group_runs_on_one_gpu_over_nccl(opt_name,
     assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
 
 
-def _nccl_uvm_worker(rank, world, init_file, result_dir):
-    """World size 1 on NCCL, TwoBags under a plan (big row-wise, small table-wise): with
-    hbm_budget="20MB" the rank's block of big goes to unified memory, as explain says from the
-    plan, and trains as the same plan without a budget."""
+@contextlib.contextmanager
+def _nccl_rank(rank: int, world: int, init_file: str, result_dir: str):
+    """Rank ``rank`` of an NCCL process group on cuda:rank (a 120 s timeout) for the body; when
+    the body finishes, after a barrier, ``ok.<rank>`` is written in ``result_dir``. The group is
+    destroyed either way (the body deletes what holds its collectives first)."""
     import os
     from datetime import timedelta
 
@@ -846,6 +848,20 @@ def _nccl_uvm_worker(rank, world, init_file, result_dir):
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
+        yield
+        dist.barrier()
+        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
+            fh.write("ok")
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _nccl_uvm_worker(rank, world, init_file, result_dir):
+    """World size 1 on NCCL, TwoBags under a plan (big row-wise, small table-wise): with
+    hbm_budget="20MB" the rank's block of big goes to unified memory, as explain says from the
+    plan, and trains as the same plan without a budget."""
+    with _nccl_rank(rank, world, init_file, result_dir):
         torch.manual_seed(0)
         model = TwoBags().cuda()
         x0 = two_bag_inputs(0)
@@ -869,13 +885,7 @@ def _nccl_uvm_worker(rank, world, init_file, result_dir):
         assert tbe.weights_uvm.numel() > 0 and tbe.lxu_cache_weights.numel() > 0
         for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
-        dist.barrier()
-        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
-            fh.write("ok")
         del on_device, on_uvm, pairs, lookup, tbe
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_sharded_table_in_unified_memory_trains_as_in_gpu_memory_over_nccl(tmp_path):
@@ -891,15 +901,7 @@ def _nccl_meta_uvm_worker(rank, world, init_file, result_dir):
     there, and bound into unified memory by transform, never through GPU memory (the peak stays
     under half its bytes; shard_groups allocated it on the GPU before). It then trains as the
     model on the GPU given the same weights under the same plan without a budget."""
-    import os
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with _nccl_rank(rank, world, init_file, result_dir):
         with torch.device("meta"):
             model = TwoBags()
         x0 = two_bag_inputs(0)
@@ -929,13 +931,7 @@ def _nccl_meta_uvm_worker(rank, world, init_file, result_dir):
                 o.step()
         for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
-        dist.barrier()
-        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
-            fh.write("ok")
         del on_device, on_uvm, pairs, lookup
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_meta_models_sharded_table_goes_to_unified_memory_without_gpu_memory_over_nccl(tmp_path):
@@ -990,17 +986,9 @@ def _nccl_quantized_uvm_worker(rank, world, init_file, result_dir):
     with hbm_budget="4MB" the rank's block of big (100k int8 rows of 80 bytes) keeps its rows in
     unified memory ("managed"), as explain says from the plan, and serves what the same plan
     without a budget serves, bit for bit."""
-    import os
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from fxrec.runtime.kernels.fbgemm_nbit import in_unified_memory
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with _nccl_rank(rank, world, init_file, result_dir):
         torch.manual_seed(0)
         model = TwoBags().cuda().eval()
         x0 = two_bag_inputs(0)
@@ -1024,13 +1012,7 @@ def _nccl_quantized_uvm_worker(rank, world, init_file, result_dir):
             for step in range(3):
                 x = two_bag_inputs(step + 1)
                 torch.testing.assert_close(on_uvm(*x), on_device(*x), rtol=0, atol=0)
-        dist.barrier()
-        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
-            fh.write("ok")
         del on_device, on_uvm, lookup, group
-        gc.collect()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_sharded_quantized_table_in_unified_memory_serves_as_in_gpu_memory_over_nccl(tmp_path):
