@@ -16,7 +16,8 @@ checks cannot be traced symbolically). :class:`TransformedModule`:
 * ``.to()`` / ``.cuda()`` move the graph's tensor constants and the devices capture wrote into it
   with the parameters (a model transformed on CPU runs on CUDA after ``.cuda()``); tables placed
   in unified memory (``transform(..., device="cuda", hbm_budget=)`` of a model on CPU) go there
-  straight from host memory, never through GPU memory (:meth:`EmbeddingGroup.bind_on`);
+  straight from host memory, never through GPU memory (:meth:`EmbeddingGroup.bind_on`), and
+  ``to_empty(device="cuda")`` of such a model on meta gives them unified memory, not GPU memory;
 * tables fbgemm caches in GPU memory (``hbm_budget=``, placement ``managed_caching``): their cached
   rows are written back before ``state_dict()``, a copy, a pickle or ``.to()`` reads the
   parameters, and written back and emptied before ``load_state_dict()`` (also one called on a
@@ -84,11 +85,19 @@ class TransformedModule(fx.GraphModule):
         before = _tensors_device(self)
         probe = fn(torch.empty(0, device=before)) if before is not None else None
         after = probe.device if isinstance(probe, torch.Tensor) else before
+        bound = {}
         if after != before and before.type != "meta":  # tables placed in unified memory: straight there, first
-            # (from meta, as to_empty(), there are no rows to copy: the tables move as the rest, and bind at a call)
             for group, params in groups_and_tables(self):
                 group.bind_on(params, after)
-        out = super()._apply(fn, *args, **kwargs)
+        elif after != before and after.type == "cuda":  # from meta (to_empty): given unified memory, not fn's
+            bound = _bind_unified_from_meta(self, after)
+        for mod, name in bound:  # (hidden from nn.Module's _apply, which would give them fn's GPU memory)
+            del mod._parameters[name]
+        try:
+            out = super()._apply(fn, *args, **kwargs)
+        finally:
+            for (mod, name), p in bound.items():
+                mod._parameters[name] = p
         self._move_constants(fn)
         self._move_device_args(before, after)
         return out
@@ -260,6 +269,25 @@ def _groups_with_weights(module: torch.nn.Module):
             except AttributeError:  # (not parameters: the group's kernels take them as they are)
                 continue
             yield group, params
+
+
+def _bind_unified_from_meta(module: torch.nn.Module, device: torch.device) -> dict:
+    """A model on meta given memory on CUDA ``device`` (``to_empty``): the tables of each group
+    that keeps tables in unified memory there are given host memory (uninitialised, as to_empty
+    gives) and bound into the group's TBE on ``device`` (``EmbeddingGroup.bind_on``), so their
+    rows are in unified memory, never in GPU memory. ``{(owner module, name): parameter}`` for
+    each name of those parameters, which ``_apply`` must then leave as they are."""
+    out = {}
+    for group, params in _groups_with_weights(module):
+        if not params or not all(p.is_meta for p in params) or not group.places_unified(device):
+            continue
+        for p in params:
+            p.data = torch.empty(p.shape, dtype=p.dtype)
+        group.bind_on(params, device)
+        ids = {id(p) for p in params}
+        out.update({(mod, name): p for mod in module.modules() for name, p in mod._parameters.items()
+                    if p is not None and id(p) in ids})
+    return out
 
 
 def bind_staged(gm: fx.GraphModule) -> None:

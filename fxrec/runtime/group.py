@@ -222,13 +222,18 @@ class EmbeddingGroup(InputChecks, nn.Module):
         are (the parameters become views of the TBE's rows): tables in unified memory never pass
         through GPU memory on their way from host memory. What ``.to()`` / ``.cuda()`` of the
         transformed model do before moving the rest. False (nothing done) for other groups."""
-        if device.type != "cuda" or all(t.placement == "device" for t in self.tables) \
-                or FBGEMM not in (self.kernel_train, self.kernel_eval) or any(p.is_meta for p in params):
+        if not self.places_unified(device) or any(p.is_meta for p in params):
             return False
         from .kernels.fbgemm import ensure_bound
 
         ensure_bound(self, params, device)
         return True
+
+    def places_unified(self, device: torch.device) -> bool:
+        """Whether the group keeps tables in unified memory on ``device`` (CUDA, ``hbm_budget=``
+        placements, fbgemm's TBE: the only kernel that holds them there)."""
+        return device.type == "cuda" and any(t.placement != "device" for t in self.tables) \
+            and FBGEMM in (self.kernel_train, self.kernel_eval)
 
     def extra_repr(self) -> str:
         names = ", ".join(t.name for t in self.tables)
