@@ -681,3 +681,47 @@ def test_the_extensions_name_differs_between_checkouts_and_torch_installs(monkey
     elsewhere = _native._build_tag()
     monkeypatch.setattr(torch, "__file__", "/another/env/torch/__init__.py")
     assert len({here, elsewhere, _native._build_tag()}) == 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_the_list_level_reading_of_a_call_is_the_feature_by_feature_one_or_steps_aside(mode):
+    """native_call reads a group of plain bags (no padding_idx, no include_last_offset) at once
+    (_plain_call): where it answers, the call is the one _call_by_feature makes (the same ids,
+    offsets, tables and per-feature arguments); where the inputs are anything else it steps
+    aside (None) and the feature-by-feature reading answers, as it always did."""
+    model = Bags(dims=(16, 8, 12), mode=mode)
+    fast = fxrec.transform(model, bag_lists(3), backend="native", mode="inference")
+    (group,) = group_modules(fast)
+    assert group._plain_bags and group._table_of == [0, 1, 2]
+    params = [fast.get_parameter(f"bags.{i}.weight") for i in range(3)]
+    ids, offs = bag_lists(3, seed=4)
+    fields = ("table_of_feature", "include_last", "padding", "form", "mean", "batch")
+    quick, slow = (f(group, ids, offs, [None] * 3, params) for f in (_native._plain_call, _native._call_by_feature))
+    assert quick is not None and all(getattr(quick, k) == getattr(slow, k) for k in fields), (quick, slow)
+    assert all(a is b for a, b in zip(quick.ids, slow.ids)) and all(a is b for a, b in zip(quick.offsets, slow.offsets))
+    assert quick.psw == slow.psw == [None] * 3
+    assert all(torch.equal(a, b) and a.data_ptr() == b.data_ptr() for a, b in zip(quick.weights, slow.weights))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids, offs), model(ids, offs), rtol=1e-6, atol=1e-6)
+    other = {
+        "int32 ids": ([i.int() for i in ids], offs),
+        "int32 offsets": (ids, [o.int() for o in offs]),
+        "strided ids": ([torch.stack([i, i], 1)[:, 0] for i in ids], offs),
+        "batch sizes that differ": (ids, offs[:2] + [offs[2][:-1]]),
+        "an empty batch": ([i[:0] for i in ids], [o[:0] for o in offs]),
+        "[B, L] ids": ([torch.randint(0, 37, (9, 2)) for _ in range(3)], [None] * 3),
+    }
+    for what, (i, o) in other.items():
+        assert _native._plain_call(group, i, o, [None] * 3, params) is None, what
+        if what in ("batch sizes that differ", "[B, L] ids"):
+            continue  # (the model's input guards refuse them before any kernel)
+        with torch.no_grad():  # (the model's answer: through the other reading, or another kernel)
+            torch.testing.assert_close(fast(i, o), model(i, o), rtol=1e-6, atol=1e-6, msg=what)
+    weighted = [torch.rand(i.shape) for i in ids]
+    assert _native._plain_call(group, ids, offs, weighted, params) is None
+    padded = [torch.zeros(37, 24)[:, :d].copy_(p.detach()) for p, d in zip(params, (16, 8, 12))]
+    assert _native._plain_call(group, ids, offs, [None] * 3, padded) is None
+    assert _native.native_call(group, ids, offs, [None] * 3, padded) is not None
+    for kw in (dict(padding_idx=0), dict(include_last_offset=True)):
+        assert not group_modules(fxrec.transform(Bags(dims=(8, 8), **kw), bag_lists(2), backend="native"))[0]._plain_bags

@@ -242,14 +242,19 @@ class EmbeddingGroup(InputChecks, nn.Module):
 
     def _set_flags(self) -> None:
         """What calls read of the features, fixed at init: bags with a padding_idx (a quantized
-        group looks their padding ids up, weighing 0), and whether a ``[B, 0]`` feature may
-        mean-pool (PyTorch's NaN)."""
+        group looks their padding ids up, weighing 0), whether a ``[B, 0]`` feature may
+        mean-pool (PyTorch's NaN), whether every feature is a bag without a padding_idx or
+        include_last_offset (fxrec's native kernel then reads a call's inputs at once), and
+        each feature's table."""
         self._padded_bags = any(f.form == "bag" and f.padding_idx is not None for f in self.features)
         self._means_of_seqs = self.pooling == "mean" and any(f.form == "pooled_seq" for f in self.features)
+        self._plain_bags = bool(self.features) and all(
+            f.form == "bag" and f.padding_idx is None and not f.include_last_offset for f in self.features)
+        self._table_of = [f.table for f in self.features]
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if "_means_of_seqs" not in self.__dict__:  # (a group pickled before fxrec kept them)
+        if "_table_of" not in self.__dict__:  # (a group pickled before fxrec kept them)
             self._set_flags()
 
     # deepcopy/pickle must not carry the TBE: the copy's parameters are new tensors, and the

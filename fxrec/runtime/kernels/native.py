@@ -28,9 +28,11 @@ import shutil
 import sysconfig
 import threading
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import List, Optional
 
 import torch
+from torch import Tensor
 
 from .. import _tracing
 from . import NATIVE, Kernel
@@ -156,6 +158,49 @@ def native_call(group, ids_list, offsets_list, psw_list, params) -> Optional[Nat
     another path."""
     if _tracing.exporting() or torch.jit.is_tracing() or _tracing.compiling():
         return None
+    if group._plain_bags:
+        call = _plain_call(group, ids_list, offsets_list, psw_list, params)
+        if call is not None:
+            return call
+    return _call_by_feature(group, ids_list, offsets_list, psw_list, params)
+
+
+_INT64, _FLOAT32 = {torch.int64}, {torch.float32}
+_dtype, _on_cpu = attrgetter("dtype"), attrgetter("is_cpu")
+
+
+def _plain_call(group, ids_list, offsets_list, psw_list, params) -> Optional[NativeCall]:
+    """:func:`native_call`'s answer for the common group, in list-level steps (a few C-level reads
+    of each tensor, no Python work per feature): bags without a padding_idx or
+    include_last_offset (``group._plain_bags``), each given 1-D int64 ids and offsets, contiguous,
+    on the CPU, one batch size B > 0, no per-sample weights, contiguous float32 tables. None for
+    anything else: :func:`_call_by_feature` then answers (its checks included). The same call
+    either way (``tests/test_native.py`` compares them); the tables are passed as they are,
+    not detached: the kernels run with gradients off (inference, or inside an autograd
+    Function), and read them only."""
+    n = len(ids_list)
+    if (psw_list.count(None) != n or set(map(_dtype, params)) != _FLOAT32 or not all(map(_on_cpu, params))
+            or not all(map(Tensor.is_contiguous, params))):
+        return None
+    try:
+        if (set(map(_dtype, ids_list)) != _INT64 or set(map(_dtype, offsets_list)) != _INT64
+                or not all(map(_on_cpu, ids_list)) or not all(map(_on_cpu, offsets_list))
+                or list(map(Tensor.dim, ids_list)).count(1) != n or list(map(Tensor.dim, offsets_list)).count(1) != n
+                or not all(map(Tensor.is_contiguous, ids_list)) or not all(map(Tensor.is_contiguous, offsets_list))):
+            return None
+    except (TypeError, AttributeError):  # offsets None ([B, L] ids)
+        return None
+    batches = list(map(Tensor.numel, offsets_list))
+    batch = batches[0]
+    if batch <= 0 or batches.count(batch) != n or not available():
+        return None
+    return NativeCall(list(params), group._table_of, list(ids_list), list(offsets_list), [None] * n, [0] * n,
+                      [-1] * n, [0] * n, int(group.pooling == "mean"), batch)
+
+
+def _call_by_feature(group, ids_list, offsets_list, psw_list, params) -> Optional[NativeCall]:
+    """:func:`native_call`'s answer feature by feature: every form the kernels take, and every
+    check that sends a call elsewhere."""
     weights = []
     for p in params:
         if p.device.type != "cpu" or p.dtype != torch.float32 or not _rows_contiguous(p):
