@@ -315,7 +315,8 @@ def transform(
         # this rank's tensors: allocated, filled from the model (meta ones: initialised, and the
         # whole ones broadcast from rank 0)
         materialize(gm, model, gm.meta.get("fxrec_sharded_params", {}), gm.meta.get("fxrec_shard_layout", {}))
-        bind_staged(gm)  # (pieces bound for unified memory, held in host memory until now)
+        with together(plan, args, "fxrec.transform (binding the pieces placed in unified memory)"):
+            bind_staged(gm)  # (pieces bound for unified memory, held in host memory until now)
         _store_lower_precision(gm)  # the rank's shards, now that they hold values
         if mode == "training":
             sum_gradients_over_ranks(gm, records)

@@ -749,6 +749,34 @@ def test_fbgemms_cpu_kernel_ignores_weight_decay_so_another_kernel_fuses_it():
         assert {(g.kernel_train, g.fused) for g in on_gpu.groups} == {("fbgemm", "rowwise_adagrad")}, on_gpu.groups
 
 
+@pytest.mark.parametrize("cfg", [dict(max_norm=1.5), dict(weight_decay=0.5), dict(weight_decay=0.5, max_norm=1.5)],
+                         ids=["max_norm", "decay", "both"])
+def test_a_group_whose_fbgemm_kernel_was_chosen_for_cuda_still_caps_and_decays_on_the_cpu(cfg):
+    """A model transformed for CUDA keeps fbgemm as its training kernel; moved to the CPU (or
+    unpickled on a CPU machine), fbgemm's CPU build would step its rows as without weight decay
+    and max_norm. There the call goes to the reference's update, on the same states: 20 steps
+    equal the update written out. (The CUDA choice is made here by setting the kernel, as
+    transform on a GPU sets it.)"""
+    opt = fxrec.optim.RowWiseAdagrad(lr=0.1, **cfg)
+    ref_kw = dict(lr=0.1, weight_decay=cfg.get("weight_decay", 0.0), max_norm=cfg.get("max_norm", 0.0))
+    torch.manual_seed(3)
+    ref, _, _ = train_both(lambda: M.BagList(rows=ROWS), duplicate_heavy_inputs, opt,
+                           lambda p: RowWiseAdagradReference(p, **ref_kw), backend="native")
+    torch.manual_seed(3)  # (the same model again)
+    fast = fxrec.transform(M.BagList(rows=ROWS), duplicate_heavy_inputs(0), optimizer=opt, backend="native")
+    (g,) = [m for m in fast.modules() if type(m).__name__ == "EmbeddingGroup"]
+    g.kernel_train = "fbgemm"
+    fast_opt = fast.make_optimizer(torch.optim.Adam, lr=1e-3)
+    for step in range(20):
+        x = duplicate_heavy_inputs(step + 1)
+        fast_opt.zero_grad()
+        fast(*x).sin().sum().backward()
+        fast_opt.step()
+    assert g._bound is not None  # (its states are in fbgemm's TBE, as a group trained on fbgemm keeps them)
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
 def test_fbgemms_tbe_is_given_max_norm():
     """What fxrec builds fbgemm's TBE with (the same call on CUDA, where its kernel applies it):
     max_norm reaches fbgemm's optimizer arguments, beside the weight decay."""

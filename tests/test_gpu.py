@@ -915,7 +915,7 @@ def _nccl_uvm_worker(rank, world, init_file, result_dir):
         assert tbe.weights_uvm.numel() > 0 and tbe.lxu_cache_weights.numel() > 0
         for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
-        del on_device, on_uvm, pairs, lookup, tbe
+        del on_device, on_uvm, pairs, lookup, tbe, m, o
 
 
 def test_a_sharded_table_in_unified_memory_trains_as_in_gpu_memory_over_nccl(tmp_path):
@@ -961,7 +961,7 @@ def _nccl_meta_uvm_worker(rank, world, init_file, result_dir):
                 o.step()
         for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
-        del on_device, on_uvm, pairs, lookup
+        del on_device, on_uvm, pairs, lookup, m, o
 
 
 def test_a_meta_models_sharded_table_goes_to_unified_memory_without_gpu_memory_over_nccl(tmp_path):

@@ -327,8 +327,11 @@ def _host_staged(ctx: PassContext) -> Optional[Tuple[str, Tuple[str, ...]]]:
     GPU memory (allocated on the GPU first, a rank needed GPU memory for all its pieces at once,
     the budget notwithstanding). Quantized pieces are packed as before (place_shards moves their
     packed rows). ``(the groups' CUDA device, the tables)``; None elsewhere (CPU, no budget,
-    ``explain``'s decisions for a device)."""
-    if not ctx.config.hbm_budget or ctx.config.device is not None or ctx.config.plan is None:
+    ``explain``'s decisions for a device), and with ``check_passes=True``, whose checks run the
+    model between the passes, before the binding (the pieces are then allocated on the GPU)."""
+    if not ctx.config.hbm_budget or ctx.config.device is not None or ctx.config.plan is None \
+            or ctx.config.check_numerics \
+            or not any(choose_kernels.target_device(ctx, gr.lookups[0].device) == "cuda" for gr in ctx.groups):
         return None
     from .place_shards import decide
 

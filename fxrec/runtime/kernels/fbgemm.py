@@ -368,6 +368,10 @@ class FbgemmKernel(Kernel):
         fused = training and group.fused_active
         if fused and parks(tbe_optimizer(group), params[0].device):
             group.fused_unusable(f"fbgemm's fused {group.fused.kind} runs on CUDA only, not {params[0].device}")
+        if fused and group.fused.options and params[0].device.type == "cpu":
+            # (a group whose kernel was chosen for CUDA, moved to the CPU): fbgemm's CPU build
+            # would update as without them; the reference applies the whole update, on the same states
+            return None
         if group.pooling != "none":
             keep = keeps_padding(group, training)
             packed = pack_pooled(group, ids_list, offsets_list, psw_list, strict=fused, keep_padding=keep)
