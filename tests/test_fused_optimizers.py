@@ -697,6 +697,52 @@ def test_rowwise_adagrad_with_max_norm_matches_the_written_out_update_on_every_k
     assert all(not torch.allclose(plain.state_dict()[k], ref.state_dict()[k], rtol=1e-3, atol=1e-3) for k in tables)
 
 
+class _PaddedRows(nn.Module):
+    """Padding rows that hold values (a pretrained table): a sequence lookup, its pooled form,
+    and a bag, each with padding_idx 1 set to [3, 0, 0, 0]."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(10, 4, padding_idx=1)
+        self.s = nn.Embedding(10, 4, padding_idx=1)
+        self.b = nn.EmbeddingBag(10, 4, mode="sum", padding_idx=1)
+        with torch.no_grad():
+            for m in (self.e, self.s, self.b):
+                m.weight[1] = torch.tensor([3.0, 0.0, 0.0, 0.0])
+
+    def forward(self, ids, bag_ids, offsets):
+        return torch.cat([self.e(ids).flatten(1), self.s(ids).sum(1), self.b(bag_ids, offsets)], 1)
+
+
+def _padded_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 10, (3, 3), generator=g)
+    ids[0, 1] = 1  # a padding id in every batch
+    bag_ids = torch.cat([torch.tensor([1]), torch.randint(0, 10, (5,), generator=g)])
+    return ids, bag_ids, torch.tensor([0, 2, 4])
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("cfg", [dict(max_norm=0.5), dict(weight_decay=0.1, weight_decay_mode="decoupled"),
+                                 dict(weight_decay=0.1)], ids=["max_norm", "decoupled", "l2"])
+def test_a_padding_row_is_never_stepped_decayed_or_capped_by_a_fused_rowwise_adagrad(cfg, backend):
+    """PyTorch gives a padding row no gradient, so no optimizer step moves it; with weight decay
+    or max_norm a step on its zero gradient would (the reference's update stepped every id of the
+    batch, padding ids too: sequence lookups, whatever the backend). 10 steps against the update
+    written out, which steps only rows with a gradient; the padding rows keep [3, 0, 0, 0] and a
+    state of 0."""
+    opt = fxrec.optim.RowWiseAdagrad(lr=0.1, **cfg)
+    ref_kw = dict(lr=0.1, weight_decay=cfg.get("weight_decay", 0.0), mode=cfg.get("weight_decay_mode", "l2"),
+                  max_norm=cfg.get("max_norm", 0.0))
+    ref, fast, _ = train_both(_PaddedRows, _padded_inputs, opt, lambda p: RowWiseAdagradReference(p, **ref_kw),
+                              steps=10, backend=backend)
+    assert all("fused" in g.optimizer for g in fast.report.groups), fast.report.groups
+    for k in ("e.weight", "s.weight", "b.weight"):
+        assert torch.equal(fast.state_dict()[k][1], torch.tensor([3.0, 0.0, 0.0, 0.0])), k
+    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
+
+
 def test_rowwise_adagrad_weight_decay_arguments_are_checked():
     with pytest.raises(ValueError, match="weight_decay_mode must be one of .*'l2', 'decoupled'.*got 'cowclip'"):
         fxrec.optim.RowWiseAdagrad(weight_decay=0.1, weight_decay_mode="cowclip")

@@ -185,6 +185,12 @@ class LookupWithGrads(torch.autograd.Function):
                     # index_add_ with alpha= is several times slower than scaling first
                     p.index_add_(0, ids_t, rows_t if prescaled else rows_t * (-sgd_lr))
             elif states is not None:
+                if any(skip[i] >= 0 for i in mine):
+                    # as PyTorch's: no step for a padding id, whose gradient is zero (a zero
+                    # gradient is no step for Adagrad, but weight decay and max_norm would move
+                    # the row), nor for a zero row's id (table_ids reads it as row 0)
+                    keep = torch.cat([indices[bounds[i] : bounds[i + 1]] != skip[i] for i in mine])
+                    ids_t, rows_t = ids_t[keep], rows_t[keep]
                 with torch.no_grad():
                     adagrad_rows(p.detach(), states[t], ids_t, rows_t, fused)
             elif spec.sparse:
