@@ -71,7 +71,7 @@ def _worker(rank, world, init_file, pins, opt_name, steps, hosts):
         single = fxrec.transform(copy.deepcopy(model), global_of([batch_of(r, 0, False) for r in range(world)]),
                                  optimizer=fused) if fused else copy.deepcopy(model)
         plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins, hosts=hosts,
-                          **({"optimizer": opt_name} if opt_name else {}))
+                          **({"optimizer": _FUSED[opt_name]()} if opt_name else {}))
         fast = fxrec.transform(model, example, plan=plan, optimizer=_FUSED[opt_name]() if opt_name else None)
         names = [type(fast.get_submodule(n.target)).__name__ for n in fast.graph.nodes if n.op == "call_module"]
         assert "SequenceInputDist" in names and "SequenceOutputDist" in names, names
