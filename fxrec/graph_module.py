@@ -85,19 +85,16 @@ class TransformedModule(fx.GraphModule):
         before = _tensors_device(self)
         probe = fn(torch.empty(0, device=before)) if before is not None else None
         after = probe.device if isinstance(probe, torch.Tensor) else before
-        bound = {}
+        kept = set()
         if after != before and before.type != "meta":  # tables placed in unified memory: straight there, first
             for group, params in groups_and_tables(self):
                 group.bind_on(params, after)
         elif after != before and after.type == "cuda":  # from meta (to_empty): given unified memory, not fn's
-            bound = _bind_unified_from_meta(self, after)
-        for mod, name in bound:  # (hidden from nn.Module's _apply, which would give them fn's GPU memory)
-            del mod._parameters[name]
-        try:
-            out = super()._apply(fn, *args, **kwargs)
-        finally:
-            for (mod, name), p in bound.items():
-                mod._parameters[name] = p
+            kept = _bind_unified_from_meta(self, after)
+        if kept:  # (nn.Module's _apply leaves them as they are: fn would give them GPU memory)
+            given = fn
+            fn = lambda t: t.detach() if id(t) in kept else given(t)  # noqa: E731
+        out = super()._apply(fn, *args, **kwargs)
         self._move_constants(fn)
         self._move_device_args(before, after)
         return out
@@ -271,23 +268,29 @@ def _groups_with_weights(module: torch.nn.Module):
             yield group, params
 
 
-def _bind_unified_from_meta(module: torch.nn.Module, device: torch.device) -> dict:
+def _bind_unified_from_meta(module: torch.nn.Module, device: torch.device) -> set:
     """A model on meta given memory on CUDA ``device`` (``to_empty``): the tables of each group
-    that keeps tables in unified memory there are given host memory (uninitialised, as to_empty
-    gives) and bound into the group's TBE on ``device`` (``EmbeddingGroup.bind_on``), so their
-    rows are in unified memory, never in GPU memory. ``{(owner module, name): parameter}`` for
-    each name of those parameters, which ``_apply`` must then leave as they are."""
-    out = {}
+    that keeps tables in unified memory there become new parameters in host memory
+    (uninitialised, as to_empty gives; under every name, in place, so the parameters' order
+    stays), bound into the group's TBE on ``device`` (``EmbeddingGroup.bind_on``), so their rows
+    are in unified memory, never in GPU memory. (A meta parameter cannot take host memory as its
+    data: to_empty itself makes new parameters off meta.) The ids of those parameters, which
+    ``_apply`` must then leave as they are."""
+    kept = set()
     for group, params in _groups_with_weights(module):
         if not params or not all(p.is_meta for p in params) or not group.places_unified(device):
             continue
-        for p in params:
-            p.data = torch.empty(p.shape, dtype=p.dtype)
-        group.bind_on(params, device)
-        ids = {id(p) for p in params}
-        out.update({(mod, name): p for mod in module.modules() for name, p in mod._parameters.items()
-                    if p is not None and id(p) in ids})
-    return out
+        group._bound = None  # (a TBE kept through a .to("meta"): freed first, not carried)
+        new = {id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+               for p in params}
+        owners = [(mod, name, new[id(p)]) for mod in module.modules() for name, p in mod._parameters.items()
+                  if p is not None and id(p) in new]
+        for mod, name, p in owners:
+            mod._parameters[name] = p
+        fresh = [new[id(p)] for p in params]
+        group.bind_on(fresh, device)
+        kept.update(map(id, fresh))
+    return kept
 
 
 def bind_staged(gm: fx.GraphModule) -> None:

@@ -823,6 +823,20 @@ def test_a_group_whose_fbgemm_kernel_was_chosen_for_cuda_still_caps_and_decays_o
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=k)
 
 
+def test_tables_fbgemm_stores_in_fp16_refuse_a_cpu_step_that_would_drop_max_norm_naming_them():
+    """The same on tables stored in fp16 (weights_precision=), which only fbgemm's TBE holds: no
+    other kernel can step them, and fbgemm's CPU build would drop max_norm, so the call is refused
+    naming the tables and why (it was sent on and refused for features of different batch sizes)."""
+    fast = fxrec.transform(M.BagList(rows=ROWS), duplicate_heavy_inputs(0), optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1),
+                           backend="fbgemm", weights_precision="fp16")
+    (g,) = [m for m in fast.modules() if type(m).__name__ == "EmbeddingGroup"]
+    assert g.kernel_train == "fbgemm" and g.weights == "fp16"
+    g.fused = dataclasses.replace(g.fused, max_norm=1.0)  # (as transform on a GPU gives it)
+    with pytest.raises(RuntimeError, match=r"tables \['bags.0', 'bags.1', 'bags.2'\] train with a fused optimizer, "
+                                           r"but fbgemm's CPU build ignores its max_norm, and tables .* are held by"):
+        fast(*duplicate_heavy_inputs(1)).sum().backward()
+
+
 def test_fbgemms_tbe_is_given_max_norm():
     """What fxrec builds fbgemm's TBE with (the same call on CUDA, where its kernel applies it):
     max_norm reaches fbgemm's optimizer arguments, beside the weight decay."""

@@ -375,6 +375,65 @@ def test_bind_tables_makes_tensors_taken_before_the_first_call_the_rows_the_kern
     assert not fast.get_parameter("bags.1.weight").any() and out.shape[0] > 0
 
 
+class _TableBetween(torch.nn.Module):
+    """A table registered between two other parameters of its module (their order must stay)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(8))
+        self.table = torch.nn.Parameter(torch.randn(50, 8))
+        self.scale = torch.nn.Parameter(torch.ones(8))
+        self.e = torch.nn.EmbeddingBag(40, 8, mode="sum")
+
+    def forward(self, ids, offsets, ids2, offsets2):
+        own = F.embedding_bag(ids, self.table, offsets, mode="sum") * self.scale + self.bias
+        return torch.cat([own, self.e(ids2, offsets2)], 1)
+
+
+def _between_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 50, (10,), generator=g), torch.tensor([0, 3, 6, 8]),
+            torch.randint(0, 40, (9,), generator=g), torch.tensor([0, 2, 5, 7]))
+
+
+def test_tables_bound_for_unified_memory_from_meta_take_new_host_parameters_in_place(monkeypatch):
+    """What to_empty(device="cuda") of a model on meta does to the tables its groups keep in
+    unified memory (fxrec.graph_module._bind_unified_from_meta; on CUDA in tests/test_gpu.py):
+    new parameters in host memory under every name, in the order the module had them (a meta
+    parameter cannot take host memory as its data), bound into a new TBE (the one kept through
+    .to("meta") freed, its optimizer states not carried). Run here on the CPU, with the groups
+    told they place tables there: everything else is the real path. After load_state_dict the
+    model answers as the one saved."""
+    from fxrec.graph_module import _bind_unified_from_meta
+
+    monkeypatch.setattr(EmbeddingGroup, "places_unified", lambda self, device: device.type == "cpu")
+    torch.manual_seed(0)
+    fast = fxrec.transform(_TableBetween(), _between_inputs(0), optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1),
+                           backend="fbgemm")
+    fast(*_between_inputs(1)).sum().backward()
+    with torch.no_grad():
+        want = fast(*_between_inputs(2))
+    state = {k: v.detach().clone() for k, v in fast.state_dict().items()}
+    names = [n for n, _ in fast.named_parameters()]
+    fast.to("meta")
+    (group,) = [m for m in fast.modules() if isinstance(m, EmbeddingGroup)]
+    old = group._bound
+    kept = _bind_unified_from_meta(fast, torch.device("cpu"))
+    params = dict(fast.named_parameters())
+    assert list(params) == names
+    assert kept == {id(params["table"]), id(params["e.weight"])}
+    assert all(not p.is_meta for n, p in params.items() if n in ("table", "e.weight"))
+    assert all(p.is_meta for n, p in params.items() if n not in ("table", "e.weight"))
+    assert group._bound is not None and group._bound is not old
+    assert all(not s.any() for states in group._bound.tbe.split_optimizer_states() for s in states)
+    rows = group._bound.tbe.split_embedding_weights()
+    assert {r.data_ptr() for r in rows} == {params["table"].data_ptr(), params["e.weight"].data_ptr()}
+    fast.to_empty(device="cpu")
+    fast.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(fast(*_between_inputs(2)), want)
+
+
 class _WeightedTop(torch.nn.Module):
     def __init__(self):
         super().__init__()

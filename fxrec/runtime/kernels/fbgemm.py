@@ -370,7 +370,13 @@ class FbgemmKernel(Kernel):
             group.fused_unusable(f"fbgemm's fused {group.fused.kind} runs on CUDA only, not {params[0].device}")
         if fused and group.fused.options and params[0].device.type == "cpu":
             # (a group whose kernel was chosen for CUDA, moved to the CPU): fbgemm's CPU build
-            # would update as without them; the reference applies the whole update, on the same states
+            # would update as without them; the reference applies the whole update, on the same
+            # states, where the tables are the parameters' own
+            held = [t.name for t in group.tables if t.placement == "managed_caching" or t.weights]
+            if held:
+                group.fused_unusable(f"fbgemm's CPU build ignores its {' and '.join(group.fused.options)}, and tables "
+                                     f"{held} are held by fbgemm's TBE (stored lower or cached), where no other kernel "
+                                     "can update them; train them on CUDA")
             return None
         if group.pooling != "none":
             keep = keeps_padding(group, training)
