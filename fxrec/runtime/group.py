@@ -83,6 +83,10 @@ def group_forward(forward):
 
 
 
+#: What EmbeddingGroup._set_flags keeps of its features (a group unpickled without one of them
+#: works them all out again).
+_FLAGS = ("_padded_bags", "_means_of_seqs", "_plain_bags", "_table_of")
+
 class EmbeddingGroup(InputChecks, nn.Module):
     """One group of lookups: its specs, input checks and kernels (see the module docstring)."""
 
@@ -240,7 +244,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         return (f"pooling={self.pooling}, tables=[{names}], features={len(self.features)}, "
                 f"kernel_train={self.kernel_train}, kernel_eval={self.kernel_eval}")
 
-    def _set_flags(self) -> None:
+    def _set_flags(self) -> None:  # (sets _FLAGS)
         """What calls read of the features, fixed at init: bags with a padding_idx (a quantized
         group looks their padding ids up, weighing 0), whether a ``[B, 0]`` feature may
         mean-pool (PyTorch's NaN), whether every feature is a bag without a padding_idx or
@@ -254,7 +258,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if "_table_of" not in self.__dict__:  # (a group pickled before fxrec kept them)
+        if not all(k in self.__dict__ for k in _FLAGS):  # (a group pickled before fxrec kept them all)
             self._set_flags()
 
     # deepcopy/pickle must not carry the TBE: the copy's parameters are new tensors, and the
