@@ -292,6 +292,19 @@ def two_bag_inputs(seed, batch=512):
     return cuda((torch.randint(0, 100_000, (batch, 4), generator=g), torch.randint(0, 1000, (batch, 2), generator=g)))
 
 
+def train_alike(want, got, steps=4):
+    """``steps`` of SGD (lr 0.01) on two TwoBags models alike, on the same batches; then their
+    state_dicts agree (rtol 1e-5, atol 1e-6). (Its own frame: nothing of the models outlives it.)"""
+    pairs = [(m, m.make_optimizer(torch.optim.SGD, lr=0.01)) for m in (want, got)]
+    for step in range(steps):
+        for m, o in pairs:
+            o.zero_grad()
+            m(*two_bag_inputs(step + 1)).sin().sum().backward()
+            o.step()
+    for (k, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def cached_tbe(fast):
     """The fbgemm TBE of the transformed model's one group, with its rows in unified memory and a cache."""
     (group,) = groups(fast)
@@ -904,18 +917,11 @@ def _nccl_uvm_worker(rank, world, init_file, result_dir):
         (g,) = on_uvm.report.groups
         assert "big: managed_caching" in g.placement, g.placement
         assert any(n.endswith(g.placement) for n in said.notes if n.startswith(f"rank {rank} under")), (said.notes, g)
-        pairs = [(m, m.make_optimizer(torch.optim.SGD, lr=0.01)) for m in (on_device, on_uvm)]
-        for step in range(4):
-            for m, o in pairs:
-                o.zero_grad()
-                m(*two_bag_inputs(step + 1)).sin().sum().backward()
-                o.step()
+        train_alike(on_device, on_uvm)
         (lookup,) = [m for n, m in on_uvm.named_modules() if n.endswith("_lookup")]
         tbe = lookup.group._bound.tbe
         assert tbe.weights_uvm.numel() > 0 and tbe.lxu_cache_weights.numel() > 0
-        for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
-        del on_device, on_uvm, pairs, lookup, tbe, m, o
+        del on_device, on_uvm, lookup, tbe
 
 
 def test_a_sharded_table_in_unified_memory_trains_as_in_gpu_memory_over_nccl(tmp_path):
@@ -953,15 +959,8 @@ def _nccl_meta_uvm_worker(rank, world, init_file, result_dir):
         plain = TwoBags().cuda()
         plain.load_state_dict({k: v.detach().clone() for k, v in on_uvm.state_dict().items()})
         on_device = fxrec.transform(plain, x0, plan=plan, optimizer=opt)
-        pairs = [(m, m.make_optimizer(torch.optim.SGD, lr=0.01)) for m in (on_device, on_uvm)]
-        for step in range(4):
-            for m, o in pairs:
-                o.zero_grad()
-                m(*two_bag_inputs(step + 1)).sin().sum().backward()
-                o.step()
-        for (k, a), (_, b) in zip(on_device.state_dict().items(), on_uvm.state_dict().items()):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
-        del on_device, on_uvm, pairs, lookup, m, o
+        train_alike(on_device, on_uvm)
+        del on_device, on_uvm, lookup
 
 
 def test_a_meta_models_sharded_table_goes_to_unified_memory_without_gpu_memory_over_nccl(tmp_path):
@@ -1001,14 +1000,7 @@ def test_a_model_on_cpu_transformed_for_cuda_puts_its_big_table_in_unified_memor
         return
     (lookup,) = [m for m in fast.modules() if type(m).__name__ == "EmbeddingGroup"]
     assert lookup._bound.tbe.weights_uvm.numel() > 0
-    pairs = [(m, m.make_optimizer(torch.optim.SGD, lr=0.01)) for m in (ref, fast)]
-    for step in range(4):
-        for m, o in pairs:
-            o.zero_grad()
-            m(*two_bag_inputs(step + 1)).sin().sum().backward()
-            o.step()
-    for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    train_alike(ref, fast)
 
 
 def _nccl_quantized_uvm_worker(rank, world, init_file, result_dir):
