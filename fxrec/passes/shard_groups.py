@@ -350,7 +350,7 @@ def _piece_device(gm: fx.GraphModule, r: meta.LookupRecord, full: torch.Tensor) 
     return torch.device("cpu") if staged is not None and r.table in staged[1] else full.device
 
 
-def _hold_rows(ctx: PassContext, gm: fx.GraphModule, r: meta.LookupRecord, tp, rank: int, sharded_params: dict) -> int:
+def _hold_rows(gm: fx.GraphModule, r: meta.LookupRecord, tp, rank: int, sharded_params: dict) -> int:
     """Make a row-wise (or table-row-wise) table's parameter this rank's block of rows (none, for
     a table-row-wise table of another host), under the table's own name; its number of rows."""
     sh = {s.rank: s for s in tp.shards}.get(rank)
@@ -368,7 +368,7 @@ def _stored_dtype(r: meta.LookupRecord, param: torch.Tensor) -> torch.dtype:
     return weights_dtype(r.weights) or param.dtype
 
 
-def _own_whole(ctx: PassContext, gm: fx.GraphModule, r: meta.LookupRecord) -> None:
+def _own_whole(gm: fx.GraphModule, r: meta.LookupRecord) -> None:
     """A table this rank holds whole (table-wise), stored at a lower precision or staged in host
     memory (:func:`_host_staged`): its placeholder (filled by ``materialize``) takes that dtype and
     device, so the table is allocated only so."""
@@ -395,11 +395,11 @@ def _sequence_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord
             bases.append(tp.shards[0].rank)
             n = r.num_rows if tp.shards[0].rank == rank else 0
             if n and r.param not in sharded_params:
-                _own_whole(ctx, gm, r)
+                _own_whole(gm, r)
         else:
             blocks.append(max(1, min(tp.shards, key=lambda x: x.rank).num_rows))
             bases.append(min(sh.rank for sh in tp.shards))
-            n = _hold_rows(ctx, gm, r, tp, rank, sharded_params)
+            n = _hold_rows(gm, r, tp, rank, sharded_params)
         sharded_params[r.param] = tp.sharding
         if n:
             if r.weight not in local:
@@ -443,12 +443,12 @@ def _pooled_modules(ctx: PassContext, gm: fx.GraphModule, gr: meta.GroupRecord, 
     for p, (r, _, _, holders, cols) in enumerate(pieces):
         tp = plan.tables[r.table]
         if tp.sharding in ("row_wise", "table_row_wise"):
-            n = _hold_rows(ctx, gm, r, tp, rank, sharded_params)  # (none, on another host's rank)
+            n = _hold_rows(gm, r, tp, rank, sharded_params)  # (none, on another host's rank)
         elif rank not in holders:
             n = 0
         elif tp.sharding == "table_wise":
             n = r.num_rows
-            _own_whole(ctx, gm, r)
+            _own_whole(gm, r)
         else:  # this rank's column shard, under the table's own name
             n = r.num_rows
             if r.param not in sharded_params:
