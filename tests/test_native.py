@@ -17,6 +17,7 @@ from torch import nn
 
 import fxrec
 from fxrec.runtime.kernels import native as _native
+from fxrec.runtime.kernels import native_build as _native_build
 from tests import models as M
 from tests.test_fused_optimizers import autograd_node_names
 
@@ -675,12 +676,12 @@ def test_the_extensions_name_differs_between_checkouts_and_torch_installs(monkey
     """Two checkouts (or environments) on one machine shared one extension name, and torch rebuilt
     the library (~10 s) each time use passed between them: the name now carries the source's path
     and torch's as well as the CPU's features, and stays the same for the same ones."""
-    here = _native._build_tag()
-    assert here == _native._build_tag()
-    monkeypatch.setattr(_native, "_SOURCE", "/elsewhere/fxrec/csrc/pooled.cpp")
-    elsewhere = _native._build_tag()
+    here = _native_build._build_tag()
+    assert here == _native_build._build_tag()
+    monkeypatch.setattr(_native_build, "_SOURCE", "/elsewhere/fxrec/csrc/pooled.cpp")
+    elsewhere = _native_build._build_tag()
     monkeypatch.setattr(torch, "__file__", "/another/env/torch/__init__.py")
-    assert len({here, elsewhere, _native._build_tag()}) == 3
+    assert len({here, elsewhere, _native_build._build_tag()}) == 3
 
 
 @needs_kernel
