@@ -17,7 +17,9 @@ checks cannot be traced symbolically). :class:`TransformedModule`:
   with the parameters (a model transformed on CPU runs on CUDA after ``.cuda()``); tables placed
   in unified memory (``transform(..., device="cuda", hbm_budget=)`` of a model on CPU) go there
   straight from host memory, never through GPU memory (:meth:`EmbeddingGroup.bind_on`), and
-  ``to_empty(device="cuda")`` of such a model on meta gives them unified memory, not GPU memory;
+  ``to_empty(device="cuda")`` of such a model (on meta, on the CPU or on the GPU already) gives them
+  unified memory, not GPU memory (with ``recurse=False`` the tables are left to ``fn`` and bound
+  at the first call);
 * tables fbgemm caches in GPU memory (``hbm_budget=``, placement ``managed_caching``): their cached
   rows are written back before ``state_dict()``, a copy, a pickle or ``.to()`` reads the
   parameters, and written back and emptied before ``load_state_dict()`` (also one called on a
@@ -86,14 +88,16 @@ class TransformedModule(fx.GraphModule):
         probe = fn(torch.empty(0, device=before)) if before is not None else None
         after = probe.device if isinstance(probe, torch.Tensor) else before
         kept = set()
-        if after != before and before.type != "meta":  # tables placed in unified memory: straight there, first
-            for group, params in groups_and_tables(self):
-                group.bind_on(params, after)
-        elif after != before and after.type == "cuda":  # from meta (to_empty): given unified memory, not fn's
-            kept = _bind_unified_from_meta(self, after)
-        if kept:  # (nn.Module's _apply leaves them as they are: fn would give them GPU memory)
-            given = fn
-            fn = lambda t: t.detach() if id(t) in kept else given(t)  # noqa: E731
+        recurse = args[0] if args else kwargs.get("recurse", True)
+        if before is not None and after is not None and after.type == "cuda" and recurse:
+            if before.type != "meta":  # tables placed in unified memory: straight there, first (or
+                for group, params in groups_with_tables(self):  # there already: kept, not given GPU
+                    if group.bind_on(params, after):  # memory by to_empty)
+                        kept.update(map(id, params))
+            else:  # from meta (to_empty)
+                kept = _bind_unified_from_meta(self, after)
+        if kept:  # (fn would give them GPU memory: to_empty's new tensors)
+            fn = _leaving_bound(fn, kept)
         out = super()._apply(fn, *args, **kwargs)
         self._move_constants(fn)
         self._move_device_args(before, after)
@@ -171,26 +175,6 @@ class TransformedModule(fx.GraphModule):
         return copy.deepcopy(self)
 
 
-def groups_and_tables(gm: fx.GraphModule):
-    """``(group module, its tables' parameters)`` for each group the graph calls with the tables
-    it reads (a sharded model's local groups, inside its lookup modules, are not among them)."""
-    from .runtime.group import EmbeddingGroup
-
-    out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or len(node.args) < 4 or not isinstance(node.args[3], (list, tuple)):
-            continue
-        group = gm.get_submodule(node.target)
-        if not isinstance(group, EmbeddingGroup) or not node.args[3]:
-            continue
-        if all(isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args[3]):
-            try:
-                out.append((group, [gm.get_parameter(a.target) for a in node.args[3]]))
-            except AttributeError:  # (not parameters: the group's kernels take them as they are)
-                continue
-    return out
-
-
 def _tensors_device(module: torch.nn.Module):
     """The device of the module's first parameter or buffer (None: it has none)."""
     for t in module.parameters():
@@ -243,7 +227,7 @@ def check_bounds(module: torch.nn.Module) -> None:
             m.raise_pending()
 
 
-def _groups_with_weights(module: torch.nn.Module):
+def groups_with_tables(module: torch.nn.Module):
     """``(group, its tables' parameters)`` for every group of ``module``'s graphs (nested ones
     too), a sharded model's local lookups' groups included."""
     from .runtime.group import EmbeddingGroup
@@ -268,6 +252,24 @@ def _groups_with_weights(module: torch.nn.Module):
             yield group, params
 
 
+def _leaving_bound(fn, kept: set):
+    """``fn`` of ``_apply`` for every tensor but the parameters ``kept`` (ids), tables just bound in
+    unified memory on the device ``fn`` moves to: those are left as they are where ``fn`` would
+    give them only new memory on that device (``to_empty``'s new tensors: GPU memory; ``.to()``
+    returns them as they are), decided on an empty tensor of their kind, never on the table (its
+    copy would be the GPU memory avoided). Where ``fn`` also changes their dtype (``.to(device,
+    dtype)``), ``fn`` applies, as before."""
+
+    def apply(t):
+        if id(t) in kept:
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if isinstance(probe, torch.Tensor) and probe.dtype == t.dtype and probe.device == t.device:
+                return t.detach()
+        return fn(t)
+
+    return apply
+
+
 def _bind_unified_from_meta(module: torch.nn.Module, device: torch.device) -> set:
     """A model on meta given memory on CUDA ``device`` (``to_empty``): the tables of each group
     that keeps tables in unified memory there become new parameters in host memory
@@ -277,7 +279,7 @@ def _bind_unified_from_meta(module: torch.nn.Module, device: torch.device) -> se
     data: to_empty itself makes new parameters off meta.) The ids of those parameters, which
     ``_apply`` must then leave as they are."""
     kept = set()
-    for group, params in _groups_with_weights(module):
+    for group, params in groups_with_tables(module):
         if not params or not all(p.is_meta for p in params) or not group.places_unified(device):
             continue
         group._bound = None  # (a TBE kept through a .to("meta"): freed first, not carried)
@@ -303,7 +305,7 @@ def bind_staged(gm: fx.GraphModule) -> None:
     if staged is None:
         return
     device, tables = torch.device(staged[0]), set(staged[1])
-    for group, params in _groups_with_weights(gm):
+    for group, params in groups_with_tables(gm):
         if not params or not tables.intersection(t.name for t in group.tables):
             continue
         if params[0].device == device:
@@ -323,7 +325,7 @@ def bind_tables(module: torch.nn.Module) -> None:
     from .runtime.kernels import FBGEMM
     from .runtime.kernels.fbgemm import ensure_bound, tbe_optimizer, usable
 
-    for group, params in _groups_with_weights(module):
+    for group, params in groups_with_tables(module):
         if not (FBGEMM in (group.kernel_train, group.kernel_eval) or group.weights
                 or tbe_optimizer(group) != "none"):
             continue

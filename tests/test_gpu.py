@@ -520,6 +520,37 @@ def test_trained_tables_in_unified_memory_stay_out_of_gpu_memory_through_meta_an
         torch.testing.assert_close(here(*x), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
+def test_trained_tables_in_unified_memory_stay_out_of_gpu_memory_through_to_empty(where):
+    """to_empty(device="cuda") of a model that is not on meta (on the GPU, or moved back to the
+    CPU) whose big table (25.6 MB) is cached in unified memory: to_empty's new tensors would give
+    its rows GPU memory (they did, until the first call bound them again); they stay in (or go
+    straight to) unified memory, the peak stays under half the table's bytes, and after
+    load_state_dict the model answers as before."""
+    fast = fxrec.transform(TwoBags().cuda(), two_bag_inputs(0), optimizer=fxrec.optim.RowWiseAdagrad(lr=0.05),
+                           hbm_budget="20MB")
+    fast(*two_bag_inputs(1)).sin().sum().backward()
+    x = two_bag_inputs(2)
+    with torch.no_grad():
+        want = fast(*x)
+    state = {k: v.detach().clone() for k, v in fast.state_dict().items()}
+    if where == "cpu":
+        fast.cpu()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fast.to_empty(device="cuda")
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 100_000 * 64 * 4 // 2, torch.cuda.max_memory_allocated() - base
+    (g,) = groups(fast)
+    assert g._bound is not None and g._bound.tbe.weights_uvm.numel() >= 100_000 * 64
+    assert all(p.is_cuda for p in fast.parameters())
+    fast.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+
+
 def test_autotune_times_the_gpu_kernels_with_cuda_events(tmp_path, monkeypatch):
     monkeypatch.setenv("FXREC_CACHE", str(tmp_path))
     model = M.BagList(rows=ROWS).cuda()

@@ -434,6 +434,22 @@ def test_tables_bound_for_unified_memory_from_meta_take_new_host_parameters_in_p
         assert torch.equal(fast(*_between_inputs(2)), want)
 
 
+def test_tables_bound_in_unified_memory_are_left_by_to_empty_but_not_by_a_change_of_dtype():
+    """_apply's function for a model whose tables were just bound in unified memory
+    (fxrec.graph_module._leaving_bound): where it would only give them new memory on their device
+    (to_empty's), they are left as they are (on CUDA that memory would be GPU memory: the real run
+    is in tests/test_gpu.py); where it changes their dtype, or for any other tensor, it applies."""
+    from fxrec.graph_module import _leaving_bound
+
+    table, other = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(3))
+    empty = _leaving_bound(lambda t: torch.empty_like(t, device="cpu"), {id(table)})
+    kept = empty(table)
+    assert kept.data_ptr() == table.data_ptr() and torch.equal(kept, table)
+    assert empty(other).data_ptr() != other.data_ptr()
+    half = _leaving_bound(lambda t: t.half(), {id(table)})(table)
+    assert half.dtype == torch.float16 and torch.equal(half, table.detach().half())
+
+
 class _WeightedTop(torch.nn.Module):
     def __init__(self):
         super().__init__()

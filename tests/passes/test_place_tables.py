@@ -309,13 +309,13 @@ def test_transform_and_explain_take_a_torch_device_and_a_gpu_index():
 def test_the_groups_a_move_binds_first_are_found_with_their_tables():
     """What .to("cuda") binds before moving the rest: each group the graph calls, with the model's
     own table parameters; nothing for a CPU target or tables placed in GPU memory."""
-    from fxrec.graph_module import groups_and_tables
+    from fxrec.graph_module import groups_with_tables
     from fxrec.runtime.group import EmbeddingGroup
 
     model = Small()
     x = (torch.randint(0, 50, (6, 3)), torch.randint(0, 30, (6, 2)))
     fast = fxrec.transform(model, x, backend="fbgemm")
-    found = groups_and_tables(fast)
+    found = list(groups_with_tables(fast))
     assert [type(g) for g, _ in found] == [EmbeddingGroup] * len(fast.report.groups)
     params = {id(p): n for n, p in fast.named_parameters()}
     assert sorted(params[id(p)] for _, ps in found for p in ps) == sorted(
