@@ -7,7 +7,8 @@ the fast way to train it with torch.optim), looked up in a loop then torch.cat, 
 torch optimizer (SGD, Adagrad, fxrec's RowWiseAdagradTorch for row-wise Adagrad, SparseAdam for
 Adam). fxrec transforms the same model with optimizer=fxrec.optim.X: "auto" (the default: kernel
 and fused optimizer by the rule table of fxrec/passes/choose_kernels.py) and "fused"
-(backend="fbgemm", fused where fbgemm has the optimizer). One step = zero_grad, forward, backward, step; the variants run in turn in
+(backend="fbgemm", fused where fbgemm has the optimizer); ``--reference`` adds "fxrec_reference"
+(backend="reference": the fused updates of fxrec/runtime/grad.py). One step = zero_grad, forward, backward, step; the variants run in turn in
 one process, medians reported, speed-up = plain / variant.
 """
 
@@ -44,7 +45,7 @@ class SparseBags(nn.Module):
         return torch.cat([b(i, o) for b, i, o in zip(self.bags, ids, offsets)], 1)
 
 
-def bench(shape, opt_name, rounds):
+def bench(shape, opt_name, rounds, reference=False):
     cfg = SHAPES[shape]
     torch.manual_seed(0)
     plain = SparseBags(cfg["tables"], cfg["rows"], cfg["dim"])
@@ -55,6 +56,9 @@ def bench(shape, opt_name, rounds):
     opts = {"plain": make_torch(list(plain.parameters())), "fxrec_auto": auto.make_optimizer(),
             "fxrec_fused": fused.make_optimizer()}
     models = {"plain": plain, "fxrec_auto": auto, "fxrec_fused": fused}
+    if reference:
+        models["fxrec_reference"] = fxrec.transform(plain, example, optimizer=make_cfg(), backend="reference")
+        opts["fxrec_reference"] = models["fxrec_reference"].make_optimizer()
     batch = inputs(cfg["tables"], cfg["rows"], cfg["batch"], cfg["ids_per_bag"], seed=1)
     cot = torch.randn(cfg["batch"], cfg["tables"] * cfg["dim"])
 
@@ -81,6 +85,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--reference", action="store_true", help="also time backend='reference' (fxrec's PyTorch fused updates)")
     a = ap.parse_args()
     import fbgemm_gpu
 
@@ -95,7 +100,7 @@ def main():
     }
     for shape in a.shapes.split(","):
         for opt_name in a.optimizers.split(","):
-            r = bench(shape, opt_name, a.rounds)
+            r = bench(shape, opt_name, a.rounds, a.reference)
             result["results"][f"{shape}/{opt_name}"] = r
             print(f"{shape:11s} {opt_name:16s} ms: " + ", ".join(f"{k} {v:.1f}" for k, v in r["step_ms"].items())
                   + " | speed-up " + ", ".join(f"{k} {v:.2f}x" for k, v in r["speedup_vs_plain"].items())

@@ -285,3 +285,122 @@ def test_sparse_gradients_wait_once_a_table_with_padding_ids_and_never_without()
             _step(fast, inp(2))
     assert [(what, where.split(":")[0]) for what, where in syncs.in_fxrec()] == \
         [("aten::nonzero", "fxrec/runtime/grad.py")]  # (table a's; b has no padding_idx)
+
+
+class _SharedPadded(torch.nn.Module):
+    """One table read by two sequence lookups, one of them with padding_idx 0 (its padding ids
+    step no row; the other lookup's ids 0 do), beside a bag."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(30, 8))
+        self.b = torch.nn.EmbeddingBag(40, 8, mode="sum")
+
+    def forward(self, x, z, y):
+        a = torch.nn.functional.embedding(x, self.w, padding_idx=0).sum(1)
+        c = torch.nn.functional.embedding(z, self.w).sum(1)
+        return torch.cat([a, c, self.b(y)], 1)
+
+
+def _shared_padded_inputs(s):
+    g = torch.Generator().manual_seed(s)
+    x = torch.randint(0, 30, (6, 5), generator=g)
+    x[:, :2] = 0  # padding ids in every step
+    z = torch.randint(0, 30, (6, 3), generator=g)
+    z[0, 0] = 0  # row 0 stepped by the other lookup
+    return x, z, torch.randint(0, 40, (6, 3), generator=g)
+
+
+@pytest.mark.parametrize("opt", ["adagrad", "rowwise_adagrad", "rowwise_adagrad_decay_max_norm"])
+def test_the_reference_kernels_fused_adagrad_reads_no_value_on_the_host(opt):
+    """The reference kernel's fused Adagrads (the update where fbgemm's kernel would not be
+    exact, e.g. a padding row) sum each row's gradient and step its row with nothing read on the
+    host: before, torch.unique and the padding ids' boolean mask each waited for the device, on
+    every table, every step. Four steps against the plain model with the torch optimizer of the
+    same arithmetic (the padding row stepped only through the lookup that has no padding_idx)."""
+    from fxrec.optim import RowWiseAdagradTorch
+
+    cfg, ref_opt = {
+        "adagrad": (fxrec.optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
+        "rowwise_adagrad": (fxrec.optim.RowWiseAdagrad(lr=0.1), lambda p: RowWiseAdagradTorch(p, lr=0.1)),
+        "rowwise_adagrad_decay_max_norm": (
+            fxrec.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.05, weight_decay_mode="decoupled", max_norm=0.9),
+            lambda p: RowWiseAdagradTorch(p, lr=0.1, weight_decay=0.05, weight_decay_mode="decoupled", max_norm=0.9)),
+    }[opt]
+    torch.manual_seed(0)
+    model = _SharedPadded()
+    plain = copy.deepcopy(model)
+    row0 = model.w.detach()[0].clone()
+    fast = fxrec.transform(model, _shared_padded_inputs(0), optimizer=cfg, backend="reference")
+    assert [g.kernel_train for g in fast.report.groups] == ["reference"] * len(fast.report.groups)
+    ref = ref_opt(list(plain.parameters()))
+    counted = []
+    for step in range(4):
+        x = _shared_padded_inputs(step + 1)
+        ref.zero_grad()
+        plain(*x).sin().sum().backward()
+        ref.step()
+        with sync_free(), host_syncs() as syncs:
+            fast(*x).sin().sum().backward()
+        if step:  # (the first call makes the device check's counters)
+            counted += syncs.in_fxrec()
+    assert counted == [], counted
+    got = fast.state_dict()
+    for k, want in plain.state_dict().items():
+        torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-6, msg=k)
+    assert not torch.equal(got["w"][0], row0)  # (stepped through the lookup without padding_idx)
+
+
+def _distinct_rows_step(weight, state, ids, rows, fused, keep):
+    """The step written on the distinct rows (torch.unique: it waits for the device on CUDA),
+    what adagrad_rows computes without knowing how many rows there are."""
+    from fxrec.runtime.grad import renorm_rows
+
+    if keep is not None:
+        ids, rows = ids[keep], rows[keep]
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    g = rows.new_zeros(uniq.numel(), rows.shape[1]).index_add_(0, inv, rows)
+    w, s0 = weight[uniq], state[uniq]
+    if fused.kind == "adagrad":
+        s = s0.addcmul(g, g)
+        new = w + (g / s.sqrt().add_(fused.eps)) * (-fused.lr)
+    else:
+        wd, mode = fused.weight_decay, fused.weight_decay_mode
+        d = g + wd * w if mode == "l2" else g
+        s = s0 + (d * d).mean(1)
+        mult = (fused.lr / (s.sqrt() + fused.eps)).unsqueeze(1)
+        new = (1 - (mult * wd if mode == "l2" else fused.lr * wd)) * w - mult * g if mode else w + g * -mult
+        new = renorm_rows(new, fused.max_norm) if fused.max_norm else new
+    state[uniq], weight[uniq] = s, new
+
+
+@pytest.mark.parametrize("form", ["adagrad", "rowwise", "rowwise_l2", "rowwise_decoupled_max_norm"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_fused_adagrad_step_over_slots_is_the_step_over_the_distinct_rows_bit_for_bit(form, masked):
+    """adagrad_rows sums into as many slots as lookups (the count of distinct rows would be a
+    host read) and writes each row once in effect: the same values, bit for bit, as the step
+    written on the distinct rows, ids repeated many times, some rows only looked up by lookups not
+    kept (a padding id's: left as they are), one row both kept and not."""
+    from types import SimpleNamespace
+
+    from fxrec.runtime.grad import adagrad_rows
+
+    fused = SimpleNamespace(kind="adagrad" if form == "adagrad" else "rowwise_adagrad", lr=0.3, eps=1e-8,
+                            weight_decay=0.0 if form in ("adagrad", "rowwise") else 0.1,
+                            weight_decay_mode={"rowwise_l2": "l2", "rowwise_decoupled_max_norm": "decoupled"}.get(form, ""),
+                            max_norm=0.7 if form.endswith("max_norm") else 0.0)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 6, generator=g)
+    state = torch.rand(40, 6, generator=g) if form == "adagrad" else torch.rand(40, generator=g)
+    ids = torch.randint(0, 12, (300,), generator=g)  # (rows 12..39 never looked up)
+    rows = torch.randn(300, 6, generator=g)
+    keep = None
+    if masked:
+        keep = ids != 5
+        keep[torch.nonzero(ids == 7)[0]] = False  # row 7: one lookup not kept, the others kept
+        rows[~keep] = 0.0
+    want_w, want_s = weight.clone(), state.clone()
+    _distinct_rows_step(want_w, want_s, ids, rows, fused, keep)
+    adagrad_rows(weight, state, ids, rows, fused, keep)
+    assert torch.equal(weight, want_w) and torch.equal(state, want_s)
+    assert not torch.equal(weight[:12], torch.randn(40, 6, generator=torch.Generator().manual_seed(3))[:12])

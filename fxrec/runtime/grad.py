@@ -6,11 +6,11 @@ gradients ``nn.EmbeddingBag`` / ``nn.Embedding`` would give: for each table a de
 gradient of the per-sample weights. With a fused optimizer that no kernel of its own applies
 (the reference kernel's), backward updates the looked-up rows instead and returns no table
 gradient: SGD adds ``-lr * gradient`` (``index_add_``, PyTorch's multi-threaded kernel); Adagrad
-and row-wise Adagrad first sum each row's gradient over the batch (``unique`` + ``index_add_``,
+and row-wise Adagrad first sum each row's gradient over the batch (a stable sort + ``index_add_``,
 as a sparse gradient's coalesce does), then apply torch.optim.Adagrad's update, or the row-wise
 one averaged over the table's dim, to those rows and their states (kept in the group's bound
-fbgemm TBE, as for the other kernels). ``unique`` waits for the device on CUDA: this path runs
-only where fbgemm's kernel cannot compute the update exactly. Dense gradients of a pooled group
+fbgemm TBE, as for the other kernels), nothing read on the host (:func:`adagrad_rows`). This
+path runs only where fbgemm's kernel cannot compute the update exactly. Dense gradients of a pooled group
 come from its kernel where it has a backward of its own: fxrec's native kernel on CPU, fbgemm's
 dense TBE operator on CUDA (:func:`fxrec.runtime.kernels.fbgemm_dense.dense_grads`).
 """
@@ -185,14 +185,14 @@ class LookupWithGrads(torch.autograd.Function):
                     # index_add_ with alpha= is several times slower than scaling first
                     p.index_add_(0, ids_t, rows_t if prescaled else rows_t * (-sgd_lr))
             elif states is not None:
+                keep = None
                 if any(skip[i] >= 0 for i in mine):
                     # as PyTorch's: no step for a padding id, whose gradient is zero (a zero
                     # gradient is no step for Adagrad, but weight decay and max_norm would move
                     # the row), nor for a zero row's id (table_ids reads it as row 0)
                     keep = torch.cat([indices[bounds[i] : bounds[i + 1]] != skip[i] for i in mine])
-                    ids_t, rows_t = ids_t[keep], rows_t[keep]
                 with torch.no_grad():
-                    adagrad_rows(p.detach(), states[t], ids_t, rows_t, fused)
+                    adagrad_rows(p.detach(), states[t], ids_t, rows_t, fused, keep)
             elif spec.sparse:
                 if any(skip[i] >= 0 for i in mine):
                     # as PyTorch's: no entry for a padding id (a lazy optimizer would step its row)
@@ -232,34 +232,74 @@ def no_grad_ids(group, zero_row: bool) -> List[int]:
     return out
 
 
-def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, fused) -> None:
+def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, fused,
+                 keep: Optional[torch.Tensor] = None) -> None:
     """Adagrad (``fused.kind == "adagrad"``: torch.optim.Adagrad's arithmetic) or row-wise
     Adagrad on the rows ``ids`` looked up with gradient rows ``rows``: each row's gradient summed
     over its lookups first, then ``state += g*g`` (row-wise: the mean of ``g*g`` over the row),
     ``weight -= lr * g / (sqrt(state) + eps)``, row-wise with the weight decay and ``max_norm`` of
-    :class:`fxrec.optim.RowWiseAdagrad`. In place, on ``weight`` and ``state``."""
-    uniq, inv = torch.unique(ids, return_inverse=True)
-    g = rows.new_zeros(uniq.numel(), rows.shape[1]).index_add_(0, inv, rows)
+    :class:`fxrec.optim.RowWiseAdagrad`. In place, on ``weight`` and ``state``. ``keep``: per
+    lookup, whether it steps its row (a row none of whose lookups is kept is left as it is: a
+    padding id's, whose zero gradient is no Adagrad step, but weight decay and max_norm would move
+    it).
+
+    Nothing is read on the host (on CUDA nothing waits for the device), so the number of rows
+    looked up is not known: the ids are sorted (stably: each row's gradients are summed in the
+    order of its lookups) and summed into as many slots as lookups, the first slots the rows.
+    Row-wise Adagrad without decay or max_norm then adds each row's step to it from its slot (the
+    other slots add exactly zero); the other forms write rows (``index_copy_``), every lookup
+    computing its row's update from its row's summed gradient, the lookups of one row alike, so
+    each row is written the same values however often it is looked up. Either way the same
+    arithmetic as a step on the distinct rows, bit for bit on CPU (``tests/test_host_syncs.py``),
+    at up to 2x its work where ids repeat a lot."""
+    n = ids.numel()
+    if n == 0:
+        return
+    sid, order = torch.sort(ids, stable=True)
+    first = torch.ones(n, dtype=torch.bool, device=ids.device)
+    first[1:] = sid[1:] != sid[:-1]
+    seg = first.cumsum(0) - 1  # each sorted lookup's row among the rows looked up (its slot)
+    g = rows.new_zeros(n, rows.shape[1]).index_add_(0, seg, rows.index_select(0, order))  # per slot
+    kept = None
+    if keep is not None:  # per slot: whether any lookup of its row is kept
+        kept = torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, seg, keep.index_select(0, order).long()) > 0
+    if fused.kind == "rowwise_adagrad" and not fused.weight_decay_mode and not fused.max_norm:
+        # the plain row-wise step adds to its row and state: once for each row, from its slot, and
+        # exactly zero from the slots past the last row (all of them writing row 0) and the rows
+        # not stepped
+        row = torch.zeros_like(sid).scatter_(0, seg, sid)
+        live = torch.arange(n, device=ids.device) <= seg[-1]
+        live = live if kept is None else live & kept
+        x = (g * g).mean(1)
+        s = state.index_select(0, row) + x
+        mult = torch.where(live, fused.lr / (s.sqrt() + fused.eps), 0.0).unsqueeze(1)  # (g is 0 where not live)
+        state.index_add_(0, row, torch.where(live, x, 0.0))
+        weight.index_add_(0, row, g * -mult)
+        return
+    g = g.index_select(0, seg)  # per lookup (the others write the rows: index_copy_)
+    stepped = None if kept is None else kept.index_select(0, seg)
+    w = weight.index_select(0, sid)
+    s0 = state.index_select(0, sid)
     if fused.kind == "rowwise_adagrad":
         wd, mode, max_norm = fused.weight_decay, fused.weight_decay_mode, fused.max_norm
-        w = weight.index_select(0, uniq) if mode or max_norm else None
         decayed = g + wd * w if mode == "l2" else g
-        s = state.index_select(0, uniq) + (decayed * decayed).mean(1)
-        state.index_copy_(0, uniq, s)
+        s = s0 + (decayed * decayed).mean(1)
         mult = (fused.lr / (s.sqrt() + fused.eps)).unsqueeze(1)
         if mode:  # fbgemm's form: w = (1 - c) * w - mult * g
-            keep = 1 - (mult * wd if mode == "l2" else fused.lr * wd)
-            new = keep * w - mult * g
-        elif max_norm:
-            new = w + g * -mult
+            keep_w = 1 - (mult * wd if mode == "l2" else fused.lr * wd)
+            new = keep_w * w - mult * g
         else:
-            weight.index_add_(0, uniq, g * -mult)
-            return
-        weight.index_copy_(0, uniq, renorm_rows(new, max_norm) if max_norm else new)
+            new = w + g * -mult
+        if max_norm:
+            new = renorm_rows(new, max_norm)
     else:
-        s = state.index_select(0, uniq).addcmul_(g, g)
-        state.index_copy_(0, uniq, s)
-        weight.index_add_(0, uniq, (g / s.sqrt().add_(fused.eps)) * (-fused.lr))
+        s = s0.addcmul(g, g)
+        new = w + (g / s.sqrt().add_(fused.eps)) * (-fused.lr)
+    if stepped is not None:
+        s = torch.where(stepped if s.dim() == 1 else stepped.unsqueeze(1), s, s0)
+        new = torch.where(stepped.unsqueeze(1), new, w)
+    state.index_copy_(0, sid, s)
+    weight.index_copy_(0, sid, new)
 
 
 def renorm_rows(w: torch.Tensor, max_norm: float) -> torch.Tensor:
