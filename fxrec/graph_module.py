@@ -89,10 +89,12 @@ class TransformedModule(fx.GraphModule):
         after = probe.device if isinstance(probe, torch.Tensor) else before
         kept = set()
         recurse = args[0] if args else kwargs.get("recurse", True)
-        if before is not None and after is not None and after.type == "cuda" and recurse:
+        # (a change of dtype, .half() or .double(): nothing bound first, fn makes new tables anyway)
+        same_dtype = isinstance(probe, torch.Tensor) and probe.dtype == torch.get_default_dtype()
+        if before is not None and after is not None and after.type == "cuda" and recurse and same_dtype:
             if before.type != "meta":  # tables placed in unified memory: straight there, first (or
                 for group, params in groups_with_tables(self):  # there already: kept, not given GPU
-                    if group.bind_on(params, after):  # memory by to_empty)
+                    if params and group.bind_on(params, after):  # memory by to_empty)
                         kept.update(map(id, params))
             else:  # from meta (to_empty)
                 kept = _bind_unified_from_meta(self, after)

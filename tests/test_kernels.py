@@ -450,6 +450,24 @@ def test_tables_bound_in_unified_memory_are_left_by_to_empty_but_not_by_a_change
     assert half.dtype == torch.float16 and torch.equal(half, table.detach().half())
 
 
+def test_bind_on_leaves_a_group_given_no_tables_or_tables_of_another_dtype(monkeypatch):
+    """What a move binds first (EmbeddingGroup.bind_on), for a group told it places tables in
+    unified memory (here on the CPU; on CUDA in tests/test_gpu.py): nothing for no tables (a
+    sharded quantized lookup's, which bound an unused fp32 TBE of its tables on every .cuda()), nor
+    for tables of another dtype than the TBE holds (after .double(): bound, they became fp32)."""
+    monkeypatch.setattr(EmbeddingGroup, "places_unified", lambda self, device: device.type == "cpu")
+    fast = fxrec.transform(_TableBetween(), _between_inputs(0), optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1),
+                           backend="fbgemm")
+    from fxrec.graph_module import groups_with_tables
+
+    ((group, params),) = list(groups_with_tables(fast))
+    cpu = torch.device("cpu")
+    assert not group.bind_on([], cpu) and group._bound is None
+    wide = [torch.nn.Parameter(p.detach().double()) for p in params]
+    assert not group.bind_on(wide, cpu) and group._bound is None and all(p.dtype == torch.float64 for p in wide)
+    assert group.bind_on(params, cpu) and group._bound is not None  # (the tables as transformed: bound)
+
+
 class _WeightedTop(torch.nn.Module):
     def __init__(self):
         super().__init__()

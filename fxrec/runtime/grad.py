@@ -241,7 +241,8 @@ def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, r
     :class:`fxrec.optim.RowWiseAdagrad`. In place, on ``weight`` and ``state``. ``keep``: per
     lookup, whether it steps its row (a row none of whose lookups is kept is left as it is: a
     padding id's, whose zero gradient is no Adagrad step, but weight decay and max_norm would move
-    it).
+    it); the gradient rows of the lookups not kept must be zero (the caller's masked_fill: a row
+    with lookups of both kinds sums them all).
 
     Nothing is read on the host (on CUDA nothing waits for the device), so the number of rows
     looked up is not known: the ids are sorted (stably: each row's gradients are summed in the
@@ -255,7 +256,7 @@ def adagrad_rows(weight: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, r
     n = ids.numel()
     if n == 0:
         return
-    sid, order = torch.sort(ids, stable=True)
+    sid, order = torch.sort(ids.long(), stable=True)  # (index_copy_ takes int64 rows)
     first = torch.ones(n, dtype=torch.bool, device=ids.device)
     first[1:] = sid[1:] != sid[:-1]
     seg = first.cumsum(0) - 1  # each sorted lookup's row among the rows looked up (its slot)

@@ -225,10 +225,15 @@ class EmbeddingGroup(InputChecks, nn.Module):
         are fbgemm's, bind its TBE on CUDA ``device`` now, the rows copied there from where they
         are (the parameters become views of the TBE's rows): tables in unified memory never pass
         through GPU memory on their way from host memory. What ``.to()`` / ``.cuda()`` of the
-        transformed model do before moving the rest. False (nothing done) for other groups."""
-        if not self.places_unified(device) or any(p.is_meta for p in params):
+        transformed model do before moving the rest. False (nothing done) for other groups, for
+        none given (a sharded quantized lookup's), and for tables the TBE cannot hold as they are
+        (another dtype: bound then, the tables would silently take the TBE's)."""
+        if not params or not self.places_unified(device) or any(p.is_meta for p in params):
             return False
-        from .kernels.fbgemm import ensure_bound
+        from .kernels.fbgemm import ensure_bound, usable
+
+        if not usable(params, self):
+            return False
 
         ensure_bound(self, params, device)
         return True
