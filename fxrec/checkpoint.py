@@ -187,9 +187,9 @@ def _check_fits(path, expected: Dict[str, Optional[torch.Size]], tables: set, st
         if extra:
             problems.append(f"the checkpoint has entries the model does not: {extra} (strict=False ignores them)")
     if strict:
-        problems += [f"table '{fqn}' has the fused optimizer states {there} in the checkpoint, another optimizer's than "
-                     f"the model's fused one, which keeps {here} (or of other shapes) (strict=False leaves them as "
-                     "they are)"
+        problems += [f"table '{fqn}' has the fused optimizer states {', '.join(there)} in the checkpoint, another "
+                     f"optimizer's than the model's fused one, which keeps {', '.join(here)} (strict=False leaves them "
+                     "as they are)"
                      for fqn, (there, here) in other.items()]
     problems += list(optimizer_problems)
     if problems:

@@ -101,7 +101,8 @@ def other_states(expected, md) -> Dict[str, Tuple[List[str], List[str]]]:
     """Tables with fused states here and in the checkpoint where the checkpoint has one the model's
     optimizer does not keep, or one of another shape (another fused optimizer saved them: row-wise
     Adagrad's ``[rows, 1]`` ``sum`` where Adagrad keeps ``[rows, dim]``): fqn -> (the checkpoint's
-    state names, the model's). Fewer (no step count) is not another optimizer: those load."""
+    states, the model's, each named with its shape). Fewer (no step count) is not another
+    optimizer: those load."""
     def names(keys):
         out: Dict[str, set] = {}
         for k in keys:
@@ -122,6 +123,15 @@ def other_states(expected, md) -> Dict[str, Tuple[List[str], List[str]]]:
         shape, got = expected.get(fqn), getattr(md.get(fqn), "size", None)
         return shape is not None and got is not None and tuple(got) != tuple(shape)
 
+    def shown(fqn: str, states: set, sizes) -> List[str]:  # each state with its shape: "sum [1000, 1]"
+        out = []
+        for state in sorted(states):
+            size = sizes(f"{fqn}{FUSED_TAG}{state}")
+            out.append(f"{state} {list(size)}" if size is not None else state)
+        return out
+
     here, there = names(expected), names(md)
-    return {fqn: (sorted(there[fqn]), sorted(states)) for fqn, states in here.items()
+    return {fqn: (shown(fqn, there[fqn], lambda k: getattr(md.get(k), "size", None)),
+                  shown(fqn, states, expected.get))
+            for fqn, states in here.items()
             if fqn in there and (there[fqn] - states or (reshaped(fqn, states & there[fqn]) and not resized(fqn)))}

@@ -382,8 +382,9 @@ def test_fused_states_of_another_optimizer_in_a_checkpoint_are_refused_by_table(
     _fill_states(adam, 3, seed=1)
     before = _states(adam)
     with pytest.raises(fxrec.checkpoint.CheckpointError,
-                       match=r"table 'bags.0.weight' has the fused optimizer states \['sum'\] in the checkpoint, another "
-                             r"optimizer's than the model's fused one, which keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
+                       match=r"table 'bags.0.weight' has the fused optimizer states sum \[40, 8\] in the checkpoint, "
+                             r"another optimizer's than the model's fused one, which keeps exp_avg \[40, 8\], "
+                             r"exp_avg_sq \[40, 8\], step \[1\]"):
         fxrec.checkpoint.load_into_model(adam, tmp_path / "adagrad")
     _assert_same_states(_states(adam), before)
     fxrec.checkpoint.load_into_model(adam, tmp_path / "adagrad", strict=False)  # the weights; the states stay
@@ -391,7 +392,8 @@ def test_fused_states_of_another_optimizer_in_a_checkpoint_are_refused_by_table(
     assert torch.equal(adam.state_dict()["bags.0.weight"], adagrad.state_dict()["bags.0.weight"])
     fxrec.checkpoint.save_model(adam, tmp_path / "adam")
     with pytest.raises(fxrec.checkpoint.CheckpointError, match=r"table 'bags.0.weight' has the fused optimizer states "
-                                                               r"\['exp_avg', 'exp_avg_sq', 'step'\] in the checkpoint"):
+                                                               r"exp_avg \[40, 8\], exp_avg_sq \[40, 8\], step \[1\] "
+                                                               r"in the checkpoint"):
         fxrec.checkpoint.load_into_model(adagrad, tmp_path / "adam")
 
 
@@ -407,8 +409,11 @@ def test_a_fused_state_of_the_same_name_and_another_shape_is_another_optimizers(
     b = fxrec.transform(M.BagList(rows=ROWS), x, optimizer=getattr(fxrec.optim, loaded)(lr=0.1))
     b(*M.bag_inputs(rows=ROWS, seed=2)).sum().backward()
     before = {k: v.clone() for k, v in fxrec.checkpoint_fused.states(b).items()}
-    with pytest.raises(fxrec.checkpoint.CheckpointError, match=r"table 'bags.0.weight' has the fused optimizer "
-                                                               r"states \['sum'\] in the checkpoint, another optimizer's"):
+    shapes = {"Adagrad": r"sum \[40, 8\]", "RowWiseAdagrad": r"sum \[40, 1\]"}  # (bags.0: 40 rows of 8)
+    with pytest.raises(fxrec.checkpoint.CheckpointError, match=rf"table 'bags.0.weight' has the fused optimizer "
+                                                               rf"states {shapes[saved]} in the checkpoint, another "
+                                                               rf"optimizer's than the model's fused one, which keeps "
+                                                               rf"{shapes[loaded]} \("):
         fxrec.checkpoint.load_into_model(b, tmp_path / "ck")
     fxrec.checkpoint.load_into_model(b, tmp_path / "ck", strict=False)
     for k, v in fxrec.checkpoint_fused.states(b).items():
