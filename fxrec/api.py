@@ -167,7 +167,8 @@ def transform(
         their dense gradients when training has no fused optimizer) may take, in bytes or as
         ``"40GB"``. The largest tables beyond it that fbgemm alone reads and writes (inference,
         fused optimizers) go to unified memory (host RAM the GPU reads over the bus) with an HBM
-        cache of ``cache_load_factor`` of their rows (quantized tables: with none); the report
+        cache of ``cache_load_factor`` of their rows (quantized tables: without one where the
+        budget is not met with it); the report
         says where each table is
         (docs/gpu.md). With ``plan=``, the budget of each rank's GPU: each rank places the pieces
         of tables it holds by the same rule (docs/sharding.md). None (default): every table in

@@ -81,9 +81,9 @@ def build_group_module(
             # lookups give them (the graph after the group expects fp16, whatever output_dtype says);
             # each made fp32 only while it is quantized (fbgemm_nbit.make_inference_tbe), not all at once
             return qcls(tables, features, gr.pooling, [gr.quant[p] for p in order],
-                        [weights[p] for p in order], "fp16"), index
+                        [weights[p] for p in order], "fp16", gr.cache_load_factor), index
         return qcls(tables, features, gr.pooling, [gr.quant[p] for p in order], [weights[p] for p in order],
-                    output_dtype), index
+                    output_dtype, gr.cache_load_factor), index
     mod = EmbeddingGroup(tables, features, gr.pooling, gr.kernel_train, gr.kernel_eval,
                          gr.fused if with_optimizer else None)
     mod.reuse_output = reuse_output

@@ -1034,11 +1034,66 @@ def test_a_model_on_cpu_transformed_for_cuda_puts_its_big_table_in_unified_memor
     train_alike(ref, fast)
 
 
+def test_quantized_tables_cached_in_gpu_memory_serve_what_they_serve_uncached_and_in_gpu_memory():
+    """TwoBags served int8 (big: 100k rows of 80 bytes, 8 MB): hbm_budget="4MB" puts big's rows in
+    unified memory with an HBM cache of 20k of them (625 sets of 32, rows of 80 bytes: fbgemm's
+    IntNBit cache), which fbgemm's caching lookup fills (after a first call it holds exactly the
+    call's ids of big); "1MB" reads them uncached. Both serve what the model with every table in GPU
+    memory serves, bit for bit, over batches of new ids and repeated ones (hits), without a wait for
+    the GPU; so do their TorchScript twin and exported program (which reads the rows uncached).
+    load_state_dict empties the cache; .cpu() and back makes a new one."""
+    from fxrec.runtime.kernels.fbgemm_nbit import in_unified_memory
+
+    model = TwoBags().cuda().eval()
+    x0 = two_bag_inputs(0)
+    kw = dict(mode="inference", quantize="int8")
+    everything = fxrec.transform(model, x0, **kw)
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    cached = fxrec.transform(model, x0, hbm_budget="4MB", **kw)
+    gc.collect()
+    assert torch.cuda.memory_allocated() - before < 4_000_000, torch.cuda.memory_allocated() - before
+    uncached = fxrec.transform(model, x0, hbm_budget="1MB", **kw)
+    (g,), (u,) = groups(cached), groups(uncached)
+    assert g.q_where == ("managed_caching", "device") and u.q_where == ("managed", "device")
+    assert "big: managed_caching" in str(cached.report) and "big: managed" in str(uncached.report)
+    assert in_unified_memory(g.q_weights_uvm) and g.q_cache_weights.is_cuda
+    assert tuple(g.q_cache_weights.shape) == (20_000, 80) and tuple(g.q_cache_state.shape) == (625, 32)
+    assert g.q_weights_placements.tolist() == [2, 0] and u.q_cache_weights.numel() == 0  # (MANAGED_CACHING, DEVICE)
+    with torch.no_grad():
+        first = two_bag_inputs(1)
+        g._empty_cache()  # (whatever transform ran)
+        torch.testing.assert_close(cached(*first), everything(*first), rtol=0, atol=0)
+        held = g.q_cache_state[g.q_cache_state >= 0]
+        assert sorted(held.tolist()) == first[0].unique().tolist()
+        for seed in (2, 1, 3, 2, 1):
+            x = two_bag_inputs(seed)
+            want = everything(*x)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = cached(*x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            torch.testing.assert_close(uncached(*x), want, rtol=0, atol=0)
+        torch.testing.assert_close(fxrec.export.torchscript(cached)(*x), want, rtol=0, atol=0)
+        torch.testing.assert_close(fxrec.export.program(cached, x).module()(*x), want, rtol=0, atol=0)
+        cached.load_state_dict(everything.state_dict())
+        assert (g.q_cache_state == -1).all()
+        torch.testing.assert_close(cached(*x), want, rtol=0, atol=0)
+        cached.cpu()
+        assert g.q_cache_weights.numel() == 0
+        cached.cuda()
+        assert g.q_cache_weights.is_cuda and (g.q_cache_state == -1).all()
+        torch.testing.assert_close(cached(*x), want, rtol=0, atol=0)
+
+
 def _nccl_quantized_uvm_worker(rank, world, init_file, result_dir):
     """World size 1 on NCCL, TwoBags under a plan (big row-wise, small table-wise), served int8:
     with hbm_budget="4MB" the rank's block of big (100k int8 rows of 80 bytes) keeps its rows in
-    unified memory ("managed"), as explain says from the plan, and serves what the same plan
-    without a budget serves, bit for bit."""
+    unified memory with an HBM cache of 20k of them ("managed_caching"), as explain says from the
+    plan, and serves what the same plan without a budget serves, bit for bit."""
     from fxrec.runtime.kernels.fbgemm_nbit import in_unified_memory
 
     with _nccl_rank(rank, world, init_file, result_dir):
@@ -1059,12 +1114,13 @@ def _nccl_quantized_uvm_worker(rank, world, init_file, result_dir):
         assert any(n.endswith(g.placement) for n in said.notes if n.startswith(f"rank {rank} under")), (said.notes, g)
         (lookup,) = [m for n, m in on_uvm.named_modules() if n.endswith("_lookup")]
         group = lookup.group
-        assert group.q_where == ("managed", "device") and in_unified_memory(group.q_weights_uvm)
-        assert group.q_weights_uvm.numel() >= 100_000 * 80
+        assert group.q_where == ("managed_caching", "device") and in_unified_memory(group.q_weights_uvm)
+        assert group.q_weights_uvm.numel() >= 100_000 * 80 and tuple(group.q_cache_weights.shape) == (20_000, 80)
         with torch.no_grad():
             for step in range(3):
                 x = two_bag_inputs(step + 1)
                 torch.testing.assert_close(on_uvm(*x), on_device(*x), rtol=0, atol=0)
+        assert (group.q_cache_state >= 0).any()  # (the caching lookup admitted rows)
         del on_device, on_uvm, lookup, group
 
 

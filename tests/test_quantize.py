@@ -736,3 +736,130 @@ def test_output_dtype_without_quantize_is_refused():
     x = (torch.randint(0, 300, (8,)), torch.arange(4) * 2)
     with pytest.raises(ValueError, match=r"output_dtype is the dtype of quantized tables' lookups: it needs quantize="):
         fxrec.transform(nn.EmbeddingBag(300, 12).eval(), x, mode="inference", output_dtype="fp16")
+
+
+# --- the HBM cache of quantized rows in unified memory ("managed_caching"; runs on CUDA only:
+# tests/test_gpu.py; here its layout, and its lookup's arguments through fbgemm's CPU operator,
+# which takes the cache and reads the rows without it)
+
+def test_the_hbm_cache_of_quantized_rows_is_laid_out_as_fbgemms():
+    """fbgemm's IntNBit cache: load_factor of the cached rows, in sets of 32, each row as wide as
+    the widest cached packed row (16-byte rows, 4 bytes of scale and bias); per feature, where its
+    table's rows start among the cached ones (-1: not cached), then their count; each cached row's
+    feature (the last one reading its table). On meta its sizes; on CPU nothing."""
+    from fxrec.runtime.kernels import fbgemm_nbit as nb
+
+    tables = [(10, 64, "int8"), (20, 32, "int4"), (5, 64, "int8")]
+    ftm = [0, 1, 2, 0]  # (table 0 read by features 0 and 3)
+    assert nb.cache_layout(tables, ftm, ("device",) * 3, 0.2) is None
+    # 15 cached rows, int(7.5) = 7: one set; int8 at 64: 68 bytes, 80 at 16-byte rows
+    assert nb.cache_layout(tables, ftm, ("managed_caching", "device", "managed_caching"), 0.5) == \
+        (1, 80, [0, -1, 10, 0, 15], [3] * 10 + [2] * 5, 15)
+    wide = [(1000, 128, "int8"), (3000, 32, "int4")]  # 132 -> 144 bytes; 20 -> 32
+    lay = nb.cache_layout(wide, [0, 1], ("managed_caching",) * 2, 0.2)
+    assert lay == (25, 144, [0, 1000, 4000], [0] * 1000 + [1] * 3000, 4000)  # 800 rows: 25 sets
+    bufs, total = nb.cache_buffers(wide, [0, 1], ("managed_caching",) * 2, 0.2, torch.device("meta"))
+    assert total == 4000 and list(bufs) == list(nb.CACHE_BUFFERS)
+    assert [(tuple(b.shape), b.dtype) for b in bufs.values()] == [
+        ((800, 144), torch.uint8), ((3,), torch.int64), ((4000,), torch.int32), ((25, 32), torch.int64),
+        ((25, 32), torch.int64)]
+    bufs, total = nb.cache_buffers(wide, [0, 1], ("managed_caching",) * 2, 0.2, torch.device("cpu"))
+    assert total == 0 and all(b.numel() == 0 for b in bufs.values())
+
+
+def _served_int8():
+    """A BagList served int8 on CPU: (model, inputs, transformed, its outputs, its one group)."""
+    rows = (50, 30, 20)
+    model = M.BagList(rows=rows, dim=24).eval()
+    x = M.bag_inputs(rows=rows, max_len=4)
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8")
+    with torch.no_grad():
+        want = fast(*x)
+    (group,) = _quantized_groups(fast)
+    return model, x, fast, want, group
+
+
+def _with_a_cache(group, load_factor=0.5):
+    """Give a quantized group on CPU the cache buffers it would have on CUDA with every table
+    cached (fbgemm's CPU operator takes them and reads the rows as they are)."""
+    from fxrec.runtime.kernels import fbgemm_nbit as nb
+
+    lay = nb.cache_layout(group.q_packed, [f.table for f in group.features],
+                          ("managed_caching",) * len(group.tables), load_factor)
+    group.q_cache_weights = torch.zeros(lay.sets * nb.CACHE_WAYS, lay.width, dtype=torch.uint8)
+    group.q_cache_hash_size_cumsum = torch.tensor(lay.cumsum, dtype=torch.int64)
+    group.q_cache_index_table_map = torch.tensor(lay.table_map, dtype=torch.int32)
+    group.q_cache_state = torch.full((lay.sets, nb.CACHE_WAYS), -1, dtype=torch.int64)
+    group.q_cache_lru = torch.zeros(lay.sets, nb.CACHE_WAYS, dtype=torch.int64)
+    group.q_ints = {**group.q_ints, "total_cache_hash_size": lay.total}
+
+
+def _ops_called(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        out = fn()
+    return out, seen
+
+
+def test_a_cached_groups_lookup_gives_fbgemms_caching_operator_every_argument():
+    """With cached rows, the eager group and its TorchScript twin call fbgemm's caching lookup
+    (cache fill, then lookup: one operator) with the cache's buffers; its CPU form takes them all
+    and reads the rows without the cache, so the outputs are the uncached lookup's. Exported, the
+    plain lookup reads the rows from where they are (the caching operator has no meta kernel)."""
+    model, x, fast, want, group = _served_int8()
+    assert group.q_cache_weights.numel() == 0 and group.q_ints["total_cache_hash_size"] == 0  # (CPU: none)
+    _, plain_ops = _ops_called(lambda: fast(*x))
+    assert "fbgemm.int_nbit_split_embedding_codegen_lookup_function" in plain_ops
+    _with_a_cache(group)
+    with torch.no_grad():
+        got, ops = _ops_called(lambda: fast(*x))
+    assert "fbgemm.int_nbit_split_embedding_uvm_caching_codegen_lookup_function" in ops, ops
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    scripted = fxrec.export.torchscript(fast)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(*x), want, rtol=0, atol=0)
+    program = fxrec.export.program(fast, x)
+    graph_ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert not any("uvm_caching" in o for o in graph_ops), graph_ops
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(*x), want, rtol=0, atol=0)
+
+
+def test_a_quantized_groups_cache_is_not_saved_and_is_emptied_when_its_rows_change():
+    """The cache is derived state: not in the state_dict, emptied (every cache row free) by
+    load_state_dict and to_empty, whose rows it may no longer hold; a group pickled before it had
+    one gets an empty one."""
+    import pickle
+
+    model, x, fast, want, group = _served_int8()
+    state = fast.state_dict()
+    assert not any("q_cache_" in k for k in state)
+    _with_a_cache(group)
+    group.q_cache_state.fill_(7)
+    group.q_cache_lru.fill_(3)
+    fast.load_state_dict(state)
+    assert (group.q_cache_state == -1).all() and (group.q_cache_lru == 0).all()
+    group.q_cache_state.fill_(7)
+    fast.to_empty(device="cpu")
+    assert (group.q_cache_state == -1).all()
+    fast.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
+    old = fxrec.transform(model, x, mode="inference", quantize="int8")
+    (g,) = _quantized_groups(old)
+    for name in [n for n in g._buffers if n.startswith("q_cache_")]:
+        del g._buffers[name]
+    g.q_ints = {k: v for k, v in g.q_ints.items() if k != "total_cache_hash_size"}
+    back = pickle.loads(pickle.dumps(old))
+    (g,) = _quantized_groups(back)
+    assert g.q_cache_weights.numel() == 0 and g.q_ints["total_cache_hash_size"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(back(*x), want, rtol=0, atol=0)

@@ -6,8 +6,8 @@ What is counted on a rank: its local groups (one TBE each, with one cache for it
 as place_tables counts a group: the tables, column shards and row blocks the plan gives it, at
 their stored width, with their fused optimizer's states, or their dense gradients where training
 has no fused optimizer; quantized pieces as fbgemm packs them for CUDA (they may move as
-``managed``: their packed rows in unified memory, uncached, as place_tables moves a quantized
-table); and the data-parallel tables of its groups, whole on every rank (they stay: the model's
+place_tables moves a quantized table: their packed rows in unified memory, cached in HBM, or not
+where the budget is not met with the cache); and the data-parallel tables of its groups, whole on every rank (they stay: the model's
 own lookups, with dense gradients in training). A piece may move where fbgemm's kernel alone
 reads and writes it (place_tables' rule). Each rank decides for itself: where a piece lives
 changes no collective.
@@ -37,9 +37,8 @@ import torch.fx as fx
 
 from .. import meta
 from ..pass_infra import InputError, PassContext, PassError, PassResult, compiler_pass
-from ..runtime.specs import pad_dim
 from . import choose_kernels
-from .place_tables import Held, _fmt, held_of_module, place, placement_text
+from .place_tables import Held, _fmt, held_of_module, place, placement_text, quantized_held
 from .shard_groups import _fused_spec, _local_group, _sharding, module_name
 
 
@@ -66,8 +65,6 @@ def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object,
     """Per group: the local group module ``rank`` would build (None: it holds no piece, or the
     pieces are quantized, whose module packs rows), what the rule counts on that rank, from the
     plan alone, and whether the group runs on CUDA (only those are placed)."""
-    from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
-
     plan, training = ctx.config.plan, ctx.config.mode == "training"
     out = []
     for gr in ctx.groups:
@@ -80,10 +77,8 @@ def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object,
             first = {}
             for (r, rows, cols), t in zip(pieces, table_of):
                 first.setdefault(t, (r, rows, cols))
-            shapes = [first[t] for t in range(len(first))]
-            sizes = packed_bytes([(rows, cols, gr.quant[r.param]) for r, rows, cols in shapes], row_alignment("cuda"))
-            held = [Held(r.table, r.table, rows, pad_dim(cols), packed=n, movable=True, moves_to="managed")
-                    for (r, rows, cols), n in zip(shapes, sizes)]
+            held = [quantized_held(r.table, r.table, rows, cols, gr.quant[r.param])
+                    for r, rows, cols in (first[t] for t in range(len(first)))]
         elif pieces:
             half = gr.lookups[0].half
             pooling = "none" if gr.pooling == "none" else gr.pooling if half else "sum"
@@ -142,14 +137,15 @@ def rank_text(placements: Dict[str, str], held: List[Held], load_factor: float) 
     return placement_text(names, placements, load_factor) if names else "device"
 
 
-def _place_quantized(group, placements: Dict[str, str]) -> None:
+def _place_quantized(group, placements: Dict[str, str], load_factor: float) -> None:
     """A rank's quantized local group (packed by shard_groups with every piece in GPU memory)
     with its moved pieces' rows in unified memory: packed again, straight from where the rows
-    are, as ``.to()`` packs them."""
+    are, as ``.to()`` packs them (and its cache made, for pieces placed ``managed_caching``)."""
     tables = [dataclasses.replace(t, placement=placements.get(t.name, "device")) for t in group.tables]
     if tables == list(group.tables):
         return
     group.tables = tables
+    group.cache_load_factor = load_factor
     group.q_where = tuple(t.placement for t in tables)
     group._pack_for(group.q_weights.device)
 
@@ -163,7 +159,7 @@ def place_shards(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         lookup = getattr(gm, f"{module_name(gr)}_lookup", None)
         group = getattr(lookup, "group", None)
         if gr.quant and cuda and group is not None:
-            _place_quantized(group, placements)
+            _place_quantized(group, placements, lf)
             moved += sum(t.name in placements for t in group.tables)
         elif expected is not None:
             built = (group.tables, group.kernel_train, group.kernel_eval, group.fused) if group is not None else None

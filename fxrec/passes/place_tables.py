@@ -17,9 +17,13 @@ writes its rows: an fp32 group on the fbgemm kernel in inference, or in training
 optimizer fused into fbgemm's backward (for training and inference). Training with PyTorch's
 gradients keeps its tables in HBM: their gradients and torch.optim's states are table-sized in
 HBM wherever the rows live. Quantized tables (inference: fbgemm's IntNBit kernel alone reads
-them) move as ``managed``: their packed rows in unified memory, read over the bus at each lookup,
-with no HBM cache (fbgemm's cache for them needs a prefetch before each lookup, with state a
-serving program would carry; not built); they cost no HBM then. A sharded model's pieces are
+them) move as ``managed_caching`` too: their packed rows in unified memory, an LRU cache of them
+in HBM (``cache_load_factor`` of the cached rows at the widest cached packed row, 16-byte rows,
+with fbgemm's two int64 states a cache row and an int32 map entry a table row), filled by
+fbgemm's caching lookup (:mod:`fxrec.runtime.kernels.fbgemm_nbit`). Where the budget is still not
+met with every movable table moved, the moved quantized tables go without their cache, largest
+first, until it is (``managed``: read over the bus at each lookup, no HBM at all), and then the
+moved tables that fit in HBM again come back, smallest first. A sharded model's pieces are
 placed per rank by the same rule (place_shards). If the budget is not met, that is an error giving
 the bytes needed.
 
@@ -43,9 +47,7 @@ from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.kernels import FBGEMM
 from ..runtime.specs import FUSED_STATE_BYTES, pad_dim
 
-#: fbgemm's cache is set-associative with this many ways (DEFAULT_ASSOC on CUDA): its rows come in
-#: multiples of it.
-CACHE_WAYS = 32
+from ..runtime.kernels.fbgemm_nbit import CACHE_WAYS  # noqa: E402  (fbgemm's ways a cache set)
 
 
 def table_bytes(rows: int, width: int, fused: str = "", gradient: bool = False, weight_bytes: int = 4) -> int:
@@ -77,7 +79,8 @@ class Held:
     ``packed``: a quantized table's bytes as fbgemm packs them for CUDA (None: not quantized),
     ``movable``: fbgemm's kernel alone reads and writes its rows, ``moves_to``: the placement it
     takes when it leaves HBM. ``key`` names it in the placements (unique among the tables placed
-    together)."""
+    together). A quantized table's ``width`` is its packed row's bytes, ``weight_bytes`` 1 (what
+    its cache rows hold: :func:`quantized_held`)."""
 
     key: str
     name: str
@@ -89,6 +92,7 @@ class Held:
     packed: Optional[int] = None
     movable: bool = False
     moves_to: str = "managed_caching"
+    uncached: str = ""  # where it goes without its cache, if the budget is not met with it ("": nowhere)
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +125,9 @@ def hbm_bytes(groups: Sequence[Sequence[Held]], placements: Dict[str, str], load
 def place(groups: Sequence[Sequence[Held]], budget: int, load_factor: float) -> Tuple[Dict[str, str], int]:
     """The rule: every table starts in HBM; while the count exceeds ``budget``, the next largest
     movable table (ties by name) goes to unified memory as its ``moves_to`` says, unless that saves
-    no HBM. Returns the placements (key -> "managed_caching" or "managed") and the HBM they need, which the
+    no HBM; then, while it still exceeds it, the next largest moved table that may go without its
+    cache (``uncached``) does, and where that was needed, the moved tables that fit in HBM again
+    come back, smallest first (moved while the caches held the budget). Returns the placements (key -> "managed_caching" or "managed") and the HBM they need, which the
     caller compares with the budget (the error's words are its own)."""
     placements: Dict[str, str] = {}
     candidates = sorted((t for tables in groups for t in tables if t.movable),
@@ -137,6 +143,23 @@ def place(groups: Sequence[Sequence[Held]], budget: int, load_factor: float) -> 
             need = moved
         else:  # a small table cached at its group's widest width can cost more than it saves
             del placements[t.key]
+    dropped = False
+    for t in candidates:  # still over: the moved tables that may go without their cache do, largest first
+        if need <= budget:
+            break
+        if t.uncached and placements.get(t.key) == t.moves_to:
+            placements[t.key] = t.uncached
+            need = hbm_bytes(groups, placements, load_factor)
+            dropped = True
+    for t in reversed(candidates) if dropped and need <= budget else ():  # the moves the caches made
+        was = placements.pop(t.key, None)  # needless back in HBM, smallest first, where they still fit
+        if was is None:
+            continue
+        back = hbm_bytes(groups, placements, load_factor)
+        if back <= budget:
+            need = back
+        else:
+            placements[t.key] = was
     return placements, need
 
 
@@ -152,12 +175,22 @@ def placement_text(names: Sequence[Tuple[str, str]], placements: Dict[str, str],
     return text
 
 
+def quantized_held(key: str, name: str, rows: int, dim: int, dtype: str) -> Held:
+    """A quantized table (or piece) as the rule counts it: its rows as fbgemm's IntNBit packs them
+    for CUDA (16-byte rows, scale and bias included), movable (fbgemm's kernel alone reads them)
+    to unified memory with an HBM cache of its packed rows, or without one (``managed``) where the
+    budget is not met with it."""
+    from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
+
+    (n,) = packed_bytes([(rows, dim, dtype)], row_alignment("cuda"))
+    row = packed_bytes([(1, dim, dtype)], row_alignment("cuda"))[0]
+    return Held(key, name, rows, row, 1, packed=n, movable=True, moves_to="managed_caching", uncached="managed")
+
+
 def held_of_group(gr, training: bool) -> List[Held]:
     """The tables of a group record as the rule counts them (keyed by parameter name)."""
-    quant = _quantized_bytes(gr) if gr.quant else {}
-    if quant:  # inference on fbgemm's IntNBit kernel: its rows may leave HBM, uncached
-        return [Held(p, rec.table, rec.num_rows, pad_dim(rec.dim), packed=quant[p], movable=True, moves_to="managed")
-                for p, rec in _tables(gr)]
+    if gr.quant:  # inference on fbgemm's IntNBit kernel: its rows may leave HBM
+        return [quantized_held(p, rec.table, rec.num_rows, rec.dim, gr.quant[p]) for p, rec in _tables(gr)]
     movable = _movable(gr, training)
     wb = gr.lookups[0].stored_bytes if gr.lookups else 4  # (fp16 or weights_precision: one per group)
     fused = gr.fused.kind if gr.fused is not None else ""
@@ -179,15 +212,6 @@ def held_of_module(group, training: bool) -> List[Held]:
     return [Held(t.name, t.name, t.num_rows, pad_dim(t.dim), wb, fused, training and not fused and not t.sparse, None,
                  movable and t.dtype in ("float32", "float16"))
             for t in group.tables]
-
-
-def _quantized_bytes(gr) -> Dict[str, int]:
-    """Quantized tables' bytes as fbgemm's IntNBit packs them for CUDA (16-byte rows)."""
-    from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
-
-    tables = _tables(gr)
-    sizes = packed_bytes([(rec.num_rows, rec.dim, gr.quant[p]) for p, rec in tables], row_alignment("cuda"))
-    return {p: n for (p, _), n in zip(tables, sizes)}
 
 
 def _tables(gr):

@@ -196,7 +196,7 @@ def _local_group(ctx: PassContext, pieces, table_of, pooling: str, weighted: boo
         qcls = QuantizedSequenceGroup if pooling == "none" else QuantizedPooledGroup
         return qcls(specs, features, pooling, [quant[first[t].param] for t in range(len(specs))],
                     [gm.get_parameter(first[t].param).detach() for t in range(len(specs))],
-                    output or ctx.config.output_dtype)
+                    output or ctx.config.output_dtype, ctx.config.cache_load_factor)
     device = choose_kernels.target_device(ctx, pieces[0][0].device)
     spec = GroupSpec(tuple(specs), tuple(features), pooling)
     frozen = [r.table for r, _, _ in pieces if r.frozen]

@@ -48,8 +48,8 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
     padded = [w if d == t.dim else torch.cat([w, w[:, :1].expand(-1, d - t.dim)], 1)
               for w, t, d in zip(weights, group.tables, stored)]
     group.q_packed = [(t.num_rows, d, dt) for t, d, dt in zip(group.tables, stored, dtypes)]
-    # each table's placement on CUDA ("managed": unified memory, decided by place_tables)
-    group.q_where = tuple("managed" if t.placement != "device" else "device" for t in group.tables)
+    # each table's placement on CUDA ("managed", "managed_caching": unified memory, decided by place_tables)
+    group.q_where = tuple(t.placement if t.placement in _nbit.PLACEMENTS else "managed" for t in group.tables)
     device = weights[0].device
     tbe = _nbit.make_inference_tbe(
         group.q_packed, [f.table for f in group.features], group.pooling, device, padded, output_dtype,
@@ -70,6 +70,9 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
         "pooling_mode")}
     # saved with the rows, so that a state_dict loads into a model packed for another device
     group.register_buffer("q_row_alignment", torch.tensor(group.q_ints["row_alignment"], dtype=torch.int64))
+    group._set_cache()
+    if "managed_caching" in group.q_placed:  # (fbgemm's module was built uncached: the placements say cached)
+        group._restore_layout_buffers()
 
 
 def _real_columns(group, device: torch.device) -> torch.Tensor:
@@ -89,17 +92,21 @@ def stored_dims(tables: Sequence[TableSpec], dtypes: Sequence[str], pooling: str
 def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor],
             summed: bool = False) -> torch.Tensor:
     """fbgemm's quantized TBE lookup operator on the group's buffers (pooled: padding columns
-    dropped); ``summed``: sum-pooled whatever the group's pooling (``psw`` then weighs a mean)."""
+    dropped); ``summed``: sum-pooled whatever the group's pooling (``psw`` then weighs a mean).
+    Exported, cached tables are read uncached (:func:`fxrec.runtime.kernels.fbgemm_nbit.uncached`)."""
     *bufs, columns = _LOOKUP_BUFFERS(group._buffers)  # (one C-level read: nn.Module's __getattr__ is ~2 us each)
+    if exporting():
+        bufs = _nbit.uncached(bufs)
     q = {**group.q_ints, "pooling_mode": _nbit.SUM_POOLING} if summed else group.q_ints
     out = _nbit.int_nbit_lookup(q, bufs, indices, offsets, psw)
     return out.index_select(1, columns) if columns.numel() else out
 
 
 #: the buffers fbgemm's quantized lookup reads, in its order, then the output columns kept
+#: (``q_lxu_cache_weights``, fbgemm's module's own empty cache, stays in the state_dict, unread)
 _LOOKUP_BUFFERS = operator.itemgetter(
     "q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_offsets", "q_weights_tys", "q_D_offsets",
-    "q_lxu_cache_weights", "q_lxu_cache_locations", "q_columns")
+    "q_cache_weights", "q_lxu_cache_locations", *_nbit.CACHE_BUFFERS[1:], "q_columns")
 
 
 class _Quantized:
@@ -120,27 +127,36 @@ class _Quantized:
         rows = self.q_weights
         probe = fn(torch.empty(0, dtype=torch.uint8, device=self.q_weights.device))
         device = probe.device if isinstance(probe, torch.Tensor) else self.q_weights.device
-        if self._packed_otherwise_than(device) or (  # (another GPU: its unified memory)
+        if self._packed_otherwise_than(device) or (  # (another GPU: its unified memory, its cache)
                 device.type == "cuda" and device != self.q_weights.device
-                and "managed" in _nbit.placed_for(device, self._cuda_places())):
+                and any(w != "device" for w in _nbit.placed_for(device, self._cuda_places()))):
             self._pack_for(device)
+        # left as they are by fn: the cache (derived; made where the rows go, below) and rows in
+        # unified memory, where they go, which stay there: fn's own tensor (to_empty's, from meta)
+        # would be GPU memory, which tables placed out of it must never take
+        kept = {n: self._buffers[n] for n in _nbit.CACHE_BUFFERS if n in self._buffers}
         uvm = self._buffers.get("q_weights_uvm")
-        if uvm is None or uvm.device != device or not _nbit.in_unified_memory(uvm):
+        if uvm is not None and uvm.device == device and _nbit.in_unified_memory(uvm):
+            kept["q_weights_uvm"] = uvm
+        for n in kept:
+            del self._buffers[n]
+        try:
             out = super()._apply(fn, *args, **kwargs)
-        else:
-            # rows in unified memory, where they go, stay there: fn's own tensor (to_empty's, from
-            # meta) would be GPU memory, which tables placed out of it must never take
-            del self._buffers["q_weights_uvm"]
-            try:
-                out = super()._apply(fn, *args, **kwargs)
-            finally:
-                self._buffers["q_weights_uvm"] = uvm
-        if self.q_weights is not rows and not self.q_weights.is_meta:
+        finally:
+            self._buffers.update(kept)
+        if self.q_weights is not rows:
             # new tensors (a move, or to_empty: the rows are then memory as it was found, as a
             # plain model's tables are): the buffers that say where each table's rows are come
             # from the tables now, not at load_state_dict (read as to_empty found them, fbgemm's
-            # lookup would read out of bounds); after a move, the same values again, in place
-            self._restore_layout_buffers()
+            # lookup would read out of bounds); after a move, the same values again, in place;
+            # the cache made where the rows are now (to meta: its memory freed) or emptied (rows it
+            # may no longer hold)
+            if not self.q_weights.is_meta:
+                self._restore_layout_buffers()
+            if "q_cache_state" not in kept or self.q_cache_state.device != self.q_weights.device:
+                self._set_cache()
+            elif not self.q_weights.is_meta:
+                self._empty_cache()
         return out
 
     def _packed_otherwise_than(self, device: torch.device) -> bool:
@@ -164,6 +180,24 @@ class _Quantized:
         self.q_placed = placed
         self.q_ints = {**self.q_ints, "row_alignment": _nbit.row_alignment(device)}
         self.q_row_alignment = torch.tensor(self.q_ints["row_alignment"], dtype=torch.int64, device=device)
+        self._set_cache()
+
+    def _set_cache(self) -> None:
+        """The HBM cache of the tables placed ``"managed_caching"`` where the rows are now (CUDA;
+        elsewhere empty buffers), empty: :func:`fxrec.runtime.kernels.fbgemm_nbit.cache_buffers`,
+        ``cache_load_factor`` of their rows. Not in the state_dict (the rows are)."""
+        bufs, total = _nbit.cache_buffers(self.q_packed, [f.table for f in self.features], self._places_now(),
+                                          getattr(self, "cache_load_factor", 0.2), self.q_weights.device)
+        for name, value in bufs.items():
+            self.register_buffer(name, value, persistent=False)
+        self.q_ints = {**self.q_ints, "total_cache_hash_size": total}
+
+    def _empty_cache(self) -> None:
+        """Every cache row empty and unused (in place), so nothing is read from it that the rows in
+        unified memory no longer hold."""
+        if self.q_cache_state.numel():
+            self.q_cache_state.fill_(-1)
+            self.q_cache_lru.zero_()
 
     def __getstate__(self):
         """Rows in unified memory are copied (``copy.deepcopy``, pickling) from a host copy, which
@@ -179,6 +213,8 @@ class _Quantized:
     def __setstate__(self, state):
         device = state.pop("_fxrec_unified_on", None)
         super().__setstate__(state)
+        if "q_cache_weights" not in self._buffers:  # (pickled before fxrec kept a cache: none)
+            self._set_cache()
         uvm = self._buffers.get("q_weights_uvm")
         here = self.q_weights.device  # (torch.load's map_location moved the other buffers)
         unified = device is not None and uvm is not None
@@ -282,14 +318,17 @@ class _Quantized:
                 state_dict.update(zip(names, packed))
         state_dict[key] = torch.tensor(mine, dtype=torch.int64)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._empty_cache()  # (the rows it holds may have changed)
 
 
 class QuantizedPooledGroup(_Quantized, EmbeddingGroup):
     """Pooled lookups (sum or mean) on quantized tables; returns ``[B, sum of dims]``."""
 
     def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], pooling: str,
-                 dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32"):
+                 dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32",
+                 cache_load_factor: float = 0.2):
         super().__init__(tables, features, pooling, FBGEMM, FBGEMM)
+        self.cache_load_factor = float(cache_load_factor)  # (of the tables placed "managed_caching")
         _attach_quantized_tbe(self, dtypes, weights, output_dtype)
 
     @group_forward
@@ -326,8 +365,10 @@ class QuantizedSequenceGroup(_Quantized, EmbeddingGroup):
     """Unpooled lookups on quantized tables; returns one tensor per feature."""
 
     def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], pooling: str,
-                 dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32"):
+                 dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str = "fp32",
+                 cache_load_factor: float = 0.2):
         super().__init__(tables, features, pooling, FBGEMM, FBGEMM)
+        self.cache_load_factor = float(cache_load_factor)  # (of the tables placed "managed_caching")
         _attach_quantized_tbe(self, dtypes, weights, output_dtype)
 
     @group_forward

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .kernels.fbgemm_nbit import clone_rows, int_nbit_lookup
+from .kernels.fbgemm_nbit import CACHE_BUFFERS, clone_rows, int_nbit_lookup
 from .kernels.reference import lookup_each
 from .packing import FORM_CODES, pack_bags, pack_rows, padding_weights, unpack_rows
 
@@ -29,7 +29,9 @@ _Q_INTS = ("total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D",
            "output_dtype", "row_alignment", "max_float8_D", "fp8_exponent_bits", "fp8_exponent_bias",
            "pooling_mode")
 _Q_BUFFERS = ("q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_offsets", "q_weights_tys",
-              "q_D_offsets", "q_lxu_cache_weights", "q_lxu_cache_locations", "q_columns")
+              "q_D_offsets", "q_lxu_cache_weights", "q_lxu_cache_locations", "q_columns", *CACHE_BUFFERS)
+#: derived, not saved with the rows (a cache's own copy: the serving module fills its own)
+_Q_DERIVED = ("q_lxu_cache_locations", "q_columns", *CACHE_BUFFERS)
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -90,7 +92,7 @@ class _ServingGroup(nn.Module):
         for name in _Q_BUFFERS:
             src = getattr(group, name) if self.quantized else torch.empty(0, dtype=torch.long)
             # (rows in unified memory stay there; a saved script loads them in GPU memory)
-            self.register_buffer(name, clone_rows(src), persistent=name not in ("q_lxu_cache_locations", "q_columns"))
+            self.register_buffer(name, clone_rows(src), persistent=name not in _Q_DERIVED)
 
     def _check(self, ids_list: List[Tensor], offsets_list: List[Tensor]) -> None:
         """Counts, dtypes and shapes (no value read), then every id and offset of every feature
@@ -179,7 +181,8 @@ class _ServingGroup(nn.Module):
 
     def _quantized_lookup(self, indices: Tensor, offsets: Tensor, psw: Optional[Tensor], summed: bool = False) -> Tensor:
         bufs = [self.q_weights, self.q_weights_uvm, self.q_weights_placements, self.q_weights_offsets,
-                self.q_weights_tys, self.q_D_offsets, self.q_lxu_cache_weights, self.q_lxu_cache_locations]
+                self.q_weights_tys, self.q_D_offsets, self.q_cache_weights, self.q_lxu_cache_locations,
+                self.q_cache_hash_size_cumsum, self.q_cache_index_table_map, self.q_cache_state, self.q_cache_lru]
         q = self.q
         if summed:  # sum-pooled whatever the group's pooling (psw weighs a mean: padding_weights)
             q = dict(self.q)

@@ -61,33 +61,40 @@ def test_a_column_shard_counts_its_own_columns():
     assert f"take {fxrec.planner.format_bytes(cache_hbm(1_000_000, 64) + 1000 * 16 * 8)} of" in text, text
 
 
-def test_quantized_pieces_count_as_fbgemm_packs_them_and_move_uncached():
+def test_quantized_pieces_count_as_fbgemm_packs_them_and_move_cached_then_uncached():
     """int8 rows of 128: 144 bytes at CUDA's 16-byte alignment; mid and small stay fp32 (mid packed
-    in the same IntNBit TBE as big, small data-parallel: the model's own lookups). Beyond the
-    budget, the largest packed pieces go to unified memory, uncached ("managed"), and take no HBM;
-    the data-parallel table stays."""
+    in the same IntNBit TBE as big, 256-byte rows; small data-parallel: the model's own lookups).
+    Beyond the budget, the largest packed pieces go to unified memory with an HBM cache (0.2 of
+    their rows in sets of 32, at the widest cached row, two int64 states a cache row, an int32 a
+    table row: fbgemm's), then, where that is still over, without it ("managed": no HBM); the
+    data-parallel table stays."""
     model = ThreeTables()
     plan = plan_of(optimizer=None, model=model)
     q = {"big": "int8", "mid": "fp32", "small": "fp32"}
     small = 1000 * 16 * 4
+    cached = "group_0: device+managed_caching (big: managed_caching; HBM cache 0.2 of the cached rows)"
     r = fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget="1GB")
     assert "take 72.1 MB of" in next(n for n in r.notes if n.startswith("rank 0 under"))  # 500k x 144 + small
     assert rank_notes(r) == {0: "group_0: device", 1: "group_0: device"}
     budget = 500_000 * 144 + small  # rank 0's exactly; rank 1 (mid's 51.2 MB more) moves its block of big only
     r = fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget=budget)
-    assert rank_notes(r) == {0: "group_0: device", 1: "group_0: device+managed (big: managed)"}, r.notes
+    assert rank_notes(r) == {0: "group_0: device", 1: cached}, r.notes
+    big_cache = 100_000 * (144 + 16) + 500_000 * 4  # 3125 sets of 32 rows of 144 bytes
+    text = next(n for n in r.notes if n.startswith("rank 1 under"))
+    assert f"take {fxrec.planner.format_bytes(big_cache + 200_000 * 256 + small)} of" in text, text
     r = fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget=budget - 1)
-    assert rank_notes(r) == {0: "group_0: device+managed (big: managed)", 1: "group_0: device+managed (big: managed)"}
+    assert rank_notes(r) == {0: cached, 1: cached}
     r = fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget="50MB")
-    assert rank_notes(r) == {0: "group_0: device+managed (big: managed)",
-                             1: "group_0: device+managed (big: managed, mid: managed)"}, r.notes
-    assert all(f"take {fxrec.planner.format_bytes(small)} of" in n for n in r.notes if "under hbm_budget=" in n)
+    assert rank_notes(r) == {0: cached, 1: "group_0: device+managed_caching (big: managed_caching, mid: managed_caching; "
+                                           "HBM cache 0.2 of the cached rows)"}, r.notes
+    text = next(n for n in r.notes if n.startswith("rank 1 under"))  # (one cache: 700k rows, rows of 256 bytes)
+    assert f"take {fxrec.planner.format_bytes(140_000 * (256 + 16) + 700_000 * 4 + small)} of" in text, text
     with pytest.raises(InputError, match="rank 0's embedding tables need 64 KB .*shard the data-parallel tables"):
         fxrec.explain(model, INPUTS, device="cuda", plan=plan, mode="inference", quantize=q, hbm_budget=small - 1)
     pins = {"big": "row_wise", "mid": "row_wise", "small": ("table_wise", 0)}
     r = fxrec.explain(model, INPUTS, device="cuda", plan=plan_of(pins, None, model), mode="inference",
                       quantize="int8", hbm_budget="1MB")
-    # (rank 0: small's 1000 int8 rows of 32 bytes fit once big's and mid's blocks moved)
+    # (rank 0: small's 1000 int8 rows of 32 bytes fit once big's and mid's blocks moved, without a cache)
     assert rank_notes(r) == {0: "group_0: device+managed (big: managed, mid: managed)",
                              1: "group_0: managed (big: managed, mid: managed)"}, r.notes
 
@@ -211,14 +218,14 @@ def test_a_quantized_local_group_takes_its_placements_and_keeps_its_outputs():
     with torch.no_grad():
         want = fast(*x)
     names = [t.name for t in group.tables]
-    _place_quantized(group, {names[0]: "managed", names[2]: "managed"})
+    _place_quantized(group, {names[0]: "managed", names[2]: "managed"}, 0.2)
     assert [t.placement for t in group.tables] == ["managed", "device", "managed"]
     assert group.q_where == ("managed", "device", "managed")
     assert group.q_weights_uvm.numel() == 0 and set(group.q_weights_placements.tolist()) == {3}  # (CPU: HOST)
     rows_now = group.q_weights
     with torch.no_grad():
         torch.testing.assert_close(fast(*x), want, rtol=0, atol=0)
-    _place_quantized(group, {names[0]: "managed", names[2]: "managed"})
+    _place_quantized(group, {names[0]: "managed", names[2]: "managed"}, 0.2)
     assert group.q_weights is rows_now
     ftm = [f.table for f in group.features]
     _, uvm, places, _ = fbgemm_nbit.relayout(

@@ -107,15 +107,35 @@ def test_quantized_tables_count_as_fbgemm_packs_them_for_cuda():
     assert hbm_of(r) == 1_000_000 * 144 + 200_000 * 80 + 1000 * 32
 
 
-def test_quantized_tables_beyond_the_budget_go_to_unified_memory_uncached():
+def test_quantized_tables_beyond_the_budget_go_to_unified_memory_cached_then_uncached():
     """Serving quantized, fbgemm's IntNBit kernel alone reads the rows: the largest go to unified
-    memory as "managed" (no HBM cache: they then take no HBM), until the rest fits."""
+    memory with an HBM cache of their packed rows (0.2 of the rows, in sets of 32, at the widest
+    cached row, two int64 states a cache row and an int32 a table row: fbgemm's IntNBit cache), until
+    the rest fits; where it still does not, the moved ones go without their cache, largest first
+    ("managed": no HBM). int8 rows: 144 bytes at dim 128, 80 at 64, 32 at 16 (16-byte rows)."""
     r = fxrec.explain(ThreeTables(), INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="100MB")
-    assert placements(r) == {"big": "managed", "mid": "device", "small": "device"}
-    assert hbm_of(r) == 200_000 * 80 + 1000 * 32
+    assert placements(r) == {"big": "managed_caching", "mid": "device", "small": "device"}
+    assert hbm_of(r) == 200_000 * (144 + 16) + 1_000_000 * 4 + 200_000 * 80 + 1000 * 32
     r = fxrec.explain(ThreeTables(), INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="10MB")
+    # (big and mid cached together: 43 MB of cache; big's dropped, mid's 40k rows of 80 bytes fit)
+    assert placements(r) == {"big": "managed", "mid": "managed_caching", "small": "device"}
+    assert hbm_of(r) == 40_000 * (80 + 16) + 200_000 * 4 + 1000 * 32
+    r = fxrec.explain(ThreeTables(), INPUTS, device="cuda", mode="inference", quantize="int8", hbm_budget="1MB")
     assert placements(r) == {"big": "managed", "mid": "managed", "small": "device"}
     assert hbm_of(r) == 1000 * 32
+
+
+def test_tables_moved_while_the_caches_held_the_budget_come_back_once_they_are_dropped():
+    """20k, 300 and 200 int8 rows of 80 bytes under 100 kB: the big table's cache (464 kB) does not
+    fit, so the small ones move too before the caches are dropped, largest first (the big table's
+    alone is enough); then the small ones fit in HBM again and come back."""
+    from tests import models as M
+
+    rows = (20_000, 300, 200)
+    r = fxrec.explain(M.BagList(rows=rows, dim=64).eval(), M.bag_inputs(rows=rows), device="cuda", mode="inference",
+                      quantize="int8", hbm_budget=100_000)
+    assert placements(r) == {"bags.0": "managed", "bags.1": "device", "bags.2": "device"}
+    assert hbm_of(r) == (300 + 200) * 80
 
 
 def test_optimizer_states_count_against_the_budget():

@@ -12,17 +12,26 @@ tables are on (:func:`row_alignment`), and moving it to another kind of device r
 CUDA). A lookup on CUDA of rows packed for CPU (a TorchScript or exported program made on CPU and
 moved) is refused with an error rather than read misaligned.
 
-**Rows in unified memory.** On CUDA a table placed ``"managed"`` (``transform(hbm_budget=)``, see
-:mod:`fxrec.passes.place_tables`) keeps its rows in the group's ``uvm`` buffer: host memory
-mapped for the GPU (fbgemm's ``new_unified_tensor``, host-mapped, as TorchRec's ``quant_uvm``
-tables), which fbgemm's kernel reads over the bus where the placement says so (no HBM cache:
-fbgemm's ``MANAGED`` location). On CPU every table's rows are in the one host buffer (``HOST``):
-fbgemm's CPU lookup derives a table's row count for its bounds check from the next table's
-offset, whichever buffer that offset is in, so mixed placements there would refuse good ids.
+**Rows in unified memory.** On CUDA a table placed ``"managed"`` or ``"managed_caching"``
+(``transform(hbm_budget=)``, see :mod:`fxrec.passes.place_tables`) keeps its rows in the group's
+``uvm`` buffer: host memory mapped for the GPU (fbgemm's ``new_unified_tensor``, host-mapped, as
+TorchRec's ``quant_uvm`` tables), which fbgemm's kernel reads over the bus where the placement
+says so. ``"managed"`` reads them there at every lookup (fbgemm's ``MANAGED``);
+``"managed_caching"`` (fbgemm's ``MANAGED_CACHING``, TorchRec's ``quant_uvm_caching``) keeps an
+LRU cache of them in GPU memory (:func:`cache_buffers`: 32-way sets, ``cache_load_factor`` of the
+cached rows), which fbgemm's caching lookup fills before it reads (one operator,
+``int_nbit_split_embedding_uvm_caching_codegen_lookup_function``: it finds each id's cache row,
+admits the missing ones, then looks up; a row it cannot admit, every way of its set taken by
+this call, is read from unified memory). The cache is the group's state but not in its
+state_dict; it starts empty and is emptied when the rows change (``load_state_dict``,
+``to_empty``). On CPU every table's rows are in the one host buffer (``HOST``): fbgemm's CPU
+lookup derives a table's row count for its bounds check from the next table's offset, whichever
+buffer that offset is in, so mixed placements there would refuse good ids.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -31,6 +40,13 @@ import torch
 from .fbgemm_tbe import require_fbgemm
 
 QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
+
+#: fbgemm's caches are set-associative with this many ways (its default on CUDA; the caching
+#: lookup of quantized rows takes no other): their rows come in multiples of it.
+CACHE_WAYS = 32
+
+#: where a table's rows go ("device": GPU memory, or the host buffer on CPU)
+PLACEMENTS = ("device", "managed", "managed_caching")
 
 
 def row_alignment(device: torch.device) -> int:
@@ -53,14 +69,17 @@ _IN_DEV = (0, 3)  # DEVICE, HOST
 
 
 def _location(device: torch.device, where: str = "device"):
-    """fbgemm's location for a table placed ``where`` ("device" or "managed") on ``device``: on CPU,
-    HOST; on CUDA, DEVICE or MANAGED (unified memory, no HBM cache)."""
+    """fbgemm's location for a table placed ``where`` (one of :data:`PLACEMENTS`) on ``device``:
+    on CPU, HOST; on CUDA, DEVICE, MANAGED (unified memory) or MANAGED_CACHING (unified memory
+    with an HBM cache)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 
-    if where not in ("device", "managed"):
-        raise ValueError(f"fxrec: a quantized table's placement must be 'device' or 'managed', got {where!r}")
+    if where not in PLACEMENTS:
+        raise ValueError(f"fxrec: a quantized table's placement must be one of {PLACEMENTS}, got {where!r}")
     if where == "managed":
         return EmbeddingLocation.MANAGED
+    if where == "managed_caching":
+        return EmbeddingLocation.MANAGED_CACHING
     return EmbeddingLocation.HOST if torch.device(device).type == "cpu" else EmbeddingLocation.DEVICE
 
 
@@ -112,8 +131,10 @@ def make_inference_tbe(
     """fbgemm's IntNBitTableBatchedEmbeddingBagsCodegen on ``device``, rows packed for it, holding
     ``weights`` quantized row-wise to each table's dtype (fp32, fp16, int8, int4, int2; integers
     with an fp16 scale and bias per row: fbgemm's quantize_embs); ``where``: each table's
-    placement ("device", default, or "managed": unified memory, host-mapped, on CUDA)."""
+    placement ("device", default, "managed" or "managed_caching": unified memory, host-mapped, on
+    CUDA; the module builds no cache, the group keeps its own: :func:`cache_buffers`)."""
     types = _fbgemm_types()
+    where = tuple("managed" if w == "managed_caching" else w for w in where)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, PoolingMode
@@ -148,7 +169,7 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
     and ``offsets`` per feature, as fbgemm keeps them: which buffer, and the byte where the
     feature's table starts there) packed again for ``device``: at ``new_alignment`` (default: the
     device's), each table where ``where`` says ("device", the default, or "managed": in the uvm
-    buffer, unified memory on CUDA), in the placements and table offsets fbgemm's IntNBit TBE gives
+    buffer, unified memory on CUDA; "managed_caching" too), in the placements and table offsets fbgemm's IntNBit TBE gives
     that layout. Returns ``(dev, uvm, placements, offsets)`` on ``device``, the last two per
     feature; each row's bytes are copied unchanged, the padding is zero. A table's rows cross
     devices in one contiguous copy, restrided on the side that is host memory (no second copy of
@@ -175,7 +196,7 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
     old_starts, old_places = ([], []) if empty else (offsets.tolist(), placements.tolist())
     for t, (rows, dim, dtype) in enumerate([] if empty else rows_dims_dtypes):
         src = buffers[0] if old_places[first[t]] in _IN_DEV else buffers[1]
-        dst = uvm if where[t] == "managed" else dev
+        dst = dev if where[t] == "device" else uvm
         old, start = old_starts[first[t]], new.offsets[first[t]]
         used = unpadded_row_size_in_bytes(dim, types[dtype])
         was = rounded_row_size_in_bytes(dim, types[dtype], alignment)
@@ -188,7 +209,7 @@ def relayout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map
 class Layout(NamedTuple):
     """Where fbgemm's IntNBit TBE keeps a group's packed tables (its constructor's own state):
     the bytes of its ``(dev, uvm)`` buffers (``dev``: the host buffer on CPU), and per feature the
-    buffer its table is in (fbgemm's placement: HOST 3, DEVICE 0, MANAGED 1), the byte where the
+    buffer its table is in (fbgemm's placement: HOST 3, DEVICE 0, MANAGED 1, MANAGED_CACHING 2), the byte where the
     table starts there, its type, and the features' output columns (``D_offsets``)."""
 
     dev_size: int
@@ -209,7 +230,7 @@ def layout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: 
 
     on_cpu = torch.device(device).type == "cpu"
     state = nbit_construct_split_state(_table_specs(rows_dims_dtypes, "cpu" if on_cpu else "cuda", where),
-                                       cacheable=False, row_alignment=int(alignment))
+                                       cacheable=True, row_alignment=int(alignment))
     types = _fbgemm_types()
     ftm = list(feature_table_map)
     code = [int(types[t].as_int()) if hasattr(types[t], "as_int") else int(types[t].value)
@@ -225,12 +246,13 @@ def layout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: 
 def saved_sizes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
                 placements: Sequence[int], alignment: int) -> Tuple[int, int, List[int]]:
     """The bytes of the ``(dev, uvm)`` buffers of these tables packed at ``alignment`` with these
-    per-feature ``placements`` (fbgemm's values: HOST 3 on CPU, DEVICE 0 on CUDA, MANAGED 1 in the
-    uvm buffer), and the per-feature offsets: what a state_dict saved with that layout holds."""
+    per-feature ``placements`` (fbgemm's values: HOST 3 on CPU, DEVICE 0 on CUDA, MANAGED 1 and
+    MANAGED_CACHING 2 in the uvm buffer), and the per-feature offsets: what a state_dict saved with
+    that layout holds."""
     ftm = list(feature_table_map)
     per_table = [int(placements[ftm.index(t)]) for t in range(len(rows_dims_dtypes))]
     device = "cpu" if 3 in per_table else "cuda"
-    where = ["device" if p in _IN_DEV else "managed" for p in per_table]
+    where = ["device" if p in _IN_DEV else "managed_caching" if p == 2 else "managed" for p in per_table]
     saved = layout(rows_dims_dtypes, ftm, torch.device(device), where, alignment)
     return saved.dev_size, saved.uvm_size, saved.offsets
 
@@ -261,18 +283,111 @@ def packed_bytes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], alignment: in
 #: fbgemm's PoolingMode.SUM (an int, as its lookup operator takes it)
 SUM_POOLING = 0
 
+#: the cache's buffers of a quantized group, in the order :func:`int_nbit_lookup` takes them after
+#: the rows' (weights[6], then [8:]): the cached rows, the cached tables' row offsets per feature,
+#: each cached row's feature, the cache's rows (their ids) and their last use
+CACHE_BUFFERS = ("q_cache_weights", "q_cache_hash_size_cumsum", "q_cache_index_table_map", "q_cache_state",
+                 "q_cache_lru")
+
+
+class CacheLayout(NamedTuple):
+    """An IntNBit TBE's HBM cache of its ``managed_caching`` tables, as fbgemm lays it out:
+    ``sets`` of :data:`CACHE_WAYS` rows of ``width`` bytes; per feature, where its table's rows
+    start among the cached rows (-1: not cached), then their count (``cumsum``); each cached row's
+    feature (``table_map``); the count of cached rows (``total``)."""
+
+    sets: int
+    width: int
+    cumsum: List[int]
+    table_map: List[int]
+    total: int
+
+
+def cache_layout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
+                 where: Sequence[str], load_factor: float) -> Optional[CacheLayout]:
+    """The :class:`CacheLayout` of the tables placed ``"managed_caching"`` (None: none is):
+    ``load_factor`` of the cached rows, rounded up to whole sets, each row as wide as the widest
+    cached table's packed row (16-byte rows, scale and bias included); the rows' offsets and
+    feature map are fbgemm's own (``construct_cache_state``)."""
+    cached = [w == "managed_caching" for w in (tuple(where) or ("device",) * len(rows_dims_dtypes))]
+    if not any(cached):
+        return None
+    require_fbgemm()
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, construct_cache_state
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
+
+    types = _fbgemm_types()
+    state = construct_cache_state([int(r) for r, _, _ in rows_dims_dtypes],
+                                  [EmbeddingLocation.MANAGED_CACHING if c else EmbeddingLocation.DEVICE for c in cached],
+                                  list(feature_table_map))
+    total = int(state.total_cache_hash_size)
+    sets = max(1, math.ceil(int(total * float(load_factor)) / CACHE_WAYS))
+    width = max(rounded_row_size_in_bytes(int(d), types[t], 16) for (_, d, t), c in zip(rows_dims_dtypes, cached) if c)
+    return CacheLayout(sets, width, list(state.cache_hash_size_cumsum), list(state.cache_index_table_map), total)
+
+
+def cache_buffers(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
+                  where: Sequence[str], load_factor: float, device: torch.device) -> Tuple[Dict[str, torch.Tensor], int]:
+    """The HBM cache of the tables placed ``"managed_caching"`` (on CUDA, or meta: its sizes;
+    elsewhere, or with none, empty buffers), as fbgemm's IntNBit TBE keeps one for its caching
+    lookup (:func:`cache_layout`), every cache row empty (-1) and unused (0). Returns the buffers
+    by :data:`CACHE_BUFFERS` name and the number of cached table rows."""
+    device = torch.device(device)
+    lay = cache_layout(rows_dims_dtypes, feature_table_map, where, load_factor) \
+        if device.type in ("cuda", "meta") else None
+    if lay is None:
+        return {"q_cache_weights": torch.zeros(0, 0, dtype=torch.uint8, device=device),
+                "q_cache_hash_size_cumsum": torch.zeros(0, dtype=torch.int64, device=device),
+                "q_cache_index_table_map": torch.zeros(0, dtype=torch.int32, device=device),
+                "q_cache_state": torch.zeros(0, 0, dtype=torch.int64, device=device),
+                "q_cache_lru": torch.zeros(0, 0, dtype=torch.int64, device=device)}, 0
+    return {"q_cache_weights": torch.zeros(lay.sets * CACHE_WAYS, lay.width, dtype=torch.uint8, device=device),
+            "q_cache_hash_size_cumsum": torch.tensor(lay.cumsum, dtype=torch.int64, device=device),
+            "q_cache_index_table_map": torch.tensor(lay.table_map, dtype=torch.int32, device=device),
+            "q_cache_state": torch.full((lay.sets, CACHE_WAYS), -1, dtype=torch.int64, device=device),
+            "q_cache_lru": torch.zeros(lay.sets, CACHE_WAYS, dtype=torch.int64, device=device)}, lay.total
+
+
+def uncached(weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    """:func:`int_nbit_lookup`'s ``weights`` read without the cache: the cached tables' rows from
+    unified memory (placement MANAGED_CACHING 2 read as MANAGED 1, whose kernel reads no cache
+    locations), the cache left out. What an exported program calls (fbgemm's caching lookup has no
+    meta kernel for torch.export to trace); the same rows, so the same outputs."""
+    if weights[6].numel() == 0:
+        return weights
+    out = list(weights)
+    out[2] = torch.where(weights[2] == 2, torch.ones_like(weights[2]), weights[2])
+    out[6] = weights[6][:0]
+    return out
+
 
 def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: torch.Tensor,
                     offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
     """fbgemm's quantized TBE lookup on a group's buffers: ``weights`` are, in order, the
-    quantized rows, uvm rows, placements, offsets, types, D offsets, cache weights and cache
-    locations (the ``q_*`` buffers); ``q`` its ints. A typed function TorchScript compiles: the
-    eager quantized groups and their serving twins call it alike."""
+    quantized rows, uvm rows, placements, offsets, types, D offsets, the cached rows, cache
+    locations (empty: the lookup finds them), then the rest of :data:`CACHE_BUFFERS` (the ``q_*``
+    buffers); ``q`` its ints. With cached rows (tables placed ``"managed_caching"``, on CUDA),
+    fbgemm's caching lookup, which fills the cache first; else its plain one. A typed function
+    TorchScript compiles: the eager quantized groups and their serving twins call it alike."""
     if weights[0].device.type == "cuda" and q["row_alignment"] % 16 != 0:
         raise RuntimeError(
             "fxrec: these quantized tables were packed for CPU (row alignment 1) and CUDA's lookup needs rows "
             "aligned to 16 bytes: move the fxrec model to CUDA (model.to('cuda') packs them again) before "
             "scripting or exporting it for CUDA, or transform it on CUDA"
+        )
+    if weights[6].numel() > 0:
+        # (row_alignment given: the operator's default, -1, reaches its cache fill as a value)
+        return torch.ops.fbgemm.int_nbit_split_embedding_uvm_caching_codegen_lookup_function(
+            dev_weights=weights[0], uvm_weights=weights[1], weights_placements=weights[2],
+            weights_offsets=weights[3], weights_tys=weights[4], D_offsets=weights[5], total_D=q["total_D"],
+            max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
+            max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
+            indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
+            output_dtype=q["output_dtype"], lxu_cache_weights=weights[6], lxu_cache_locations=None,
+            row_alignment=q["row_alignment"], max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
+            fp8_exponent_bias=q["fp8_exponent_bias"], cache_hash_size_cumsum=weights[8],
+            total_cache_hash_size=q["total_cache_hash_size"], cache_index_table_map=weights[9],
+            lxu_cache_state=weights[10], lxu_state=weights[11],
         )
     return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
         dev_weights=weights[0], uvm_weights=weights[1], weights_placements=weights[2], weights_offsets=weights[3],
