@@ -30,6 +30,7 @@ import torch
 from .capture import export_dynamic
 from .pass_infra import Config, InputError, PassContext, PassManager
 from .report import Report
+from .runtime.quantized import caches_left_out
 
 
 def _refuse_sharded(model: torch.nn.Module, who: str) -> None:
@@ -56,7 +57,7 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
     from .graph_module import sync_caches
 
     sync_caches(model)  # the exported program holds the parameters: with the cached rows written back
-    with torch.no_grad():
+    with torch.no_grad(), caches_left_out(model):  # (quantized rows' caches: read uncached, not kept)
         ep = export_dynamic(model, args, kwargs, warn_as="fxrec.export.program")
     _refuse_other_ranks(ep)
     if path is not None:

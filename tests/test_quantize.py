@@ -809,28 +809,52 @@ def _ops_called(fn):
     return out, seen
 
 
-def test_a_cached_groups_lookup_gives_fbgemms_caching_operator_every_argument():
-    """With cached rows, the eager group and its TorchScript twin call fbgemm's caching lookup
-    (cache fill, then lookup: one operator) with the cache's buffers; its CPU form takes them all
-    and reads the rows without the cache, so the outputs are the uncached lookup's. Exported, the
-    plain lookup reads the rows from where they are (the caching operator has no meta kernel)."""
-    model, x, fast, want, group = _served_int8()
+def test_fbgemms_caching_lookup_takes_every_argument_fxrec_gives_it():
+    """fbgemm's caching lookup (cache fill, then lookup: one operator), as fxrec calls it with a
+    group's buffers and its cache's: TorchScript compiles the call against the operator's schema
+    (names and types), and fbgemm's CPU form of it takes them all and reads the rows without the
+    cache, as the plain lookup does. (On CUDA: tests/test_gpu.py.) On CPU a group never calls it:
+    its cache would be ignored, with a warning at every call."""
+    from fxrec.runtime.kernels import fbgemm_nbit as nb
+    from fxrec.runtime.quantized import _LOOKUP_BUFFERS
+
+    _, x, fast, want, group = _served_int8()
     assert group.q_cache_weights.numel() == 0 and group.q_ints["total_cache_hash_size"] == 0  # (CPU: none)
-    _, plain_ops = _ops_called(lambda: fast(*x))
-    assert "fbgemm.int_nbit_split_embedding_codegen_lookup_function" in plain_ops
     _with_a_cache(group)
     with torch.no_grad():
         got, ops = _ops_called(lambda: fast(*x))
-    assert "fbgemm.int_nbit_split_embedding_uvm_caching_codegen_lookup_function" in ops, ops
+    assert not any("uvm_caching" in o for o in ops) and "fbgemm.int_nbit_split_embedding_codegen_lookup_function" in ops
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    scripted = fxrec.export.torchscript(fast)
-    with torch.no_grad():
-        torch.testing.assert_close(scripted(*x), want, rtol=0, atol=0)
+    *bufs, _ = _LOOKUP_BUFFERS(group._buffers)
+    indices, offsets = torch.tensor([1, 2, 3, 4, 5, 6]), torch.arange(7)  # (3 features, batch 2, one id a bag)
+    plain = nb.int_nbit_lookup(group.q_ints, bufs, indices, offsets, None)
+    scripted = torch.jit.script(nb.caching_lookup)
+    for fn in (nb.caching_lookup, scripted):
+        out, ops = _ops_called(lambda: fn(group.q_ints, bufs, indices, offsets, None))
+        assert "fbgemm.int_nbit_split_embedding_uvm_caching_codegen_lookup_function" in ops, ops
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+
+
+def test_an_exported_program_keeps_no_cache_and_reads_cached_rows_uncached():
+    """torch.export keeps a module's buffers as the program's constants: the quantized groups'
+    caches are set aside while it traces (the program reads cached rows uncached: fbgemm's caching
+    operator has no meta kernel), and put back after; the rows read as MANAGED (1), not
+    MANAGED_CACHING (2), whose kernel would read cache locations the program does not make."""
+    from fxrec.runtime.kernels import fbgemm_nbit as nb
+
+    _, x, fast, want, group = _served_int8()
+    _with_a_cache(group)
+    cache = group.q_cache_weights
     program = fxrec.export.program(fast, x)
-    graph_ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    assert not any("uvm_caching" in o for o in graph_ops), graph_ops
+    assert group.q_cache_weights is cache
+    sizes = {tuple(t.shape) for t in [*program.state_dict.values(), *program.constants.values()]
+             if isinstance(t, torch.Tensor)}
+    assert tuple(cache.shape) not in sizes and tuple(group.q_cache_state.shape) not in sizes, sizes
     with torch.no_grad():
         torch.testing.assert_close(program.module()(*x), want, rtol=0, atol=0)
+    places = torch.tensor([2, 0, 3, 2], dtype=torch.int32)
+    out = nb.uncached([torch.empty(0)] * 2 + [places] + [torch.empty(0)] * 3 + [cache] + [torch.empty(0)] * 5)
+    assert out[2].tolist() == [1, 0, 3, 1] and out[6].numel() == 0 and out[6].dtype == torch.uint8
 
 
 def test_a_quantized_groups_cache_is_not_saved_and_is_emptied_when_its_rows_change():

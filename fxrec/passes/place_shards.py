@@ -38,7 +38,7 @@ import torch.fx as fx
 from .. import meta
 from ..pass_infra import InputError, PassContext, PassError, PassResult, compiler_pass
 from . import choose_kernels
-from .place_tables import Held, _fmt, held_of_module, place, placement_text, quantized_held
+from .place_tables import Held, _fmt, held_of_module, place, placement_text, quantized_held, quantized_widths
 from .shard_groups import _fused_spec, _local_group, _sharding, module_name
 
 
@@ -77,8 +77,10 @@ def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object,
             first = {}
             for (r, rows, cols), t in zip(pieces, table_of):
                 first.setdefault(t, (r, rows, cols))
-            held = [quantized_held(r.table, r.table, rows, cols, gr.quant[r.param])
-                    for r, rows, cols in (first[t] for t in range(len(first)))]
+            shapes = [first[t] for t in range(len(first))]
+            widths = quantized_widths([(cols, gr.quant[r.param]) for r, _, cols in shapes], gr.pooling)
+            held = [quantized_held(r.table, r.table, rows, w, gr.quant[r.param])
+                    for (r, rows, _), w in zip(shapes, widths)]
         elif pieces:
             half = gr.lookups[0].half
             pooling = "none" if gr.pooling == "none" else gr.pooling if half else "sum"

@@ -21,9 +21,9 @@ them) move as ``managed_caching`` too: their packed rows in unified memory, an L
 in HBM (``cache_load_factor`` of the cached rows at the widest cached packed row, 16-byte rows,
 with fbgemm's two int64 states a cache row and an int32 map entry a table row), filled by
 fbgemm's caching lookup (:mod:`fxrec.runtime.kernels.fbgemm_nbit`). Where the budget is still not
-met with every movable table moved, the moved quantized tables go without their cache, largest
-first, until it is (``managed``: read over the bus at each lookup, no HBM at all), and then the
-moved tables that fit in HBM again come back, smallest first. A sharded model's pieces are
+met with every movable table moved, the quantized tables go to unified memory without a cache,
+largest first, until it is (``managed``: read over the bus at each lookup, no HBM at all); then
+the moved tables that fit in HBM again come back, smallest first. A sharded model's pieces are
 placed per rank by the same rule (place_shards). If the budget is not met, that is an error giving
 the bytes needed.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
@@ -125,9 +126,9 @@ def hbm_bytes(groups: Sequence[Sequence[Held]], placements: Dict[str, str], load
 def place(groups: Sequence[Sequence[Held]], budget: int, load_factor: float) -> Tuple[Dict[str, str], int]:
     """The rule: every table starts in HBM; while the count exceeds ``budget``, the next largest
     movable table (ties by name) goes to unified memory as its ``moves_to`` says, unless that saves
-    no HBM; then, while it still exceeds it, the next largest moved table that may go without its
-    cache (``uncached``) does, and where that was needed, the moved tables that fit in HBM again
-    come back, smallest first (moved while the caches held the budget). Returns the placements (key -> "managed_caching" or "managed") and the HBM they need, which the
+    no HBM; then, while it still exceeds it, the next largest table that may go without a cache
+    (``uncached``: a quantized one, moved or not) does; and where that was needed, the moved tables
+    that fit in HBM again come back, smallest first. Returns the placements (key -> "managed_caching" or "managed") and the HBM they need, which the
     caller compares with the budget (the error's words are its own)."""
     placements: Dict[str, str] = {}
     candidates = sorted((t for tables in groups for t in tables if t.movable),
@@ -144,22 +145,19 @@ def place(groups: Sequence[Sequence[Held]], budget: int, load_factor: float) -> 
         else:  # a small table cached at its group's widest width can cost more than it saves
             del placements[t.key]
     dropped = False
-    for t in candidates:  # still over: the moved tables that may go without their cache do, largest first
+    for t in candidates:  # still over: the tables that may go without a cache do (moved or not), largest first
         if need <= budget:
             break
-        if t.uncached and placements.get(t.key) == t.moves_to:
+        if t.uncached and placements.get(t.key, t.moves_to) == t.moves_to:
             placements[t.key] = t.uncached
             need = hbm_bytes(groups, placements, load_factor)
             dropped = True
-    for t in reversed(candidates) if dropped and need <= budget else ():  # the moves the caches made
-        was = placements.pop(t.key, None)  # needless back in HBM, smallest first, where they still fit
-        if was is None:
-            continue
-        back = hbm_bytes(groups, placements, load_factor)
-        if back <= budget:
-            need = back
-        else:
-            placements[t.key] = was
+    if dropped and need <= budget:  # the moves the caches made needless: back in HBM, smallest first,
+        for t in reversed(candidates):  # where they still fit
+            was = placements.pop(t.key, None)
+            if was is not None and hbm_bytes(groups, placements, load_factor) > budget:
+                placements[t.key] = was
+        need = hbm_bytes(groups, placements, load_factor)
     return placements, need
 
 
@@ -176,7 +174,7 @@ def placement_text(names: Sequence[Tuple[str, str]], placements: Dict[str, str],
 
 
 def quantized_held(key: str, name: str, rows: int, dim: int, dtype: str) -> Held:
-    """A quantized table (or piece) as the rule counts it: its rows as fbgemm's IntNBit packs them
+    """A quantized table (or piece) stored ``dim`` wide as the rule counts it: its rows as fbgemm's IntNBit packs them
     for CUDA (16-byte rows, scale and bias included), movable (fbgemm's kernel alone reads them)
     to unified memory with an HBM cache of its packed rows, or without one (``managed``) where the
     budget is not met with it."""
@@ -187,10 +185,23 @@ def quantized_held(key: str, name: str, rows: int, dim: int, dtype: str) -> Held
     return Held(key, name, rows, row, 1, packed=n, movable=True, moves_to="managed_caching", uncached="managed")
 
 
+def quantized_widths(dims_dtypes: Sequence[Tuple[int, str]], pooling: str) -> List[int]:
+    """The widths fbgemm's IntNBit TBE stores quantized tables of these dims and dtypes with: each
+    dim rounded up to what its dtype needs, in a sequence group the widest of them
+    (:func:`fxrec.runtime.quantized.stored_dims`)."""
+    from ..runtime.kernels.fbgemm_nbit import quant_align
+    from ..runtime.specs import stored_widths
+
+    return stored_widths([types.SimpleNamespace(dim=d) for d, _ in dims_dtypes], pooling,
+                         [quant_align(dt) for _, dt in dims_dtypes])
+
+
 def held_of_group(gr, training: bool) -> List[Held]:
     """The tables of a group record as the rule counts them (keyed by parameter name)."""
-    if gr.quant:  # inference on fbgemm's IntNBit kernel: its rows may leave HBM
-        return [quantized_held(p, rec.table, rec.num_rows, rec.dim, gr.quant[p]) for p, rec in _tables(gr)]
+    if gr.quant:  # inference on fbgemm's IntNBit kernel: its rows may leave HBM, at their stored widths
+        tables = _tables(gr)
+        widths = quantized_widths([(rec.dim, gr.quant[p]) for p, rec in tables], gr.pooling)
+        return [quantized_held(p, rec.table, rec.num_rows, w, gr.quant[p]) for (p, rec), w in zip(tables, widths)]
     movable = _movable(gr, training)
     wb = gr.lookups[0].stored_bytes if gr.lookups else 4  # (fp16 or weights_precision: one per group)
     fused = gr.fused.kind if gr.fused is not None else ""

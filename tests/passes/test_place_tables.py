@@ -342,3 +342,42 @@ def test_the_groups_a_move_binds_first_are_found_with_their_tables():
         n for n, _ in model.named_parameters())
     for g, ps in found:
         assert not g.bind_on(ps, torch.device("cpu")) and not g.bind_on(ps, torch.device("cuda"))  # (placed "device")
+
+
+class _TwoSequences(nn.Module):
+    """Unpooled lookups of dim 12, one table served int8 and one int4: one sequence group, which
+    stores both at 16 (int4 needs a multiple of 8, and fbgemm's unpooled lookup has one width)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Embedding(100_000, 12)
+        self.b = nn.Embedding(1000, 12)
+
+    def forward(self, a, b):
+        return self.a(a).sum() + self.b(b).sum()
+
+
+def test_quantized_sequence_tables_count_at_their_groups_stored_width():
+    """What a sequence group's quantized rows and cache take in HBM: at the group's stored width
+    (int8 at 16: 20 bytes, 32-byte rows; int4 at 16: 12 bytes, 16-byte rows). Counted at its own dim,
+    the int8 table's 100k rows were 16 bytes each, and its cache's too."""
+    x = (torch.randint(0, 1000, (4, 3)), torch.randint(0, 1000, (4, 3)))
+    kw = dict(device="cuda", mode="inference", quantize={"a": "int8", "b": "int4"})
+    r = fxrec.explain(_TwoSequences().eval(), x, hbm_budget="1GB", **kw)
+    assert [g.tables for g in r.groups] == [["a", "b"]]
+    assert hbm_of(r) == 100_000 * 32 + 1000 * 16
+    r = fxrec.explain(_TwoSequences().eval(), x, hbm_budget="2MB", **kw)
+    assert placements(r) == {"a": "managed_caching", "b": "device"}
+    assert hbm_of(r) == 20_000 * (32 + 16) + 100_000 * 4 + 1000 * 16  # (the cache's rows 32 bytes)
+
+
+def test_a_quantized_table_kept_in_hbm_by_its_cache_goes_uncached_where_the_budget_needs_it():
+    """A small table whose cache at its group's widest row would cost more than it saves stays in
+    HBM while caches are tried; once they do not meet the budget, it may go to unified memory
+    uncached like the others (it was left in HBM, and the budget refused, before)."""
+    from fxrec.passes.place_tables import place, quantized_held
+
+    a = quantized_held("A", "A", 160, 128, "int8")  # 160 rows of 144 bytes: a cache of one set
+    b = quantized_held("B", "B", 10, 8, "int8")  # 10 rows of 16 bytes: a second set if cached with A
+    assert place([[a, b]], 100, 0.2) == ({"A": "managed", "B": "managed"}, 0)
+    assert place([[a, b]], 10 * 16, 0.2) == ({"A": "managed"}, 10 * 16)

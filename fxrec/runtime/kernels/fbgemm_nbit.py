@@ -41,9 +41,10 @@ from .fbgemm_tbe import require_fbgemm
 
 QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
 
-#: fbgemm's caches are set-associative with this many ways (its default on CUDA; the caching
-#: lookup of quantized rows takes no other): their rows come in multiples of it.
-CACHE_WAYS = 32
+#: fbgemm's caches are set-associative with this many ways, a warp's threads (its default: 32 on
+#: CUDA, 64 on ROCm; the caching lookup of quantized rows fills sets of exactly that many): their
+#: rows come in multiples of it.
+CACHE_WAYS = 64 if torch.version.hip else 32
 
 #: where a table's rows go ("device": GPU memory, or the host buffer on CPU)
 PLACEMENTS = ("device", "managed", "managed_caching")
@@ -351,13 +352,12 @@ def cache_buffers(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_tabl
 def uncached(weights: List[torch.Tensor]) -> List[torch.Tensor]:
     """:func:`int_nbit_lookup`'s ``weights`` read without the cache: the cached tables' rows from
     unified memory (placement MANAGED_CACHING 2 read as MANAGED 1, whose kernel reads no cache
-    locations), the cache left out. What an exported program calls (fbgemm's caching lookup has no
-    meta kernel for torch.export to trace); the same rows, so the same outputs."""
-    if weights[6].numel() == 0:
-        return weights
+    locations), the cache left out (a new empty tensor: nothing of it is read or kept). What an
+    exported program calls (fbgemm's caching lookup has no meta kernel for torch.export to trace);
+    the same rows, so the same outputs."""
     out = list(weights)
     out[2] = torch.where(weights[2] == 2, torch.ones_like(weights[2]), weights[2])
-    out[6] = weights[6][:0]
+    out[6] = torch.zeros(0, 0, dtype=torch.uint8, device=weights[6].device)
     return out
 
 
@@ -375,20 +375,8 @@ def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: tor
             "aligned to 16 bytes: move the fxrec model to CUDA (model.to('cuda') packs them again) before "
             "scripting or exporting it for CUDA, or transform it on CUDA"
         )
-    if weights[6].numel() > 0:
-        # (row_alignment given: the operator's default, -1, reaches its cache fill as a value)
-        return torch.ops.fbgemm.int_nbit_split_embedding_uvm_caching_codegen_lookup_function(
-            dev_weights=weights[0], uvm_weights=weights[1], weights_placements=weights[2],
-            weights_offsets=weights[3], weights_tys=weights[4], D_offsets=weights[5], total_D=q["total_D"],
-            max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
-            max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
-            indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
-            output_dtype=q["output_dtype"], lxu_cache_weights=weights[6], lxu_cache_locations=None,
-            row_alignment=q["row_alignment"], max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
-            fp8_exponent_bias=q["fp8_exponent_bias"], cache_hash_size_cumsum=weights[8],
-            total_cache_hash_size=q["total_cache_hash_size"], cache_index_table_map=weights[9],
-            lxu_cache_state=weights[10], lxu_state=weights[11],
-        )
+    if weights[6].numel() > 0 and indices.is_cuda:  # (on CPU fbgemm's operator would ignore it, warning each call)
+        return caching_lookup(q, weights, indices, offsets, psw)
     return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
         dev_weights=weights[0], uvm_weights=weights[1], weights_placements=weights[2], weights_offsets=weights[3],
         weights_tys=weights[4], D_offsets=weights[5], total_D=q["total_D"],
@@ -398,6 +386,26 @@ def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: tor
         output_dtype=q["output_dtype"], lxu_cache_weights=weights[6], lxu_cache_locations=weights[7],
         row_alignment=q["row_alignment"], max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
         fp8_exponent_bias=q["fp8_exponent_bias"],
+    )
+
+
+def caching_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: torch.Tensor, offsets: torch.Tensor,
+                   psw: Optional[torch.Tensor]) -> torch.Tensor:
+    """fbgemm's caching lookup of quantized rows (:func:`int_nbit_lookup`'s with cached rows): its
+    cache filled with the rows the ids read, evicting the least recently used, then the lookup,
+    cached rows read from the cache (one operator)."""
+    # (row_alignment given: the operator's default, -1, reaches its cache fill as a value)
+    return torch.ops.fbgemm.int_nbit_split_embedding_uvm_caching_codegen_lookup_function(
+        dev_weights=weights[0], uvm_weights=weights[1], weights_placements=weights[2],
+        weights_offsets=weights[3], weights_tys=weights[4], D_offsets=weights[5], total_D=q["total_D"],
+        max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
+        max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
+        indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
+        output_dtype=q["output_dtype"], lxu_cache_weights=weights[6], lxu_cache_locations=None,
+        row_alignment=q["row_alignment"], max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
+        fp8_exponent_bias=q["fp8_exponent_bias"], cache_hash_size_cumsum=weights[8],
+        total_cache_hash_size=q["total_cache_hash_size"], cache_index_table_map=weights[9],
+        lxu_cache_state=weights[10], lxu_state=weights[11],
     )
 
 
