@@ -747,7 +747,7 @@ def test_the_hbm_cache_of_quantized_rows_is_laid_out_as_fbgemms():
     the widest cached packed row (16-byte rows, 4 bytes of scale and bias); per feature, where its
     table's rows start among the cached ones (-1: not cached), then their count; each cached row's
     feature (the last one reading its table). On meta its sizes; on CPU nothing."""
-    from fxrec.runtime.kernels import fbgemm_nbit as nb
+    from fxrec.runtime.kernels import fbgemm_nbit_cache as nb
 
     tables = [(10, 64, "int8"), (20, 32, "int4"), (5, 64, "int8")]
     ftm = [0, 1, 2, 0]  # (table 0 read by features 0 and 3)
@@ -782,7 +782,7 @@ def _served_int8():
 def _with_a_cache(group, load_factor=0.5):
     """Give a quantized group on CPU the cache buffers it would have on CUDA with every table
     cached (fbgemm's CPU operator takes them and reads the rows as they are)."""
-    from fxrec.runtime.kernels import fbgemm_nbit as nb
+    from fxrec.runtime.kernels import fbgemm_nbit_cache as nb
 
     lay = nb.cache_layout(group.q_packed, [f.table for f in group.features],
                           ("managed_caching",) * len(group.tables), load_factor)
@@ -815,7 +815,8 @@ def test_fbgemms_caching_lookup_takes_every_argument_fxrec_gives_it():
     (names and types), and fbgemm's CPU form of it takes them all and reads the rows without the
     cache, as the plain lookup does. (On CUDA: tests/test_gpu.py.) On CPU a group never calls it:
     its cache would be ignored, with a warning at every call."""
-    from fxrec.runtime.kernels import fbgemm_nbit as nb
+    from fxrec.runtime.kernels import fbgemm_nbit_cache as nb
+    from fxrec.runtime.kernels.fbgemm_nbit import int_nbit_lookup
     from fxrec.runtime.quantized import _LOOKUP_BUFFERS
 
     _, x, fast, want, group = _served_int8()
@@ -827,7 +828,7 @@ def test_fbgemms_caching_lookup_takes_every_argument_fxrec_gives_it():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     *bufs, _ = _LOOKUP_BUFFERS(group._buffers)
     indices, offsets = torch.tensor([1, 2, 3, 4, 5, 6]), torch.arange(7)  # (3 features, batch 2, one id a bag)
-    plain = nb.int_nbit_lookup(group.q_ints, bufs, indices, offsets, None)
+    plain = int_nbit_lookup(group.q_ints, bufs, indices, offsets, None)
     scripted = torch.jit.script(nb.caching_lookup)
     for fn in (nb.caching_lookup, scripted):
         out, ops = _ops_called(lambda: fn(group.q_ints, bufs, indices, offsets, None))
@@ -840,7 +841,7 @@ def test_an_exported_program_keeps_no_cache_and_reads_cached_rows_uncached():
     caches are set aside while it traces (the program reads cached rows uncached: fbgemm's caching
     operator has no meta kernel), and put back after; the rows read as MANAGED (1), not
     MANAGED_CACHING (2), whose kernel would read cache locations the program does not make."""
-    from fxrec.runtime.kernels import fbgemm_nbit as nb
+    from fxrec.runtime.kernels import fbgemm_nbit_cache as nb
 
     _, x, fast, want, group = _served_int8()
     _with_a_cache(group)

@@ -48,7 +48,7 @@ from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..runtime.kernels import FBGEMM
 from ..runtime.specs import FUSED_STATE_BYTES, pad_dim
 
-from ..runtime.kernels.fbgemm_nbit import CACHE_WAYS  # noqa: E402  (fbgemm's ways a cache set)
+from ..runtime.kernels.fbgemm_nbit_cache import CACHE_WAYS  # noqa: E402  (fbgemm's ways a cache set)
 
 
 def table_bytes(rows: int, width: int, fused: str = "", gradient: bool = False, weight_bytes: int = 4) -> int:

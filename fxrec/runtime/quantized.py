@@ -28,6 +28,7 @@ from ._tracing import exporting
 from .group import EmbeddingGroup, group_forward
 from .kernels import FBGEMM
 from .kernels import fbgemm_nbit as _nbit
+from .kernels import fbgemm_nbit_cache as _cache
 from .group_packing import pack_pooled, pack_sequence, unpack_sequence
 from .packing import padding_weights
 from .specs import FeatureSpec, GroupSpec, TableSpec, real_columns_index, stored_widths
@@ -94,10 +95,10 @@ def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[t
             summed: bool = False) -> torch.Tensor:
     """fbgemm's quantized TBE lookup operator on the group's buffers (pooled: padding columns
     dropped); ``summed``: sum-pooled whatever the group's pooling (``psw`` then weighs a mean).
-    Exported, cached tables are read uncached (:func:`fxrec.runtime.kernels.fbgemm_nbit.uncached`)."""
+    Exported, cached tables are read uncached (:func:`fxrec.runtime.kernels.fbgemm_nbit_cache.uncached`)."""
     *bufs, columns = _LOOKUP_BUFFERS(group._buffers)  # (one C-level read: nn.Module's __getattr__ is ~2 us each)
     if exporting() and "managed_caching" in group._places_now():
-        bufs = _nbit.uncached(bufs)
+        bufs = _cache.uncached(bufs)
     q = {**group.q_ints, "pooling_mode": _nbit.SUM_POOLING} if summed else group.q_ints
     out = _nbit.int_nbit_lookup(q, bufs, indices, offsets, psw)
     return out.index_select(1, columns) if columns.numel() else out
@@ -107,20 +108,20 @@ def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[t
 #: (``q_lxu_cache_weights``, fbgemm's module's own empty cache, stays in the state_dict, unread)
 _LOOKUP_BUFFERS = operator.itemgetter(
     "q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_offsets", "q_weights_tys", "q_D_offsets",
-    "q_cache_weights", "q_lxu_cache_locations", *_nbit.CACHE_BUFFERS[1:], "q_columns")
+    "q_cache_weights", "q_lxu_cache_locations", *_cache.CACHE_BUFFERS[1:], "q_columns")
 
 
 @contextlib.contextmanager
 def caches_left_out(model: torch.nn.Module):
     """The HBM caches of ``model``'s quantized groups set aside while it is exported: an exported
-    program reads their rows uncached (:func:`fxrec.runtime.kernels.fbgemm_nbit.uncached`), and
+    program reads their rows uncached (:func:`fxrec.runtime.kernels.fbgemm_nbit_cache.uncached`), and
     torch.export keeps a module's buffers as the program's constants, read or not (the cache would
     take its HBM in the program and its bytes in the file)."""
     kept = []
     for m in model.modules():
         if isinstance(m, _Quantized) and m.q_cache_weights.numel():
-            kept.append((m, {n: m._buffers[n] for n in _nbit.CACHE_BUFFERS}))
-            empty, _ = _nbit.cache_buffers(m.q_packed, [f.table for f in m.features], (), 0.0, m.q_weights.device)
+            kept.append((m, {n: m._buffers[n] for n in _cache.CACHE_BUFFERS}))
+            empty, _ = _cache.cache_buffers(m.q_packed, [f.table for f in m.features], (), 0.0, m.q_weights.device)
             m._buffers.update(empty)
     try:
         yield
@@ -154,7 +155,7 @@ class _Quantized:
         # left as they are by fn: the cache (derived; made where the rows go, below) and rows in
         # unified memory, where they go, which stay there: fn's own tensor (to_empty's, from meta)
         # would be GPU memory, which tables placed out of it must never take
-        kept = {n: self._buffers[n] for n in _nbit.CACHE_BUFFERS if n in self._buffers}
+        kept = {n: self._buffers[n] for n in _cache.CACHE_BUFFERS if n in self._buffers}
         uvm = self._buffers.get("q_weights_uvm")
         if uvm is not None and uvm.device == device and _nbit.in_unified_memory(uvm):
             kept["q_weights_uvm"] = uvm
@@ -204,9 +205,9 @@ class _Quantized:
 
     def _set_cache(self) -> None:
         """The HBM cache of the tables placed ``"managed_caching"`` where the rows are now (CUDA;
-        elsewhere empty buffers), empty: :func:`fxrec.runtime.kernels.fbgemm_nbit.cache_buffers`,
+        elsewhere empty buffers), empty: :func:`fxrec.runtime.kernels.fbgemm_nbit_cache.cache_buffers`,
         ``cache_load_factor`` of their rows. Not in the state_dict (the rows are)."""
-        bufs, total = _nbit.cache_buffers(self.q_packed, [f.table for f in self.features], self._places_now(),
+        bufs, total = _cache.cache_buffers(self.q_packed, [f.table for f in self.features], self._places_now(),
                                           getattr(self, "cache_load_factor", 0.2), self.q_weights.device)
         for name, value in bufs.items():
             self.register_buffer(name, value, persistent=False)

@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .kernels.fbgemm_nbit import CACHE_BUFFERS, clone_rows, int_nbit_lookup
+from .kernels.fbgemm_nbit import clone_rows, int_nbit_lookup
+from .kernels.fbgemm_nbit_cache import CACHE_BUFFERS
 from .kernels.reference import lookup_each
 from .packing import FORM_CODES, pack_bags, pack_rows, padding_weights, unpack_rows
 

@@ -18,33 +18,23 @@ moved) is refused with an error rather than read misaligned.
 TorchRec's ``quant_uvm`` tables), which fbgemm's kernel reads over the bus where the placement
 says so. ``"managed"`` reads them there at every lookup (fbgemm's ``MANAGED``);
 ``"managed_caching"`` (fbgemm's ``MANAGED_CACHING``, TorchRec's ``quant_uvm_caching``) keeps an
-LRU cache of them in GPU memory (:func:`cache_buffers`: 32-way sets, ``cache_load_factor`` of the
-cached rows), which fbgemm's caching lookup fills before it reads (one operator,
-``int_nbit_split_embedding_uvm_caching_codegen_lookup_function``: it finds each id's cache row,
-admits the missing ones, then looks up; a row it cannot admit, every way of its set taken by
-this call, is read from unified memory). The cache is the group's state but not in its
-state_dict; it starts empty and is emptied when the rows change (``load_state_dict``,
-``to_empty``). On CPU every table's rows are in the one host buffer (``HOST``): fbgemm's CPU
+LRU cache of them in GPU memory, filled by fbgemm's caching lookup (:mod:`.fbgemm_nbit_cache`).
+On CPU every table's rows are in the one host buffer (``HOST``): fbgemm's CPU
 lookup derives a table's row count for its bounds check from the next table's offset, whichever
 buffer that offset is in, so mixed placements there would refuse good ids.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .fbgemm_nbit_cache import caching_lookup
 from .fbgemm_tbe import require_fbgemm
 
 QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
-
-#: fbgemm's caches are set-associative with this many ways, a warp's threads (its default: 32 on
-#: CUDA, 64 on ROCm; the caching lookup of quantized rows fills sets of exactly that many): their
-#: rows come in multiples of it.
-CACHE_WAYS = 64 if torch.version.hip else 32
 
 #: where a table's rows go ("device": GPU memory, or the host buffer on CPU)
 PLACEMENTS = ("device", "managed", "managed_caching")
@@ -133,7 +123,7 @@ def make_inference_tbe(
     ``weights`` quantized row-wise to each table's dtype (fp32, fp16, int8, int4, int2; integers
     with an fp16 scale and bias per row: fbgemm's quantize_embs); ``where``: each table's
     placement ("device", default, "managed" or "managed_caching": unified memory, host-mapped, on
-    CUDA; the module builds no cache, the group keeps its own: :func:`cache_buffers`)."""
+    CUDA; the module builds no cache, the group keeps its own: :func:`.fbgemm_nbit_cache.cache_buffers`)."""
     types = _fbgemm_types()
     where = tuple("managed" if w == "managed_caching" else w for w in where)
     with warnings.catch_warnings():
@@ -284,88 +274,11 @@ def packed_bytes(rows_dims_dtypes: Sequence[Tuple[int, int, str]], alignment: in
 #: fbgemm's PoolingMode.SUM (an int, as its lookup operator takes it)
 SUM_POOLING = 0
 
-#: the cache's buffers of a quantized group, in the order :func:`int_nbit_lookup` takes them after
-#: the rows' (weights[6], then [8:]): the cached rows, the cached tables' row offsets per feature,
-#: each cached row's feature, the cache's rows (their ids) and their last use
-CACHE_BUFFERS = ("q_cache_weights", "q_cache_hash_size_cumsum", "q_cache_index_table_map", "q_cache_state",
-                 "q_cache_lru")
-
-
-class CacheLayout(NamedTuple):
-    """An IntNBit TBE's HBM cache of its ``managed_caching`` tables, as fbgemm lays it out:
-    ``sets`` of :data:`CACHE_WAYS` rows of ``width`` bytes; per feature, where its table's rows
-    start among the cached rows (-1: not cached), then their count (``cumsum``); each cached row's
-    feature (``table_map``); the count of cached rows (``total``)."""
-
-    sets: int
-    width: int
-    cumsum: List[int]
-    table_map: List[int]
-    total: int
-
-
-def cache_layout(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
-                 where: Sequence[str], load_factor: float) -> Optional[CacheLayout]:
-    """The :class:`CacheLayout` of the tables placed ``"managed_caching"`` (None: none is):
-    ``load_factor`` of the cached rows, rounded up to whole sets, each row as wide as the widest
-    cached table's packed row (16-byte rows, scale and bias included); the rows' offsets and
-    feature map are fbgemm's own (``construct_cache_state``)."""
-    cached = [w == "managed_caching" for w in (tuple(where) or ("device",) * len(rows_dims_dtypes))]
-    if not any(cached):
-        return None
-    require_fbgemm()
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, construct_cache_state
-    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
-
-    types = _fbgemm_types()
-    state = construct_cache_state([int(r) for r, _, _ in rows_dims_dtypes],
-                                  [EmbeddingLocation.MANAGED_CACHING if c else EmbeddingLocation.DEVICE for c in cached],
-                                  list(feature_table_map))
-    total = int(state.total_cache_hash_size)
-    sets = max(1, math.ceil(int(total * float(load_factor)) / CACHE_WAYS))
-    width = max(rounded_row_size_in_bytes(int(d), types[t], 16) for (_, d, t), c in zip(rows_dims_dtypes, cached) if c)
-    return CacheLayout(sets, width, list(state.cache_hash_size_cumsum), list(state.cache_index_table_map), total)
-
-
-def cache_buffers(rows_dims_dtypes: Sequence[Tuple[int, int, str]], feature_table_map: Sequence[int],
-                  where: Sequence[str], load_factor: float, device: torch.device) -> Tuple[Dict[str, torch.Tensor], int]:
-    """The HBM cache of the tables placed ``"managed_caching"`` (on CUDA, or meta: its sizes;
-    elsewhere, or with none, empty buffers), as fbgemm's IntNBit TBE keeps one for its caching
-    lookup (:func:`cache_layout`), every cache row empty (-1) and unused (0). Returns the buffers
-    by :data:`CACHE_BUFFERS` name and the number of cached table rows."""
-    device = torch.device(device)
-    lay = cache_layout(rows_dims_dtypes, feature_table_map, where, load_factor) \
-        if device.type in ("cuda", "meta") else None
-    if lay is None:
-        return {"q_cache_weights": torch.zeros(0, 0, dtype=torch.uint8, device=device),
-                "q_cache_hash_size_cumsum": torch.zeros(0, dtype=torch.int64, device=device),
-                "q_cache_index_table_map": torch.zeros(0, dtype=torch.int32, device=device),
-                "q_cache_state": torch.zeros(0, 0, dtype=torch.int64, device=device),
-                "q_cache_lru": torch.zeros(0, 0, dtype=torch.int64, device=device)}, 0
-    return {"q_cache_weights": torch.zeros(lay.sets * CACHE_WAYS, lay.width, dtype=torch.uint8, device=device),
-            "q_cache_hash_size_cumsum": torch.tensor(lay.cumsum, dtype=torch.int64, device=device),
-            "q_cache_index_table_map": torch.tensor(lay.table_map, dtype=torch.int32, device=device),
-            "q_cache_state": torch.full((lay.sets, CACHE_WAYS), -1, dtype=torch.int64, device=device),
-            "q_cache_lru": torch.zeros(lay.sets, CACHE_WAYS, dtype=torch.int64, device=device)}, lay.total
-
-
-def uncached(weights: List[torch.Tensor]) -> List[torch.Tensor]:
-    """:func:`int_nbit_lookup`'s ``weights`` read without the cache: the cached tables' rows from
-    unified memory (placement MANAGED_CACHING 2 read as MANAGED 1, whose kernel reads no cache
-    locations), the cache left out (a new empty tensor: nothing of it is read or kept). What an
-    exported program calls (fbgemm's caching lookup has no meta kernel for torch.export to trace);
-    the same rows, so the same outputs."""
-    out = list(weights)
-    out[2] = torch.where(weights[2] == 2, torch.ones_like(weights[2]), weights[2])
-    out[6] = torch.zeros(0, 0, dtype=torch.uint8, device=weights[6].device)
-    return out
-
-
 def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: torch.Tensor,
                     offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
     """fbgemm's quantized TBE lookup on a group's buffers: ``weights`` are, in order, the
     quantized rows, uvm rows, placements, offsets, types, D offsets, the cached rows, cache
-    locations (empty: the lookup finds them), then the rest of :data:`CACHE_BUFFERS` (the ``q_*``
+    locations (empty: the lookup finds them), then the rest of :data:`.fbgemm_nbit_cache.CACHE_BUFFERS` (the ``q_*``
     buffers); ``q`` its ints. With cached rows (tables placed ``"managed_caching"``, on CUDA),
     fbgemm's caching lookup, which fills the cache first; else its plain one. A typed function
     TorchScript compiles: the eager quantized groups and their serving twins call it alike."""
@@ -386,26 +299,6 @@ def int_nbit_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: tor
         output_dtype=q["output_dtype"], lxu_cache_weights=weights[6], lxu_cache_locations=weights[7],
         row_alignment=q["row_alignment"], max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
         fp8_exponent_bias=q["fp8_exponent_bias"],
-    )
-
-
-def caching_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: torch.Tensor, offsets: torch.Tensor,
-                   psw: Optional[torch.Tensor]) -> torch.Tensor:
-    """fbgemm's caching lookup of quantized rows (:func:`int_nbit_lookup`'s with cached rows): its
-    cache filled with the rows the ids read, evicting the least recently used, then the lookup,
-    cached rows read from the cache (one operator)."""
-    # (row_alignment given: the operator's default, -1, reaches its cache fill as a value)
-    return torch.ops.fbgemm.int_nbit_split_embedding_uvm_caching_codegen_lookup_function(
-        dev_weights=weights[0], uvm_weights=weights[1], weights_placements=weights[2],
-        weights_offsets=weights[3], weights_tys=weights[4], D_offsets=weights[5], total_D=q["total_D"],
-        max_int2_D=q["max_int2_D"], max_int4_D=q["max_int4_D"], max_int8_D=q["max_int8_D"],
-        max_float16_D=q["max_float16_D"], max_float32_D=q["max_float32_D"],
-        indices=indices.int(), offsets=offsets.int(), pooling_mode=q["pooling_mode"], indice_weights=psw,
-        output_dtype=q["output_dtype"], lxu_cache_weights=weights[6], lxu_cache_locations=None,
-        row_alignment=q["row_alignment"], max_float8_D=q["max_float8_D"], fp8_exponent_bits=q["fp8_exponent_bits"],
-        fp8_exponent_bias=q["fp8_exponent_bias"], cache_hash_size_cumsum=weights[8],
-        total_cache_hash_size=q["total_cache_hash_size"], cache_index_table_map=weights[9],
-        lxu_cache_state=weights[10], lxu_state=weights[11],
     )
 
 
