@@ -262,6 +262,10 @@ class ExactSums:
         work = dist.all_reduce(bucket.buffer(), async_op=True)
 
         def add_back(fut):
+            try:
+                fut.value()
+            except Exception as e:  # noqa: BLE001 - (DDP raises it in backward: named as fxrec's)
+                raise _fail("all_reduce", "the dense parameters' gradients (DDP)", e) from e
             for p, g in zip(params, grads):
                 kept = self.before.pop(id(p), None)
                 if kept is not None:
