@@ -481,6 +481,28 @@ class _Ref:
         return (_Ref, (self.name,))
 
 
+class _Format:
+    """A ``torch.memory_format`` argument in an encoded graph (``clone(memory_format=...)`` of a
+    non-contiguous input): by name, since ``torch.save``'s pickler cannot take the object itself
+    (``pickle`` can)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return (_Format, (self.name,))
+
+
+def _encode_arg(a):
+    if isinstance(a, fx.Node):
+        return _Ref(a.name)
+    if isinstance(a, torch.memory_format):
+        return _Format(str(a).rpartition(".")[2])
+    return a
+
+
 def _encode_target(t) -> Any:
     if isinstance(t, torch._ops.OpOverload):
         ns, name = t._schema.name.split("::")
@@ -543,8 +565,8 @@ def _node_meta(meta: dict) -> dict:
 def _encode_graph(graph: fx.Graph) -> Dict[str, Any]:
     nodes = []
     for n in graph.nodes:
-        args = fx.node.map_arg(n.args, lambda a: _Ref(a.name))
-        kwargs = fx.node.map_arg(n.kwargs, lambda a: _Ref(a.name))
+        args = fx.node.map_aggregate(n.args, _encode_arg)
+        kwargs = fx.node.map_aggregate(n.kwargs, _encode_arg)
         nodes.append((n.op, n.name, _encode_target(n.target), args, kwargs, _node_meta(n.meta)))
     return {"nodes": nodes, "codegen": graph._codegen}
 
@@ -557,6 +579,8 @@ def _decode_graph(data: Dict[str, Any]) -> fx.Graph:
     def resolve(a):
         if isinstance(a, _Ref):
             return made[a.name]
+        if isinstance(a, _Format):
+            return getattr(torch, a.name)
         if isinstance(a, (list, tuple)):
             return type(a)(resolve(x) for x in a)
         if isinstance(a, dict):

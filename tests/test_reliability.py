@@ -1102,3 +1102,37 @@ def test_a_pickled_model_keeps_its_decisions_and_rebuilds_the_same_report():
     back = pickle.loads(pickle.dumps(fast))
     assert build_report(back).to_dict()["groups"] == fast.report.to_dict()["groups"]
     assert str(back.report) == str(fast.report)
+
+
+class _Bag2D(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(50, 8, mode="sum")
+
+    def forward(self, ids):
+        return self.bag(ids)
+
+
+@pytest.mark.parametrize("kw", [{}, {"mode": "inference", "quantize": "int8"}], ids=["trained", "int8"])
+def test_a_model_whose_graph_holds_a_memory_format_saves_with_torch_save(kw, tmp_path):
+    """A non-contiguous example input (transposed 2-D ids) puts clone(memory_format=...) in the
+    captured graph: torch.save's pickler cannot take a torch.memory_format (pickle can), and
+    torch.save of the model raised 'cannot pickle module object'. The graph keeps it by name; the
+    model saves, loads, and loads on meta then takes memory and its state_dict, answering as before.
+    (Found by the inference fuzz: every model with a non-contiguous 2-D example.)"""
+    torch.manual_seed(0)
+    model = _Bag2D().eval() if kw else _Bag2D()
+    example = (torch.randint(0, 50, (4, 3)).t(),)
+    fast = fxrec.transform(model, example, **kw)
+    assert any(n.kwargs.get("memory_format") is not None for n in fast.graph.nodes), "the case is gone"
+    x = (torch.randint(0, 50, (5, 3)).t(),)
+    with torch.no_grad():
+        want = fast(*x)
+    torch.save(fast, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    there = torch.load(tmp_path / "m.pt", map_location="meta", weights_only=False)
+    there.to_empty(device="cpu")
+    there.load_state_dict(fast.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*x), want, rtol=0, atol=0)
+        torch.testing.assert_close(there(*x), want, rtol=0, atol=0)
