@@ -128,8 +128,9 @@ def place(groups: Sequence[Sequence[Held]], budget: int, load_factor: float) -> 
     movable table (ties by name) goes to unified memory as its ``moves_to`` says, unless that saves
     no HBM; then, while it still exceeds it, the next largest table that may go without a cache
     (``uncached``: a quantized one, moved or not) does; and where that was needed, the moved tables
-    that fit in HBM again come back, smallest first. Returns the placements (key -> "managed_caching" or "managed") and the HBM they need, which the
-    caller compares with the budget (the error's words are its own)."""
+    that fit in HBM again come back, smallest first. Returns the placements (key ->
+    "managed_caching" or "managed") and the HBM they need, which the caller compares with the
+    budget (the error's words are its own)."""
     placements: Dict[str, str] = {}
     candidates = sorted((t for tables in groups for t in tables if t.movable),
                         key=lambda t: (-(t.packed if t.packed is not None else
