@@ -30,7 +30,7 @@ import torch
 from .capture import export_dynamic
 from .pass_infra import Config, InputError, PassContext, PassManager
 from .report import Report
-from .runtime.quantized import caches_left_out
+from .runtime.kernels.fbgemm_nbit_cache import caches_left_out
 
 
 def _refuse_sharded(model: torch.nn.Module, who: str) -> None:

@@ -18,7 +18,6 @@ widest such width (fbgemm's unpooled lookup has one width).
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import List, Optional, Sequence
 
@@ -109,25 +108,6 @@ def _lookup(group, indices: torch.Tensor, offsets: torch.Tensor, psw: Optional[t
 _LOOKUP_BUFFERS = operator.itemgetter(
     "q_weights", "q_weights_uvm", "q_weights_placements", "q_weights_offsets", "q_weights_tys", "q_D_offsets",
     "q_cache_weights", "q_lxu_cache_locations", *_cache.CACHE_BUFFERS[1:], "q_columns")
-
-
-@contextlib.contextmanager
-def caches_left_out(model: torch.nn.Module):
-    """The HBM caches of ``model``'s quantized groups set aside while it is exported: an exported
-    program reads their rows uncached (:func:`fxrec.runtime.kernels.fbgemm_nbit_cache.uncached`), and
-    torch.export keeps a module's buffers as the program's constants, read or not (the cache would
-    take its HBM in the program and its bytes in the file)."""
-    kept = []
-    for m in model.modules():
-        if isinstance(m, _Quantized) and m.q_cache_weights.numel():
-            kept.append((m, {n: m._buffers[n] for n in _cache.CACHE_BUFFERS}))
-            empty, _ = _cache.cache_buffers(m.q_packed, [f.table for f in m.features], (), 0.0, m.q_weights.device)
-            m._buffers.update(empty)
-    try:
-        yield
-    finally:
-        for m, bufs in kept:
-            m._buffers.update(bufs)
 
 
 class _Quantized:

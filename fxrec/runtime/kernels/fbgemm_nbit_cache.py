@@ -16,6 +16,7 @@ change (``load_state_dict``, ``to_empty``). An exported program reads the rows w
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -104,6 +105,26 @@ def uncached(weights: List[torch.Tensor]) -> List[torch.Tensor]:
     out[6] = torch.zeros(0, 0, dtype=torch.uint8, device=weights[6].device)
     return out
 
+
+
+@contextlib.contextmanager
+def caches_left_out(model: torch.nn.Module):
+    """The HBM caches of ``model``'s quantized groups set aside while it is exported: an exported
+    program reads their rows uncached (:func:`uncached`), and
+    torch.export keeps a module's buffers as the program's constants, read or not (the cache would
+    take its HBM in the program and its bytes in the file)."""
+    kept = []
+    for m in model.modules():
+        cache = m._buffers.get("q_cache_weights")  # (a quantized group's)
+        if cache is not None and cache.numel():
+            kept.append((m, {n: m._buffers[n] for n in CACHE_BUFFERS}))
+            empty, _ = cache_buffers(m.q_packed, [f.table for f in m.features], (), 0.0, cache.device)
+            m._buffers.update(empty)
+    try:
+        yield
+    finally:
+        for m, bufs in kept:
+            m._buffers.update(bufs)
 
 def caching_lookup(q: Dict[str, int], weights: List[torch.Tensor], indices: torch.Tensor, offsets: torch.Tensor,
                    psw: Optional[torch.Tensor]) -> torch.Tensor:
