@@ -218,27 +218,30 @@ def test_plan_needs_an_initialised_process_group():
         fxrec.transform(model, example, plan=plan)
 
 
-def _late_worker(rank, world, init_file, result_file):
+def _late_worker(rank, world, init_file, result_file, pins, backward):
+    """Rank 1 never reaches the step (or, ``backward``, its backward: as one whose input guard
+    refused its input would not), but stays alive (so rank 0 sees a timeout, not a closed
+    connection) until rank 0 has written what it caught."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=4))
     torch.manual_seed(0)
     model = Model()
     example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
     plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
-                      pins={"bags.0": "row_wise"}, batch_size=LOCAL_B)  # (the same plan on every rank)
+                      pins=pins, batch_size=LOCAL_B)  # (the same plan on every rank)
     fast = fxrec.transform(model, example, plan=plan)
     if rank == 1:
-        # This rank never reaches the step, but stays alive (so rank 0 sees a timeout, not a closed
-        # connection) until rank 0 has written what it caught.
         deadline = time.monotonic() + 60
         while not os.path.exists(result_file) and time.monotonic() < deadline:
             time.sleep(0.1)
     else:
         text = "no error"
         try:
-            fast(*example)
-        except fxrec.CollectiveError as e:
-            text = str(e)
+            out = fast(*example)
+            if backward:
+                out.sum().backward()
+        except Exception as e:  # noqa: BLE001 - (DDP raises its hook's error as its own RuntimeError)
+            text = f"{type(e).__name__}: {e}"
         with open(result_file + ".part", "w") as fh:
             fh.write(text)
         os.replace(result_file + ".part", result_file)
@@ -249,37 +252,10 @@ def _late_worker(rank, world, init_file, result_file):
 
 def test_a_rank_that_does_not_arrive_fails_the_others_with_a_timeout_error(tmp_path):
     result = tmp_path / "error.txt"
-    spawn(_late_worker, 2, str(result))
+    spawn(_late_worker, 2, str(result), {"bags.0": "row_wise"}, False)
     text = result.read_text()
+    assert text.startswith("CollectiveError: "), text
     assert "rank 0" in text and "input_dist" in text and "did not reach" in text, text
-
-
-def _late_to_backward_worker(rank, world, init_file, result_file):
-    """Every table data-parallel: rank 1 never reaches backward (as one whose input guard refused
-    its input would not), and stays alive; rank 0 waits in DDP's sum of the dense gradients."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=4))
-    torch.manual_seed(0)
-    model = Model()
-    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
-    pins = {name: "data_parallel" for name in ("bags.0", "bags.1", "bags.2", "single")}
-    plan = fxrec.plan(model, global_batch(LOCAL_B * world, 0), world_size=world, memory_per_rank="1GB",
-                      pins=pins, batch_size=LOCAL_B)
-    fast = fxrec.transform(model, example, plan=plan)
-    if rank == 1:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(result_file) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    else:
-        text = "no error"
-        try:
-            fast(*example).sum().backward()
-        except Exception as e:  # noqa: BLE001 - (DDP raises the hook's error as its own RuntimeError)
-            text = f"{type(e).__name__}: {e}"
-        with open(result_file + ".part", "w") as fh:
-            fh.write(text)
-        os.replace(result_file + ".part", result_file)
-    os._exit(0)  # (see _late_worker)
 
 
 def test_a_rank_waiting_in_ddps_gradient_sum_fails_with_fxrecs_error(tmp_path):
@@ -287,7 +263,8 @@ def test_a_rank_waiting_in_ddps_gradient_sum_fails_with_fxrecs_error(tmp_path):
     that stops before backward leaves them waiting in DDP's sum of the dense gradients until the
     timeout; the error they get says so in fxrec's words (it was gloo's bare timeout)."""
     result = tmp_path / "error.txt"
-    spawn(_late_to_backward_worker, 2, str(result))
+    spawn(_late_worker, 2, str(result), {name: "data_parallel" for name in ("bags.0", "bags.1", "bags.2", "single")},
+          True)
     text = result.read_text()
     assert "CollectiveError: fxrec: all_reduce in the dense parameters' gradients (DDP) failed on rank 0" in text, text
     assert "another rank did not reach the same step" in text, text
