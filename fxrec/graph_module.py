@@ -325,7 +325,7 @@ def bind_tables(module: torch.nn.Module) -> None:
     read: call this before taking one. (``transform`` does not do it itself: on a GPU the move
     would double the tables' memory while the copy it made of the model is still held.)"""
     from .runtime.kernels import FBGEMM
-    from .runtime.kernels.fbgemm import ensure_bound, tbe_optimizer, usable
+    from .runtime.kernels.fbgemm_bind import ensure_bound, tbe_optimizer, usable
 
     for group, params in groups_with_tables(module):
         if not (FBGEMM in (group.kernel_train, group.kernel_eval) or group.weights

@@ -197,7 +197,7 @@ def test_per_sample_weights_of_another_dtype_than_an_fp16_table_are_named():
 
 def test_fp32_parameters_of_a_group_of_fp16_tables_are_not_rounded_into_an_fp16_tbe():
     """(The transformed graph itself keeps the dtypes it was captured with, as torch.export's do.)"""
-    from fxrec.runtime.kernels.fbgemm import usable
+    from fxrec.runtime.kernels.fbgemm_bind import usable
 
     fast = fxrec.transform(half_model(), batch(4, 0), backend="fbgemm", mode="inference")
     group = next(g for g in group_modules(fast) if g._any_weighted is False)

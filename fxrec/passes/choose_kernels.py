@@ -177,7 +177,7 @@ def _padding(gr: meta.GroupRecord, spec, k_train: Optional[str], k_eval: str) ->
         stored = stored_dims(spec.tables, dtypes, spec.pooling)
         col_bytes = [{"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}[d] for d in dtypes]
     elif FBGEMM in (k_train, k_eval) or (gr.fused is not None and gr.fused.kind != "sgd"):
-        from ..runtime.kernels.fbgemm import tbe_dims
+        from ..runtime.kernels.fbgemm_bind import tbe_dims
 
         stored = tbe_dims(spec)
         state = FUSED_STATE_BYTES[gr.fused.kind][1] if gr.fused is not None else 0  # per padded value

@@ -10,43 +10,27 @@ or apply a fused update); only the *kernel* differs (:mod:`fxrec.runtime.kernels
 holds the name of its training kernel and of its inference kernel, chosen by the
 ``choose_kernels`` pass; its forward calls that kernel, and the reference kernel (PyTorch's own
 lookups) for any input the chosen one does not take. These modules know nothing of graphs or
-passes.
+passes. Its input checks (:mod:`.checks`) and its fused optimizer's side (:mod:`.group_fused`)
+are mixins in their own files.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from operator import attrgetter
 from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from . import kernels
 from ._tracing import exporting, functorch_active
 from .checks import InputChecks
+from .group_fused import FusedUpdates
 from .grad import clamped_by
 from .kernels import FBGEMM, REFERENCE
 from .output_buffer import ReusedOutput
 from .packing import _FLOAT16, _FLOAT32, FORM_CODES
-from .specs import FUSED_STATE_NAMES, STEPPED, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
-
-
-_is_leaf = attrgetter("is_leaf")
-_LOWER = (torch.float16, torch.bfloat16)
-_PARAMETER = {torch.nn.Parameter}
-
-
-def _syncs_any(ddp, params) -> bool:
-    """Whether DDP ``ddp`` averages the gradient of any of ``params`` (the tables it ignores, and those
-    of modules it was told to leave, as fxrec's sharded models do, it does not)."""
-    params_now = getattr(ddp, "_module_parameters", ())
-    kept = ddp.__dict__.get("_fxrec_synced")
-    if kept is None or kept[0] is not params_now:  # (once per DDP and list of its parameters)
-        kept = ddp.__dict__["_fxrec_synced"] = (params_now, {id(p) for p in params_now})
-    return any(id(p) in kept[1] for p in params)
+from .specs import STEPPED, FeatureSpec, FusedSpec, GroupSpec, TableSpec, pad_dim
 
 
 def group_forward(forward):
@@ -87,7 +71,7 @@ def group_forward(forward):
 #: works them all out again).
 _FLAGS = ("_padded_bags", "_means_of_seqs", "_plain_bags", "_table_of")
 
-class EmbeddingGroup(InputChecks, nn.Module):
+class EmbeddingGroup(InputChecks, FusedUpdates, nn.Module):
     """One group of lookups: its specs, input checks and kernels (see the module docstring)."""
 
     #: the dtypes its per-sample weights may have (set in __init__; fp32 for groups pickled before
@@ -139,7 +123,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         # per table, its features whose output a gradient can reach (FeatureSpec.grad)
         self._grad_features_of_table = [[i for i in mine if self.features[i].grad] for mine in self._features_of_table]
         self._no_grad_features = [i for i, f in enumerate(self.features) if not f.grad]
-        self._bound = None  # kernels.fbgemm.Bound: the TBE the parameters are views of, once bound
+        self._bound = None  # kernels.fbgemm_bind.Bound: the TBE the parameters are views of, once bound
         # Inference of pooled groups on CPU: reuse the output buffer between calls.
         self.reuse_output = True
         # CUDA, tables placed managed_caching: the HBM cache's rows as a share of theirs (fbgemm's)
@@ -169,56 +153,11 @@ class EmbeddingGroup(InputChecks, nn.Module):
         """The user's model holds the tables in fp16 (see :attr:`GroupSpec.half`)."""
         return bool(self.tables) and self.tables[0].dtype == "float16"
 
-    @property
-    def fused_active(self) -> bool:
-        """Training updates the tables inside backward (no gradients reach the parameters)."""
-        return self.fused is not None and self.fused_enabled
-
     def set_kernels(self, kernel_train: str, kernel_eval: str) -> None:
         for k in (kernel_train, kernel_eval):
             kernels.get(k)  # raises on an unknown name
         self.kernel_train = kernel_train
         self.kernel_eval = kernel_eval
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Learning rate of the fused optimizer (from the next backward on)."""
-        if self.fused is None:
-            raise RuntimeError(f"fxrec: tables {[t.name for t in self.tables]} have no fused optimizer")
-        if lr != self.fused.lr:
-            self.fused = dataclasses.replace(self.fused, lr=float(lr))
-            if self._bound is not None and self._bound.optimizer != "none":
-                self._bound.tbe.set_learning_rate(float(lr))
-
-    def optimizer_states(self, params: Sequence[torch.Tensor]) -> List[dict]:
-        """Per table, the fused optimizer's state tensors by name (views: writes go to the kernel)."""
-        names = FUSED_STATE_NAMES[self.fused.kind] if self.fused is not None else ()
-        if not names:
-            return [{} for _ in self.tables]
-        from .kernels.fbgemm import ensure_bound
-        from .kernels.fbgemm_states import split_states
-
-        states = split_states(self, ensure_bound(self, params))
-        # a padded table's element-wise state: the view of its real rows and columns, as its weight
-        # (its TBE may hold an extra row, fxrec.runtime.kernels.fbgemm_padding)
-        return [dict(zip(names, [s[: t.num_rows, : t.dim] if s.dim() == 2 else s[: t.num_rows] for s in per_table]))
-                for t, per_table in zip(self.tables, states)]
-
-    def fused_step(self, params: Sequence[torch.Tensor]) -> Optional[int]:
-        """The step count of a fused optimizer that keeps one (Adam: fbgemm's ``iter``), else None."""
-        if self.fused is None or self.fused.kind not in STEPPED:
-            return None
-        from .kernels.fbgemm import ensure_bound
-        from .kernels.fbgemm_states import group_step
-
-        return group_step(self, ensure_bound(self, params))
-
-    def set_fused_step(self, params: Sequence[torch.Tensor], step: int) -> None:
-        if self.fused is None or self.fused.kind not in STEPPED:
-            raise RuntimeError(f"fxrec: tables {[t.name for t in self.tables]} have no fused optimizer with a step count")
-        from .kernels.fbgemm import ensure_bound
-        from .kernels.fbgemm_states import set_group_step
-
-        set_group_step(self, ensure_bound(self, params), step)
 
     def bind_on(self, params: Sequence[torch.Tensor], device: torch.device) -> bool:
         """Where the group's tables are placed in unified memory (``hbm_budget=``) and its kernels
@@ -230,7 +169,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
         (another dtype: bound then, the tables would silently take the TBE's)."""
         if not params or not self.places_unified(device) or any(p.is_meta for p in params):
             return False
-        from .kernels.fbgemm import ensure_bound, usable
+        from .kernels.fbgemm_bind import ensure_bound, usable
 
         if not usable(params, self):
             return False
@@ -286,12 +225,6 @@ class EmbeddingGroup(InputChecks, nn.Module):
                 state["_carry_step"] = tbe_step(self._bound.tbe)
         return state
 
-    def fused_unusable(self, why: str):
-        raise RuntimeError(
-            f"fxrec: tables {[t.name for t in self.tables]} train with a fused optimizer, but {why}; "
-            "transform without optimizer= to use torch.optim instead"
-        )
-
     def _training(self, params: Sequence[torch.Tensor], psw_list) -> bool:
         return torch.is_grad_enabled() and (
             any(p.requires_grad for p in params)
@@ -332,7 +265,7 @@ class EmbeddingGroup(InputChecks, nn.Module):
             held = [t.name for t in self.tables if t.placement == "managed_caching" or t.weights]
             if held and any(i.numel() for i in ids_list):
                 how = f"stored in {self.weights}" if self.weights else "cached in GPU memory"
-                from .kernels.fbgemm import usable
+                from .kernels.fbgemm_bind import usable
 
                 if params and not usable(params, self):
                     raise ValueError(
@@ -345,32 +278,6 @@ class EmbeddingGroup(InputChecks, nn.Module):
                     "lookups would read and update them behind it")
             out = self._fp32(kernels.get(REFERENCE).run(self, ids_list, offsets_list, psw_list, params, training))
         return clamped_by(self, out) if training else out
-
-    def _check_fused(self, params) -> None:
-        """Refuses a training call whose fused update would not be what the model asks for."""
-        if not all(map(_is_leaf, params)):
-            computed = [t.name for t, p in zip(self.tables, params) if not p.is_leaf]
-            self.fused_unusable(f"tables {computed} are computed (a parametrization registered on them?), and a fused "
-                                "update would change the computed values, not the parameters they come from")
-        # (every one exactly a Parameter, read by a C-level map; else Parameter's isinstance, a Python
-        # __instancecheck__ per table, which also takes subclasses and tensors marked _is_param)
-        if not (set(map(type, params)) <= _PARAMETER or all(isinstance(p, torch.nn.Parameter) for p in params)):
-            self.fused_unusable("it is given tensors that are not the model's parameters "
-                                "(torch.func.functional_call?): the fused update would write them in place, and the "
-                                "model's optimizer state would move. For their gradients, call it under a torch.func "
-                                "transform (torch.func.grad), which fuses nothing")
-        if params and params[0].dtype in _LOWER and not self.half and not self.weights:
-            self.fused_unusable(
-                f"they are now {params[0].dtype} (a .half() / .to() after transform?), and fxrec fuses no optimizer "
-                "into such tables: its update of fp16 rows rounds otherwise than torch.optim's. Transform the "
-                "converted model, or keep the tables float32 (weights_precision='fp16' stores them in fp16)")
-        ddp = DistributedDataParallel._active_ddp_module  # (set in a DDP's forward, also replicate()'s)
-        if ddp is not None and ddp.process_group.size() > 1 and _syncs_any(ddp, params):
-            self.fused_unusable(
-                f"the model runs in DistributedDataParallel over {ddp.process_group.size()} ranks, which averages "
-                "gradients, and a fused optimizer leaves these tables none: each rank would update its own copy "
-                "from its own batch, and the copies would drift apart. To train tables over ranks, transform with "
-                "plan= (fxrec.plan: fxrec shards or replicates them and keeps them in step) and without DDP")
 
     def _fp32(self, out):
         """Tables stored at a lower precision (weights_precision=): fbgemm's kernel gives fp32, so

@@ -316,7 +316,7 @@ class NativeKernel(Kernel):
     def run(self, group, ids_list, offsets_list, psw_list, params, training):
         from ..grad import LookupWithGrads
         from ..group_packing import pack_pooled
-        from .fbgemm import ensure_bound
+        from .fbgemm_bind import ensure_bound
 
         call = native_call(group, ids_list, offsets_list, psw_list, params)
         if call is None:

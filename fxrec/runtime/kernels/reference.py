@@ -194,7 +194,7 @@ class ReferenceKernel(Kernel):
                                          "(features with different batch sizes, or tables not float32 on one device)")
                 return _empty_batch(group, ids_list, offsets_list, psw_list, params)
             if group.fused.kind != "sgd":
-                from .fbgemm import ensure_bound, usable
+                from .fbgemm_bind import ensure_bound, usable
 
                 if not usable(params, group):
                     group.fused_unusable("its states live in fbgemm's TBE, which cannot hold these tables (fbgemm "
