@@ -500,7 +500,7 @@ def _name_guarded_inputs(gm: fx.GraphModule, records) -> None:
 def _store_lower_precision(gm: fx.GraphModule) -> None:
     """Tables stored in fp16/bf16 (weights_precision=) go into their TBE now, so the model holds
     them so (its parameters views of those rows) from the start, not from the first call."""
-    from .runtime.kernels.fbgemm import ensure_bound
+    from .runtime.kernels.fbgemm_bind import ensure_bound
 
     for name, fqns in gm.meta["fxrec_fused_groups"]:
         group = gm.get_submodule(name)
@@ -606,15 +606,9 @@ def explain(
     )
     gm = PassManager(explain_pipeline(ctx.config)).run(gm, ctx)
     if plan is not None:
-        from .passes.shard_groups import (_check_quantized, _sharding, plan_decision, refuse_apart,
-                                          refuse_outside_uses, refuse_unknown_tables)
+        from .passes.shard_plan import check_plan, plan_decision
 
-        for gr in ctx.groups:  # transform's refusals of the plan first (a table it does not name, other sizes)
-            kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
-            refuse_outside_uses(gm, gr, kinds)
-            _check_quantized(gr, kinds)
-        refuse_apart(gm, ctx)
-        refuse_unknown_tables(gm, ctx)
+        check_plan(gm, ctx)  # transform's refusals of the plan first (a table it does not name, other sizes)
         for gr in ctx.groups:
             d = plan_decision(gr, plan, ctx.config.device)
             for r in gr.lookups:

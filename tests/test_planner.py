@@ -243,8 +243,13 @@ def test_explain_refuses_the_plans_transform_refuses():
     other = fxrec.plan(M.BagList(rows=(40, 30, 21)), M.bag_inputs(rows=(40, 30, 20)), world_size=2, memory_per_rank="1GB")
     with pytest.raises(ValueError, match=r"the plan has table 'bags\.2' as 21 x 8, the model as 20 x 8"):
         fxrec.explain(model, x, plan=other)
-    with pytest.raises(ValueError, match=r"the plan does not name table"):
+    # (in transform's order: tables the plan names and the model lacks first)
+    with pytest.raises(ValueError, match=r"the plan names table\(s\) \['bags\.0', 'bags\.1', 'bags\.2'\] that the "
+                                         r"model does not look up"):
         fxrec.explain(M.FieldDict(), M.field_inputs(), plan=other)
+    fewer = fxrec.plan(M.BagList(rows=(40, 30)), M.bag_inputs(rows=(40, 30)), world_size=2, memory_per_rank="1GB")
+    with pytest.raises(ValueError, match=r"the plan does not name table 'bags\.2' \(feature"):
+        fxrec.explain(model, x, plan=fewer)
 
 
 def test_a_plan_made_for_another_optimizer_is_refused_for_training_and_taken_for_serving():

@@ -39,7 +39,8 @@ from .. import meta
 from ..pass_infra import InputError, PassContext, PassError, PassResult, compiler_pass
 from . import choose_kernels
 from .place_tables import Held, _fmt, held_of_module, place, placement_text, quantized_held, quantized_widths
-from .shard_groups import _fused_spec, _local_group, _sharding, module_name
+from .shard_groups import _local_group, module_name
+from .shard_plan import fused_spec, sharding_of
 
 
 def _pieces(gr: meta.GroupRecord, plan, rank: int, recs) -> Tuple[list, list]:
@@ -68,7 +69,7 @@ def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object,
     plan, training = ctx.config.plan, ctx.config.mode == "training"
     out = []
     for gr in ctx.groups:
-        kinds = {id(r): _sharding(ctx, r) for r in gr.lookups}
+        kinds = {id(r): sharding_of(ctx, r) for r in gr.lookups}
         recs = [r for r in gr.lookups if kinds[id(r)] != "data_parallel"]
         held: List[Held] = []
         group = None
@@ -85,7 +86,7 @@ def planned(ctx: PassContext, rank: int) -> List[Tuple[meta.GroupRecord, object,
             half = gr.lookups[0].half
             pooling = "none" if gr.pooling == "none" else gr.pooling if half else "sum"
             weighted = gr.pooling != "none" and any(r.weighted for r in recs)
-            group = _local_group(ctx, pieces, table_of, pooling, weighted, _fused_spec(gr, plan))
+            group = _local_group(ctx, pieces, table_of, pooling, weighted, fused_spec(gr, plan))
             held = held_of_module(group, training)
         seen = set()
         for r in gr.lookups:  # data-parallel: whole on every rank, the model's own lookups
