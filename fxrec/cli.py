@@ -327,7 +327,8 @@ def cmd_plan(args) -> int:
     model, inputs = load_model(args.model)
     try:
         result = planner(model, inputs, world_size=args.world_size, memory_per_rank=args.memory_per_rank,
-                         hosts=args.hosts, device=args.device, batch_size=args.batch_size, optimizer=args.optimizer)
+                         hosts=args.hosts, device=args.device, batch_size=args.batch_size, optimizer=args.optimizer,
+                         quantize=args.quantize)
     except Exception as e:
         raise CLIError(f"could not plan {type(model).__name__} from {args.model}: {_paragraph(e)}") from e
     print(result)
@@ -443,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the optimizer the tables train with, for its state's bytes: "
                         f"{', '.join(sorted(OPTIMIZER_STATE))} (default: none; transform(plan=..., optimizer=...) "
                         "wants the plan made with its optimizer)")
+    p.add_argument("--quantize", default=None, metavar="DTYPE",
+                   help="a plan for serving, shards sized as packed: int8, int4, int2, fp16, fp32 or auto "
+                        "(transform(mode='inference', quantize=...) wants the same)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="the ranks' device (default: cpu)")
     p.add_argument("--hosts", type=_positive_int, default=None, metavar="N",
                    help="hosts the ranks are spread over (default: 1)")

@@ -282,6 +282,18 @@ def test_plan_defaults_to_a_cpu_plan_with_no_optimizer_and_the_examples_batch(fi
     assert (got.optimizer, got.batch_size, got.topology.device) == ("none", 4, "cpu"), got
 
 
+def test_plan_with_quantize_plans_for_serving(files, tmp_path, capsys):
+    out = str(tmp_path / "plan.json")
+    assert cli.main(["plan", files["tiny_model"] + ":small", "--world-size", "2", "--memory-per-rank", "1GB",
+                     "--quantize", "int4", "-o", out]) == 0
+    assert "for serving (quantized int4)" in capsys.readouterr().out
+    got = fxrec.planner.ShardingPlan.load(out)
+    assert got.serving and {tp.spec.quantize for tp in got.tables.values()} == {"int4"}
+    assert cli.main(["plan", files["tiny_model"] + ":small", "--world-size", "2", "--memory-per-rank", "1GB",
+                     "--quantize", "int4", "--optimizer", "sgd"]) == 1
+    assert "quantize= makes a plan for serving, and optimizer= is for training" in capsys.readouterr().err
+
+
 def test_quantize_on_the_command_line_means_inference_and_device_refuses_autotune(files, capsys):
     """--quantize without --mode captured the model, then failed: quantize= needs mode='inference'.
     --autotune with --device was dropped without a word (explain builds nothing to time)."""

@@ -39,7 +39,7 @@ class _Fp16SeqModel(SeqModel):
         return torch.cat(parts, 1).sum(1)
 
 
-def _worker(rank, world, init_file, which, pins, quantize, output_dtype="fp32"):
+def _worker(rank, world, init_file, which, pins, quantize, output_dtype="fp32", serving=True):
     with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         if which in ("pooled", "float"):
@@ -54,7 +54,10 @@ def _worker(rank, world, init_file, which, pins, quantize, output_dtype="fp32"):
             b = local[0][0].shape[0]
         kw = dict(mode="inference", quantize=quantize, output_dtype=output_dtype)
         single = fxrec.transform(model, batches[0], **kw)
-        plan = fxrec.plan(model, local[0], world_size=world, memory_per_rank="1GB", pins=pins)
+        # (a plan for serving, sized as served; or one made for training, which serving takes too)
+        plan = fxrec.plan(model, local[0], world_size=world, memory_per_rank="1GB", pins=pins,
+                          quantize=quantize if serving else None)
+        assert plan.serving == serving
         fast = fxrec.transform(model, local[0], plan=plan, **kw)
         from fxrec.runtime.quantized import QuantizedPooledGroup, QuantizedSequenceGroup
 
@@ -85,6 +88,11 @@ def _worker(rank, world, init_file, which, pins, quantize, output_dtype="fp32"):
 ], ids=["int8", "int4", "fp16_column_wise_and_fp32_data_parallel"])
 def test_quantized_sharded_serving_equals_single_process_quantized_serving(quantize, pins):
     spawn(_worker, 2, "pooled", pins, quantize)
+
+
+def test_a_plan_made_for_training_serves_quantized_too():
+    spawn(_worker, 2, "pooled", {"bags.0": "row_wise", "bags.1": ("table_wise", 0), "bags.2": "row_wise",
+                                 "single": "data_parallel"}, {"single": "fp32", "*": "int8"}, "fp32", False)
 
 
 def test_quantized_sharded_sequence_features_equal_single_process_quantized_serving():

@@ -36,6 +36,10 @@ def sharding_of(ctx: PassContext, rec: meta.LookupRecord) -> str:
     if (tp.spec.num_rows, tp.spec.dim) != (rec.num_rows, rec.dim):
         raise InputError(f"fxrec: the plan has table '{rec.table}' as {tp.spec.num_rows} x {tp.spec.dim}, "
                          f"the model as {rec.num_rows} x {rec.dim}")
+    if tp.spec.quantize and ctx.config.mode != "inference":
+        raise InputError(f"fxrec: the plan was made for serving (fxrec.plan(quantize=...): table '{rec.table}' sized "
+                         f"as {tp.spec.quantize} rows, without optimizer state or gradients), and transform trains: "
+                         "make the plan without quantize= for training")
     from ..planner.cost import optimizer_kind
 
     trains = optimizer_kind(rec.optimizer)
@@ -76,12 +80,22 @@ def sharding_of(ctx: PassContext, rec: meta.LookupRecord) -> str:
     return tp.sharding
 
 
-def check_quantized(gr: meta.GroupRecord, kinds: dict) -> None:
+def check_quantized(gr: meta.GroupRecord, kinds: dict, plan, quantizes: bool) -> None:
     """What a plan can serve quantized: row-wise quantization keeps a scale and bias per row,
     which a column shard cannot compute (so integer dtypes are not column-wise); data-parallel
-    tables keep the user's fp32 lookups."""
+    tables keep the user's fp32 lookups. A plan made for serving (``fxrec.plan(quantize=)``)
+    sized each table for one dtype: transform must store it in that one (``quantizes``: transform
+    was given quantize=; the model's fp16 tables kept fp16 leave ``gr.quant``)."""
     for r in gr.lookups:
         dt = gr.quant.get(r.param)
+        planned = plan.tables[r.table].spec.quantize
+        if planned:
+            got = dt or ("fp16" if r.half and quantizes else "")
+            if got != planned:
+                raise InputError(f"fxrec: the plan sized table '{r.table}' for serving {planned} rows "
+                                 f"(fxrec.plan(quantize=...)), and transform "
+                                 + (f"stores it {got}" if got else "does not quantize it")
+                                 + ": give fxrec.plan and transform the same quantize=")
         if dt in ("int8", "int4", "int2") and kinds[id(r)] == "column_wise":
             raise InputError(f"fxrec: table '{r.table}' is planned column_wise and quantized {dt}, whose per-row "
                              "scale and bias need the whole row: plan it table_wise or row_wise, or quantize it "
@@ -252,5 +266,5 @@ def check_plan(gm: fx.GraphModule, ctx: PassContext) -> Dict[str, Dict[int, str]
     for gr in ctx.groups:
         kinds = planned[gr.name] = {id(r): sharding_of(ctx, r) for r in gr.lookups}
         refuse_outside_uses(gm, gr, kinds)
-        check_quantized(gr, kinds)
+        check_quantized(gr, kinds, ctx.config.plan, ctx.config.quantize is not None)
     return planned

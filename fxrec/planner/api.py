@@ -39,6 +39,7 @@ def plan(
     hbm_budget: Union[int, str, None] = None,
     cache_load_factor: float = 0.2,
     uvm_bandwidth: Optional[float] = None,
+    quantize=None,
     logger: Optional[logging.Logger] = None,
 ) -> ShardingPlan:
     """Decide how to shard every embedding table over ``world_size`` ranks.
@@ -95,6 +96,16 @@ def plan(
         ``uvm_bandwidth`` GB/s (default 50, noted as assumed). A rank whose tables cannot meet
         the budget is a PlanError naming it. ``transform(plan=plan)`` takes the plan's budget and
         cache_load_factor unless it is given its own.
+      quantize: a plan for serving: what you will give ``transform(mode="inference",
+        quantize=...)`` (``"int8"``, ``"int4"``, ``"int2"``, ``"fp16"``, ``"fp32"``, ``"auto"``, or a
+        dict from table name / parameter name / glob to one of them), decided per table by
+        transform's rule. Sharded shards are sized as fbgemm's IntNBit kernel packs their rows for
+        ``device`` (scale and bias included, 16-byte rows on CUDA), with no optimizer state or
+        gradient, and costed as a forward; quantized tables are not data-parallel (a replica keeps
+        the model's own lookups: give such a table ``"fp32"``) and integer-quantized ones not
+        column-wise. ``transform`` refuses such a plan for training, or with another ``quantize=``.
+        Not with ``optimizer=``, ``weights_precision=`` or ``hbm_budget=`` (unified memory is
+        planned for training; ``fxrec.explain(mode="inference", hbm_budget=)`` shows serving's).
 
     Returns:
       a :class:`ShardingPlan`; ``print`` it to read it, ``.save(path)`` to keep it.
@@ -134,6 +145,8 @@ def plan(
             notes.append(f"batch_size {batch_size} per rank assumed (pass batch_size=...)")
 
     specs = _precisions(specs, weights_precision)
+    specs = _quantized(specs, quantize, dict(optimizer=optimizer, weights_precision=weights_precision,
+                                             hbm_budget=topo.hbm_budget))
     kinds, label = _optimizers(specs, optimizer)
     allowed = list(SHARDING_TYPES) if sharding_types is None else list(sharding_types)
     bad = [s for s in allowed if s not in SHARDING_TYPES]
@@ -291,6 +304,35 @@ def _precisions(specs: List[TableSpec], spec) -> List[TableSpec]:
         want = spec if isinstance(spec, str) else "fp32" if key is None else spec[key]
         out.append(replace(s, weights=want) if want != "fp32" and s.dtype == "fp32" and not s.weights else s)
     return out
+
+
+def _quantized(specs: List[TableSpec], quantize, training: dict) -> List[TableSpec]:
+    """The specs with ``quantize`` set as ``quantize=`` asks, by transform's rule (quantize_tables'
+    dtype_for); a plan for serving takes none of ``training``'s arguments."""
+    if quantize is None:
+        some = [s.name for s in specs if s.quantize]
+        if some and len(some) != len(specs):
+            raise ValueError(f"fxrec.plan: tables {some[:4]} have quantize and "
+                             f"{[s.name for s in specs if not s.quantize][:4]} do not: a plan is for serving "
+                             "(every table's quantize given) or for training (none)")
+        return specs
+    from ..passes.quantize_tables import dtype_for
+    from ..runtime.kernels.fbgemm_nbit import QUANT_DTYPES
+
+    given = [k for k, v in training.items() if v is not None]
+    if given:
+        raise ValueError(f"fxrec.plan: quantize= makes a plan for serving, and {', '.join(k + '=' for k in given)} "
+                         f"{'is' if len(given) == 1 else 'are'} for training"
+                         + (" (unified memory is planned for training; fxrec.explain(mode='inference', hbm_budget=) "
+                            "shows how serving places quantized tables)" if "hbm_budget" in given else ""))
+    values = [quantize] if isinstance(quantize, str) else list(quantize.values()) if isinstance(quantize, dict) else None
+    if values is None or any(v not in QUANT_DTYPES + ("auto",) for v in values):
+        raise ValueError(f"fxrec.plan: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, "
+                         f"got {quantize!r}")
+    if isinstance(quantize, dict):
+        check_keys(quantize, [(s.name, s.param) for s in specs], "fxrec.plan: quantize")  # (as transform's)
+    return [replace(s, quantize=dtype_for(quantize, s.name, s.param, s.num_rows, s.dim, s.dtype == "fp16"))
+            for s in specs]
 
 
 def _kind_of(table: str, optimizer, param: Optional[str] = None) -> str:

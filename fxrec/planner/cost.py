@@ -49,6 +49,18 @@ Every shard that holds rows also costs a fixed :data:`SHARD_OVERHEAD_MS` (its sh
 launches, id bucketing and output slicing): it keeps tiny tables whole, and is negligible next to
 the lookups of a real table.
 
+A plan for serving (``quantize=``; :attr:`TableSpec.quantize`) counts what serving holds and
+does: a sharded shard's rows as fbgemm's IntNBit kernel packs them for the topology's device
+(q(c) bytes a row: the row's c columns rounded up to what its dtype needs, at 1, 2, 4, 8 bits or
+4 bytes each, an fp16 scale and bias for the integer dtypes, rounded up to 16 bytes on CUDA), no
+optimizer state and no gradient; a data-parallel shard the model's own rows; the cost is the
+forward's alone::
+
+    memory r * q(c) (sharded), R * D * e (data-parallel)
+    lookup(n ids, c cols) = n * q(c) / mem
+    and the exchanges above one way (ids in, outputs out: no gradients back); data-parallel
+    B*L*D*e/mem.
+
 With ``hbm_budget=`` (CUDA), a shard the rule puts in unified memory also costs its reads that miss
 its HBM cache at the bus's bandwidth (:mod:`fxrec.planner.unified`).
 
@@ -124,7 +136,7 @@ class CostModel:
     """Bytes and estimated ms per step of shards, for one topology and batch size (see the
     module docstring for the formulas)."""
 
-    def __init__(self, topology: Topology, batch_size: int):
+    def __init__(self, topology: Topology, batch_size: int, serving: bool = False):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"fxrec.plan: batch_size must be an int >= 1, got {batch_size!r}")
         self.topology = topology
@@ -141,10 +153,28 @@ class CostModel:
         self.host_spread = (P - 1) / P / self.intra_bw
         ring_bw = self.inter_bw if topology.hosts > 1 else self.intra_bw
         self.allreduce = 2 * (W - 1) / W / ring_bw
+        self.serving = serving  # (quantize=: forward only, packed rows)
+        self._packed: Dict[Tuple[int, str], int] = {}
+
+    def packed_row(self, cols: int, dtype: str) -> int:
+        """Bytes of one row of ``cols`` columns as fbgemm's IntNBit kernel packs ``dtype`` rows on the
+        topology's device (its own row sizes: fbgemm_nbit.packed_bytes; cached)."""
+        key = (cols, dtype)
+        n = self._packed.get(key)
+        if n is None:
+            from ..runtime.kernels.fbgemm_nbit import packed_bytes, quant_align, row_alignment
+
+            stored = pad_dim(cols, quant_align(dtype))
+            n = self._packed[key] = packed_bytes([(1, stored, dtype)], row_alignment(self.topology.device))[0]
+        return n
 
     # ---------------------------------------------------------------- memory
     def shard_bytes(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> int:
         """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
+        if self.serving:  # rows as served: packed (sharded), the model's own (data-parallel)
+            if sharding == DATA_PARALLEL or not spec.quantize:
+                return rows * cols * spec.element_bytes
+            return rows * self.packed_row(cols, spec.quantize)
         a, b = OPTIMIZER_STATE[opt]
         cuda = self.topology.device == "cuda"
         # fbgemm's CUDA kernels take dims up to CUDA_MAX_DIM: a wider piece runs on PyTorch's lookups,
@@ -168,7 +198,11 @@ class CostModel:
 
     # ------------------------------------------------------------------ cost
     def lookup_ms(self, spec: TableSpec, opt: str, ids: float, cols: int) -> float:
-        """A sharded lookup's reads and update (rows as stored: weights_precision=)."""
+        """A sharded lookup's reads and update (rows as stored: weights_precision=; serving: its
+        reads of packed rows)."""
+        if self.serving:
+            return ids * (self.packed_row(cols, spec.quantize) if spec.quantize else cols * spec.element_bytes) \
+                / self.mem_bw
         a, b = OPTIMIZER_STATE[opt]
         return ids * (3 * cols * spec.stored_bytes(ROW_WISE) + 2 * (a + b * cols)) / self.mem_bw
 
@@ -189,19 +223,22 @@ class CostModel:
         G, L, e, D = self.global_batch, spec.pooling_factor, spec.element_bytes, spec.dim
         out_rows = spec.num_features if spec.pooled else L
         ids = self.ids(spec, sharding, rows)
+        ways = 1 if self.serving else 2  # outputs out, and in training their gradients back
         if sharding in (TABLE_WISE, COLUMN_WISE):
-            return self.lookup_ms(spec, opt, ids, cols) + self.spread * (ID_BYTES * ids + 2 * G * out_rows * cols * e)
+            return self.lookup_ms(spec, opt, ids, cols) + self.spread * (ID_BYTES * ids + ways * G * out_rows * cols * e)
         if sharding == ROW_WISE:
-            out = 2 * G * spec.num_features * D * e if spec.pooled else 2 * ids * D * e
+            out = ways * G * spec.num_features * D * e if spec.pooled else ways * ids * D * e
             return self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + out)
         if sharding == TABLE_ROW_WISE:
             if not spec.pooled:
-                return self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + 2 * ids * D * e)
-            partial = 2 * G * spec.num_features * D * e
+                return self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + ways * ids * D * e)
+            partial = ways * G * spec.num_features * D * e
             P = self.ranks_per_host
             return (self.lookup_ms(spec, opt, ids, D) + self.spread * (ID_BYTES * ids + partial / P)
                     + self.host_spread * partial)
         if sharding == DATA_PARALLEL:
+            if self.serving:  # local lookups alone
+                return self.batch_size * L * D * e / self.mem_bw
             a, b = OPTIMIZER_STATE[opt]
             R = spec.num_rows
             local = 2 * self.batch_size * L * D * e / self.mem_bw

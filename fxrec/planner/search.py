@@ -17,7 +17,9 @@
    the model holds in fp16 are split only as :data:`~fxrec.planner.specs.HALF_SHARDINGS` says
    (table-wise, data-parallel: a bag pooled whole on one rank), and tables with a lookup that
    sharded lookups do not take (``padding_idx``, ``include_last_offset``:
-   ``TableSpec.data_parallel_only``) are data-parallel.
+   ``TableSpec.data_parallel_only``) are data-parallel. In a plan for serving, quantized tables
+   are not data-parallel (a replica keeps the model's own lookups) and integer-quantized ones
+   not column-wise (a row's scale and bias need the whole row): :meth:`_Table.may`.
    Pinned tables keep their type (and ranks, when given).
 3. Placement. Row-wise, data-parallel and pinned-with-ranks shards go where they must. Then the
    movable units (a table-wise table, one column-wise shard, a table-row-wise table as a
@@ -118,6 +120,18 @@ class _Table:
 
     def cost(self, sharding: str, rows: int, cols: int) -> float:
         return self.cm.shard_cost(self.spec, self.opt, sharding, rows, cols)
+
+    def may(self, sharding: str) -> bool:
+        """Whether fxrec can lay the table out as ``sharding`` as the spec holds it (pins: why
+        not, in :func:`normalize_pins`): the model's fp16 tables only as HALF_SHARDINGS; served
+        quantized, not data-parallel unless kept as the model holds it, and not column-wise in an
+        integer dtype."""
+        spec = self.spec
+        if spec.dtype == "fp16" and sharding not in HALF_SHARDINGS:
+            return False
+        if sharding == DATA_PARALLEL and not spec.keeps_lookups:
+            return False
+        return not (sharding == COLUMN_WISE and spec.quantize.startswith("int"))
 
     def nbytes(self, sharding: str, rows: int, cols: int) -> int:
         return self.cm.shard_bytes(self.spec, self.opt, sharding, rows, cols)
@@ -251,6 +265,14 @@ def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[s
         if spec.dtype == "fp16" and sharding not in HALF_SHARDINGS:
             raise ValueError(f"fxrec.plan: pin for {name!r}: the table is fp16 in the model, which fxrec shards "
                              f"{' or '.join(HALF_SHARDINGS)} (whole on a rank), not {sharding}: {HALF_WHY}")
+        if sharding == DATA_PARALLEL and not spec.keeps_lookups:
+            raise ValueError(f"fxrec.plan: pin for {name!r}: data_parallel keeps the model's own lookups, and the table "
+                             f"is served quantized {spec.quantize}: pin it table_wise or row_wise, or give it "
+                             f"quantize 'fp32' (quantize={{..., {name!r}: 'fp32'}})")
+        if sharding == COLUMN_WISE and spec.quantize.startswith("int"):
+            raise ValueError(f"fxrec.plan: pin for {name!r}: column_wise, and the table is served quantized "
+                             f"{spec.quantize}, whose per-row scale and bias need the whole row: pin it table_wise or "
+                             "row_wise, or quantize it fp16 / fp32")
         if sharding == COLUMN_WISE:
             if not spec.pooled:
                 raise ValueError(f"fxrec.plan: pin for {name!r}: the table is looked up unpooled (one row per id), "
@@ -278,8 +300,9 @@ class _NoFit(Exception):
 
 def search(specs: Sequence[TableSpec], topology: Topology, batch_size: int, optimizers: Sequence[str],
            pins: Dict[str, Pin], allowed: Sequence[str]) -> Dict[str, TablePlan]:
-    """Plan every table (see the module docstring); ``optimizers[i]`` is table i's optimizer kind."""
-    cm = CostModel(topology, batch_size)
+    """Plan every table (see the module docstring); ``optimizers[i]`` is table i's optimizer kind.
+    Specs with ``quantize`` make a plan for serving (the cost model's)."""
+    cm = CostModel(topology, batch_size, serving=any(s.quantize for s in specs))
     tables = [_Table(i, s, optimizers[i], pins.get(s.name), cm) for i, s in enumerate(specs)]
     if not tables:
         return {}
@@ -394,14 +417,14 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
             # ids sent to each column shard, partial sums from each row shard), so only
             # data-parallel can beat table-wise here.
             out = [tw]
-            if DATA_PARALLEL in allowed:
+            if DATA_PARALLEL in allowed and t.may(DATA_PARALLEL):
                 dp = t.option(DATA_PARALLEL)
                 if dp.max_bytes <= DP_MEMORY_FRACTION * _replica_room(topo):
                     out.append(dp)
             return out
     out = []
     for s in allowed:
-        if spec.dtype == "fp16" and s not in HALF_SHARDINGS:
+        if not t.may(s):
             continue
         if s == COLUMN_WISE:
             # unpooled lookups are not sharded by columns (fxrec's runtime sends whole rows back), nor
@@ -454,7 +477,7 @@ def _demoted(t: _Table, current: Option, allowed: Sequence[str]) -> Optional[Opt
     topo = t.cm.topology
     order = [TABLE_WISE, ROW_WISE] if current.sharding == DATA_PARALLEL else [ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE]
     for s in order:
-        if s not in allowed or s == current.sharding or (t.spec.dtype == "fp16" and s not in HALF_SHARDINGS):
+        if s not in allowed or s == current.sharding or not t.may(s):
             continue
         if s == COLUMN_WISE:
             kmax = min(max_column_shards(t.spec.dim), topo.world_size)
@@ -522,8 +545,7 @@ def _spread(tables: List[_Table], choices: List[Option], allowed, topology: Topo
     with smaller shards while another table's could make room.)"""
     spread = list(choices)
     for i, t in enumerate(tables):
-        if (t.pin is None and not t.spec.data_parallel_only and ROW_WISE in allowed
-                and (t.spec.dtype != "fp16" or ROW_WISE in HALF_SHARDINGS)):
+        if t.pin is None and not t.spec.data_parallel_only and ROW_WISE in allowed and t.may(ROW_WISE):
             spread[i] = t.option(ROW_WISE)
     if spread == list(choices):
         return None

@@ -42,6 +42,9 @@ HALF_SHARDINGS = (TABLE_WISE, DATA_PARALLEL)
 HALF_WHY = ("row-wise pieces would add partial sums from several ranks, and torch.optim's fp16 steps round some "
             "values of a column shard otherwise than of the whole table, so neither gives the model's numbers")
 
+#: What a table's shards may be stored in for serving (TableSpec.quantize; "": not quantized).
+QUANTIZED = ("", "int8", "int4", "int2", "fp16", "fp32")
+
 #: Bytes per weight element of the table dtypes the planner knows.
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
@@ -134,6 +137,10 @@ class TableSpec:
     table's shards at that precision (a data-parallel table stays as ``dtype`` says), else "".
     ``data_parallel_only``: why the table can only be data-parallel (a lookup with ``padding_idx``
     or ``include_last_offset``, which sharded lookups do not take), else "".
+    ``quantize``: for a plan to serve with ``transform(mode="inference", quantize=...)``, the
+    dtype its shards are stored in (``"int8"``, ``"int4"``, ``"int2"``, ``"fp16"``, ``"fp32"``: rows
+    as fbgemm's IntNBit kernel packs them; a data-parallel table keeps the model's own lookups), else
+    "" (a plan for training).
     """
 
     name: str
@@ -147,6 +154,7 @@ class TableSpec:
     param: Optional[str] = None
     weights: str = ""
     data_parallel_only: str = ""
+    quantize: str = ""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -170,6 +178,20 @@ class TableSpec:
         if self.weights and dtype != "fp32":
             raise ValueError(f"fxrec.plan: table {self.name!r}: weights {self.weights!r} stores an fp32 table at a "
                              f"lower precision, and the table is {dtype}")
+        if self.quantize not in QUANTIZED:
+            raise ValueError(f"fxrec.plan: table {self.name!r}: quantize {self.quantize!r} is not one of "
+                             f"{['', *QUANTIZED[1:]]}")
+        if self.quantize and (self.weights or self.optimizer not in (None, "none")):
+            raise ValueError(f"fxrec.plan: table {self.name!r}: quantize {self.quantize!r} is for serving, and the "
+                             f"spec also has " + (f"weights {self.weights!r}" if self.weights else
+                                                  f"optimizer {self.optimizer!r}") + " (for training)")
+        if self.data_parallel_only and not self.keeps_lookups:
+            raise ValueError(f"fxrec.plan: table {self.name!r} can only be data_parallel ({self.data_parallel_only}), "
+                             f"whose lookups stay the model's own, and it is to be served quantized {self.quantize}: "
+                             f"leave it as it is (quantize={{..., {self.name!r}: 'fp32'}})")
+        if self.quantize == "fp32" and dtype == "fp16":
+            raise ValueError(f"fxrec.plan: table {self.name!r}: quantize 'fp32' would widen an fp16 table (fxrec keeps "
+                             "its rows fp16: give 'fp16')")
 
     @property
     def element_bytes(self) -> int:
@@ -179,6 +201,13 @@ class TableSpec:
         """Bytes of a weight element as a shard of ``sharding`` holds it: the precision
         ``weights_precision=`` stores a sharded table in; a data-parallel table as ``dtype``."""
         return DTYPE_BYTES[self.weights] if self.weights and sharding != DATA_PARALLEL else self.element_bytes
+
+    @property
+    def keeps_lookups(self) -> bool:
+        """Whether the table may be data-parallel where it is served: quantize= leaves it as the
+        model holds it (fp32, or fp16 for the model's fp16 tables), so its lookups can stay the
+        model's own, as a data-parallel table's do."""
+        return self.quantize in ("", "fp32", "fp16" if self.dtype == "fp16" else "")
 
     @property
     def weight_bytes(self) -> int:
@@ -495,6 +524,16 @@ class ShardingPlan:
             raise ValueError(f"fxrec.plan: rank {rank} is outside world_size {self.topology.world_size}")
         return [s for tp in self.tables.values() for s in tp.shards if s.rank == rank]
 
+    @property
+    def serving(self) -> bool:
+        """A plan made with ``quantize=``: shards sized as served (packed rows, no optimizer state
+        or gradients), for ``transform(mode="inference", quantize=...)``."""
+        return any(tp.spec.quantize for tp in self.tables.values())
+
+    def quantized_text(self) -> str:
+        kinds = sorted({tp.spec.quantize for tp in self.tables.values()})
+        return "quantized " + ", ".join(kinds)
+
     def rank_bytes(self) -> List[int]:
         """Memory used on each rank (bytes), summed over the shards."""
         out = [0] * self.topology.world_size
@@ -611,7 +650,8 @@ class ShardingPlan:
                 per_rank[s.rank] = per_rank.get(s.rank, 0) + s.bytes
             rows.append((
                 tp.name + (" (pinned)" if tp.pinned else ""),
-                tp.sharding + (f", stored {tp.spec.weights}" if tp.spec.weights and tp.sharding != DATA_PARALLEL else ""),
+                tp.sharding + (f", stored {tp.spec.weights}" if tp.spec.weights and tp.sharding != DATA_PARALLEL else "")
+                + (f", {tp.spec.quantize}" if tp.spec.quantize and tp.sharding != DATA_PARALLEL else ""),
                 _ranks_text(tp.ranks),
                 _shapes_text(tp.shards), format_bytes(max(per_rank.values())) if per_rank else "0 B",
                 f"{tp.cost_ms:.4g} ms",
@@ -621,7 +661,7 @@ class ShardingPlan:
             f"ShardingPlan: {_n(len(self.tables), 'table')} on {_n(topo.world_size, topo.device + ' rank')} "
             f"({topo.hosts} host{'s' if topo.hosts > 1 else ''} of {topo.ranks_per_host}), "
             f"{format_bytes(topo.memory_per_rank)} per rank, batch {self.batch_size} per rank, "
-            f"optimizer {self.optimizer}",
+            + (f"for serving ({self.quantized_text()})" if self.serving else f"optimizer {self.optimizer}"),
         ]
         out += _table(header, rows)
         out.append("(est. cost: ms per step, summed over the table's shards; bytes per rank: the most it puts on one rank)")

@@ -1,0 +1,186 @@
+"""fxrec.plan(quantize=...): plans for serving, shards sized as fbgemm's IntNBit kernel packs them,
+laid out only as quantized serving runs them, and taken by transform only as planned."""
+
+import json
+
+import pytest
+import torch
+
+import fxrec
+from fxrec.planner import TableSpec
+
+from . import models as M
+
+
+def _plan(specs, **kw):
+    kw.setdefault("world_size", 2)
+    kw.setdefault("memory_per_rank", "1GB")
+    return fxrec.plan(tables=specs, **kw)
+
+
+def _bytes_of(plan, table):
+    return sum(s.bytes for s in plan[table].shards)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_shards_are_sized_as_packed_rows_with_no_optimizer_state_or_gradient(device):
+    """Bytes a row, written out from fbgemm's IntNBit row layout (the dim rounded up to what the
+    dtype needs, 1/2/4/8 bits or 2/4 bytes a value, an fp16 scale and bias of 4 bytes for the
+    integer dtypes, the row rounded up to 16 bytes on CUDA)."""
+    specs = [TableSpec("a", 100, 16, quantize="int8"), TableSpec("b", 100, 13, quantize="int4"),
+             TableSpec("c", 100, 10, quantize="fp16"), TableSpec("d", 100, 8, quantize="fp32"),
+             TableSpec("e", 100, 30, quantize="int2")]
+    pins = {n: ("table_wise", 0) for n in "abcde"}
+    plan = _plan(specs, pins=pins, device=device, memory_per_rank="1MB")
+    cpu = {"a": 16 + 4, "b": 16 // 2 + 4, "c": 10 * 2, "d": 8 * 4, "e": 32 // 4 + 4}
+    cuda = {"a": 32, "b": 16, "c": 32, "d": 32, "e": 16}
+    want = cpu if device == "cpu" else cuda
+    assert {n: _bytes_of(plan, n) for n in "abcde"} == {n: 100 * b for n, b in want.items()}
+    assert plan.serving
+    # the same tables for training: fp32 rows and, with no fused optimizer, a dense gradient
+    train = _plan([TableSpec(s.name, s.num_rows, s.dim) for s in specs], pins=pins, device=device,
+                  memory_per_rank="1MB")
+    assert not train.serving
+    if device == "cpu":
+        assert _bytes_of(train, "a") == 100 * 16 * 4 * 2
+
+
+def test_a_row_wise_served_table_is_cut_in_packed_row_blocks():
+    plan = _plan([TableSpec("a", 101, 16, quantize="int8")], pins={"a": "row_wise"})
+    assert [(s.num_rows, s.bytes) for s in plan["a"].shards] == [(51, 51 * 20), (50, 50 * 20)]
+
+
+def test_the_packed_sizes_are_what_transform_stores():
+    """On CPU, the plan's table-wise bytes equal the report's bytes of the model transformed for
+    serving with the same quantize= (its packed buffers)."""
+    model, x = M.BagList(rows=(300, 200, 100), dim=13), M.bag_inputs(rows=(300, 200, 100))
+    quantize = {"bags.0": "int8", "bags.1": "int4", "*": "fp16"}
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize=quantize,
+                      pins={f"bags.{i}": ("table_wise", 0) for i in range(3)})
+    fast = fxrec.transform(model.eval(), x, mode="inference", quantize=quantize)
+    stored = {t["name"]: (t["dtype"], t["bytes"]) for t in fast.report.tables}
+    assert {n: (plan[n].spec.quantize, _bytes_of(plan, n)) for n in plan.tables} == stored
+
+
+def test_a_model_too_large_to_train_on_the_ranks_is_planned_for_serving_int8():
+    specs = [TableSpec(f"t{i}", 20_000, 64) for i in range(4)]  # 5.12 MB of fp32 each
+    with pytest.raises(fxrec.PlanError, match="does not fit"):
+        _plan(specs, memory_per_rank="8MB")
+    served = _plan([TableSpec(s.name, s.num_rows, s.dim, quantize="int8") for s in specs], memory_per_rank="8MB")
+    assert max(served.rank_bytes()) <= 8_000_000
+    assert sum(served.rank_bytes()) == 4 * 20_000 * (64 + 4)
+
+
+def test_quantize_is_decided_per_table_by_transforms_rule():
+    """"auto" and dicts: the dtypes transform's report gives for the same quantize=."""
+    model = M.BagList(rows=(3000, 200, 30), dim=8)
+    x = M.bag_inputs(rows=(3000, 200, 30))
+    for quantize in ("auto", {"bags.1": "int4", "*": "auto"}, "fp16"):
+        plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize=quantize)
+        report = fxrec.explain(model.eval(), x, mode="inference", quantize=quantize)
+        assert {n: plan[n].spec.quantize for n in plan.tables} == {t["name"]: t["dtype"] for t in report.tables}
+    assert fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize="auto")["bags.0"].spec.quantize == "int8"
+
+
+def test_quantized_tables_are_not_data_parallel_and_integer_ones_not_column_wise():
+    """Where a training plan makes a small table data-parallel and cuts a hot wide one by columns,
+    a plan for serving int8 does neither; fp32 (kept as the model holds it) may be data-parallel,
+    fp16 column-wise."""
+    def specs(q=""):
+        return [TableSpec("small", 10, 8, pooling_factor=1.0, quantize=q),
+                TableSpec("hot", 100_000, 256, pooling_factor=50.0, quantize=q),
+                TableSpec("other", 50_000, 16, quantize=q)]
+    kw = dict(world_size=4, batch_size=4096)
+    train = _plan(specs(), **kw)
+    assert train["small"].sharding == "data_parallel" and train["hot"].sharding == "column_wise"
+    int8 = _plan(specs("int8"), **kw)
+    assert int8["small"].sharding != "data_parallel" and int8["hot"].sharding not in ("column_wise", "data_parallel")
+    assert _plan(specs("fp32"), **kw)["small"].sharding == "data_parallel"
+    assert _plan(specs("fp16"), **kw)["hot"].sharding == "column_wise"
+    # over many shapes, never
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        n = int(torch.randint(2, 12, (1,), generator=g))
+        got = _plan([TableSpec(f"t{i}", int(torch.randint(1, 5000, (1,), generator=g)), 4 * int(torch.randint(1, 64, (1,), generator=g)),
+                               pooling_factor=float(torch.randint(1, 300, (1,), generator=g)),
+                               quantize=["int8", "int4", "int2"][i % 3]) for i in range(n)],
+                    world_size=int(torch.randint(1, 9, (1,), generator=g)), batch_size=2048, memory_per_rank="1GB")
+        assert not {tp.sharding for tp in got.tables.values()} & {"data_parallel", "column_wise"}, got
+
+
+def test_pins_and_specs_that_serving_cannot_run_are_refused_naming_the_table():
+    with pytest.raises(ValueError, match=r"pin for 'a': data_parallel keeps the model's own lookups, and the table is "
+                                         r"served quantized int8.*quantize=\{\.\.\., 'a': 'fp32'\}"):
+        _plan([TableSpec("a", 10, 8, quantize="int8")], pins={"a": "data_parallel"})
+    with pytest.raises(ValueError, match=r"pin for 'a': column_wise, and the table is served quantized int4, whose "
+                                         r"per-row scale and bias need the whole row"):
+        _plan([TableSpec("a", 10, 8, quantize="int4")], pins={"a": "column_wise"})
+    assert _plan([TableSpec("a", 10, 8, quantize="fp16")], pins={"a": "column_wise"})["a"].sharding == "column_wise"
+    assert _plan([TableSpec("a", 10, 8, quantize="fp32")], pins={"a": "data_parallel"})["a"].sharding == "data_parallel"
+    with pytest.raises(ValueError, match=r"table 'a': quantize 'int3' is not one of"):
+        TableSpec("a", 10, 8, quantize="int3")
+    with pytest.raises(ValueError, match=r"table 'a': quantize 'int8' is for serving, and the spec also has weights"):
+        TableSpec("a", 10, 8, weights="fp16", quantize="int8")
+    with pytest.raises(ValueError, match=r"table 'a': quantize 'int8' is for serving, and the spec also has optimizer"):
+        TableSpec("a", 10, 8, optimizer="adagrad", quantize="int8")
+    with pytest.raises(ValueError, match=r"table 'a': quantize 'fp32' would widen an fp16 table"):
+        TableSpec("a", 10, 8, dtype="fp16", quantize="fp32")
+    with pytest.raises(ValueError, match=r"tables \['a'\] have quantize and \['b'\] do not"):
+        _plan([TableSpec("a", 10, 8, quantize="int8"), TableSpec("b", 10, 8)])
+
+
+def test_a_table_that_can_only_be_data_parallel_must_stay_unquantized():
+    """(A bag with padding_idx: sharded lookups do not take it; transform refuses the same.)"""
+    model, x = M.WeightedBags(), M.weighted_inputs()
+    with pytest.raises(ValueError, match=r"table 'b2d' can only be data_parallel \(.*padding_idx.*\), whose lookups "
+                                         r"stay the model's own, and it is to be served quantized int8.*'b2d': 'fp32'"):
+        fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize={"w2": "fp32", "*": "int8"})
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize={"b2d": "fp32", "w2": "fp32", "*": "int8"})
+    assert plan["b2d"].sharding == "data_parallel" and plan["w1"].sharding != "data_parallel"
+
+
+def test_plan_arguments_for_training_are_refused_with_quantize():
+    model, x = M.BagList(), M.bag_inputs()
+    for kw, what in ((dict(optimizer="adagrad"), "optimizer= is"), (dict(weights_precision="fp16"), "weights_precision= is"),
+                     (dict(device="cuda", hbm_budget="1MB"), "hbm_budget= is")):
+        with pytest.raises(ValueError, match=f"quantize= makes a plan for serving, and {what} for training"):
+            fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize="int8", **kw)
+    with pytest.raises(ValueError, match=r"quantize must be one of .* got 'int3'"):
+        fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize="int3")
+    with pytest.raises(ValueError, match=r"fxrec.plan: quantize keys \['bag.0'\] match no table"):
+        fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize={"bag.0": "int8"})
+
+
+def test_transform_takes_a_plan_for_serving_only_as_planned():
+    """(fxrec.explain(plan=) runs transform's refusals without a process group.)"""
+    model, x = M.BagList(rows=(400, 300, 200)), M.bag_inputs(rows=(400, 300, 200))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize="int8")
+    fxrec.explain(model.eval(), x, plan=plan, mode="inference", quantize="int8")
+    with pytest.raises(ValueError, match=r"the plan was made for serving .*table 'bags\.0' sized as int8 rows.* and "
+                                         r"transform trains: make the plan without quantize= for training"):
+        fxrec.explain(model, x, plan=plan, optimizer=fxrec.optim.SGD(lr=0.1))
+    with pytest.raises(ValueError, match=r"the plan sized table 'bags\.0' for serving int8 rows .* and transform stores "
+                                         r"it int4: give fxrec.plan and transform the same quantize="):
+        fxrec.explain(model.eval(), x, plan=plan, mode="inference", quantize="int4")
+    with pytest.raises(ValueError, match=r"the plan sized table 'bags\.0' for serving int8 rows .* and transform does "
+                                         r"not quantize it"):
+        fxrec.explain(model.eval(), x, plan=plan, mode="inference")
+    # a plan made for training still serves (it counted more than the packed rows take)
+    fxrec.explain(model.eval(), x, plan=fxrec.plan(model, x, world_size=2, memory_per_rank="1GB"),
+                  mode="inference", quantize="int8")
+
+
+def test_a_plan_for_serving_round_trips_and_prints_its_dtypes(tmp_path):
+    model, x = M.BagList(rows=(400, 300, 200)), M.bag_inputs(rows=(400, 300, 200))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize={"bags.0": "int4", "*": "int8"})
+    plan.save(tmp_path / "p.json")
+    back = fxrec.ShardingPlan.load(tmp_path / "p.json")
+    assert back.to_dict() == plan.to_dict() and back.serving
+    text = str(plan)
+    assert "for serving (quantized int4, int8)" in text and "table_wise, int4" in text
+    # a plan saved before TableSpec had quantize loads as a plan for training
+    d = json.loads(fxrec.plan(model, x, world_size=2, memory_per_rank="1GB").to_json())
+    for t in d["tables"].values() if isinstance(d["tables"], dict) else d["tables"]:
+        t.pop("quantize")
+    old = fxrec.ShardingPlan.from_dict(d)
+    assert not old.serving and "optimizer none" in str(old)
