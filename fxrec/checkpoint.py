@@ -325,6 +325,7 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
            other="another rank found that the checkpoint does not fit its model or optimizer (its error says "
                  "why); nothing was loaded")
     keys, opt_load = found[0]
+    _read_converted(opt_load, pieces, whole)
     pieces = {k: v for k, v in pieces.items() if k in keys}  # strict=False: tables it lacks stay as they are
     staged_pieces = {k: (size, [(o, n, _staging(v)) for o, n, v in views]) for k, (size, views) in pieces.items()}
     read = whole
@@ -413,6 +414,7 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
     as_saved = _packed_rows_as_saved(state, path)
     keys, opt_load = _fits(model, optimizer, path, _expected({**state, **as_saved}, {}), _table_names(model, {}), {},
                            strict)
+    _read_converted(opt_load, state)
     read = {**state, **as_saved}
     if opt_load is not None:  # every state whole: one process holds whole parameters
         read = {**read, **opt_load.whole}
@@ -432,6 +434,16 @@ def load_into_model(model: torch.nn.Module, path, *, strict: bool = True,
 
 
 # --------------------------------------------------------------------------- helpers
+def _read_converted(opt_load, *entries: dict) -> None:
+    """In ``entries`` (entry -> the tensor it is read into), each fused state the checkpoint holds as
+    the torch optimizer's (the table was stepped by torch.optim when saved: checkpoint_optim.CONVERTED)
+    under that optimizer's entry, so that it is read from there."""
+    for fused_entry, entry in (opt_load.fused_from.items() if opt_load is not None else ()):
+        for d in entries:
+            if fused_entry in d:
+                d[entry] = d.pop(fused_entry)
+
+
 def _fits(module, optimizer, path, expected, tables, layout, strict):
     """Check the checkpoint against the model and (given) the optimizer, raising one
     CheckpointError naming every problem of both; return (the checkpoint's keys, the planned

@@ -1,7 +1,8 @@
 """The optimizer that ``opt.step()`` runs, in :mod:`fxrec.checkpoint` (``optimizer=``).
 
 What is saved, keyed by parameter name (never by torch.optim's index, which depends on which
-parameters a rank holds and how the optimizer grouped them):
+parameters a rank holds and how the optimizer grouped them; a table fused on one side and
+stepped by torch.optim on the other carries a state both keep, :data:`CONVERTED`):
 
 * Each per-element state of a parameter (a tensor of the parameter's shape: Adam's ``exp_avg``
   and ``exp_avg_sq``, Adagrad's ``sum``, SGD's ``momentum_buffer``) is the DCP entry
@@ -40,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .checkpoint import OPTIM_TAG, CheckpointError, _fmt, _pieces_of, _read_metadata, _state_cut
+from .checkpoint import FUSED_TAG, OPTIM_TAG, CheckpointError, _fmt, _pieces_of, _read_metadata, _state_cut
 from .runtime.optimizer import UNIT_KEYS, CombinedOptimizer, fused_hyperparameters
 
 INFO_FILE = "fxrec_optimizer.json"
@@ -320,6 +321,8 @@ class Load:
     cut_tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
     targets: List[_Target] = field(default_factory=list)
     fused_lr: List[Tuple[dict, dict]] = field(default_factory=list)  # (fused group, its saved hyperparameters)
+    # a fused state entry -> the torch optimizer's entry to read it from (CONVERTED)
+    fused_from: Dict[str, str] = field(default_factory=dict)
 
     def pieces(self, module: torch.nn.Module):
         return _pieces_of(module, self.cut, self.cut_tensors)
@@ -365,6 +368,35 @@ def _plain_sgd(hps: dict) -> bool:
     return not any(hps.get(k) for k in ("momentum", "weight_decay", "nesterov", "maximize"))
 
 
+#: A fused optimizer and the torch optimizer that steps the same tables where nothing fuses it (a
+#: data-parallel table under a plan; fxrec.optim's ``torch_optimizer``), which keep one state of one
+#: meaning: (the torch optimizer, the state's name, its kind: Adagrad's ``sum`` per element,
+#: row-wise Adagrad's per row, a ``[rows, 1]`` column in the checkpoint either way). A table that
+#: moves between the two (data-parallel under one plan, fused under another or in one process)
+#: carries it over, read from the other's entry.
+CONVERTED = {"fused adagrad": ("Adagrad", "sum", "param"), "fused rowwise_adagrad": ("RowWiseAdagradTorch", "sum", "rows")}
+
+
+def _converted(rec: dict, fqn: str, fused_here: bool, stepper: str, torch_side: Optional[dict],
+               fused_group: Optional[dict]) -> Optional[dict]:
+    """``rec`` (saved fused where the table is stepped by torch.optim here, or the other way round)
+    as a record this side reads, where the two keep the same state (CONVERTED), else None. A
+    torch.optim Adagrad here starts its ``step`` at 0 (the fused one counts none: only lr_decay,
+    which fbgemm's Adagrad has not, reads it; one with lr_decay takes no fused state)."""
+    fused_kind, torch_kind = (stepper, rec["optimizer"]) if fused_here else (rec["optimizer"], stepper)
+    same = CONVERTED.get(fused_kind)
+    if same is None or same[0] != torch_kind or any((torch_side or {}).get(k) for k in ("lr_decay", "weight_decay")
+                                                    if torch_kind == "Adagrad"):
+        return None
+    name, kind = same[1], same[2]
+    if fused_here:  # the fused state read from the torch optimizer's entry; the group's lr and what it shares
+        group = {k: v for k, v in rec["group"].items() if fused_group is None or k in fused_group}
+        return {**rec, "group": group, "from": f"{fqn}{OPTIM_TAG}{name}" if name in rec["states"] else None}
+    values = {"step": torch.tensor(0.0)} if torch_kind == "Adagrad" else {}
+    return {**rec, "states": {name: kind}, "values": values, "sparse": {},
+            "entries": {name: f"{fqn}{FUSED_TAG}{name}"}}
+
+
 def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, strict: bool,
               problems: List[str]) -> Optional[Load]:
     """What :func:`fxrec.checkpoint.load` reads for ``optimizer`` on this rank (``layout``: its
@@ -392,6 +424,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
     frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
     def usable(fqn: str, fused_here: bool, stepper: str, group_here: Optional[dict] = None) -> Optional[dict]:
+        """The checkpoint's record for ``fqn`` as this side reads it, or None (nothing loaded)."""
         rec = records.get(fqn)
         if rec is None:
             if fqn not in frozen:
@@ -402,6 +435,9 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
             torch_side = group_here if rec["fused"] else {k: _decode(v) for k, v in rec["group"].items()}
             if not rec["states"] and {rec["optimizer"], stepper} <= _STATELESS and _plain_sgd(torch_side or {}):
                 return rec  # plain SGD, fused or not, keeps no state: its learning rate is all there is
+            converted = _converted(rec, fqn, fused_here, stepper, torch_side, group_here if fused_here else None)
+            if converted is not None:
+                return converted
             if strict:
                 problems.append(
                     f"'{fqn}' was saved with {'a fused' if rec['fused'] else 'a torch.optim'} optimizer and is "
@@ -431,7 +467,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
                 # loaded sparse where saved so, unless the table here makes dense gradients (sparse=False)
                 sparse = rec.get("sparse", {}) if tables.get(fqn, (None, True))[1] else {}
                 for name, kind in rec["states"].items():
-                    entry = f"{fqn}{OPTIM_TAG}{name}"
+                    entry = rec.get("entries", {}).get(name, f"{fqn}{OPTIM_TAG}{name}")
                     meta = md.get(entry)
                     if not isinstance(meta, TensorStorageMetadata):
                         problems.append(f"optimizer state '{name}' of parameter '{fqn}' is listed in {INFO_FILE} but "
@@ -463,7 +499,10 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
             target.groups.append(_group_hyperparameters(hps, strict, problems))
         out.targets.append(target)
     for g in fused:
-        hps = {fqn: rec["group"] for fqn in g["tables"] for rec in [usable(fqn, True, steppers[fqn])] if rec is not None}
+        recs = {fqn: rec for fqn in g["tables"] for rec in [usable(fqn, True, steppers[fqn], g)] if rec is not None}
+        hps = {fqn: rec["group"] for fqn, rec in recs.items()}
+        out.fused_from.update({f"{fqn}{FUSED_TAG}{CONVERTED[steppers[fqn]][1]}": rec["from"]
+                               for fqn, rec in recs.items() if rec.get("from")})
         saved = _group_hyperparameters(hps, strict, problems)
         if saved:
             out.fused_lr.append((g, saved))

@@ -680,7 +680,8 @@ def _frozen_worker(rank, world, init_file, root, phase):
 def test_a_frozen_table_moves_between_data_parallel_and_a_fused_group_with_the_optimizer_state(tmp_path):
     """A frozen table has no optimizer state: data-parallel at world 2 (stepped by nothing) and in a
     fused group in one process, a strict load refused it ('saved with a torch.optim optimizer and
-    is fused here'). The trained tables' fused states still move with it."""
+    is fused here'). The trained tables' fused states still move with it; thawed, its Adagrad state
+    moves too."""
     spawn(_frozen_worker, 2, str(tmp_path), "save")
     single = fxrec.transform(_WithFrozen(), _FROZEN_X, optimizer=fxrec.optim.Adagrad(lr=0.1))
     opt = single.make_optimizer(torch.optim.SGD, lr=0.1)
@@ -700,12 +701,15 @@ def test_a_frozen_table_moves_between_data_parallel_and_a_fused_group_with_the_o
     fxrec.checkpoint.save(single, str(tmp_path / "single"), optimizer=opt)
     spawn(_frozen_worker, 2, str(tmp_path), "load")  # and back, strict
     assert os.path.isdir(tmp_path / "back")
-    # trained here: torch's Adagrad kept a state for it when it was data-parallel, which is not converted
+    # trained here: torch's Adagrad kept a state for it when it was data-parallel (never stepped: zeros),
+    # which the fused Adagrad takes (tests/test_checkpoint_optimizer.py::test_an_adagrad_state_moves_...)
     thawed = _WithFrozen()
     thawed.f.weight.requires_grad_(True)
     fast = fxrec.transform(thawed, _FROZEN_X, optimizer=fxrec.optim.Adagrad(lr=0.1))
-    with pytest.raises(CheckpointError, match="'f.weight' was saved with a torch.optim optimizer and is fused here"):
-        fxrec.checkpoint.load(fast, str(tmp_path / "sharded"), optimizer=fast.make_optimizer(torch.optim.SGD, lr=0.1))
+    fxrec.checkpoint.load(fast, str(tmp_path / "sharded"), optimizer=fast.make_optimizer(torch.optim.SGD, lr=0.1))
+    from fxrec.checkpoint_fused import states as fused_states
+
+    assert torch.equal(fused_states(fast)["f.weight.fxrec_fused.sum"], torch.zeros(20, 4))
 
 
 def test_a_state_saved_for_a_table_frozen_when_loaded_is_loaded_for_when_it_trains_again(tmp_path):
@@ -732,3 +736,70 @@ def test_a_state_saved_for_a_table_frozen_when_loaded_is_loaded_for_when_it_trai
         opt.step()
         results.append(fast.get_parameter("f.weight").detach().clone())
     assert torch.equal(results[0], results[1])
+
+
+class _Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.EmbeddingBag(40, 8, mode="sum")
+
+    def forward(self, ids, offsets):
+        return self.emb(ids, offsets)
+
+
+_BAG_X = [(torch.randint(0, 40, (12,), generator=torch.Generator().manual_seed(s)), torch.arange(0, 12, 3))
+          for s in range(4)]
+_FUSED_KINDS = {"adagrad": lambda: fxrec.optim.Adagrad(lr=0.1), "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.1)}
+
+
+def _stepped_by(side, kind):
+    """The table fused into backward, or stepped by the torch optimizer fxrec gives it where nothing
+    fuses it (a data-parallel table under a plan: fxrec.optim's torch_optimizer)."""
+    if side == "fused":
+        fast = fxrec.transform(_Bag(), _BAG_X[0], optimizer=_FUSED_KINDS[kind]())
+        opt = fast.make_optimizer(torch.optim.SGD, lr=0.01)
+        assert opt.fused and not opt.fallbacks
+        return fast, opt
+    fast = fxrec.transform(_Bag(), _BAG_X[0])
+    return fast, _FUSED_KINDS[kind]().torch_optimizer([fast.get_parameter("emb.weight")])
+
+
+def _bag_steps(fast, opt, steps):
+    for s in steps:
+        opt.zero_grad()
+        cot = torch.randn(4, 8, generator=torch.Generator().manual_seed(50 + s))
+        (fast(*_BAG_X[s]) * cot).sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("saved, loaded", [("torch", "fused"), ("fused", "torch")])
+def test_an_adagrad_state_moves_between_torch_optim_and_fused(tmp_path, kind, saved, loaded):
+    """A table stepped by torch.optim where it was saved (data-parallel under a plan) resumes fused
+    (in one process, under another plan), and back: the two keep one state (Adagrad's sum per
+    element, row-wise Adagrad's per row), read from the other's entry. Strict loads refused it
+    ('its state is not converted'); strict=False left the state behind: the steps after differ."""
+    want, want_opt = _stepped_by(loaded, kind)
+    _bag_steps(want, want_opt, range(4))  # uninterrupted
+    first, first_opt = _stepped_by(saved, kind)
+    _bag_steps(first, first_opt, range(2))
+    fxrec.checkpoint.save_model(first, tmp_path / "ck", optimizer=first_opt)
+    then, then_opt = _stepped_by(loaded, kind)
+    fxrec.checkpoint.load_into_model(then, tmp_path / "ck", optimizer=then_opt)
+    _bag_steps(then, then_opt, range(2, 4))
+    torch.testing.assert_close(then.get_parameter("emb.weight"), want.get_parameter("emb.weight"), **TOL)
+    if loaded == "torch" and kind == "adagrad":  # torch's Adagrad counts its steps from 0 here (only lr_decay reads it)
+        assert [float(st["step"]) for st in then_opt.state.values()] == [2.0]
+
+
+def test_an_adagrad_state_is_not_taken_by_a_torch_adagrad_with_lr_decay(tmp_path):
+    """(Its step count, which lr_decay reads, was never kept by the fused one.)"""
+    first, first_opt = _stepped_by("fused", "adagrad")
+    _bag_steps(first, first_opt, range(2))
+    fxrec.checkpoint.save_model(first, tmp_path / "ck", optimizer=first_opt)
+    then = fxrec.transform(_Bag(), _BAG_X[0])
+    opt = fxrec.optim.Adagrad(lr=0.1, lr_decay=0.01).torch_optimizer([then.get_parameter("emb.weight")])
+    with pytest.raises(CheckpointError, match=r"'emb\.weight' was saved with a fused optimizer and is stepped by "
+                                              r"torch\.optim here: its state is not converted"):
+        fxrec.checkpoint.load_into_model(then, tmp_path / "ck", optimizer=opt)
