@@ -57,6 +57,37 @@ def _train_sharded_and_save(rank, world, init_file, root):
     os._exit(0)
 
 
+def _resume_sharded_under_another_plan(rank, world, init_file, root):
+    """The tables laid out otherwise: 'single' fused row-wise (torch.optim's state when saved),
+    'bags.2' data-parallel (fused column-wise when saved): 2 more steps, the plain model's."""
+    with gloo_group(rank, world, init_file):
+        plain = torch.load(os.path.join(root, "plain.pt"))
+        ref = Model()
+        ref.load_state_dict(plain["model"])
+        ref_opt = torch.optim.Adagrad(ref.parameters(), lr=LR)
+        ref_opt.load_state_dict(plain["opt"])
+        torch.manual_seed(11)  # (other initial weights: all of them come from the checkpoint)
+        model = Model()
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        pins = {"bags.0": "row_wise", "bags.1": ("table_wise", 0), "bags.2": "data_parallel", "single": "row_wise"}
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins,
+                          optimizer=fxrec.optim.Adagrad(lr=LR))
+        fast = fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.Adagrad(lr=LR))
+        opt = fast.make_optimizer(torch.optim.Adagrad, lr=LR)
+        fxrec.checkpoint.load(fast, os.path.join(root, "trained"), optimizer=opt)
+        for step in range(3, 5):
+            x, cot, want = _plain_step(ref, ref_opt, step)
+            got = fast(*local_batch(x, rank, LOCAL_B))
+            mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+            torch.testing.assert_close(got, want[mine], rtol=1e-5, atol=1e-6, msg=f"step {step}")
+            opt.zero_grad()
+            (got * cot[mine]).sum().backward()
+            opt.step()
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def _serve_sharded(rank, world, init_file, root):
     with gloo_group(rank, world, init_file):
         model = Model()
@@ -78,13 +109,15 @@ def _serve_sharded(rank, world, init_file, root):
     os._exit(0)
 
 
-def test_train_sharded_checkpoint_resume_in_one_process_then_serve_quantized_sharded(tmp_path):
+def test_train_sharded_checkpoint_resume_under_another_plan_and_in_one_process_then_serve_quantized_sharded(tmp_path):
     # 1. 3 steps over 2 ranks (table-, row-, column-wise and data-parallel tables, fused Adagrad),
     #    each step's outputs those of the plain model; saved with the optimizer's states
     spawn(_train_sharded_and_save, WORLD, str(tmp_path))
 
-    # 2. resumed in one process (fused Adagrad, its states and the dense optimizer's from the
-    #    checkpoint), 2 more steps: the plain model trained 5 steps without a break
+    # 2. resumed over 2 ranks under another plan (a data-parallel table fused, a fused one
+    #    data-parallel), and in one process (fused Adagrad, its states and the dense optimizer's
+    #    from the checkpoint), 2 more steps each: the plain model trained 5 steps without a break
+    spawn(_resume_sharded_under_another_plan, WORLD, str(tmp_path))
     plain = torch.load(tmp_path / "plain.pt")
     ref = Model()
     ref.load_state_dict(plain["model"])
