@@ -34,7 +34,8 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
     """One optimizer for a transformed model, usable with torch.optim.lr_scheduler.
 
     Parameters that are not embedding tables with an :mod:`fxrec.optim` optimizer get
-    ``dense_optimizer(params, **kwargs)``. Tables whose optimizer is fused are updated inside
+    ``dense_optimizer(params, **kwargs)`` (frozen ones too, as ``torch.optim`` given ``model.parameters()``
+    takes them). Tables whose optimizer is fused are updated inside
     backward (their learning rate is the fused group's ``"lr"`` in ``param_groups``); tables
     whose optimizer is not fused get the torch.optim namesake, stepped in ``step()``.
     """
@@ -66,7 +67,9 @@ def make_optimizer(transformed: torch.nn.Module, dense_optimizer=torch.optim.SGD
         units.append(Unit(items[0][0], opt.lr, len(fallbacks) - 1 if mine else None,
                           [i for i, (_, _, _, names) in enumerate(fused) if names and names[0] in members],
                           [f for f, _ in mine], position[mine[0][0]] if mine else 0))
-    dense_params = [p for n, p in transformed.named_parameters() if p.requires_grad and n not in table_opts]
+    # (frozen ones too, as torch.optim(model.parameters()) takes them: they take no step while frozen, and
+    # an optimizer made after a table was frozen has the groups of one made before, for its state_dict)
+    dense_params = [p for n, p in transformed.named_parameters() if n not in table_opts]
     dense = dense_optimizer(dense_params, **kwargs) if dense_params else None
     return CombinedOptimizer(dense, fallbacks, fused, units)
 
