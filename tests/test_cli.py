@@ -291,7 +291,7 @@ def test_plan_with_quantize_plans_for_serving(files, tmp_path, capsys):
     assert got.serving and {tp.spec.quantize for tp in got.tables.values()} == {"int4"}
     assert cli.main(["plan", files["tiny_model"] + ":small", "--world-size", "2", "--memory-per-rank", "1GB",
                      "--quantize", "int4", "--optimizer", "sgd"]) == 1
-    assert "quantize= makes a plan for serving, and optimizer= is for training" in capsys.readouterr().err
+    assert "quantize makes a plan for serving, and optimizer= is for training" in capsys.readouterr().err
 
 
 def test_quantize_on_the_command_line_means_inference_and_device_refuses_autotune(files, capsys):

@@ -45,6 +45,33 @@ def test_shards_are_sized_as_packed_rows_with_no_optimizer_state_or_gradient(dev
         assert _bytes_of(train, "a") == 100 * 16 * 4 * 2
 
 
+def test_unpooled_tables_are_sized_at_the_width_of_the_group_they_may_share():
+    """fbgemm stores a sequence group's tables at its widest stored width; the planner sized each
+    table alone and under-counted (fp32 dims 7 and 8: 28000 + 32000 bytes planned, 64000 held;
+    int8 beside int2: the int8 rows stored 16 wide). Pooled tables are stored each at its own."""
+    pins = {n: ("table_wise", 0) for n in "abcd"}
+    plan = _plan([TableSpec("a", 1000, 7, pooled=False, quantize="fp32"), TableSpec("b", 1000, 8, pooled=False, quantize="fp32"),
+                  TableSpec("c", 1000, 7, quantize="fp32"), TableSpec("d", 1000, 12, pooled=False, quantize="fp32")], pins=pins)
+    # a and b round up to 8 columns (one group: 8 wide), c is pooled (7 wide), d rounds up to 12 (its own group)
+    assert [_bytes_of(plan, n) for n in "abcd"] == [32000, 32000, 28000, 48000]
+    plan = _plan([TableSpec("a", 1000, 8, pooled=False, quantize="int8"), TableSpec("b", 1000, 8, pooled=False, quantize="int2")],
+                 pins={"a": ("table_wise", 0), "b": ("table_wise", 0)})
+    assert [_bytes_of(plan, n) for n in "ab"] == [1000 * (16 + 4), 1000 * (16 // 4 + 4)]
+
+
+def test_the_models_fp16_tables_kept_fp16_are_its_lookups_not_packed_rows():
+    """quantize_tables leaves a group of the model's fp16 tables, all kept fp16, as the model's
+    lookups (on fbgemm's training TBE: the dim rounded up to 4, 2 bytes each); packed fp16 rows
+    were counted (16-byte rows on CUDA: twice the bytes at dim 4). Where one is quantized, its
+    group is fbgemm's IntNBit TBE: packed."""
+    kept = _plan([TableSpec("h", 1000, 4, dtype="fp16", quantize="fp16"), TableSpec("k", 1000, 5, dtype="fp16", quantize="fp16")],
+                 pins={"h": ("table_wise", 0), "k": ("table_wise", 0)}, device="cuda")
+    assert [_bytes_of(kept, n) for n in "hk"] == [1000 * 4 * 2, 1000 * 8 * 2]
+    mixed = _plan([TableSpec("h", 1000, 4, dtype="fp16", quantize="fp16"), TableSpec("k", 1000, 5, dtype="fp16", quantize="int8")],
+                  pins={"h": ("table_wise", 0), "k": ("table_wise", 0)}, device="cuda")
+    assert [_bytes_of(mixed, n) for n in "hk"] == [1000 * 16, 1000 * 16]
+
+
 def test_a_row_wise_served_table_is_cut_in_packed_row_blocks():
     plan = _plan([TableSpec("a", 101, 16, quantize="int8")], pins={"a": "row_wise"})
     assert [(s.num_rows, s.bytes) for s in plan["a"].shards] == [(51, 51 * 20), (50, 50 * 20)]
@@ -60,6 +87,29 @@ def test_the_packed_sizes_are_what_transform_stores():
     fast = fxrec.transform(model.eval(), x, mode="inference", quantize=quantize)
     stored = {t["name"]: (t["dtype"], t["bytes"]) for t in fast.report.tables}
     assert {n: (plan[n].spec.quantize, _bytes_of(plan, n)) for n in plan.tables} == stored
+
+
+class _Seq(torch.nn.Module):
+    """Two unpooled tables transform puts in one sequence group (dims 7 and 8 round up to 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Embedding(300, 7)
+        self.b = torch.nn.Embedding(200, 8)
+
+    def forward(self, ia, ib):
+        return torch.cat([self.a(ia).flatten(1), self.b(ib).flatten(1)], 1)
+
+
+@pytest.mark.parametrize("quantize", [{"a": "int8", "b": "int2"}, "fp32", {"a": "fp16", "b": "int4"}])
+def test_the_packed_sizes_of_a_sequence_group_are_what_transform_stores(quantize):
+    model, x = _Seq(), (torch.randint(0, 300, (4, 3)), torch.randint(0, 200, (4, 2)))
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize=quantize,
+                      pins={"a": ("table_wise", 0), "b": ("table_wise", 0)})
+    fast = fxrec.transform(model.eval(), x, mode="inference", quantize=quantize)
+    assert len(fast.report.groups) == 1
+    stored = {t["name"]: t["bytes"] for t in fast.report.tables}
+    assert {n: _bytes_of(plan, n) for n in plan.tables} == stored
 
 
 def test_a_model_too_large_to_train_on_the_ranks_is_planned_for_serving_int8():
@@ -110,11 +160,21 @@ def test_quantized_tables_are_not_data_parallel_and_integer_ones_not_column_wise
 
 def test_pins_and_specs_that_serving_cannot_run_are_refused_naming_the_table():
     with pytest.raises(ValueError, match=r"pin for 'a': data_parallel keeps the model's own lookups, and the table is "
-                                         r"served quantized int8.*quantize=\{\.\.\., 'a': 'fp32'\}"):
+                                         r"served quantized int8: lay it out table_wise or row_wise, or leave it as it "
+                                         r"is \(quantize=\{'a': 'fp32', \.\.\.\}: a dict's first key"):
         _plan([TableSpec("a", 10, 8, quantize="int8")], pins={"a": "data_parallel"})
+    with pytest.raises(ValueError, match=r"pin for 'h': data_parallel .* lay it out table_wise, or leave it as it is "
+                                         r"\(quantize=\{'h': 'fp16', \.\.\.\}"):  # (fp16 in the model: whole on a rank)
+        _plan([TableSpec("h", 10, 8, dtype="fp16", quantize="int8")], pins={"h": "data_parallel"})
     with pytest.raises(ValueError, match=r"pin for 'a': column_wise, and the table is served quantized int4, whose "
                                          r"per-row scale and bias need the whole row"):
         _plan([TableSpec("a", 10, 8, quantize="int4")], pins={"a": "column_wise"})
+    with pytest.raises(ValueError, match=r"pin for 's': the table is looked up unpooled"):  # (not "quantize it fp16")
+        _plan([TableSpec("s", 10, 8, pooled=False, quantize="int4")], pins={"s": "column_wise"})
+    with pytest.raises(ValueError, match=r"none of the sharding types \['column_wise', 'data_parallel'\] applies to "
+                                         r"table 'a' \(column_wise, and the table is served quantized int8.*; "
+                                         r"data_parallel keeps the model's own lookups"):
+        _plan([TableSpec("a", 10, 8, quantize="int8")], sharding_types=["column_wise", "data_parallel"])
     assert _plan([TableSpec("a", 10, 8, quantize="fp16")], pins={"a": "column_wise"})["a"].sharding == "column_wise"
     assert _plan([TableSpec("a", 10, 8, quantize="fp32")], pins={"a": "data_parallel"})["a"].sharding == "data_parallel"
     with pytest.raises(ValueError, match=r"table 'a': quantize 'int3' is not one of"):
@@ -139,11 +199,23 @@ def test_a_table_that_can_only_be_data_parallel_must_stay_unquantized():
     assert plan["b2d"].sharding == "data_parallel" and plan["w1"].sharding != "data_parallel"
 
 
+def test_specs_that_carry_quantize_make_a_plan_for_serving_and_refuse_training_arguments():
+    """(Only quantize= given was checked: an optimizer= with quantized specs was taken and ignored,
+    hbm_budget= placed them by the training rule.) A spec's own quantize wins, as its weights do."""
+    spec = dict(name="t", num_rows=1000, dim=64, quantize="int8")
+    with pytest.raises(ValueError, match=r"quantize makes a plan for serving, and optimizer= is for training"):
+        _plan([spec], optimizer="adagrad")
+    with pytest.raises(ValueError, match=r"quantize makes a plan for serving, and hbm_budget= is for training"):
+        _plan([spec], device="cuda", hbm_budget="10MB")
+    plan = _plan([dict(spec, quantize="int2"), dict(spec, name="u")], quantize="int8")
+    assert (plan["t"].spec.quantize, plan["u"].spec.quantize) == ("int2", "int8")
+
+
 def test_plan_arguments_for_training_are_refused_with_quantize():
     model, x = M.BagList(), M.bag_inputs()
     for kw, what in ((dict(optimizer="adagrad"), "optimizer= is"), (dict(weights_precision="fp16"), "weights_precision= is"),
                      (dict(device="cuda", hbm_budget="1MB"), "hbm_budget= is")):
-        with pytest.raises(ValueError, match=f"quantize= makes a plan for serving, and {what} for training"):
+        with pytest.raises(ValueError, match=f"quantize makes a plan for serving, and {what} for training"):
             fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize="int8", **kw)
     with pytest.raises(ValueError, match=r"quantize must be one of .* got 'int3'"):
         fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize="int3")
@@ -180,7 +252,7 @@ def test_a_plan_for_serving_round_trips_and_prints_its_dtypes(tmp_path):
     assert "for serving (quantized int4, int8)" in text and "table_wise, int4" in text
     # a plan saved before TableSpec had quantize loads as a plan for training
     d = json.loads(fxrec.plan(model, x, world_size=2, memory_per_rank="1GB").to_json())
-    for t in d["tables"].values() if isinstance(d["tables"], dict) else d["tables"]:
-        t.pop("quantize")
+    # (a plan for training writes no quantize: an fxrec from before plans for serving reads it)
+    assert not any("quantize" in t for t in (d["tables"].values() if isinstance(d["tables"], dict) else d["tables"]))
     old = fxrec.ShardingPlan.from_dict(d)
     assert not old.serving and "optimizer none" in str(old)

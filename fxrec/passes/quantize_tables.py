@@ -29,10 +29,16 @@ import torch.fx as fx
 from .. import meta
 from ..pass_infra import InputError, PassContext, PassResult, compiler_pass
 from ..table_keys import check_keys, deciding_key
-from ..runtime.kernels.fbgemm_nbit import QUANT_DTYPES
-from ..runtime.specs import pad_dim
+from ..runtime.specs import QUANT_DTYPES, pad_dim
 
 AUTO_MIN_BYTES = 64 * 1024
+
+
+def check_quantize(spec, who: str, error=ValueError) -> None:
+    """``error`` unless ``spec`` is a ``quantize=`` value: a dtype, "auto", or a dict of them."""
+    values = [spec] if isinstance(spec, str) else list(spec.values()) if isinstance(spec, dict) else None
+    if values is None or any(v not in QUANT_DTYPES + ("auto",) for v in values):
+        raise error(f"{who}: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, got {spec!r}")
 
 
 def dtype_for(spec, table: str, param: str, rows: int, dim: int, half: bool = False):
@@ -61,9 +67,7 @@ def quantize_tables(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False, {})
     if ctx.config.mode != "inference":
         raise InputError("fxrec: quantize= needs mode='inference' (quantized tables cannot be trained)")
-    values = [spec] if isinstance(spec, str) else list(spec.values()) if isinstance(spec, dict) else None
-    if values is None or any(v not in QUANT_DTYPES + ("auto",) for v in values):
-        raise InputError(f"fxrec: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, got {spec!r}")
+    check_quantize(spec, "fxrec", InputError)
     if isinstance(spec, dict):  # every key decides for a table it quantizes (as optimizer= keys must)
         alone = sorted({r.table for r in meta.all_records(gm) if not r.lowerable})
         check_keys(spec, [(r.table, r.param) for gr in ctx.groups for r in gr.lookups], "fxrec: quantize", InputError,

@@ -144,9 +144,9 @@ def plan(
             batch_size = DEFAULT_BATCH_SIZE
             notes.append(f"batch_size {batch_size} per rank assumed (pass batch_size=...)")
 
-    specs = _precisions(specs, weights_precision)
     specs = _quantized(specs, quantize, dict(optimizer=optimizer, weights_precision=weights_precision,
                                              hbm_budget=topo.hbm_budget))
+    specs = _precisions(specs, weights_precision)
     kinds, label = _optimizers(specs, optimizer)
     allowed = list(SHARDING_TYPES) if sharding_types is None else list(sharding_types)
     bad = [s for s in allowed if s not in SHARDING_TYPES]
@@ -308,31 +308,29 @@ def _precisions(specs: List[TableSpec], spec) -> List[TableSpec]:
 
 def _quantized(specs: List[TableSpec], quantize, training: dict) -> List[TableSpec]:
     """The specs with ``quantize`` set as ``quantize=`` asks, by transform's rule (quantize_tables'
-    dtype_for); a plan for serving takes none of ``training``'s arguments."""
-    if quantize is None:
-        some = [s.name for s in specs if s.quantize]
-        if some and len(some) != len(specs):
-            raise ValueError(f"fxrec.plan: tables {some[:4]} have quantize and "
-                             f"{[s.name for s in specs if not s.quantize][:4]} do not: a plan is for serving "
-                             "(every table's quantize given) or for training (none)")
-        return specs
-    from ..passes.quantize_tables import dtype_for
-    from ..runtime.kernels.fbgemm_nbit import QUANT_DTYPES
+    dtype_for; a TableSpec's own ``quantize`` wins). A plan for serving (every table's quantize set)
+    takes none of ``training``'s arguments."""
+    if quantize is not None:
+        from ..passes.quantize_tables import check_quantize, dtype_for
 
+        check_quantize(quantize, "fxrec.plan")
+        if isinstance(quantize, dict):
+            check_keys(quantize, [(s.name, s.param) for s in specs], "fxrec.plan: quantize")  # (as transform's)
+        specs = [s if s.quantize else
+                 replace(s, quantize=dtype_for(quantize, s.name, s.param, s.num_rows, s.dim, s.dtype == "fp16"))
+                 for s in specs]
+    some = [s.name for s in specs if s.quantize]
+    if some and len(some) != len(specs):
+        raise ValueError(f"fxrec.plan: tables {some[:4]} have quantize and "
+                         f"{[s.name for s in specs if not s.quantize][:4]} do not: a plan is for serving "
+                         "(every table's quantize given) or for training (none)")
     given = [k for k, v in training.items() if v is not None]
-    if given:
-        raise ValueError(f"fxrec.plan: quantize= makes a plan for serving, and {', '.join(k + '=' for k in given)} "
+    if some and given:
+        raise ValueError(f"fxrec.plan: quantize makes a plan for serving, and {', '.join(k + '=' for k in given)} "
                          f"{'is' if len(given) == 1 else 'are'} for training"
                          + (" (unified memory is planned for training; fxrec.explain(mode='inference', hbm_budget=) "
                             "shows how serving places quantized tables)" if "hbm_budget" in given else ""))
-    values = [quantize] if isinstance(quantize, str) else list(quantize.values()) if isinstance(quantize, dict) else None
-    if values is None or any(v not in QUANT_DTYPES + ("auto",) for v in values):
-        raise ValueError(f"fxrec.plan: quantize must be one of {QUANT_DTYPES + ('auto',)} or a dict of them, "
-                         f"got {quantize!r}")
-    if isinstance(quantize, dict):
-        check_keys(quantize, [(s.name, s.param) for s in specs], "fxrec.plan: quantize")  # (as transform's)
-    return [replace(s, quantize=dtype_for(quantize, s.name, s.param, s.num_rows, s.dim, s.dtype == "fp16"))
-            for s in specs]
+    return specs
 
 
 def _kind_of(table: str, optimizer, param: Optional[str] = None) -> str:

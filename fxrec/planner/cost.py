@@ -50,11 +50,15 @@ launches, id bucketing and output slicing): it keeps tiny tables whole, and is n
 the lookups of a real table.
 
 A plan for serving (``quantize=``; :attr:`TableSpec.quantize`) counts what serving holds and
-does: a sharded shard's rows as fbgemm's IntNBit kernel packs them for the topology's device
-(q(c) bytes a row: the row's c columns rounded up to what its dtype needs, at 1, 2, 4, 8 bits or
-4 bytes each, an fp16 scale and bias for the integer dtypes, rounded up to 16 bytes on CUDA), no
-optimizer state and no gradient; a data-parallel shard the model's own rows; the cost is the
-forward's alone::
+does: a sharded shard's rows as fbgemm's IntNBit kernel packs them for the topology's device,
+q(c) bytes a row (fbgemm's own row sizes: the stored width, a scale and bias of 4 bytes for the
+integer dtypes, the row rounded up to 16 bytes on CUDA), at the width the group stores: c rounded
+up to what the dtype needs (int8 4, int4 8, int2 16, fp16 2), and for unpooled tables the widest
+of the unpooled tables they may share a group with (one model dtype, dims rounding up to one
+multiple of 4: fbgemm stores a sequence group at one width); the model's fp16 tables kept fp16
+(every one of them ``"fp16"``: their groups stay the model's lookups) at their dim rounded up to 4,
+2 bytes each. No optimizer state and no gradient; a data-parallel shard the model's own rows; the
+cost is the forward's alone::
 
     memory r * q(c) (sharded), R * D * e (data-parallel)
     lookup(n ids, c cols) = n * q(c) / mem
@@ -71,7 +75,7 @@ shard with no rows costs nothing.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 from ..runtime.specs import CUDA_MAX_DIM, CUDA_WIDE_FUSED, FUSED_STATE_BYTES, pad_dim
 from .specs import (
@@ -136,7 +140,8 @@ class CostModel:
     """Bytes and estimated ms per step of shards, for one topology and batch size (see the
     module docstring for the formulas)."""
 
-    def __init__(self, topology: Topology, batch_size: int, serving: bool = False):
+    def __init__(self, topology: Topology, batch_size: int, served: Sequence[TableSpec] = ()):
+        """``served``: the tables of a plan for serving (their ``quantize`` set), else none."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"fxrec.plan: batch_size must be an int >= 1, got {batch_size!r}")
         self.topology = topology
@@ -153,28 +158,34 @@ class CostModel:
         self.host_spread = (P - 1) / P / self.intra_bw
         ring_bw = self.inter_bw if topology.hosts > 1 else self.intra_bw
         self.allreduce = 2 * (W - 1) / W / ring_bw
-        self.serving = serving  # (quantize=: forward only, packed rows)
-        self._packed: Dict[Tuple[int, str], int] = {}
+        self.serving = bool(served)  # (quantize=: forward only, packed rows)
+        # the model's fp16 tables all kept fp16: quantize_tables leaves their groups the model's lookups
+        self._fp16_kept = all(s.quantize == "fp16" for s in served if s.dtype == "fp16")
+        self._widths = _sequence_widths(served, self._fp16_kept)
+        self._rows: Dict[Tuple[str, int], int] = {}
 
-    def packed_row(self, cols: int, dtype: str) -> int:
-        """Bytes of one row of ``cols`` columns as fbgemm's IntNBit kernel packs ``dtype`` rows on the
-        topology's device (its own row sizes: fbgemm_nbit.packed_bytes; cached)."""
-        key = (cols, dtype)
-        n = self._packed.get(key)
+    def served_row(self, spec: TableSpec, cols: int) -> int:
+        """Bytes of one row of ``cols`` columns of a sharded ``spec`` as served (see the module
+        docstring; fbgemm_nbit.packed_bytes for packed rows; cached)."""
+        key = (spec.name, cols)
+        n = self._rows.get(key)
         if n is None:
-            from ..runtime.kernels.fbgemm_nbit import packed_bytes, quant_align, row_alignment
+            if spec.dtype == "fp16" and spec.quantize == "fp16" and self._fp16_kept:
+                n = pad_dim(cols) * 2
+            else:
+                from ..passes.place_tables import quantized_widths
+                from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
 
-            stored = pad_dim(cols, quant_align(dtype))
-            n = self._packed[key] = packed_bytes([(1, stored, dtype)], row_alignment(self.topology.device))[0]
+                width = self._widths.get(spec.name) or quantized_widths([(cols, spec.quantize)], "sum")[0]
+                n = packed_bytes([(1, width, spec.quantize)], row_alignment(self.topology.device))[0]
+            self._rows[key] = n
         return n
 
     # ---------------------------------------------------------------- memory
     def shard_bytes(self, spec: TableSpec, opt: str, sharding: str, rows: int, cols: int) -> int:
         """Memory of a shard of ``rows`` x ``cols`` of ``spec`` sharded as ``sharding``."""
-        if self.serving:  # rows as served: packed (sharded), the model's own (data-parallel)
-            if sharding == DATA_PARALLEL or not spec.quantize:
-                return rows * cols * spec.element_bytes
-            return rows * self.packed_row(cols, spec.quantize)
+        if self.serving:  # rows as served (sharded), the model's own (data-parallel)
+            return rows * (cols * spec.element_bytes if sharding == DATA_PARALLEL else self.served_row(spec, cols))
         a, b = OPTIMIZER_STATE[opt]
         cuda = self.topology.device == "cuda"
         # fbgemm's CUDA kernels take dims up to CUDA_MAX_DIM: a wider piece runs on PyTorch's lookups,
@@ -201,8 +212,7 @@ class CostModel:
         """A sharded lookup's reads and update (rows as stored: weights_precision=; serving: its
         reads of packed rows)."""
         if self.serving:
-            return ids * (self.packed_row(cols, spec.quantize) if spec.quantize else cols * spec.element_bytes) \
-                / self.mem_bw
+            return ids * self.served_row(spec, cols) / self.mem_bw
         a, b = OPTIMIZER_STATE[opt]
         return ids * (3 * cols * spec.stored_bytes(ROW_WISE) + 2 * (a + b * cols)) / self.mem_bw
 
@@ -245,3 +255,19 @@ class CostModel:
             update = R * (3 * D * e + 2 * (a + b * D)) / self.mem_bw
             return local + update + self.allreduce * R * D * e
         raise ValueError(f"fxrec.plan: unknown sharding type {sharding!r}")
+
+
+def _sequence_widths(served: Sequence[TableSpec], fp16_kept: bool) -> Dict[str, int]:
+    """Per unpooled table served packed, the width its group stores: the widest of the unpooled
+    tables of its model dtype whose dims round up to its multiple of 4 (transform may group them:
+    place_tables.quantized_widths of a sequence group; a group of fewer is never wider)."""
+    groups: Dict[Tuple[int, str], list] = {}
+    for s in served:
+        if not s.pooled and not (s.dtype == "fp16" and fp16_kept):
+            groups.setdefault((pad_dim(s.dim), s.dtype), []).append(s)
+    if not groups:
+        return {}
+    from ..passes.place_tables import quantized_widths
+
+    return {s.name: w for g in groups.values() for s, w in zip(g, quantized_widths([(s.dim, s.quantize) for s in g],
+                                                                                    "none"))}

@@ -53,7 +53,7 @@ from .cost import CostModel
 from . import unified
 from .layout import column_splits, max_column_shards, row_block
 from .specs import (
-    COLUMN_WISE, DATA_PARALLEL, HALF_SHARDINGS, HALF_WHY, ROW_WISE, SHARDING_TYPES, TABLE_ROW_WISE, TABLE_WISE, PlanError, Shard,
+    COLUMN_WISE, DATA_PARALLEL, ROW_WISE, SHARDING_TYPES, TABLE_ROW_WISE, TABLE_WISE, PlanError, Shard,
     TablePlan, TableSpec, Topology, format_bytes,
 )
 
@@ -122,16 +122,8 @@ class _Table:
         return self.cm.shard_cost(self.spec, self.opt, sharding, rows, cols)
 
     def may(self, sharding: str) -> bool:
-        """Whether fxrec can lay the table out as ``sharding`` as the spec holds it (pins: why
-        not, in :func:`normalize_pins`): the model's fp16 tables only as HALF_SHARDINGS; served
-        quantized, not data-parallel unless kept as the model holds it, and not column-wise in an
-        integer dtype."""
-        spec = self.spec
-        if spec.dtype == "fp16" and sharding not in HALF_SHARDINGS:
-            return False
-        if sharding == DATA_PARALLEL and not spec.keeps_lookups:
-            return False
-        return not (sharding == COLUMN_WISE and spec.quantize.startswith("int"))
+        """Whether fxrec can lay the table out as ``sharding`` (:meth:`TableSpec.refusal`)."""
+        return not self.spec.refusal(sharding)
 
     def nbytes(self, sharding: str, rows: int, cols: int) -> int:
         return self.cm.shard_bytes(self.spec, self.opt, sharding, rows, cols)
@@ -259,24 +251,10 @@ def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[s
             raise ValueError(f"fxrec.plan: pin for {name!r}: table_wise takes one rank, got {list(ranks)}")
         if sharding in (ROW_WISE, DATA_PARALLEL) and ranks is not None and ranks != tuple(range(W)):
             raise ValueError(f"fxrec.plan: pin for {name!r}: {sharding} uses all ranks 0..{W - 1} in order, got {list(ranks)}")
-        if spec.data_parallel_only and sharding != DATA_PARALLEL:
-            raise ValueError(f"fxrec.plan: pin for {name!r}: {spec.data_parallel_only}: the table can only be "
-                             f"data_parallel, not {sharding}")
-        if spec.dtype == "fp16" and sharding not in HALF_SHARDINGS:
-            raise ValueError(f"fxrec.plan: pin for {name!r}: the table is fp16 in the model, which fxrec shards "
-                             f"{' or '.join(HALF_SHARDINGS)} (whole on a rank), not {sharding}: {HALF_WHY}")
-        if sharding == DATA_PARALLEL and not spec.keeps_lookups:
-            raise ValueError(f"fxrec.plan: pin for {name!r}: data_parallel keeps the model's own lookups, and the table "
-                             f"is served quantized {spec.quantize}: pin it table_wise or row_wise, or give it "
-                             f"quantize 'fp32' (quantize={{..., {name!r}: 'fp32'}})")
-        if sharding == COLUMN_WISE and spec.quantize.startswith("int"):
-            raise ValueError(f"fxrec.plan: pin for {name!r}: column_wise, and the table is served quantized "
-                             f"{spec.quantize}, whose per-row scale and bias need the whole row: pin it table_wise or "
-                             "row_wise, or quantize it fp16 / fp32")
+        why = spec.refusal(sharding)
+        if why:
+            raise ValueError(f"fxrec.plan: pin for {name!r}: {why}")
         if sharding == COLUMN_WISE:
-            if not spec.pooled:
-                raise ValueError(f"fxrec.plan: pin for {name!r}: the table is looked up unpooled (one row per id), "
-                                 "which fxrec shards table_wise, row_wise or table_row_wise, not column_wise")
             units = max_column_shards(spec.dim)
             if units == 0:
                 raise ValueError(f"fxrec.plan: pin for {name!r}: column_wise needs a dim that is a multiple of 4, got {spec.dim}")
@@ -302,7 +280,7 @@ def search(specs: Sequence[TableSpec], topology: Topology, batch_size: int, opti
            pins: Dict[str, Pin], allowed: Sequence[str]) -> Dict[str, TablePlan]:
     """Plan every table (see the module docstring); ``optimizers[i]`` is table i's optimizer kind.
     Specs with ``quantize`` make a plan for serving (the cost model's)."""
-    cm = CostModel(topology, batch_size, serving=any(s.quantize for s in specs))
+    cm = CostModel(topology, batch_size, [s for s in specs if s.quantize])
     tables = [_Table(i, s, optimizers[i], pins.get(s.name), cm) for i, s in enumerate(specs)]
     if not tables:
         return {}
@@ -445,7 +423,9 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
         else:
             out.append(t.option(s))
     if not out:
-        raise ValueError(f"fxrec.plan: none of the sharding types {list(allowed)} applies to table {spec.name!r}")
+        why = "; ".join(filter(None, (spec.refusal(s) for s in allowed)))
+        raise ValueError(f"fxrec.plan: none of the sharding types {list(allowed)} applies to table {spec.name!r}"
+                         + (f" ({why})" if why else ""))
     return out
 
 

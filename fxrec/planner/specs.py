@@ -26,6 +26,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
+from ..runtime.specs import QUANT_DTYPES
+
 #: The sharding types, as spelled in pins, in plans and in JSON.
 TABLE_WISE = "table_wise"
 ROW_WISE = "row_wise"
@@ -43,7 +45,7 @@ HALF_WHY = ("row-wise pieces would add partial sums from several ranks, and torc
             "values of a column shard otherwise than of the whole table, so neither gives the model's numbers")
 
 #: What a table's shards may be stored in for serving (TableSpec.quantize; "": not quantized).
-QUANTIZED = ("", "int8", "int4", "int2", "fp16", "fp32")
+QUANTIZED = ("",) + QUANT_DTYPES
 
 #: Bytes per weight element of the table dtypes the planner knows.
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -188,7 +190,7 @@ class TableSpec:
         if self.data_parallel_only and not self.keeps_lookups:
             raise ValueError(f"fxrec.plan: table {self.name!r} can only be data_parallel ({self.data_parallel_only}), "
                              f"whose lookups stay the model's own, and it is to be served quantized {self.quantize}: "
-                             f"leave it as it is (quantize={{..., {self.name!r}: 'fp32'}})")
+                             f"leave it as it is ({self._as_held_hint()})")
         if self.quantize == "fp32" and dtype == "fp16":
             raise ValueError(f"fxrec.plan: table {self.name!r}: quantize 'fp32' would widen an fp16 table (fxrec keeps "
                              "its rows fp16: give 'fp16')")
@@ -202,6 +204,33 @@ class TableSpec:
         ``weights_precision=`` stores a sharded table in; a data-parallel table as ``dtype``."""
         return DTYPE_BYTES[self.weights] if self.weights and sharding != DATA_PARALLEL else self.element_bytes
 
+    def _as_held_hint(self) -> str:
+        kept = "fp16" if self.dtype == "fp16" else "fp32"
+        return f"quantize={{{self.name!r}: {kept!r}, ...}}: a dict's first key naming a table decides"
+
+    def refusal(self, sharding: str) -> str:
+        """Why fxrec cannot lay the table out as ``sharding``, or "": a table only data-parallel
+        (``data_parallel_only``), the model's fp16 tables only as HALF_SHARDINGS, unpooled ones not
+        column-wise; served quantized, not data-parallel unless kept as the model holds it (a
+        replica keeps the model's own lookups), and not column-wise in an integer dtype (a row's
+        scale and bias need the whole row). The one rule for the search and for pins."""
+        if self.data_parallel_only and sharding != DATA_PARALLEL:
+            return f"{self.data_parallel_only}: the table can only be data_parallel, not {sharding}"
+        if self.dtype == "fp16" and sharding not in HALF_SHARDINGS:
+            return (f"the table is fp16 in the model, which fxrec shards {' or '.join(HALF_SHARDINGS)} (whole on a "
+                    f"rank), not {sharding}: {HALF_WHY}")
+        if sharding == COLUMN_WISE and not self.pooled:
+            return ("the table is looked up unpooled (one row per id), which fxrec shards table_wise, row_wise or "
+                    "table_row_wise, not column_wise")
+        whole = " or ".join(s for s in (TABLE_WISE, ROW_WISE) if self.dtype != "fp16" or s in HALF_SHARDINGS)
+        if sharding == DATA_PARALLEL and not self.keeps_lookups:
+            return (f"data_parallel keeps the model's own lookups, and the table is served quantized {self.quantize}: "
+                    f"lay it out {whole}, or leave it as it is ({self._as_held_hint()})")
+        if sharding == COLUMN_WISE and self.quantize.startswith("int"):
+            return (f"column_wise, and the table is served quantized {self.quantize}, whose per-row scale and bias "
+                    f"need the whole row: lay it out {whole}, or quantize it fp16 / fp32")
+        return ""
+
     @property
     def keeps_lookups(self) -> bool:
         """Whether the table may be data-parallel where it is served: quantize= leaves it as the
@@ -214,7 +243,10 @@ class TableSpec:
         return self.num_rows * self.dim * self.element_bytes
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["quantize"]:  # (a plan for training: readable by an fxrec from before plans for serving)
+            del d["quantize"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TableSpec":

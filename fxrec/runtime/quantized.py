@@ -30,7 +30,7 @@ from .kernels import fbgemm_nbit as _nbit
 from .kernels import fbgemm_nbit_cache as _cache
 from .group_packing import pack_pooled, pack_sequence, unpack_sequence
 from .packing import padding_weights
-from .specs import FeatureSpec, GroupSpec, TableSpec, real_columns_index, stored_widths
+from .specs import QUANT_DTYPES, FeatureSpec, GroupSpec, TableSpec, real_columns_index, stored_widths
 
 
 def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.Tensor], output_dtype: str) -> None:
@@ -41,8 +41,8 @@ def _attach_quantized_tbe(group, dtypes: Sequence[str], weights: Sequence[torch.
     torch.export cannot trace, and its Python forward adds nothing when fxrec checks the ids.
     """
     for t, dt in zip(group.tables, dtypes):
-        if dt not in _nbit.QUANT_DTYPES:
-            raise ValueError(f"fxrec: table '{t.name}': dtype must be one of {_nbit.QUANT_DTYPES}, got {dt!r}")
+        if dt not in QUANT_DTYPES:
+            raise ValueError(f"fxrec: table '{t.name}': dtype must be one of {QUANT_DTYPES}, got {dt!r}")
     group.dtypes = list(dtypes)
     group.output_dtype = output_dtype
     stored = stored_dims(group.tables, dtypes, group.pooling)

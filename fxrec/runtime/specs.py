@@ -158,6 +158,8 @@ FUSED_STATE_BYTES = {"sgd": (0, 0), "adagrad": (0, 4), "rowwise_adagrad": (4, 0)
                      "partial_rowwise_adam": (4, 4), "partial_rowwise_lamb": (4, 4), "lars_sgd": (0, 4)}
 
 #: Fused optimizers that also keep a step count (one per group: fbgemm's ``iter``, for bias correction).
+#: The dtypes ``quantize=`` stores a table in for serving (fbgemm's IntNBit kernel's).
+QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
 STEPPED = ("adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb")
 
 #: Fused optimizers only fbgemm's CUDA build has (its CPU build: SGD and the Adagrads).

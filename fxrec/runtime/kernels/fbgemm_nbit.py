@@ -34,7 +34,6 @@ import torch
 from .fbgemm_nbit_cache import caching_lookup
 from .fbgemm_tbe import require_fbgemm
 
-QUANT_DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
 
 #: where a table's rows go ("device": GPU memory, or the host buffer on CPU)
 PLACEMENTS = ("device", "managed", "managed_caching")
