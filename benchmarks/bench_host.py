@@ -33,7 +33,7 @@ against the model with only it turned off:
 * ``hostview``: the device check's count is read on the host through a NumPy view made once
   (``DeviceBoundsCheck._host_values``), off: ``Tensor.numpy()`` at each read (a detach dispatched);
 * ``isparam``: a fused group's check that its tables are the model's parameters reads their types
-  by a C-level map (``EmbeddingGroup._check_fused``), off: Parameter's ``isinstance`` per table.
+  by a C-level map (``FusedUpdates._check_fused``), off: Parameter's ``isinstance`` per table.
 
 ``--clock thread`` times the host's work by the thread's CPU time instead of the wall clock (on a
 machine other processes share, time spent descheduled is left out; on CPU only).
@@ -128,9 +128,9 @@ def offsets_with_view_ops(starts, batch, bases, total):
 
 
 def check_fused_by_isinstance(self, params) -> None:
-    """``EmbeddingGroup._check_fused`` as it was before ``isparam`` (its off form): Parameter's
+    """``FusedUpdates._check_fused`` (runtime/group_fused.py) as it was before ``isparam`` (its off form): Parameter's
     ``isinstance`` for every table (the other checks as they are; none fails in the benchmark)."""
-    from fxrec.runtime.group import _LOWER, DistributedDataParallel, _is_leaf, _syncs_any
+    from fxrec.runtime.group_fused import _LOWER, DistributedDataParallel, _is_leaf, _syncs_any
 
     if not all(map(_is_leaf, params)):
         raise AssertionError("bench_host: computed tables")
