@@ -454,6 +454,8 @@ def _fits(module, optimizer, path, expected, tables, layout, strict):
         from . import checkpoint_optim
 
         opt_load = checkpoint_optim.plan_load(module, optimizer, path, layout, strict, problems)
+        if opt_load is not None:  # (a fused state held as the torch optimizer's: checked under that entry)
+            expected = {opt_load.fused_from.get(k, k): v for k, v in expected.items()}
     return _check_fits(path, expected, tables, strict, problems), opt_load
 
 

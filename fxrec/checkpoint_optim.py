@@ -164,10 +164,18 @@ def _steppers(optimizer) -> Dict[str, str]:
     return {f: f"fused {mod.fused.kind}" for _, mod, _, fqns in optimizer.fused for f in fqns}
 
 
+def _fused_specs(optimizer) -> Dict[str, object]:
+    """The FusedSpec of each fused table of a CombinedOptimizer (by fqn)."""
+    if not isinstance(optimizer, CombinedOptimizer):
+        return {}
+    return {f: mod.fused for _, mod, _, fqns in optimizer.fused for f in fqns}
+
+
 def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
     names = _names(module)
     subs, fused = _parts(optimizer)
     steppers = _steppers(optimizer)
+    specs = _fused_specs(optimizer)
     out = Saved()
     for o in subs:
         sd = o.state_dict()  # torch's format: states by index, in the order of the groups' params
@@ -217,7 +225,8 @@ def _collect_local(module: torch.nn.Module, optimizer, layout: dict) -> Saved:
         hps = _hyperparameters({k: v for k, v in fused_hyperparameters(group).items() if k not in drop},
                                group["tables"][0] if group["tables"] else "")
         for fqn in group["tables"]:
-            out.records[fqn] = {"group": hps, "states": {}, "values": {}, "fused": True, "optimizer": steppers[fqn]}
+            out.records[fqn] = {"group": hps, "states": {}, "values": {}, "fused": True, "optimizer": steppers[fqn],
+                                "settings": fused_settings(specs[fqn])}
     return out
 
 
@@ -291,8 +300,13 @@ def read_records(path: str) -> Optional[Dict[str, dict]]:
             stepper = rec.get("optimizer")  # (None in checkpoints written before it was recorded)
             if stepper is not None and not isinstance(stepper, str):
                 raise ValueError(f"the optimizer of '{fqn}' is {stepper!r}")
+            settings = rec.get("settings")  # (a fused table's: None in checkpoints written before they were kept)
+            if settings is not None and not (isinstance(settings, dict) and all(
+                    isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in settings.values())):
+                raise ValueError(f"the fused settings of '{fqn}' are {settings!r}")
             out[str(fqn)] = {"group": groups[int(rec["group"])], "states": states, "values": values,
-                             "fused": rec.get("fused") is True, "sparse": sparse, "optimizer": stepper}
+                             "fused": rec.get("fused") is True, "sparse": sparse, "optimizer": stepper,
+                             "settings": settings}
     except Exception as e:  # noqa: BLE001 - damaged, or not written by fxrec
         raise CheckpointError(f"fxrec.checkpoint: {file} cannot be read as a checkpoint's optimizer state: "
                               f"{type(e).__name__}: {e}") from e
@@ -370,31 +384,60 @@ def _plain_sgd(hps: dict) -> bool:
 
 #: A fused optimizer and the torch optimizer that steps the same tables where nothing fuses it (a
 #: data-parallel table under a plan; fxrec.optim's ``torch_optimizer``), which keep one state of one
-#: meaning: (the torch optimizer, the state's name, its kind: Adagrad's ``sum`` per element,
-#: row-wise Adagrad's per row, a ``[rows, 1]`` column in the checkpoint either way). A table that
-#: moves between the two (data-parallel under one plan, fused under another or in one process)
-#: carries it over, read from the other's entry.
+#: meaning: (the torch optimizer, the state's name, its kind: Adagrad's ``sum`` per element, ``[rows,
+#: dim]``; row-wise Adagrad's per row, a ``[rows, 1]`` column in the checkpoint either way). A table
+#: that moves between the two (data-parallel under one plan, fused under another or in one process)
+#: carries it over, read from the other's entry, where the two do the same update.
 CONVERTED = {"fused adagrad": ("Adagrad", "sum", "param"), "fused rowwise_adagrad": ("RowWiseAdagradTorch", "sum", "rows")}
 
 
-def _converted(rec: dict, fqn: str, fused_here: bool, stepper: str, torch_side: Optional[dict],
-               fused_group: Optional[dict]) -> Optional[dict]:
+def fused_settings(spec) -> dict:
+    """What a fused optimizer's update reads besides its lr (a FusedSpec's), as its records keep it."""
+    return {"eps": spec.eps, "weight_decay": spec.weight_decay, "weight_decay_mode": spec.weight_decay_mode,
+            "max_norm": spec.max_norm}
+
+
+def _differences(torch_kind: str, torch_group: dict, fused: Optional[dict]) -> List[str]:
+    """Where the torch form (its param group) does another update than the fused one (``fused``:
+    its :func:`fused_settings`; None in a checkpoint written before they were kept: the torch
+    form's own settings that no fused form has are still checked)."""
+    if torch_kind == "Adagrad":  # the fused one is torch.optim.Adagrad's arithmetic, eps alone
+        want = {"lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "maximize": False}
+        if fused is not None:
+            want["eps"] = fused["eps"]
+    else:
+        want = {} if fused is None else {"eps": fused["eps"], "weight_decay": fused["weight_decay"],
+                                         "max_norm": fused["max_norm"]}
+        if fused is not None and fused["weight_decay"]:
+            want["weight_decay_mode"] = fused["weight_decay_mode"]
+    return [f"{k} {torch_group[k]!r} against {v!r}" for k, v in want.items()
+            if k in torch_group and torch_group[k] != v]
+
+
+def _converted(rec: dict, fqn: str, fused_here: bool, stepper: str, torch_group: dict,
+               fused_spec=None, fused_group: Optional[dict] = None) -> Tuple[Optional[dict], str]:
     """``rec`` (saved fused where the table is stepped by torch.optim here, or the other way round)
-    as a record this side reads, where the two keep the same state (CONVERTED), else None. A
-    torch.optim Adagrad here starts its ``step`` at 0 (the fused one counts none: only lr_decay,
-    which fbgemm's Adagrad has not, reads it; one with lr_decay takes no fused state)."""
+    as a record this side reads, where the two keep the same state (CONVERTED) and do the same
+    update; else (None, why not, or "" where they keep no state in common). ``torch_group``: the
+    torch form's param group (saved, or here); ``fused_spec``: the fused one here (FusedSpec);
+    ``fused_group``: its param group. A torch.optim Adagrad here starts its ``step`` at 0 (the fused
+    one counts none; only lr_decay, which the fused one has not, reads it)."""
     fused_kind, torch_kind = (stepper, rec["optimizer"]) if fused_here else (rec["optimizer"], stepper)
     same = CONVERTED.get(fused_kind)
-    if same is None or same[0] != torch_kind or any((torch_side or {}).get(k) for k in ("lr_decay", "weight_decay")
-                                                    if torch_kind == "Adagrad"):
-        return None
+    if same is None or same[0] != torch_kind:
+        return None, ""
+    fused = fused_settings(fused_spec) if fused_here else rec.get("settings")
+    differ = _differences(torch_kind, torch_group, fused)
+    if differ:
+        return None, f"the two do other updates ({', '.join(differ)})"
     name, kind = same[1], same[2]
     if fused_here:  # the fused state read from the torch optimizer's entry; the group's lr and what it shares
         group = {k: v for k, v in rec["group"].items() if fused_group is None or k in fused_group}
-        return {**rec, "group": group, "from": f"{fqn}{OPTIM_TAG}{name}" if name in rec["states"] else None}
+        read = (f"{fqn}{FUSED_TAG}{name}", f"{fqn}{OPTIM_TAG}{name}") if name in rec["states"] else None
+        return {**rec, "group": group, "from": read}, ""
     values = {"step": torch.tensor(0.0)} if torch_kind == "Adagrad" else {}
     return {**rec, "states": {name: kind}, "values": values, "sparse": {},
-            "entries": {name: f"{fqn}{FUSED_TAG}{name}"}}
+            "entries": {name: f"{fqn}{FUSED_TAG}{name}"}}, ""
 
 
 def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, strict: bool,
@@ -418,6 +461,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
     missing: List[str] = []
 
     steppers = _steppers(optimizer)
+    specs = _fused_specs(optimizer)
     # A table frozen here (requires_grad=False) is stepped by nothing, fused or not: a state that
     # does not fit (another optimizer, fused against torch.optim) or none is no error (it moves
     # between fused and data-parallel groups), and one that fits is loaded (read once it trains again)
@@ -435,14 +479,16 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
             torch_side = group_here if rec["fused"] else {k: _decode(v) for k, v in rec["group"].items()}
             if not rec["states"] and {rec["optimizer"], stepper} <= _STATELESS and _plain_sgd(torch_side or {}):
                 return rec  # plain SGD, fused or not, keeps no state: its learning rate is all there is
-            converted = _converted(rec, fqn, fused_here, stepper, torch_side, group_here if fused_here else None)
+            converted, why = _converted(rec, fqn, fused_here, stepper, torch_side or {}, specs.get(fqn),
+                                        group_here if fused_here else None)
             if converted is not None:
                 return converted
             if strict:
                 problems.append(
                     f"'{fqn}' was saved with {'a fused' if rec['fused'] else 'a torch.optim'} optimizer and is "
-                    f"{'fused' if fused_here else 'stepped by torch.optim'} here: its state is not converted "
-                    "(strict=False leaves it as it is)")
+                    f"{'fused' if fused_here else 'stepped by torch.optim'} here"
+                    + (f" with {rec['optimizer'] if fused_here else stepper}: {why}" if why else "")
+                    + ": its state is not converted (strict=False leaves it as it is)")
             return None
         elif rec["optimizer"] is not None and rec["optimizer"] != stepper:
             if strict:  # another optimizer's states and hyperparameters (Adam's into SGD's) would be taken as its own
@@ -501,8 +547,7 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
     for g in fused:
         recs = {fqn: rec for fqn in g["tables"] for rec in [usable(fqn, True, steppers[fqn], g)] if rec is not None}
         hps = {fqn: rec["group"] for fqn, rec in recs.items()}
-        out.fused_from.update({f"{fqn}{FUSED_TAG}{CONVERTED[steppers[fqn]][1]}": rec["from"]
-                               for fqn, rec in recs.items() if rec.get("from")})
+        out.fused_from.update(rec["from"] for rec in recs.values() if rec.get("from"))
         saved = _group_hyperparameters(hps, strict, problems)
         if saved:
             out.fused_lr.append((g, saved))

@@ -750,7 +750,9 @@ class _Bag(nn.Module):
 
 _BAG_X = [(torch.randint(0, 40, (12,), generator=torch.Generator().manual_seed(s)), torch.arange(0, 12, 3))
           for s in range(4)]
-_FUSED_KINDS = {"adagrad": lambda: fxrec.optim.Adagrad(lr=0.1), "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.1)}
+_FUSED_KINDS = {"adagrad": lambda: fxrec.optim.Adagrad(lr=0.1), "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.1),
+                "rowwise_adagrad_decay_max_norm": lambda: fxrec.optim.RowWiseAdagrad(
+                    lr=0.1, weight_decay=0.05, weight_decay_mode="decoupled", max_norm=1.5)}
 
 
 def _stepped_by(side, kind):
@@ -773,7 +775,7 @@ def _bag_steps(fast, opt, steps):
         opt.step()
 
 
-@pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad", "rowwise_adagrad_decay_max_norm"])
 @pytest.mark.parametrize("saved, loaded", [("torch", "fused"), ("fused", "torch")])
 def test_an_adagrad_state_moves_between_torch_optim_and_fused(tmp_path, kind, saved, loaded):
     """A table stepped by torch.optim where it was saved (data-parallel under a plan) resumes fused
@@ -801,5 +803,35 @@ def test_an_adagrad_state_is_not_taken_by_a_torch_adagrad_with_lr_decay(tmp_path
     then = fxrec.transform(_Bag(), _BAG_X[0])
     opt = fxrec.optim.Adagrad(lr=0.1, lr_decay=0.01).torch_optimizer([then.get_parameter("emb.weight")])
     with pytest.raises(CheckpointError, match=r"'emb\.weight' was saved with a fused optimizer and is stepped by "
-                                              r"torch\.optim here: its state is not converted"):
+                                              r"torch\.optim here with Adagrad: the two do other updates \(lr_decay "
+                                              r"0\.01 against 0\.0\): its state is not converted"):
         fxrec.checkpoint.load_into_model(then, tmp_path / "ck", optimizer=opt)
+
+
+@pytest.mark.parametrize("saved, loaded, differ", [
+    (("torch", lambda p: fxrec.optim.RowWiseAdagradTorch(p, lr=0.1, eps=1e-2)), ("fused", "rowwise_adagrad"),
+     r"eps 0\.01 against 1e-08"),
+    (("torch", lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.5)), ("fused", "adagrad"),
+     r"initial_accumulator_value 0\.5 against 0\.0"),
+    (("fused", "rowwise_adagrad_decay_max_norm"), ("torch", lambda p: fxrec.optim.RowWiseAdagradTorch(p, lr=0.1)),
+     r"weight_decay 0\.0 against 0\.05, max_norm 0\.0 against 1\.5"),
+    (("fused", "adagrad"), ("torch", lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-3)), r"eps 0\.001 against 1e-10"),
+], ids=["rowwise_eps", "adagrad_initial_accumulator", "rowwise_decay", "adagrad_eps"])
+def test_an_adagrad_state_is_not_converted_between_forms_that_do_other_updates(tmp_path, saved, loaded, differ):
+    """(Review: the torch form's saved settings were dropped for the fused one's, and the other way
+    round, without a word.) The fused settings are kept in the checkpoint's records."""
+    def side(how):
+        if how[0] == "fused":
+            fast = fxrec.transform(_Bag(), _BAG_X[0], optimizer=_FUSED_KINDS[how[1]]())
+            return fast, fast.make_optimizer(torch.optim.SGD, lr=0.01)
+        fast = fxrec.transform(_Bag(), _BAG_X[0])
+        return fast, how[1]([fast.get_parameter("emb.weight")])
+
+    first, first_opt = side(saved)
+    _bag_steps(first, first_opt, range(2))
+    fxrec.checkpoint.save_model(first, tmp_path / "ck", optimizer=first_opt)
+    then, then_opt = side(loaded)
+    with pytest.raises(CheckpointError, match=r"'emb\.weight' was saved with a (fused|torch\.optim) optimizer and is "
+                                              r".* here with .*: the two do other updates \(" + differ
+                                              + r".*\): its state is not converted"):
+        fxrec.checkpoint.load_into_model(then, tmp_path / "ck", optimizer=then_opt)
