@@ -200,21 +200,18 @@ def test_a_table_that_can_only_be_data_parallel_must_stay_unquantized():
 
 
 def test_specs_that_carry_quantize_make_a_plan_for_serving_and_refuse_training_arguments():
-    """(Only quantize= given was checked: an optimizer= with quantized specs was taken and ignored,
-    hbm_budget= placed them by the training rule.) A spec's own quantize wins, as its weights do."""
+    """(Only quantize= given was checked: an optimizer= with quantized specs was taken and ignored.)
+    A spec's own quantize wins, as its weights do."""
     spec = dict(name="t", num_rows=1000, dim=64, quantize="int8")
     with pytest.raises(ValueError, match=r"quantize makes a plan for serving, and optimizer= is for training"):
         _plan([spec], optimizer="adagrad")
-    with pytest.raises(ValueError, match=r"quantize makes a plan for serving, and hbm_budget= is for training"):
-        _plan([spec], device="cuda", hbm_budget="10MB")
     plan = _plan([dict(spec, quantize="int2"), dict(spec, name="u")], quantize="int8")
     assert (plan["t"].spec.quantize, plan["u"].spec.quantize) == ("int2", "int8")
 
 
 def test_plan_arguments_for_training_are_refused_with_quantize():
     model, x = M.BagList(), M.bag_inputs()
-    for kw, what in ((dict(optimizer="adagrad"), "optimizer= is"), (dict(weights_precision="fp16"), "weights_precision= is"),
-                     (dict(device="cuda", hbm_budget="1MB"), "hbm_budget= is")):
+    for kw, what in ((dict(optimizer="adagrad"), "optimizer= is"), (dict(weights_precision="fp16"), "weights_precision= is")):
         with pytest.raises(ValueError, match=f"quantize makes a plan for serving, and {what} for training"):
             fxrec.plan(model, x, world_size=2, memory_per_rank="1GB", quantize="int8", **kw)
     with pytest.raises(ValueError, match=r"quantize must be one of .* got 'int3'"):
@@ -256,3 +253,57 @@ def test_a_plan_for_serving_round_trips_and_prints_its_dtypes(tmp_path):
     assert not any("quantize" in t for t in (d["tables"].values() if isinstance(d["tables"], dict) else d["tables"]))
     old = fxrec.ShardingPlan.from_dict(d)
     assert not old.serving and "optimizer none" in str(old)
+
+
+def _explained_placements(model, x, plan, quantize):
+    """Per rank, transform's placements and the GPU memory its note gives (fxrec.explain runs
+    place_shards' rule for every rank, on CUDA, without a GPU)."""
+    import re
+
+    report = fxrec.explain(model.eval(), x, plan=plan, mode="inference", quantize=quantize, device="cuda")
+    out = {}
+    for note in report.notes:
+        m = re.match(r"rank (\d+) under hbm_budget=[^:]*: its tables take (.*?) of GPU memory", note)
+        if m:
+            out[int(m.group(1))] = (dict(re.findall(r"([\w.]+): (managed_caching|managed)\b", note)), m.group(2))
+    return out
+
+
+@pytest.mark.parametrize("budget", ["8MB", "1.5MB", "600KB", "300KB"])
+def test_a_plan_for_serving_places_shards_in_unified_memory_as_transform_does(budget):
+    """With hbm_budget= (CUDA), each rank's quantized pieces beyond the budget go to unified memory
+    with an HBM cache, or without one where the budget is not met with it, by transform's rule
+    (place_tables.quantized_held): the plan's placements and GPU memory per rank are the ones
+    fxrec.explain gives for the same plan (transform's place_shards); the data-parallel fp32 table
+    stays in GPU memory."""
+    from fxrec.planner.specs import format_bytes
+
+    rows = (20000, 15000, 1000)  # (bags.2, data-parallel fp32: 256 KB on every rank)
+    model, x = M.BagList(rows=rows, dim=64), M.bag_inputs(rows=rows)
+    quantize = {"bags.2": "fp32", "*": "int8"}
+    pins = {"bags.0": ("table_wise", 0), "bags.1": "row_wise", "bags.2": "data_parallel"}
+    plan = fxrec.plan(model, x, world_size=2, memory_per_rank="100MB", device="cuda", hbm_budget=budget,
+                      quantize=quantize, pins=pins)
+    planned = {r: (where, format_bytes(need)) for r, (where, need) in enumerate(plan.unified_memory())}
+    assert planned == _explained_placements(model, x, plan, quantize)
+    assert all("bags.2" not in where for where, _ in planned.values())
+    # rank 0 holds bags.0 (1.6 MB packed), half of bags.1 (600 KB) and bags.2 (256 KB): the largest
+    # goes first, cached; then, where caches do not fit, uncached, largest first (by hand from the rule)
+    want = {"8MB": {}, "1.5MB": {"bags.0": "managed_caching"},
+            "600KB": {"bags.0": "managed", "bags.1": "managed_caching"},
+            "300KB": {"bags.0": "managed", "bags.1": "managed"}}[budget]
+    assert planned[0][0] == want
+    moved = set(want)
+    # the reads that miss the cache cross the bus: a rank with a piece in unified memory costs more
+    base = fxrec.plan(model, x, world_size=2, memory_per_rank="100MB", device="cuda", quantize=quantize, pins=pins)
+    assert plan.rank_cost_ms()[0] > base.rank_cost_ms()[0] if moved else plan.rank_cost_ms() == base.rank_cost_ms()
+
+
+def test_a_plan_for_serving_whose_rank_cannot_meet_the_budget_is_refused_naming_it():
+    rows = (20000, 15000, 10000)
+    model, x = M.BagList(rows=rows, dim=64), M.bag_inputs(rows=rows)
+    with pytest.raises(fxrec.PlanError, match=r"rank 0's tables need .* more than hbm_budget=.*what stays in GPU memory: "
+                                              r"\['bags\.2'\] \(data-parallel tables, the model's fp16 tables\)\. Raise "
+                                              r"hbm_budget, lower cache_load_factor, quantize to fewer bits"):
+        fxrec.plan(model, x, world_size=2, memory_per_rank="100MB", device="cuda", hbm_budget="100KB",
+                   quantize={"bags.2": "fp32", "*": "int8"}, pins={"bags.2": "data_parallel"})

@@ -92,7 +92,8 @@ def plan(
         what a rank holds in all, GPU and host memory together; on each rank, the shards beyond
         the budget go to unified memory with an HBM cache of ``cache_load_factor`` of their rows,
         by the rule ``transform(hbm_budget=)`` applies (only shards with an optimizer fused into
-        fbgemm's backward may move), and their est. cost counts the reads that miss the cache at
+        fbgemm's backward may move; served quantized, packed shards, cached or, where the budget is
+        not met so, uncached), and their est. cost counts the reads that miss the cache at
         ``uvm_bandwidth`` GB/s (default 50, noted as assumed). A rank whose tables cannot meet
         the budget is a PlanError naming it. ``transform(plan=plan)`` takes the plan's budget and
         cache_load_factor unless it is given its own.
@@ -104,8 +105,7 @@ def plan(
         gradient, and costed as a forward; quantized tables are not data-parallel (a replica keeps
         the model's own lookups: give such a table ``"fp32"``) and integer-quantized ones not
         column-wise. ``transform`` refuses such a plan for training, or with another ``quantize=``.
-        Not with ``optimizer=``, ``weights_precision=`` or ``hbm_budget=`` (unified memory is
-        planned for training; ``fxrec.explain(mode="inference", hbm_budget=)`` shows serving's).
+        Not with ``optimizer=`` or ``weights_precision=``.
 
     Returns:
       a :class:`ShardingPlan`; ``print`` it to read it, ``.save(path)`` to keep it.
@@ -144,8 +144,7 @@ def plan(
             batch_size = DEFAULT_BATCH_SIZE
             notes.append(f"batch_size {batch_size} per rank assumed (pass batch_size=...)")
 
-    specs = _quantized(specs, quantize, dict(optimizer=optimizer, weights_precision=weights_precision,
-                                             hbm_budget=topo.hbm_budget))
+    specs = _quantized(specs, quantize, dict(optimizer=optimizer, weights_precision=weights_precision))
     specs = _precisions(specs, weights_precision)
     kinds, label = _optimizers(specs, optimizer)
     allowed = list(SHARDING_TYPES) if sharding_types is None else list(sharding_types)
@@ -327,9 +326,7 @@ def _quantized(specs: List[TableSpec], quantize, training: dict) -> List[TableSp
     given = [k for k, v in training.items() if v is not None]
     if some and given:
         raise ValueError(f"fxrec.plan: quantize makes a plan for serving, and {', '.join(k + '=' for k in given)} "
-                         f"{'is' if len(given) == 1 else 'are'} for training"
-                         + (" (unified memory is planned for training; fxrec.explain(mode='inference', hbm_budget=) "
-                            "shows how serving places quantized tables)" if "hbm_budget" in given else ""))
+                         f"{'is' if len(given) == 1 else 'are'} for training")
     return specs
 
 

@@ -164,20 +164,29 @@ class CostModel:
         self._widths = _sequence_widths(served, self._fp16_kept)
         self._rows: Dict[Tuple[str, int], int] = {}
 
+    def kept_fp16(self, spec: TableSpec) -> bool:
+        """Served as the model's own fp16 lookups (not packed rows: see the module docstring)."""
+        return spec.dtype == "fp16" and spec.quantize == "fp16" and self._fp16_kept
+
+    def served_width(self, spec: TableSpec, cols: int) -> int:
+        """The width a sharded piece of ``cols`` columns of ``spec`` is stored at, served packed."""
+        from ..passes.place_tables import quantized_widths
+
+        return self._widths.get(spec.name) or quantized_widths([(cols, spec.quantize)], "sum")[0]
+
     def served_row(self, spec: TableSpec, cols: int) -> int:
         """Bytes of one row of ``cols`` columns of a sharded ``spec`` as served (see the module
         docstring; fbgemm_nbit.packed_bytes for packed rows; cached)."""
         key = (spec.name, cols)
         n = self._rows.get(key)
         if n is None:
-            if spec.dtype == "fp16" and spec.quantize == "fp16" and self._fp16_kept:
+            if self.kept_fp16(spec):
                 n = pad_dim(cols) * 2
             else:
-                from ..passes.place_tables import quantized_widths
                 from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
 
-                width = self._widths.get(spec.name) or quantized_widths([(cols, spec.quantize)], "sum")[0]
-                n = packed_bytes([(1, width, spec.quantize)], row_alignment(self.topology.device))[0]
+                n = packed_bytes([(1, self.served_width(spec, cols), spec.quantize)],
+                                 row_alignment(self.topology.device))[0]
             self._rows[key] = n
         return n
 

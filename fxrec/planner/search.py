@@ -361,13 +361,13 @@ def _unified(tables: List[_Table], choices: List[Option], assigned, cm: CostMode
                 on[r].append((i, (t.spec, t.opt, c.sharding, p[1], p[3])))
     extra = {}
     for r, mine in enumerate(on):
-        where, need = unified.placements([p for _, p in mine], topo)
+        where, need = unified.placements([p for _, p in mine], topo, cm)
         if need > topo.hbm_budget:
-            raise PlanError(unified.over_budget(r, need, topo, [p for _, p in mine]), needed_bytes=need,
+            raise PlanError(unified.over_budget(r, need, topo, [p for _, p in mine], cm), needed_bytes=need,
                             free_bytes=topo.hbm_budget)
         for i, p in mine:
             if p[0].name in where:
-                extra[(i, r)] = unified.cached_extra_ms(cm, p)
+                extra[(i, r)] = unified.cached_extra_ms(cm, p, where[p[0].name])
     return extra
 
 

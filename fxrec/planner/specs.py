@@ -584,18 +584,22 @@ class ShardingPlan:
 
     def unified_memory(self) -> List[Tuple[Dict[str, str], int]]:
         """With the topology's ``hbm_budget``: per rank, the tables whose shards there are in unified
-        memory (name -> ``"managed_caching"``) and the GPU memory its tables take, by the rule
-        transform applies (:mod:`fxrec.planner.unified`); an empty list without a budget."""
+        memory (name -> ``"managed_caching"``, or ``"managed"``: a quantized one without a cache)
+        and the GPU memory its tables take, by the rule transform applies
+        (:mod:`fxrec.planner.unified`); an empty list without a budget."""
         if self.topology.hbm_budget is None:
             return []
         from . import unified
+        from .cost import CostModel
+
+        cm = CostModel(self.topology, self.batch_size, [tp.spec for tp in self.tables.values() if tp.spec.quantize])
 
         on: List[list] = [[] for _ in range(self.topology.world_size)]
         for tp in self.tables.values():
             for s in tp.shards:
                 if s.num_rows and s.num_cols:
                     on[s.rank].append((tp.spec, tp.optimizer, tp.sharding, s.num_rows, s.num_cols))
-        return [unified.placements(mine, self.topology) for mine in on]
+        return [unified.placements(mine, self.topology, cm) for mine in on]
 
     @property
     def max_cost_ms(self) -> float:
