@@ -15,7 +15,9 @@ kernels take and tables the model holds in fp16 (they train on PyTorch's lookups
 serving (``quantize=``) a quantized piece is counted as transform counts it for serving
 (place_tables.quantized_held: its packed rows, movable to unified memory with an HBM cache of them,
 or without one where the budget is not met with it); data-parallel tables (the model's own rows)
-and the model's fp16 tables kept fp16 stay.
+and the model's fp16 tables kept fp16 stay (transform may move those of them fbgemm's kernel
+reads, sum bags and sequences of dims a multiple of 4, which a TableSpec does not tell apart: the
+plan then counts more GPU memory than transform takes).
 
 An estimate, as the planner's other figures are: a rank's pieces are counted in one TBE for each
 kind transform groups apart (pooled or not, stored precision, fused optimizer or not), with one
