@@ -61,12 +61,13 @@ def test_unpooled_tables_are_sized_at_the_width_of_the_group_they_may_share():
 
 def test_the_models_fp16_tables_kept_fp16_are_its_lookups_not_packed_rows():
     """quantize_tables leaves a group of the model's fp16 tables, all kept fp16, as the model's
-    lookups (on fbgemm's training TBE: the dim rounded up to 4, 2 bytes each); packed fp16 rows
-    were counted (16-byte rows on CUDA: twice the bytes at dim 4). Where one is quantized, its
-    group is fbgemm's IntNBit TBE: packed."""
+    lookups (their rows: 2 bytes a value; fbgemm's TBE holds them only at dims a multiple of 4,
+    unpadded); packed fp16 rows were counted (16-byte rows on CUDA: twice the bytes at dim 4), and
+    then dims rounded up to 4 (a serving fuzz: dim 1 planned 1200 bytes, 300 held). Where one is
+    quantized, its group is fbgemm's IntNBit TBE: packed."""
     kept = _plan([TableSpec("h", 1000, 4, dtype="fp16", quantize="fp16"), TableSpec("k", 1000, 5, dtype="fp16", quantize="fp16")],
                  pins={"h": ("table_wise", 0), "k": ("table_wise", 0)}, device="cuda")
-    assert [_bytes_of(kept, n) for n in "hk"] == [1000 * 4 * 2, 1000 * 8 * 2]
+    assert [_bytes_of(kept, n) for n in "hk"] == [1000 * 4 * 2, 1000 * 5 * 2]
     mixed = _plan([TableSpec("h", 1000, 4, dtype="fp16", quantize="fp16"), TableSpec("k", 1000, 5, dtype="fp16", quantize="int8")],
                   pins={"h": ("table_wise", 0), "k": ("table_wise", 0)}, device="cuda")
     assert [_bytes_of(mixed, n) for n in "hk"] == [1000 * 16, 1000 * 16]
@@ -87,6 +88,16 @@ def test_the_packed_sizes_are_what_transform_stores():
     fast = fxrec.transform(model.eval(), x, mode="inference", quantize=quantize)
     stored = {t["name"]: (t["dtype"], t["bytes"]) for t in fast.report.tables}
     assert {n: (plan[n].spec.quantize, _bytes_of(plan, n)) for n in plan.tables} == stored
+    # the model's own fp16 tables, kept fp16: its lookups, the rows as they are (dims 13 and 8)
+    half = M.BagList(rows=(300, 200), dim=13)
+    half.bags[0].half()
+    half.bags[1] = torch.nn.EmbeddingBag(200, 8, mode="sum").half()
+    x2 = M.bag_inputs(rows=(300, 200))
+    plan = fxrec.plan(half, x2, world_size=2, memory_per_rank="1GB", quantize="fp16",
+                      pins={"bags.0": ("table_wise", 0), "bags.1": ("table_wise", 1)})
+    fast = fxrec.transform(half.eval(), x2, mode="inference", quantize="fp16")
+    stored = {t["name"]: t["bytes"] for t in fast.report.tables}
+    assert {n: _bytes_of(plan, n) for n in plan.tables} == stored == {"bags.0": 300 * 13 * 2, "bags.1": 200 * 8 * 2}
 
 
 class _Seq(torch.nn.Module):

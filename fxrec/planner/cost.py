@@ -56,8 +56,7 @@ integer dtypes, the row rounded up to 16 bytes on CUDA), at the width the group 
 up to what the dtype needs (int8 4, int4 8, int2 16, fp16 2), and for unpooled tables the widest
 of the unpooled tables they may share a group with (one model dtype, dims rounding up to one
 multiple of 4: fbgemm stores a sequence group at one width); the model's fp16 tables kept fp16
-(every one of them ``"fp16"``: their groups stay the model's lookups) at their dim rounded up to 4,
-2 bytes each. No optimizer state and no gradient; a data-parallel shard the model's own rows; the
+(every one of them ``"fp16"``: their groups stay the model's lookups) at their dim, 2 bytes each. No optimizer state and no gradient; a data-parallel shard the model's own rows; the
 cost is the forward's alone::
 
     memory r * q(c) (sharded), R * D * e (data-parallel)
@@ -180,8 +179,8 @@ class CostModel:
         key = (spec.name, cols)
         n = self._rows.get(key)
         if n is None:
-            if self.kept_fp16(spec):
-                n = pad_dim(cols) * 2
+            if self.kept_fp16(spec):  # (fbgemm's TBE takes them only at dims a multiple of 4: not padded)
+                n = cols * 2
             else:
                 from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
 

@@ -69,7 +69,7 @@ def held(piece: Piece, cm: Optional[CostModel] = None):
         if sharding == DATA_PARALLEL:  # the model's own rows (no gradient when serving)
             return Held(spec.name, spec.name, spec.num_rows, spec.dim, spec.element_bytes)
         if cm.kept_fp16(spec):  # the model's own fp16 lookups
-            return Held(spec.name, spec.name, rows, pad_dim(cols), 2)
+            return Held(spec.name, spec.name, rows, cols, 2)
         return quantized_held(spec.name, spec.name, rows, cm.served_width(spec, cols), spec.quantize)
     if sharding == DATA_PARALLEL:
         return Held(spec.name, spec.name, spec.num_rows, spec.dim, spec.element_bytes, "", True)
