@@ -11,6 +11,11 @@ table row-wise, the next ones table-wise, the small ones data-parallel); ``--che
 the plain model on the whole global batch in every process and compares outputs at every step
 and the tables at the end. The loss sums over the global batch and divides by its size, so the
 gradients summed over ranks are the single-process gradients.
+
+``--serve int8`` then checkpoints the trained model (``fxrec.checkpoint.save``, every rank), loads it
+into the plain model (``load_into_model``) and serves it quantized over the same ranks on a plan made
+for serving (``fxrec.plan(..., quantize="int8")``), comparing every rank's outputs with one
+process's int8 model of the same weights.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def main():
     ap.add_argument("--cap", type=int, default=20_000, help="rows per table at most")
     ap.add_argument("--check", action="store_true", help="compare with the single-process model")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for the others")
+    ap.add_argument("--serve", default=None, metavar="DTYPE",
+                    help="then checkpoint, and serve quantized (int8, int4, fp16, ...) on a plan for serving")
     a = ap.parse_args()
     device = torch.device("cpu")
     if a.backend == "nccl":  # NCCL runs on CUDA tensors: this rank's GPU, for the model and every batch
@@ -122,11 +129,46 @@ def main():
               + (f"; largest difference from the single-process model (outputs and tables): {float(t):.3g}"
                  if a.check else ""))
     ok = not a.check or float(t) < 1e-4
+    if a.serve:
+        ok = serve(fast, rows, a, rank, world, whole, on_device) and ok
     dist.destroy_process_group()
     # (os._exit, not sys.exit: with torch 2.13 and gloo a process sometimes aborts at interpreter
     # exit after destroy_process_group, a gloo thread freeing tensors; docs/sharding.md, Limits)
     sys.stdout.flush()
     os._exit(0 if ok else 1)
+
+
+def serve(fast, rows, a, rank, world, whole, on_device) -> bool:
+    """Checkpoint the trained model, load it into the plain model and serve it quantized over the
+    ranks on a plan for serving; True where every rank's outputs are one process's."""
+    import tempfile
+
+    where = [tempfile.mkdtemp(prefix="fxrec_train_dist_") if rank == 0 else None]
+    dist.broadcast_object_list(where)  # (one directory every rank sees: the same machine here)
+    path = os.path.join(where[0], "trained")
+    fxrec.checkpoint.save(fast, path)
+    model = DLRM(rows, dim=16)
+    fxrec.checkpoint.load_into_model(model, path)
+    model = model.to(on_device(whole)[0].device).eval()
+    example = on_device(local_slice(whole, rank, a.local_batch))
+    plan = fxrec.plan(model, on_device(whole), world_size=world, memory_per_rank="4GB", quantize=a.serve,
+                      batch_size=a.local_batch)
+    served = fxrec.transform(model, example, mode="inference", quantize=a.serve, plan=plan)
+    single = fxrec.transform(model, on_device(whole), mode="inference", quantize=a.serve)
+    batch = on_device(make_batch(rows, batch=a.local_batch * world, seed=99))
+    lo, hi = rank * a.local_batch, (rank + 1) * a.local_batch
+    with torch.no_grad():
+        diff = float((served(*local_slice(batch, rank, a.local_batch)) - single(*batch)[lo:hi]).abs().max())
+    t = torch.tensor([diff], device=batch[0].device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # (every rank has read the checkpoint)
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(where[0], ignore_errors=True)
+        print(plan.format(max_tables=6))
+        print(f"served {a.serve} over {world} ranks from the checkpoint: largest difference from one process's "
+              f"{a.serve} model: {float(t):.3g}")
+    return float(t) < 1e-4
 
 
 if __name__ == "__main__":
