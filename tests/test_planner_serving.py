@@ -276,8 +276,56 @@ def _explained_placements(model, x, plan, quantize):
     for note in report.notes:
         m = re.match(r"rank (\d+) under hbm_budget=[^:]*: its tables take (.*?) of GPU memory", note)
         if m:
-            out[int(m.group(1))] = (dict(re.findall(r"([\w.]+): (managed_caching|managed)\b", note)), m.group(2))
+            found = re.findall(r"([\w.]+): (managed_caching|managed)\b", note)
+            out[int(m.group(1))] = ({k: v for k, v in found if not re.fullmatch(r"group_\d+", k)}, m.group(2))
     return out
+
+
+def _transform_needs(monkeypatch, model, x, plan, quantize):
+    """Per rank, the GPU bytes transform's rule counts (place_shards.decide, as fxrec.explain runs it)."""
+    from fxrec.passes import place_shards
+
+    seen = {}
+    decide = place_shards.decide
+
+    def recording(ctx, rank):
+        placements, need, groups = decide(ctx, rank)
+        seen[rank] = need
+        return placements, need, groups
+
+    monkeypatch.setattr(place_shards, "decide", recording)
+    fxrec.explain(model.eval(), x, plan=plan, mode="inference", quantize=quantize, device="cuda")
+    return seen
+
+
+class _Half(torch.nn.Module):
+    """The model's own fp16 tables: a mean bag and a sum bag (transform groups them apart)."""
+
+    def __init__(self, dims=(16, 35)):
+        super().__init__()
+        self.a = torch.nn.EmbeddingBag(1000, dims[0], mode="mean").half()
+        self.b = torch.nn.EmbeddingBag(1000, dims[1], mode="sum").half()
+
+    def forward(self, ia, ib):
+        return torch.cat([self.a(ia), self.b(ib)], 1)
+
+
+@pytest.mark.parametrize("quantize", ["fp16", {"a": "int8", "b": "fp16"}])
+def test_the_models_fp16_tables_never_count_less_gpu_memory_than_transform_does(monkeypatch, quantize):
+    """(A serving fuzz: transform counts the model's own fp16 lookups at dims rounded up to 4, where
+    the plan counted their rows, and where one fp16 table is quantized it decides by group whether the
+    others stay its lookups or are packed, where the plan assumed packed rows, movable uncached:
+    fxrec.explain refused plans fxrec.plan made.) The plan's GPU bytes per rank are at least
+    transform's, and transform meets the budget of a plan it is given."""
+    model, x = _Half(), (torch.randint(0, 1000, (4, 3)), torch.randint(0, 1000, (4, 2)))
+    for budget in ("200KB", "60KB", "40KB", "20KB"):
+        try:
+            plan = fxrec.plan(model, x, world_size=1, memory_per_rank="100MB", device="cuda", hbm_budget=budget,
+                              quantize=quantize)
+        except fxrec.PlanError:
+            continue
+        needs = _transform_needs(monkeypatch, model, x, plan, quantize)  # (raises where transform cannot)
+        assert [need for _, need in plan.unified_memory()] >= [needs[0]], (budget, plan.unified_memory(), needs)
 
 
 @pytest.mark.parametrize("budget", ["8MB", "1.5MB", "600KB", "300KB"])

@@ -56,7 +56,9 @@ integer dtypes, the row rounded up to 16 bytes on CUDA), at the width the group 
 up to what the dtype needs (int8 4, int4 8, int2 16, fp16 2), and for unpooled tables the widest
 of the unpooled tables they may share a group with (one model dtype, dims rounding up to one
 multiple of 4: fbgemm stores a sequence group at one width); the model's fp16 tables kept fp16
-(every one of them ``"fp16"``: their groups stay the model's lookups) at their dim, 2 bytes each. No optimizer state and no gradient; a data-parallel shard the model's own rows; the
+(every one of them ``"fp16"``: their groups stay the model's lookups) at their dim, 2 bytes each
+(where some fp16 table is quantized, transform decides by group, which a TableSpec does not say:
+the larger of the two). No optimizer state and no gradient; a data-parallel shard the model's own rows; the
 cost is the forward's alone::
 
     memory r * q(c) (sharded), R * D * e (data-parallel)
@@ -163,9 +165,14 @@ class CostModel:
         self._widths = _sequence_widths(served, self._fp16_kept)
         self._rows: Dict[Tuple[str, int], int] = {}
 
-    def kept_fp16(self, spec: TableSpec) -> bool:
-        """Served as the model's own fp16 lookups (not packed rows: see the module docstring)."""
-        return spec.dtype == "fp16" and spec.quantize == "fp16" and self._fp16_kept
+    def kept_fp16(self, spec: TableSpec) -> str:
+        """How the model's fp16 table ``spec`` kept fp16 is served: "kept" (the model's own lookups:
+        every fp16 table is kept fp16), "either" (some other fp16 table is quantized: transform
+        decides by group, which a TableSpec does not say: its own lookups or packed fp16 rows), or ""
+        (not such a table: packed)."""
+        if spec.dtype != "fp16" or spec.quantize != "fp16":
+            return ""
+        return "kept" if self._fp16_kept else "either"
 
     def served_width(self, spec: TableSpec, cols: int) -> int:
         """The width a sharded piece of ``cols`` columns of ``spec`` is stored at, served packed."""
@@ -179,13 +186,15 @@ class CostModel:
         key = (spec.name, cols)
         n = self._rows.get(key)
         if n is None:
-            if self.kept_fp16(spec):  # (fbgemm's TBE takes them only at dims a multiple of 4: not padded)
-                n = cols * 2
-            else:
+            kept = self.kept_fp16(spec)
+            n = 0
+            if kept != "kept":
                 from ..runtime.kernels.fbgemm_nbit import packed_bytes, row_alignment
 
                 n = packed_bytes([(1, self.served_width(spec, cols), spec.quantize)],
                                  row_alignment(self.topology.device))[0]
+            if kept:  # (fbgemm's TBE takes them only at dims a multiple of 4: not padded); "either": the larger
+                n = max(n, cols * 2)
             self._rows[key] = n
         return n
 
@@ -271,7 +280,7 @@ def _sequence_widths(served: Sequence[TableSpec], fp16_kept: bool) -> Dict[str, 
     place_tables.quantized_widths of a sequence group; a group of fewer is never wider)."""
     groups: Dict[Tuple[int, str], list] = {}
     for s in served:
-        if not s.pooled and not (s.dtype == "fp16" and fp16_kept):
+        if not s.pooled and not (s.dtype == "fp16" and s.quantize == "fp16" and fp16_kept):
             groups.setdefault((pad_dim(s.dim), s.dtype), []).append(s)
     if not groups:
         return {}

@@ -15,9 +15,14 @@ kernels take and tables the model holds in fp16 (they train on PyTorch's lookups
 serving (``quantize=``) a quantized piece is counted as transform counts it for serving
 (place_tables.quantized_held: its packed rows, movable to unified memory with an HBM cache of them,
 or without one where the budget is not met with it); data-parallel tables (the model's own rows)
-and the model's fp16 tables kept fp16 stay (transform may move those of them fbgemm's kernel
-reads, sum bags and sequences of dims a multiple of 4, which a TableSpec does not tell apart: the
-plan then counts more GPU memory than transform takes).
+and the model's fp16 tables kept fp16 stay, counted as transform counts the model's lookups (dims
+rounded up to 4) or, where some fp16 table is quantized and transform may pack them instead, the
+larger of that and their packed rows (transform may move those fbgemm's kernel reads, sum bags
+and sequences of dims a multiple of 4, which a TableSpec does not tell apart: the plan then
+counts more GPU memory than transform takes). Its packed pieces are counted in one TBE for each
+kind above; transform keeps sum and mean bags in groups of their own (with a cache each), which a
+TableSpec does not tell apart either: near the budget its caches, and so its placements, can
+differ from the plan's (``fxrec.explain(plan=plan, mode="inference", ...)`` gives transform's).
 
 An estimate, as the planner's other figures are: a rank's pieces are counted in one TBE for each
 kind transform groups apart (pooled or not, stored precision, fused optimizer or not), with one
@@ -68,8 +73,10 @@ def held(piece: Piece, cm: Optional[CostModel] = None):
     if cm is not None and cm.serving:
         if sharding == DATA_PARALLEL:  # the model's own rows (no gradient when serving)
             return Held(spec.name, spec.name, spec.num_rows, spec.dim, spec.element_bytes)
-        if cm.kept_fp16(spec):  # the model's own fp16 lookups
-            return Held(spec.name, spec.name, rows, cols, 2)
+        kept = cm.kept_fp16(spec)
+        if kept:  # the model's own fp16 lookups (as transform counts them: 4-column rows), or packed: the larger
+            most = max(cm.served_row(spec, cols), pad_dim(cols) * 2) if kept == "either" else pad_dim(cols) * 2
+            return Held(spec.name, spec.name, rows, pad_dim(cols), 2, packed=rows * most)
         return quantized_held(spec.name, spec.name, rows, cm.served_width(spec, cols), spec.quantize)
     if sharding == DATA_PARALLEL:
         return Held(spec.name, spec.name, spec.num_rows, spec.dim, spec.element_bytes, "", True)
