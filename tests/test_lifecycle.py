@@ -29,6 +29,18 @@ def _plain_step(ref, ref_opt, step):
     return x, cot, out.detach()
 
 
+def _sharded_steps(fast, opt, ref, ref_opt, rank, steps):
+    """This rank's steps on its slice of each global batch, its outputs the plain model's."""
+    for step in steps:
+        x, cot, want = _plain_step(ref, ref_opt, step)
+        got = fast(*local_batch(x, rank, LOCAL_B))
+        mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+        torch.testing.assert_close(got, want[mine], rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        opt.zero_grad()
+        (got * cot[mine]).sum().backward()
+        opt.step()
+
+
 def _train_sharded_and_save(rank, world, init_file, root):
     with gloo_group(rank, world, init_file):
         torch.manual_seed(0)
@@ -41,14 +53,7 @@ def _train_sharded_and_save(rank, world, init_file, root):
                           optimizer=fxrec.optim.Adagrad(lr=LR))
         fast = fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.Adagrad(lr=LR))
         opt = fast.make_optimizer(torch.optim.Adagrad, lr=LR)
-        for step in range(3):
-            x, cot, want = _plain_step(ref, ref_opt, step)
-            got = fast(*local_batch(x, rank, LOCAL_B))
-            mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
-            torch.testing.assert_close(got, want[mine], rtol=1e-5, atol=1e-6, msg=f"step {step}")
-            opt.zero_grad()
-            (got * cot[mine]).sum().backward()
-            opt.step()
+        _sharded_steps(fast, opt, ref, ref_opt, rank, range(3))
         fxrec.checkpoint.save(fast, os.path.join(root, "trained"), optimizer=opt)
         if rank == 0:
             torch.save({"model": ref.state_dict(), "opt": ref_opt.state_dict()}, os.path.join(root, "plain.pt"))
@@ -75,14 +80,7 @@ def _resume_sharded_under_another_plan(rank, world, init_file, root):
         fast = fxrec.transform(model, example, plan=plan, optimizer=fxrec.optim.Adagrad(lr=LR))
         opt = fast.make_optimizer(torch.optim.Adagrad, lr=LR)
         fxrec.checkpoint.load(fast, os.path.join(root, "trained"), optimizer=opt)
-        for step in range(3, 5):
-            x, cot, want = _plain_step(ref, ref_opt, step)
-            got = fast(*local_batch(x, rank, LOCAL_B))
-            mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
-            torch.testing.assert_close(got, want[mine], rtol=1e-5, atol=1e-6, msg=f"step {step}")
-            opt.zero_grad()
-            (got * cot[mine]).sum().backward()
-            opt.step()
+        _sharded_steps(fast, opt, ref, ref_opt, rank, range(3, 5))
         dist.barrier()
     sys.stdout.flush()
     os._exit(0)
