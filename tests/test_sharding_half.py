@@ -230,6 +230,7 @@ def test_quantized_serving_of_fp16_tables_with_a_data_parallel_one(tmp_path):
     msg = result.read_text()
     assert "table 'bags.2' is planned data_parallel, whose lookups stay the model's own (float16), and quantize= " \
            "asks for int8: plan it table_wise, or leave it as it is" in msg, msg
+    assert "(quantize={'bags.2': 'fp16', ...}: a dict's first key naming a table decides)" in msg, msg  # (its kept dtype)
 
 
 class WeightedHalf(nn.Module):

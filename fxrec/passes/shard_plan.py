@@ -104,7 +104,8 @@ def check_quantized(gr: meta.GroupRecord, kinds: dict, plan, quantizes: bool) ->
             where = "table_wise" if r.half else "table_wise or row_wise"
             raise InputError(f"fxrec: table '{r.table}' is planned data_parallel, whose lookups stay the model's own "
                              f"({r.dtype.replace('torch.', '')}), and quantize= asks for {dt}: plan it {where}, or "
-                             "leave it as it is (quantize={..., '" + r.table + "': 'fp32'})")
+                             f"leave it as it is (quantize={{'{r.table}': '{'fp16' if r.half else 'fp32'}', ...}}: a "
+                             "dict's first key naming a table decides)")
 
 
 def _optimizer_text(gr: meta.GroupRecord, fused: str, half: bool, replicated) -> str:
