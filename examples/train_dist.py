@@ -15,7 +15,9 @@ gradients summed over ranks are the single-process gradients.
 ``--serve int8`` then checkpoints the trained model (``fxrec.checkpoint.save``, every rank), loads it
 into the plain model (``load_into_model``) and serves it quantized over the same ranks on a plan made
 for serving (``fxrec.plan(..., quantize="int8")``), comparing every rank's outputs with one
-process's int8 model of the same weights.
+process's int8 model of the same weights. The checkpoint goes to ``--ckpt-dir``, a directory every
+rank sees (shared storage across hosts); without it, a temporary directory of rank 0's, which only
+the ranks of one host see (``fxrec.checkpoint.save`` refuses it, on every rank, otherwise).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def main():
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for the others")
     ap.add_argument("--serve", default=None, metavar="DTYPE",
                     help="then checkpoint, and serve quantized (int8, int4, fp16, ...) on a plan for serving")
+    ap.add_argument("--ckpt-dir", default=None, metavar="DIR",
+                    help="--serve's checkpoint directory, which every rank sees (default: a temporary one: one host)")
     a = ap.parse_args()
     device = torch.device("cpu")
     if a.backend == "nccl":  # NCCL runs on CUDA tensors: this rank's GPU, for the model and every batch
@@ -83,7 +87,7 @@ def main():
     example = on_device(local_slice(whole, rank, a.local_batch))
     # every rank must run the same plan: made from the same (global) batch on every rank
     plan = fxrec.plan(model, on_device(whole), world_size=world, memory_per_rank="4GB", pins=mixed_pins(rows, world),
-                      batch_size=a.local_batch)
+                      batch_size=a.local_batch, device="cuda" if a.backend == "nccl" else "cpu")
     fast = fxrec.transform(model, example, plan=plan)
     if rank == 0:
         print(plan)
@@ -143,8 +147,8 @@ def serve(fast, rows, a, rank, world, whole, on_device) -> bool:
     ranks on a plan for serving; True where every rank's outputs are one process's."""
     import tempfile
 
-    where = [tempfile.mkdtemp(prefix="fxrec_train_dist_") if rank == 0 else None]
-    dist.broadcast_object_list(where)  # (one directory every rank sees: the same machine here)
+    where = [a.ckpt_dir or (tempfile.mkdtemp(prefix="fxrec_train_dist_") if rank == 0 else None)]
+    dist.broadcast_object_list(where)  # (a temporary directory of rank 0's: the ranks of its host see it)
     path = os.path.join(where[0], "trained")
     fxrec.checkpoint.save(fast, path)
     model = DLRM(rows, dim=16)
@@ -152,7 +156,7 @@ def serve(fast, rows, a, rank, world, whole, on_device) -> bool:
     model = model.to(on_device(whole)[0].device).eval()
     example = on_device(local_slice(whole, rank, a.local_batch))
     plan = fxrec.plan(model, on_device(whole), world_size=world, memory_per_rank="4GB", quantize=a.serve,
-                      batch_size=a.local_batch)
+                      batch_size=a.local_batch, device="cuda" if a.backend == "nccl" else "cpu")
     served = fxrec.transform(model, example, mode="inference", quantize=a.serve, plan=plan)
     single = fxrec.transform(model, on_device(whole), mode="inference", quantize=a.serve)
     batch = on_device(make_batch(rows, batch=a.local_batch * world, seed=99))
@@ -164,7 +168,8 @@ def serve(fast, rows, a, rank, world, whole, on_device) -> bool:
     if rank == 0:
         import shutil
 
-        shutil.rmtree(where[0], ignore_errors=True)
+        if not a.ckpt_dir:
+            shutil.rmtree(where[0], ignore_errors=True)
         print(plan.format(max_tables=6))
         print(f"served {a.serve} over {world} ranks from the checkpoint: largest difference from one process's "
               f"{a.serve} model: {float(t):.3g}")

@@ -1,13 +1,14 @@
 """The ``fbgemm`` kernel: fbgemm_gpu's table-batched embedding (TBE), built by :mod:`.fbgemm_tbe`
 (where fbgemm_gpu is imported: a missing or mismatched install fails there once, saying what to
-install); :mod:`.fbgemm_nbit` is its quantized half. A group's weight
-parameters are views into the TBE's flat weight buffer (:mod:`.fbgemm_bind`). A table whose dim is not a multiple of 4 is stored with zero columns up to the next one
-(:func:`tbe_dims`; a sequence group's tables all at the widest): its parameter is the view of its
-real columns, and the TBE's output loses the padding columns (:func:`real_columns`), so they get
-no gradient and no update. Row-wise Adagrad would average the squared gradient over the stored
-width: fbgemm's fused kernel is not used for it on padded tables (:meth:`FbgemmKernel.supports`).
-Without a fused optimizer the gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`);
-with one, fbgemm's backward applies it (its states: :mod:`.fbgemm_states`).
+install); :mod:`.fbgemm_nbit` is its quantized half. A group's weight parameters are views into
+the TBE's flat weight buffer (:mod:`.fbgemm_bind`). A table whose dim is not a multiple of 4 is
+stored with zero columns up to the next one (:func:`.fbgemm_bind.tbe_dims`; a sequence group's
+tables all at the widest): its parameter is the view of its real columns, and the TBE's output
+loses the padding columns (:func:`real_columns`), so they get no gradient and no update. Row-wise
+Adagrad would average the squared gradient over the stored width: fbgemm's fused kernel is not
+used for it on padded tables (:meth:`FbgemmKernel.supports`). Without a fused optimizer the
+gradients are PyTorch's (:class:`fxrec.runtime.grad.LookupWithGrads`); with one, fbgemm's backward
+applies it (its states: :mod:`.fbgemm_states`).
 """
 
 from __future__ import annotations
