@@ -1064,23 +1064,28 @@ def test_quantized_tables_cached_in_gpu_memory_serve_what_they_serve_uncached_an
 
 
 def _nccl_quantized_uvm_worker(rank, world, init_file, result_dir):
-    """World size 1 on NCCL, TwoBags under a plan (big row-wise, small table-wise), served int8:
-    with hbm_budget="4MB" the rank's block of big (100k int8 rows of 80 bytes) keeps its rows in
-    unified memory with an HBM cache of 20k of them ("managed_caching"), as explain says from the
-    plan, and serves what the same plan without a budget serves, bit for bit."""
+    """World size 1 on NCCL, TwoBags under a plan for serving (big row-wise, small table-wise),
+    served int8: with hbm_budget="4MB" (the plan's, which transform takes) the rank's block of big
+    (100k int8 rows of 80 bytes) keeps its rows in unified memory with an HBM cache of 20k of them
+    ("managed_caching"), as the plan and explain say, and serves what the same plan without a
+    budget serves, bit for bit."""
     from fxrec.runtime.kernels.fbgemm_nbit import in_unified_memory
 
     with _nccl_rank(rank, world, init_file, result_dir):
         torch.manual_seed(0)
         model = TwoBags().cuda().eval()
         x0 = two_bag_inputs(0)
-        plan = fxrec.plan(model, x0, world_size=world, memory_per_rank="1GB",
-                          pins={"big": "row_wise", "small": "table_wise"})
-        kw = dict(plan=plan, mode="inference", quantize="int8")
-        said = fxrec.explain(model, x0, hbm_budget="4MB", device="cuda", **kw)
-        on_device = fxrec.transform(model, x0, **kw)
+        pins = {"big": "row_wise", "small": "table_wise"}
+        plan = fxrec.plan(model, x0, world_size=world, memory_per_rank="1GB", device="cuda", quantize="int8",
+                          pins=pins)
+        budgeted = fxrec.plan(model, x0, world_size=world, memory_per_rank="1GB", device="cuda", quantize="int8",
+                              pins=pins, hbm_budget="4MB")
+        assert budgeted.unified_memory()[rank][0] == {"big": "managed_caching"}, budgeted.unified_memory()
+        kw = dict(mode="inference", quantize="int8")
+        said = fxrec.explain(model, x0, plan=budgeted, device="cuda", **kw)
+        on_device = fxrec.transform(model, x0, plan=plan, **kw)
         before = torch.cuda.memory_allocated()
-        on_uvm = fxrec.transform(model, x0, hbm_budget="4MB", **kw)
+        on_uvm = fxrec.transform(model, x0, plan=budgeted, **kw)
         gc.collect()
         assert torch.cuda.memory_allocated() - before < 100_000 * 80, "big's rows are in GPU memory"
         (g,) = on_uvm.report.groups
