@@ -274,6 +274,18 @@ def test_tables_stored_in_fp16_train_as_the_plain_model_rounded(opt_name):
     assert moved >= 6
 
 
+@contextlib.contextmanager
+def waits_for_nothing():
+    """The body under ``torch.cuda.set_sync_debug_mode("error")``: any operation that makes the host
+    wait for the GPU raises (the work queued before it is waited for first)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 class TwoBags(torch.nn.Module):
     """A 100k x 64 table (25.6 MB) and a small one: hbm_budget="20MB" sends the big one to unified memory."""
 
@@ -545,14 +557,10 @@ def test_a_training_step_and_a_quantized_call_never_wait_for_the_gpu():
     fast(*x).sum().backward()  # first calls build the TBEs and the device checks
     with torch.no_grad():
         served(*x)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with waits_for_nothing():
         fast(*x).sum().backward()
         with torch.no_grad():
             served(*x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
@@ -574,13 +582,8 @@ def test_bags_with_padding_ids_train_fused_without_waiting_for_the_gpu(mode):
         for o in (ref_opt, dense, opt):
             o.zero_grad()
         ref(*x).sin().sum().backward()
-        if s == 3:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with waits_for_nothing() if s == 3 else contextlib.nullcontext():
             fast(*x).sin().sum().backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         for o in (ref_opt, dense, opt):
             o.step()
     for (k, a), (_, b) in zip(ref.state_dict().items(), fast.state_dict().items()):
@@ -1043,12 +1046,8 @@ def test_quantized_tables_cached_in_gpu_memory_serve_what_they_serve_uncached_an
         for seed in (2, 1, 3, 2, 1):
             x = two_bag_inputs(seed)
             want = everything(*x)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with waits_for_nothing():
                 got = cached(*x)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             torch.testing.assert_close(uncached(*x), want, rtol=0, atol=0)
         torch.testing.assert_close(fxrec.export.torchscript(cached)(*x), want, rtol=0, atol=0)
@@ -1235,12 +1234,8 @@ def test_quantized_bags_with_padding_ids_serve_without_waiting_for_the_gpu():
         want = on_cpu(*x)
         y = cuda(x)  # copying the inputs from pageable host memory waits: before the check, not in it
         on_gpu(*y)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with waits_for_nothing():
             got = on_gpu(*y)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, **FP16_ROUNDING)
 
 
