@@ -6,6 +6,7 @@
 
 from . import checkpoint, export, optim, viz
 from .api import explain, transform, write_back
+from .clip_grad import clip_grad_norm_
 from .table_optimizers import make_optimizer
 from .capture import CaptureError
 from .pass_infra import InputError, PassError
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 __all__ = [
     "transform", "explain", "write_back", "make_optimizer", "optim", "export", "viz", "Report", "CaptureError", "InputError", "PassError",
     "VerificationError", "compare_models", "plan", "ShardingPlan", "TableSpec", "Topology", "PlanError", "CollectiveError",
-    "checkpoint", "__version__",
+    "checkpoint", "clip_grad_norm_", "__version__",
 ]

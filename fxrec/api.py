@@ -19,8 +19,8 @@ from .runtime.group import EmbeddingGroup
 from .runtime.kernels import KERNEL_NAMES
 from .pass_infra import Config, InputError, PassContext, PassManager
 from .pipeline import default_pipeline, explain_pipeline
-from .ranks import (check_plan, check_rank_device, check_same_setup, exchange_device, plan_per_rank, rank_note,
-                    sum_gradients_over_ranks, together)
+from .ranks import (check_dense, check_plan, check_rank_device, check_same_setup, exchange_device, plan_per_rank,
+                    rank_note, sum_gradients_over_ranks, together)
 from .report import Report, build_report
 from .table_optimizers import fused_updates_off, record_table_optimizers
 from . import meta
@@ -99,6 +99,7 @@ def transform(
     weights_precision=None,
     max_gradient: Optional[float] = None,
     device: Union[str, torch.device, None] = None,
+    dense: str = "ddp",
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -199,6 +200,14 @@ def transform(
         memory: tables that do not fit in GPU memory at all (docs/gpu.md). The example inputs stay
         where the model is; the transformed model then takes inputs on ``device``. Not with
         ``plan=`` (each rank's model and example must be on its own device).
+      dense: with ``plan=``, training: how the parameters that are not table shards (the dense
+        layers, data-parallel tables with dense gradients) are kept over the ranks. ``"ddp"``
+        (default): whole on every rank, their gradients summed by DDP's reducer. ``"fsdp"``:
+        sharded over the ranks by FSDP (torch's ``fully_shard`` on the transformed model: each rank
+        keeps a dim-0 chunk of each, and an optimizer over ``fast.parameters()`` keeps its states
+        for that chunk only; FSDP gathers them whole for the forward and backward and
+        reduce-scatters their gradients, summed). For dense layers too large to keep whole on
+        every rank between steps (docs/sharding.md).
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -215,6 +224,7 @@ def transform(
         if mode not in ("training", "inference"):
             raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
         check_weights_precision(weights_precision, mode, compares=verify or check_passes)
+        check_dense(dense, plan, mode)
         _check_output_dtype(output_dtype, quantize)
         if mode == "inference" and optimizer is not None:
             raise ValueError("fxrec: an embedding optimizer needs mode='training'")
@@ -270,7 +280,7 @@ def transform(
         check_same_setup(plan, dict(
             mode=mode, backend=backend, optimizer=optimizer, quantize=quantize, output_dtype=output_dtype,
             weights_precision=weights_precision, max_gradient=max_gradient or None, verify=verify,
-            check_passes=check_passes, reuse_outputs=reuse_outputs),
+            check_passes=check_passes, reuse_outputs=reuse_outputs, dense=dense),
             sorted((n, tuple(t.shape), str(t.dtype)) for n, t in list(model.named_parameters()) + list(model.named_buffers())),
             exchange_device(args))
 
@@ -320,14 +330,14 @@ def transform(
             bind_staged(gm)  # (pieces bound for unified memory, held in host memory until now)
         _store_lower_precision(gm)  # the rank's shards, now that they hold values
         if mode == "training":
-            sum_gradients_over_ranks(gm, records)
+            sum_gradients_over_ranks(gm, records, dense)
         # It keeps its own parameters in step over ranks: a DistributedDataParallel around it would
         # broadcast rank 0's table shards over the other ranks' and average what is already summed.
         # DDP leaves the parameters this list names (its own replicate() above takes a list of
         # parameters, not this), and, left none, refuses the model before it touches anything.
         gm.meta.setdefault("_user_preserved_attributes", {})["_ddp_params_and_buffers_to_ignore"] = sorted(
             [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()])
-        notes.append(rank_note(plan, rank))
+        notes.append(rank_note(plan, rank, dense))
         per_rank = plan_per_rank(plan)
     # the report, built once from the graph after the pipeline (every pipeline the same way)
     report = build_report(gm, report.passes, report.pass_runs, notes, per_rank)

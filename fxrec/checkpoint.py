@@ -72,6 +72,8 @@ import torch.distributed as dist
 __all__ = ["save", "load", "save_model", "load_into_model", "verify", "add_checksums", "CheckpointError"]
 
 LAYOUT_KEY = "fxrec_shard_layout"
+#: The parameters ``transform(dense="fsdp")`` has FSDP shard (its DTensors); written by fxrec.ranks.
+FSDP_KEY = "fxrec_fsdp_params"
 #: Marks a fused optimizer's state entry: ``<table fqn>.fxrec_fused.<state name>``.
 FUSED_TAG = ".fxrec_fused."
 #: A fused optimizer's step count (fbgemm's Adam): ``<table fqn>.fxrec_fused.step``, int64 ``[1]``.
@@ -87,8 +89,36 @@ from .checkpoint_planners import _dcp, _Pieces, _planners  # noqa: E402
 
 # --------------------------------------------------------------------------- what a model holds
 def _layout(module: torch.nn.Module) -> dict:
+    """The shard layout (see the module doc); a data-parallel table that FSDP shards
+    (``transform(dense="fsdp")``) is this rank's dim-0 chunk of it, as FSDP keeps it."""
     meta = getattr(module, "meta", None)
-    return dict(meta.get(LAYOUT_KEY, {})) if isinstance(meta, dict) else {}
+    layout = dict(meta.get(LAYOUT_KEY, {})) if isinstance(meta, dict) else {}
+    for fqn in set(meta.get(FSDP_KEY, ()) if isinstance(meta, dict) else ()) & set(layout):
+        (rows, dim), _ = layout[fqn]
+        row_off, n = _chunk(module.get_parameter(fqn))
+        layout[fqn] = ((rows, dim), [(row_off, n, 0, dim, 0)])
+    return layout
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local part (FSDP's dim-0 chunk of a parameter or of
+    its optimizer state), any other tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _chunk(t: torch.Tensor):
+    """``(first row, rows)`` of the DTensor ``t`` on this rank (FSDP shards dim 0)."""
+    [chunk] = t.__create_chunk_list__()  # (DCP's own question to a DTensor: its local chunk's offsets)
+    if any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != tuple(t.shape[1:]):
+        raise CheckpointError(f"fxrec.checkpoint: a parameter of shape {tuple(t.shape)} is not sharded by rows here "
+                              f"(chunk at {tuple(chunk.offsets)} of {tuple(chunk.sizes)})")
+    return int(chunk.offsets[0]), int(chunk.sizes[0])
 
 
 def _state_cut(fqn: str, layout: dict, per_row: bool):
@@ -116,10 +146,10 @@ def _pieces_of(module: torch.nn.Module, layout: dict, tensors: Optional[Dict[str
         # keeps no parameter for it)
         pieces = [p for p in pieces if p[1] and p[3]]
         if pieces and tensors is not None and fqn in tensors:
-            param = tensors[fqn].detach()
+            param = _local(tensors[fqn].detach())
         elif pieces:
             try:
-                param = module.get_parameter(fqn).detach()
+                param = _local(module.get_parameter(fqn).detach())
             except AttributeError as e:
                 raise CheckpointError(f"fxrec.checkpoint: the shard layout gives this rank pieces of table '{fqn}', "
                                       "but the model has no such parameter") from e

@@ -41,7 +41,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .checkpoint import FUSED_TAG, OPTIM_TAG, CheckpointError, _fmt, _pieces_of, _read_metadata, _state_cut
+from .checkpoint import (FUSED_TAG, OPTIM_TAG, CheckpointError, _fmt, _is_dtensor, _local, _pieces_of, _read_metadata,
+                         _state_cut)
 from .runtime.optimizer import UNIT_KEYS, CombinedOptimizer, fused_hyperparameters
 
 INFO_FILE = "fxrec_optimizer.json"
@@ -316,7 +317,7 @@ def read_records(path: str) -> Optional[Dict[str, dict]]:
 @dataclass
 class _Target:
     """One torch optimizer's load: per parameter (in its groups' order) the states to give it
-    (name -> ("piece", tensor, kind, sparse dims) | ("whole", entry, kind, sparse dims) | ("value", value);
+    (name -> ("piece", tensor, kind, sparse dims, param) | ("whole", entry, kind, sparse dims, param) | ("value", value);
     sparse dims 0: loaded dense) or None (kept),
     and per group the hyperparameters to put over its own (or None)."""
 
@@ -347,6 +348,8 @@ class Load:
             if spec[0] == "value":
                 return spec[1]
             t = spec[1] if spec[0] == "piece" else staged[spec[1]]
+            if _is_dtensor(spec[4]) and spec[2] != "tensor" and not _is_dtensor(t):
+                t = _sharded_like(spec[4], t, spec[2])  # the state of a parameter FSDP shards: a DTensor like it
             t = t.squeeze(1) if spec[2] == "rows" else t
             return t.to_sparse(spec[3]) if spec[3] else t
 
@@ -370,6 +373,16 @@ class Load:
             for group, hps in self.fused_lr:
                 current.get(group.get("fxrec_fused"), group).update(hps)
             self.optimizer._sync_fused_lr()
+
+
+def _sharded_like(p: torch.Tensor, local: torch.Tensor, kind: str) -> torch.Tensor:
+    """``local`` (this rank's rows of a state of the DTensor parameter ``p``: FSDP's dim-0 chunk; a
+    per-row state as a ``[rows, 1]`` column) as a DTensor sharded as ``p`` is."""
+    from torch.distributed.tensor import DTensor
+
+    shape = (p.shape[0], 1) if kind == "rows" else tuple(p.shape)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 #: steppers with no state, the same update fused or stepped by torch.optim (a table may move between
@@ -535,12 +548,18 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
                         except CheckpointError as e:
                             problems.append(str(e).replace("fxrec.checkpoint: ", ""))
                             continue
-                        local = (p.shape[0], 1) if kind == "rows" else tuple(p.shape)
+                        here = _local(p)  # (FSDP's chunk of a data-parallel table: the layout cuts it so)
+                        local = (here.shape[0], 1) if kind == "rows" else tuple(here.shape)
                         t = out.cut_tensors[entry] = torch.empty(local, dtype=dtype, device=p.device)
-                        got[name] = ("piece", t, kind, sparse.get(name, 0))
+                        got[name] = ("piece", t, kind, sparse.get(name, 0), p)
+                    elif _is_dtensor(p) and kind != "tensor":  # FSDP's: DCP reads this rank's chunk of it
+                        out.whole[entry] = _sharded_like(p, torch.empty(
+                            (_local(p).shape[0],) + ((1,) if kind == "rows" else tuple(p.shape[1:])),
+                            dtype=dtype, device=p.device), kind)
+                        got[name] = ("whole", entry, kind, sparse.get(name, 0), p)
                     else:  # zero strides: _load_staged allocates the tensor it reads into
                         out.whole[entry] = torch.empty((), dtype=dtype, device=p.device).expand(tuple(meta.size))
-                        got[name] = ("whole", entry, kind, sparse.get(name, 0))
+                        got[name] = ("whole", entry, kind, sparse.get(name, 0), p)
                 target.states.append(got)
             target.groups.append(_group_hyperparameters(hps, strict, problems))
         out.targets.append(target)

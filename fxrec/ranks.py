@@ -158,20 +158,42 @@ def check_same_setup(plan, settings: dict, model: list, device: torch.device) ->
                      "tables a per-rank plan could place differently")
 
 
-def sum_gradients_over_ranks(gm: fx.GraphModule, records) -> None:
+#: ``transform(plan=..., dense=...)``: how the parameters that are not table shards are kept over ranks
+DENSE = ("ddp", "fsdp")
+
+
+def check_dense(dense, plan, mode: str) -> None:
+    if dense not in DENSE:
+        raise ValueError(f"fxrec: dense must be one of {DENSE}, got {dense!r}")
+    if dense == "fsdp" and plan is None:
+        raise ValueError("fxrec: dense='fsdp' shards the model's other parameters over the ranks of a sharding plan; "
+                         "without plan= the model is not sharded: wrap the transformed model in "
+                         "torch.distributed.fsdp.fully_shard yourself, leaving its tables out (ignored_params)")
+    if dense == "fsdp" and mode != "training":
+        raise ValueError("fxrec: dense='fsdp' shards the parameters trained over ranks; mode='inference' keeps "
+                         "them whole on every rank (leave dense='ddp')")
+
+
+def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") -> None:
     """Every parameter that is not a table shard is whole on every rank: sum its gradient. DDP
     (``replicate_whole``) does it for all of them but the tables with sparse gradients, which DDP's
-    communication hooks cannot take: those keep a hook each, which sums them sparse (``sparse_sum``)."""
-    from .runtime.collectives import all_reduce_grad, replicate_whole
+    communication hooks cannot take: those keep a hook each, which sums them sparse (``sparse_sum``).
+    ``dense="fsdp"``: FSDP (``shard_whole``) keeps them sharded over the ranks instead, the sparse
+    ones as with DDP."""
+    from .runtime.collectives import all_reduce_grad, replicate_whole, shard_whole
 
     sharded = gm.meta.get("fxrec_sharded_params", {})
     params = dict(gm.named_parameters())
     sparse = {r.param for r in records if r.sparse and r.param in params and r.param not in sharded}
-    # a parameter no gradient reaches (export keeps unread ones; one read only under torch.no_grad()
-    # or through .detach()) makes DDP wait for it unless told (the second step raised)
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and carries_gradient(n)}
-    unused = any(p.requires_grad and n not in used for n, p in params.items() if n not in sharded)
-    replicate_whole(gm, set(sharded) | sparse, unused)
+    if dense == "fsdp":
+        gm.meta["fxrec_fsdp_params"] = shard_whole(  # (fxrec.checkpoint.FSDP_KEY)
+            gm, set(sharded) | sparse)
+    else:
+        # a parameter no gradient reaches (export keeps unread ones; one read only under torch.no_grad()
+        # or through .detach()) makes DDP wait for it unless told (the second step raised)
+        used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and carries_gradient(n)}
+        unused = any(p.requires_grad and n not in used for n, p in params.items() if n not in sharded)
+        replicate_whole(gm, set(sharded) | sparse, unused)
     for name in sparse:
         if params[name].requires_grad:
             params[name].register_hook(all_reduce_grad(name))
@@ -183,7 +205,7 @@ def plan_per_rank(plan) -> list:
             for r, (b, c) in enumerate(zip(plan.rank_bytes(), plan.rank_cost_ms()))]
 
 
-def rank_note(plan, rank: int) -> str:
+def rank_note(plan, rank: int, dense: str = "ddp") -> str:
     def piece(s) -> str:  # (first..last, as the id errors give a table's rows)
         tp = plan.tables[s.table]
         cols = f", columns {s.col_offset}..{s.col_offset + s.num_cols - 1}" if s.num_cols != tp.spec.dim else ""
@@ -191,4 +213,6 @@ def rank_note(plan, rank: int) -> str:
 
     mine = [piece(s) for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
     return (f"rank {rank} of {plan.topology.world_size}: holds {', '.join(mine) or 'no table shards'}; "
-            "the gradients of every other parameter are summed over ranks in backward")
+            + ("every other parameter is sharded over the ranks by FSDP (this rank holds a dim-0 chunk of each, "
+               "gathered for the forward and backward), its gradients summed over ranks"
+               if dense == "fsdp" else "the gradients of every other parameter are summed over ranks in backward"))

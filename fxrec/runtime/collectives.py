@@ -282,6 +282,43 @@ def _exact_sums_hook(state: ExactSums, bucket):
     return state.comm_hook(bucket)
 
 
+def shard_whole(module: torch.nn.Module, leave: set) -> List[str]:
+    """Shard ``module``'s parameters other than ``leave`` (table shards, tables with sparse
+    gradients) over the ranks with FSDP (torch's ``fully_shard`` on the module itself, in place):
+    each rank keeps dim-0 chunks of them (DTensors) and of their optimizer states; FSDP gathers
+    them whole before the forward and backward and reduce-scatters their gradients, summed (a
+    divide factor of 1: the single process's gradients, as DDP's hook sums). Rank 0's values are
+    broadcast first, as DDP's set-up does (fully_shard keeps each rank's own chunk of its own
+    copy), and so are the buffers of the modules that hold no table (after that each rank keeps
+    its own: FSDP does not broadcast them at every forward as DDP does). Returns the names FSDP
+    shards ([]: none, and FSDP is not applied)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    params = dict(module.named_parameters())
+    kept = [n for n in params if n not in leave]
+    if not kept:
+        return []
+    device = params[kept[0]].device
+    owners = {n.rpartition(".")[0] for n in leave if n in params}
+    buffers = [b for n, b in module.named_buffers()
+               if not any(o == "" or n.startswith(o + ".") for o in owners)]
+    try:
+        with torch.no_grad():
+            for t in [params[n] for n in kept] + buffers:
+                whole = t.detach() if t.is_contiguous() else t.detach().contiguous()
+                dist.broadcast(whole, 0)
+                if whole.data_ptr() != t.data_ptr():
+                    t.detach().copy_(whole)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        fully_shard(module, mesh=mesh, ignored_params={params[n] for n in leave if n in params})
+    except Exception as e:  # noqa: BLE001 - re-raised naming the step
+        raise _fail("FSDP's set-up (fully_shard of the parameters outside the tables)", "fxrec.transform", e) from e
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; nothing to divide)
+    return kept
+
+
 def replicate_whole(module: torch.nn.Module, leave: set, unused: bool) -> List[str]:
     """Sum the gradients of ``module``'s trainable parameters over ranks with DDP's reducer
     (buckets, overlapped with backward), in place: torch's composable ``replicate``, with a

@@ -1,0 +1,352 @@
+"""``transform(plan=..., dense="fsdp")``: the parameters that are not table shards (dense layers,
+data-parallel tables with dense gradients) sharded over the ranks by FSDP (torch's fully_shard on
+the transformed model) instead of kept whole by DDP. gloo, world size 2, against the plain model
+on the global batch."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxrec
+
+from .test_sharding import LOCAL_B, error_of, global_batch, gloo_group, local_batch, spawn
+from .test_sharding_dense import SparseModel
+
+DENSE = ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "bags.2.weight")
+
+
+def _fsdp_model(rank, world, seed=0, optimizer=None, pins=None):
+    """SparseModel, a copy of it, and it sharded with dense='fsdp': a row-wise table, a data-parallel
+    table with sparse gradients, a data-parallel table with dense ones, a table-wise table."""
+    torch.manual_seed(seed)
+    model = SparseModel()
+    ref = copy.deepcopy(model)
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    pins = pins or {"bags.0": "row_wise", "bags.1": "data_parallel", "bags.2": "data_parallel",
+                    "single": ("table_wise", 1)}
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+    return model, ref, fxrec.transform(model, example, plan=plan, dense="fsdp", optimizer=optimizer)
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _steps(rank, world, fast, ref, opt, ref_opt, steps, first=1, label=""):
+    for step in range(first, first + steps):
+        x = global_batch(LOCAL_B * world, step)
+        want = ref(*x)
+        got = fast(*local_batch(x, rank, LOCAL_B))
+        torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=lambda m: f"{label} step {step}: {m}")
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        want.sum().backward()
+        got.sum().backward()
+        ref_opt.step()
+        opt.step()
+
+
+def _worker(rank, world, init_file):
+    with gloo_group(rank, world, init_file):
+        model, ref, fast = _fsdp_model(rank, world)
+        params = dict(fast.named_parameters())
+        for name in DENSE:  # dim-0 chunks, rank 0 the first
+            p = params[name]
+            assert type(p).__name__ == "DTensor", (name, type(p))
+            whole = ref.get_parameter(name).shape[0]
+            assert p.to_local().shape[0] == min(-(-whole // world), whole - rank * -(-whole // world)), name
+        assert not hasattr(params["bags.1.weight"], "to_local")  # sparse gradients: summed by a hook, as with DDP
+        opt = torch.optim.SGD(fast.parameters(), lr=0.1)  # (not Adagrad or Adam: they hide a gradient's scale)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        _steps(rank, world, fast, ref, opt, ref_opt, 4)
+        for name in DENSE + ("bags.1.weight",):
+            torch.testing.assert_close(_full(params[name]).detach(), ref.get_parameter(name).detach(), msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_shards_the_dense_parameters_and_trains_as_the_plain_model():
+    spawn(_worker, 2)
+
+
+PLAN_B = {"bags.0": "table_wise", "bags.1": "data_parallel", "bags.2": "data_parallel", "single": "row_wise"}
+
+
+def _checkpoint_worker(rank, world, init_file, path):
+    """Train 2 steps with FSDP under one plan, save with the optimizer; resume under another plan
+    with FSDP and with DDP, each 2 steps against the plain model trained on without a break."""
+    with gloo_group(rank, world, init_file):
+        model, ref, fast = _fsdp_model(rank, world)
+        opt = torch.optim.Adagrad(fast.parameters(), lr=0.1)
+        ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+        _steps(rank, world, fast, ref, opt, ref_opt, 2)
+        fxrec.checkpoint.save(fast, path + "/a", optimizer=opt)
+        saved_ref = copy.deepcopy((ref.state_dict(), ref_opt.state_dict()))
+        _steps(rank, world, fast, ref, opt, ref_opt, 2, first=3)
+        after = copy.deepcopy((ref.state_dict(), ref_opt.state_dict()))
+        for dense in ("fsdp", "ddp"):
+            _, ref2, fast2 = _fsdp_model(rank, world, seed=5, pins=PLAN_B) if dense == "fsdp" else (None, None, None)
+            if dense == "ddp":
+                torch.manual_seed(5)
+                m = SparseModel()
+                example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+                plan = fxrec.plan(m, example, world_size=world, memory_per_rank="1GB", pins=PLAN_B)
+                fast2, ref2 = fxrec.transform(m, example, plan=plan), copy.deepcopy(m)
+            opt2 = torch.optim.Adagrad(fast2.parameters(), lr=0.1)
+            fxrec.checkpoint.load(fast2, path + "/a", optimizer=opt2)
+            ref2_opt = torch.optim.Adagrad(ref2.parameters(), lr=0.1)
+            ref2.load_state_dict(saved_ref[0])
+            ref2_opt.load_state_dict(copy.deepcopy(saved_ref[1]))  # (load_state_dict keeps the tensors given)
+            _steps(rank, world, fast2, ref2, opt2, ref2_opt, 2, first=3, label=dense)
+            for name, want in after[0].items():
+                if name in ("bags.0.weight", "single.weight"):
+                    continue  # (sharded tables: checked through the outputs)
+                got = fast2.state_dict()[name]
+                torch.testing.assert_close(_full(got), want, msg=f"{dense}: {name}")
+        if dense == "ddp":  # the DDP model's checkpoint into an FSDP one
+            fxrec.checkpoint.save(fast2, path + "/b", optimizer=opt2)
+            _, ref3, fast3 = _fsdp_model(rank, world, seed=7)
+            opt3 = torch.optim.Adagrad(fast3.parameters(), lr=0.1)
+            fxrec.checkpoint.load(fast3, path + "/b", optimizer=opt3)
+            ref3.load_state_dict(ref2.state_dict())
+            ref3_opt = torch.optim.Adagrad(ref3.parameters(), lr=0.1)
+            ref3_opt.load_state_dict(ref2_opt.state_dict())
+            _steps(rank, world, fast3, ref3, opt3, ref3_opt, 2, first=5)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_checkpoints_resume_under_another_plan_with_fsdp_and_ddp_and_in_one_process(tmp_path):
+    spawn(_checkpoint_worker, 2, str(tmp_path))
+    torch.manual_seed(0)
+    model = SparseModel()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    fxrec.checkpoint.load_into_model(model, str(tmp_path / "a"), optimizer=opt)
+    torch.manual_seed(0)  # the plain model trained 2 steps on the global batch
+    ref = SparseModel()
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    for step in (1, 2):
+        ref_opt.zero_grad()
+        ref(*global_batch(LOCAL_B * 2, step)).sum().backward()
+        ref_opt.step()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], want, msg=name)
+    for a, b in zip(opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+        torch.testing.assert_close(a["sum"].to_dense(), b["sum"].to_dense())
+
+
+def _fused_worker(rank, world, init_file):
+    """Fused Adagrad on the tables, SGD with momentum on the rest (FSDP's DTensors) through
+    make_optimizer."""
+    with gloo_group(rank, world, init_file):
+        pins = {"bags.0": "row_wise", "bags.1": "table_wise", "bags.2": "data_parallel", "single": ("table_wise", 1)}
+        model, ref, fast = _fsdp_model(rank, world, optimizer=fxrec.optim.Adagrad(lr=0.1), pins=pins)
+        assert any(getattr(m, "fused_active", False) for m in fast.modules())  # (Adagrad fused into backward)
+        opt = fast.make_optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+        tables = [p for n, p in ref.named_parameters() if n.startswith(("bags", "single"))]
+        dense = [p for n, p in ref.named_parameters() if not n.startswith(("bags", "single"))]
+        ref_tables = torch.optim.Adagrad(tables, lr=0.1)
+        ref_dense = torch.optim.SGD(dense, lr=0.05, momentum=0.9)
+        for step in range(1, 4):
+            ref_tables.zero_grad()
+            ref_dense.zero_grad()
+            opt.zero_grad()
+            x = global_batch(LOCAL_B * world, step)
+            want = ref(*x)
+            got = fast(*local_batch(x, rank, LOCAL_B))
+            torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step}")
+            want.sum().backward()
+            got.sum().backward()
+            ref_tables.step()
+            ref_dense.step()
+            opt.step()
+        params = dict(fast.named_parameters())
+        for name in ("mlp.0.weight", "mlp.2.bias", "bags.2.weight"):
+            assert type(params[name]).__name__ == "DTensor", name
+            torch.testing.assert_close(_full(params[name]).detach(), ref.get_parameter(name).detach(), msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_with_fused_table_optimizers_and_make_optimizer_trains_as_the_plain_model():
+    spawn(_fused_worker, 2)
+
+
+def _accumulating_worker(rank, world, init_file):
+    """Micro-batches with FSDP's gradient sync on for each, and off but for the last; two losses'
+    backward calls through one forward: the sums of the plain model's gradients."""
+    with gloo_group(rank, world, init_file):
+        model, ref, fast = _fsdp_model(rank, world)
+        opt = torch.optim.SGD(fast.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            if step == 2:  # one forward, two losses' backward calls
+                x = global_batch(LOCAL_B * world, 99)
+                want, got = ref(*x), fast(*local_batch(x, rank, LOCAL_B))
+                for loss in (lambda y: y.sum(), lambda y: (y * y).sum()):
+                    loss(want).backward(retain_graph=True)
+                    loss(got).backward(retain_graph=True)
+            for micro in range(3 if step < 2 else 0):
+                x = global_batch(LOCAL_B * world, 10 * step + micro + 1)
+                if step == 1:  # (FSDP's own accumulation: sync for the last micro-batch only)
+                    fast.set_requires_gradient_sync(micro == 2)
+                ref(*x).sum().backward()
+                fast(*local_batch(x, rank, LOCAL_B)).sum().backward()
+            fast.set_requires_gradient_sync(True)
+            ref_opt.step()
+            opt.step()
+        for name in DENSE + ("bags.1.weight",):
+            torch.testing.assert_close(_full(dict(fast.named_parameters())[name]).detach(),
+                                       ref.get_parameter(name).detach(), msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_sums_gradients_of_micro_batches_and_of_two_backward_calls_as_the_plain_model():
+    spawn(_accumulating_worker, 2)
+
+
+# ------------------------------------------------------------------ fxrec.clip_grad_norm_
+def plain_clip(model, max_norm, norm_type=2.0):
+    """torch's clip_grad_norm_ on the plain model, its sparse gradients counted dense (torch's own
+    refuses them)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    dense = [g.to_dense() if g.is_sparse else g for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in dense]), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def _clip_worker(rank, world, init_file, dense, norm_type):
+    """Three steps with the gradients clipped (to a norm below theirs) before SGD's step, against the
+    plain model clipped the same way on the global batch: the same norm on every rank, the same
+    parameters after."""
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = SparseModel()
+        ref = copy.deepcopy(model)
+        example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+        pins = {"bags.0": "row_wise", "bags.1": "data_parallel", "bags.2": "data_parallel",
+                "single": {"sharding": "column_wise", "ranks": [0, 1]}}
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins)
+        fast = fxrec.transform(model, example, plan=plan, dense=dense)
+        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(1, 4):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            x = global_batch(LOCAL_B * world, step)
+            ref(*x).sum().backward()
+            fast(*local_batch(x, rank, LOCAL_B)).sum().backward()
+            want = plain_clip(ref, 0.5, norm_type)
+            got = fxrec.clip_grad_norm_(fast, 0.5, norm_type)
+            assert want > 0.5, want  # (it clips)
+            torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=0, msg=f"step {step}")
+            every = [torch.zeros(()) for _ in range(world)]
+            dist.all_gather(every, got)
+            assert all(torch.equal(e, every[0]) for e in every), every  # the same factor on every rank
+            ref_opt.step()
+            opt.step()
+        params = dict(fast.named_parameters())
+        for name in DENSE + ("bags.1.weight",):
+            torch.testing.assert_close(_full(params[name]).detach(), ref.get_parameter(name).detach(), msg=name)
+        x = global_batch(LOCAL_B * world, 9)  # (the sharded tables: through the outputs)
+        torch.testing.assert_close(fast(*local_batch(x, rank, LOCAL_B)), ref(*x)[rank * LOCAL_B:(rank + 1) * LOCAL_B])
+        dist.barrier()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("dense,norm_type", [("ddp", 2.0), ("fsdp", 2.0), ("ddp", float("inf")), ("fsdp", 1.0)])
+def test_clip_grad_norm_clips_a_sharded_model_by_the_plain_models_norm(dense, norm_type):
+    spawn(_clip_worker, 2, dense, norm_type)
+
+
+def test_clip_grad_norm_in_one_process_is_torchs_with_sparse_gradients_and_fused_tables_left_out():
+    torch.manual_seed(0)
+    model = SparseModel()
+    ref = copy.deepcopy(model)
+    fast = fxrec.transform(model, global_batch(8, 0))
+    x = global_batch(8, 1)
+    ref(*x).sum().backward()
+    fast(*x).sum().backward()
+    torch.testing.assert_close(fxrec.clip_grad_norm_(fast, 0.3), plain_clip(ref, 0.3).float(), rtol=1e-6, atol=0)
+    for (n, a), (_, b) in zip(fast.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(a.grad.to_dense(), b.grad.to_dense(), msg=n)
+    ref.zero_grad()  # (the test's plain_clip is torch's, where torch's takes the gradients)
+    ref(*x).sum().backward()
+    ref.bags[1].weight.grad = None
+    twin = copy.deepcopy(ref)
+    for a, b in zip(ref.parameters(), twin.parameters()):
+        b.grad = None if a.grad is None else a.grad.clone()
+    torch.testing.assert_close(plain_clip(ref, 0.3), torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.3))
+    for a, b in zip(ref.parameters(), twin.parameters()):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)
+    fused = fxrec.transform(model, global_batch(8, 0), optimizer=fxrec.optim.SGD(lr=0.1))
+    fused(*x).sum().backward()
+    assert fused.get_parameter("bags.0.weight").grad is None  # (updated in backward: no gradient to clip)
+    rest = [p.grad for n, p in fused.named_parameters() if p.grad is not None]
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.to_dense()) for g in rest]))
+    torch.testing.assert_close(fxrec.clip_grad_norm_(fused, 1e9), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("args,words", [((-1.0,), "max_norm must be a number >= 0"),
+                                        ((1.0, 0), "norm_type must be a number > 0"),
+                                        ((float("nan"),), "max_norm must be")])
+def test_clip_grad_norm_refuses_bad_arguments(args, words):
+    with pytest.raises(fxrec.InputError, match=words):
+        fxrec.clip_grad_norm_(SparseModel(), *args)
+
+
+def test_clip_grad_norm_raises_on_a_non_finite_norm_when_asked():
+    model = SparseModel()
+    model.mlp[0].weight.grad = torch.full_like(model.mlp[0].weight, float("inf"))
+    with pytest.raises(RuntimeError, match="total norm of order 2.0 of the gradients is inf"):
+        fxrec.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+    assert fxrec.clip_grad_norm_(model, 1.0).isinf()
+
+
+# ------------------------------------------------------------------ refusals and the report
+def test_dense_fsdp_needs_a_plan_and_dense_takes_ddp_or_fsdp():
+    model = SparseModel()
+    with pytest.raises(ValueError, match="dense='fsdp' shards the model's other parameters over the ranks of a "
+                                         "sharding plan.*fully_shard yourself"):
+        fxrec.transform(model, global_batch(8, 0), dense="fsdp")
+    with pytest.raises(ValueError, match=r"dense must be one of \('ddp', 'fsdp'\), got 'zero3'"):
+        fxrec.transform(model, global_batch(8, 0), dense="zero3")
+
+
+def _inference_fsdp(rank, world):
+    model = SparseModel()
+    example = local_batch(global_batch(LOCAL_B * world, 0), rank, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"bags.0": "row_wise"})
+    fxrec.transform(model, example, plan=plan, mode="inference", dense="fsdp")
+
+
+def test_dense_fsdp_is_refused_for_inference(tmp_path):
+    msg = error_of(tmp_path, 2, _inference_fsdp)
+    assert "dense='fsdp' shards the parameters trained over ranks; mode='inference'" in msg, msg
+
+
+def _report_worker(rank, world, init_file, out):
+    with gloo_group(rank, world, init_file):
+        _, _, fast = _fsdp_model(rank, world)
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(str(fast.report))
+        dist.barrier()
+    os._exit(0)
+
+
+def test_the_report_says_fsdp_shards_the_other_parameters(tmp_path):
+    spawn(_report_worker, 2, str(tmp_path / "report.txt"))
+    text = (tmp_path / "report.txt").read_text()
+    assert "rank 0 of 2: holds bags.0 (row_wise, rows 0..19); every other parameter is sharded over the ranks by " \
+           "FSDP" in text, text
