@@ -281,6 +281,31 @@ def test_per_sample_weights_follow_the_tables_dtype_after_double():
         fast(ids, offsets, psw)
 
 
+@pytest.mark.parametrize("form", ["default", "fbgemm", "reference", "fused", "int8", "int8_torchscript"])
+def test_per_sample_weights_on_another_device_than_their_ids_are_refused_naming_the_feature(form):
+    """(They were read: the meta tensor's memory taken as weights, a garbage answer on every kernel
+    but fbgemm's training one, and in the TorchScript serving module; plain PyTorch reads garbage too.)"""
+    from tests.test_torchscript import _Weighted
+
+    model = _Weighted()
+    ids, offsets, psw = torch.arange(1, 9), torch.tensor([0, 2, 4, 6]), torch.rand(8)
+    kwargs = {"default": {}, "fbgemm": dict(backend="fbgemm"), "reference": dict(backend="reference"),
+              "fused": dict(optimizer=fxrec.optim.SGD(lr=0.1)),
+              "int8": dict(mode="inference", quantize="int8"), "int8_torchscript": dict(mode="inference", quantize="int8")}
+    fast = fxrec.transform(model.eval() if "int8" in form else model, (ids, offsets, psw), **kwargs[form])
+    if form == "int8_torchscript":
+        fast = fxrec.export.torchscript(fast)
+    torch.testing.assert_close(fast(ids, offsets, psw), fast(ids, offsets, psw.clone()))  # (it runs with them)
+    words = (r"per-sample weights of feature 'ids' \(table 'bag'\) are on meta and its ids on cpu: give both on the "
+             r"device of the tables" if form == "int8_torchscript" else
+             r"feature 'ids' \(table 'bag'\) got per-sample weights on meta, but the table is on cpu")
+    with pytest.raises((ValueError, torch.jit.Error), match=words):
+        fast(ids, offsets, psw.to("meta"))
+    if form != "int8_torchscript":
+        with pytest.raises(ValueError, match=r"feature 'ids' \(table 'bag'\) got ids on meta, but the table is on cpu"):
+            fast(ids.to("meta"), offsets, psw)
+
+
 def test_example_inputs_on_the_meta_device_are_refused():
     """(They were taken, and the first real call failed naming offsets 'on meta' it was not given.)"""
     model = torch.nn.EmbeddingBag(50, 4)

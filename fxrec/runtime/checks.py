@@ -12,7 +12,7 @@ import torch
 
 from ._tracing import exporting, reads_values
 from .device_ints import refuse_in_capture
-from .packing import _dtype
+from .packing import _device, _dtype, weights_elsewhere
 from .specs import FeatureSpec
 
 
@@ -104,7 +104,7 @@ class InputChecks:
                 f"'{self.tables[f.table].name}', which has {rows} rows (valid ids: 0..{rows - 1})"
             )
 
-    def _check_weights(self, psw_list, weights=None) -> None:
+    def _check_weights(self, psw_list, ids_list, weights=None) -> None:
         """Per-sample weights of the dtype of the group's tables (``weights``: its parameters, of the
         model's dtype, which ``.double()`` changes; float32 or float16 as captured where none are
         given; fp32 tables stored lower by weights_precision= still take float32), as
@@ -113,15 +113,18 @@ class InputChecks:
         want = self._psw_dtypes
         if weights and not self.weights and weights[0].dtype not in want:
             want = {weights[0].dtype}
-        try:  # (the common case in C-level reads: every feature weighted, of that dtype)
-            if set(map(_dtype, psw_list)) <= want:
+        try:  # (the common case in C-level reads: every feature weighted, of that dtype, where its ids are)
+            if set(map(_dtype, psw_list)) <= want and list(map(_device, psw_list)) == list(map(_device, ids_list)):
                 return
         except AttributeError:  # a feature without weights (None): one by one
             pass
-        for f, psw in zip(self.features, psw_list):
+        for f, psw, ids, where in zip(self.features, psw_list, ids_list, self._where):
             if psw is not None and psw.dtype not in want:
                 raise TypeError(f"fxrec: feature '{f.name}' (table '{self.tables[f.table].name}') got per-sample "
                                 f"weights of dtype {psw.dtype}; they must be {next(iter(want))}, the dtype of its table")
+            if psw is not None and psw.device != ids.device:  # (the one that is not where the tables are named)
+                self._check_devices(ids_list, [None] * len(ids_list), psw_list, weights or [], None)
+                raise ValueError(weights_elsewhere(where, psw, ids))
 
     def _check_offsets(self, f: FeatureSpec, ids: torch.Tensor, offsets: torch.Tensor) -> None:
         if offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):

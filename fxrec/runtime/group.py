@@ -39,7 +39,7 @@ def group_forward(forward):
     * a bag's ids and offsets of different integer dtypes are both taken as their common dtype,
       as ``F.embedding_bag`` does (int16 ids with int64 offsets are int64 ids);
     * per-sample weights must have the tables' dtype (float32, or float16 for the model's fp16 tables), as
-      ``F.embedding_bag`` wants (its weight's dtype);
+      ``F.embedding_bag`` wants (its weight's dtype), and be where their ids are;
       fbgemm's kernels would convert others: a TypeError names the feature;
     * while torch.export traces, the checks of ids and offsets become graph ops (``_assert_inputs``);
     * an error raised inside is first checked for inputs on another device than the tables, and
@@ -53,7 +53,7 @@ def group_forward(forward):
         if self._bag_features:
             ids_list, offsets_list = self._promote_bags(ids_list, offsets_list)
         if self._any_weighted:
-            self._check_weights(psw_list, params[0] if params else None)
+            self._check_weights(psw_list, ids_list, params[0] if params else None)
         if exporting():
             self._check_count(ids_list)
             self._assert_inputs(ids_list, offsets_list)

@@ -32,6 +32,14 @@ _INTS = frozenset((torch.int64, torch.int32))
 _FLOAT32 = {torch.float32}
 _FLOAT16 = {torch.float16}
 _dtype = attrgetter("dtype")
+_device = attrgetter("device")
+
+
+def weights_elsewhere(where: str, psw: Tensor, ids: Tensor) -> str:
+    """The error for per-sample weights on another device than their ids (the kernels would read a
+    meta tensor's memory, or another device's, as their own)."""
+    return ("fxrec: per-sample weights of " + where + " are on " + str(psw.device) + " and its ids on "
+            + str(ids.device) + ": give both on the device of the tables")
 
 
 def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_list: List[Optional[Tensor]],
@@ -80,6 +88,8 @@ def pack_bags(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], psw_
             # (as F.embedding_bag; the kernels would read weights past the end, or ignore some)
             raise ValueError("fxrec: per-sample weights of " + where[i] + " have shape " + str(list(psw.shape))
                              + ", its ids " + str(list(ids.shape)) + ": they must have the ids' shape")
+        if psw is not None and psw.device != ids.device:
+            raise ValueError(weights_elsewhere(where[i], psw, ids))
         if form == 0:  # bag
             flat = ids if ids.dim() == 1 else ids.reshape(-1)
             given = offsets_list[i]
@@ -203,7 +213,8 @@ def _pack_uniform(ids_list: List[Tensor], offsets_list: List[Optional[Tensor]], 
         try:
             if (list(map(Tensor.dim, psw_list)) != dims or list(map(Tensor.numel, psw_list)) != counts
                     or list(map(len, psw_list)) != list(map(len, ids_list))
-                    or set(map(_dtype, psw_list)) not in (_FLOAT32, _FLOAT16)):
+                    or set(map(_dtype, psw_list)) not in (_FLOAT32, _FLOAT16)
+                    or list(map(_device, psw_list)) != list(map(_device, ids_list))):
                 return None
         except TypeError:  # a feature without weights (None)
             return None
