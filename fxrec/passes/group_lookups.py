@@ -12,7 +12,9 @@ or the order of side effects below).
    one *unit* that is grouped as a whole. A one-id lookup (``single``, pooled by sum) gives the
    same numbers pooled by mean, or unpooled as a [B] sequence, so it takes the pooling of its
    table's other lookups (and of the other pooled lookups, when its table has no others and they
-   are all pooled by mean). What still differs is left as it was, with the reason: a lookup of
+   are all pooled by mean); ``[B, L]`` ids pooled by the model's sum or mean are looked up
+   unpooled, the model's op then pooling them, when their table is also looked up unpooled. What
+   still differs is left as it was, with the reason: a lookup of
    another kind (bag-pooled vs unpooled, weighted vs unweighted, over another batch size, ...), one whose ids are
    computed from its own table's lookup, one whose table's lookups are tied through the lookups
    of another table.
@@ -150,7 +152,11 @@ def _single_ids_join(records: List[meta.LookupRecord]) -> List[meta.LookupRecord
     TBE with, since the numbers are the same: a sequence lookup of [B] ids ([B, D] out) when their
     table is also looked up unpooled (DIN's candidate and history); pooled by mean when the
     table's other lookups are (the mean of one row is the row); and pooled by mean when their
-    table has no other lookups and the pooled lookups they could join are all pooled by mean."""
+    table has no other lookups and the pooled lookups they could join are all pooled by mean.
+    ``[B, L]`` ids pooled by the model's ``.sum(1)`` / ``.mean(1)`` of a table also looked up
+    unpooled become sequence lookups too, the model's sum or mean left in the graph to pool
+    their rows, as the model computes it (else one of the two kinds was left as written: its
+    table's fp32 rows kept for it, also when the table was quantized)."""
     lowerable = [r for r in records if r.lowerable]
     by_table: Dict[str, List[meta.LookupRecord]] = {}
     for r in lowerable:
@@ -164,6 +170,10 @@ def _single_ids_join(records: List[meta.LookupRecord]) -> List[meta.LookupRecord
         others = [r for r in rs if not single(r)]
         if any(r.form == "seq" for r in others):
             new = dict(form="seq", pooling="none")
+            for r in rs:  # [B, L] ids pooled by the model's sum or mean: its rows, which that op then pools
+                if r.form == "pooled_seq":
+                    out[r.node] = dataclasses.replace(r, form="seq", pooling="none", output=r.node, nodes=(r.node,),
+                                                      batch=None)
         elif others and all(r.pooling == "mean" for r in others):
             new = dict(pooling="mean")
         else:
