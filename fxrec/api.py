@@ -200,14 +200,14 @@ def transform(
         memory: tables that do not fit in GPU memory at all (docs/gpu.md). The example inputs stay
         where the model is; the transformed model then takes inputs on ``device``. Not with
         ``plan=`` (each rank's model and example must be on its own device).
-      dense: with ``plan=``, training: how the parameters that are not table shards (the dense
-        layers, data-parallel tables with dense gradients) are kept over the ranks. ``"ddp"``
-        (default): whole on every rank, their gradients summed by DDP's reducer. ``"fsdp"``:
-        sharded over the ranks by FSDP (torch's ``fully_shard`` on the transformed model: each rank
-        keeps a dim-0 chunk of each, and an optimizer over ``fast.parameters()`` keeps its states
-        for that chunk only; FSDP gathers them whole for the forward and backward and
-        reduce-scatters their gradients, summed). For dense layers too large to keep whole on
-        every rank between steps (docs/sharding.md).
+      dense: with ``plan=``, training: how the parameters that are not table shards are kept over
+        the ranks. ``"ddp"`` (default): whole on every rank, their gradients summed by DDP's
+        reducer. ``"fsdp"``: those that are not embedding tables (the dense layers) sharded over
+        the ranks by FSDP (torch's ``fully_shard`` on the transformed model: each rank keeps a
+        dim-0 chunk of each, and an optimizer over ``fast.parameters()`` keeps its states for that
+        chunk only; FSDP gathers them whole for the forward and backward and reduce-scatters their
+        gradients, summed); data-parallel tables stay whole, their gradients summed by hooks. For
+        dense layers too large to keep whole on every rank between steps (docs/sharding.md).
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;

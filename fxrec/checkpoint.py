@@ -72,7 +72,7 @@ import torch.distributed as dist
 __all__ = ["save", "load", "save_model", "load_into_model", "verify", "add_checksums", "CheckpointError"]
 
 LAYOUT_KEY = "fxrec_shard_layout"
-#: The parameters ``transform(dense="fsdp")`` has FSDP shard (its DTensors); written by fxrec.ranks.
+#: The parameters ``transform(dense="fsdp")`` has FSDP shard (DTensors; never a table); written by fxrec.ranks.
 FSDP_KEY = "fxrec_fsdp_params"
 #: Marks a fused optimizer's state entry: ``<table fqn>.fxrec_fused.<state name>``.
 FUSED_TAG = ".fxrec_fused."
@@ -89,15 +89,8 @@ from .checkpoint_planners import _dcp, _Pieces, _planners  # noqa: E402
 
 # --------------------------------------------------------------------------- what a model holds
 def _layout(module: torch.nn.Module) -> dict:
-    """The shard layout (see the module doc); a data-parallel table that FSDP shards
-    (``transform(dense="fsdp")``) is this rank's dim-0 chunk of it, as FSDP keeps it."""
     meta = getattr(module, "meta", None)
-    layout = dict(meta.get(LAYOUT_KEY, {})) if isinstance(meta, dict) else {}
-    for fqn in set(meta.get(FSDP_KEY, ()) if isinstance(meta, dict) else ()) & set(layout):
-        (rows, dim), _ = layout[fqn]
-        row_off, n = _chunk(module.get_parameter(fqn))
-        layout[fqn] = ((rows, dim), [(row_off, n, 0, dim, 0)])
-    return layout
+    return dict(meta.get(LAYOUT_KEY, {})) if isinstance(meta, dict) else {}
 
 
 def _is_dtensor(t) -> bool:
@@ -106,19 +99,13 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: a DTensor's local part (FSDP's dim-0 chunk of a parameter or of
-    its optimizer state), any other tensor itself."""
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _chunk(t: torch.Tensor):
-    """``(first row, rows)`` of the DTensor ``t`` on this rank (FSDP shards dim 0)."""
-    [chunk] = t.__create_chunk_list__()  # (DCP's own question to a DTensor: its local chunk's offsets)
-    if any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != tuple(t.shape[1:]):
-        raise CheckpointError(f"fxrec.checkpoint: a parameter of shape {tuple(t.shape)} is not sharded by rows here "
-                              f"(chunk at {tuple(chunk.offsets)} of {tuple(chunk.sizes)})")
-    return int(chunk.offsets[0]), int(chunk.sizes[0])
+def _sharded_again(module: torch.nn.Module) -> None:
+    """A model whose other parameters FSDP shards (``transform(dense="fsdp")``) with them sharded
+    (DTensors, which its optimizer holds), as DCP reads and writes them: FSDP keeps them whole
+    between a forward and its backward."""
+    meta = getattr(module, "meta", None)
+    if isinstance(meta, dict) and meta.get(FSDP_KEY) and callable(getattr(module, "reshard", None)):
+        module.reshard()
 
 
 def _state_cut(fqn: str, layout: dict, per_row: bool):
@@ -146,10 +133,10 @@ def _pieces_of(module: torch.nn.Module, layout: dict, tensors: Optional[Dict[str
         # keeps no parameter for it)
         pieces = [p for p in pieces if p[1] and p[3]]
         if pieces and tensors is not None and fqn in tensors:
-            param = _local(tensors[fqn].detach())
+            param = tensors[fqn].detach()
         elif pieces:
             try:
-                param = _local(module.get_parameter(fqn).detach())
+                param = module.get_parameter(fqn).detach()
             except AttributeError as e:
                 raise CheckpointError(f"fxrec.checkpoint: the shard layout gives this rank pieces of table '{fqn}', "
                                       "but the model has no such parameter") from e
@@ -278,6 +265,7 @@ def save(fast: torch.nn.Module, path, *, optimizer: Optional[torch.optim.Optimiz
     path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
     _check_collective("save", layout, fast)
+    _sharded_again(fast)
     if not (dist.is_available() and dist.is_initialized()):
         return save_model(fast, path, optimizer=optimizer)  # an unsharded model in a single process
     state_layout, sharded_states, whole_states = _fused.split_states(_fused.states(fast), layout, fast)
@@ -336,6 +324,7 @@ def load(fast: torch.nn.Module, path, *, strict: bool = True, optimizer: Optiona
     path = os.path.normpath(os.fspath(path))
     layout = _layout(fast)
     _check_collective("load", layout, fast)
+    _sharded_again(fast)
     if strict:
         _refuse_float_rows_into_packed(fast, path)
     if not (dist.is_available() and dist.is_initialized()):  # an unsharded model in a single process

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (FUSED_TAG, OPTIM_TAG, CheckpointError, _fmt, _is_dtensor, _local, _pieces_of, _read_metadata,
+from .checkpoint import (FUSED_TAG, OPTIM_TAG, CheckpointError, _fmt, _is_dtensor, _pieces_of, _read_metadata,
                          _state_cut)
 from .runtime.optimizer import UNIT_KEYS, CombinedOptimizer, fused_hyperparameters
 
@@ -548,13 +548,12 @@ def plan_load(module: torch.nn.Module, optimizer, path: str, layout: dict, stric
                         except CheckpointError as e:
                             problems.append(str(e).replace("fxrec.checkpoint: ", ""))
                             continue
-                        here = _local(p)  # (FSDP's chunk of a data-parallel table: the layout cuts it so)
-                        local = (here.shape[0], 1) if kind == "rows" else tuple(here.shape)
+                        local = (p.shape[0], 1) if kind == "rows" else tuple(p.shape)
                         t = out.cut_tensors[entry] = torch.empty(local, dtype=dtype, device=p.device)
                         got[name] = ("piece", t, kind, sparse.get(name, 0), p)
                     elif _is_dtensor(p) and kind != "tensor":  # FSDP's: DCP reads this rank's chunk of it
                         out.whole[entry] = _sharded_like(p, torch.empty(
-                            (_local(p).shape[0],) + ((1,) if kind == "rows" else tuple(p.shape[1:])),
+                            (p.to_local().shape[0],) + ((1,) if kind == "rows" else tuple(p.shape[1:])),
                             dtype=dtype, device=p.device), kind)
                         got[name] = ("whole", entry, kind, sparse.get(name, 0), p)
                     else:  # zero strides: _load_staged allocates the tensor it reads into

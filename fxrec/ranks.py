@@ -178,23 +178,26 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") ->
     """Every parameter that is not a table shard is whole on every rank: sum its gradient. DDP
     (``replicate_whole``) does it for all of them but the tables with sparse gradients, which DDP's
     communication hooks cannot take: those keep a hook each, which sums them sparse (``sparse_sum``).
-    ``dense="fsdp"``: FSDP (``shard_whole``) keeps them sharded over the ranks instead, the sparse
-    ones as with DDP."""
+    ``dense="fsdp"``: FSDP (``shard_whole``) shards the parameters that are not embedding tables
+    over the ranks instead; the data-parallel tables stay whole, each with a hook that sums its
+    gradient (their optimizers, fxrec's row-wise fallbacks among them, step whole rows)."""
     from .runtime.collectives import all_reduce_grad, replicate_whole, shard_whole
 
     sharded = gm.meta.get("fxrec_sharded_params", {})
     params = dict(gm.named_parameters())
     sparse = {r.param for r in records if r.sparse and r.param in params and r.param not in sharded}
+    hooked = sparse
     if dense == "fsdp":
-        gm.meta["fxrec_fsdp_params"] = shard_whole(  # (fxrec.checkpoint.FSDP_KEY)
-            gm, set(sharded) | sparse)
+        tables = {r.param for r in records if r.param in params and r.param not in sharded}
+        gm.meta["fxrec_fsdp_params"] = shard_whole(gm, set(sharded) | tables)  # (fxrec.clip_grad reads it)
+        hooked = tables
     else:
         # a parameter no gradient reaches (export keeps unread ones; one read only under torch.no_grad()
         # or through .detach()) makes DDP wait for it unless told (the second step raised)
         used = {n.target for n in gm.graph.nodes if n.op == "get_attr" and carries_gradient(n)}
         unused = any(p.requires_grad and n not in used for n, p in params.items() if n not in sharded)
         replicate_whole(gm, set(sharded) | sparse, unused)
-    for name in sparse:
+    for name in sorted(hooked):
         if params[name].requires_grad:
             params[name].register_hook(all_reduce_grad(name))
 
@@ -213,6 +216,7 @@ def rank_note(plan, rank: int, dense: str = "ddp") -> str:
 
     mine = [piece(s) for s in plan.shards_on(rank) if plan.tables[s.table].sharding != "data_parallel" and s.num_rows]
     return (f"rank {rank} of {plan.topology.world_size}: holds {', '.join(mine) or 'no table shards'}; "
-            + ("every other parameter is sharded over the ranks by FSDP (this rank holds a dim-0 chunk of each, "
-               "gathered for the forward and backward), its gradients summed over ranks"
+            + ("the parameters that are not tables are sharded over the ranks by FSDP (this rank holds a dim-0 "
+               "chunk of each, gathered for the forward and backward); the gradients of every parameter but the "
+               "table shards are summed over ranks in backward"
                if dense == "fsdp" else "the gradients of every other parameter are summed over ranks in backward"))

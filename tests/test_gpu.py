@@ -997,7 +997,7 @@ def test_a_model_on_cpu_transformed_for_cuda_puts_its_big_table_in_unified_memor
     assert torch.cuda.max_memory_allocated() - base < 100_000 * 64 * (1 if quantized else 4) // 2
     assert all(p.is_cuda for p in fast.parameters()) and all(b.is_cuda for b in fast.buffers())
     (g,) = fast.report.groups
-    assert ("big: managed" if quantized else "big: managed_caching") in g.placement, g.placement
+    assert "big: managed_caching" in g.placement, g.placement  # (int8 at "4MB": cached, explain(device="cuda") says)
     ref = fxrec.transform(copy.deepcopy(model).cuda(), two_bag_inputs(0), hbm_budget="20MB" if not quantized else "4MB",
                           **kw)
     if quantized:

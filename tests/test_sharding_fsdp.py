@@ -15,7 +15,8 @@ import fxrec
 from .test_sharding import LOCAL_B, error_of, global_batch, gloo_group, local_batch, spawn
 from .test_sharding_dense import SparseModel
 
-DENSE = ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "bags.2.weight")
+DENSE = ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")
+WHOLE = ("bags.1.weight", "bags.2.weight")  # data-parallel tables (sparse and dense gradients): whole, summed by hooks
 
 
 def _fsdp_model(rank, world, seed=0, optimizer=None, pins=None):
@@ -58,11 +59,12 @@ def _worker(rank, world, init_file):
             assert type(p).__name__ == "DTensor", (name, type(p))
             whole = ref.get_parameter(name).shape[0]
             assert p.to_local().shape[0] == min(-(-whole // world), whole - rank * -(-whole // world)), name
-        assert not hasattr(params["bags.1.weight"], "to_local")  # sparse gradients: summed by a hook, as with DDP
+        for name in WHOLE:
+            assert type(params[name]).__name__ == "Parameter", name
         opt = torch.optim.SGD(fast.parameters(), lr=0.1)  # (not Adagrad or Adam: they hide a gradient's scale)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         _steps(rank, world, fast, ref, opt, ref_opt, 4)
-        for name in DENSE + ("bags.1.weight",):
+        for name in DENSE + WHOLE:
             torch.testing.assert_close(_full(params[name]).detach(), ref.get_parameter(name).detach(), msg=name)
         dist.barrier()
     os._exit(0)
@@ -165,7 +167,6 @@ def _fused_worker(rank, world, init_file):
             opt.step()
         params = dict(fast.named_parameters())
         for name in ("mlp.0.weight", "mlp.2.bias", "bags.2.weight"):
-            assert type(params[name]).__name__ == "DTensor", name
             torch.testing.assert_close(_full(params[name]).detach(), ref.get_parameter(name).detach(), msg=name)
         dist.barrier()
     os._exit(0)
@@ -200,7 +201,7 @@ def _accumulating_worker(rank, world, init_file):
             fast.set_requires_gradient_sync(True)
             ref_opt.step()
             opt.step()
-        for name in DENSE + ("bags.1.weight",):
+        for name in DENSE + WHOLE:
             torch.testing.assert_close(_full(dict(fast.named_parameters())[name]).detach(),
                                        ref.get_parameter(name).detach(), msg=name)
         dist.barrier()
@@ -254,7 +255,7 @@ def _clip_worker(rank, world, init_file, dense, norm_type):
             ref_opt.step()
             opt.step()
         params = dict(fast.named_parameters())
-        for name in DENSE + ("bags.1.weight",):
+        for name in DENSE + WHOLE:
             torch.testing.assert_close(_full(params[name]).detach(), ref.get_parameter(name).detach(), msg=name)
         x = global_batch(LOCAL_B * world, 9)  # (the sharded tables: through the outputs)
         torch.testing.assert_close(fast(*local_batch(x, rank, LOCAL_B)), ref(*x)[rank * LOCAL_B:(rank + 1) * LOCAL_B])
@@ -348,5 +349,112 @@ def _report_worker(rank, world, init_file, out):
 def test_the_report_says_fsdp_shards_the_other_parameters(tmp_path):
     spawn(_report_worker, 2, str(tmp_path / "report.txt"))
     text = (tmp_path / "report.txt").read_text()
-    assert "rank 0 of 2: holds bags.0 (row_wise, rows 0..19); every other parameter is sharded over the ranks by " \
-           "FSDP" in text, text
+    assert "rank 0 of 2: holds bags.0 (row_wise, rows 0..19); the parameters that are not tables are sharded over " \
+           "the ranks by FSDP" in text, text
+
+
+# ------------------------------------------------------------------ found by a review
+def _rowwise_worker(rank, world, init_file, path):
+    """Row-wise Adagrad fused into the sharded tables' backward, its torch form stepping the
+    data-parallel ones (whole rows: they are not FSDP's), SGD the rest; an evaluation forward
+    under no_grad between steps leaves the dense parameters sharded, and the checkpoint then saved
+    resumes in a new model as the plain model trains on."""
+    from tests.test_fused_optimizers import RowWiseAdagradReference
+
+    with gloo_group(rank, world, init_file):
+        pins = {"bags.0": "row_wise", "bags.1": "data_parallel", "bags.2": "data_parallel", "single": "table_wise"}
+        _, ref, fast = _fsdp_model(rank, world, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1), pins=pins)
+        tables = [p for n, p in ref.named_parameters() if n.startswith(("bags", "single"))]
+        dense = [p for n, p in ref.named_parameters() if not n.startswith(("bags", "single"))]
+        ref_opts = [RowWiseAdagradReference(tables, lr=0.1, eps=1e-8), torch.optim.SGD(dense, lr=0.1)]
+
+        def steps(fast, opt, first, n):
+            for step in range(first, first + n):
+                x = global_batch(LOCAL_B * world, step)
+                want, got = ref(*x), fast(*local_batch(x, rank, LOCAL_B))
+                torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step}")
+                for o in ref_opts:
+                    o.zero_grad()
+                opt.zero_grad()
+                want.sum().backward()
+                got.sum().backward()
+                for o in ref_opts:
+                    o.step()
+                opt.step()
+                fast.eval()
+                with torch.no_grad():
+                    fast(*local_batch(x, rank, LOCAL_B))
+                fast.train()
+                assert type(fast.get_parameter("mlp.0.weight")).__name__ == "DTensor"  # sharded again
+
+        opt = fast.make_optimizer(torch.optim.SGD, lr=0.1)
+        steps(fast, opt, 1, 2)
+        fxrec.checkpoint.save(fast, path, optimizer=opt)
+        _, _, fast2 = _fsdp_model(rank, world, seed=3, optimizer=fxrec.optim.RowWiseAdagrad(lr=0.1), pins=pins)
+        opt2 = fast2.make_optimizer(torch.optim.SGD, lr=0.1)
+        fxrec.checkpoint.load(fast2, path, optimizer=opt2)
+        steps(fast2, opt2, 3, 2)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_with_row_wise_adagrad_fallbacks_on_data_parallel_tables_trains_evaluates_and_resumes(tmp_path):
+    spawn(_rowwise_worker, 2, str(tmp_path / "ckpt"))
+
+
+class TiedTables(torch.nn.Module):
+    """Two bags sharing one weight, a third table, a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.EmbeddingBag(30, 8, mode="sum") for _ in range(3))
+        self.b.weight = self.a.weight
+        self.mlp = torch.nn.Linear(24, 1)
+
+    def forward(self, x, y, z):
+        return self.mlp(torch.cat([self.a(x), self.b(y), self.c(z)], 1)).squeeze(1)
+
+
+def _tied_batch(seed, batch):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, 30, (batch, 3), generator=g) for _ in range(3))
+
+
+def _tied_worker(rank, world, init_file, path):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = TiedTables()
+        ref = copy.deepcopy(model)
+        local = lambda x: tuple(t[rank * LOCAL_B:(rank + 1) * LOCAL_B] for t in x)  # noqa: E731
+        plan = fxrec.plan(model, local(_tied_batch(0, LOCAL_B * world)), world_size=world, memory_per_rank="1GB",
+                          pins={"a": "data_parallel", "c": "row_wise"})
+        fast = fxrec.transform(model, local(_tied_batch(0, LOCAL_B * world)), plan=plan, dense="fsdp")
+        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in (1, 2):
+            x = _tied_batch(step, LOCAL_B * world)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            ref(*x).sum().backward()
+            fast(*local(x)).sum().backward()
+            opt.step()
+            ref_opt.step()
+        fxrec.checkpoint.save(fast, path)
+        torch.testing.assert_close(fast(*local(_tied_batch(9, LOCAL_B * world))),
+                                   ref(*_tied_batch(9, LOCAL_B * world))[rank * LOCAL_B:(rank + 1) * LOCAL_B])
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_with_tied_data_parallel_tables_trains_and_saves_for_one_process(tmp_path):
+    spawn(_tied_worker, 2, str(tmp_path / "ckpt"))
+    torch.manual_seed(0)
+    model, ref = TiedTables(), TiedTables()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in (1, 2):
+        opt.zero_grad()
+        ref(*_tied_batch(step, LOCAL_B * 2)).sum().backward()
+        opt.step()
+    fxrec.checkpoint.load_into_model(model, str(tmp_path / "ckpt"))
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], want, msg=name)

@@ -283,15 +283,15 @@ def _exact_sums_hook(state: ExactSums, bucket):
 
 
 def shard_whole(module: torch.nn.Module, leave: set) -> List[str]:
-    """Shard ``module``'s parameters other than ``leave`` (table shards, tables with sparse
-    gradients) over the ranks with FSDP (torch's ``fully_shard`` on the module itself, in place):
+    """Shard ``module``'s parameters other than ``leave`` (the embedding tables) over the ranks with FSDP (torch's ``fully_shard`` on the module itself, in place):
     each rank keeps dim-0 chunks of them (DTensors) and of their optimizer states; FSDP gathers
     them whole before the forward and backward and reduce-scatters their gradients, summed (a
     divide factor of 1: the single process's gradients, as DDP's hook sums). Rank 0's values are
     broadcast first, as DDP's set-up does (fully_shard keeps each rank's own chunk of its own
     copy), and so are the buffers of the modules that hold no table (after that each rank keeps
-    its own: FSDP does not broadcast them at every forward as DDP does). Returns the names FSDP
-    shards ([]: none, and FSDP is not applied)."""
+    its own: FSDP does not broadcast them at every forward as DDP does). After a forward without
+    gradients the parameters are sharded again (FSDP keeps the root's whole until a backward).
+    Returns the names FSDP shards ([]: none, and FSDP is not applied)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -316,7 +316,15 @@ def shard_whole(module: torch.nn.Module, leave: set) -> List[str]:
         raise _fail("FSDP's set-up (fully_shard of the parameters outside the tables)", "fxrec.transform", e) from e
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; nothing to divide)
+    # FSDP keeps the root's parameters whole from its forward until the backward ends; a forward
+    # with no backward to come (no_grad, evaluation) would leave them whole until the next one
+    module.register_forward_hook(_reshard_without_gradients)
     return kept
+
+
+def _reshard_without_gradients(module, args, output) -> None:
+    if not torch.is_grad_enabled():
+        module.reshard()
 
 
 def replicate_whole(module: torch.nn.Module, leave: set, unused: bool) -> List[str]:
