@@ -584,6 +584,7 @@ def explain(
     weights_precision=None,
     output_dtype: str = "fp32",
     max_gradient: Optional[float] = None,
+    dense: str = "ddp",
 ) -> Report:
     """The report :func:`transform` would give (the arguments are transform's), for ``device`` ("cpu" or "cuda"; default: where
     the model's tables are), without building any kernel, moving or copying any table, or needing
@@ -602,6 +603,7 @@ def explain(
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     _check_output_dtype(output_dtype, quantize)
     max_gradient = _check_max_gradient(max_gradient, mode)
+    check_dense(dense, plan, mode)
     hbm_budget, cache_load_factor = _check_placement(hbm_budget, cache_load_factor, plan)
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
@@ -626,7 +628,7 @@ def explain(
     notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget) + _clamp_note(max_gradient)
     if plan is not None:  # (transform's report has its own rank's note; here every rank's, as the plan says)
         world = plan.topology.world_size
-        notes += [rank_note(plan, r) for r in range(min(world, 8))]
+        notes += [rank_note(plan, r, dense) for r in range(min(world, 8))]
         if hbm_budget is not None:  # (the ranks' placements, as each rank's transform makes them)
             notes += _rank_placements(ctx, world)
         if world > 8:

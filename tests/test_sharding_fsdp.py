@@ -458,3 +458,16 @@ def test_fsdp_with_tied_data_parallel_tables_trains_and_saves_for_one_process(tm
     fxrec.checkpoint.load_into_model(model, str(tmp_path / "ckpt"))
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], want, msg=name)
+
+
+def test_explain_says_what_transform_says_of_dense_fsdp_for_every_rank():
+    model = SparseModel()
+    example = local_batch(global_batch(LOCAL_B * 2, 0), 0, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=2, memory_per_rank="1GB", pins={"bags.0": "row_wise"})
+    notes = [n for n in fxrec.explain(model, example, plan=plan, dense="fsdp").notes if n.startswith("rank ")]
+    assert len(notes) == 2 and all("the parameters that are not tables are sharded over the ranks by FSDP" in n
+                                   for n in notes), notes
+    ddp = [n for n in fxrec.explain(model, example, plan=plan).notes if n.startswith("rank ")]
+    assert len(ddp) == 2 and not any("FSDP" in n for n in ddp), ddp
+    with pytest.raises(ValueError, match="dense='fsdp' shards the model's other parameters"):
+        fxrec.explain(model, example, dense="fsdp")
