@@ -12,7 +12,9 @@ the plain model on the whole global batch in every process and compares outputs 
 and the tables at the end. The loss sums over the global batch and divides by its size, so the
 gradients summed over ranks are the single-process gradients.
 
-``--serve int8`` then checkpoints the trained model (``fxrec.checkpoint.save``, every rank), loads it
+``--dense fsdp`` shards the dense layers over the ranks too (FSDP; ``transform(dense="fsdp")``);
+``--clip 1.0`` clips the gradients to that norm with ``fxrec.clip_grad_norm_`` (the plain model with
+torch's). ``--serve int8`` then checkpoints the trained model (``fxrec.checkpoint.save``, every rank), loads it
 into the plain model (``load_into_model``) and serves it quantized over the same ranks on a plan made
 for serving (``fxrec.plan(..., quantize="int8")``), comparing every rank's outputs with one
 process's int8 model of the same weights. The checkpoint goes to ``--ckpt-dir``, a directory every
@@ -66,6 +68,10 @@ def main():
                     help="then checkpoint, and serve quantized (int8, int4, fp16, ...) on a plan for serving")
     ap.add_argument("--ckpt-dir", default=None, metavar="DIR",
                     help="--serve's checkpoint directory, which every rank sees (default: a temporary one: one host)")
+    ap.add_argument("--dense", default="ddp", choices=("ddp", "fsdp"),
+                    help="the dense layers whole on every rank (DDP), or sharded over the ranks (FSDP)")
+    ap.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                    help="clip the gradients to this norm (fxrec.clip_grad_norm_: the single-process model's norm)")
     a = ap.parse_args()
     device = torch.device("cpu")
     if a.backend == "nccl":  # NCCL runs on CUDA tensors: this rank's GPU, for the model and every batch
@@ -88,7 +94,7 @@ def main():
     # every rank must run the same plan: made from the same (global) batch on every rank
     plan = fxrec.plan(model, on_device(whole), world_size=world, memory_per_rank="4GB", pins=mixed_pins(rows, world),
                       batch_size=a.local_batch, device="cuda" if a.backend == "nccl" else "cpu")
-    fast = fxrec.transform(model, example, plan=plan)
+    fast = fxrec.transform(model, example, plan=plan, dense=a.dense)
     if rank == 0:
         print(plan)
         print("rank 0's graph, embedding part:")
@@ -106,6 +112,10 @@ def main():
         loss = loss_fn(out, label[lo:hi]) / global_b
         opt.zero_grad()
         loss.backward()
+        if a.clip is not None:
+            norm = fxrec.clip_grad_norm_(fast, a.clip)
+            if rank == 0 and step == 0:
+                print(f"gradient norm at the first step: {float(norm):.4g} (clipped to {a.clip:g})")
         opt.step()
         times.append(time.perf_counter() - t)
         if a.check:
@@ -113,6 +123,8 @@ def main():
             worst = max(worst, float((out.detach() - want[lo:hi].detach()).abs().max()))
             ref_opt.zero_grad()
             (loss_fn(want, label) / global_b).backward()
+            if a.clip is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), a.clip)
             ref_opt.step()
     if a.check:
         params = dict(fast.named_parameters())
@@ -124,7 +136,9 @@ def main():
             if tp is not None and tp.sharding == "row_wise":
                 s = tp.shards[rank]
                 want = want[s.row_offset:s.row_offset + s.num_rows]
-            worst = max(worst, float((params[name].detach() - want).abs().max()))
+            got = params[name].detach()
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got  # (--dense fsdp: this rank's chunk)
+            worst = max(worst, float((got - want).abs().max()))
     t = torch.tensor([worst], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -30,3 +30,20 @@ def test_train_dist_runs_under_torchrun_and_matches_one_process():
                   r"model: (\S+)", r.stdout)
     assert m is not None and float(m.group(1)) < 1e-4, r.stdout[-2000:]
     assert "for serving (quantized int8)" in r.stdout
+
+
+def test_train_dist_with_fsdp_dense_layers_and_clipped_gradients_matches_one_process():
+    """`... examples/train_dist.py --check --dense fsdp --clip 0.05`: the dense layers sharded by
+    FSDP, the gradients clipped by fxrec.clip_grad_norm_ (the plain model by torch's, to a norm
+    below theirs), against the plain model on the global batch."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        os.path.join(ROOT, "examples", "train_dist.py"), "--check", "--steps", "3", "--cap", "2000",
+                        "--local-batch", "32", "--dense", "fsdp", "--clip", "0.05"], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    m = re.search(r"world 2: 3 steps, .* largest difference from the single-process model \(outputs and tables\): "
+                  r"(\S+)", r.stdout)
+    assert m is not None and float(m.group(1)) < 1e-4, r.stdout[-2000:]
+    m = re.search(r"gradient norm at the first step: (\S+) \(clipped to 0.05\)", r.stdout)
+    assert m is not None and float(m.group(1)) > 0.05, r.stdout[-2000:]  # (it clips)
