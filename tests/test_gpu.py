@@ -799,11 +799,13 @@ _NCCL_OPTS = {"sgd": lambda: fxrec.optim.SGD(lr=0.05),
               "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.05)}
 
 
-def _nccl_worker(rank, world, init_file, result_dir, pins=TWO_GPU_PINS, opt_name="sgd", backend="nccl"):
+def _nccl_worker(rank, world, init_file, result_dir, pins=TWO_GPU_PINS, opt_name="sgd", backend="nccl", dense="ddp"):
     """Rank ``rank`` of a plan on NCCL, on cuda:rank, with a fused optimizer: four steps against
     the single-process plain model on the same device (its tables under the same update written
     out: torch.optim.SGD, or row-wise Adagrad's reference). ``backend="gloo"`` runs the same on
-    the CPU (how this worker is checked where there is no GPU)."""
+    the CPU (how this worker is checked where there is no GPU). ``dense="fsdp"``: the dense
+    layers sharded by FSDP, the gradients clipped by fxrec.clip_grad_norm_ (the plain model's by
+    torch's) to a norm below theirs."""
     import os
     from datetime import timedelta
 
@@ -826,7 +828,7 @@ def _nccl_worker(rank, world, init_file, result_dir, pins=TWO_GPU_PINS, opt_name
         example = S.local_batch(S.global_batch(S.LOCAL_B * world, 0), rank, S.LOCAL_B)
         plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins=pins,
                           optimizer=opt_name)
-        fast = fxrec.transform(model.to(dev), to(example), plan=plan, optimizer=_NCCL_OPTS[opt_name]())
+        fast = fxrec.transform(model.to(dev), to(example), plan=plan, optimizer=_NCCL_OPTS[opt_name](), dense=dense)
         lookups = [m for n, m in fast.named_modules() if n.endswith("_lookup") and getattr(m, "group", None) is not None]
         assert lookups, [n for n, _ in fast.named_modules()]
         if backend == "nccl":  # each rank's pieces on fbgemm's TBE, as an unsharded group on CUDA
@@ -846,10 +848,14 @@ def _nccl_worker(rank, world, init_file, result_dir, pins=TWO_GPU_PINS, opt_name
             for o in ref_opts:
                 o.zero_grad()
             want.sum().backward()
+            if dense == "fsdp":
+                torch.nn.utils.clip_grad_norm_([p for n, p in ref.named_parameters() if n not in tables], 0.1)
             for o in ref_opts:
                 o.step()
             opt.zero_grad()
             got.sum().backward()
+            if dense == "fsdp":  # (the fused tables have no gradient: the rest's norm, as the reference's)
+                assert fxrec.clip_grad_norm_(fast, 0.1) > 0.1
             opt.step()
         x = S.global_batch(S.LOCAL_B * world, 99)
         torch.testing.assert_close(fast(*to(S.local_batch(x, rank, S.LOCAL_B))), ref(*to(x))[lo:hi],
@@ -882,6 +888,15 @@ def test_every_piece_type_of_a_sharded_group_runs_on_one_gpu_over_nccl(opt_name,
     if opt_name == "rowwise_adagrad":
         pins["bags.2"] = "table_wise"
     spawn(_nccl_worker, 1, str(tmp_path), pins, opt_name)
+    assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
+
+
+def test_dense_layers_sharded_by_fsdp_train_on_one_gpu_over_nccl(tmp_path):
+    """World size 1 on NCCL with ``dense="fsdp"`` and fxrec.clip_grad_norm_ (tests/test_sharding_fsdp.py
+    on gloo; tests/test_sharding_dense.py runs this worker so on the CPU)."""
+    from tests.test_sharding import spawn
+
+    spawn(_nccl_worker, 1, str(tmp_path), dict(ONE_GPU_PINS), "sgd", "nccl", "fsdp")
     assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
 
 

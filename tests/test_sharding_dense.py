@@ -214,6 +214,14 @@ def test_the_two_gpu_nccl_worker_runs_on_gloo(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
 
 
+def test_the_nccl_worker_with_fsdp_dense_layers_and_clipping_runs_on_gloo(tmp_path):
+    """The worker of tests/test_gpu.py's FSDP test (world size 1 there), at world size 2 on gloo."""
+    from tests.test_gpu import ONE_GPU_PINS, _nccl_worker
+
+    spawn(_nccl_worker, 2, str(tmp_path), dict(ONE_GPU_PINS), "sgd", "gloo", "fsdp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
+
+
 class _TwoHeadsAndASpare(nn.Module):
     def __init__(self):
         super().__init__()
