@@ -13,7 +13,8 @@ or the order of side effects below).
    same numbers pooled by mean, or unpooled as a [B] sequence, so it takes the pooling of its
    table's other lookups (and of the other pooled lookups, when its table has no others and they
    are all pooled by mean); ``[B, L]`` ids pooled by the model's sum or mean are looked up
-   unpooled, the model's op then pooling them, when their table is also looked up unpooled. What
+   unpooled, the model's op then pooling them, when their table is also looked up unpooled, or
+   pooled so both ways (and by no bag). What
    still differs is left as it was, with the reason: a lookup of
    another kind (bag-pooled vs unpooled, weighted vs unweighted, over another batch size, ...), one whose ids are
    computed from its own table's lookup, one whose table's lookups are tied through the lookups
@@ -154,9 +155,10 @@ def _single_ids_join(records: List[meta.LookupRecord]) -> List[meta.LookupRecord
     table's other lookups are (the mean of one row is the row); and pooled by mean when their
     table has no other lookups and the pooled lookups they could join are all pooled by mean.
     ``[B, L]`` ids pooled by the model's ``.sum(1)`` / ``.mean(1)`` of a table also looked up
-    unpooled become sequence lookups too, the model's sum or mean left in the graph to pool
-    their rows, as the model computes it (else one of the two kinds was left as written: its
-    table's fp32 rows kept for it, also when the table was quantized)."""
+    unpooled, or pooled so both ways (and not by bags), become sequence lookups too, the model's
+    sum or mean left in the graph to pool their rows, as the model computes it (else one of the
+    kinds was left as written: its table's fp32 rows kept for it, also when the table was
+    quantized, and the table only data-parallel in a plan)."""
     lowerable = [r for r in records if r.lowerable]
     by_table: Dict[str, List[meta.LookupRecord]] = {}
     for r in lowerable:
@@ -168,7 +170,8 @@ def _single_ids_join(records: List[meta.LookupRecord]) -> List[meta.LookupRecord
     out = {}
     for param, rs in by_table.items():
         others = [r for r in rs if not single(r)]
-        if any(r.form == "seq" for r in others):
+        poolings = {r.pooling for r in others if r.form == "pooled_seq"}
+        if any(r.form == "seq" for r in others) or (len(poolings) > 1 and all(r.form == "pooled_seq" for r in others)):
             new = dict(form="seq", pooling="none")
             for r in rs:  # [B, L] ids pooled by the model's sum or mean: its rows, which that op then pools
                 if r.form == "pooled_seq":

@@ -480,6 +480,39 @@ def test_pooled_and_unpooled_lookups_of_one_table_lower_into_one_group_bit_for_b
         torch.testing.assert_close(fast.get_parameter("t.weight"), ref.t.weight, rtol=1e-6, atol=1e-7)
 
 
+class SumAndMean(nn.Module):
+    """One table's [B, L] ids summed in one place and averaged in another (no unpooled lookup),
+    a second table summed only."""
+
+    def __init__(self):
+        super().__init__()
+        self.t, self.u = nn.Embedding(300, 8), nn.Embedding(40, 8)
+
+    def forward(self, a, b):
+        return torch.cat([self.t(a).sum(1), self.t(b).mean(1), self.u(b).sum(1)], 1)
+
+
+def test_ids_pooled_by_sum_and_by_mean_of_one_table_are_looked_up_unpooled_and_match_bit_for_bit():
+    """(One of the two was left as written: a review's fuzz of the change above found it.)"""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(0, 40, (4, 3), generator=g), torch.randint(0, 40, (4, 5), generator=g))
+    _, ctx, _ = grouped(SumAndMean(), x)
+    forms = sorted((r.table, r.form, r.pooling) for gr in ctx.groups for r in gr.lookups)
+    assert forms == [("t", "seq", "none"), ("t", "seq", "none"), ("u", "pooled_seq", "sum")], forms
+    model = SumAndMean()
+    fast = fxrec.transform(model, x)
+    assert not fast.report.left_alone
+    y = (torch.randint(0, 40, (2, 4), generator=g), torch.randint(0, 40, (2, 2), generator=g))
+    want, got = model(*y), fast(*y)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (n, a), (_, b) in zip(fast.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=n)
+    served = fxrec.transform(model.eval(), x, mode="inference", quantize="int8")
+    assert not served.report.left_alone and not [k for k in served.state_dict() if k.startswith("t.")]
+
+
 def test_a_quantized_table_looked_up_pooled_and_unpooled_keeps_no_fp32_rows():
     model = PooledAndUnpooled().eval()
     fast = fxrec.transform(model, pooled_and_unpooled_inputs(), mode="inference", quantize="int8")
