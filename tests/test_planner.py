@@ -725,10 +725,10 @@ def test_a_data_parallel_only_table_too_large_for_a_rank_says_why_more_ranks_do_
 
 
 class ReadBeyondItsGroup(nn.Module):
-    """Tables whose weight transform reads outside the group it puts their lookups in: 'w' has a
-    weighted lookup beside unweighted ones (one of the two kinds is left as written: a table is
-    stored in one group), 'm' a mode="max" lookup beside a sum, 'o' a tied output projection;
-    'a' is only looked up."""
+    """Tables whose weight transform reads outside the group it puts their lookups in: 'm' a
+    mode="max" lookup beside a sum (one of the two kinds is left as written: a table is stored in
+    one group), 'o' a tied output projection; 'a' is only looked up, and so is 'w' (a weighted
+    lookup beside an unweighted one, which joins it with weights of one)."""
 
     def __init__(self):
         super().__init__()
@@ -747,11 +747,12 @@ def test_tables_read_beyond_the_group_of_their_lookups_are_planned_data_parallel
     """A split table is only looked up: the planner makes these data_parallel, saying why, as
     transform's sharded lowering wants (it refused the plan the planner made)."""
     x = (torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.tensor([0, 2, 4, 6]), torch.rand(8))
-    plan = fxrec.plan(ReadBeyondItsGroup(), x, world_size=2, memory_per_rank="1GB", pins={"a": "row_wise"})
-    assert plan.tables["a"].sharding == "row_wise"
+    plan = fxrec.plan(ReadBeyondItsGroup(), x, world_size=2, memory_per_rank="1GB",
+                      pins={"a": "row_wise", "w": "row_wise"})
+    assert plan.tables["a"].sharding == plan.tables["w"].sharding == "row_wise"
     why = {t: plan.tables[t].spec.data_parallel_only for t in "wmo"}
-    assert all(plan.tables[t].sharding == "data_parallel" for t in "wmo"), plan
-    assert "is a lookup fxrec leaves as written" in why["w"] and "weighted" in why["w"], why
+    assert all(plan.tables[t].sharding == "data_parallel" for t in "mo"), plan
+    assert why["w"] == "", why
     assert "is a lookup fxrec leaves as written" in why["m"] and "mode='max'" in why["m"], why
     assert why["o"].startswith("its weight is also read outside its lookups"), why
     with pytest.raises(ValueError, match=r"pin for 'o': its weight is also read outside its lookups"):

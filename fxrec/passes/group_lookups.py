@@ -195,6 +195,40 @@ def _single_ids_join(records: List[meta.LookupRecord]) -> List[meta.LookupRecord
     return [out.get(r.node, r) for r in records]
 
 
+def _unweighted_bags_join(records: List[meta.LookupRecord], graph: fx.Graph) -> List[meta.LookupRecord]:
+    """Unweighted sum bags of a table also looked up by weighted sum bags of their key but for the
+    weighting take per-sample weights of ones (``aten.ones_like`` of their ids, of the weights'
+    dtype), so that the table's lookups share its group: a weight of 1 multiplies each row
+    exactly, forward and backward (else one kind was left as written, keeping the table's fp32
+    rows when quantized and the table only data-parallel in a plan). Not for the model's fp16
+    tables (:func:`_keep_mixed_half_tables` says why their lookups keep their places)."""
+    by_table: Dict[str, List[meta.LookupRecord]] = {}
+    for r in records:
+        if r.lowerable and r.form == "bag" and r.pooling == "sum" and not r.half:
+            by_table.setdefault(r.param, []).append(r)
+    out = {}
+    for rs in by_table.values():
+        weighted = [r for r in rs if r.weighted]
+        keys = {group_key(r) for r in weighted}
+        for r in rs:
+            val = r.ids.meta.get("val") if hasattr(r.ids, "meta") else None
+            if r.weighted or not isinstance(val, torch.Tensor) or \
+                    group_key(dataclasses.replace(r, per_sample_weights=r.ids)) not in keys:
+                continue
+            dtype = weighted[0].per_sample_weights.meta["val"].dtype
+            with graph.inserting_before(r.node):
+                ones = graph.call_function(torch.ops.aten.ones_like.default, (r.ids,), {"dtype": dtype})
+            ones.meta["val"] = torch.ones_like(val, dtype=dtype)
+            # the bag itself takes them (the graph computes what the group does, and the reordering
+            # below sees them among the lookup's inputs)
+            if len(r.node.args) > 6:
+                r.node.args = r.node.args[:6] + (ones,) + r.node.args[7:]
+            else:
+                r.node.kwargs = {**r.node.kwargs, "per_sample_weights": ones}
+            out[r.node] = dataclasses.replace(r, per_sample_weights=ones)
+    return [out.get(r.node, r) for r in records]
+
+
 # --------------------------------------------------------------------------- the pass
 class _Unit:
     """The lookups of one table that run in one group (the table's storage is in one TBE)."""
@@ -366,8 +400,10 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     found = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta]
-    for rec in _single_ids_join(_name_batches(found)):
+    for rec in _unweighted_bags_join(_single_ids_join(_name_batches(found)), graph):
         rec.node.meta[meta.LOOKUP] = rec
+    nodes = list(graph.nodes)  # (with the weights of ones made above)
+    pos = {n: i for i, n in enumerate(nodes)}
     if ctx.config.mode == "training":
         _keep_mixed_half_tables(nodes)
     records = [n.meta[meta.LOOKUP] for n in nodes if meta.LOOKUP in n.meta and n.meta[meta.LOOKUP].lowerable]

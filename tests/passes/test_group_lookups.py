@@ -513,6 +513,82 @@ def test_ids_pooled_by_sum_and_by_mean_of_one_table_are_looked_up_unpooled_and_m
     assert not served.report.left_alone and not [k for k in served.state_dict() if k.startswith("t.")]
 
 
+class WeightedAndNot(nn.Module):
+    """One table looked up by a weighted and an unweighted sum bag, another unweighted."""
+
+    def __init__(self):
+        super().__init__()
+        self.b, self.c = nn.EmbeddingBag(300, 16, mode="sum"), nn.EmbeddingBag(50, 16, mode="sum")
+
+    def forward(self, a, ao, b, bo, w):
+        return torch.cat([self.b(a, ao), self.b(b, bo, per_sample_weights=w), self.c(a % 50, ao)], 1)
+
+
+def weighted_and_not_inputs(seed, n=4):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randint(0, 300, (3 * n,), generator=g), torch.randint(0, 300, (2 * n,), generator=g)
+    return a, torch.arange(0, 3 * n, 3), b, torch.arange(0, 2 * n, 2), torch.rand(2 * n, generator=g)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto", "fbgemm"])
+def test_an_unweighted_bag_of_a_table_also_looked_up_weighted_joins_it_with_weights_of_one(backend):
+    """(One of the two was left as written: its fp32 rows stayed in a quantized model, and the
+    table could only be data-parallel in a plan.) Weights of 1 multiply exactly: the forward is the
+    plain model's bit for bit; the table's gradient is too on PyTorch's lookups, and within rounding
+    on the kernels that add both lookups' rows in one pass (as for any table two features read)."""
+    _, ctx, gm = grouped(WeightedAndNot(), weighted_and_not_inputs(0))
+    keys = sorted((r.table, r.weighted) for gr in ctx.groups for r in gr.lookups)
+    assert keys == [("b", True), ("b", True), ("c", False)], keys
+    ones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.ones_like.default]
+    assert len(ones) == 1 and ones[0].kwargs["dtype"] == torch.float32
+    model = WeightedAndNot()
+    ref = __import__("copy").deepcopy(model)
+    fast = fxrec.transform(model, weighted_and_not_inputs(0), backend=backend)
+    assert not fast.report.left_alone and not embedding_ops(fast)
+    exact = backend == "reference"
+    for seed in (1, 2):
+        x = weighted_and_not_inputs(seed, 5)
+        want, got = ref(*x), fast(*x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        for (n, a), (_, b) in zip(fast.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6, msg=n)
+
+
+def test_an_unweighted_bag_written_after_the_weighted_ones_users_joins_them_in_order():
+    """(Its weights of one were first made beside the bag only, where the group's call, placed at
+    the weighted bag, came before them: lower_groups failed on a random model.)"""
+    class Late(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = nn.EmbeddingBag(20, 1, mode="sum")
+            self.dense = nn.Linear(3, 1)
+
+        def forward(self, dense, a, ao, b, bo, w):
+            gate = torch.sigmoid(self.t(b, bo, per_sample_weights=w).sum(1, keepdim=True))
+            return torch.cat([self.dense(dense) * gate, self.t(a % 2, ao)], 1)
+
+    def inputs(seed, n=3):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.rand(n, 3, generator=g), torch.randint(0, 20, (2 * n,), generator=g), torch.arange(0, 2 * n, 2),
+                torch.randint(0, 20, (n,), generator=g), torch.arange(n), torch.rand(n, generator=g))
+
+    model = Late()
+    fast = transformed_all_lowered(model, inputs(0), inputs(1), inputs(2, 5), backend="reference", groups=1)
+    assert [n.target for n in fast.graph.nodes].count(torch.ops.aten.ones_like.default) == 1
+
+
+def test_a_quantized_table_looked_up_weighted_and_not_keeps_no_fp32_rows_and_scripts():
+    model = WeightedAndNot().eval()
+    fast = fxrec.transform(model, weighted_and_not_inputs(0), mode="inference", quantize="int8")
+    assert not fast.report.left_alone and not [k for k in fast.state_dict() if k.startswith("b.")]
+    x = weighted_and_not_inputs(3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*x), model(*x), rtol=0.05, atol=0.05)
+        torch.testing.assert_close(fxrec.export.torchscript(fast)(*x), fast(*x), rtol=0, atol=0)
+
+
 def test_a_quantized_table_looked_up_pooled_and_unpooled_keeps_no_fp32_rows():
     model = PooledAndUnpooled().eval()
     fast = fxrec.transform(model, pooled_and_unpooled_inputs(), mode="inference", quantize="int8")
