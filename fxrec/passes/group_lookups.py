@@ -16,7 +16,8 @@ or the order of side effects below).
    unpooled, the model's op then pooling them, when their table is also looked up unpooled, or
    pooled so both ways (and by no bag). What
    still differs is left as it was, with the reason: a lookup of
-   another kind (bag-pooled vs unpooled, weighted vs unweighted, over another batch size, ...), one whose ids are
+   another kind (bag-pooled vs unpooled, over another batch size, ...; an unweighted sum bag beside
+   weighted ones takes weights of one and joins them), one whose ids are
    computed from its own table's lookup, one whose table's lookups are tied through the lookups
    of another table.
 2. Dependences. One sweep over the graph in order gives each node the set of units whose output
