@@ -330,7 +330,7 @@ def transform(
             bind_staged(gm)  # (pieces bound for unified memory, held in host memory until now)
         _store_lower_precision(gm)  # the rank's shards, now that they hold values
         if mode == "training":
-            sum_gradients_over_ranks(gm, records, dense)
+            sum_gradients_over_ranks(gm, records + hidden, dense)  # (tables read in no_grad / autocast blocks too)
         # It keeps its own parameters in step over ranks: a DistributedDataParallel around it would
         # broadcast rank 0's table shards over the other ranks' and average what is already summed.
         # DDP leaves the parameters this list names (its own replicate() above takes a list of

@@ -46,8 +46,8 @@ TorchRec lays them out. Members are ordered as the first ``torch.cat`` that cons
 them (:func:`_column_order`), then made table-adjacent, so the group's output can usually
 replace that cat's arguments without reordering.
 
-Before: lookups annotated by annotate_lookups. After: the nodes possibly reordered (nothing
-else changes); ``ctx.groups`` holds GroupRecords, each member node carries
+Before: lookups annotated by annotate_lookups. After: the nodes possibly reordered, and the
+weights of ones of unweighted bags that joined weighted ones added (nothing else changes); ``ctx.groups`` holds GroupRecords, each member node carries
 ``meta["fxrec_group"]``, and ``gm.meta["fxrec_fragmentation"]`` (a :class:`fxrec.meta.Fragmentation`)
 says how many groups were made, the fewest possible, and why each extra one is apart.
 
@@ -196,6 +196,25 @@ def _single_ids_join(records: List[meta.LookupRecord]) -> List[meta.LookupRecord
     return [out.get(r.node, r) for r in records]
 
 
+def _unjoin(rec: meta.LookupRecord) -> meta.LookupRecord:
+    """``rec`` as the model wrote it where :func:`_unweighted_bags_join` gave it weights of ones and
+    it is left as written after all (its table's lookups are mostly of another kind, or it depends
+    on its group): the bag's weights argument back to None (the ones, unused, are erased after the
+    reordering)."""
+    ones = rec.per_sample_weights
+    if ones is None or not ones.meta.get(_ONES):
+        return rec
+    if len(rec.node.args) > 6 and rec.node.args[6] is ones:
+        rec.node.args = rec.node.args[:6] + (None,) + rec.node.args[7:]
+    else:
+        rec.node.kwargs = {k: v for k, v in rec.node.kwargs.items() if k != "per_sample_weights"}
+    return dataclasses.replace(rec, per_sample_weights=None)
+
+
+#: marks the weights of ones _unweighted_bags_join makes (node.meta)
+_ONES = "fxrec_weights_of_one"
+
+
 def _unweighted_bags_join(records: List[meta.LookupRecord], graph: fx.Graph) -> List[meta.LookupRecord]:
     """Unweighted sum bags of a table also looked up by weighted sum bags of their key but for the
     weighting take per-sample weights of ones (``aten.ones_like`` of their ids, of the weights'
@@ -220,8 +239,10 @@ def _unweighted_bags_join(records: List[meta.LookupRecord], graph: fx.Graph) -> 
             with graph.inserting_before(r.node):
                 ones = graph.call_function(torch.ops.aten.ones_like.default, (r.ids,), {"dtype": dtype})
             ones.meta["val"] = torch.ones_like(val, dtype=dtype)
+            ones.meta[_ONES] = True
             # the bag itself takes them (the graph computes what the group does, and the reordering
-            # below sees them among the lookup's inputs)
+            # sees them among the lookup's inputs); taken back where the bag is left as written
+            # (:func:`_unjoin`)
             if len(r.node.args) > 6:
                 r.node.args = r.node.args[:6] + (ones,) + r.node.args[7:]
             else:
@@ -504,6 +525,7 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     # lookups left as written, with the reason
     for rec, u, why in plain:
+        rec = _unjoin(rec)
         first = u.members[0]
         where = f"table '{rec.table}' is batched in {u.group.name}"
         if why == "kind":
@@ -529,8 +551,12 @@ def group_lookups(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     gm.meta[meta.FRAGMENTATION] = _fragmentation(groups, effects)
     moved = reorder(graph, nodes, effects, [_place(gr, effects) for gr in records_out])
+    ones = [n for n in graph.nodes if n.meta.get(_ONES)]
+    for n in ones:
+        if not n.users:  # (its bag left as written)
+            graph.erase_node(n)
     ctx.groups = records_out
-    return PassResult(gm, moved > 0, {
+    return PassResult(gm, moved > 0 or any(n.users for n in ones), {
         "groups": len(records_out), "grouped": sum(len(g.lookups) for g in records_out),
         "fewest": gm.meta[meta.FRAGMENTATION].fewest, "left_plain": len(plain), "nodes_moved": moved,
     })

@@ -541,6 +541,8 @@ def test_an_unweighted_bag_of_a_table_also_looked_up_weighted_joins_it_with_weig
     assert keys == [("b", True), ("b", True), ("c", False)], keys
     ones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.ones_like.default]
     assert len(ones) == 1 and ones[0].kwargs["dtype"] == torch.float32
+    run = next(r for r in ctx.report.pass_runs if r.name == "group_lookups")
+    assert run.modified and "ones_like" in gm.code  # (recompiled: the pass said it changed nothing)
     model = WeightedAndNot()
     ref = __import__("copy").deepcopy(model)
     fast = fxrec.transform(model, weighted_and_not_inputs(0), backend=backend)
@@ -577,6 +579,33 @@ def test_an_unweighted_bag_written_after_the_weighted_ones_users_joins_them_in_o
     model = Late()
     fast = transformed_all_lowered(model, inputs(0), inputs(1), inputs(2, 5), backend="reference", groups=1)
     assert [n.target for n in fast.graph.nodes].count(torch.ops.aten.ones_like.default) == 1
+
+
+def test_an_unweighted_bag_left_as_written_keeps_no_weights_of_one():
+    """A table read mostly unpooled: both its bags are left as written, the unweighted one as the
+    model wrote it (it kept the weights of one made for joining, and the report called it
+    weighted; from a final review)."""
+    class Mostly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = nn.EmbeddingBag(50, 4, mode="sum")
+
+        def forward(self, h1, h2, h3, a, ao, b, bo, w):
+            seq = (F.embedding(h1, self.t.weight) + F.embedding(h2, self.t.weight) + F.embedding(h3, self.t.weight))
+            return torch.cat([seq.sum(1), self.t(a, ao), self.t(b, bo, per_sample_weights=w)], 1)
+
+    def inputs(seed, n=3):
+        g = torch.Generator().manual_seed(seed)
+        r = lambda *s: torch.randint(0, 50, s, generator=g)  # noqa: E731
+        return (r(n, 2), r(n, 2), r(n, 2), r(2 * n), torch.arange(0, 2 * n, 2), r(2 * n), torch.arange(0, 2 * n, 2),
+                torch.rand(2 * n, generator=g))
+
+    model = Mostly()
+    fast = fxrec.transform(model, inputs(0))
+    assert not [n for n in fast.graph.nodes if n.target is torch.ops.aten.ones_like.default]
+    reasons = {e.feature: e.reason for e in fast.report.left_alone}
+    assert set(reasons) == {"a", "b"} and "weighted" not in reasons["a"].split("this one is")[1], reasons
+    torch.testing.assert_close(fast(*inputs(1)), model(*inputs(1)), rtol=0, atol=0)
 
 
 def test_a_quantized_table_looked_up_weighted_and_not_keeps_no_fp32_rows_and_scripts():
