@@ -1131,17 +1131,31 @@ class _WeightedAndPlain(nn.Module):
         return self.top(torch.cat([self.t(ids, offs, per_sample_weights=w), self.t(rows)], 1)).squeeze(1)
 
 
+class _SumAndMax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.EmbeddingBag(40, 8, mode="sum")
+        self.top = nn.Linear(16, 1)
+
+    def forward(self, ids, offs, w, rows):
+        return self.top(torch.cat([self.t(ids, offs, per_sample_weights=w),
+                                   F.embedding_bag(rows, self.t.weight, mode="max")], 1)).squeeze(1)
+
+
 def test_explain_refuses_a_plan_that_shards_a_table_read_outside_its_lookups():
-    """A table read by a weighted and an unweighted bag keeps the unweighted one as written, so it can
-    only be data-parallel; a plan made from table specs shards it. transform refused the plan, and
-    fxrec.explain(plan=) reported it as fine (found by the sharded fuzzer)."""
+    """A table read by a sum bag and a max bag keeps the max one as written (fxrec has no max
+    pooling), so it can only be data-parallel; a plan made from table specs shards it. transform
+    refused the plan, and fxrec.explain(plan=) reported it as fine (found by the sharded fuzzer,
+    with a weighted and an unweighted bag, which now share the table's group: the plan takes it)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randint(0, 40, (8,), generator=g), torch.arange(4) * 2, torch.rand(8, generator=g),
          torch.randint(0, 40, (4, 3), generator=g))
     plan = fxrec.plan(tables=[fxrec.TableSpec("t", 40, 8)], world_size=2, memory_per_rank="1GB", pins={"t": "row_wise"})
     with pytest.raises(fxrec.InputError, match=r"table 't' is also used outside its lookups .* plan it data_parallel"):
-        fxrec.explain(_WeightedAndPlain(), x, plan=plan)
-    fxrec.explain(_WeightedAndPlain(), x, plan=fxrec.plan(_WeightedAndPlain(), x, world_size=2, memory_per_rank="1GB"))
+        fxrec.explain(_SumAndMax(), x, plan=plan)
+    fxrec.explain(_SumAndMax(), x, plan=fxrec.plan(_SumAndMax(), x, world_size=2, memory_per_rank="1GB"))
+    report = fxrec.explain(_WeightedAndPlain(), x, plan=plan)  # (its unweighted bag joins with weights of one)
+    assert not report.left_alone and {e.table for e in report.lookups} == {"t"}
 
 
 def _ddp_around_a_sharded_model(rank, world, init_file, result_file):
