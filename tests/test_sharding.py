@@ -1121,25 +1121,18 @@ def test_transform_takes_the_plan_the_planner_makes_for_tables_read_beyond_their
     assert error_of(tmp_path, 2, _plan_of_tables_read_beyond_their_group) == "no error"
 
 
-class _WeightedAndPlain(nn.Module):
-    def __init__(self):
+class _TwoBagsOfOneTable(nn.Module):
+    """A weighted sum bag of table 't' and a second bag of it over [B, L] ids, pooled by ``second``."""
+
+    def __init__(self, second="sum"):
         super().__init__()
         self.t = nn.EmbeddingBag(40, 8, mode="sum")
         self.top = nn.Linear(16, 1)
-
-    def forward(self, ids, offs, w, rows):
-        return self.top(torch.cat([self.t(ids, offs, per_sample_weights=w), self.t(rows)], 1)).squeeze(1)
-
-
-class _SumAndMax(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.t = nn.EmbeddingBag(40, 8, mode="sum")
-        self.top = nn.Linear(16, 1)
+        self.second = second
 
     def forward(self, ids, offs, w, rows):
         return self.top(torch.cat([self.t(ids, offs, per_sample_weights=w),
-                                   F.embedding_bag(rows, self.t.weight, mode="max")], 1)).squeeze(1)
+                                   F.embedding_bag(rows, self.t.weight, mode=self.second)], 1)).squeeze(1)
 
 
 def test_explain_refuses_a_plan_that_shards_a_table_read_outside_its_lookups():
@@ -1152,9 +1145,10 @@ def test_explain_refuses_a_plan_that_shards_a_table_read_outside_its_lookups():
          torch.randint(0, 40, (4, 3), generator=g))
     plan = fxrec.plan(tables=[fxrec.TableSpec("t", 40, 8)], world_size=2, memory_per_rank="1GB", pins={"t": "row_wise"})
     with pytest.raises(fxrec.InputError, match=r"table 't' is also used outside its lookups .* plan it data_parallel"):
-        fxrec.explain(_SumAndMax(), x, plan=plan)
-    fxrec.explain(_SumAndMax(), x, plan=fxrec.plan(_SumAndMax(), x, world_size=2, memory_per_rank="1GB"))
-    report = fxrec.explain(_WeightedAndPlain(), x, plan=plan)  # (its unweighted bag joins with weights of one)
+        fxrec.explain(_TwoBagsOfOneTable("max"), x, plan=plan)
+    fxrec.explain(_TwoBagsOfOneTable("max"), x,
+                  plan=fxrec.plan(_TwoBagsOfOneTable("max"), x, world_size=2, memory_per_rank="1GB"))
+    report = fxrec.explain(_TwoBagsOfOneTable(), x, plan=plan)  # (its unweighted bag joins with weights of one)
     assert not report.left_alone and {e.table for e in report.lookups} == {"t"}
 
 
