@@ -53,7 +53,7 @@ def _values(g: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_of(grads: Iterable[torch.Tensor], norm_type: float, device) -> torch.Tensor:
-    """The sum of ``|g|**p`` over ``grads`` (``p = inf``: their largest ``|g|``), in fp32 or wider."""
+    """The sum of ``|g|**p`` over ``grads`` (``p = inf``: their largest ``|g|``), in fp32."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         v = _values(g)
