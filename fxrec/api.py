@@ -20,7 +20,7 @@ from .runtime.kernels import KERNEL_NAMES
 from .pass_infra import Config, InputError, PassContext, PassManager
 from .pipeline import default_pipeline, explain_pipeline
 from .ranks import (check_dense, check_plan, check_rank_device, check_same_setup, exchange_device, plan_per_rank,
-                    rank_note, sum_gradients_over_ranks, together)
+                    rank_note, sum_gradients_over_ranks, together, units_note)
 from .report import Report, build_report
 from .table_optimizers import fused_updates_off, record_table_optimizers
 from . import meta
@@ -338,6 +338,8 @@ def transform(
         gm.meta.setdefault("_user_preserved_attributes", {})["_ddp_params_and_buffers_to_ignore"] = sorted(
             [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()])
         notes.append(rank_note(plan, rank, dense))
+        if dense == "fsdp" and mode == "training":
+            notes.append(units_note(gm.meta.get("fxrec_fsdp_units")))
         per_rank = plan_per_rank(plan)
     # the report, built once from the graph after the pipeline (every pipeline the same way)
     report = build_report(gm, report.passes, report.pass_runs, notes, per_rank)
@@ -629,6 +631,11 @@ def explain(
     if plan is not None:  # (transform's report has its own rank's note; here every rank's, as the plan says)
         world = plan.topology.world_size
         notes += [rank_note(plan, r, dense) for r in range(min(world, 8))]
+        if dense == "fsdp":  # (the same rule on this graph: it reads only the dense operations around the lookups)
+            from .passes.outline_dense_units import outline_dense_units
+
+            tables = {n.meta[meta.LOOKUP].param for n in gm.graph.nodes if meta.LOOKUP in n.meta}
+            notes.append(units_note(outline_dense_units(gm, tables | {r.param for r in meta.hidden_records(gm)})))
         if hbm_budget is not None:  # (the ranks' placements, as each rank's transform makes them)
             notes += _rank_placements(ctx, world)
         if world > 8:

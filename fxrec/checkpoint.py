@@ -104,8 +104,12 @@ def _sharded_again(module: torch.nn.Module) -> None:
     (DTensors, which its optimizer holds), as DCP reads and writes them: FSDP keeps them whole
     between a forward and its backward."""
     meta = getattr(module, "meta", None)
-    if isinstance(meta, dict) and meta.get(FSDP_KEY) and callable(getattr(module, "reshard", None)):
-        module.reshard()
+    if isinstance(meta, dict) and meta.get(FSDP_KEY):
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in module.modules():  # (reshard is per unit)
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def _state_cut(fqn: str, layout: dict, per_row: bool):

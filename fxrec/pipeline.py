@@ -28,6 +28,9 @@ quantized lookups of one rank are not a model the example inputs can run alone).
 rank must run the same graph shape (its collectives pair up across ranks), so nothing is chosen
 by timing. place_shards (hbm_budget= only) follows shard_groups: it places the pieces of tables
 this rank's local groups hold, once they are built, and checks they are what the plan gives it.
+With dense="fsdp", outline_dense_units runs after the pipeline, once the rank's tensors are
+allocated and just before FSDP is applied (fxrec/ranks.py): it moves only dense operations into
+calls of their submodules, and the units it makes are what FSDP is given.
 
 fxrec.explain runs the passes that decide, and none that build: annotate_lookups →
 merge_lookups → assign_optimizers → (assign_precisions) → group_lookups → (quantize_tables) → choose_kernels →

@@ -179,8 +179,11 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") ->
     (``replicate_whole``) does it for all of them but the tables with sparse gradients, which DDP's
     communication hooks cannot take: those keep a hook each, which sums them sparse (``sparse_sum``).
     ``dense="fsdp"``: FSDP (``shard_whole``) shards the parameters that are not embedding tables
-    over the ranks instead; the data-parallel tables stay whole, each with a hook that sums its
-    gradient (their optimizers, fxrec's row-wise fallbacks among them, step whole rows)."""
+    over the ranks instead, each dense submodule ``outline_dense_units`` gives back its call a unit
+    of its own; the data-parallel tables stay whole, each with a hook that sums its gradient (their
+    optimizers, fxrec's row-wise fallbacks among them, step whole rows), and so do 0-dim parameters,
+    which FSDP refuses."""
+    from .passes.outline_dense_units import outline_dense_units
     from .runtime.collectives import all_reduce_grad, replicate_whole, shard_whole
 
     sharded = gm.meta.get("fxrec_sharded_params", {})
@@ -189,8 +192,12 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") ->
     hooked = sparse
     if dense == "fsdp":
         tables = {r.param for r in records if r.param in params and r.param not in sharded}
-        gm.meta["fxrec_fsdp_params"] = shard_whole(gm, set(sharded) | tables)  # (fxrec.clip_grad reads it)
-        hooked = tables
+        # FSDP refuses 0-dim parameters (a learned scale): they stay whole, summed by a hook like the tables
+        scalars = {n for n, p in params.items() if p.dim() == 0 and n not in sharded and n not in tables}
+        units = outline_dense_units(gm, set(sharded) | tables)
+        gm.meta["fxrec_fsdp_units"] = units
+        gm.meta["fxrec_fsdp_params"] = shard_whole(gm, set(sharded) | tables | scalars, units)  # (clip_grad reads it)
+        hooked = tables | scalars
     else:
         # a parameter no gradient reaches (export keeps unread ones; one read only under torch.no_grad()
         # or through .detach()) makes DDP wait for it unless told (the second step raised)
@@ -200,6 +207,15 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") ->
     for name in sorted(hooked):
         if params[name].requires_grad:
             params[name].register_hook(all_reduce_grad(name))
+
+
+def units_note(units) -> str:
+    """The report's line on the FSDP units of ``transform(plan=, dense="fsdp")``."""
+    if not units:
+        return ("FSDP: the whole model is one unit (no submodule's operations could be given back to a call of it; "
+                "docs/sharding.md says when they can): its dense parameters are whole on every rank for each step")
+    return (f"FSDP units: {', '.join(units)} (each gathered whole for its own call in forward and again in backward, "
+            "and freed after); the other dense parameters are the model's own unit, whole for the step")
 
 
 def plan_per_rank(plan) -> list:

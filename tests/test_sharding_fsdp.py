@@ -61,6 +61,7 @@ def _worker(rank, world, init_file):
             assert p.to_local().shape[0] == min(-(-whole // world), whole - rank * -(-whole // world)), name
         for name in WHOLE:
             assert type(params[name]).__name__ == "Parameter", name
+        assert fast.meta["fxrec_fsdp_units"] == []  # (mlp.0 is 97 % of the dense bytes: one unit gathers once)
         opt = torch.optim.SGD(fast.parameters(), lr=0.1)  # (not Adagrad or Adam: they hide a gradient's scale)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         _steps(rank, world, fast, ref, opt, ref_opt, 4)
@@ -351,6 +352,7 @@ def test_the_report_says_fsdp_shards_the_other_parameters(tmp_path):
     text = (tmp_path / "report.txt").read_text()
     assert "rank 0 of 2: holds bags.0 (row_wise, rows 0..19); the parameters that are not tables are sharded over " \
            "the ranks by FSDP" in text, text
+    assert "FSDP: the whole model is one unit" in text, text
 
 
 # ------------------------------------------------------------------ found by a review
@@ -467,8 +469,15 @@ def test_explain_says_what_transform_says_of_dense_fsdp_for_every_rank():
     notes = [n for n in fxrec.explain(model, example, plan=plan, dense="fsdp").notes if n.startswith("rank ")]
     assert len(notes) == 2 and all("the parameters that are not tables are sharded over the ranks by FSDP" in n
                                    for n in notes), notes
-    ddp = [n for n in fxrec.explain(model, example, plan=plan).notes if n.startswith("rank ")]
-    assert len(ddp) == 2 and not any("FSDP" in n for n in ddp), ddp
+    assert [n for n in fxrec.explain(model, example, plan=plan, dense="fsdp").notes if n.startswith("FSDP")] \
+        == [fxrec.ranks.units_note([])]
+    towers = fxrec.plan(Tower(), _tower_batch(0, LOCAL_B), world_size=2, memory_per_rank="1GB", pins={"emb": "row_wise"})
+    assert [n for n in fxrec.explain(Tower(), _tower_batch(0, LOCAL_B), plan=towers, dense="fsdp").notes
+            if n.startswith("FSDP")] == [
+        "FSDP units: blocks.0, blocks.1, blocks.2, head (each gathered whole for its own call in forward and again in "
+        "backward, and freed after); the other dense parameters are the model's own unit, whole for the step"]
+    ddp = fxrec.explain(model, example, plan=plan).notes
+    assert len([n for n in ddp if n.startswith("rank ")]) == 2 and not any("FSDP" in n for n in ddp), ddp
     with pytest.raises(ValueError, match="dense='fsdp' shards the model's other parameters"):
         fxrec.explain(model, example, dense="fsdp")
 
@@ -522,3 +531,95 @@ def test_fsdp_keeps_a_table_read_only_in_an_autocast_block_whole(sparse):
     """(FSDP was given it, as a dense layer: a chunk, and for sparse gradients a failed backward;
     from a final review.)"""
     spawn(_autocast_worker, 2, sparse)
+
+
+# ------------------------------------------------------------------ FSDP units (outline_dense_units)
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.act(self.lin(self.norm(x))) + x
+
+
+class Tower(torch.nn.Module):
+    """A row-wise table under blocks (each an FSDP unit), a layer called twice (in the model's own
+    unit, with the head's bias scale) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(40, 8, mode="sum")
+        self.blocks = torch.nn.ModuleList([Block(), Block(), Block()])
+        self.shared = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+        self.scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return (self.head(self.shared(self.shared(x))) * self.scale).squeeze(1)
+
+
+def _tower_batch(seed, batch):
+    return (torch.randint(0, 40, (batch, 3), generator=torch.Generator().manual_seed(seed)),)
+
+
+def _units_worker(rank, world, init_file, path):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(0)
+        model = Tower()
+        ref = copy.deepcopy(model)
+        local = lambda x: tuple(t[rank * LOCAL_B:(rank + 1) * LOCAL_B] for t in x)  # noqa: E731
+        plan = fxrec.plan(model, local(_tower_batch(0, LOCAL_B * world)), world_size=world, memory_per_rank="1GB",
+                          pins={"emb": "row_wise"})
+        fast = fxrec.transform(model, local(_tower_batch(0, LOCAL_B * world)), plan=plan, dense="fsdp")
+        assert fast.meta["fxrec_fsdp_units"] == ["blocks.0", "blocks.1", "blocks.2", "head"]
+        seen = []
+
+        def held(module, args):  # (after FSDP's own pre-forward hook: blocks.2 gathered, blocks.0 freed again)
+            seen.append((type(fast.blocks[0].lin._parameters["weight"]).__name__,
+                         type(module.lin._parameters["weight"]).__name__))
+
+        hook = fast.blocks[2].register_forward_pre_hook(held)
+        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in (1, 2, 3):
+            x = _tower_batch(step, LOCAL_B * world)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            want = ref(*x)
+            got = fast(*local(x))
+            torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step}")
+            want.sum().backward()
+            got.sum().backward()
+            opt.step()
+            ref_opt.step()
+            with torch.no_grad():  # an evaluation forward between steps (every unit freed again after it)
+                torch.testing.assert_close(fast(*local(_tower_batch(50, LOCAL_B * world))),
+                                           ref(*_tower_batch(50, LOCAL_B * world))[rank * LOCAL_B:(rank + 1) * LOCAL_B])
+        hook.remove()
+        assert seen == [("DTensor", "Parameter")] * 6, seen  # (3 training and 3 evaluation forwards)
+        fxrec.checkpoint.save(fast, path)
+        for name, p in ref.named_parameters():
+            if name != "emb.weight":
+                torch.testing.assert_close(_full(fast.get_parameter(name)).detach(), p.detach(), msg=name)
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_units_train_evaluate_and_save_as_the_plain_model(tmp_path):
+    spawn(_units_worker, 2, str(tmp_path / "ckpt"))
+    torch.manual_seed(0)
+    model, ref = Tower(), Tower()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in (1, 2, 3):
+        opt.zero_grad()
+        ref(*_tower_batch(step, LOCAL_B * 2)).sum().backward()
+        opt.step()
+    fxrec.checkpoint.load_into_model(model, str(tmp_path / "ckpt"))
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], want, msg=name)

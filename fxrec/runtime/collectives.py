@@ -12,7 +12,7 @@ These functions know nothing of graphs or passes.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -282,7 +282,7 @@ def _exact_sums_hook(state: ExactSums, bucket):
     return state.comm_hook(bucket)
 
 
-def shard_whole(module: torch.nn.Module, leave: set) -> List[str]:
+def shard_whole(module: torch.nn.Module, leave: set, units: Sequence[str] = ()) -> List[str]:
     """Shard ``module``'s parameters other than ``leave`` (the embedding tables) over the ranks with FSDP (torch's ``fully_shard`` on the module itself, in place):
     each rank keeps dim-0 chunks of them (DTensors) and of their optimizer states; FSDP gathers
     them whole before the forward and backward and reduce-scatters their gradients, summed (a
@@ -291,6 +291,8 @@ def shard_whole(module: torch.nn.Module, leave: set) -> List[str]:
     copy), and so are the buffers of the modules that hold no table (after that each rank keeps
     its own: FSDP does not broadcast them at every forward as DDP does). After a forward without
     gradients the parameters are sharded again (FSDP keeps the root's whole until a backward).
+    ``units``: paths of submodules FSDP shards as units of their own (gathered for their call
+    only, and freed after it), applied first; the rest is the module's own unit.
     Returns the names FSDP shards ([]: none, and FSDP is not applied)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -311,11 +313,15 @@ def shard_whole(module: torch.nn.Module, leave: set) -> List[str]:
                 if whole.data_ptr() != t.data_ptr():
                     t.detach().copy_(whole)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        fully_shard(module, mesh=mesh, ignored_params={params[n] for n in leave if n in params})
+        sharded = [fully_shard(module.get_submodule(u), mesh=mesh,
+                               ignored_params={params[n] for n in leave if n in params and n.startswith(u + ".")})
+                   for u in units]
+        sharded.append(fully_shard(module, mesh=mesh, ignored_params={params[n] for n in leave if n in params}))
     except Exception as e:  # noqa: BLE001 - re-raised naming the step
         raise _fail("FSDP's set-up (fully_shard of the parameters outside the tables)", "fxrec.transform", e) from e
-    module.set_gradient_divide_factor(1.0)
-    module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; nothing to divide)
+    for m in sharded:  # (per unit: neither setting reaches a unit's submodules)
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; nothing to divide)
     # FSDP keeps the root's parameters whole from its forward until the backward ends; a forward
     # with no backward to come (no_grad, evaluation) would leave them whole until the next one
     module.register_forward_hook(_reshard_without_gradients)
