@@ -201,10 +201,17 @@ def _mode_nodes(gm: fx.GraphModule, model: torch.nn.Module) -> List[fx.Node]:
     return out
 
 
-def _counter_adds(gm: fx.GraphModule) -> List[fx.Node]:
-    return [n for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is aten.add_.Tensor and isinstance(n.args[0], fx.Node)
-            and n.args[0].op == "get_attr" and str(n.args[0].target).endswith("num_batches_tracked")]
+def _counter_adds(gm: fx.GraphModule, of: Optional[set] = None) -> List[fx.Node]:
+    """Batch norms' ``num_batches_tracked += 1`` in the captured graph, in graph order: on the
+    buffer, or on the previous one's result (a batch norm called twice). ``of``: only those of
+    these buffers (their targets)."""
+    out: List[fx.Node] = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.add_.Tensor and isinstance(n.args[0], fx.Node) and (
+                n.args[0] in out or n.args[0].op == "get_attr" and str(n.args[0].target).endswith("num_batches_tracked")
+                and (of is None or n.args[0].target in of)):
+            out.append(n)
+    return out
 
 
 def _input_checks(gm: fx.GraphModule) -> List[fx.Node]:
@@ -288,6 +295,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     graph = gm.graph
     flag_nodes: Dict[str, fx.Node] = {}
     erased = False
+    counted: set = set()  # the num_batches_tracked buffers count_batch now counts
 
     def flag_of(node: fx.Node) -> fx.Node:
         path = _module_path(node)
@@ -308,7 +316,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
             n.args, n.kwargs = tuple(args), {k: v for k, v in n.kwargs.items()
                                              if k not in {a.name for a in n.target._schema.arguments[: len(args)]}}
             if n.target is aten.batch_norm.default:
-                _count_batches(gm, n, args[flag])
+                counted.add(_count_batches(gm, n, args[flag]))
         for n, i in extra:
             args = _full_args(n, max(i, len(n.args) - 1)) if isinstance(n.target, torch._ops.OpOverload) \
                 else list(n.args)
@@ -323,8 +331,8 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
             args[i] = flag
             n.args = tuple(args)
             if n.target is aten.batch_norm.default and i == MODE_OPS[n.target][0]:
-                _count_batches(gm, n, flag)
-        for add in _counter_adds(gm):  # counters of batch norms replaced above
+                counted.add(_count_batches(gm, n, flag))
+        for add in reversed(_counter_adds(gm, counted)):  # counters replaced above (the last of a chain first)
             if not add.users:
                 graph.erase_node(add)
                 erased = True
@@ -336,17 +344,18 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     return ModeInfo(captured=captured, switchable=not why_not, why_not=why_not, flags=flags)
 
 
-def _count_batches(gm: fx.GraphModule, bn: fx.Node, flag: fx.Node) -> None:
-    """Before a batch norm that follows the mode: count the batch in training mode (as the module does)."""
+def _count_batches(gm: fx.GraphModule, bn: fx.Node, flag: fx.Node) -> Optional[str]:
+    """Before a batch norm that follows the mode: count the batch in training mode (as the module
+    does). Returns the counter's target (None: the batch norm has none)."""
     running_mean = bn.args[3]
     if not (isinstance(running_mean, fx.Node) and running_mean.op == "get_attr"):
-        return
+        return None
     owner = str(running_mean.target).rpartition(".")[0]
     target = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
     try:
         gm.get_buffer(target)
     except AttributeError:
-        return
+        return None
     graph = gm.graph
     counter = next((n for n in graph.nodes if n.op == "get_attr" and n.target == target), None)
     with graph.inserting_before(bn):
@@ -354,6 +363,7 @@ def _count_batches(gm: fx.GraphModule, bn: fx.Node, flag: fx.Node) -> None:
             counter = graph.get_attr(target)
         call = graph.call_function(count_batch, (counter, flag))
     call.meta["nn_module_stack"] = bn.meta.get("nn_module_stack", {})
+    return target
 
 
 def _ensure_module(gm: fx.GraphModule, model: torch.nn.Module, path: str) -> None:

@@ -79,6 +79,58 @@ def test_train_and_eval_switch_dropout_and_batch_norm_as_the_original(captured_i
     assert any("train()/eval() switch" in n for n in fast.report.notes), fast.report.notes
 
 
+class SubclassedNorm(nn.BatchNorm1d):
+    """A batch norm with a forward of its own (its flags are found by capturing the other mode)."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.0
+
+
+class OwnCounter(nn.Module):
+    """A module of the model's own with a buffer named like batch norm's counter, counted by its code."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def forward(self, x):
+        self.num_batches_tracked.add_(1)
+        return x
+
+
+class NormsCalledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 4, mode="sum")
+        self.bn = nn.BatchNorm1d(4)
+        self.sub = SubclassedNorm(4)
+        self.own = OwnCounter()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, ids, offsets):
+        x = self.sub(self.bn(self.emb(ids, offsets)))
+        return self.own(self.sub(self.bn(self.lin(x))))
+
+
+def test_batch_norms_called_twice_count_each_call_and_a_counter_of_the_models_own_counts():
+    """Found by a fuzz: a batch norm called twice counted 4 batches a forward where the plain model
+    counts 2 (the captured counter of its second call stayed beside fxrec's), and a subclassed one
+    called twice could not switch to eval; a buffer of the model's own named num_batches_tracked
+    lost its count."""
+    model = NormsCalledTwice()
+    fast = fxrec.transform(copy.deepcopy(model), mode_inputs()[1:])
+    ref = copy.deepcopy(model)
+    for step, mode in enumerate(["train", "train", "eval", "train"]):
+        for m in (fast, ref):
+            getattr(m, mode)()
+        x = mode_inputs(seed=step + 1)[1:]
+        torch.testing.assert_close(fast(*x), ref(*x), msg=f"step {step} {mode}")
+    for name in ("bn.running_mean", "bn.num_batches_tracked", "sub.running_var", "sub.num_batches_tracked",
+                 "own.num_batches_tracked"):
+        torch.testing.assert_close(fast.get_buffer(name), ref.get_buffer(name), msg=name)
+    assert int(fast.bn.num_batches_tracked) == 6 and int(fast.own.num_batches_tracked) == 4
+
+
 class NormedBags(nn.Module):
     def __init__(self):
         super().__init__()

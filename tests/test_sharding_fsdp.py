@@ -602,10 +602,16 @@ def _units_worker(rank, world, init_file, path):
                                            ref(*_tower_batch(50, LOCAL_B * world))[rank * LOCAL_B:(rank + 1) * LOCAL_B])
         hook.remove()
         assert seen == [("DTensor", "Parameter")] * 6, seen  # (3 training and 3 evaluation forwards)
-        fxrec.checkpoint.save(fast, path)
+        fxrec.checkpoint.save(fast, path, optimizer=opt)
         for name, p in ref.named_parameters():
             if name != "emb.weight":
                 torch.testing.assert_close(_full(fast.get_parameter(name)).detach(), p.detach(), msg=name)
+        torch.manual_seed(3)  # into another model with units: its parameters and optimizer from the checkpoint
+        other = fxrec.transform(Tower(), local(_tower_batch(0, LOCAL_B * world)), plan=plan, dense="fsdp")
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+        fxrec.checkpoint.load(other, path, optimizer=other_opt)
+        x = _tower_batch(60, LOCAL_B * world)
+        torch.testing.assert_close(other(*local(x)), fast(*local(x)))
         dist.barrier()
     os._exit(0)
 

@@ -33,8 +33,9 @@ belongs to): walking the calls from the model's forward down, a submodule become
 * its operations can be moved to one place: no operation outside it lies between two of them and
   depends on one and feeds another, none of those between has side effects (a grad mode switch,
   an in-place write, a random draw), and no operation outside it reads its parameters or buffers;
-  it has no ``no_grad`` / autocast block, does not write its inputs in place, and no view it
-  returns is written in place after it.
+  it has no ``no_grad`` / autocast block, does not write its inputs in place, returns no view of
+  its own parameters or buffers (FSDP frees the gathered parameters after the call), and no view
+  it returns is written in place after it.
 
 Where a submodule is not a unit, the walk goes on into the modules it calls. What no unit takes
 stays in the model's own FSDP unit (the root), whole for the whole step.
@@ -51,7 +52,6 @@ time, so that model stays one unit. Nothing is moved unless ``dense="fsdp"``.
 from __future__ import annotations
 
 import operator
-import weakref
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
@@ -75,10 +75,10 @@ class UnitForward:
     def __init__(self, graph_module: fx.GraphModule, owner: torch.nn.Module, path: str):
         self.graph_module = graph_module
         self.path = path
-        self._owner = weakref.ref(owner)  # (no cycle: the module holds this as its forward)
+        self.owner = owner  # (a cycle, the module holding this as its forward: a copy of the module copies both)
 
     def __call__(self, *args):
-        return self.graph_module(self._owner(), *args)
+        return self.graph_module(self.owner, *args)
 
     @property
     def code(self) -> str:
@@ -140,6 +140,8 @@ def outline_dense_units(gm: fx.GraphModule, leave: Set[str]) -> List[str]:
     size = {u: sum(p.numel() * p.element_size() for n, p in params.items() if _under(n, u)) for u in found}
     if not found or not halves(list(size.values()), sum(p.numel() * p.element_size() for p in params.values())):
         return []  # (one unit gathers once a step)
+    # (checked again as each moves: one whose operations lie between another's, moved first, is left
+    # alone now, and the size rule was judged with it; the numbers are the model's either way)
     units = [u for u in found if _outline(gm, u, members[next(iter(paths[u]))], order, move=True)]
     if units:
         at = {n.meta[UNIT]: i for i, n in enumerate(graph.nodes) if UNIT in n.meta}
@@ -162,6 +164,18 @@ def _flag(node: fx.Node) -> bool:
 
 def _a_view(node: fx.Node) -> bool:
     return any(_is_view(a, node) for a in node.all_input_nodes)
+
+
+def _views(starts: List[fx.Node], inside: Set[fx.Node]) -> Set[fx.Node]:
+    """``starts`` and the nodes in ``inside`` that may share their memory (views of views...)."""
+    seen, todo = set(starts), list(starts)
+    while todo:
+        x = todo.pop()
+        for u in x.users:
+            if u in inside and u not in seen and _is_view(x, u):
+                seen.add(u)
+                todo.append(u)
+    return seen
 
 
 def _written(starts: List[fx.Node], where) -> bool:
@@ -231,6 +245,8 @@ def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.N
     if _written(inputs, lambda u: u in inside) or _written([o for o in outputs if _a_view(o)], lambda u: True):
         return False  # its inputs written in place inside it, a view it returns written (FSDP's hooks on
         # them would be lost)
+    if _views(own, inside) & set(outputs):
+        return False  # it returns a view of its own parameter or buffer (FSDP frees the gathered one after it)
     if not move:
         return True
 

@@ -251,3 +251,55 @@ def test_units_that_would_not_halve_the_bytes_gathered_at_once_are_not_made():
     two = Mlp()  # three layers of 72: the model's own unit holds nothing, the largest is a third
     fast2, units2 = _outlined(two, IDS)
     assert units2 == ["mlp.0", "mlp.2", "mlp.4"]
+
+
+class ReturnsItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x), self.lin.weight.t()
+
+
+class UsesAReturnedWeight(nn.Module):
+    """A layer returning a view of its own weight, read after its call (found by a review: FSDP
+    freed the gathered weight after the call, and the view read freed memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 8, mode="sum")
+        self.a = ReturnsItsWeight()
+        self.head = _layers(3)
+
+    def forward(self, ids):
+        y, wt = self.a(self.emb(ids))
+        return self.head(y) @ wt
+
+
+def test_a_layer_returning_a_view_of_its_own_weight_is_left_alone():
+    torch.manual_seed(0)
+    model = UsesAReturnedWeight()
+    fast, units = _outlined(copy.deepcopy(model), IDS)
+    assert units == ["head.0", "head.1", "head.2"]  # (nor a.lin: a reads its weight outside its call)
+    assert_matches(model, fast, (IDS,))
+
+
+def test_an_outlined_model_copies_and_pickles_with_its_units():
+    import io
+
+    torch.manual_seed(0)
+    model = Mlp()
+    fast, units = _outlined(copy.deepcopy(model), IDS)
+    twin = copy.deepcopy(fast)
+    assert twin.mlp[0].forward.owner is twin.mlp[0]  # (the copy's units run on the copy's parameters)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert twin(IDS).abs().sum() == 0 and fast(IDS).abs().sum() > 0
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert back.mlp[2].forward.owner is back.mlp[2]
+    assert_matches(model, back, (IDS,))
