@@ -891,6 +891,72 @@ def test_every_piece_type_of_a_sharded_group_runs_on_one_gpu_over_nccl(opt_name,
     assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
 
 
+def _fsdp_units_worker(rank, world, init_file, result_dir, backend="nccl"):
+    """``dense="fsdp"`` with FSDP units (tests/test_sharding_fsdp.py's Tower: three blocks and a
+    head, each a unit of its own) on cuda:rank: three SGD steps, each followed by an evaluation
+    forward, against the plain model on the same device and the global batch. ``backend="gloo"``:
+    the same on the CPU."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.test_sharding import LOCAL_B
+    from tests.test_sharding_fsdp import Tower, _full, _tower_batch
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    lo, hi = rank * LOCAL_B, (rank + 1) * LOCAL_B
+    try:
+        torch.manual_seed(0)
+        model = Tower()
+        ref = copy.deepcopy(model).to(dev)
+        example = tuple(t[lo:hi].to(dev) for t in _tower_batch(0, LOCAL_B * world))
+        plan = fxrec.plan(model, example, world_size=world, memory_per_rank="1GB", pins={"emb": "row_wise"})
+        fast = fxrec.transform(model.to(dev), example, plan=plan, dense="fsdp")
+        assert fast.meta["fxrec_fsdp_units"] == ["blocks.0", "blocks.1", "blocks.2", "head"]
+        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in (1, 2, 3):
+            x = tuple(t.to(dev) for t in _tower_batch(step, LOCAL_B * world))
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            want = ref(*x)
+            got = fast(*(t[lo:hi] for t in x))
+            torch.testing.assert_close(got, want[lo:hi], rtol=1e-4, atol=1e-5, msg=f"step {step}")
+            want.sum().backward()
+            got.sum().backward()
+            opt.step()
+            ref_opt.step()
+            with torch.no_grad():
+                y = tuple(t.to(dev) for t in _tower_batch(50 + step, LOCAL_B * world))
+                torch.testing.assert_close(fast(*(t[lo:hi] for t in y)), ref(*y)[lo:hi], rtol=1e-4, atol=1e-5)
+        for name, p in ref.named_parameters():
+            if name != "emb.weight":
+                torch.testing.assert_close(_full(fast.get_parameter(name)).detach(), p.detach(), rtol=1e-4, atol=1e-5,
+                                           msg=name)
+        dist.barrier()
+        with open(os.path.join(result_dir, f"ok.{rank}"), "w") as fh:
+            fh.write("ok")
+        del fast, opt
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_units_train_on_one_gpu_over_nccl(tmp_path):
+    """World size 1 on NCCL: dense layers in FSDP units of their own (tests/test_sharding_fsdp.py
+    runs this worker at world size 2 on gloo)."""
+    from tests.test_sharding import spawn
+
+    spawn(_fsdp_units_worker, 1, str(tmp_path), "nccl")
+    assert [p.name for p in tmp_path.iterdir()] == ["ok.0"]
+
+
 def test_dense_layers_sharded_by_fsdp_train_on_one_gpu_over_nccl(tmp_path):
     """World size 1 on NCCL with ``dense="fsdp"`` and fxrec.clip_grad_norm_ (tests/test_sharding_fsdp.py
     on gloo; tests/test_sharding_dense.py runs this worker so on the CPU)."""

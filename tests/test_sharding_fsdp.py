@@ -629,3 +629,11 @@ def test_fsdp_units_train_evaluate_and_save_as_the_plain_model(tmp_path):
     fxrec.checkpoint.load_into_model(model, str(tmp_path / "ckpt"))
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], want, msg=name)
+
+
+def test_the_gpu_units_worker_runs_on_gloo(tmp_path):
+    """tests/test_gpu.py's FSDP-units test (world size 1 on NCCL there), at world size 2 on gloo."""
+    from tests.test_gpu import _fsdp_units_worker
+
+    spawn(_fsdp_units_worker, 2, str(tmp_path), "gloo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
