@@ -105,6 +105,19 @@ def test_scripted_serving_names_the_feature_of_ids_of_another_shape_or_batch(qua
                                **({} if quantize is None else dict(rtol=0.05, atol=0.05)))
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_scripted_serving_refuses_ids_or_offsets_on_another_device_naming_the_feature(quantize):
+    """Ids on meta read garbage-free but failed in torch's .item() (no feature named); offsets too."""
+    model = _TwoBags().eval()
+    ids, offsets = torch.randint(0, 30, (12,)), torch.arange(0, 12, 3)
+    scripted = fxrec.export.torchscript(fxrec.transform(model, (ids, offsets, ids, offsets), mode="inference",
+                                                        quantize=quantize))
+    with pytest.raises(Exception, match=r"feature 'ib' \(table 'b'\) got ids on meta, but the table is on cpu"):
+        scripted(ids, offsets, ids.to("meta"), offsets)
+    with pytest.raises(Exception, match=r"feature 'ia' \(table 'a'\) got offsets on meta, but the table is on cpu"):
+        scripted(ids, offsets.to("meta"), ids, offsets)
+
+
 def test_original_and_transformed_models_are_untouched_by_scripting():
     model = M.BagList(rows=ROWS, dim=16).eval()
     fast = fxrec.transform(model, M.bag_inputs(rows=ROWS), backend="fbgemm")

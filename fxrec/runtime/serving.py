@@ -95,7 +95,7 @@ class _ServingGroup(nn.Module):
             # (rows in unified memory stay there; a saved script loads them in GPU memory)
             self.register_buffer(name, clone_rows(src), persistent=name not in _Q_DERIVED)
 
-    def _check(self, ids_list: List[Tensor], offsets_list: List[Tensor]) -> None:
+    def _check(self, ids_list: List[Tensor], offsets_list: List[Tensor], weights: List[Tensor]) -> None:
         """Counts, dtypes and shapes (no value read), then every id and offset of every feature
         checked on its device into one flag, read once (one host wait a call on CUDA, where the
         per-feature reads made several a feature); when it is false, :meth:`_name_bad_input`
@@ -104,13 +104,18 @@ class _ServingGroup(nn.Module):
             raise ValueError("fxrec: group of tables " + str(self.table_names) + " expects "
                              + str(len(self.names)) + " id tensors, got " + str(len(ids_list)))
         ok: Optional[Tensor] = None
+        dev = weights[0].device if len(weights) > 0 else self.q_D_offsets.device  # (where the tables are)
         for i in range(len(self.names)):
             ids = ids_list[i]
             where = "feature '" + self.names[i] + "' (table '" + self.table_names[i] + "')"
+            k = self.off_index[i]
+            if ids.device != dev or (k >= 0 and offsets_list[k].device != dev):  # (read below: meta ids crashed)
+                raise ValueError("fxrec: " + where + " got " + ("ids" if ids.device != dev else "offsets") + " on "
+                                 + str(ids.device if ids.device != dev else offsets_list[k].device)
+                                 + ", but the table is on " + str(dev) + ": move the inputs to " + str(dev))
             if ids.dtype != torch.int64 and ids.dtype != torch.int32:
                 raise TypeError("fxrec: " + where + " got ids of dtype " + _dtype_name(ids.dtype)
                                 + "; embedding ids must be int64 or int32")
-            k = self.off_index[i]
             want = 2 if self.forms[i] == 1 else (1 if k >= 0 or self.forms[i] == 2 else ids.dim())
             if ids.dim() != want:  # (2-D ids with offsets: pooled as if flattened, where PyTorch raises)
                 raise ValueError("fxrec: " + where + " got ids of shape " + str(list(ids.shape)) + "; it takes "
@@ -202,7 +207,7 @@ class ServingPooledGroup(_ServingGroup):
 
     def forward(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor],
                 weights: List[Tensor]) -> Tensor:
-        self._check(ids_list, offsets_list)
+        self._check(ids_list, offsets_list, weights)
         if not self.quantized:  # the reference kernel's lookups (the same function)
             offs, psws = self._per_feature(ids_list, offsets_list, psw_list)
             outs = lookup_each(ids_list, offs, psws, weights, self.feature_table, self.forms, self.pads,
@@ -246,7 +251,7 @@ class ServingSequenceGroup(_ServingGroup):
 
     def forward(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor],
                 weights: List[Tensor]) -> List[Tensor]:
-        self._check(ids_list, offsets_list)
+        self._check(ids_list, offsets_list, weights)
         outs: List[Tensor] = []
         if not self.quantized:  # the reference kernel's lookups (the same function)
             offs, psws = self._per_feature(ids_list, offsets_list, psw_list)
