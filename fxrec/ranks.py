@@ -196,7 +196,7 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") ->
         scalars = {n for n, p in params.items() if p.dim() == 0 and n not in sharded and n not in tables}
         units = outline_dense_units(gm, set(sharded) | tables)
         gm.meta["fxrec_fsdp_units"] = units
-        gm.meta["fxrec_fsdp_params"] = shard_whole(gm, set(sharded) | tables | scalars, units)  # (clip_grad reads it)
+        gm.meta["fxrec_fsdp_params"] = shard_whole(gm, set(sharded) | tables, units, sorted(scalars))  # (clip_grad reads it)
         hooked = tables | scalars
     else:
         # a parameter no gradient reaches (export keeps unread ones; one read only under torch.no_grad()

@@ -637,3 +637,43 @@ def test_the_gpu_units_worker_runs_on_gloo(tmp_path):
 
     spawn(_fsdp_units_worker, 2, str(tmp_path), "gloo")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.0", "ok.1"]
+
+
+class ScaledNorm(torch.nn.Module):
+    """Batch norm's buffers, a buffer of the model's own and a 0-dim parameter beside a table."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(40, 8, mode="sum")
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.lin = torch.nn.Linear(8, 1)
+        self.register_buffer("shift", torch.randn(8))
+        self.scale = torch.nn.Parameter(torch.randn(()))
+
+    def forward(self, ids):
+        return (self.lin(self.norm(self.emb(ids)) + self.shift) * self.scale).squeeze(1)
+
+
+def _broadcast_worker(rank, world, init_file):
+    with gloo_group(rank, world, init_file):
+        torch.manual_seed(rank)  # each rank its own values: transform gives every rank rank 0's
+        model = ScaledNorm()
+        with torch.no_grad():
+            model.norm.running_mean.normal_()
+        want = [{n: t.clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}]
+        dist.broadcast_object_list(want, 0)
+        batch = _tower_batch(0, LOCAL_B)
+        plan = fxrec.plan(model, batch, world_size=world, memory_per_rank="1GB", pins={"emb": "row_wise"})
+        fast = fxrec.transform(model, batch, plan=plan, dense="fsdp")
+        params = dict(fast.named_parameters())
+        for name in ("scale", "shift", "norm.running_mean", "norm.running_var", "lin.bias", "lin.weight"):
+            got = _full(params[name]) if name in params else fast.get_buffer(name)
+            torch.testing.assert_close(got.detach(), want[0][name], msg=f"rank {rank}: {name}")
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_starts_every_rank_from_rank_0s_buffers_and_0_dim_parameters():
+    """Found by a review: with a 0-dim parameter of the model itself, neither it nor any buffer was
+    broadcast from rank 0 (its name made the whole model count as a table's module)."""
+    spawn(_broadcast_worker, 2)

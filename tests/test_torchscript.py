@@ -107,7 +107,8 @@ def test_scripted_serving_names_the_feature_of_ids_of_another_shape_or_batch(qua
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_scripted_serving_refuses_ids_or_offsets_on_another_device_naming_the_feature(quantize):
-    """Ids on meta read garbage-free but failed in torch's .item() (no feature named); offsets too."""
+    """Ids on meta failed in torch's .item() (no feature named); offsets too; per-sample weights on
+    meta were read as weights by the fp32 module (a review found a garbage answer)."""
     model = _TwoBags().eval()
     ids, offsets = torch.randint(0, 30, (12,)), torch.arange(0, 12, 3)
     scripted = fxrec.export.torchscript(fxrec.transform(model, (ids, offsets, ids, offsets), mode="inference",
@@ -116,6 +117,14 @@ def test_scripted_serving_refuses_ids_or_offsets_on_another_device_naming_the_fe
         scripted(ids, offsets, ids.to("meta"), offsets)
     with pytest.raises(Exception, match=r"feature 'ia' \(table 'a'\) got offsets on meta, but the table is on cpu"):
         scripted(ids, offsets.to("meta"), ids, offsets)
+    weighted = _Weighted().eval()
+    psw = torch.rand(12)
+    scripted = fxrec.export.torchscript(fxrec.transform(weighted, (ids, offsets, psw), mode="inference",
+                                                        quantize=quantize))
+    with pytest.raises(Exception, match=r"feature 'ids' \(table 'bag'\) got per-sample weights on meta"):
+        scripted(ids, offsets, psw.to("meta"))  # (fp32 read the meta tensor's memory as weights)
+    torch.testing.assert_close(scripted(ids, offsets, psw), weighted(ids, offsets, psw),
+                               **({} if quantize is None else dict(rtol=0.05, atol=0.05)))
 
 
 def test_original_and_transformed_models_are_untouched_by_scripting():

@@ -32,7 +32,8 @@ belongs to): walking the calls from the model's forward down, a submodule become
   and freed twice per step; its operations stay in the model's own unit);
 * its operations can be moved to one place: no operation outside it lies between two of them and
   depends on one and feeds another, none of those between has side effects (a grad mode switch,
-  an in-place write, a random draw), and no operation outside it reads its parameters or buffers;
+  an in-place write, a random draw), and no operation outside it reads its parameters or buffers,
+  nor does another module hold one of them (tied weights);
   it has no ``no_grad`` / autocast block, does not write its inputs in place, returns no view of
   its own parameters or buffers (FSDP frees the gathered parameters after the call), and no view
   it returns is written in place after it.
@@ -207,6 +208,11 @@ def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.N
     inside = set(ops)
     if any(n.op not in ("call_function", "call_method") for n in ops):
         return False
+    module = gm.get_submodule(path)
+    mine = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+    held = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    if any(id(t) in mine for n, t in held if not n.startswith(path + ".")):
+        return False  # a parameter it shares with another module (tied weights): FSDP would manage it twice
     # the attributes its operations read: the submodule's own move with them
     reads = sorted({a for n in ops for a in n.all_input_nodes if a.op == "get_attr"}, key=order.__getitem__)
     own = [a for a in reads if isinstance(a.target, str) and _under(a.target, path) and not _flag(a)]
@@ -264,7 +270,6 @@ def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.N
         env[o] = sub.node_copy(o, lambda x: env[x])
     sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     sub.lint()
-    module = gm.get_submodule(path)
     object.__setattr__(module, "forward", UnitForward(fx.GraphModule(torch.nn.Module(), sub), module, path))
 
     for b in before:

@@ -282,7 +282,7 @@ def _exact_sums_hook(state: ExactSums, bucket):
     return state.comm_hook(bucket)
 
 
-def shard_whole(module: torch.nn.Module, leave: set, units: Sequence[str] = ()) -> List[str]:
+def shard_whole(module: torch.nn.Module, leave: set, units: Sequence[str] = (), whole: Sequence[str] = ()) -> List[str]:
     """Shard ``module``'s parameters other than ``leave`` (the embedding tables) over the ranks with FSDP (torch's ``fully_shard`` on the module itself, in place):
     each rank keeps dim-0 chunks of them (DTensors) and of their optimizer states; FSDP gathers
     them whole before the forward and backward and reduce-scatters their gradients, summed (a
@@ -292,31 +292,33 @@ def shard_whole(module: torch.nn.Module, leave: set, units: Sequence[str] = ()) 
     its own: FSDP does not broadcast them at every forward as DDP does). After a forward without
     gradients the parameters are sharded again (FSDP keeps the root's whole until a backward).
     ``units``: paths of submodules FSDP shards as units of their own (gathered for their call
-    only, and freed after it), applied first; the rest is the module's own unit.
+    only, and freed after it), applied first; the rest is the module's own unit. ``whole``:
+    parameters FSDP leaves whole (0-dim ones, which it refuses), broadcast from rank 0 too.
     Returns the names FSDP shards ([]: none, and FSDP is not applied)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     params = dict(module.named_parameters())
-    kept = [n for n in params if n not in leave]
+    kept = [n for n in params if n not in leave and n not in whole]
     if not kept:
         return []
     device = params[kept[0]].device
-    owners = {n.rpartition(".")[0] for n in leave if n in params}
+    owners = {n.rpartition(".")[0] for n in leave if n in params}  # (the tables': their buffers are theirs)
     buffers = [b for n, b in module.named_buffers()
                if not any(o == "" or n.startswith(o + ".") for o in owners)]
     try:
         with torch.no_grad():
-            for t in [params[n] for n in kept] + buffers:
-                whole = t.detach() if t.is_contiguous() else t.detach().contiguous()
-                dist.broadcast(whole, 0)
-                if whole.data_ptr() != t.data_ptr():
-                    t.detach().copy_(whole)
+            for t in [params[n] for n in kept] + [params[n] for n in whole if n in params] + buffers:
+                src = t.detach() if t.is_contiguous() else t.detach().contiguous()
+                dist.broadcast(src, 0)
+                if src.data_ptr() != t.data_ptr():
+                    t.detach().copy_(src)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        out = set(leave) | set(whole)
         sharded = [fully_shard(module.get_submodule(u), mesh=mesh,
-                               ignored_params={params[n] for n in leave if n in params and n.startswith(u + ".")})
+                               ignored_params={params[n] for n in out if n in params and n.startswith(u + ".")})
                    for u in units]
-        sharded.append(fully_shard(module, mesh=mesh, ignored_params={params[n] for n in leave if n in params}))
+        sharded.append(fully_shard(module, mesh=mesh, ignored_params={params[n] for n in out if n in params}))
     except Exception as e:  # noqa: BLE001 - re-raised naming the step
         raise _fail("FSDP's set-up (fully_shard of the parameters outside the tables)", "fxrec.transform", e) from e
     for m in sharded:  # (per unit: neither setting reaches a unit's submodules)

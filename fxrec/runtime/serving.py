@@ -95,7 +95,8 @@ class _ServingGroup(nn.Module):
             # (rows in unified memory stay there; a saved script loads them in GPU memory)
             self.register_buffer(name, clone_rows(src), persistent=name not in _Q_DERIVED)
 
-    def _check(self, ids_list: List[Tensor], offsets_list: List[Tensor], weights: List[Tensor]) -> None:
+    def _check(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor],
+               weights: List[Tensor]) -> None:
         """Counts, dtypes and shapes (no value read), then every id and offset of every feature
         checked on its device into one flag, read once (one host wait a call on CUDA, where the
         per-feature reads made several a feature); when it is false, :meth:`_name_bad_input`
@@ -109,10 +110,12 @@ class _ServingGroup(nn.Module):
             ids = ids_list[i]
             where = "feature '" + self.names[i] + "' (table '" + self.table_names[i] + "')"
             k = self.off_index[i]
-            if ids.device != dev or (k >= 0 and offsets_list[k].device != dev):  # (read below: meta ids crashed)
-                raise ValueError("fxrec: " + where + " got " + ("ids" if ids.device != dev else "offsets") + " on "
-                                 + str(ids.device if ids.device != dev else offsets_list[k].device)
-                                 + ", but the table is on " + str(dev) + ": move the inputs to " + str(dev))
+            w = self.psw_index[i]
+            for what, t in (("ids", ids), ("offsets", offsets_list[k] if k >= 0 else ids),
+                            ("per-sample weights", psw_list[w] if w >= 0 else ids)):
+                if t.device != dev:  # (meta ids failed in .item() below; meta weights were read as garbage)
+                    raise ValueError("fxrec: " + where + " got " + what + " on " + str(t.device)
+                                     + ", but the table is on " + str(dev) + ": move the inputs to " + str(dev))
             if ids.dtype != torch.int64 and ids.dtype != torch.int32:
                 raise TypeError("fxrec: " + where + " got ids of dtype " + _dtype_name(ids.dtype)
                                 + "; embedding ids must be int64 or int32")
@@ -207,7 +210,7 @@ class ServingPooledGroup(_ServingGroup):
 
     def forward(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor],
                 weights: List[Tensor]) -> Tensor:
-        self._check(ids_list, offsets_list, weights)
+        self._check(ids_list, offsets_list, psw_list, weights)
         if not self.quantized:  # the reference kernel's lookups (the same function)
             offs, psws = self._per_feature(ids_list, offsets_list, psw_list)
             outs = lookup_each(ids_list, offs, psws, weights, self.feature_table, self.forms, self.pads,
@@ -251,7 +254,7 @@ class ServingSequenceGroup(_ServingGroup):
 
     def forward(self, ids_list: List[Tensor], offsets_list: List[Tensor], psw_list: List[Tensor],
                 weights: List[Tensor]) -> List[Tensor]:
-        self._check(ids_list, offsets_list, weights)
+        self._check(ids_list, offsets_list, psw_list, weights)
         outs: List[Tensor] = []
         if not self.quantized:  # the reference kernel's lookups (the same function)
             offs, psws = self._per_feature(ids_list, offsets_list, psw_list)

@@ -303,3 +303,28 @@ def test_an_outlined_model_copies_and_pickles_with_its_units():
     back = torch.load(buf, weights_only=False)
     assert back.mlp[2].forward.owner is back.mlp[2]
     assert_matches(model, back, (IDS,))
+
+
+class TiedAcross(nn.Module):
+    """The decoder's weight is the encoder's (found by a review: the decoder became a unit, and FSDP
+    then met the one parameter in two units)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 8, mode="sum")
+        self.enc = nn.Linear(8, 8)
+        self.mid = _layers(4)
+        self.dec = nn.Linear(8, 8)
+        self.dec.weight = self.enc.weight
+
+    def forward(self, ids):
+        return self.dec(self.mid(self.enc(self.emb(ids))))
+
+
+def test_modules_sharing_a_parameter_are_left_alone():
+    torch.manual_seed(0)
+    model = TiedAcross()
+    fast, units = _outlined(copy.deepcopy(model), IDS)
+    assert fast.dec._parameters["weight"] is fast.enc._parameters["weight"]  # (both hold it)
+    assert units == ["mid.0", "mid.1", "mid.2", "mid.3"]
+    assert_matches(model, fast, (IDS,))
