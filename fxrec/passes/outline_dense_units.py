@@ -143,7 +143,11 @@ def outline_dense_units(gm: fx.GraphModule, leave: Set[str]) -> List[str]:
         return []  # (one unit gathers once a step)
     # (checked again as each moves: one whose operations lie between another's, moved first, is left
     # alone now, and the size rule was judged with it; the numbers are the model's either way)
-    units = [u for u in found if _outline(gm, u, members[next(iter(paths[u]))], order, move=True)]
+    units = []
+    for u in found:  # (the order anew for each: a move puts nodes before the call it makes)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if _outline(gm, u, members[next(iter(paths[u]))], order, move=True):
+            units.append(u)
     if units:
         at = {n.meta[UNIT]: i for i, n in enumerate(graph.nodes) if UNIT in n.meta}
         units.sort(key=at.__getitem__)

@@ -328,3 +328,41 @@ def test_modules_sharing_a_parameter_are_left_alone():
     assert fast.dec._parameters["weight"] is fast.enc._parameters["weight"]  # (both hold it)
     assert units == ["mid.0", "mid.1", "mid.2", "mid.3"]
     assert_matches(model, fast, (IDS,))
+
+
+class TwoArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return self.l2(torch.relu(self.l1(x)) + y)
+
+
+class Interleaved(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 8, mode="sum")
+        self.b, self.c = TwoArgs(), TwoArgs()
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        y = x * 3
+        return self.b(x, y) + self.c(x, y).sigmoid()
+
+
+def test_an_operation_of_the_model_between_a_units_operations_moves_before_its_call():
+    """(An earlier pass may order the graph so: here by hand.) The model's `x * 3`, which b's
+    operations read, placed between them: it moves before b's call."""
+    torch.manual_seed(0)
+    model = Interleaved()
+    fast = fxrec.transform(copy.deepcopy(model), (IDS,))
+    mul = next(n for n in fast.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    relu = next(n for n in fast.graph.nodes if n.target is torch.ops.aten.relu.default)
+    relu.append(mul)
+    fast.recompile()
+    assert outline_dense_units(fast, {"emb.weight"}) == ["b", "c"]
+    nodes = list(fast.graph.nodes)
+    call_b = next(n for n in nodes if n.op == "call_module" and n.target == "b")
+    assert nodes.index(mul) < nodes.index(call_b) and call_b.args[1] is mul
+    assert_matches(model, fast, (IDS,), (IDS[:2],))
