@@ -799,19 +799,11 @@ _NCCL_OPTS = {"sgd": lambda: fxrec.optim.SGD(lr=0.05),
               "rowwise_adagrad": lambda: fxrec.optim.RowWiseAdagrad(lr=0.05)}
 
 
-def _nccl_worker(rank, world, init_file, result_dir, pins=TWO_GPU_PINS, opt_name="sgd", backend="nccl", dense="ddp"):
-    """Rank ``rank`` of a plan on NCCL, on cuda:rank, with a fused optimizer: four steps against
-    the single-process plain model on the same device (its tables under the same update written
-    out: torch.optim.SGD, or row-wise Adagrad's reference). ``backend="gloo"`` runs the same on
-    the CPU (how this worker is checked where there is no GPU). ``dense="fsdp"``: the dense
-    layers sharded by FSDP, the gradients clipped by fxrec.clip_grad_norm_ (the plain model's by
-    torch's) to a norm below theirs."""
-    import os
+def _join(rank, world, init_file, backend) -> torch.device:
+    """This rank's device (cuda:rank on NCCL, the CPU on gloo), the process group joined."""
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    from tests import test_sharding as S
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -820,6 +812,23 @@ def _nccl_worker(rank, world, init_file, result_dir, pins=TWO_GPU_PINS, opt_name
         dev = torch.device("cpu")
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    return dev
+
+
+def _nccl_worker(rank, world, init_file, result_dir, pins=TWO_GPU_PINS, opt_name="sgd", backend="nccl", dense="ddp"):
+    """Rank ``rank`` of a plan on NCCL, on cuda:rank, with a fused optimizer: four steps against
+    the single-process plain model on the same device (its tables under the same update written
+    out: torch.optim.SGD, or row-wise Adagrad's reference). ``backend="gloo"`` runs the same on
+    the CPU (how this worker is checked where there is no GPU). ``dense="fsdp"``: the dense
+    layers sharded by FSDP, the gradients clipped by fxrec.clip_grad_norm_ (the plain model's by
+    torch's) to a norm below theirs."""
+    import os
+
+    import torch.distributed as dist
+
+    from tests import test_sharding as S
+
+    dev = _join(rank, world, init_file, backend)
     to = lambda x: tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, x)  # noqa: E731
     try:
         torch.manual_seed(0)
@@ -897,20 +906,13 @@ def _fsdp_units_worker(rank, world, init_file, result_dir, backend="nccl"):
     forward, against the plain model on the same device and the global batch. ``backend="gloo"``:
     the same on the CPU."""
     import os
-    from datetime import timedelta
 
     import torch.distributed as dist
 
     from tests.test_sharding import LOCAL_B
     from tests.test_sharding_fsdp import Tower, _full, _tower_batch
 
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-    else:
-        dev = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dev = _join(rank, world, init_file, backend)
     lo, hi = rank * LOCAL_B, (rank + 1) * LOCAL_B
     try:
         torch.manual_seed(0)

@@ -447,19 +447,26 @@ def _tied_worker(rank, world, init_file, path):
     os._exit(0)
 
 
-def test_fsdp_with_tied_data_parallel_tables_trains_and_saves_for_one_process(tmp_path):
-    spawn(_tied_worker, 2, str(tmp_path / "ckpt"))
+def _loads_as_trained(make, batch, steps, path) -> None:
+    """A checkpoint of ``steps`` SGD steps (lr 0.1, seed 0) on the global batches ``batch(step, 2 *
+    LOCAL_B)``, loaded into a fresh ``make()`` in one process, holds what the plain model trained
+    so holds."""
     torch.manual_seed(0)
-    model, ref = TiedTables(), TiedTables()
+    model, ref = make(), make()
     ref.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in (1, 2):
+    for step in steps:
         opt.zero_grad()
-        ref(*_tied_batch(step, LOCAL_B * 2)).sum().backward()
+        ref(*batch(step, LOCAL_B * 2)).sum().backward()
         opt.step()
-    fxrec.checkpoint.load_into_model(model, str(tmp_path / "ckpt"))
+    fxrec.checkpoint.load_into_model(model, path)
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], want, msg=name)
+
+
+def test_fsdp_with_tied_data_parallel_tables_trains_and_saves_for_one_process(tmp_path):
+    spawn(_tied_worker, 2, str(tmp_path / "ckpt"))
+    _loads_as_trained(TiedTables, _tied_batch, (1, 2), str(tmp_path / "ckpt"))
 
 
 def test_explain_says_what_transform_says_of_dense_fsdp_for_every_rank():
@@ -618,17 +625,7 @@ def _units_worker(rank, world, init_file, path):
 
 def test_fsdp_units_train_evaluate_and_save_as_the_plain_model(tmp_path):
     spawn(_units_worker, 2, str(tmp_path / "ckpt"))
-    torch.manual_seed(0)
-    model, ref = Tower(), Tower()
-    ref.load_state_dict(model.state_dict())
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in (1, 2, 3):
-        opt.zero_grad()
-        ref(*_tower_batch(step, LOCAL_B * 2)).sum().backward()
-        opt.step()
-    fxrec.checkpoint.load_into_model(model, str(tmp_path / "ckpt"))
-    for name, want in ref.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], want, msg=name)
+    _loads_as_trained(Tower, _tower_batch, (1, 2, 3), str(tmp_path / "ckpt"))
 
 
 def test_the_gpu_units_worker_runs_on_gloo(tmp_path):
