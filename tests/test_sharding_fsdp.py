@@ -651,26 +651,63 @@ class ScaledNorm(torch.nn.Module):
         return (self.lin(self.norm(self.emb(ids)) + self.shift) * self.scale).squeeze(1)
 
 
-def _broadcast_worker(rank, world, init_file):
+class RootTable(torch.nn.Module):
+    """A table the model holds itself (read by F.embedding_bag), batch norm's buffers, a layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.randn(40, 8))
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.lin(self.norm(torch.nn.functional.embedding_bag(ids, self.emb, mode="sum"))).squeeze(1)
+
+
+class OnlyScalar(torch.nn.Module):
+    """Nothing for FSDP to shard: a 0-dim parameter and a buffer beside a table."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(40, 8, mode="sum")
+        self.register_buffer("shift", torch.randn(8))
+        self.scale = torch.nn.Parameter(torch.randn(()))
+
+    def forward(self, ids):
+        return ((self.emb(ids) + self.shift) * self.scale).sum(1)
+
+
+BROADCAST = {"ScaledNorm": (ScaledNorm, ("scale", "shift", "norm.running_mean", "norm.running_var", "lin.bias",
+                                         "lin.weight")),
+             "RootTable": (RootTable, ("norm.running_mean", "norm.running_var", "lin.weight")),
+             "OnlyScalar": (OnlyScalar, ("scale", "shift"))}
+
+
+def _broadcast_worker(rank, world, init_file, which):
+    make, names = BROADCAST[which]
     with gloo_group(rank, world, init_file):
         torch.manual_seed(rank)  # each rank its own values: transform gives every rank rank 0's
-        model = ScaledNorm()
+        model = make()
         with torch.no_grad():
-            model.norm.running_mean.normal_()
+            for name, b in model.named_buffers():
+                if b.is_floating_point():
+                    b.normal_()
         want = [{n: t.clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}]
         dist.broadcast_object_list(want, 0)
         batch = _tower_batch(0, LOCAL_B)
         plan = fxrec.plan(model, batch, world_size=world, memory_per_rank="1GB", pins={"emb": "row_wise"})
         fast = fxrec.transform(model, batch, plan=plan, dense="fsdp")
         params = dict(fast.named_parameters())
-        for name in ("scale", "shift", "norm.running_mean", "norm.running_var", "lin.bias", "lin.weight"):
+        for name in names:
             got = _full(params[name]) if name in params else fast.get_buffer(name)
             torch.testing.assert_close(got.detach(), want[0][name], msg=f"rank {rank}: {name}")
         dist.barrier()
     os._exit(0)
 
 
-def test_fsdp_starts_every_rank_from_rank_0s_buffers_and_0_dim_parameters():
-    """Found by a review: with a 0-dim parameter of the model itself, neither it nor any buffer was
-    broadcast from rank 0 (its name made the whole model count as a table's module)."""
-    spawn(_broadcast_worker, 2)
+@pytest.mark.parametrize("which", sorted(BROADCAST))
+def test_fsdp_starts_every_rank_from_rank_0s_buffers_and_0_dim_parameters(which):
+    """Found by reviews: with a 0-dim parameter of the model itself, neither it nor any buffer was
+    broadcast from rank 0 (its name made the whole model count as a table's module); a table the
+    model holds itself did the same; with nothing for FSDP to shard, nothing was broadcast."""
+    spawn(_broadcast_worker, 2, which)

@@ -288,8 +288,8 @@ def shard_whole(module: torch.nn.Module, leave: set, units: Sequence[str] = (), 
     them whole before the forward and backward and reduce-scatters their gradients, summed (a
     divide factor of 1: the single process's gradients, as DDP's hook sums). Rank 0's values are
     broadcast first, as DDP's set-up does (fully_shard keeps each rank's own chunk of its own
-    copy), and so are the buffers of the modules that hold no table (after that each rank keeps
-    its own: FSDP does not broadcast them at every forward as DDP does). After a forward without
+    copy), and so are the buffers but tables held as buffers (after that each rank keeps its own:
+    FSDP does not broadcast them at every forward as DDP does), even where FSDP has nothing to shard. After a forward without
     gradients the parameters are sharded again (FSDP keeps the root's whole until a backward).
     ``units``: paths of submodules FSDP shards as units of their own (gathered for their call
     only, and freed after it), applied first; the rest is the module's own unit. ``whole``:
@@ -300,12 +300,7 @@ def shard_whole(module: torch.nn.Module, leave: set, units: Sequence[str] = (), 
 
     params = dict(module.named_parameters())
     kept = [n for n in params if n not in leave and n not in whole]
-    if not kept:
-        return []
-    device = params[kept[0]].device
-    owners = {n.rpartition(".")[0] for n in leave if n in params}  # (the tables': their buffers are theirs)
-    buffers = [b for n, b in module.named_buffers()
-               if not any(o == "" or n.startswith(o + ".") for o in owners)]
+    buffers = [b for n, b in module.named_buffers() if n not in leave]  # (a table held as a buffer: its own)
     try:
         with torch.no_grad():
             for t in [params[n] for n in kept] + [params[n] for n in whole if n in params] + buffers:
@@ -313,6 +308,12 @@ def shard_whole(module: torch.nn.Module, leave: set, units: Sequence[str] = (), 
                 dist.broadcast(src, 0)
                 if src.data_ptr() != t.data_ptr():
                     t.detach().copy_(src)
+    except Exception as e:  # noqa: BLE001 - re-raised naming the step
+        raise _fail("the broadcast of rank 0's parameters and buffers", "fxrec.transform", e) from e
+    if not kept:
+        return []
+    device = params[kept[0]].device
+    try:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         out = set(leave) | set(whole)
         sharded = [fully_shard(module.get_submodule(u), mesh=mesh,
