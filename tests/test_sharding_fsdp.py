@@ -422,15 +422,20 @@ def _tied_batch(seed, batch):
     return tuple(torch.randint(0, 30, (batch, 3), generator=g) for _ in range(3))
 
 
+def _planned(make, batch, pins, rank, world):
+    """``make()`` (seed 0), a copy of it, this rank's slice of a global batch, the plan (``pins``)
+    and the model transformed with dense='fsdp' on this rank's slice of ``batch(0, ...)``."""
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    local = lambda x: tuple(t[rank * LOCAL_B:(rank + 1) * LOCAL_B] for t in x)  # noqa: E731
+    plan = fxrec.plan(model, local(batch(0, LOCAL_B * world)), world_size=world, memory_per_rank="1GB", pins=pins)
+    return ref, local, plan, fxrec.transform(model, local(batch(0, LOCAL_B * world)), plan=plan, dense="fsdp")
+
+
 def _tied_worker(rank, world, init_file, path):
     with gloo_group(rank, world, init_file):
-        torch.manual_seed(0)
-        model = TiedTables()
-        ref = copy.deepcopy(model)
-        local = lambda x: tuple(t[rank * LOCAL_B:(rank + 1) * LOCAL_B] for t in x)  # noqa: E731
-        plan = fxrec.plan(model, local(_tied_batch(0, LOCAL_B * world)), world_size=world, memory_per_rank="1GB",
-                          pins={"a": "data_parallel", "c": "row_wise"})
-        fast = fxrec.transform(model, local(_tied_batch(0, LOCAL_B * world)), plan=plan, dense="fsdp")
+        ref, local, _, fast = _planned(TiedTables, _tied_batch, {"a": "data_parallel", "c": "row_wise"}, rank, world)
         opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
         for step in (1, 2):
             x = _tied_batch(step, LOCAL_B * world)
@@ -577,13 +582,7 @@ def _tower_batch(seed, batch):
 
 def _units_worker(rank, world, init_file, path):
     with gloo_group(rank, world, init_file):
-        torch.manual_seed(0)
-        model = Tower()
-        ref = copy.deepcopy(model)
-        local = lambda x: tuple(t[rank * LOCAL_B:(rank + 1) * LOCAL_B] for t in x)  # noqa: E731
-        plan = fxrec.plan(model, local(_tower_batch(0, LOCAL_B * world)), world_size=world, memory_per_rank="1GB",
-                          pins={"emb": "row_wise"})
-        fast = fxrec.transform(model, local(_tower_batch(0, LOCAL_B * world)), plan=plan, dense="fsdp")
+        ref, local, plan, fast = _planned(Tower, _tower_batch, {"emb": "row_wise"}, rank, world)
         assert fast.meta["fxrec_fsdp_units"] == ["blocks.0", "blocks.1", "blocks.2", "head"]
         seen = []
 
