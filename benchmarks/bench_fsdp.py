@@ -11,9 +11,10 @@ tensors themselves; the table shards are the same in both. The peak of a step ab
 held at its start: every allocation and free of the step in order, as torch's profiler records
 them (``profile_memory=True``), summed, the median of three steps; frees of memory allocated
 before the step are not recorded, so it is an upper bound. With units FSDP gathers one layer at a time (each of the
-MLP's linear layers can be a unit of its own). Two more variants, by a patch here, show what
-fxrec's rule for units decides between: ``fsdp_one_unit`` (the whole model one unit) and
-``fsdp_every_unit`` (every unit found, whether or not it halves the bytes gathered at once). And
+MLP's linear layers can be a unit of its own). Two more variants show what fxrec's rule for
+units decides between: ``fsdp_one_unit`` (``fsdp_units="one"``, the whole model one unit) and
+``fsdp_every_unit`` (``fsdp_units="every"``, every submodule that can be a unit, whether or not
+they halve the bytes gathered at once). And
 the median step time (forward, backward with its collectives, Adam's step) of each, with the
 ratios to DDP's.
 """
@@ -21,7 +22,6 @@ ratios to DDP's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -79,24 +79,6 @@ def held_bytes(model: nn.Module, opt: torch.optim.Optimizer, names) -> dict:
     return {"params": p_bytes, "optimizer_states": s_bytes, "total": p_bytes + s_bytes}
 
 
-@contextlib.contextmanager
-def _units(variant: str):
-    """For comparison only, two variants against fxrec's rule: ``fsdp_one_unit``, the whole model
-    one unit (outline_dense_units made to find none); ``fsdp_every_unit``, every unit the rule
-    finds made whether or not it halves the bytes gathered at once."""
-    from fxrec.passes import outline_dense_units as od
-
-    real = od.outline_dense_units, od.halves
-    if variant == "fsdp_one_unit":
-        od.outline_dense_units = lambda gm, leave: []
-    if variant == "fsdp_every_unit":
-        od.halves = lambda unit_bytes, total: True
-    try:
-        yield
-    finally:
-        od.outline_dense_units, od.halves = real
-
-
 def step_peak(run) -> int:
     """The most bytes allocated at once during ``run()`` above what was allocated when it began:
     the profiler's memory events (every allocation and free on the CPU) summed in their order."""
@@ -124,9 +106,9 @@ def _worker(rank: int, world: int, init_file: str, a, out: str) -> None:
                       batch_size=local_b, pins={"emb.0": "row_wise", "emb.1": "row_wise"})
     dense_names = [n for n, _ in model.named_parameters() if n.startswith("top.")]
     variants = {}
+    units = {"fsdp_one_unit": "one", "fsdp_every_unit": "every"}
     for dense in ("ddp", "fsdp", "fsdp_one_unit", "fsdp_every_unit"):
-        with _units(dense):
-            fast = fxrec.transform(model, example, plan=plan, dense=dense.partition("_")[0])
+        fast = fxrec.transform(model, example, plan=plan, dense=dense.partition("_")[0], fsdp_units=units.get(dense))
         variants[dense] = (fast, torch.optim.Adam(fast.parameters(), lr=1e-3))
     times = {k: [] for k in variants}
 

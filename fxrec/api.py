@@ -100,6 +100,7 @@ def transform(
     max_gradient: Optional[float] = None,
     device: Union[str, torch.device, None] = None,
     dense: str = "ddp",
+    fsdp_units=None,
 ) -> fx.GraphModule:
     """Rewrite a plain PyTorch recommendation model so its embedding lookups run batched.
 
@@ -208,6 +209,12 @@ def transform(
         chunk only; FSDP gathers them whole for the forward and backward and reduce-scatters their
         gradients, summed); data-parallel tables stay whole, their gradients summed by hooks. For
         dense layers too large to keep whole on every rank between steps (docs/sharding.md).
+      fsdp_units: with ``dense="fsdp"``: which submodules are FSDP units of their own (each gathered
+        whole only for its call, in forward and again in backward). None (default): by rule, where
+        they at least halve the dense bytes whole at once (docs/sharding.md); ``"one"``: none, the
+        whole model one unit (gathered once a step, whole for all of it); ``"every"``: every
+        submodule that can be one; or a list of submodule names (``["blocks.0", "blocks.1"]``),
+        each of which must be able to be a unit (else a ValueError naming it and why).
 
     Returns:
       a ``torch.fx.GraphModule`` called exactly like ``model``, with ``.report`` and ``.code``;
@@ -224,7 +231,7 @@ def transform(
         if mode not in ("training", "inference"):
             raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
         check_weights_precision(weights_precision, mode, compares=verify or check_passes)
-        check_dense(dense, plan, mode)
+        check_dense(dense, plan, mode, fsdp_units)
         _check_output_dtype(output_dtype, quantize)
         if mode == "inference" and optimizer is not None:
             raise ValueError("fxrec: an embedding optimizer needs mode='training'")
@@ -280,7 +287,8 @@ def transform(
         check_same_setup(plan, dict(
             mode=mode, backend=backend, optimizer=optimizer, quantize=quantize, output_dtype=output_dtype,
             weights_precision=weights_precision, max_gradient=max_gradient or None, verify=verify,
-            check_passes=check_passes, reuse_outputs=reuse_outputs, dense=dense),
+            check_passes=check_passes, reuse_outputs=reuse_outputs, dense=dense,
+            fsdp_units=fsdp_units if isinstance(fsdp_units, (str, type(None))) else list(fsdp_units)),
             sorted((n, tuple(t.shape), str(t.dtype)) for n, t in list(model.named_parameters()) + list(model.named_buffers())),
             exchange_device(args))
 
@@ -330,7 +338,7 @@ def transform(
             bind_staged(gm)  # (pieces bound for unified memory, held in host memory until now)
         _store_lower_precision(gm)  # the rank's shards, now that they hold values
         if mode == "training":
-            sum_gradients_over_ranks(gm, records + hidden, dense)  # (tables read in no_grad / autocast blocks too)
+            sum_gradients_over_ranks(gm, records + hidden, dense, fsdp_units)  # (tables read in no_grad / autocast blocks too)
         # It keeps its own parameters in step over ranks: a DistributedDataParallel around it would
         # broadcast rank 0's table shards over the other ranks' and average what is already summed.
         # DDP leaves the parameters this list names (its own replicate() above takes a list of
@@ -339,7 +347,7 @@ def transform(
             [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()])
         notes.append(rank_note(plan, rank, dense))
         if dense == "fsdp" and mode == "training":
-            notes.append(units_note(gm.meta.get("fxrec_fsdp_units")))
+            notes.append(units_note(gm.meta.get("fxrec_fsdp_units"), fsdp_units))
         per_rank = plan_per_rank(plan)
     # the report, built once from the graph after the pipeline (every pipeline the same way)
     report = build_report(gm, report.passes, report.pass_runs, notes, per_rank)
@@ -587,6 +595,7 @@ def explain(
     output_dtype: str = "fp32",
     max_gradient: Optional[float] = None,
     dense: str = "ddp",
+    fsdp_units=None,
 ) -> Report:
     """The report :func:`transform` would give (the arguments are transform's), for ``device`` ("cpu" or "cuda"; default: where
     the model's tables are), without building any kernel, moving or copying any table, or needing
@@ -605,7 +614,7 @@ def explain(
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
     _check_output_dtype(output_dtype, quantize)
     max_gradient = _check_max_gradient(max_gradient, mode)
-    check_dense(dense, plan, mode)
+    check_dense(dense, plan, mode, fsdp_units)
     hbm_budget, cache_load_factor = _check_placement(hbm_budget, cache_load_factor, plan)
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
@@ -635,7 +644,8 @@ def explain(
             from .passes.outline_dense_units import outline_dense_units
 
             tables = {n.meta[meta.LOOKUP].param for n in gm.graph.nodes if meta.LOOKUP in n.meta}
-            notes.append(units_note(outline_dense_units(gm, tables | {r.param for r in meta.hidden_records(gm)})))
+            units = outline_dense_units(gm, tables | {r.param for r in meta.hidden_records(gm)}, fsdp_units)
+            notes.append(units_note(units, fsdp_units))
         if hbm_budget is not None:  # (the ranks' placements, as each rank's transform makes them)
             notes += _rank_placements(ctx, world)
         if world > 8:

@@ -160,9 +160,12 @@ def check_same_setup(plan, settings: dict, model: list, device: torch.device) ->
 
 #: ``transform(plan=..., dense=...)``: how the parameters that are not table shards are kept over ranks
 DENSE = ("ddp", "fsdp")
+#: ``transform(dense="fsdp", fsdp_units=...)`` besides a list of submodule names: "one", the whole model
+#: one FSDP unit; "every", every submodule that can be a unit (fxrec.passes.outline_dense_units)
+FSDP_UNITS = ("one", "every")
 
 
-def check_dense(dense, plan, mode: str) -> None:
+def check_dense(dense, plan, mode: str, fsdp_units=None) -> None:
     if dense not in DENSE:
         raise ValueError(f"fxrec: dense must be one of {DENSE}, got {dense!r}")
     if dense == "fsdp" and plan is None:
@@ -172,9 +175,24 @@ def check_dense(dense, plan, mode: str) -> None:
     if dense == "fsdp" and mode != "training":
         raise ValueError("fxrec: dense='fsdp' shards the parameters trained over ranks; mode='inference' keeps "
                          "them whole on every rank (leave dense='ddp')")
+    if fsdp_units is None:
+        return
+    if dense != "fsdp":
+        raise ValueError(f"fxrec: fsdp_units= chooses the FSDP units of dense='fsdp'; dense is {dense!r}")
+    if isinstance(fsdp_units, str):
+        if fsdp_units not in FSDP_UNITS:
+            raise ValueError(f"fxrec: fsdp_units must be None (the rule), one of {FSDP_UNITS} or a list of "
+                             f"submodule names, got {fsdp_units!r}")
+        return
+    if not isinstance(fsdp_units, (list, tuple)) or not all(isinstance(u, str) for u in fsdp_units):
+        raise ValueError(f"fxrec: fsdp_units must be None (the rule), one of {FSDP_UNITS} or a list of submodule "
+                         f"names (strings, as model.named_modules() gives them), got {fsdp_units!r}")
+    twice = sorted({u for u in fsdp_units if list(fsdp_units).count(u) > 1})
+    if twice:
+        raise ValueError(f"fxrec: fsdp_units names {twice[0]!r} twice")
 
 
-def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") -> None:
+def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp", fsdp_units=None) -> None:
     """Every parameter that is not a table shard is whole on every rank: sum its gradient. DDP
     (``replicate_whole``) does it for all of them but the tables with sparse gradients, which DDP's
     communication hooks cannot take: those keep a hook each, which sums them sparse (``sparse_sum``).
@@ -182,7 +200,7 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") ->
     over the ranks instead, each dense submodule ``outline_dense_units`` gives back its call a unit
     of its own; the data-parallel tables stay whole, each with a hook that sums its gradient (their
     optimizers, fxrec's row-wise fallbacks among them, step whole rows), and so do 0-dim parameters,
-    which FSDP refuses."""
+    which FSDP refuses. ``fsdp_units``: which units (None: the rule; see ``outline_dense_units``)."""
     from .passes.outline_dense_units import outline_dense_units
     from .runtime.collectives import all_reduce_grad, replicate_whole, shard_whole
 
@@ -194,7 +212,7 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") ->
         tables = {r.param for r in records if r.param in params and r.param not in sharded}
         # FSDP refuses 0-dim parameters (a learned scale): they stay whole, summed by a hook like the tables
         scalars = {n for n, p in params.items() if p.dim() == 0 and n not in sharded and n not in tables}
-        units = outline_dense_units(gm, set(sharded) | tables)
+        units = outline_dense_units(gm, set(sharded) | tables, fsdp_units)
         gm.meta["fxrec_fsdp_units"] = units
         gm.meta["fxrec_fsdp_params"] = shard_whole(gm, set(sharded) | tables, units, sorted(scalars))  # (clip_grad reads it)
         hooked = tables | scalars
@@ -209,13 +227,17 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp") ->
             params[name].register_hook(all_reduce_grad(name))
 
 
-def units_note(units) -> str:
-    """The report's line on the FSDP units of ``transform(plan=, dense="fsdp")``."""
+def units_note(units, fsdp_units=None) -> str:
+    """The report's line on the FSDP units of ``transform(plan=, dense="fsdp", fsdp_units=)``."""
     if not units:
-        return ("FSDP: the whole model is one unit (no submodule's operations could be given back to a call of it; "
-                "docs/sharding.md says when they can): its dense parameters are whole on every rank for each step")
-    return (f"FSDP units: {', '.join(units)} (each gathered whole for its own call in forward and again in backward, "
-            "and freed after); the other dense parameters are the model's own unit, whole for the step")
+        why = ("fsdp_units='one'" if fsdp_units == "one" else
+               "no submodule can be a unit, or the units would not halve the dense bytes whole at once; "
+               "docs/sharding.md says when they can, and fsdp_units= chooses them")
+        return f"FSDP: the whole model is one unit ({why}): its dense parameters are whole on every rank for each step"
+    how = {None: "by rule", "every": "every submodule that can be one"}.get(
+        fsdp_units if isinstance(fsdp_units, (str, type(None))) else "", "as fsdp_units names them")
+    return (f"FSDP units ({how}): {', '.join(units)} (each gathered whole for its own call in forward and again in "
+            "backward, and freed after); the other dense parameters are the model's own unit, whole for the step")
 
 
 def plan_per_rank(plan) -> list:

@@ -5,6 +5,7 @@ on the global batch."""
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -422,15 +423,17 @@ def _tied_batch(seed, batch):
     return tuple(torch.randint(0, 30, (batch, 3), generator=g) for _ in range(3))
 
 
-def _planned(make, batch, pins, rank, world):
+def _planned(make, batch, pins, rank, world, fsdp_units=None):
     """``make()`` (seed 0), a copy of it, this rank's slice of a global batch, the plan (``pins``)
-    and the model transformed with dense='fsdp' on this rank's slice of ``batch(0, ...)``."""
+    and the model transformed with dense='fsdp' (and ``fsdp_units``) on this rank's slice of
+    ``batch(0, ...)``."""
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
     local = lambda x: tuple(t[rank * LOCAL_B:(rank + 1) * LOCAL_B] for t in x)  # noqa: E731
     plan = fxrec.plan(model, local(batch(0, LOCAL_B * world)), world_size=world, memory_per_rank="1GB", pins=pins)
-    return ref, local, plan, fxrec.transform(model, local(batch(0, LOCAL_B * world)), plan=plan, dense="fsdp")
+    return ref, local, plan, fxrec.transform(model, local(batch(0, LOCAL_B * world)), plan=plan, dense="fsdp",
+                                             fsdp_units=fsdp_units)
 
 
 def _tied_worker(rank, world, init_file, path):
@@ -486,7 +489,7 @@ def test_explain_says_what_transform_says_of_dense_fsdp_for_every_rank():
     towers = fxrec.plan(Tower(), _tower_batch(0, LOCAL_B), world_size=2, memory_per_rank="1GB", pins={"emb": "row_wise"})
     assert [n for n in fxrec.explain(Tower(), _tower_batch(0, LOCAL_B), plan=towers, dense="fsdp").notes
             if n.startswith("FSDP")] == [
-        "FSDP units: blocks.0, blocks.1, blocks.2, head (each gathered whole for its own call in forward and again in "
+        "FSDP units (by rule): blocks.0, blocks.1, blocks.2, head (each gathered whole for its own call in forward and again in "
         "backward, and freed after); the other dense parameters are the model's own unit, whole for the step"]
     ddp = fxrec.explain(model, example, plan=plan).notes
     assert len([n for n in ddp if n.startswith("rank ")]) == 2 and not any("FSDP" in n for n in ddp), ddp
@@ -580,6 +583,30 @@ def _tower_batch(seed, batch):
     return (torch.randint(0, 40, (batch, 3), generator=torch.Generator().manual_seed(seed)),)
 
 
+def _tower_steps(fast, ref, local, rank, world, steps, evaluate=False):
+    """SGD steps (lr 0.1) of the sharded ``fast`` and the plain ``ref`` on the global batches of
+    ``steps``, this rank's outputs against the plain model's; with ``evaluate``, an evaluation
+    forward after each (every unit freed again after it). Returns ``fast``'s optimizer."""
+    opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    mine = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
+    for step in steps:
+        x = _tower_batch(step, LOCAL_B * world)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        want = ref(*x)
+        got = fast(*local(x))
+        torch.testing.assert_close(got, want[mine], msg=f"step {step}")
+        want.sum().backward()
+        got.sum().backward()
+        opt.step()
+        ref_opt.step()
+        if evaluate:
+            with torch.no_grad():
+                torch.testing.assert_close(fast(*local(_tower_batch(50, LOCAL_B * world))),
+                                           ref(*_tower_batch(50, LOCAL_B * world))[mine])
+    return opt
+
+
 def _units_worker(rank, world, init_file, path):
     with gloo_group(rank, world, init_file):
         ref, local, plan, fast = _planned(Tower, _tower_batch, {"emb": "row_wise"}, rank, world)
@@ -591,21 +618,7 @@ def _units_worker(rank, world, init_file, path):
                          type(module.lin._parameters["weight"]).__name__))
 
         hook = fast.blocks[2].register_forward_pre_hook(held)
-        opt, ref_opt = torch.optim.SGD(fast.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-        for step in (1, 2, 3):
-            x = _tower_batch(step, LOCAL_B * world)
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            want = ref(*x)
-            got = fast(*local(x))
-            torch.testing.assert_close(got, want[rank * LOCAL_B:(rank + 1) * LOCAL_B], msg=f"step {step}")
-            want.sum().backward()
-            got.sum().backward()
-            opt.step()
-            ref_opt.step()
-            with torch.no_grad():  # an evaluation forward between steps (every unit freed again after it)
-                torch.testing.assert_close(fast(*local(_tower_batch(50, LOCAL_B * world))),
-                                           ref(*_tower_batch(50, LOCAL_B * world))[rank * LOCAL_B:(rank + 1) * LOCAL_B])
+        opt = _tower_steps(fast, ref, local, rank, world, (1, 2, 3), evaluate=True)
         hook.remove()
         assert seen == [("DTensor", "Parameter")] * 6, seen  # (3 training and 3 evaluation forwards)
         fxrec.checkpoint.save(fast, path, optimizer=opt)
@@ -625,6 +638,62 @@ def _units_worker(rank, world, init_file, path):
 def test_fsdp_units_train_evaluate_and_save_as_the_plain_model(tmp_path):
     spawn(_units_worker, 2, str(tmp_path / "ckpt"))
     _loads_as_trained(Tower, _tower_batch, (1, 2, 3), str(tmp_path / "ckpt"))
+
+
+def _named_units_worker(rank, world, init_file, path):
+    with gloo_group(rank, world, init_file):
+        names = ["head", "blocks.1.lin", "blocks.2"]  # (a layer inside a block, a block, the head: the rest the model's)
+        ref, local, plan, fast = _planned(Tower, _tower_batch, {"emb": "row_wise"}, rank, world, fsdp_units=names)
+        assert fast.meta["fxrec_fsdp_units"] == ["blocks.1.lin", "blocks.2", "head"]
+        assert "FSDP units (as fsdp_units names them): blocks.1.lin, blocks.2, head" in str(fast.report)
+        seen = []
+        hook = fast.blocks[2].register_forward_pre_hook(  # (blocks.1.lin freed again; blocks.0, the model's, whole)
+            lambda m, a: seen.append(tuple(type(fast.blocks[i].lin._parameters["weight"]).__name__ for i in (0, 1, 2))))
+        opt = _tower_steps(fast, ref, local, rank, world, (1, 2))
+        hook.remove()
+        assert seen == [("Parameter", "DTensor", "Parameter")] * 2, seen
+        fxrec.checkpoint.save(fast, path, optimizer=opt)
+        one = fxrec.transform(Tower(), local(_tower_batch(0, LOCAL_B * world)), plan=plan, dense="fsdp", fsdp_units="one")
+        assert one.meta["fxrec_fsdp_units"] == [] and "fsdp_units='one'" in str(one.report)
+        fxrec.checkpoint.load(one, path)  # (into the model as one unit)
+        x = _tower_batch(60, LOCAL_B * world)
+        torch.testing.assert_close(one(*local(x)), fast(*local(x)))
+        # ranks that choose other units are refused, naming the setting, on both
+        with pytest.raises(ValueError, match="the ranks called transform differently: fsdp_units is None on rank 0 and .every. on rank 1"):
+            fxrec.transform(Tower(), local(_tower_batch(0, LOCAL_B * world)), plan=plan, dense="fsdp",
+                            fsdp_units="every" if rank else None)
+        with pytest.raises(ValueError, match=re.escape("fsdp_units: submodule 'shared' cannot be an FSDP unit: the "
+                                                       "model's forward calls it 2 times")):
+            fxrec.transform(Tower(), local(_tower_batch(0, LOCAL_B * world)), plan=plan, dense="fsdp",
+                            fsdp_units=["shared"])
+        dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp_units_named_by_the_user_train_as_the_plain_model_and_load_as_one_unit(tmp_path):
+    spawn(_named_units_worker, 2, str(tmp_path / "ckpt"))
+    _loads_as_trained(Tower, _tower_batch, (1, 2), str(tmp_path / "ckpt"))
+
+
+def test_fsdp_units_is_checked_before_anything_runs():
+    model = SparseModel()
+    example = local_batch(global_batch(LOCAL_B * 2, 0), 0, LOCAL_B)
+    plan = fxrec.plan(model, example, world_size=2, memory_per_rank="1GB")
+    for kwargs, words in [
+        (dict(fsdp_units="one"), "fsdp_units= chooses the FSDP units of dense='fsdp'; dense is 'ddp'"),
+        (dict(dense="fsdp", fsdp_units="all"), "fsdp_units must be None (the rule), one of ('one', 'every') or a list"),
+        (dict(dense="fsdp", fsdp_units=["mlp.0", 2]), "a list of submodule names (strings"),
+        (dict(dense="fsdp", fsdp_units="mlp.0"), "fsdp_units must be None (the rule), one of ('one', 'every')"),
+        (dict(dense="fsdp", fsdp_units=["mlp.0", "mlp.0"]), "fsdp_units names 'mlp.0' twice"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):  # (transform's check, the same function)
+            fxrec.explain(model, example, plan=plan, **kwargs)
+    with pytest.raises(ValueError, match=re.escape("submodule 'mlp.1' cannot be an FSDP unit: it holds no dense parameter")):
+        fxrec.explain(model, example, plan=plan, dense="fsdp", fsdp_units=["mlp.1"])
+    notes = fxrec.explain(model, example, plan=plan, dense="fsdp", fsdp_units="every").notes
+    assert [n for n in notes if n.startswith("FSDP")] == [
+        "FSDP units (every submodule that can be one): mlp.0, mlp.2 (each gathered whole for its own call in forward "
+        "and again in backward, and freed after); the other dense parameters are the model's own unit, whole for the step"]
 
 
 def test_the_gpu_units_worker_runs_on_gloo(tmp_path):

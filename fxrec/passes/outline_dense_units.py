@@ -48,6 +48,11 @@ step (forward and backward) where the model's one unit is gathered once. Measure
 of a step was 36-40 MB with units and 90 MB as one unit (DDP: 47 MB), each step 1.2x one unit's;
 with two layers, one of them 89 % of the bytes, units lowered the peak by 3-5 % for 1.2x the
 time, so that model stays one unit. Nothing is moved unless ``dense="fsdp"``.
+
+``transform(fsdp_units=)`` replaces the halving rule (never the rest: it is what makes a unit
+correct): ``"one"`` makes no unit, ``"every"`` every one the walk finds, and a list of submodule
+paths exactly those, each checked first (a ValueError naming the first that cannot be a unit and
+why, before anything moves; units do not nest).
 """
 
 from __future__ import annotations
@@ -104,10 +109,15 @@ def _rel(target: str, path: str) -> Tuple[Tuple[str, ...], str]:
     return tuple(parts[:-1]), parts[-1]
 
 
-def outline_dense_units(gm: fx.GraphModule, leave: Set[str]) -> List[str]:
+def outline_dense_units(gm: fx.GraphModule, leave: Set[str], choose=None) -> List[str]:
     """Move each dense unit's operations into a call of its submodule (see the module doc).
-    ``leave``: the names of the table parameters (and shards). Returns the units' paths, in the
-    order their calls run."""
+    ``leave``: the names of the table parameters (and shards). ``choose``: None (the rule),
+    ``"one"`` (no unit but the model's own), ``"every"`` (every submodule the walk finds, whether or
+    not they halve the bytes) or a list of submodule paths, each of which must be able to be a unit
+    (else a ValueError naming it and why; ``transform(fsdp_units=)``). Returns the units' paths,
+    in the order their calls run."""
+    if choose == "one":
+        return []
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     members: Dict[str, List[fx.Node]] = {}
@@ -121,8 +131,25 @@ def outline_dense_units(gm: fx.GraphModule, leave: Set[str]) -> List[str]:
             parent = calls[i - 1][1] if i else None
             if parent is not None and path != parent and path not in children.setdefault(parent, []):
                 children[parent].append(path)
-    owners = {t.rpartition(".")[0] for t in leave}
     params = {n: p for n, p in gm.named_parameters() if n not in leave}
+
+    def why_not(path: str, module) -> Optional[str]:
+        """Why ``path`` cannot be a unit; None where it can."""
+        held = sorted(t for t in leave if _under(t, path))
+        if held:
+            return f"it holds the embedding table {held[0]!r} (tables stay out of FSDP)"
+        if not any(_under(p, path) for p in params):
+            return "it holds no dense parameter"
+        if isinstance(module, _CONTAINERS):
+            return f"it is the model's {module._fxrec_kind} (its layers can be units)"
+        if path not in paths:
+            return "the model's forward runs none of its operations (captured)"
+        if len(paths[path]) > 1:
+            return f"the model's forward calls it {len(paths[path])} times (a unit is called once)"
+        return _outline(gm, path, members[next(iter(paths[path]))], order, move=False)
+
+    if isinstance(choose, (list, tuple)):
+        return _named_units(gm, list(choose), why_not, lambda u: members[next(iter(paths[u]))], set(paths))
     found: List[str] = []
     todo = list(children.get("", []))
     while todo:
@@ -130,28 +157,57 @@ def outline_dense_units(gm: fx.GraphModule, leave: Set[str]) -> List[str]:
         module = _module(gm, path)
         if module is None:
             continue
-        tables = any(_under(o, path) for o in owners)
-        dense = any(_under(p, path) for p in params)
-        if not tables and dense and not isinstance(module, _CONTAINERS) and len(paths[path]) == 1 \
-                and _outline(gm, path, members[next(iter(paths[path]))], order, move=False):
+        if why_not(path, module) is None:
             found.append(path)
             continue
-        if dense:
+        if any(_under(p, path) for p in params):
             todo.extend(children.get(path, []))
     size = {u: sum(p.numel() * p.element_size() for n, p in params.items() if _under(n, u)) for u in found}
-    if not found or not halves(list(size.values()), sum(p.numel() * p.element_size() for p in params.values())):
+    if not found or (choose != "every" and
+                     not halves(list(size.values()), sum(p.numel() * p.element_size() for p in params.values()))):
         return []  # (one unit gathers once a step)
     # (checked again as each moves: one whose operations lie between another's, moved first, is left
     # alone now, and the size rule was judged with it; the numbers are the model's either way)
     units = []
     for u in found:  # (the order anew for each: a move puts nodes before the call it makes)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if _outline(gm, u, members[next(iter(paths[u]))], order, move=True):
+        if _outline(gm, u, members[next(iter(paths[u]))], order, move=True) is None:
             units.append(u)
+    return _finish(gm, units)
+
+
+def _named_units(gm: fx.GraphModule, names: List[str], why_not, ops_of, called: Set[str]) -> List[str]:
+    """The units ``transform(fsdp_units=[...])`` names, each checked (a ValueError naming the first
+    that cannot be one, and why), then moved. ``called``: the submodules the forward calls."""
+    for i, u in enumerate(names):
+        if u == "":
+            raise ValueError("fxrec: fsdp_units: '' is the model itself, always a unit: its own, for what no other takes")
+        module = _module(gm, u)
+        if module is None and u in called:  # (the transformed model keeps only modules holding tensors)
+            raise ValueError(f"fxrec: fsdp_units: submodule {u!r} cannot be an FSDP unit: it holds no dense parameter")
+        if module is None:
+            raise ValueError(f"fxrec: fsdp_units: the model has no submodule {u!r} that its forward calls")
+        inner = [v for v in names[:i] + names[i + 1:] if v != u and _under(v, u)]
+        if inner:
+            raise ValueError(f"fxrec: fsdp_units: {u!r} holds {inner[0]!r}, also named: units do not nest "
+                             "(name the outer module or the inner ones)")
+        why = why_not(u, module)
+        if why is not None:
+            raise ValueError(f"fxrec: fsdp_units: submodule {u!r} cannot be an FSDP unit: {why}")
+    for u in names:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        why = _outline(gm, u, ops_of(u), order, move=True)
+        if why is not None:  # (another unit's move left this one's operations apart)
+            raise ValueError(f"fxrec: fsdp_units: submodule {u!r} cannot be an FSDP unit once "
+                             f"{', '.join(repr(v) for v in names[:names.index(u)])} are: {why}")
+    return _finish(gm, names)
+
+
+def _finish(gm: fx.GraphModule, units: List[str]) -> List[str]:
     if units:
-        at = {n.meta[UNIT]: i for i, n in enumerate(graph.nodes) if UNIT in n.meta}
+        at = {n.meta[UNIT]: i for i, n in enumerate(gm.graph.nodes) if UNIT in n.meta}
         units.sort(key=at.__getitem__)
-        graph.lint()
+        gm.graph.lint()
         gm.recompile()
     return units
 
@@ -205,32 +261,35 @@ def _module(gm: fx.GraphModule, path: str) -> Optional[torch.nn.Module]:
         return None
 
 
-def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.Node, int], move: bool) -> bool:
-    """Whether ``ops`` (the operations of ``path``'s one call) can move into its forward; with
-    ``move``, move them."""
+def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.Node, int], move: bool) -> Optional[str]:
+    """Why ``ops`` (the operations of ``path``'s one call) cannot move into its forward, or None
+    where they can; with ``move``, move them."""
     graph = gm.graph
     inside = set(ops)
-    if any(n.op not in ("call_function", "call_method") for n in ops):
-        return False
+    if any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in ops):
+        return "it has a no_grad / autocast block"  # (its body is the model's attribute)
+    other = next((n for n in ops if n.op not in ("call_function", "call_method")), None)
+    if other is not None:
+        return f"its operations include {other.op} {other.name}"
     module = gm.get_submodule(path)
     mine = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     held = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
-    if any(id(t) in mine for n, t in held if not n.startswith(path + ".")):
-        return False  # a parameter it shares with another module (tied weights): FSDP would manage it twice
+    tied = next((n for n, t in held if id(t) in mine and not n.startswith(path + ".")), None)
+    if tied is not None:  # (tied weights: FSDP would manage the parameter twice)
+        return f"it shares a parameter or buffer with another module ({tied!r}: tied)"
     # the attributes its operations read: the submodule's own move with them
     reads = sorted({a for n in ops for a in n.all_input_nodes if a.op == "get_attr"}, key=order.__getitem__)
     own = [a for a in reads if isinstance(a.target, str) and _under(a.target, path) and not _flag(a)]
-    if any(u not in inside for a in own for u in a.users):
-        return False  # something else reads them (they would be freed, or gathered twice)
+    read = next((a for a in own if any(u not in inside for u in a.users)), None)
+    if read is not None:  # something else reads them (they would be freed, or gathered twice)
+        return f"its {read.target!r} is read outside its call too"
     for n in graph.nodes:  # nothing else reads its parameters or buffers, nor the module itself
         if n.op == "get_attr" and n not in own and isinstance(n.target, str) and _under(n.target, path) \
                 and not _flag(n):
             if n.users:
-                return False
+                return f"its {n.target!r} is read outside its call too"
         if n.op == "call_module" and _under(str(n.target), path):
-            return False
-    if any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in ops):
-        return False  # (a no_grad / autocast block: its body is the model's attribute)
+            return f"the graph calls {n.target!r} ({n.name})"
     inside |= set(own)
     first, last = min(ops, key=order.__getitem__), max(ops, key=order.__getitem__)
     before, after = [], set()
@@ -239,26 +298,29 @@ def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.N
         n = n.next
         if n not in inside:
             if is_impure(n):
-                return False
+                return f"{n.name}, an operation with side effects outside it, runs between its operations"
             if any(a in inside or a in after for a in n.all_input_nodes):
                 after.add(n)
             else:
                 before.append(n)
-    if any(a in after for o in ops for a in o.all_input_nodes):
-        return False  # a node outside it between two of its operations: it cannot be one call
+    apart = next((a for o in ops for a in o.all_input_nodes if a in after), None)
+    if apart is not None:  # a node outside it between two of its operations: it cannot be one call
+        return f"{apart.name}, outside it, takes one of its results and feeds another of its operations"
     inputs: List[fx.Node] = []
     for o in ops:
         for a in o.all_input_nodes:
             if a not in inside and a not in inputs:
                 inputs.append(a)
     outputs = [o for o in ops if any(u not in inside for u in o.users)]
-    if _written(inputs, lambda u: u in inside) or _written([o for o in outputs if _a_view(o)], lambda u: True):
-        return False  # its inputs written in place inside it, a view it returns written (FSDP's hooks on
-        # them would be lost)
+    # (FSDP's hooks on an input written in place inside it, or on a view it returns written, would be lost)
+    if _written(inputs, lambda u: u in inside):
+        return "it writes one of its inputs in place"
+    if _written([o for o in outputs if _a_view(o)], lambda u: True):
+        return "a view it returns is written in place after it"
     if _views(own, inside) & set(outputs):
-        return False  # it returns a view of its own parameter or buffer (FSDP frees the gathered one after it)
+        return "it returns a view of its own parameter or buffer"  # (FSDP frees the gathered one after it)
     if not move:
-        return True
+        return None
 
     sub = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
@@ -297,4 +359,4 @@ def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.N
         graph.erase_node(o)
     for a in own:
         graph.erase_node(a)
-    return True
+    return None

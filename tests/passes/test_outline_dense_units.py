@@ -4,6 +4,9 @@ stays. One process here (no FSDP): structure, numbers against the plain model, t
 alone. FSDP over them: tests/test_sharding_fsdp.py."""
 
 import copy
+import re
+
+import pytest
 
 import torch
 from torch import nn
@@ -366,3 +369,57 @@ def test_an_operation_of_the_model_between_a_units_operations_moves_before_its_c
     call_b = next(n for n in nodes if n.op == "call_module" and n.target == "b")
     assert nodes.index(mul) < nodes.index(call_b) and call_b.args[1] is mul
     assert_matches(model, fast, (IDS,), (IDS[:2],))
+
+
+# fsdp_units= (transform(dense="fsdp", fsdp_units=...)): the choice against the rule
+
+
+def _chosen(model, choose, tables=("emb.weight",)):
+    fast = fxrec.transform(copy.deepcopy(model), (IDS,))
+    return fast, outline_dense_units(fast, set(tables), choose)
+
+
+def test_every_makes_the_units_the_halving_rule_would_not_and_one_makes_none():
+    torch.manual_seed(0)
+    model = Lopsided()  # (the rule: no units, mlp.0 is 90 % of the bytes)
+    fast, units = _chosen(model, "every")
+    assert units == ["mlp.0", "mlp.2"] and _unit_calls(fast) == units
+    assert_matches(model, fast, (IDS,))
+    fast, units = _chosen(Mlp(), "one")  # (the rule: three units)
+    assert units == [] and not _unit_calls(fast)
+
+
+def test_named_units_are_made_as_named_and_the_rest_stays_in_the_model():
+    torch.manual_seed(0)
+    model = Blocks()
+    fast, units = _chosen(model, ["out", "blocks.1"])
+    assert units == ["blocks.1", "out"]  # (in the order their calls run)
+    assert _unit_calls(fast) == units
+    assert [n for n in fast.graph.nodes if n.op == "get_attr" and n.target == "blocks.0.lin.weight"]
+    assert isinstance(fast.blocks[1].forward, UnitForward)
+    assert not isinstance(fast.blocks[0].forward, UnitForward)
+    assert_matches(model, fast, (IDS,))
+    fast, units = _chosen(model, ["blocks.0.lin", "blocks.0.norm"])  # (inside a block the rule would take whole)
+    assert units == ["blocks.0.lin", "blocks.0.norm"]
+    assert_matches(model, fast, (IDS,))
+
+
+@pytest.mark.parametrize("model, names, words", [
+    (Blocks, ["shared"], "'shared' cannot be an FSDP unit: the model's forward calls it 2 times"),
+    (Blocks, ["blocks"], "'blocks' cannot be an FSDP unit: it is the model's ModuleList (its layers can be units)"),
+    (Blocks, ["emb"], "'emb' cannot be an FSDP unit: it holds the embedding table 'emb.weight'"),
+    (Blocks, ["blocks.0.drop"], "'blocks.0.drop' cannot be an FSDP unit: it holds no dense parameter"),
+    (Blocks, ["blocks.9"], "the model has no submodule 'blocks.9' that its forward calls"),
+    (Blocks, [""], "'' is the model itself, always a unit"),
+    (Blocks, ["blocks.0", "blocks.0.lin"], "'blocks.0' holds 'blocks.0.lin', also named: units do not nest"),
+    (Tied, ["proj"], "'proj' cannot be an FSDP unit: its 'proj.weight' is read outside its call too"),
+    (WritesItsInput, ["layer"], "'layer' cannot be an FSDP unit: it writes one of its inputs in place"),
+    (WithNoGrad, ["layer"], "'layer' cannot be an FSDP unit: it has a no_grad / autocast block"),
+])
+def test_a_named_unit_that_cannot_be_one_is_an_error_naming_it_and_why(model, names, words):
+    torch.manual_seed(0)
+    fast = fxrec.transform(model(), (IDS,))
+    before = fast.code
+    with pytest.raises(ValueError, match=re.escape(words)):
+        outline_dense_units(fast, {"emb.weight"}, names)
+    assert fast.code == before  # (checked before anything moves)
