@@ -239,6 +239,7 @@ class Adam(EmbeddingOptimizer):
 
     def __post_init__(self):
         _betas_tuple(self, "Adam")
+        _check_numbers(self, ("lr", "eps", "weight_decay"))
 
     def fused_unsupported_reason(self) -> str:
         return ("torch.optim.Adam updates every row at every step, fbgemm's Adam only the rows in the batch "
@@ -270,12 +271,8 @@ class _LazyMoments(EmbeddingOptimizer):
     kind = ""  # the FusedSpec kind
 
     def __post_init__(self):
-        name = type(self).__name__
-        b1, b2 = _betas_tuple(self, name)
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"fxrec: {name} betas must be in [0, 1), got {self.betas}")
-        if self.eps < 0 or self.weight_decay < 0 or self.lr < 0:
-            raise ValueError(f"fxrec: {name} lr, eps and weight_decay must be >= 0, got {self}")
+        _betas_tuple(self, type(self).__name__)
+        _check_numbers(self, ("lr", "eps", "weight_decay"))
 
     def fused_spec(self):
         return FusedSpec(self.kind, self.lr, self.eps, self.betas[0], self.betas[1], self.weight_decay)
@@ -576,11 +573,13 @@ class RowWiseAdagradTorch(torch.optim.Optimizer):
 
 def _betas_tuple(opt, name: str) -> Tuple[float, float]:
     """``betas`` as a tuple of two floats (a list, as torch.optim takes, would make the frozen
-    configuration unhashable)."""
+    configuration unhashable), each in [0, 1) as torch.optim.Adam checks."""
     try:
         b1, b2 = (float(b) for b in opt.betas)
     except (TypeError, ValueError) as e:
         raise ValueError(f"fxrec: {name} betas must be two numbers, got {opt.betas!r}") from e
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"fxrec: {name} betas must be in [0, 1), got {opt.betas}")
     object.__setattr__(opt, "betas", (b1, b2))
     return b1, b2
 

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import inspect
+import re
 
 import pytest
 import torch
@@ -965,6 +966,9 @@ def test_the_other_fallbacks_step_a_dense_gradient_as_on_cuda_with_the_same_numb
     (lambda: fxrec.optim.Adagrad(lr=float("nan")), "Adagrad lr"),
     (lambda: fxrec.optim.RowWiseAdagrad(lr="0.1"), "RowWiseAdagrad lr"),
     (lambda: fxrec.optim.RowWiseAdagrad(weight_decay=-1.0), "RowWiseAdagrad weight_decay"),
+    (lambda: fxrec.optim.Adam(lr=-1.0), "Adam lr"), (lambda: fxrec.optim.Adam(eps=-1.0), "Adam eps"),
+    (lambda: fxrec.optim.Adam(weight_decay=float("nan")), "Adam weight_decay"),
+    (lambda: fxrec.optim.LazyAdam(lr="0.1"), "LazyAdam lr"),
 ])
 def test_optimizer_arguments_torch_optim_refuses_are_refused_naming_them(make, name):
     """A fused SGD with lr=-0.1 ran gradient ascent, where torch.optim.SGD refuses it."""
@@ -972,6 +976,15 @@ def test_optimizer_arguments_torch_optim_refuses_are_refused_naming_them(make, n
         make()
     with pytest.raises(ValueError, match="nesterov"):
         fxrec.optim.SGD(lr=0.1, nesterov=True)
+
+
+@pytest.mark.parametrize("betas", [(1.5, 0.9), (0.9, 1.0), (-0.1, 0.9)])
+def test_adam_betas_torch_optim_refuses_are_refused_when_made(betas):
+    """fxrec.optim.Adam took them, and torch.optim.Adam refused them only at make_optimizer, naming no table."""
+    with pytest.raises(ValueError, match=re.escape(f"fxrec: Adam betas must be in [0, 1), got {betas}")):
+        fxrec.optim.Adam(betas=betas)
+    with pytest.raises(ValueError):
+        torch.optim.Adam([torch.zeros(1, requires_grad=True)], betas=betas)  # (what torch refuses too)
 
 
 def test_optimizer_arguments_torch_optim_takes_are_taken():
