@@ -230,7 +230,8 @@ def sum_gradients_over_ranks(gm: fx.GraphModule, records, dense: str = "ddp", fs
 def units_note(units, fsdp_units=None) -> str:
     """The report's line on the FSDP units of ``transform(plan=, dense="fsdp", fsdp_units=)``."""
     if not units:
-        why = ("fsdp_units='one'" if fsdp_units == "one" else
+        why = (f"fsdp_units={fsdp_units!r}" if fsdp_units == "one" or isinstance(fsdp_units, (list, tuple)) else
+               "no submodule can be a unit; docs/sharding.md says when one can" if fsdp_units == "every" else
                "no submodule can be a unit, or the units would not halve the dense bytes whole at once; "
                "docs/sharding.md says when they can, and fsdp_units= chooses them")
         return f"FSDP: the whole model is one unit ({why}): its dense parameters are whole on every rank for each step"

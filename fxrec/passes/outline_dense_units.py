@@ -52,7 +52,8 @@ time, so that model stays one unit. Nothing is moved unless ``dense="fsdp"``.
 ``transform(fsdp_units=)`` replaces the halving rule (never the rest: it is what makes a unit
 correct): ``"one"`` makes no unit, ``"every"`` every one the walk finds, and a list of submodule
 paths exactly those, each checked first (a ValueError naming the first that cannot be a unit and
-why, before anything moves; units do not nest).
+why, before anything moves; units do not nest, by name or by one's call running inside another's),
+their moves rehearsed on a copy of the graph.
 """
 
 from __future__ import annotations
@@ -178,7 +179,9 @@ def outline_dense_units(gm: fx.GraphModule, leave: Set[str], choose=None) -> Lis
 
 def _named_units(gm: fx.GraphModule, names: List[str], why_not, ops_of, called: Set[str]) -> List[str]:
     """The units ``transform(fsdp_units=[...])`` names, each checked (a ValueError naming the first
-    that cannot be one, and why), then moved. ``called``: the submodules the forward calls."""
+    that cannot be one, and why), then moved: first on a copy of the graph, so that a name another's
+    move would leave unable to be one is an error before the model changes. ``called``: the
+    submodules the forward calls."""
     for i, u in enumerate(names):
         if u == "":
             raise ValueError("fxrec: fsdp_units: '' is the model itself, always a unit: its own, for what no other takes")
@@ -187,19 +190,28 @@ def _named_units(gm: fx.GraphModule, names: List[str], why_not, ops_of, called: 
             raise ValueError(f"fxrec: fsdp_units: submodule {u!r} cannot be an FSDP unit: it holds no dense parameter")
         if module is None:
             raise ValueError(f"fxrec: fsdp_units: the model has no submodule {u!r} that its forward calls")
-        inner = [v for v in names[:i] + names[i + 1:] if v != u and _under(v, u)]
-        if inner:
-            raise ValueError(f"fxrec: fsdp_units: {u!r} holds {inner[0]!r}, also named: units do not nest "
-                             "(name the outer module or the inner ones)")
         why = why_not(u, module)
         if why is not None:
             raise ValueError(f"fxrec: fsdp_units: submodule {u!r} cannot be an FSDP unit: {why}")
+    for i, u in enumerate(names):  # (by name, or called from inside the other's call: a module passed to it)
+        for v in names[i + 1:]:
+            outer, inner = (u, v) if _under(v, u) or set(ops_of(v)) <= set(ops_of(u)) else (v, u)
+            if _under(inner, outer) or set(ops_of(u)) & set(ops_of(v)):
+                raise ValueError(f"fxrec: fsdp_units: {inner!r} runs inside the call of {outer!r}, also named: units "
+                                 "do not nest (name the outer module or the inner ones)")
+    trial = fx.Graph()
+    copies: Dict[fx.Node, fx.Node] = {}
+    trial.output(trial.graph_copy(gm.graph, copies))
+    for k, u in enumerate(names):  # (a rehearsal: the same moves on the copy, the modules left alone)
+        order = {n: i for i, n in enumerate(trial.nodes)}
+        why = _outline(gm, u, [copies[n] for n in ops_of(u)], order, move=True, graph=trial)
+        if why is not None:  # (another unit's move left this one's operations apart)
+            raise ValueError(f"fxrec: fsdp_units: submodule {u!r} cannot be an FSDP unit once "
+                             f"{', '.join(repr(v) for v in names[:k])} {'is' if k == 1 else 'are'}: {why}")
     for u in names:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         why = _outline(gm, u, ops_of(u), order, move=True)
-        if why is not None:  # (another unit's move left this one's operations apart)
-            raise ValueError(f"fxrec: fsdp_units: submodule {u!r} cannot be an FSDP unit once "
-                             f"{', '.join(repr(v) for v in names[:names.index(u)])} are: {why}")
+        assert why is None, (u, why)  # (the rehearsal made the same moves)
     return _finish(gm, names)
 
 
@@ -261,10 +273,19 @@ def _module(gm: fx.GraphModule, path: str) -> Optional[torch.nn.Module]:
         return None
 
 
-def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.Node, int], move: bool) -> Optional[str]:
+def _read_outside(attr: fx.Node) -> str:
+    if any(isinstance(u.target, torch._ops.HigherOrderOperator) for u in attr.users):
+        return "its parameters are read in a no_grad / autocast block of the model (called there, or read)"
+    return f"its {attr.target!r} is read outside its call too"
+
+
+def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.Node, int], move: bool,
+             graph: Optional[fx.Graph] = None) -> Optional[str]:
     """Why ``ops`` (the operations of ``path``'s one call) cannot move into its forward, or None
-    where they can; with ``move``, move them."""
-    graph = gm.graph
+    where they can; with ``move``, move them. ``graph``: a copy of ``gm``'s to move them in, the
+    module's forward left as it is (a rehearsal)."""
+    rehearsal = graph is not None
+    graph = gm.graph if graph is None else graph
     inside = set(ops)
     if any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in ops):
         return "it has a no_grad / autocast block"  # (its body is the model's attribute)
@@ -282,12 +303,12 @@ def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.N
     own = [a for a in reads if isinstance(a.target, str) and _under(a.target, path) and not _flag(a)]
     read = next((a for a in own if any(u not in inside for u in a.users)), None)
     if read is not None:  # something else reads them (they would be freed, or gathered twice)
-        return f"its {read.target!r} is read outside its call too"
+        return _read_outside(read)
     for n in graph.nodes:  # nothing else reads its parameters or buffers, nor the module itself
         if n.op == "get_attr" and n not in own and isinstance(n.target, str) and _under(n.target, path) \
                 and not _flag(n):
             if n.users:
-                return f"its {n.target!r} is read outside its call too"
+                return _read_outside(n)
         if n.op == "call_module" and _under(str(n.target), path):
             return f"the graph calls {n.target!r} ({n.name})"
     inside |= set(own)
@@ -336,7 +357,8 @@ def _outline(gm: fx.GraphModule, path: str, ops: List[fx.Node], order: Dict[fx.N
         env[o] = sub.node_copy(o, lambda x: env[x])
     sub.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     sub.lint()
-    object.__setattr__(module, "forward", UnitForward(fx.GraphModule(torch.nn.Module(), sub), module, path))
+    if not rehearsal:
+        object.__setattr__(module, "forward", UnitForward(fx.GraphModule(torch.nn.Module(), sub), module, path))
 
     for b in before:
         first.prepend(b)

@@ -404,6 +404,44 @@ def test_named_units_are_made_as_named_and_the_rest_stays_in_the_model():
     assert_matches(model, fast, (IDS,))
 
 
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class CallsAnother(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, other):
+        return self.l2(other(self.l1(x)))
+
+
+class PassedIn(nn.Module):
+    """``b`` runs inside ``a``'s call (passed to it), though its name is not under ``a``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 8, mode="sum")
+        self.a, self.b, self.out = CallsAnother(), Lin(), nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.out(self.a(self.emb(ids), self.b))
+
+
+def test_a_module_passed_to_another_can_be_a_unit_beside_the_others_layers():
+    torch.manual_seed(0)
+    model = PassedIn()
+    fast, units = _chosen(model, ["b", "a.l1", "a.l2"])
+    assert units == ["a.l1", "b", "a.l2"]
+    assert_matches(model, fast, (IDS,))
+
+
 @pytest.mark.parametrize("model, names, words", [
     (Blocks, ["shared"], "'shared' cannot be an FSDP unit: the model's forward calls it 2 times"),
     (Blocks, ["blocks"], "'blocks' cannot be an FSDP unit: it is the model's ModuleList (its layers can be units)"),
@@ -411,15 +449,23 @@ def test_named_units_are_made_as_named_and_the_rest_stays_in_the_model():
     (Blocks, ["blocks.0.drop"], "'blocks.0.drop' cannot be an FSDP unit: it holds no dense parameter"),
     (Blocks, ["blocks.9"], "the model has no submodule 'blocks.9' that its forward calls"),
     (Blocks, [""], "'' is the model itself, always a unit"),
-    (Blocks, ["blocks.0", "blocks.0.lin"], "'blocks.0' holds 'blocks.0.lin', also named: units do not nest"),
+    (Blocks, ["blocks.0", "blocks.0.lin"], "'blocks.0.lin' runs inside the call of 'blocks.0', also named: units do not nest"),
     (Tied, ["proj"], "'proj' cannot be an FSDP unit: its 'proj.weight' is read outside its call too"),
     (WritesItsInput, ["layer"], "'layer' cannot be an FSDP unit: it writes one of its inputs in place"),
     (WithNoGrad, ["layer"], "'layer' cannot be an FSDP unit: it has a no_grad / autocast block"),
+    (WithNoGrad, ["layer.stat"], "'layer.stat' cannot be an FSDP unit: its parameters are read in a no_grad / "
+                                 "autocast block of the model"),
+    (PassedIn, ["b", "a"], "'b' runs inside the call of 'a', also named: units do not nest"),
+    (PassedIn, ["a", "b.lin"], "'b.lin' runs inside the call of 'a', also named: units do not nest"),
 ])
 def test_a_named_unit_that_cannot_be_one_is_an_error_naming_it_and_why(model, names, words):
     torch.manual_seed(0)
     fast = fxrec.transform(model(), (IDS,))
     before = fast.code
+    nodes = [(n.op, n.target, n.args) for n in fast.graph.nodes]
+    forwards = {name: m.forward for name, m in fast.named_modules()}
     with pytest.raises(ValueError, match=re.escape(words)):
         outline_dense_units(fast, {"emb.weight"}, names)
-    assert fast.code == before  # (checked before anything moves)
+    assert fast.code == before  # (checked before anything moves: the graph and every module's forward too)
+    assert [(n.op, n.target, n.args) for n in fast.graph.nodes] == nodes
+    assert {name: m.forward for name, m in fast.named_modules()} == forwards
