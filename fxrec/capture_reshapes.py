@@ -5,11 +5,15 @@ for others, so torch's ``reshape`` of it views or copies by its sizes, and a siz
 capture (:func:`fxrec.capture.export_dynamic`) writes that choice down as guards on the sizes
 (``ids.size()[0] != 1``), which fxrec keeps as the transformed model's input checks.
 :func:`reshape_by_copy`, on in every capture, traces such a reshape on a row-major copy where it
-copies the example, which needs no guard.
+copies the example, which needs no guard. :func:`linear_without_layout_guards` traces a linear
+layer of such a tensor without the guards of linear's own choice of computation (its result is the
+same either way), and :func:`linear_nodes_as_functions` does the same when a transformed model is
+exported again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -120,3 +124,68 @@ def reshape_by_copy():
     ``F.embedding_bag``'s flattening of ``[B, L]`` ids and fxrec's own packing (while exporting)
     are among them. See :mod:`fxrec.thread_patches`."""
     return _BY_COPY()
+
+
+def _layout_free(op, name: str):
+    @functools.wraps(op)
+    def traced(input, weight, bias=None):
+        if _LINEAR.on() and isinstance(input, torch.Tensor) and input.dim() >= 3 and not _surely_contiguous(input):
+            from torch._guards import detect_fake_mode
+
+            env = getattr(detect_fake_mode((input, weight)), "shape_env", None)
+            if env is not None:
+                bool(input.shape[-1] == weight.shape[-1])  # (the condition the op needs, kept as torch keeps it)
+                with env.suppress_guards():
+                    return op(input, weight, bias)
+        return op(input, weight, bias)
+
+    return traced
+
+
+#: the ops :func:`linear_without_layout_guards` traces
+_LINEAR = ThreadPatch([(torch.nn.functional, "linear")], _layout_free)
+
+
+def linear_without_layout_guards():
+    """Within, this thread traces ``F.linear`` (``nn.Linear``'s, ``nn.MultiheadAttention``'s) of
+    a tensor of 3 or more dims whose contiguity depends on its sizes (a transpose: ``[L, B, E]``
+    from ``[B, L, E]``, as attention takes it) without keeping the conditions on its sizes that
+    choosing its own way of computing wrote down: torch's linear computes a contiguous input in one
+    matrix multiply with the bias, another by ``matmul`` then the bias, and size-oblivious capture
+    kept that choice as guards refusing a size of 1 (``ids.size()[0] != 1``) where the input is
+    contiguous. The graph keeps one ``aten.linear`` node, which chooses again at each call as the
+    model's own does (so the numbers are the model's, bit for bit), and its result is a new
+    contiguous tensor of the same sizes either way. The condition the op needs (the input's last
+    dim is the weight's) is kept. A row-major copy, as :func:`reshape_by_copy` makes, would need no
+    guard but change the numbers (one fused multiply-add against two steps: last bits differ)."""
+    return _LINEAR()
+
+
+def _linear(input, weight, bias=None):
+    """``aten.linear`` of a transformed model's graph while it is exported again: ``F.linear``,
+    which :func:`linear_without_layout_guards` traces."""
+    return torch.nn.functional.linear(input, weight, bias)
+
+
+@contextlib.contextmanager
+def linear_nodes_as_functions(model: torch.nn.Module):
+    """Within, each ``aten.linear`` node of ``model``'s graphs calls ``F.linear`` (:func:`_linear`),
+    so that exporting the transformed model (``fxrec.export.program``) traces it as the capture did,
+    without guards from its choice of computation (:func:`linear_without_layout_guards`); the
+    exported program records ``aten.linear`` again. The graphs are put back after."""
+    changed = []
+    for gm in model.modules():
+        if isinstance(gm, torch.fx.GraphModule):
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
+            for n in nodes:
+                n.target = _linear
+            if nodes:
+                changed.append((gm, nodes))
+                gm.recompile()
+    try:
+        yield
+    finally:
+        for gm, nodes in changed:
+            for n in nodes:
+                n.target = torch.ops.aten.linear.default
+            gm.recompile()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fxrec
+import fxrec.testing
 from tests import models as M
 
 ROWS = (500, 800, 300)
@@ -551,6 +552,58 @@ def test_a_model_of_sliced_and_transposed_ids_takes_a_batch_of_one_eager_and_exp
                 torch.testing.assert_close(got, model(*x), rtol=0, atol=0, msg=str(size))
 
 
+class _Attention(torch.nn.Module):
+    """Linear layers of a transposed ``[B, L, E]`` (whose contiguity depends on B and L): inside
+    ``nn.MultiheadAttention`` and a transformer layer, or written out, on a dense input too."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.emb = torch.nn.Embedding(50, 8)
+        self.att = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.enc = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, ids, dense):
+        v = self.emb(ids)
+        if self.form == "attention":
+            return self.att(v, v, v)[0].sum((1, 2))
+        if self.form == "transformer":
+            return self.enc(v).sum((1, 2))
+        return (self.lin(v.transpose(0, 1)).sum((0, 2)) + self.lin(dense.transpose(0, 1)).sum((0, 2)))
+
+
+@pytest.mark.parametrize("form", ["attention", "transformer", "transposed_linear"])
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_linear_layers_of_transposed_activations_take_a_batch_and_a_length_of_one(form, mode):
+    """torch's linear computes a contiguous input of 3 dims in one multiply with the bias, another
+    by matmul then the bias; size-oblivious capture kept that choice as guards (``ids.size()[0] !=
+    1``, ``8 * ids.size()[1] != 8``), so a model with nn.MultiheadAttention refused a batch of one,
+    eager and exported (found by a fuzz of well-known models). Now the plain model's outputs at any
+    batch and length, bit for bit, and its gradients."""
+    torch.manual_seed(0)
+    model = _Attention(form)
+    model.train(mode == "training")
+    ex = (torch.randint(0, 50, (4, 3)), torch.randn(4, 3, 8))
+    fast = fxrec.transform(model, ex, mode=mode)
+    assert not [line for line in str(fast.report).splitlines() if "is refused" in line]
+    program = fxrec.export.program(fast, ex).module() if mode == "inference" else None
+    assert "aten.linear.default" in fast.code  # (the graph's nodes as they were after the export)
+    for b, length in ((1, 3), (4, 1), (1, 1), (5, 7)):
+        x = (torch.randint(0, 50, (b, length), generator=torch.Generator().manual_seed(b + length)),
+             torch.randn(b, length, 8))
+        if mode == "training":
+            fxrec.testing.assert_matches(model, fast, x)  # (the tables' gradients: summed in another order)
+            continue
+        want = model(*x).detach()  # (with gradients: under no_grad attention takes torch's fused kernel, which
+        with torch.no_grad():       # tracing does not, and its last bits differ from the layers' own)
+            torch.testing.assert_close(fast(*x), want, rtol=0, atol=0, msg=str((b, length)))
+            torch.testing.assert_close(program(*x), want, rtol=0, atol=0, msg=str((b, length)))
+    if form == "transposed_linear":  # (the condition linear needs is kept: the dense input's last dim)
+        with pytest.raises(ValueError, match="dense"):
+            fast(ex[0], torch.randn(4, 3, 6))
+
+
 def test_capture_leaves_torchs_reshapes_as_they_were():
     """Capture traces reshapes of strided tensors on a copy by wrapping torch's reshape functions
     while it runs; afterwards they are torch's own again (and so while a capture fails)."""
@@ -566,3 +619,4 @@ def test_capture_leaves_torchs_reshapes_as_they_were():
         fxrec.transform(Fails(), (torch.zeros(2),))
     assert {name: getattr(torch.Tensor, name) for name in before} == before
     assert "reshape" not in vars(torch.Tensor) and (torch.reshape, torch.flatten) == before_fn
+    assert torch.nn.functional.linear is torch._C._nn.linear  # (capture_reshapes.linear_without_layout_guards too)
