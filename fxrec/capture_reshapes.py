@@ -5,9 +5,9 @@ for others, so torch's ``reshape`` of it views or copies by its sizes, and a siz
 capture (:func:`fxrec.capture.export_dynamic`) writes that choice down as guards on the sizes
 (``ids.size()[0] != 1``), which fxrec keeps as the transformed model's input checks.
 :func:`reshape_by_copy`, on in every capture, traces such a reshape on a row-major copy where it
-copies the example, which needs no guard. :func:`linear_without_layout_guards` traces a linear
-layer of such a tensor without the guards of linear's own choice of computation (its result is the
-same either way), and :func:`linear_nodes_as_functions` does the same when a transformed model is
+copies the example, which needs no guard. :func:`without_layout_guards` traces a linear layer or
+a dropout of such a tensor without the guards of the op's own workings (its result is laid out the
+same either way), and :func:`nodes_as_functions` does the same when a transformed model is
 exported again.
 """
 
@@ -126,66 +126,119 @@ def reshape_by_copy():
     return _BY_COPY()
 
 
+def _unguarded(t: torch.Tensor, min_dim: int, *others) -> Optional[object]:
+    """The shape environment to trace an op of ``t`` in without guards, where ``t``'s contiguity
+    depends on its sizes (None otherwise: traced as torch traces it)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < min_dim or _surely_contiguous(t):
+        return None
+    from torch._guards import detect_fake_mode
+
+    return getattr(detect_fake_mode((t,) + others), "shape_env", None)
+
+
 def _layout_free(op, name: str):
+    if name == "linear":
+        @functools.wraps(op)
+        def traced(input, weight, bias=None):
+            env = _unguarded(input, 3, weight) if _UNGUARDED.on() else None
+            if env is None:
+                return op(input, weight, bias)
+            bool(input.shape[-1] == weight.shape[-1])  # (the condition the op needs, kept as torch keeps it)
+            with env.suppress_guards():
+                return op(input, weight, bias)
+        return traced
+
+    if name == "scaled_dot_product_attention":
+        @functools.wraps(op)
+        def traced_attention(query, key, value, *args, **kwargs):
+            env = None
+            if _UNGUARDED.on():
+                env = next((e for e in (_unguarded(t, 1, query, key, value) for t in (query, key, value))
+                            if e is not None), None)
+            if env is None:
+                return op(query, key, value, *args, **kwargs)
+            bool(query.shape[-1] == key.shape[-1])  # (the conditions the op needs, kept as torch keeps them)
+            bool(key.shape[-2] == value.shape[-2])
+            with env.suppress_guards():
+                return op(query, key, value, *args, **kwargs)
+        return traced_attention
+
     @functools.wraps(op)
-    def traced(input, weight, bias=None):
-        if _LINEAR.on() and isinstance(input, torch.Tensor) and input.dim() >= 3 and not _surely_contiguous(input):
-            from torch._guards import detect_fake_mode
-
-            env = getattr(detect_fake_mode((input, weight)), "shape_env", None)
-            if env is not None:
-                bool(input.shape[-1] == weight.shape[-1])  # (the condition the op needs, kept as torch keeps it)
-                with env.suppress_guards():
-                    return op(input, weight, bias)
-        return op(input, weight, bias)
-
-    return traced
+    def traced_dropout(input, p=0.5, training=True, inplace=False):
+        env = _unguarded(input, 1) if _UNGUARDED.on() else None
+        with env.suppress_guards() if env is not None else contextlib.nullcontext():
+            return op(input, p, training, inplace)
+    return traced_dropout
 
 
-#: the ops :func:`linear_without_layout_guards` traces
-_LINEAR = ThreadPatch([(torch.nn.functional, "linear")], _layout_free)
+#: the ops :func:`without_layout_guards` traces
+_UNGUARDED = ThreadPatch([(torch.nn.functional, "linear"), (torch.nn.functional, "dropout"),
+                          (torch.nn.functional, "scaled_dot_product_attention")], _layout_free)
 
 
-def linear_without_layout_guards():
-    """Within, this thread traces ``F.linear`` (``nn.Linear``'s, ``nn.MultiheadAttention``'s) of
-    a tensor of 3 or more dims whose contiguity depends on its sizes (a transpose: ``[L, B, E]``
-    from ``[B, L, E]``, as attention takes it) without keeping the conditions on its sizes that
-    choosing its own way of computing wrote down: torch's linear computes a contiguous input in one
-    matrix multiply with the bias, another by ``matmul`` then the bias, and size-oblivious capture
-    kept that choice as guards refusing a size of 1 (``ids.size()[0] != 1``) where the input is
-    contiguous. The graph keeps one ``aten.linear`` node, which chooses again at each call as the
-    model's own does (so the numbers are the model's, bit for bit), and its result is a new
-    contiguous tensor of the same sizes either way. The condition the op needs (the input's last
-    dim is the weight's) is kept. A row-major copy, as :func:`reshape_by_copy` makes, would need no
-    guard but change the numbers (one fused multiply-add against two steps: last bits differ)."""
-    return _LINEAR()
+def without_layout_guards():
+    """Within, this thread traces ``F.linear`` of a tensor of 3 or more dims (``nn.Linear``'s,
+    ``nn.MultiheadAttention``'s), and ``F.dropout`` (``nn.Dropout``'s) and
+    ``F.scaled_dot_product_attention`` of tensors, whose contiguity depends on their sizes (a
+    transpose: ``[L, B, E]`` from ``[B, L, E]``, as attention takes it and gives it back) without
+    keeping the conditions on sizes that the op's own workings wrote down. torch's linear computes a
+    contiguous input in one matrix multiply with the bias, another by ``matmul`` then the bias;
+    dropout's mask checks its memory for overlap; attention with dropout reshapes its operands for
+    its products. Size-oblivious
+    capture kept those as guards refusing a size of 1 (``ids.size()[0] != 1``, ``ids.size()[0] >=
+    2``): a model with attention or a transformer layer refused a batch or a length of 1. The graph
+    keeps one node of each (``aten.linear``, ``aten.dropout``, ``aten.scaled_dot_product_attention``),
+    which works again at each call as the model's own does (so the numbers are the model's, bit for
+    bit), and the graph after it runs as the model's code runs on that result. The conditions the
+    ops need of their operands' sizes (linear: the input's last dim is the weight's; attention: the
+    query's last is the key's, the key's length the value's) are kept. A row-major copy, as
+    :func:`reshape_by_copy` makes, would need no guard but change linear's numbers (one fused
+    multiply-add against two steps: last bits differ)."""
+    return _UNGUARDED()
 
 
 def _linear(input, weight, bias=None):
     """``aten.linear`` of a transformed model's graph while it is exported again: ``F.linear``,
-    which :func:`linear_without_layout_guards` traces."""
+    which :func:`without_layout_guards` traces."""
     return torch.nn.functional.linear(input, weight, bias)
 
 
+def _dropout(input, p, train):
+    """``aten.dropout`` of a transformed model's graph while it is exported again."""
+    return torch.nn.functional.dropout(input, p, bool(train))
+
+
+def _attention(*args, **kwargs):
+    """``aten.scaled_dot_product_attention`` of a transformed model's graph while it is exported again."""
+    return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+#: the graph's ops :func:`nodes_as_functions` gives back to the functions capture traced
+_AS_FUNCTIONS = {torch.ops.aten.linear.default: _linear, torch.ops.aten.dropout.default: _dropout,
+                 torch.ops.aten.scaled_dot_product_attention.default: _attention}
+
+
 @contextlib.contextmanager
-def linear_nodes_as_functions(model: torch.nn.Module):
-    """Within, each ``aten.linear`` node of ``model``'s graphs calls ``F.linear`` (:func:`_linear`),
-    so that exporting the transformed model (``fxrec.export.program``) traces it as the capture did,
-    without guards from its choice of computation (:func:`linear_without_layout_guards`); the
-    exported program records ``aten.linear`` again. The graphs are put back after."""
+def nodes_as_functions(model: torch.nn.Module):
+    """Within, each ``aten.linear`` / ``aten.dropout`` / ``aten.scaled_dot_product_attention`` node
+    of ``model``'s graphs calls the ``F.`` function (:data:`_AS_FUNCTIONS`), so that exporting the transformed model
+    (``fxrec.export.program``) traces them as the capture did, without guards from their own
+    workings (:func:`without_layout_guards`); the exported program records the aten ops again. The
+    graphs are put back after."""
     changed = []
     for gm in model.modules():
         if isinstance(gm, torch.fx.GraphModule):
-            nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _AS_FUNCTIONS]
             for n in nodes:
-                n.target = _linear
+                n.target = _AS_FUNCTIONS[n.target]
             if nodes:
                 changed.append((gm, nodes))
                 gm.recompile()
     try:
         yield
     finally:
+        back = {f: op for op, f in _AS_FUNCTIONS.items()}
         for gm, nodes in changed:
             for n in nodes:
-                n.target = torch.ops.aten.linear.default
+                n.target = back[n.target]
             gm.recompile()

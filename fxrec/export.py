@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .capture import export_dynamic
-from .capture_reshapes import linear_nodes_as_functions
+from .capture_reshapes import nodes_as_functions
 from .pass_infra import Config, InputError, PassContext, PassManager
 from .report import Report
 from .runtime.kernels.fbgemm_nbit_cache import caches_left_out
@@ -58,7 +58,7 @@ def program(model: torch.nn.Module, example_inputs, path: Optional[str] = None,
     from .graph_module import sync_caches
 
     sync_caches(model)  # the exported program holds the parameters: with the cached rows written back
-    with torch.no_grad(), caches_left_out(model), linear_nodes_as_functions(model):  # (quantized rows' caches:
+    with torch.no_grad(), caches_left_out(model), nodes_as_functions(model):  # (quantized rows' caches:
         ep = export_dynamic(model, args, kwargs, warn_as="fxrec.export.program")  # read uncached, not kept)
     _refuse_other_ranks(ep)
     if path is not None:
