@@ -55,10 +55,13 @@ def _views_at_example(op, t: torch.Tensor, args, kwargs) -> Optional[bool]:
     """Whether ``op(t, *args, **kwargs)`` gives ``t`` or a view of it (no copy) at the example's
     sizes and strides, asked of an empty meta tensor laid out so; None where a size has no example
     value; True where the op fails there (torch's own call then raises what it raises)."""
-    try:
-        probe = torch.empty_strided([_at_example(s) for s in t.shape], [_at_example(s) for s in t.stride()],
-                                    device="meta")
-        out = op(probe, *_at_example(tuple(args)), **_at_example(dict(kwargs)))
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    try:  # (not traced: the probe and the op on it were recorded in the graph, dead but run at every call)
+        with disable_proxy_modes_tracing():
+            probe = torch.empty_strided([_at_example(s) for s in t.shape], [_at_example(s) for s in t.stride()],
+                                        device="meta")
+            out = op(probe, *_at_example(tuple(args)), **_at_example(dict(kwargs)))
     except _NoExampleValue:
         return None
     except Exception:  # noqa: BLE001 - the op itself raises it below

@@ -17,8 +17,12 @@ model, capture records what each mode needs instead of capturing twice:
   (``if self.training:`` in the model's code, ``F.dropout(x, training=self.training)``, a
   MultiheadAttention fast path) may change the graph in ways no flag shows, so the model is
   captured a second time with every module in the other mode and the two graphs are compared:
-  where they differ only in boolean arguments, those arguments follow the flag of the module
-  that runs the op (the innermost module of the node); where they
+  where they differ only in boolean arguments, or float ones (``nn.MultiheadAttention``'s dropout
+  probability, 0 in eval mode), those arguments follow the flag of the module that runs the op
+  (the innermost module of the node: :func:`fxrec.runtime.modes.evaluating` where the argument is
+  the flag's negation, :func:`fxrec.runtime.modes.by_mode` for numbers), the row-major copies
+  capture makes before a reshape where the layout of the tensor differs between the modes left out
+  of the comparison (the same values either way); where they
   differ otherwise, the transformed model keeps the mode it was captured in and ``train()`` /
   ``eval()`` to the other mode raise :class:`ModeError` naming the modules and the code lines that
   read ``training`` (the report says so at transform time).
@@ -38,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .runtime.modes import count_batch, evaluating
+from .runtime.modes import by_mode, count_batch, evaluating
 
 aten = torch.ops.aten
 
@@ -219,17 +223,17 @@ def _input_checks(gm: fx.GraphModule) -> List[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module" and n.target in ("_guards_fn", "fxrec_check_inputs")]
 
 
-def _bool_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[List[Tuple[fx.Node, int]]]:
+def _flag_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[List[Tuple[fx.Node, int, object]]]:
     """Where graphs ``a`` and ``b`` (one model captured in both modes) differ only in boolean
-    arguments: the (node of ``a``, argument index) pairs that differ; None when they differ otherwise.
-    The flags of the ``ruled`` nodes (bound by rule) and batch-norm counters are left out."""
+    arguments, or in float ones: the (node of ``a``, argument index, ``b``'s value) of each argument
+    that differs; None when they differ otherwise. The flags of the ``ruled`` nodes (bound by rule)
+    and batch-norm counters are left out."""
     skip_a, skip_b = set(_counter_adds(a)) | set(_input_checks(a)), set(_counter_adds(b)) | set(_input_checks(b))
-    na = [n for n in a.graph.nodes if n not in skip_a]
-    nb = [n for n in b.graph.nodes if n not in skip_b]
+    na = [n for n in a.graph.nodes if n not in skip_a and not _row_major_copy(n)]
+    nb = [n for n in b.graph.nodes if n not in skip_b and not _row_major_copy(n)]
     if len(na) != len(nb):
         return None
-    index_a = {n: i for i, n in enumerate(na)}
-    index_b = {n: i for i, n in enumerate(nb)}
+    index_a, index_b = _places(a, na), _places(b, nb)
     diffs = []
     for x, y in zip(na, nb):
         if (x.op, x.target) != (y.op, y.target):
@@ -251,10 +255,31 @@ def _bool_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[Li
                 continue
             if isinstance(u, bool) and isinstance(v, bool) and i < len(ax):
                 if not (x in ruled and i == MODE_OPS[x.target][0]):
-                    diffs.append((x, i))
+                    diffs.append((x, i, v))
+                continue
+            if type(u) is float and type(v) is float and i < len(ax):
+                diffs.append((x, i, v))
                 continue
             return None
     return diffs
+
+
+def _row_major_copy(n: fx.Node) -> bool:
+    """A row-major copy, as capture makes of a tensor laid out otherwise before reshaping it
+    (:func:`fxrec.capture_reshapes.reshape_by_copy`): the layout a tensor has (an attention
+    kernel's output) differs between the modes, and with it whether capture copies it."""
+    return n.op == "call_function" and n.target is aten.clone.default and \
+        n.kwargs.get("memory_format") is torch.contiguous_format and isinstance(n.args[0], fx.Node)
+
+
+def _places(gm: fx.GraphModule, kept: List[fx.Node]) -> Dict[fx.Node, int]:
+    """Each of ``kept``'s place; a row-major copy's is its tensor's (the two modes compare equal
+    with the copy or without it: the same values)."""
+    places = {n: i for i, n in enumerate(kept)}
+    for n in gm.graph.nodes:
+        if _row_major_copy(n) and n.args[0] in places:
+            places[n] = places[n.args[0]]
+    return places
 
 
 def _same(u, v, index_a, index_b) -> bool:
@@ -276,14 +301,14 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     every module in the other mode than its own (called only when the model's own code reads ``training``)."""
     captured = "training" if model.training else "eval"
     ruled = _mode_nodes(gm, model)
-    extra: List[Tuple[fx.Node, int]] = []
+    extra: List[Tuple[fx.Node, int, object]] = []
     why_not = ""
     if reads.unknown:
         where = ", ".join(f"'{p}' ({w})" for p, w in sorted(reads.unknown.items()))
         todo = f"transform the model in that mode for it (fxrec.transform(model.{'eval' if captured == 'training' else 'train'}(), ...))"
         try:
-            diffs = _bool_diffs(gm, recapture(), set(ruled))
-            what = "computes something else in the other mode than flags of its operations"
+            diffs = _flag_diffs(gm, recapture(), set(ruled))
+            what = "computes something else in the other mode than flags or numbers of its operations"
         except Exception as e:  # noqa: BLE001 - the other mode cannot be captured at all
             first = (str(e).strip().splitlines() or [""])[0][:300]
             diffs, what = None, f"cannot be captured in the other mode ({type(e).__name__}: {first})"
@@ -317,7 +342,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
                                              if k not in {a.name for a in n.target._schema.arguments[: len(args)]}}
             if n.target is aten.batch_norm.default:
                 counted.add(_count_batches(gm, n, args[flag]))
-        for n, i in extra:
+        for n, i, other in extra:
             args = _full_args(n, max(i, len(n.args) - 1)) if isinstance(n.target, torch._ops.OpOverload) \
                 else list(n.args)
             module = _submodule(model, _module_path(n))
@@ -325,7 +350,11 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
                 why_not = f"node {n.name} follows the mode but names no module"
                 break
             flag = flag_of(n)
-            if args[i] != module.training:  # `not self.training`: the argument is the flag's negation
+            if type(args[i]) is float:  # (its value in the module's mode, and the other's)
+                values = (args[i], other) if module.training else (other, args[i])
+                with graph.inserting_before(n):
+                    flag = graph.call_function(by_mode, (flag,) + values)
+            elif args[i] != module.training:  # `not self.training`: the argument is the flag's negation
                 with graph.inserting_before(n):
                     flag = graph.call_function(evaluating, (flag,))
             args[i] = flag

@@ -258,10 +258,28 @@ class TiedDropout(nn.Module):
         return self.top(F.dropout(h, 0.2, training=self.training))
 
 
+class ScaledInTraining(nn.Module):
+    """A number the code chooses by mode (0.5 in training, 2.0 in eval), in a submodule and the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.head = Scale()
+
+    def forward(self, ids, offsets):
+        return self.head(self.bag(ids, offsets)) * (3.0 if self.training else 0.25)
+
+
+class Scale(nn.Module):
+    def forward(self, x):
+        return x * (0.5 if self.training else 2.0)
+
+
 @pytest.mark.parametrize("model_fn, inputs", [(NegatedFlag, lambda s: (torch.randint(0, 30, (5, 3), generator=s),)),
                                               (Subclassed, lambda s: mode_inputs(seed=int(s.initial_seed()))[1:]),
-                                              (TiedDropout, lambda s: mode_inputs(seed=int(s.initial_seed()))[1:])],
-                         ids=["not-training", "subclasses", "tied-table"])
+                                              (TiedDropout, lambda s: mode_inputs(seed=int(s.initial_seed()))[1:]),
+                                              (ScaledInTraining, lambda s: mode_inputs(seed=int(s.initial_seed()))[1:])],
+                         ids=["not-training", "subclasses", "tied-table", "numbers"])
 def test_flags_the_models_code_passes_follow_the_mode_with_their_sign(model_fn, inputs):
     model = model_fn()
     fast = fxrec.transform(model, inputs(torch.Generator().manual_seed(0)), backend="fbgemm")
@@ -273,6 +291,40 @@ def test_flags_the_models_code_passes_follow_the_mode_with_their_sign(model_fn, 
         torch.testing.assert_close(run_seeded(fast, x, step), run_seeded(model, x, step), msg=f"{mode} {step}")
     for name, b in model.named_buffers():
         torch.testing.assert_close(fast.get_buffer(name), b, msg=name)
+
+
+class Transformer(nn.Module):
+    """A transformer layer over a behaviour sequence (attention's dropout probability is a number
+    its code sets to 0 in eval mode; the encoder's own code reads ``training`` too), as in BST."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8, padding_idx=0)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, seq):
+        return self.top(self.enc(self.emb(seq), src_key_padding_mask=seq == 0)[:, 0]).squeeze(1)
+
+
+@pytest.mark.parametrize("captured_in", ["train", "eval"])
+def test_a_transformer_layer_switches_modes_at_any_batch_and_length(captured_in):
+    """It was captured in one mode only (ModeError: the attention's dropout probability, 0.1 in
+    training and 0 in eval, is a number, and the two captures' copies before a reshape differed);
+    and refused a batch or a length of 1 (found by a fuzz of well-known models)."""
+    torch.manual_seed(0)
+    model = getattr(Transformer(), captured_in)()
+    seq = lambda b, n, s: torch.randint(1, 30, (b, n), generator=torch.Generator().manual_seed(s))  # noqa: E731
+    fast = fxrec.transform(model, (seq(4, 5, 0),))
+    assert fast.meta["fxrec_modes"].switchable, fast.report.notes
+    assert "by_mode" in fast.code and "device(type='meta')" not in fast.code  # (no probe of capture's left in it)
+    for step, mode in enumerate(["train", "eval", "train", "eval"]):
+        for m in (fast, model):
+            getattr(m, mode)()
+        for b, n in ((1, 1), (1, 4), (3, 1), (5, 6)):
+            x = (seq(b, n, step + b + n),)  # (gradients on: under no_grad attention takes torch's fused kernel)
+            torch.testing.assert_close(run_seeded(fast, x, step), run_seeded(model, x, step), rtol=0, atol=0,
+                                       msg=f"{mode} {step} {b} {n}")
 
 
 def test_batch_norm_with_a_cumulative_average_keeps_its_captured_mode():

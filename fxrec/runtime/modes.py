@@ -18,6 +18,12 @@ def evaluating(training: bool) -> bool:
     return not training
 
 
+def by_mode(training: bool, in_training: float, in_eval: float) -> float:
+    """A number the model's code passes as one value in training mode and another in eval mode
+    (``nn.MultiheadAttention``'s dropout probability: its own in training, 0 in eval)."""
+    return in_training if training else in_eval
+
+
 # its result is unused: tell torch.fx's dead-code elimination that the call matters (where this
 # torch has the marker)
 getattr(torch.fx.node, "has_side_effect", lambda fn: fn)(count_batch)
