@@ -252,6 +252,32 @@ def test_explain_refuses_the_plans_transform_refuses():
         fxrec.explain(model, x, plan=fewer)
 
 
+class WithMaxBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 8, mode="sum")
+        self.mx = nn.EmbeddingBag(20, 8, mode="max")  # (left as written: fbgemm pools by sum or mean)
+
+    def forward(self, ids, offsets):
+        return torch.cat([self.bag(ids, offsets), self.mx(ids, offsets)], 1)
+
+
+def test_a_plan_that_shards_a_table_fxrec_leaves_as_written_is_refused_naming_it():
+    """Each rank held such a table whole where the plan counted a shard (found by a fuzz); a plan
+    made from the model leaves it out, and data_parallel says what it is."""
+    model, x = WithMaxBag(), (torch.randint(0, 20, (8,)), torch.arange(0, 8, 2))
+    assert sorted(fxrec.plan(model, x, world_size=2, memory_per_rank="1GB").tables) == ["bag"]
+    for sharding, refused in (("row_wise", True), ("table_wise", True), ("data_parallel", False)):
+        plan = fxrec.plan(tables=[TableSpec("bag", 20, 8), TableSpec("mx", 20, 8)], world_size=2,
+                          memory_per_rank="1GB", pins={"bag": "table_wise", "mx": sharding})
+        if refused:
+            with pytest.raises(ValueError, match=rf"the plan shards table 'mx' {sharding}, but fxrec leaves its "
+                                                 r"lookups as written \(feature '.*': mode='max'"):
+                fxrec.explain(model, x, plan=plan)
+        else:
+            fxrec.explain(model, x, plan=plan)
+
+
 def test_a_plan_made_for_another_optimizer_is_refused_for_training_and_taken_for_serving():
     """A plan sized for SGD, trained with Adagrad: each rank held twice the bytes the plan (and the
     report) gave, over memory_per_rank, without a word. A plan made without optimizer= is taken
@@ -502,12 +528,31 @@ def test_bad_pins_and_arguments_are_named():
         fxrec.plan(tables=tables + [TableSpec("user", 5, 4)], world_size=2, memory_per_rank="1GB")
     with pytest.raises(ValueError, match="either a model"):
         fxrec.plan(world_size=2, memory_per_rank="1GB")
+    with pytest.raises(ValueError, match=r"pins must be a dict of table -> sharding .*got list \['user'\]"):
+        fxrec.plan(**kw, pins=["user"])  # (an AttributeError before)
+    with pytest.raises(ValueError, match=r"sharding_types must be a list .*the string 'row_wise' \(write \['row_wise'\]\)"):
+        fxrec.plan(**kw, sharding_types="row_wise")  # (read as its letters before)
 
 
 def test_sharding_types_restrict_the_choice():
     tables = skewed_tables(60, seed=1, max_rows=6)
     plan = fxrec.plan(tables=tables, world_size=8, memory_per_rank="100GB", sharding_types=["table_wise", "row_wise"])
     assert {tp.sharding for tp in plan.tables.values()} <= {"table_wise", "row_wise"}
+    check_layout(plan)
+
+
+@pytest.mark.parametrize("types, hosts, want", [
+    (["data_parallel", "table_row_wise"], 1, "data_parallel"),  # (table-row-wise needs hosts of 2+ ranks)
+    (["data_parallel", "column_wise"], 1, "data_parallel"),  # (column-wise needs dims of 8+)
+    (["table_row_wise"], 1, "table_row_wise"),  # (on one host it is row-wise, as a pin of it)
+])
+def test_a_type_left_out_by_preference_is_taken_where_no_other_allowed_type_applies(types, hosts, want):
+    """data_parallel is preferred only for tables under 1 % of a rank's memory, table_row_wise only
+    across hosts of several ranks: allowing one more type that cannot apply made plan() fail with no
+    reason, where the one type alone planned (found by a fuzz)."""
+    plan = fxrec.plan(tables=[TableSpec("a", 155, 4)], world_size=2, hosts=hosts, memory_per_rank=200_000,
+                      sharding_types=types)
+    assert plan.tables["a"].sharding == want
     check_layout(plan)
 
 

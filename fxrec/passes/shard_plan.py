@@ -234,12 +234,23 @@ def refuse_apart(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 def refuse_unknown_tables(gm: fx.GraphModule, ctx: PassContext) -> None:
     """An InputError naming the tables the plan names and the model does not look up (a plan made
-    for another model: its bytes and costs counted tables that are not there)."""
+    for another model: its bytes and costs counted tables that are not there), or shards though
+    fxrec leaves all their lookups as written (each rank then holds them whole)."""
     have = {r.table for r in meta.all_records(gm)}
     unknown = sorted(set(ctx.config.plan.tables) - have)
     if unknown:
         raise InputError(f"fxrec: the plan names table(s) {unknown} that the model does not look up (its tables: "
                          f"{sorted(have)}): make the plan for this model (fxrec.plan(model, ...))")
+    records = meta.all_records(gm)
+    lowered = {r.table for r in records if not r.reason}
+    left = {r.table: r for r in records if r.reason and r.table not in lowered}
+    for t in sorted(set(ctx.config.plan.tables) & set(left)):
+        sharding = ctx.config.plan.tables[t].sharding
+        if sharding != "data_parallel":  # (whole on every rank is what it stays: a plan so says the truth)
+            raise InputError(f"fxrec: the plan shards table '{t}' {sharding}, but fxrec leaves its lookups as written "
+                             f"(feature '{left[t].feature}': {left[t].reason}), so it stays whole on every rank and the "
+                             "plan's bytes are not what each rank holds: make the plan from the model "
+                             "(fxrec.plan(model, ...) leaves such tables out), or plan it data_parallel")
 
 
 def refuse_outside_uses(gm: fx.GraphModule, gr, kinds: dict) -> None:

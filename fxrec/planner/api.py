@@ -147,6 +147,9 @@ def plan(
     specs = _quantized(specs, quantize, dict(optimizer=optimizer, weights_precision=weights_precision))
     specs = _precisions(specs, weights_precision)
     kinds, label = _optimizers(specs, optimizer)
+    if isinstance(sharding_types, str):
+        raise ValueError(f"fxrec.plan: sharding_types must be a list of sharding types, got the string "
+                         f"{sharding_types!r} (write [{sharding_types!r}])")
     allowed = list(SHARDING_TYPES) if sharding_types is None else list(sharding_types)
     bad = [s for s in allowed if s not in SHARDING_TYPES]
     if bad or not allowed:

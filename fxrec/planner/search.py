@@ -208,6 +208,9 @@ def normalize_pins(pins, names: Sequence[str], topology: Topology, specs: Dict[s
     model's tables transform leaves as written (-> why), which a pin may not name."""
     out: Dict[str, Pin] = {}
     W = topology.world_size
+    if pins is not None and not isinstance(pins, dict):
+        raise ValueError(f"fxrec.plan: pins must be a dict of table -> sharding ({{'bags.0': 'row_wise'}}), got "
+                         f"{type(pins).__name__} {pins!r}"[:300])
     for name, value in (pins or {}).items():
         if name in (left or {}):
             raise ValueError(f"fxrec.plan: pins names table {name!r}, which fxrec leaves as written ({left[name]}), "
@@ -400,7 +403,8 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
                 if dp.max_bytes <= DP_MEMORY_FRACTION * _replica_room(topo):
                     out.append(dp)
             return out
-    out = []
+    out: List[Option] = []
+    fallback: List[Option] = []  # (left out by a preference below, unless nothing else applies)
     for s in allowed:
         if not t.may(s):
             continue
@@ -410,18 +414,17 @@ def _candidates(t: _Table, threshold: float, allowed: Sequence[str]) -> List[Opt
             kmax = min(max_column_shards(spec.dim), W) if spec.pooled and t.opt not in WHOLE_ROW else 0
             if kmax >= 2:
                 out.append(t.option(COLUMN_WISE, t.column_shards(threshold, mem, kmax)))
-        elif s == ROW_WISE:
-            if W > 1 or TABLE_WISE not in allowed:
-                out.append(t.option(ROW_WISE))
-        elif s == TABLE_ROW_WISE:
-            if topo.hosts > 1 and topo.ranks_per_host > 1:
-                out.append(t.option(TABLE_ROW_WISE))
-        elif s == DATA_PARALLEL:
+        elif s == ROW_WISE:  # (on one rank: the whole table in one piece, table-wise without the split)
+            (out if W > 1 or TABLE_WISE not in allowed else fallback).append(t.option(ROW_WISE))
+        elif s == TABLE_ROW_WISE:  # (on one host, or one rank a host, it is row-wise)
+            (out if topo.hosts > 1 and topo.ranks_per_host > 1 else fallback).append(t.option(TABLE_ROW_WISE))
+        elif s == DATA_PARALLEL:  # (a replica on every rank: for small tables)
             o = t.option(DATA_PARALLEL)
-            if o.max_bytes <= DP_MEMORY_FRACTION * _replica_room(topo) or len(allowed) == 1:
-                out.append(o)
+            (out if o.max_bytes <= DP_MEMORY_FRACTION * _replica_room(topo) or len(allowed) == 1
+             else fallback).append(o)
         else:
             out.append(t.option(s))
+    out = out or fallback
     if not out:
         why = "; ".join(filter(None, (spec.refusal(s) for s in allowed)))
         raise ValueError(f"fxrec.plan: none of the sharding types {list(allowed)} applies to table {spec.name!r}"
