@@ -573,8 +573,9 @@ def _modes_notes(gm: fx.GraphModule) -> list:
     if not info.switchable:
         return [f"train()/eval(): {info.why_not}"]
     if info.flags:
-        return [f"train()/eval() switch {sum(info.flags.values())} dropout/normalisation node(s) of "
-                f"{len(info.flags)} module(s), as on the original model (captured in {info.captured} mode)"]
+        return [f"train()/eval() switch {sum(info.flags.values())} node(s) of {len(info.flags)} module(s) that follow "
+                f"the mode (dropout, normalisation, numbers chosen by mode), as on the original model (captured in "
+                f"{info.captured} mode)"]
     return []
 
 
