@@ -139,6 +139,21 @@ def _unguarded(t: torch.Tensor, min_dim: int, *others) -> Optional[object]:
     return getattr(detect_fake_mode((t,) + others), "shape_env", None)
 
 
+def _same_batch_dims(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Keep, as torch keeps them, the conditions that the batch dims (all but the last two, aligned
+    from the right) of two attention operands are equal where they are at the example: the output's
+    sizes are traced as one operand's, which a broadcast at another call (a query of batch 1 against
+    keys of batch 3) would make wrong. Dims unequal at the example (grouped heads, a batch of 1
+    broadcast) are left as traced."""
+    for x, y in zip(reversed(a.shape[:-2]), reversed(b.shape[:-2])):
+        try:
+            same = _at_example(x) == _at_example(y)
+        except _NoExampleValue:
+            same = True
+        if same:
+            bool(x == y)
+
+
 def _layout_free(op, name: str):
     if name == "linear":
         @functools.wraps(op)
@@ -162,6 +177,8 @@ def _layout_free(op, name: str):
                 return op(query, key, value, *args, **kwargs)
             bool(query.shape[-1] == key.shape[-1])  # (the conditions the op needs, kept as torch keeps them)
             bool(key.shape[-2] == value.shape[-2])
+            _same_batch_dims(query, key)
+            _same_batch_dims(key, value)
             with env.suppress_guards():
                 return op(query, key, value, *args, **kwargs)
         return traced_attention

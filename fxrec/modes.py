@@ -18,11 +18,12 @@ model, capture records what each mode needs instead of capturing twice:
   MultiheadAttention fast path) may change the graph in ways no flag shows, so the model is
   captured a second time with every module in the other mode and the two graphs are compared:
   where they differ only in boolean arguments, or float ones (``nn.MultiheadAttention``'s dropout
-  probability, 0 in eval mode), those arguments follow the flag of the module that runs the op
-  (the innermost module of the node: :func:`fxrec.runtime.modes.evaluating` where the argument is
-  the flag's negation, :func:`fxrec.runtime.modes.by_mode` for numbers), the row-major copies
-  capture makes before a reshape where the layout of the tensor differs between the modes left out
-  of the comparison (the same values either way); where they
+  probability, 0 in eval mode), those arguments follow the flag of the module whose ``training``
+  the code read for them (:func:`fxrec.runtime.modes.evaluating` where the argument is the flag's
+  negation, :func:`fxrec.runtime.modes.by_mode` for numbers): the one module that read it, or,
+  where several did, the one whose flip alone changes the argument (the model captured once more
+  with each of them alone in the other mode; an argument no one module's flip changes alone, or
+  several do, keeps the captured mode); where they
   differ otherwise, the transformed model keeps the mode it was captured in and ``train()`` /
   ``eval()`` to the other mode raise :class:`ModeError` naming the modules and the code lines that
   read ``training`` (the report says so at transform time).
@@ -229,11 +230,12 @@ def _flag_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[Li
     that differs; None when they differ otherwise. The flags of the ``ruled`` nodes (bound by rule)
     and batch-norm counters are left out."""
     skip_a, skip_b = set(_counter_adds(a)) | set(_input_checks(a)), set(_counter_adds(b)) | set(_input_checks(b))
-    na = [n for n in a.graph.nodes if n not in skip_a and not _row_major_copy(n)]
-    nb = [n for n in b.graph.nodes if n not in skip_b and not _row_major_copy(n)]
+    copies_a, copies_b = _row_major_copies(a), _row_major_copies(b)
+    na = [n for n in a.graph.nodes if n not in skip_a and n not in copies_a]
+    nb = [n for n in b.graph.nodes if n not in skip_b and n not in copies_b]
     if len(na) != len(nb):
         return None
-    index_a, index_b = _places(a, na), _places(b, nb)
+    index_a, index_b = _places(a, na, copies_a), _places(b, nb, copies_b)
     diffs = []
     for x, y in zip(na, nb):
         if (x.op, x.target) != (y.op, y.target):
@@ -264,20 +266,31 @@ def _flag_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[Li
     return diffs
 
 
-def _row_major_copy(n: fx.Node) -> bool:
-    """A row-major copy, as capture makes of a tensor laid out otherwise before reshaping it
-    (:func:`fxrec.capture_reshapes.reshape_by_copy`): the layout a tensor has (an attention
-    kernel's output) differs between the modes, and with it whether capture copies it."""
-    return n.op == "call_function" and n.target is aten.clone.default and \
-        n.kwargs.get("memory_format") is torch.contiguous_format and isinstance(n.args[0], fx.Node)
+def _row_major_copies(gm: fx.GraphModule) -> set:
+    """The row-major copies in ``gm``, as capture makes of a tensor laid out otherwise before
+    reshaping it (:func:`fxrec.capture_reshapes.reshape_by_copy`; the model's own
+    ``clone(memory_format=torch.contiguous_format)`` looks the same), where neither the tensor nor
+    the copy is written in place, with their views: there the copy has the tensor's values at every
+    read, and a graph with it computes what one without it does. The layout of a tensor (an
+    attention kernel's output) differs between the modes, and with it whether capture copies it."""
+    from .dataflow import SideEffects
+
+    written = None
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.clone.default and \
+                n.kwargs.get("memory_format") is torch.contiguous_format and isinstance(n.args[0], fx.Node):
+            written = SideEffects(list(gm.graph.nodes)).written if written is None else written
+            if n not in written and n.args[0] not in written:
+                out.add(n)
+    return out
 
 
-def _places(gm: fx.GraphModule, kept: List[fx.Node]) -> Dict[fx.Node, int]:
-    """Each of ``kept``'s place; a row-major copy's is its tensor's (the two modes compare equal
-    with the copy or without it: the same values)."""
+def _places(gm: fx.GraphModule, kept: List[fx.Node], copies: set) -> Dict[fx.Node, int]:
+    """Each of ``kept``'s place; a row-major copy's (``copies``) is its tensor's."""
     places = {n: i for i, n in enumerate(kept)}
     for n in gm.graph.nodes:
-        if _row_major_copy(n) and n.args[0] in places:
+        if n in copies and n.args[0] in places:
             places[n] = places[n.args[0]]
     return places
 
@@ -294,21 +307,55 @@ def _same(u, v, index_a, index_b) -> bool:
     return type(u) is type(v) and u == v
 
 
+def _owners(gm: fx.GraphModule, diffs, readers: List[str], ruled: set,
+            recapture: Callable[[Optional[str]], fx.GraphModule]) -> Tuple[Dict[Tuple[fx.Node, int], str], str]:
+    """Whose mode each differing argument (``diffs``, every module flipped) follows: the one module
+    among ``readers`` (whose ``training`` the model's code reads) whose flip alone changes it, found
+    by capturing the model with each flipped alone (one reader: it, without a capture). Returns
+    ``({(node, argument index): module path}, "")``, or ``({}, why)`` where an argument follows no
+    one module alone (two modules' modes together, or a flip alone changes more than arguments)."""
+    if len(readers) == 1 and readers[0] != "?":
+        return {(n, i): readers[0] for n, i, _ in diffs}, ""
+    if "?" in readers:
+        return {}, "a module outside the model's own reads it"
+    changed: Dict[str, set] = {}
+    for r in readers:
+        alone = _flag_diffs(gm, recapture(r), ruled)
+        if alone is None:
+            return {}, f"'{r or '<model>'}' in the other mode alone computes something else than flags or numbers"
+        changed[r] = {(n, i) for n, i, _ in alone}
+    out = {}
+    for n, i, _ in diffs:
+        who = [r for r in readers if (n, i) in changed[r]]
+        if len(who) != 1:
+            return {}, (f"argument {i} of {n.name} follows the modes of {', '.join(repr(w or '<model>') for w in who)} "
+                        "together" if who else f"argument {i} of {n.name} follows no one module's mode alone")
+        out[(n, i)] = who[0]
+    return out, ""
+
+
 def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
-               recapture: Callable[[], fx.GraphModule]) -> ModeInfo:
+               recapture: Callable[[Optional[str]], fx.GraphModule]) -> ModeInfo:
     """Rewrite ``gm`` (``model`` captured in its current mode) so its mode-dependent nodes read
     their module's ``training`` flag; see the module doc. ``recapture()`` captures the model with
-    every module in the other mode than its own (called only when the model's own code reads ``training``)."""
+    every module in the other mode than its own, ``recapture(path)`` with that module alone in the
+    other mode (called only when the model's own code reads ``training``)."""
     captured = "training" if model.training else "eval"
     ruled = _mode_nodes(gm, model)
     extra: List[Tuple[fx.Node, int, object]] = []
+    owner: Dict[Tuple[fx.Node, int], str] = {}
     why_not = ""
     if reads.unknown:
         where = ", ".join(f"'{p}' ({w})" for p, w in sorted(reads.unknown.items()))
         todo = f"transform the model in that mode for it (fxrec.transform(model.{'eval' if captured == 'training' else 'train'}(), ...))"
+        readers = sorted("" if p == "<model>" else p for p in reads.unknown)
         try:
-            diffs = _flag_diffs(gm, recapture(), set(ruled))
+            diffs = _flag_diffs(gm, recapture(None), set(ruled))
             what = "computes something else in the other mode than flags or numbers of its operations"
+            if diffs:
+                owner, whose = _owners(gm, diffs, readers, set(ruled), recapture)
+                if whose:
+                    diffs, what = None, f"an argument that differs by mode follows no one module's flag ({whose})"
         except Exception as e:  # noqa: BLE001 - the other mode cannot be captured at all
             first = (str(e).strip().splitlines() or [""])[0][:300]
             diffs, what = None, f"cannot be captured in the other mode ({type(e).__name__}: {first})"
@@ -322,8 +369,8 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     erased = False
     counted: set = set()  # the num_batches_tracked buffers count_batch now counts
 
-    def flag_of(node: fx.Node) -> fx.Node:
-        path = _module_path(node)
+    def flag_of(node: fx.Node, path: Optional[str] = None) -> fx.Node:
+        path = _module_path(node) if path is None else path
         if path not in flag_nodes:
             _ensure_module(gm, model, path)
             first = next(n for n in graph.nodes if n.op != "placeholder")
@@ -345,11 +392,12 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
         for n, i, other in extra:
             args = _full_args(n, max(i, len(n.args) - 1)) if isinstance(n.target, torch._ops.OpOverload) \
                 else list(n.args)
-            module = _submodule(model, _module_path(n))
-            if module is None:  # (a path the stack names always exists; be safe)
-                why_not = f"node {n.name} follows the mode but names no module"
+            path = owner[(n, i)]  # (the module whose flag the model's code reads for it)
+            module = _submodule(model, path)
+            if module is None:  # (a path the reads name always exists; be safe)
+                why_not = f"node {n.name} follows the mode of '{path}', which is not the model's"
                 break
-            flag = flag_of(n)
+            flag = flag_of(n, path)
             if type(args[i]) is float:  # (its value in the module's mode, and the other's)
                 values = (args[i], other) if module.training else (other, args[i])
                 with graph.inserting_before(n):

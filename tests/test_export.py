@@ -615,6 +615,26 @@ def test_attention_layers_of_transposed_activations_take_a_batch_and_a_length_of
             fast(ex[0], torch.randn(4, 3, 6))
 
 
+class _AttendsAcrossInputs(torch.nn.Module):
+    def forward(self, q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v)
+        return o.reshape(o.shape[0], -1).sum(-1)
+
+
+def test_attention_keeps_its_operands_batch_condition():
+    """Attention's own conditions were dropped with the guards of its workings, so a query of batch 1
+    against keys of batch 3 (a broadcast) gave an output of batch 1 where the model's has 3 (found by
+    a review): the operands' batch dims equal at the example stay equal, as before."""
+    model = _AttendsAcrossInputs()
+    make = lambda bq, bk: (torch.randn(bq, 5, 2, 4), torch.randn(bk, 2, 6, 4), torch.randn(bk, 2, 6, 4))  # noqa: E731
+    fast = fxrec.transform(model, make(3, 3))
+    for bq, bk in ((1, 3), (3, 1)):
+        with pytest.raises(ValueError, match=f"input q has size {bq} in dim 0, but input k has {bk} in dim 0"):
+            fast(*make(bq, bk))
+    x = make(1, 1)
+    torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0)
+
+
 def test_capture_leaves_torchs_reshapes_as_they_were():
     """Capture traces reshapes of strided tensors on a copy by wrapping torch's reshape functions
     while it runs; afterwards they are torch's own again (and so while a capture fails)."""

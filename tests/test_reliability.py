@@ -329,6 +329,69 @@ def test_a_transformer_layer_switches_modes_at_any_batch_and_length(captured_in)
                                        msg=f"{mode} {step} {b} {n}")
 
 
+class Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, ids, offsets, t, drop):
+        return F.dropout(torch.softmax(self.lin(self.bag(ids, offsets)) / t, -1), 0.5, training=drop)
+
+
+class ParentChooses(nn.Module):
+    """The parent reads its own flag and passes a number and a flag to the child, whose ops use them."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = Tempered()
+
+    def forward(self, ids, offsets):
+        return self.head(ids, offsets, 0.5 if self.training else 1.0, self.training)
+
+
+def test_a_number_and_a_flag_the_parent_passes_follow_the_parents_mode_not_the_childs():
+    """They followed the innermost module of the op (the child): after head.eval() alone the
+    transformed model divided by 1.0 and kept dropping where the model did not (found by a review)."""
+    model = ParentChooses()
+    fast = fxrec.transform(model, mode_inputs()[1:])
+    assert fast.meta["fxrec_modes"].switchable, fast.report.notes
+    switches = [lambda m: m.train(), lambda m: m.eval(), lambda m: (m.train(), m.head.eval()),
+                lambda m: (m.eval(), m.head.train())]
+    for step, switch in enumerate(switches):
+        switch(model)
+        switch(fast)
+        x = mode_inputs(seed=step + 1)[1:]
+        torch.testing.assert_close(run_seeded(fast, x, step), run_seeded(model, x, step), rtol=0, atol=0,
+                                   msg=str(step))
+
+
+class CopiesInOneMode(nn.Module):
+    """A copy taken in training mode only, before a write in place to what it copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+
+    def forward(self, ids, offsets):
+        base = self.bag(ids, offsets) * 1.0
+        h = base.transpose(0, 1)
+        s = h.clone(memory_format=torch.contiguous_format) if self.training else h
+        base.mul_(2)
+        return s.sum(0)
+
+
+def test_a_copy_in_one_mode_before_a_write_in_place_keeps_the_captured_mode():
+    """Copies were left out of the comparison of the two modes' graphs, so these compared equal, and
+    eval mode gave the training copy's values (found by a review): they are left out only where
+    neither the tensor nor the copy is written in place."""
+    model = CopiesInOneMode()
+    fast = fxrec.transform(model, mode_inputs()[1:])
+    with pytest.raises(ModeError, match="captured in training mode and cannot switch to eval mode"):
+        fast.eval()
+    torch.testing.assert_close(fast(*mode_inputs(seed=1)[1:]), model(*mode_inputs(seed=1)[1:]))
+
+
 def test_batch_norm_with_a_cumulative_average_keeps_its_captured_mode():
     """momentum=None: the running average depends on the mode in a way no flag shows, and torch.export
     cannot capture it in training mode at all."""
