@@ -129,10 +129,13 @@ def reshape_by_copy():
     return _BY_COPY()
 
 
-def _unguarded(t: torch.Tensor, min_dim: int, *others) -> Optional[object]:
+def _unguarded(t: torch.Tensor, min_dim: int, *others, layout: bool = True) -> Optional[object]:
     """The shape environment to trace an op of ``t`` in without guards, where ``t``'s contiguity
-    depends on its sizes (None otherwise: traced as torch traces it)."""
-    if not isinstance(t, torch.Tensor) or t.dim() < min_dim or _surely_contiguous(t):
+    depends on its sizes (``layout=False``: where it has a size symbol); None otherwise (traced as
+    torch traces it)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < min_dim:
+        return None
+    if (_surely_contiguous(t) if layout else all(isinstance(d, int) for d in t.shape)):
         return None
     from torch._guards import detect_fake_mode
 
@@ -152,6 +155,24 @@ def _same_batch_dims(a: torch.Tensor, b: torch.Tensor) -> None:
             same = True
         if same:
             bool(x == y)
+
+
+def _same_letter_dims(equation: str, operands) -> None:
+    """Keep, as torch keeps them, the conditions that the dims an einsum ``equation`` names by one
+    letter are equal where they are at the example (the output's sizes are traced as one operand's,
+    which a broadcast of a size of 1 at another call would make wrong)."""
+    seen = {}
+    for letters, t in zip(equation.split("->")[0].replace(" ", "").split(","), operands):
+        for letter, d in zip(letters, t.shape):
+            if letter not in seen:
+                seen[letter] = d
+                continue
+            try:
+                same = _at_example(seen[letter]) == _at_example(d)
+            except _NoExampleValue:
+                same = True
+            if same:
+                bool(seen[letter] == d)
 
 
 def _layout_free(op, name: str):
@@ -183,6 +204,22 @@ def _layout_free(op, name: str):
                 return op(query, key, value, *args, **kwargs)
         return traced_attention
 
+    if name == "einsum":
+        @functools.wraps(op)
+        def traced_einsum(*args):
+            env = None
+            operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+            if _UNGUARDED.on() and args and isinstance(args[0], str) and "..." not in args[0] and operands \
+                    and all(isinstance(t, torch.Tensor) for t in operands):
+                env = next((e for e in (_unguarded(t, 1, *operands, layout=False) for t in operands)
+                            if e is not None), None)
+            if env is None:
+                return op(*args)
+            _same_letter_dims(args[0], operands)
+            with env.suppress_guards():
+                return op(*args)
+        return traced_einsum
+
     @functools.wraps(op)
     def traced_dropout(input, p=0.5, training=True, inplace=False):
         env = _unguarded(input, 1) if _UNGUARDED.on() else None
@@ -193,25 +230,29 @@ def _layout_free(op, name: str):
 
 #: the ops :func:`without_layout_guards` traces
 _UNGUARDED = ThreadPatch([(torch.nn.functional, "linear"), (torch.nn.functional, "dropout"),
-                          (torch.nn.functional, "scaled_dot_product_attention")], _layout_free)
+                          (torch.nn.functional, "scaled_dot_product_attention"), (torch, "einsum")], _layout_free)
 
 
 def without_layout_guards():
     """Within, this thread traces ``F.linear`` of a tensor of 3 or more dims (``nn.Linear``'s,
     ``nn.MultiheadAttention``'s), and ``F.dropout`` (``nn.Dropout``'s) and
     ``F.scaled_dot_product_attention`` of tensors, whose contiguity depends on their sizes (a
-    transpose: ``[L, B, E]`` from ``[B, L, E]``, as attention takes it and gives it back) without
-    keeping the conditions on sizes that the op's own workings wrote down. torch's linear computes a
-    contiguous input in one matrix multiply with the bias, another by ``matmul`` then the bias;
-    dropout's mask checks its memory for overlap; attention with dropout reshapes its operands for
-    its products. Size-oblivious
+    transpose: ``[L, B, E]`` from ``[B, L, E]``, as attention takes it and gives it back), and
+    ``torch.einsum`` (without ``...``) of tensors with a size symbol, without keeping the
+    conditions on sizes that the op's own workings wrote down. torch's linear computes a contiguous
+    input in one matrix multiply with the bias, another by ``matmul`` then the bias; dropout's mask
+    checks its memory for overlap; attention with dropout reshapes its operands for its products;
+    einsum treats a dim of size 1 as one to broadcast. Size-oblivious
     capture kept those as guards refusing a size of 1 (``ids.size()[0] != 1``, ``ids.size()[0] >=
     2``): a model with attention or a transformer layer refused a batch or a length of 1. The graph
-    keeps one node of each (``aten.linear``, ``aten.dropout``, ``aten.scaled_dot_product_attention``),
+    keeps one node of each (``aten.linear``, ``aten.dropout``, ``aten.scaled_dot_product_attention``,
+    ``aten.einsum``),
     which works again at each call as the model's own does (so the numbers are the model's, bit for
     bit), and the graph after it runs as the model's code runs on that result. The conditions the
     ops need of their operands' sizes (linear: the input's last dim is the weight's; attention: the
-    query's last is the key's, the key's length the value's) are kept. A row-major copy, as
+    query's last is the key's, the key's length the value's, their batch dims as at the example;
+    einsum: the dims one letter names, as at the example) are kept, so the sizes traced for the
+    result are its sizes at any call. A row-major copy, as
     :func:`reshape_by_copy` makes, would need no guard but change linear's numbers (one fused
     multiply-add against two steps: last bits differ)."""
     return _UNGUARDED()
@@ -228,6 +269,11 @@ def _dropout(input, p, train):
     return torch.nn.functional.dropout(input, p, bool(train))
 
 
+def _einsum(equation, tensors, path=None):
+    """``aten.einsum`` of a transformed model's graph while it is exported again."""
+    return torch.einsum(equation, list(tensors))
+
+
 def _attention(*args, **kwargs):
     """``aten.scaled_dot_product_attention`` of a transformed model's graph while it is exported again."""
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
@@ -235,7 +281,8 @@ def _attention(*args, **kwargs):
 
 #: the graph's ops :func:`nodes_as_functions` gives back to the functions capture traced
 _AS_FUNCTIONS = {torch.ops.aten.linear.default: _linear, torch.ops.aten.dropout.default: _dropout,
-                 torch.ops.aten.scaled_dot_product_attention.default: _attention}
+                 torch.ops.aten.scaled_dot_product_attention.default: _attention,
+                 torch.ops.aten.einsum.default: _einsum}
 
 
 @contextlib.contextmanager

@@ -635,6 +635,38 @@ def test_attention_keeps_its_operands_batch_condition():
     torch.testing.assert_close(fast(*x), model(*x), rtol=0, atol=0)
 
 
+class _Einsums(torch.nn.Module):
+    """An attention written with einsum over a history and a target, as DIN-like models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+
+    def forward(self, hist, target):
+        h, t = self.emb(hist), self.emb(target)
+        scores = torch.softmax(torch.einsum("bld,bd->bl", h, t), -1)
+        return torch.einsum("bl,bld->bd", scores, h).sum(1) + torch.einsum("bld,bmd->blm", h, h).sum((1, 2))
+
+
+def test_einsum_takes_a_batch_and_a_length_of_one_and_keeps_its_letters_equal():
+    """einsum treats a dim of size 1 as one to broadcast, and size-oblivious capture kept that as a
+    guard: a history of length 1 was refused (found while fixing attention's)."""
+    torch.manual_seed(0)
+    model = _Einsums()
+    ex = (torch.randint(0, 50, (4, 3)), torch.randint(0, 50, (4,)))
+    fast = fxrec.transform(model, ex)
+    assert not [line for line in str(fast.report).splitlines() if "is refused" in line]
+    program = fxrec.export.program(fxrec.transform(model, ex, mode="inference"), ex).module()
+    assert "aten.einsum.default" in fast.code
+    for b, length in ((1, 1), (1, 4), (3, 1), (5, 6)):
+        x = (torch.randint(0, 50, (b, length)), torch.randint(0, 50, (b,)))
+        fxrec.testing.assert_matches(model, fast, x)
+        with torch.no_grad():
+            torch.testing.assert_close(program(*x), model(*x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="target"):  # (b named by both: a target of batch 1 does not broadcast)
+        fast(torch.randint(0, 50, (3, 2)), torch.randint(0, 50, (1,)))
+
+
 def test_capture_leaves_torchs_reshapes_as_they_were():
     """Capture traces reshapes of strided tensors on a copy by wrapping torch's reshape functions
     while it runs; afterwards they are torch's own again (and so while a capture fails)."""
@@ -650,4 +682,5 @@ def test_capture_leaves_torchs_reshapes_as_they_were():
         fxrec.transform(Fails(), (torch.zeros(2),))
     assert {name: getattr(torch.Tensor, name) for name in before} == before
     assert "reshape" not in vars(torch.Tensor) and (torch.reshape, torch.flatten) == before_fn
-    assert torch.nn.functional.linear is torch._C._nn.linear  # (capture_reshapes.linear_without_layout_guards too)
+    assert torch.nn.functional.linear is torch._C._nn.linear  # (capture_reshapes.without_layout_guards too)
+    assert torch.einsum is torch.functional.einsum
