@@ -204,6 +204,23 @@ def _layout_free(op, name: str):
                 return op(query, key, value, *args, **kwargs)
         return traced_attention
 
+    if name in ("gru_cell", "lstm_cell"):
+        @functools.wraps(op)
+        def traced_cell(input, hx, w_ih, *args):
+            env = None
+            if _UNGUARDED.on() and isinstance(input, torch.Tensor):
+                states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+                env = _unguarded(input, 1, *states, layout=False)
+                if env is not None:
+                    bool(input.shape[-1] == w_ih.shape[-1])  # (the conditions the cell needs, kept)
+                    for h in states:
+                        bool(input.shape[0] == h.shape[0])
+            if env is None:
+                return op(input, hx, w_ih, *args)
+            with env.suppress_guards():
+                return op(input, hx, w_ih, *args)
+        return traced_cell
+
     if name == "einsum":
         @functools.wraps(op)
         def traced_einsum(*args):
@@ -230,7 +247,8 @@ def _layout_free(op, name: str):
 
 #: the ops :func:`without_layout_guards` traces
 _UNGUARDED = ThreadPatch([(torch.nn.functional, "linear"), (torch.nn.functional, "dropout"),
-                          (torch.nn.functional, "scaled_dot_product_attention"), (torch, "einsum")], _layout_free)
+                          (torch.nn.functional, "scaled_dot_product_attention"), (torch, "einsum"),
+                          (torch._VF, "gru_cell"), (torch._VF, "lstm_cell")], _layout_free)
 
 
 def without_layout_guards():
@@ -274,6 +292,16 @@ def _einsum(equation, tensors, path=None):
     return torch.einsum(equation, list(tensors))
 
 
+def _gru_cell(*args):
+    """``aten.gru_cell`` of a transformed model's graph while it is exported again."""
+    return torch._VF.gru_cell(*args)
+
+
+def _lstm_cell(*args):
+    """``aten.lstm_cell`` of a transformed model's graph while it is exported again."""
+    return torch._VF.lstm_cell(*args)
+
+
 def _attention(*args, **kwargs):
     """``aten.scaled_dot_product_attention`` of a transformed model's graph while it is exported again."""
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
@@ -282,7 +310,8 @@ def _attention(*args, **kwargs):
 #: the graph's ops :func:`nodes_as_functions` gives back to the functions capture traced
 _AS_FUNCTIONS = {torch.ops.aten.linear.default: _linear, torch.ops.aten.dropout.default: _dropout,
                  torch.ops.aten.scaled_dot_product_attention.default: _attention,
-                 torch.ops.aten.einsum.default: _einsum}
+                 torch.ops.aten.einsum.default: _einsum, torch.ops.aten.gru_cell.default: _gru_cell,
+                 torch.ops.aten.lstm_cell.default: _lstm_cell}
 
 
 @contextlib.contextmanager

@@ -1121,6 +1121,28 @@ def test_dense_input_of_the_wrong_width_is_named():
         fast(torch.rand(6, 7), ids, offs)
 
 
+class GruHistory(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8, padding_idx=0)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, ids):
+        return self.gru(self.emb(ids))[1][0].sum(1)
+
+
+def test_a_sequence_length_an_rnn_fixed_at_capture_says_so():
+    """torch.export fixes the length nn.GRU runs over; the error said only that the model was captured
+    with a fixed size (found by a fuzz of sequence models). The batch stays free."""
+    model = GruHistory()
+    fast = fxrec.transform(model, (torch.randint(0, 30, (4, 5)),))
+    torch.testing.assert_close(fast(torch.randint(0, 30, (1, 5))).shape, torch.Size([1]))
+    with pytest.raises(ValueError, match=r"input ids \(.*\) has size 7 in dim 1; the model was captured with a fixed "
+                                         r"size 5 there \(the model fixed it when captured: .*nn\.GRU / nn\.LSTM / "
+                                         r"nn\.RNN over that dim \(torch\.export fixes their sequence length\)"):
+        fast(torch.randint(0, 30, (2, 7)))
+
+
 @pytest.mark.parametrize("backend", ["fbgemm", "native", "reference"])
 def test_ids_on_another_device_name_the_feature(backend):
     model = M.BagList()

@@ -15,6 +15,12 @@ import torch
 from .input_guards import Size, _namespace
 
 
+#: why a size of 2 or more in the example is fixed in the captured model
+FIXED_BY_CODE = ("the model fixed it when captured: a layer's size there (an nn.Linear's in_features), nn.GRU / "
+                 "nn.LSTM / nn.RNN over that dim (torch.export fixes their sequence length), a Python loop over "
+                 "that size, or a size written in its code")
+
+
 def explain(guards, inputs: Sequence, modes: Sequence[bool] = ()) -> str:
     """Every fact of ``guards`` (an :class:`~fxrec.runtime.input_guards.InputGuards`) that ``inputs``
     break, in words (``modes``: as for its forward)."""
@@ -48,7 +54,8 @@ def explain(guards, inputs: Sequence, modes: Sequence[bool] = ()) -> str:
             if isinstance(s, int):
                 if got != s:
                     why = (" (capture fixes a size of 0 or 1 in the example, which code such as squeeze() may "
-                           "depend on: transform with an example of 2 or more there)" if s in (0, 1) else "")
+                           "depend on: transform with an example of 2 or more there)" if s in (0, 1) else
+                           f" ({FIXED_BY_CODE})")
                     problems.append(f"{guards._name(k)} has size {got} in dim {d}; the model was captured with "
                                     f"a fixed size {s} there{why}")
             elif s.isidentifier():
