@@ -74,9 +74,10 @@ class QuantEntry:
     rows: int
     dim: int
     bytes_fp32: int  # the table's bytes as the model holds it (fp32; 2 bytes a value for its fp16 tables)
-    bytes_stored: int
+    bytes_stored: int  # its packed rows
     max_abs_error: Optional[float] = None
     mean_abs_error: Optional[float] = None
+    fp32_kept: bool = False  # the model's rows kept too: the model reads the table outside its lookups
 
 
 @dataclass
@@ -255,11 +256,16 @@ class Report:
                      "mean abs err")]
             for q in self.quantization:
                 err = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
-                rows.append((q.table, q.dtype, f"{q.rows} x {q.dim}", str(q.bytes_fp32), str(q.bytes_stored),
-                             f"{q.bytes_stored / q.bytes_fp32:.0%}", err(q.max_abs_error), err(q.mean_abs_error)))
+                stored = q.bytes_stored + (q.bytes_fp32 if q.fp32_kept else 0)
+                rows.append((q.table, q.dtype, f"{q.rows} x {q.dim}", str(q.bytes_fp32),
+                             f"{stored}{' *' if q.fp32_kept else ''}", f"{stored / q.bytes_fp32:.0%}",
+                             err(q.max_abs_error), err(q.mean_abs_error)))
             lines.append("")
             lines.append("Quantization (errors: quantized vs the model's lookups on the example inputs)")
             lines.extend(_table(rows))
+            if any(q.fp32_kept for q in self.quantization):
+                lines.append("  * its packed rows and the model's rows too: the model reads the table outside its "
+                             "lookups (tied weights, a slice of it), which read the model's rows")
         if self.notes:
             lines.append("")
             lines.append("Notes")

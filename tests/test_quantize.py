@@ -888,3 +888,34 @@ def test_a_quantized_groups_cache_is_not_saved_and_is_emptied_when_its_rows_chan
     assert g.q_cache_weights.numel() == 0 and g.q_ints["total_cache_hash_size"] == 0
     with torch.no_grad():
         torch.testing.assert_close(back(*x), want, rtol=0, atol=0)
+
+
+class TiedOutput(torch.nn.Module):
+    """An item table looked up, and read whole as the output layer (as BERT4Rec ties them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.item = torch.nn.Embedding(40, 8)
+        self.other = torch.nn.Embedding(30, 8)
+
+    def forward(self, seq, ids):
+        h = self.item(seq).mean(1) + self.other(ids)
+        return h @ self.item.weight.T
+
+
+def test_the_report_counts_the_model_rows_a_quantized_table_keeps_for_reads_outside_its_lookups():
+    """It showed 38 % of the model's bytes for such a table, while its fp32 rows stayed too (found by
+    a fuzz of sequence models)."""
+    torch.manual_seed(0)
+    model = TiedOutput().eval()
+    x = (torch.randint(0, 40, (4, 3)), torch.randint(0, 30, (4,)))
+    fast = fxrec.transform(model, x, mode="inference", quantize="int8")
+    entries = {q.table: q for q in fast.report.quantization}
+    assert entries["item"].fp32_kept and not entries["other"].fp32_kept
+    assert "item.weight" in dict(fast.named_parameters()) and "other.weight" not in dict(fast.named_parameters())
+    text = str(fast.report)
+    quantization = text[text.index("Quantization"):]
+    line = next(line for line in quantization.splitlines() if line.strip().startswith("item "))
+    assert f"{entries['item'].bytes_stored + 40 * 8 * 4} *" in line, line
+    assert "the model reads the table outside its lookups" in quantization
+    torch.testing.assert_close(fast(*x), model(*x), atol=0.05, rtol=0.05)

@@ -64,6 +64,7 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 if g.numel():
                     errs.setdefault(f.table, []).append((g.float() - w).abs().reshape(-1))
         entries = []
+        read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}  # (lower_groups dropped the unread ones)
         for t, spec in enumerate(mod.tables):
             e = torch.cat(errs[t]) if t in errs else None
             entry = QuantEntry(
@@ -71,6 +72,7 @@ def measure_quantization(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 bytes_fp32=spec.num_rows * spec.dim * (2 if spec.dtype == "float16" else 4), bytes_stored=sizes[t],
                 max_abs_error=float(e.max()) if e is not None else None,
                 mean_abs_error=float(e.mean()) if e is not None else None,
+                fp32_kept=_param_of(spec.name, params[name]) in read,
             )
             entries.append(entry)
             worst = max(worst, entry.max_abs_error or 0.0)
