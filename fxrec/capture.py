@@ -308,25 +308,21 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
 
     other: Dict[str, Any] = {}
 
-    def recapture(only: Optional[str] = None) -> fx.GraphModule:
-        """The model captured with every module in the other mode than its own (once), or with the
-        module at path ``only`` alone in the other mode."""
-        key = "gm" if only is None else ("gm", only)
-        if key not in other:
-            flags = {m: m.training for m in ([model.get_submodule(only)] if only is not None else model.modules())}
+    def recapture() -> fx.GraphModule:  # every module in the other mode than its own (once)
+        if "gm" not in other:
+            flags = {m: m.training for m in model.modules()}
             for m, f in flags.items():
                 m.training = not f
             try:
-                ep = export_dynamic(model, args, kwargs, lean_bags=True)
-                if only is None:
-                    other["ep"] = ep
-                other[key] = _unlifted(ep)
-                _one_name_per_tensor(other[key])  # (as the captured graph: a tied table is one node)
-                other[key].recompile()
+                with reads:  # (the readers of the other mode too: code that reads a flag only there)
+                    other["ep"] = export_dynamic(model, args, kwargs, lean_bags=True)
+                other["gm"] = _unlifted(other["ep"])
+                _one_name_per_tensor(other["gm"])  # (as the captured graph: a tied table is one node)
+                other["gm"].recompile()
             finally:
                 for m, f in flags.items():
                     m.training = f
-        return other[key]
+        return other["gm"]
 
     gm.meta[MODES_KEY] = info = bind_modes(gm, model, reads, recapture)
     if for_calls and info.switchable:

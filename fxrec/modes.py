@@ -18,12 +18,11 @@ model, capture records what each mode needs instead of capturing twice:
   MultiheadAttention fast path) may change the graph in ways no flag shows, so the model is
   captured a second time with every module in the other mode and the two graphs are compared:
   where they differ only in boolean arguments, or float ones (``nn.MultiheadAttention``'s dropout
-  probability, 0 in eval mode), those arguments follow the flag of the module whose ``training``
-  the code read for them (:func:`fxrec.runtime.modes.evaluating` where the argument is the flag's
-  negation, :func:`fxrec.runtime.modes.by_mode` for numbers): the one module that read it, or,
-  where several did, the one whose flip alone changes the argument (the model captured once more
-  with each of them alone in the other mode; an argument no one module's flip changes alone, or
-  several do, keeps the captured mode); where they
+  probability, 0 in eval mode), those arguments follow the flag of a module whose ``training``
+  the code reads (:func:`_deciders`; :func:`fxrec.runtime.modes.evaluating` where the argument is
+  the flag's negation, :func:`fxrec.runtime.modes.by_mode` for numbers), and where several such
+  flags may decide it, a call with them in another combination than the two captured is refused
+  (:func:`fxrec.runtime.modes.as_captured_or_flipped`); where they
   differ otherwise, the transformed model keeps the mode it was captured in and ``train()`` /
   ``eval()`` to the other mode raise :class:`ModeError` naming the modules and the code lines that
   read ``training`` (the report says so at transform time).
@@ -43,13 +42,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .runtime.modes import by_mode, count_batch, evaluating
+from .runtime.modes import ModeError, as_captured, as_captured_or_flipped, by_mode, count_batch, evaluating
 
 aten = torch.ops.aten
-
-
-class ModeError(RuntimeError):
-    """train() / eval() to a mode the transformed model cannot switch to (see :mod:`fxrec.modes`)."""
 
 
 # op -> (index of its mode flag, index of an argument that must not be None for the flag to follow
@@ -307,55 +302,53 @@ def _same(u, v, index_a, index_b) -> bool:
     return type(u) is type(v) and u == v
 
 
-def _owners(gm: fx.GraphModule, diffs, readers: List[str], ruled: set,
-            recapture: Callable[[Optional[str]], fx.GraphModule]) -> Tuple[Dict[Tuple[fx.Node, int], str], str]:
-    """Whose mode each differing argument (``diffs``, every module flipped) follows: the one module
-    among ``readers`` (whose ``training`` the model's code reads) whose flip alone changes it, found
-    by capturing the model with each flipped alone (one reader: it, without a capture). Returns
-    ``({(node, argument index): module path}, "")``, or ``({}, why)`` where an argument follows no
-    one module alone (two modules' modes together, or a flip alone changes more than arguments)."""
-    if len(readers) == 1 and readers[0] != "?":
-        return {(n, i): readers[0] for n, i, _ in diffs}, ""
-    if "?" in readers:
-        return {}, "a module outside the model's own reads it"
-    changed: Dict[str, set] = {}
-    for r in readers:
-        alone = _flag_diffs(gm, recapture(r), ruled)
-        if alone is None:
-            return {}, f"'{r or '<model>'}' in the other mode alone computes something else than flags or numbers"
-        changed[r] = {(n, i) for n, i, _ in alone}
-    out = {}
-    for n, i, _ in diffs:
-        who = [r for r in readers if (n, i) in changed[r]]
-        if len(who) != 1:
-            return {}, (f"argument {i} of {n.name} follows the modes of {', '.join(repr(w or '<model>') for w in who)} "
-                        "together" if who else f"argument {i} of {n.name} follows no one module's mode alone")
-        out[(n, i)] = who[0]
-    return out, ""
+def _deciders(node: fx.Node, readers: List[str]) -> List[str]:
+    """The modules whose ``training`` flags may decide an argument of ``node`` that differs by mode,
+    among ``readers`` (the modules whose flag the model's code reads), the one it follows first:
+    those that run the op (its module stack), innermost first; else the model itself where its own
+    code reads its flag (a number or flag a parent chooses and passes down); else every reader.
+    Only the two captured combinations of their flags are known (the model's, and each flipped):
+    the argument follows the first one's flag, and a call with them in another combination is
+    refused (:func:`fxrec.runtime.modes.as_captured_or_flipped`). Empty: none can be told."""
+    stack = [str(v[0]) for v in (node.meta.get("nn_module_stack") or {}).values()]
+    on_stack = [p for p in reversed(stack) if p in readers]
+    if on_stack:
+        return on_stack
+    if "" in readers:
+        return [""]
+    return [] if "?" in readers else list(readers)
 
 
 def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
-               recapture: Callable[[Optional[str]], fx.GraphModule]) -> ModeInfo:
+               recapture: Callable[[], fx.GraphModule]) -> ModeInfo:
     """Rewrite ``gm`` (``model`` captured in its current mode) so its mode-dependent nodes read
     their module's ``training`` flag; see the module doc. ``recapture()`` captures the model with
-    every module in the other mode than its own, ``recapture(path)`` with that module alone in the
-    other mode (called only when the model's own code reads ``training``)."""
+    every module in the other mode than its own (called only when the model's own code reads ``training``)."""
     captured = "training" if model.training else "eval"
     ruled = _mode_nodes(gm, model)
     extra: List[Tuple[fx.Node, int, object]] = []
     owner: Dict[Tuple[fx.Node, int], str] = {}
+    readers: List[str] = []
+    deciders: Dict[Tuple[fx.Node, int], List[str]] = {}
     why_not = ""
     if reads.unknown:
-        where = ", ".join(f"'{p}' ({w})" for p, w in sorted(reads.unknown.items()))
         todo = f"transform the model in that mode for it (fxrec.transform(model.{'eval' if captured == 'training' else 'train'}(), ...))"
+        other: object
+        try:
+            other = recapture()  # (its reads of training are noted too)
+        except Exception as e:  # noqa: BLE001 - the other mode cannot be captured at all (said below)
+            other = e
+        where = ", ".join(f"'{p}' ({w})" for p, w in sorted(reads.unknown.items()))
         readers = sorted("" if p == "<model>" else p for p in reads.unknown)
         try:
-            diffs = _flag_diffs(gm, recapture(None), set(ruled))
+            if isinstance(other, Exception):
+                raise other
+            diffs = _flag_diffs(gm, other, set(ruled))
             what = "computes something else in the other mode than flags or numbers of its operations"
-            if diffs:
-                owner, whose = _owners(gm, diffs, readers, set(ruled), recapture)
-                if whose:
-                    diffs, what = None, f"an argument that differs by mode follows no one module's flag ({whose})"
+            deciders = {(n, i): _deciders(n, readers) for n, i, _ in diffs or ()}
+            if any(not d for d in deciders.values()):
+                diffs, what = None, "reads it in a module outside the model"
+            owner = {k: d[0] for k, d in deciders.items()}
         except Exception as e:  # noqa: BLE001 - the other mode cannot be captured at all
             first = (str(e).strip().splitlines() or [""])[0][:300]
             diffs, what = None, f"cannot be captured in the other mode ({type(e).__name__}: {first})"
@@ -369,16 +362,19 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     erased = False
     counted: set = set()  # the num_batches_tracked buffers count_batch now counts
 
-    def flag_of(node: fx.Node, path: Optional[str] = None) -> fx.Node:
-        path = _module_path(node) if path is None else path
+    def flag_node(path: str) -> fx.Node:
         if path not in flag_nodes:
             _ensure_module(gm, model, path)
             first = next(n for n in graph.nodes if n.op != "placeholder")
             with graph.inserting_before(first):
                 # (create_node: graph.get_attr warns for attributes that are not tensors or modules)
                 flag_nodes[path] = graph.create_node("get_attr", f"{path}.training" if path else "training")
-        flags[path] = flags.get(path, 0) + 1
         return flag_nodes[path]
+
+    def flag_of(node: fx.Node, path: Optional[str] = None) -> fx.Node:
+        path = _module_path(node) if path is None else path
+        flags[path] = flags.get(path, 0) + 1
+        return flag_node(path)
 
     if not why_not:
         for n in ruled:
@@ -413,9 +409,21 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
             if not add.users:
                 graph.erase_node(add)
                 erased = True
+        groups = sorted({tuple(sorted(d)) for d in deciders.values() if len(d) > 1}) if not why_not else []
+        for together in groups:  # (only their captured combination and its flip are known: checked at each call)
+            modes = [flag_node(p) for p in together]
+            with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder" and n not in modes)):
+                graph.call_function(as_captured_or_flipped, (modes, [model.get_submodule(p).training for p in together],
+                                                             ", ".join(repr(p or "<model>") for p in together)))
+    readers_here = [r for r in readers if r != "?" and _submodule(model, r) is not None]
+    if why_not and readers_here:  # (a submodule switched alone, which train() / eval() of the model cannot refuse)
+        modes = [flag_node(p) for p in readers_here]
+        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder" and n not in modes)):
+            graph.call_function(as_captured, (modes, [model.get_submodule(p).training for p in readers_here],
+                                              ", ".join(repr(p or "<model>") for p in readers_here)))
     if flag_nodes or erased:  # the graph changed
         gm.recompile()
-    for path in flags:
+    for path in flag_nodes:
         gm.get_submodule(path).training = model.get_submodule(path).training
     gm.training = model.training
     return ModeInfo(captured=captured, switchable=not why_not, why_not=why_not, flags=flags)

@@ -392,6 +392,75 @@ def test_a_copy_in_one_mode_before_a_write_in_place_keeps_the_captured_mode():
     torch.testing.assert_close(fast(*mode_inputs(seed=1)[1:]), model(*mode_inputs(seed=1)[1:]))
 
 
+class Flagged(nn.Module):
+    """A module with no parameters whose flag the model's code reads."""
+
+
+class NestedChoice(nn.Module):
+    """A dropout probability chosen from two submodules' flags (one read only when the other is off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.a, self.b = Flagged(), Flagged()
+
+    def forward(self, ids, offsets):
+        p = 0.1 if self.a.training else (0.6 if self.b.training else 0.9)
+        return F.dropout(self.bag(ids, offsets), p)
+
+
+def test_a_value_two_modules_flags_decide_follows_them_switched_together_and_refuses_them_apart():
+    """Only the captured combination of their flags and its flip are known: a submodule switched
+    alone gave the value of the other combination (found by a review), as did a capture with them in
+    different modes switched with the model."""
+    model = NestedChoice()
+    fast = fxrec.transform(model, mode_inputs()[1:])
+    for step, mode in enumerate(["eval", "train", "eval"]):
+        for m in (fast, model):
+            getattr(m, mode)()
+        x = mode_inputs(seed=step + 1)[1:]
+        torch.testing.assert_close(run_seeded(fast, x, step), run_seeded(model, x, step), rtol=0, atol=0)
+    fast.train()
+    fast.a.eval()
+    with pytest.raises(ModeError, match=r"reads the training flag of 'a', 'b' for one value.*another combination now"):
+        fast(*mode_inputs()[1:])
+    mixed = NestedChoice()
+    mixed.b.eval()
+    fast = fxrec.transform(mixed, mode_inputs()[1:])
+    torch.testing.assert_close(run_seeded(fast, mode_inputs()[1:], 0), run_seeded(mixed, mode_inputs()[1:], 0))
+    fast.eval()  # (a and b both off: neither combination captured)
+    with pytest.raises(ModeError, match="another combination now"):
+        fast(*mode_inputs()[1:])
+
+
+class Branches(nn.Module):
+    def forward(self, x):
+        return x * 2 if self.training else x + 1
+
+
+class ChildBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.child = Branches()
+
+    def forward(self, ids, offsets):
+        return self.child(self.bag(ids, offsets))
+
+
+def test_a_model_that_cannot_switch_refuses_a_submodule_switched_alone():
+    """train() / eval() of the model raise ModeError; a submodule switched alone went unnoticed and
+    the captured mode's code ran."""
+    model = ChildBranches()
+    fast = fxrec.transform(model, mode_inputs()[1:])
+    assert not fast.meta["fxrec_modes"].switchable
+    fast.child.eval()
+    with pytest.raises(ModeError, match=r"reads the training flag of 'child'.*in the modes they were captured in"):
+        fast(*mode_inputs()[1:])
+    fast.child.train()
+    torch.testing.assert_close(fast(*mode_inputs()[1:]), model(*mode_inputs()[1:]))
+
+
 def test_batch_norm_with_a_cumulative_average_keeps_its_captured_mode():
     """momentum=None: the running average depends on the mode in a way no flag shows, and torch.export
     cannot capture it in training mode at all."""
