@@ -225,7 +225,7 @@ def _flag_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[Li
     that differs; None when they differ otherwise. The flags of the ``ruled`` nodes (bound by rule)
     and batch-norm counters are left out."""
     skip_a, skip_b = set(_counter_adds(a)) | set(_input_checks(a)), set(_counter_adds(b)) | set(_input_checks(b))
-    copies_a, copies_b = _row_major_copies(a), _row_major_copies(b)
+    copies_a, copies_b = _row_major_copies(a), _row_major_copies(b, runs=False)
     na = [n for n in a.graph.nodes if n not in skip_a and n not in copies_a]
     nb = [n for n in b.graph.nodes if n not in skip_b and n not in copies_b]
     if len(na) != len(nb):
@@ -261,13 +261,17 @@ def _flag_diffs(a: fx.GraphModule, b: fx.GraphModule, ruled: set) -> Optional[Li
     return diffs
 
 
-def _row_major_copies(gm: fx.GraphModule) -> set:
+def _row_major_copies(gm: fx.GraphModule, runs: bool = True) -> set:
     """The row-major copies in ``gm``, as capture makes of a tensor laid out otherwise before
     reshaping it (:func:`fxrec.capture_reshapes.reshape_by_copy`; the model's own
     ``clone(memory_format=torch.contiguous_format)`` looks the same), where neither the tensor nor
     the copy is written in place, with their views: there the copy has the tensor's values at every
     read, and a graph with it computes what one without it does. The layout of a tensor (an
-    attention kernel's output) differs between the modes, and with it whether capture copies it."""
+    attention kernel's output) differs between the modes, and with it whether capture copies it.
+    ``runs=False``: ``gm`` is the other mode's capture, which does not run: a copy there that a
+    ``view`` reads is kept (the captured graph runs that view on the tensor itself, which in the
+    other mode is laid out so that it cannot be viewed: torch 2.11 records a reshape of a
+    tensor contiguous at the example as a view)."""
     from .dataflow import SideEffects
 
     written = None
@@ -276,7 +280,8 @@ def _row_major_copies(gm: fx.GraphModule) -> set:
         if n.op == "call_function" and n.target is aten.clone.default and \
                 n.kwargs.get("memory_format") is torch.contiguous_format and isinstance(n.args[0], fx.Node):
             written = SideEffects(list(gm.graph.nodes)).written if written is None else written
-            if n not in written and n.args[0] not in written:
+            if n not in written and n.args[0] not in written and \
+                    (runs or not any(u.target is aten.view.default for u in n.users)):
                 out.add(n)
     return out
 

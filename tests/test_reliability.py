@@ -316,6 +316,13 @@ def test_a_transformer_layer_switches_modes_at_any_batch_and_length(captured_in)
     model = getattr(Transformer(), captured_in)()
     seq = lambda b, n, s: torch.randint(1, 30, (b, n), generator=torch.Generator().manual_seed(s))  # noqa: E731
     fast = fxrec.transform(model, (seq(4, 5, 0),))
+    if captured_in == "eval" and torch.__version__ < "2.13":
+        # torch 2.11 records the reshape of attention's output, contiguous at the example in eval mode,
+        # as a view, which the layout attention's dropout gives in training mode cannot take
+        assert not fast.meta["fxrec_modes"].switchable
+        with pytest.raises(ModeError, match="captured in eval mode and cannot switch to training mode"):
+            fast.train()
+        return
     assert fast.meta["fxrec_modes"].switchable, fast.report.notes
     assert "by_mode" in fast.code and "device(type='meta')" not in fast.code  # (no probe of capture's left in it)
     assert [n for n in fast.report.notes if n.startswith("train()/eval() switch 4 node(s) of 4 module(s) that follow "
