@@ -390,7 +390,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
                                              if k not in {a.name for a in n.target._schema.arguments[: len(args)]}}
             if n.target is aten.batch_norm.default:
                 counted.add(_count_batches(gm, n, args[flag]))
-        for n, i, other in extra:
+        for n, i, theirs in extra:
             args = _full_args(n, max(i, len(n.args) - 1)) if isinstance(n.target, torch._ops.OpOverload) \
                 else list(n.args)
             path = owner[(n, i)]  # (the module whose flag the model's code reads for it)
@@ -400,7 +400,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
                 break
             flag = flag_of(n, path)
             if type(args[i]) is float:  # (its value in the module's mode, and the other's)
-                values = (args[i], other) if module.training else (other, args[i])
+                values = (args[i], theirs) if module.training else (theirs, args[i])
                 with graph.inserting_before(n):
                     flag = graph.call_function(by_mode, (flag,) + values)
             elif args[i] != module.training:  # `not self.training`: the argument is the flag's negation
@@ -420,8 +420,10 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
             with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder" and n not in modes)):
                 graph.call_function(as_captured_or_flipped, (modes, [model.get_submodule(p).training for p in together],
                                                              ", ".join(repr(p or "<model>") for p in together)))
-    readers_here = [r for r in readers if r != "?" and _submodule(model, r) is not None]
-    if why_not and readers_here:  # (a submodule switched alone, which train() / eval() of the model cannot refuse)
+    # (a submodule switched alone, which train() / eval() of the model cannot refuse; the model's own flag
+    # they refuse to change)
+    readers_here = [r for r in readers if r not in ("?", "") and _submodule(model, r) is not None]
+    if why_not and readers_here:
         modes = [flag_node(p) for p in readers_here]
         with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder" and n not in modes)):
             graph.call_function(as_captured, (modes, [model.get_submodule(p).training for p in readers_here],
