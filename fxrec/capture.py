@@ -50,7 +50,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from . import meta
 from .capture_bags import bags_of_rows, opaque_bags, restore_aten
-from .capture_reshapes import without_layout_guards, reshape_by_copy
+from .capture_reshapes import reshape_by_copy, without_own_guards
 from .codegen import StructuredCodeGen, leaf_paths, supported
 from .graph_module import MODES_KEY, TransformedModule, adopt, hold_containers_like
 from .modes import TrainingReads, bind_modes
@@ -123,7 +123,7 @@ def export_dynamic(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[s
 
     def run():
         with _lean_tracing(), (opaque_bags() if lean_bags else contextlib.nullcontext()), \
-                reshape_by_copy(), without_layout_guards(), bags_of_rows():
+                reshape_by_copy(), without_own_guards(), bags_of_rows():
             ep = torch.export.export(model, *_unaliased(copy.deepcopy((args, kwargs))), strict=False,
                                      dynamic_shapes=dynamic)
             if lean_bags:

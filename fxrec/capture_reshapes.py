@@ -5,9 +5,10 @@ for others, so torch's ``reshape`` of it views or copies by its sizes, and a siz
 capture (:func:`fxrec.capture.export_dynamic`) writes that choice down as guards on the sizes
 (``ids.size()[0] != 1``), which fxrec keeps as the transformed model's input checks.
 :func:`reshape_by_copy`, on in every capture, traces such a reshape on a row-major copy where it
-copies the example, which needs no guard. :func:`without_layout_guards` traces a linear layer or
-a dropout of such a tensor without the guards of the op's own workings (its result is laid out the
-same either way), and :func:`nodes_as_functions` does the same when a transformed model is
+copies the example, which needs no guard. :func:`without_own_guards` traces a few ops (linear,
+dropout, attention of such a tensor; einsum and recurrent cells of any sized tensor) without the
+guards of the op's own workings, which the graph's one node of the op does not need (it decides
+again at each call), and :func:`nodes_as_functions` does the same when a transformed model is
 exported again.
 """
 
@@ -175,7 +176,7 @@ def _same_letter_dims(equation: str, operands) -> None:
                 bool(seen[letter] == d)
 
 
-def _layout_free(op, name: str):
+def _without_own_guards(op, name: str):
     if name == "linear":
         @functools.wraps(op)
         def traced(input, weight, bias=None):
@@ -245,31 +246,33 @@ def _layout_free(op, name: str):
     return traced_dropout
 
 
-#: the ops :func:`without_layout_guards` traces
+#: the ops :func:`without_own_guards` traces
 _UNGUARDED = ThreadPatch([(torch.nn.functional, "linear"), (torch.nn.functional, "dropout"),
                           (torch.nn.functional, "scaled_dot_product_attention"), (torch, "einsum"),
-                          (torch._VF, "gru_cell"), (torch._VF, "lstm_cell")], _layout_free)
+                          (torch._VF, "gru_cell"), (torch._VF, "lstm_cell")], _without_own_guards)
 
 
-def without_layout_guards():
+def without_own_guards():
     """Within, this thread traces ``F.linear`` of a tensor of 3 or more dims (``nn.Linear``'s,
     ``nn.MultiheadAttention``'s), and ``F.dropout`` (``nn.Dropout``'s) and
     ``F.scaled_dot_product_attention`` of tensors, whose contiguity depends on their sizes (a
     transpose: ``[L, B, E]`` from ``[B, L, E]``, as attention takes it and gives it back), and
-    ``torch.einsum`` (without ``...``) of tensors with a size symbol, without keeping the
+    ``torch.einsum`` (without ``...``) and ``torch._VF.gru_cell`` / ``lstm_cell`` (``nn.GRUCell``'s,
+    ``nn.LSTMCell``'s) of tensors with a size symbol, without keeping the
     conditions on sizes that the op's own workings wrote down. torch's linear computes a contiguous
     input in one matrix multiply with the bias, another by ``matmul`` then the bias; dropout's mask
     checks its memory for overlap; attention with dropout reshapes its operands for its products;
-    einsum treats a dim of size 1 as one to broadcast. Size-oblivious
+    einsum treats a dim of size 1 as one to broadcast; the cells copy their result. Size-oblivious
     capture kept those as guards refusing a size of 1 (``ids.size()[0] != 1``, ``ids.size()[0] >=
     2``): a model with attention or a transformer layer refused a batch or a length of 1. The graph
     keeps one node of each (``aten.linear``, ``aten.dropout``, ``aten.scaled_dot_product_attention``,
-    ``aten.einsum``),
+    ``aten.einsum``, ``aten.gru_cell``, ``aten.lstm_cell``),
     which works again at each call as the model's own does (so the numbers are the model's, bit for
     bit), and the graph after it runs as the model's code runs on that result. The conditions the
     ops need of their operands' sizes (linear: the input's last dim is the weight's; attention: the
     query's last is the key's, the key's length the value's, their batch dims as at the example;
-    einsum: the dims one letter names, as at the example) are kept, so the sizes traced for the
+    einsum: the dims one letter names, as at the example; the cells: the input's width and batch,
+    the state's batch) are kept, so the sizes traced for the
     result are its sizes at any call. A row-major copy, as
     :func:`reshape_by_copy` makes, would need no guard but change linear's numbers (one fused
     multiply-add against two steps: last bits differ)."""
@@ -278,7 +281,7 @@ def without_layout_guards():
 
 def _linear(input, weight, bias=None):
     """``aten.linear`` of a transformed model's graph while it is exported again: ``F.linear``,
-    which :func:`without_layout_guards` traces."""
+    which :func:`without_own_guards` traces."""
     return torch.nn.functional.linear(input, weight, bias)
 
 
@@ -316,10 +319,10 @@ _AS_FUNCTIONS = {torch.ops.aten.linear.default: _linear, torch.ops.aten.dropout.
 
 @contextlib.contextmanager
 def nodes_as_functions(model: torch.nn.Module):
-    """Within, each ``aten.linear`` / ``aten.dropout`` / ``aten.scaled_dot_product_attention`` node
-    of ``model``'s graphs calls the ``F.`` function (:data:`_AS_FUNCTIONS`), so that exporting the transformed model
+    """Within, each node of ``model``'s graphs of an op :func:`without_own_guards` traces calls the
+    function capture traced (:data:`_AS_FUNCTIONS`), so that exporting the transformed model
     (``fxrec.export.program``) traces them as the capture did, without guards from their own
-    workings (:func:`without_layout_guards`); the exported program records the aten ops again. The
+    workings (:func:`without_own_guards`); the exported program records the aten ops again. The
     graphs are put back after."""
     changed = []
     for gm in model.modules():

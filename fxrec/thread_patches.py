@@ -3,9 +3,9 @@
 Capture changes how a few torch functions are traced: ``torch.embedding_bag`` records one opaque
 operator and ``F.embedding_bag`` of ``[B, L]`` ids of a computed L writes its offsets as a product
 (:mod:`fxrec.capture_bags`), a reshape of a tensor whose layout depends on its sizes is traced
-on a copy (:func:`fxrec.capture_reshapes.reshape_by_copy`), and ``F.linear`` and ``F.dropout`` of
-such a tensor without the guards of their own workings
-(:func:`fxrec.capture_reshapes.without_layout_guards`). A :class:`ThreadPatch` installs its
+on a copy (:func:`fxrec.capture_reshapes.reshape_by_copy`), and a few ops (``F.linear``,
+``F.dropout``, attention, einsum, recurrent cells) without the guards of their own workings
+(:func:`fxrec.capture_reshapes.without_own_guards`). A :class:`ThreadPatch` installs its
 wrappers when a first thread enters it and puts torch's own functions back when the last one
 leaves; each wrapper acts only in a thread inside it (:meth:`ThreadPatch.on`) and calls torch's
 own function in every other. While installed the wrappers are Python functions for every thread

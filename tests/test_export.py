@@ -714,6 +714,6 @@ def test_capture_leaves_torchs_reshapes_as_they_were():
         fxrec.transform(Fails(), (torch.zeros(2),))
     assert {name: getattr(torch.Tensor, name) for name in before} == before
     assert "reshape" not in vars(torch.Tensor) and (torch.reshape, torch.flatten) == before_fn
-    assert torch.nn.functional.linear is torch._C._nn.linear  # (capture_reshapes.without_layout_guards too)
+    assert torch.nn.functional.linear is torch._C._nn.linear  # (capture_reshapes.without_own_guards too)
     assert torch.einsum is torch.functional.einsum
     assert "gru_cell" not in vars(torch._VF) and "lstm_cell" not in vars(torch._VF)
