@@ -573,9 +573,14 @@ def _modes_notes(gm: fx.GraphModule) -> list:
     if not info.switchable:
         return [f"train()/eval(): {info.why_not}"]
     if info.flags:
+        from .runtime.modes import as_captured_or_flipped
+
+        together = [n.args[2] for n in gm.graph.nodes if n.op == "call_function" and n.target is as_captured_or_flipped]
         return [f"train()/eval() switch {sum(info.flags.values())} node(s) of {len(info.flags)} module(s) that follow "
                 f"the mode (dropout, normalisation, numbers chosen by mode), as on the original model (captured in "
-                f"{info.captured} mode)"]
+                f"{info.captured} mode)"
+                + (f"; the flags of {'; of '.join(together)} decide values together: they must switch together "
+                   "(another combination raises ModeError)" if together else "")]
     return []
 
 

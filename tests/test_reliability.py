@@ -326,7 +326,10 @@ def test_a_transformer_layer_switches_modes_at_any_batch_and_length(captured_in)
     assert fast.meta["fxrec_modes"].switchable, fast.report.notes
     assert "by_mode" in fast.code and "device(type='meta')" not in fast.code  # (no probe of capture's left in it)
     assert [n for n in fast.report.notes if n.startswith("train()/eval() switch 4 node(s) of 4 module(s) that follow "
-                                                           "the mode")], fast.report.notes
+                                                           "the mode") and n.endswith("the flags of 'enc', "
+                                                           "'enc.self_attn' decide values together: they must switch "
+                                                           "together (another combination raises ModeError)")], \
+        fast.report.notes
     for step, mode in enumerate(["train", "eval", "train", "eval"]):
         for m in (fast, model):
             getattr(m, mode)()
