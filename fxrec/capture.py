@@ -53,7 +53,7 @@ from .capture_bags import bags_of_rows, opaque_bags, restore_aten
 from .capture_reshapes import reshape_by_copy, without_own_guards
 from .codegen import StructuredCodeGen, leaf_paths, supported
 from .graph_module import MODES_KEY, TransformedModule, adopt, hold_containers_like
-from .modes import TrainingReads, bind_modes
+from .modes import TrainingReads, bind_modes, train_overrides
 from .runtime.input_guards import GUARDS_NAME, InputGuards
 
 
@@ -324,7 +324,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
                     m.training = f
         return other["gm"]
 
-    gm.meta[MODES_KEY] = info = bind_modes(gm, model, reads, recapture)
+    gm.meta[MODES_KEY] = info = bind_modes(gm, model, reads, recapture, train_overrides(model))
     if for_calls and info.switchable:
         _bind_mode_conditions(gm, paths, recapture, other, model.training)
     return gm

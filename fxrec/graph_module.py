@@ -45,8 +45,15 @@ class TransformedModule(fx.GraphModule):
     def train(self, mode: bool = True):
         from .modes import check_switch
 
-        check_switch(self.meta.get(MODES_KEY), bool(mode))
-        return super().train(mode)
+        info = self.meta.get(MODES_KEY)
+        check_switch(info, bool(mode))
+        out = super().train(mode)
+        for path, flag in ((getattr(info, "after_train", None) or {}).get(bool(mode)) or {}).items():
+            try:  # (the model's own train() override, replayed: a frozen submodule stays in eval mode)
+                self.get_submodule(path).training = flag
+            except AttributeError:  # (a module the transformed model does not hold)
+                pass
+        return out
 
     def recompile(self):
         # A class made around fx's own for this module (torch's composable replicate, which a

@@ -82,6 +82,32 @@ class ModeInfo:
     switchable: bool = True
     why_not: str = ""
     flags: Dict[str, int] = field(default_factory=dict)
+    #: where the model's class (or a submodule's) overrides ``train()``: each module's flag after the
+    #: model's ``train(True)`` and ``train(False)``, which ``fast.train()`` / ``eval()`` give too
+    after_train: Optional[Dict[bool, Dict[str, bool]]] = None
+
+
+def train_overrides(model: torch.nn.Module) -> Optional[Dict[bool, Dict[str, bool]]]:
+    """Where a module of ``model`` overrides ``nn.Module.train`` (``def train(self, mode=True):
+    super().train(mode); self.frozen.eval()``, a frozen backbone): each module's flag after
+    ``model.train(True)`` and after ``model.train(False)``, found by calling them on the model and
+    putting back every flag and every parameter's ``requires_grad`` after (an override that does
+    more than that is not replayed). None where none overrides it."""
+    if all(type(m).train is torch.nn.Module.train for m in model.modules()):
+        return None
+    flags = {m: m.__dict__.get("training", m.training) for m in model.modules()}
+    grads = {p: p.requires_grad for p in model.parameters()}
+    out: Dict[bool, Dict[str, bool]] = {}
+    try:
+        for mode in (True, False):
+            model.train(mode)
+            out[mode] = {path: m.training for path, m in model.named_modules()}
+    finally:
+        for m, f in flags.items():
+            m.training = f
+        for p, g in grads.items():
+            p.requires_grad_(g)
+    return out
 
 
 # --------------------------------------------------------------------------- reads of .training
@@ -325,7 +351,8 @@ def _deciders(node: fx.Node, readers: List[str]) -> List[str]:
 
 
 def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
-               recapture: Callable[[], fx.GraphModule]) -> ModeInfo:
+               recapture: Callable[[], fx.GraphModule],
+               after_train: Optional[Dict[bool, Dict[str, bool]]] = None) -> ModeInfo:
     """Rewrite ``gm`` (``model`` captured in its current mode) so its mode-dependent nodes read
     their module's ``training`` flag; see the module doc. ``recapture()`` captures the model with
     every module in the other mode than its own (called only when the model's own code reads ``training``)."""
@@ -334,6 +361,8 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     extra: List[Tuple[fx.Node, int, object]] = []
     owner: Dict[Tuple[fx.Node, int], str] = {}
     readers: List[str] = []
+    valid: List[str] = []
+    mixed = False
     deciders: Dict[Tuple[fx.Node, int], List[str]] = {}
     why_not = ""
     if reads.unknown:
@@ -353,6 +382,18 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
             deciders = {(n, i): _deciders(n, readers) for n, i, _ in diffs or ()}
             if any(not d for d in deciders.values()):
                 diffs, what = None, "reads it in a module outside the model"
+            valid = [r for r in readers if r != "?" and _submodule(model, r) is not None]
+            mixed = len({model.get_submodule(r).training for r in valid}) > 1
+            unused = sorted(set(valid) - set().union(*deciders.values())) if diffs else []
+            if diffs and after_train is not None:  # (its train() gives other flags than each flipped)
+                diffs, what = None, ("overrides train(), whose flags the other mode's capture (every module "
+                                     "flipped) does not have")
+            if mixed and unused:  # (train()/eval() of the whole model reach a combination neither capture had)
+                diffs, what = None, (f"was captured with the modules whose flag it reads in different modes, and the "
+                                     f"flag of {', '.join(repr(u or '<model>') for u in unused)} may decide a value "
+                                     "of another module's operation, which train() / eval() of the whole model "
+                                     "would not show")
+                todo = "transform it with them in one mode for train() / eval() to switch it"
             owner = {k: d[0] for k, d in deciders.items()}
         except Exception as e:  # noqa: BLE001 - the other mode cannot be captured at all
             first = (str(e).strip().splitlines() or [""])[0][:300]
@@ -414,7 +455,10 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
             if not add.users:
                 graph.erase_node(add)
                 erased = True
-        groups = sorted({tuple(sorted(d)) for d in deciders.values() if len(d) > 1}) if not why_not else []
+        # (captured with them in one mode: any reader switched alone is a combination neither capture had;
+        # in different modes: the flags that may decide each value)
+        groups = [] if why_not else [tuple(valid)] if not mixed and len(valid) > 1 else \
+            sorted({tuple(sorted(d)) for d in deciders.values() if len(d) > 1})
         for together in groups:  # (only their captured combination and its flip are known: checked at each call)
             modes = [flag_node(p) for p in together]
             with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder" and n not in modes)):
@@ -433,7 +477,7 @@ def bind_modes(gm: fx.GraphModule, model: torch.nn.Module, reads: TrainingReads,
     for path in flag_nodes:
         gm.get_submodule(path).training = model.get_submodule(path).training
     gm.training = model.training
-    return ModeInfo(captured=captured, switchable=not why_not, why_not=why_not, flags=flags)
+    return ModeInfo(captured=captured, switchable=not why_not, why_not=why_not, flags=flags, after_train=after_train)
 
 
 def _count_batches(gm: fx.GraphModule, bn: fx.Node, flag: fx.Node) -> Optional[str]:

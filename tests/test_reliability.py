@@ -443,6 +443,90 @@ def test_a_value_two_modules_flags_decide_follows_them_switched_together_and_ref
         fast(*mode_inputs()[1:])
 
 
+class Sibling(nn.Module):
+    def scale(self):
+        return 2.0 if self.training else 3.0
+
+
+class ScaledBySibling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h, s):
+        return F.dropout(self.lin(h), 0.5, self.training) * s
+
+
+class SiblingDecides(nn.Module):
+    """A sibling's flag decides a number another module's operation uses (its own flag its dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.sib, self.child = Sibling(), ScaledBySibling()
+
+    def forward(self, ids, offsets):
+        return self.child(self.bag(ids, offsets), self.sib.scale())
+
+
+def test_a_value_another_modules_flag_decides_in_a_model_captured_with_them_in_different_modes_is_refused():
+    """Captured with the sibling in eval mode, train() / eval() of the whole model reach combinations
+    neither capture had, and the transformed model multiplied by the wrong number (found by a review);
+    captured in one mode they switch, and the sibling switched alone is refused."""
+    mixed = SiblingDecides()
+    mixed.sib.eval()
+    fast = fxrec.transform(mixed, mode_inputs()[1:])
+    assert not fast.meta["fxrec_modes"].switchable
+    with pytest.raises(ModeError, match=r"flag of 'sib' may decide a value of another module's operation"):
+        fast.eval()
+    model = SiblingDecides()
+    fast = fxrec.transform(model, mode_inputs()[1:])
+    for step, mode in enumerate(["eval", "train"]):
+        for m in (fast, model):
+            getattr(m, mode)()
+        x = mode_inputs(seed=step + 1)[1:]
+        torch.testing.assert_close(run_seeded(fast, x, step), run_seeded(model, x, step), rtol=0, atol=0)
+    fast.sib.eval()
+    with pytest.raises(ModeError, match="another combination now"):
+        fast(*mode_inputs()[1:])
+
+
+class FrozenBackbone(nn.Module):
+    """train() overridden to keep a pretrained part (with batch norm) in eval mode, as users freeze one."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.frozen = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.head = nn.Sequential(nn.Dropout(0.3), nn.Linear(4, 2))
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.frozen.eval()
+        return self
+
+    def forward(self, ids, offsets):
+        return self.head(self.frozen(self.bag(ids, offsets)))
+
+
+@pytest.mark.parametrize("captured_in", ["train", "eval"])
+def test_the_models_own_train_override_is_followed(captured_in):
+    """fast.train() set every module's flag as nn.Module.train does, so the frozen batch norm trained
+    on the batch and moved its running statistics where the model's did not (found by a review)."""
+    torch.manual_seed(0)
+    model = getattr(FrozenBackbone(), captured_in)()
+    fast = fxrec.transform(model, mode_inputs()[1:])
+    for step, mode in enumerate(["train", "eval", "train"]):
+        for m in (fast, model):
+            getattr(m, mode)()
+        assert fast.frozen[1].training is False
+        x = mode_inputs(seed=step + 1)[1:]
+        torch.testing.assert_close(run_seeded(fast, x, step), run_seeded(model, x, step), rtol=0, atol=0)
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(fast.get_buffer(name), b, msg=name)
+    assert [p.requires_grad for p in model.parameters()] == [True] * len(list(model.parameters()))
+
+
 class Branches(nn.Module):
     def forward(self, x):
         return x * 2 if self.training else x + 1
