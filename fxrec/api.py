@@ -5,30 +5,28 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.fx as fx
 
+from .arguments import (BACKENDS, check_max_gradient, check_output_dtype, check_placement, check_settings,
+                        check_target_device, device_arg, tables_device)
 from .capture import accepted_sizes, capture, input_guards
-from .graph_module import MODES_KEY, bind_staged
+from .graph_module import bind_staged
 from .materialize import materialize, meta_names, working_copy
 from .optim import check_spec as check_optimizer_spec
 from .passes.assign_precisions import check_weights_precision
 from .runtime.group import EmbeddingGroup
-from .runtime.kernels import KERNEL_NAMES
 from .pass_infra import Config, InputError, PassContext, PassManager
 from .pipeline import default_pipeline, explain_pipeline
 from .ranks import (check_dense, check_plan, check_rank_device, check_same_setup, exchange_device, plan_per_rank,
                     rank_note, sum_gradients_over_ranks, together, units_note)
 from .report import Report, build_report
+from .report_notes import clamp_note, modes_notes, placement_note, rank_placements
 from .table_optimizers import fused_updates_off, record_table_optimizers
 from . import meta
 from .verify import compare_models
-
-#: ``backend=``: "auto" (the rule table), or a kernel's name to put first wherever it supports a group.
-BACKENDS = ("auto",) + KERNEL_NAMES
-DEVICES = ("cpu", "cuda")
 
 
 def write_back(transformed: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -232,15 +230,15 @@ def transform(
             raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
         check_weights_precision(weights_precision, mode, compares=verify or check_passes)
         check_dense(dense, plan, mode, fsdp_units)
-        _check_output_dtype(output_dtype, quantize)
+        check_output_dtype(output_dtype, quantize)
         if mode == "inference" and optimizer is not None:
             raise ValueError("fxrec: an embedding optimizer needs mode='training'")
-        max_gradient = _check_max_gradient(max_gradient, mode)
-        _check_settings(timing_rounds, rtol, atol, logger)
-        hbm_budget, cache_load_factor = _check_placement(hbm_budget, cache_load_factor, plan)
+        max_gradient = check_max_gradient(max_gradient, mode)
+        check_settings(timing_rounds, rtol, atol, logger)
+        hbm_budget, cache_load_factor = check_placement(hbm_budget, cache_load_factor, plan)
         args = _as_args(example_inputs)
         kwargs = dict(example_kwargs or {})
-        target = _check_target_device(device, model, plan, autotune)
+        target = check_target_device(device, model, plan, autotune)
         from torch.utils import _pytree
 
         if any(isinstance(x, torch.Tensor) and x.is_meta for x in _pytree.tree_leaves((args, kwargs))):
@@ -326,7 +324,7 @@ def transform(
         _store_lower_precision(gm)
     if max_gradient:
         _clamp_lookup_gradients(gm, records + [r for r in hidden if r.grad])
-    notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget) + _clamp_note(max_gradient)
+    notes = modes_notes(gm) + accepted_sizes(gm) + placement_note(gm, hbm_budget) + clamp_note(max_gradient)
     per_rank = []
     if plan is not None:
         gm.meta["fxrec_plan"] = plan
@@ -364,52 +362,6 @@ def transform(
     if target is not None:  # (tables placed in unified memory go there straight: TransformedModule._apply)
         gm.to(target)
     return gm
-
-
-def _device_arg(device) -> Optional[torch.device]:
-    """``device=`` of transform and explain: None, or a ``str`` / ``torch.device`` of a type in
-    :data:`DEVICES` ("cuda:1" and ``torch.device("cuda", 1)`` name one GPU)."""
-    if device is None:
-        return None
-    try:
-        d = torch.device(device) if isinstance(device, (str, torch.device)) else None
-    except RuntimeError:
-        d = None
-    if d is None or d.type not in DEVICES:
-        raise ValueError(f"fxrec: device must be one of {DEVICES} (a str or torch.device; \"cuda:1\" names one GPU; "
-                         f"or None: the tables' own), got {device!r}")
-    return d
-
-
-def _check_target_device(device, model: torch.nn.Module, plan, autotune: bool = False) -> Optional[torch.device]:
-    """transform's ``device=``: None where it is None or where the tables already are, else the
-    device to move the transformed model to (CUDA without an index: the current one); errors for
-    what cannot be."""
-    want = _device_arg(device)
-    if want is None:
-        return None
-    here = _tables_device(model, index=True)
-    if want.type == here.type and (want.index is None or want.type == "cpu" or want == here):
-        return None
-    if plan is not None:
-        raise InputError(f"fxrec: transform(plan=..., device={device!r}) of a model on {here}: each rank transforms its "
-                         "model where it runs (under NCCL, on its LOCAL_RANK's GPU); move the model and its example "
-                         "there first")
-    if autotune and want.type != here.type:
-        raise InputError(f"fxrec: autotune=True times the kernels where the model is ({here.type}), and "
-                         f"device={device!r} decides for another device: move the model to {want.type} to autotune "
-                         "there, or leave autotune off (the rule table decides)")
-    if want.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"fxrec: device={device!r}, and no CUDA device is available here; fxrec.explain(model, "
-                             "example_inputs, device='cuda', ...) gives the decisions transform would make for CUDA "
-                             "on any machine")
-        if want.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        if want.index >= torch.cuda.device_count():
-            raise InputError(f"fxrec: device={device!r}, and this machine has {torch.cuda.device_count()} CUDA "
-                             "device(s)")
-    return want
 
 
 def _clamp_lookup_gradients(gm: fx.GraphModule, records) -> None:
@@ -452,43 +404,6 @@ def _set_max_gradient(gm: fx.GraphModule, limit: float) -> None:
             m.max_gradient = limit
 
 
-def _check_output_dtype(output_dtype, quantize) -> None:
-    if output_dtype not in ("fp32", "fp16"):
-        raise ValueError(f"fxrec: output_dtype must be 'fp32' or 'fp16', got {output_dtype!r}")
-    if output_dtype != "fp32" and quantize is None:
-        raise ValueError("fxrec: output_dtype is the dtype of quantized tables' lookups: it needs quantize= "
-                         "(mode='inference'); the model's own lookups give its tables' dtype")
-
-
-def _check_settings(timing_rounds, rtol, atol, logger) -> None:
-    """The arguments that tune transform's own work: errors naming the argument."""
-    import operator
-
-    try:
-        rounds = None if isinstance(timing_rounds, bool) else operator.index(timing_rounds)
-    except TypeError:
-        rounds = None
-    if rounds is None or rounds < 1:
-        raise ValueError(f"fxrec: timing_rounds must be an int of at least 1 (autotune times each kernel that many "
-                         f"rounds), got {timing_rounds!r}")
-    for name, tol in (("rtol", rtol), ("atol", atol)):
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < float("inf"):
-            raise ValueError(f"fxrec: {name} must be a number of at least 0 (verify's tolerance), got {tol!r}")
-    if logger is not None and not all(callable(getattr(logger, m, None)) for m in ("debug", "info")):
-        raise TypeError(f"fxrec: logger must be a logging.Logger or LoggerAdapter (or None for the 'fxrec' logger), "
-                        f"got {type(logger).__name__}")
-
-
-def _check_max_gradient(max_gradient, mode: str) -> float:
-    if max_gradient is None:
-        return 0.0
-    if isinstance(max_gradient, bool) or not isinstance(max_gradient, (int, float)) or not 0 < max_gradient < float("inf"):
-        raise ValueError(f"fxrec: max_gradient must be a positive number (or None), got {max_gradient!r}")
-    if mode != "training":
-        raise ValueError("fxrec: max_gradient clamps the gradients of training; mode='inference' makes none")
-    return float(max_gradient)
-
-
 @contextlib.contextmanager
 def _grads_restored(model: Optional[torch.nn.Module]):
     """verify clears and fills the ``.grad`` of the reference's parameters: when the reference is
@@ -528,62 +443,6 @@ def _store_lower_precision(gm: fx.GraphModule) -> None:
             ensure_bound(group, [gm.get_parameter(f) for f in fqns])
 
 
-
-def _clamp_note(max_gradient: Optional[float]) -> list:
-    return [f"embedding outputs' gradients clamped to [-{max_gradient:g}, {max_gradient:g}] (max_gradient)"] \
-        if max_gradient else []
-
-
-def _placement_note(gm: fx.GraphModule, hbm_budget) -> list:
-    """A report note where ``hbm_budget=`` was given and no group runs on CUDA (it places GPU memory)."""
-    if hbm_budget is None:
-        return []
-    devices = {n.meta[meta.DECISION].device for n in gm.graph.nodes if meta.DECISION in n.meta}
-    if "cuda" in devices:
-        return []
-    return [f"hbm_budget= places tables in GPU memory, and no group runs on CUDA here "
-            f"({', '.join(sorted(devices)) or 'no groups'}): it changed nothing"]
-
-
-def _rank_placements(ctx: PassContext, ranks: int) -> list:
-    """Per rank, where its pieces of the tables live under ``hbm_budget=`` (on CUDA; an InputError
-    naming a rank, any of them, whose pieces do not fit); notes for the first 8 ranks."""
-    from .passes.place_shards import decide, rank_text
-    from .planner.specs import format_bytes
-
-    out = []
-    for rank in range(ranks):
-        placements, need, groups = decide(ctx, rank)
-        cuda = [(gr, held) for gr, _, held, on in groups if on]
-        if not cuda:
-            return []
-        if rank >= 8:
-            continue
-        where = "; ".join(f"{gr.name}: {rank_text(placements, held, ctx.config.cache_load_factor)}"
-                          for gr, held in cuda if held)
-        out.append(f"rank {rank} under hbm_budget={format_bytes(ctx.config.hbm_budget)}: its tables take "
-                   f"{format_bytes(need)} of GPU memory; {where or 'no tables'}")
-    return out
-
-
-def _modes_notes(gm: fx.GraphModule) -> list:
-    info = gm.meta.get(MODES_KEY)
-    if info is None:
-        return []
-    if not info.switchable:
-        return [f"train()/eval(): {info.why_not}"]
-    if info.flags:
-        from .runtime.modes import as_captured_or_flipped
-
-        together = [n.args[2] for n in gm.graph.nodes if n.op == "call_function" and n.target is as_captured_or_flipped]
-        return [f"train()/eval() switch {sum(info.flags.values())} node(s) of {len(info.flags)} module(s) that follow "
-                f"the mode (dropout, normalisation, numbers chosen by mode), as on the original model (captured in "
-                f"{info.captured} mode)"
-                + (f"; the flags of {'; of '.join(together)} decide values together: they must switch together "
-                   "(another combination raises ModeError)" if together else "")]
-    return []
-
-
 def explain(
     model: torch.nn.Module,
     example_inputs: Union[tuple, list, torch.Tensor],
@@ -612,23 +471,23 @@ def explain(
     """
     if backend not in BACKENDS:
         raise ValueError(f"fxrec: backend must be one of {BACKENDS}, got {backend!r}")
-    want = _device_arg(device)
+    want = device_arg(device)
     check_optimizer_spec(optimizer)
     if mode not in ("training", "inference"):
         raise ValueError(f"fxrec: mode must be 'training' or 'inference', got {mode!r}")
     if mode == "inference" and optimizer is not None:
         raise ValueError("fxrec: an embedding optimizer needs mode='training'")
-    _check_output_dtype(output_dtype, quantize)
-    max_gradient = _check_max_gradient(max_gradient, mode)
+    check_output_dtype(output_dtype, quantize)
+    max_gradient = check_max_gradient(max_gradient, mode)
     check_dense(dense, plan, mode, fsdp_units)
-    hbm_budget, cache_load_factor = _check_placement(hbm_budget, cache_load_factor, plan)
+    hbm_budget, cache_load_factor = check_placement(hbm_budget, cache_load_factor, plan)
     args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
     # tracing reads the model; it changes and copies nothing (a meta model: a copy with placeholders)
     gm = capture(working_copy(model, args) if meta_names(model) else model, args, kwargs, for_calls=False)
     ctx = PassContext(
         config=Config(backend=backend, optimizer=optimizer, mode=mode, quantize=quantize, plan=plan,
                       output_dtype=output_dtype, hbm_budget=hbm_budget,
-                      device=want.type if want is not None else _tables_device(model),
+                      device=want.type if want is not None else tables_device(model),
                       cache_load_factor=float(cache_load_factor), weights_precision=weights_precision,
                       max_gradient=max_gradient or 0.0),
         report=Report(), example_args=args, example_kwargs=kwargs, logger=logging.getLogger("fxrec"),
@@ -642,7 +501,7 @@ def explain(
             d = plan_decision(gr, plan, ctx.config.device)
             for r in gr.lookups:
                 r.node.meta[meta.DECISION] = d
-    notes = _modes_notes(gm) + accepted_sizes(gm) + _placement_note(gm, hbm_budget) + _clamp_note(max_gradient)
+    notes = modes_notes(gm) + accepted_sizes(gm) + placement_note(gm, hbm_budget) + clamp_note(max_gradient)
     if plan is not None:  # (transform's report has its own rank's note; here every rank's, as the plan says)
         world = plan.topology.world_size
         notes += [rank_note(plan, r, dense) for r in range(min(world, 8))]
@@ -653,7 +512,7 @@ def explain(
             units = outline_dense_units(gm, tables | {r.param for r in meta.hidden_records(gm)}, fsdp_units)
             notes.append(units_note(units, fsdp_units))
         if hbm_budget is not None:  # (the ranks' placements, as each rank's transform makes them)
-            notes += _rank_placements(ctx, world)
+            notes += rank_placements(ctx, world)
         if world > 8:
             notes.append(f"(ranks 8 to {world - 1}: see the plan)")
     notes.append(f"explained for device {ctx.config.device}: nothing was built; transform on that device gives "
@@ -662,28 +521,3 @@ def explain(
                         plan_per_rank(plan) if plan is not None else ())
 
 
-def _check_placement(hbm_budget, cache_load_factor, plan) -> Tuple[Optional[int], float]:
-    """``(hbm_budget in bytes or None, cache_load_factor)``: those given, else a plan's made with a
-    budget (its cache_load_factor only with its budget), else none and 0.2; errors for what
-    cannot be placed."""
-    topo = getattr(plan, "topology", None)
-    if hbm_budget is None and getattr(topo, "hbm_budget", None) is not None:
-        hbm_budget = topo.hbm_budget
-        cache_load_factor = topo.cache_load_factor if cache_load_factor is None else cache_load_factor
-    cache_load_factor = 0.2 if cache_load_factor is None else cache_load_factor
-    if isinstance(cache_load_factor, bool) or not isinstance(cache_load_factor, (int, float)) \
-            or not 0 < cache_load_factor <= 1:
-        raise ValueError(f"fxrec: cache_load_factor must be a number in (0, 1], got {cache_load_factor!r}")
-    if hbm_budget is None:
-        return None, float(cache_load_factor)
-    from .planner.specs import parse_bytes
-
-    return parse_bytes(hbm_budget, "hbm_budget", "fxrec"), float(cache_load_factor)
-
-
-def _tables_device(model: torch.nn.Module, index: bool = False):
-    """The type of the device of the model's first parameter ("cpu" for none, or on meta); with
-    ``index``, that ``torch.device`` itself."""
-    p = next(model.parameters(), None)
-    d = torch.device("cpu") if p is None or p.device.type == "meta" else p.device
-    return d if index else d.type

@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from .api import BACKENDS, DEVICES
+from .arguments import BACKENDS, DEVICES
 from .planner.cost import OPTIMIZER_STATE
 
 PROG = "fxrec"

@@ -297,10 +297,10 @@ def test_transform_device_arguments():
     assert {g.placement for g in here.report.groups} == {"host"}
     torch.testing.assert_close(here(*x), model(*x))
     plan = fxrec.plan(model, x, world_size=2, memory_per_rank="1GB")
-    from fxrec.api import _check_target_device
+    from fxrec.arguments import check_target_device
 
     with pytest.raises(InputError, match=r"transform\(plan=..., device='cuda'\) of a model on cpu: each rank"):
-        _check_target_device("cuda", model, plan)
+        check_target_device("cuda", model, plan)
     with pytest.raises(InputError, match=r"autotune=True times the kernels where the model is \(cpu\), and device='cuda'"):
         fxrec.transform(model, x, device="cuda", autotune=True)
 
